@@ -1,0 +1,1 @@
+"""Engine adapters: transformers, SGLang, vLLM (installed as kvbackend.integration)."""

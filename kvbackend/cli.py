@@ -1,0 +1,80 @@
+"""The ``kvbackend`` command: ``demo``, ``eval``, ``bpv``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_bpv(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .presets import DEFAULT_SPECS, measure
+
+    table = Table(title=f"bits per value from stored bytes ({args.tokens}-token chunk, {args.heads} heads)")
+    for col in ("spec", "D", "page bytes", "codebook bytes", "bpv", "K nrmse", "V nrmse"):
+        table.add_column(col, justify="left" if col == "spec" else "right", overflow="fold")
+    for dim in args.head_dim:
+        for spec in args.codec or DEFAULT_SPECS:
+            row = measure(spec, dim, args.tokens, args.heads)
+            table.add_row(row.spec, str(dim), str(row.page_bytes), str(row.codebook_bytes),
+                          f"{row.bits_per_value:.3f}", f"{row.k_nrmse:.4f}", f"{row.v_nrmse:.4f}")
+    Console().print(table)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import run_eval_cli
+
+    return run_eval_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbackend", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bpv = sub.add_parser("bpv", help="measured bits per value of codec presets")
+    bpv.add_argument("--codec", action="append", help="codec spec (repeatable); default: the presets")
+    bpv.add_argument("--head-dim", type=int, action="append", default=None)
+    bpv.add_argument("--tokens", type=int, default=2048, help="tokens in the encoded chunk")
+    bpv.add_argument("--heads", type=int, default=8)
+    bpv.set_defaults(func=_cmd_bpv)
+
+    demo = sub.add_parser("demo", help="generate with the shipped model through compressed caches")
+    demo.add_argument("--codec", action="append", help="codec spec (repeatable)")
+    demo.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--model-dir", default=None, help="directory holding a GGUF model (default: the shipped one)")
+    demo.set_defaults(func=_cmd_demo)
+
+    ev = sub.add_parser("eval", help="measure codecs on a real model's KV for a text")
+    ev.add_argument("--text", required=True, help="path of a UTF-8 text file")
+    ev.add_argument("--codec", action="append", required=True, help="codec spec (repeatable)")
+    ev.add_argument("--tokens", type=int, default=2048, help="tokens of the attention-fidelity pass")
+    ev.add_argument("--prefix", type=int, default=1536, help="tokens cached through the codec")
+    ev.add_argument("--continue", dest="cont", type=int, default=512, help="tokens teacher-forced after the prefix")
+    ev.add_argument("--json", help="write the figures as JSON here")
+    ev.add_argument("--plot", help="write a Pareto plot (PNG) here")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--model-dir", default=None)
+    ev.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "head_dim", "absent") is None:
+        args.head_dim = [64, 128]
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

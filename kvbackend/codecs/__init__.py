@@ -1,0 +1,68 @@
+"""Codec registry: ``kvbackend.codecs.get("qvg:bits=2,centroids=16")``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import SpecError
+from ..spec import build_spec, split_spec
+from .base import Codec, CodecState, EncodedChunk, check_kv
+from .floats import FloatCodec, FloatSpec
+from .kivi import KIVICodec, KIVISpec
+from .qvg import QVGCodec, QVGSpec
+from .rtn import RTNCodec, RTNSpec
+
+
+@dataclass(frozen=True)
+class _Entry:
+    spec_type: type
+    codec_type: Callable[[Any], Codec]
+    defaults: dict[str, Any]
+    summary: str
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "identity": _Entry(FloatSpec, FloatCodec, {}, "lossless: the model's own dtype"),
+    "fp16": _Entry(FloatSpec, FloatCodec, {}, "float16 values"),
+    "bf16": _Entry(FloatSpec, FloatCodec, {}, "bfloat16 values"),
+    "fp8": _Entry(FloatSpec, FloatCodec, {}, "float8 e4m3 values, saturating"),
+    "rtn": _Entry(RTNSpec, RTNCodec, {}, "round-to-nearest per token, channel groups"),
+    "kivi": _Entry(KIVISpec, KIVICodec, {}, "keys per channel, values per token"),
+    "qvg": _Entry(QVGSpec, QVGCodec, {"stages": 1, "group": 64}, "k-means smoothing + INT2 residual"),
+    "qvg-pro": _Entry(QVGSpec, QVGCodec, {"stages": 4, "group": 16}, "4 residual stages, groups of 16"),
+}
+
+
+def register(name: str, spec_type: type, codec_type: Callable[[Any], Codec], defaults: dict[str, Any] | None = None,
+             summary: str = "") -> None:
+    """Add a codec to the registry (later issues and third parties add theirs this way)."""
+    _REGISTRY[name] = _Entry(spec_type, codec_type, dict(defaults or {}), summary)
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def parse(text: str) -> Any:
+    """Parse a spec string into its typed spec dataclass.
+
+    Raises:
+        SpecError: unknown codec (the message lists them), unknown option, or a bad value.
+    """
+    name, options = split_spec(text)
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise SpecError(f"unknown codec {name!r}; valid codecs: {', '.join(names())}")
+    return build_spec(entry.spec_type, name, options, entry.defaults)
+
+
+def get(spec: str | Any) -> Codec:
+    """A codec instance for a spec string (or an already parsed spec)."""
+    if isinstance(spec, Codec):
+        return spec
+    parsed = parse(spec) if isinstance(spec, str) else spec
+    return _REGISTRY[parsed.name].codec_type(parsed)
+
+
+__all__ = ["Codec", "CodecState", "EncodedChunk", "check_kv", "get", "parse", "names", "register", "SpecError"]

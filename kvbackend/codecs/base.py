@@ -1,0 +1,159 @@
+"""The codec interface: encode one chunk of K/V into packed pages plus a codebook slot, and back."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import InvalidKV
+from ..geometry import Geometry
+from ..layout import FieldSet, PageLayout
+from ..spec import format_spec
+
+FieldSpecs = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+@dataclass
+class CodecState:
+    """What persists between the chunks of one request and layer."""
+
+    centroids: dict[str, torch.Tensor] = field(default_factory=dict)  # "k"/"v" -> [S, H, C, D] warm start
+    iterations: list[int] = field(default_factory=list)  # k-means iterations run, per encode (diagnostics)
+
+    def clone(self) -> "CodecState":
+        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations))
+
+
+@dataclass
+class EncodedChunk:
+    """One encoded chunk of one layer: packed pages and the chunk's codebook slot."""
+
+    layout: PageLayout  # how to read the bytes
+    pages: torch.Tensor  # uint8 [num_pages, page_bytes]
+    codebook: torch.Tensor  # uint8 [codebook_bytes] (empty when the codec has none)
+    num_tokens: int  # tokens represented; the last page may be padded
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored for this chunk."""
+        return self.pages.nbytes + self.codebook.nbytes
+
+    @property
+    def num_values(self) -> int:
+        """K and V values represented."""
+        g = self.layout.geometry
+        return self.num_tokens * g.values_per_token
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8.0 * self.nbytes / self.num_values
+
+
+class Codec(ABC):
+    """Base of every codec. Subclasses declare their fields and fill/read them."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self._layouts: dict[tuple[Geometry, int], PageLayout] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec_string})"
+
+    @property
+    def spec_string(self) -> str:
+        return format_spec(self.spec)
+
+    # -- declared by subclasses -------------------------------------------------------------
+    @abstractmethod
+    def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
+        """(page fields, codebook fields) as (name, dtype, per-page shape) triples."""
+
+    @abstractmethod
+    def _encode(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
+                codebook: torch.Tensor, state: CodecState) -> None:
+        """Fill ``pages [n, page_bytes]`` and ``codebook`` from float32 K/V ``[n*P, H, D]``."""
+
+    @abstractmethod
+    def _decode(self, layout: PageLayout, pages: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 K/V ``[n*P, H, D]`` from ``pages [n, page_bytes]`` and the chunk's codebook."""
+
+    def validate(self, geometry: Geometry, page_size: int) -> None:
+        """Raise SpecError if the spec cannot serve this geometry (called once per layout)."""
+
+    # -- shared machinery -------------------------------------------------------------------
+    def layout(self, geometry: Geometry, page_size: int) -> PageLayout:
+        key = (geometry, page_size)
+        if key not in self._layouts:
+            self.validate(geometry, page_size)
+            page, codebook = self.fields(geometry, page_size)
+            self._layouts[key] = PageLayout(self.spec_string, geometry, page_size, FieldSet(page), FieldSet(codebook))
+        return self._layouts[key]
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, state: CodecState | None = None) -> EncodedChunk:
+        """Encode one chunk of one layer, ``k`` and ``v`` of shape ``[N, H, D]``.
+
+        The last page is padded by repeating the last token, so padding never widens a group's range.
+
+        Raises:
+            InvalidKV: wrong shape or dtype, K/V mismatch, or non-finite values.
+        """
+        check_kv(k, v, layout.geometry)
+        n = k.shape[0]
+        if n == 0:
+            raise InvalidKV("cannot encode an empty chunk (0 tokens)")
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
+        p = layout.page_size
+        num_pages = -(-n // p)
+        pad = num_pages * p - n
+        kf, vf = k.float(), v.float()
+        if pad:
+            kf = torch.cat([kf, kf[-1:].expand(pad, -1, -1)])
+            vf = torch.cat([vf, vf[-1:].expand(pad, -1, -1)])
+        pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
+        codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
+        self._encode(kf, vf, layout, pages, codebook, state if state is not None else CodecState())
+        return EncodedChunk(layout, pages, codebook, n)
+
+    def decode(self, chunk: EncodedChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference reconstruction of a whole chunk, in the geometry's dtype."""
+        k, v = self.decode_pages(chunk.layout, chunk.pages, chunk.codebook)
+        return k[: chunk.num_tokens], v[: chunk.num_tokens]
+
+    def decode_pages(self, layout: PageLayout, pages: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reconstruct any subset of one chunk's pages: ``[len(pages) * P, H, D]`` each."""
+        k, v = self._decode(layout, pages, codebook)
+        dtype = layout.geometry.dtype
+        return k.to(dtype), v.to(dtype)
+
+
+def check_kv(k: torch.Tensor, v: torch.Tensor, geometry: Geometry) -> None:
+    """Raise InvalidKV unless ``k`` and ``v`` are matching float ``[N, H, D]`` tensors for ``geometry``."""
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise InvalidKV(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[1:] != (geometry.num_kv_heads, geometry.head_dim):
+            raise InvalidKV(
+                f"{name} must have shape [tokens, {geometry.num_kv_heads}, {geometry.head_dim}], got {tuple(x.shape)}"
+            )
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InvalidKV(f"{name} must be bf16, fp16 or fp32, got {x.dtype}")
+    if k.shape != v.shape:
+        raise InvalidKV(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.device != v.device:
+        raise InvalidKV(f"k and v are on different devices: {k.device} vs {v.device}")
+
+
+def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[n*P, ...]`` -> ``[n, P, ...]``."""
+    return x.reshape(-1, page_size, *x.shape[1:])
+
+
+def from_pages(x: torch.Tensor) -> torch.Tensor:
+    """``[n, P, ...]`` -> ``[n*P, ...]``."""
+    return x.reshape(-1, *x.shape[2:])

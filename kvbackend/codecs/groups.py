@@ -1,0 +1,84 @@
+"""Field writers shared by codecs: uniform quantization of one tensor (K or V) into page fields.
+
+Two groupings:
+- per token: each token's D channels split into groups of ``group`` channels (RTN, QVG residuals,
+  KIVI values);
+- per channel: each channel quantized over groups of ``group`` tokens inside a page (KIVI keys).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import bitpack
+from ..layout import PageLayout
+from ..quant import dequantize, quantize
+from .base import FieldSpecs, from_pages, to_pages
+
+
+def token_group_fields(prefix: str, page_size: int, heads: int, dim: int, bits: int, group: int,
+                       symmetric: bool, store: torch.dtype) -> FieldSpecs:
+    specs: FieldSpecs = [
+        (f"{prefix}_codes", torch.uint8, (page_size, heads, bitpack.packed_size(dim, bits))),
+        (f"{prefix}_scales", store, (page_size, heads, dim // group)),
+    ]
+    if not symmetric:
+        specs.append((f"{prefix}_zeros", store, (page_size, heads, dim // group)))
+    return specs
+
+
+def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor, prefix: str,
+                        bits: int, group: int, symmetric: bool) -> None:
+    """Quantize float ``x [n*P, H, D]`` per token in channel groups, into ``pages``."""
+    t, h, d = x.shape
+    store = layout.page.fields[f"{prefix}_scales"].dtype
+    q = quantize(x.reshape(t, h, d // group, group), bits, symmetric, store)
+    page = layout.page
+    p = layout.page_size
+    page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(q.codes.reshape(t, h, d), bits), p))
+    page.view(pages, f"{prefix}_scales").copy_(to_pages(q.scale, p))
+    if q.zero is not None:
+        page.view(pages, f"{prefix}_zeros").copy_(to_pages(q.zero, p))
+
+
+def decode_token_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bits: int, group: int) -> torch.Tensor:
+    page = layout.page
+    codes = from_pages(bitpack.unpack(page.view(pages, f"{prefix}_codes"), bits))
+    t, h, d = codes.shape
+    scale = from_pages(page.view(pages, f"{prefix}_scales"))
+    zero = from_pages(page.view(pages, f"{prefix}_zeros")) if f"{prefix}_zeros" in page else None
+    return dequantize(codes.reshape(t, h, d // group, group), scale, zero, bits).reshape(t, h, d)
+
+
+def channel_group_fields(prefix: str, page_size: int, heads: int, dim: int, bits: int, group: int,
+                         store: torch.dtype) -> FieldSpecs:
+    return [
+        (f"{prefix}_codes", torch.uint8, (page_size, heads, bitpack.packed_size(dim, bits))),
+        (f"{prefix}_scales", store, (page_size // group, heads, dim)),
+        (f"{prefix}_zeros", store, (page_size // group, heads, dim)),
+    ]
+
+
+def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor, prefix: str,
+                          bits: int, group: int) -> None:
+    """Quantize float ``x [n*P, H, D]`` per channel over groups of ``group`` tokens (asymmetric)."""
+    t, h, d = x.shape
+    store = layout.page.fields[f"{prefix}_scales"].dtype
+    grouped = x.reshape(t // group, group, h, d).permute(0, 2, 3, 1)  # [tg, H, D, G]
+    q = quantize(grouped, bits, symmetric=False, store=store)
+    codes = q.codes.permute(0, 3, 1, 2).reshape(t, h, d)
+    page = layout.page
+    p = layout.page_size
+    page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(codes, bits), p))
+    page.view(pages, f"{prefix}_scales").copy_(q.scale.reshape(-1, p // group, h, d))
+    page.view(pages, f"{prefix}_zeros").copy_(q.zero.reshape(-1, p // group, h, d))
+
+
+def decode_channel_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bits: int, group: int) -> torch.Tensor:
+    page = layout.page
+    codes = from_pages(bitpack.unpack(page.view(pages, f"{prefix}_codes"), bits))
+    t, h, d = codes.shape
+    scale = page.view(pages, f"{prefix}_scales").reshape(t // group, h, d)
+    zero = page.view(pages, f"{prefix}_zeros").reshape(t // group, h, d)
+    grouped = codes.reshape(t // group, group, h, d).permute(0, 2, 3, 1)
+    return dequantize(grouped, scale, zero, bits).permute(0, 3, 1, 2).reshape(t, h, d)

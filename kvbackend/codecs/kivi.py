@@ -1,0 +1,52 @@
+"""KIVI: keys per channel over groups of ``group`` tokens, values per token over groups of channels.
+
+Asymmetric, fp16 scale and minimum by default, as in the paper. KIVI's full-precision recent
+window is the cache's dense active chunk, so it is not part of the codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import SpecError
+from ..geometry import Geometry
+from ..layout import PageLayout
+from ..quant import scale_dtype
+from .base import Codec, CodecState, FieldSpecs
+from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
+                     encode_token_groups, token_group_fields)
+from .rtn import check_bits_group
+
+
+@dataclass(frozen=True)
+class KIVISpec:
+    name: str
+    bits: int = 2  # code width of keys and values
+    group: int = 32  # tokens per key group, channels per value group
+    scale: str = "fp16"  # storage dtype of scales and minima
+
+
+class KIVICodec(Codec):
+    name: ClassVar[str] = "kivi"
+
+    def validate(self, geometry: Geometry, page_size: int) -> None:
+        check_bits_group(self.spec, geometry.head_dim)
+        if page_size % self.spec.group:
+            raise SpecError(f"kivi: group={self.spec.group} tokens must divide page_size={page_size}")
+
+    def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
+        s = self.spec
+        h, d, store = geometry.num_kv_heads, geometry.head_dim, scale_dtype(s.scale)
+        return (channel_group_fields("k", page_size, h, d, s.bits, s.group, store)
+                + token_group_fields("v", page_size, h, d, s.bits, s.group, False, store)), []
+
+    def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        s = self.spec
+        encode_channel_groups(k, layout, pages, "k", s.bits, s.group)
+        encode_token_groups(v, layout, pages, "v", s.bits, s.group, symmetric=False)
+
+    def _decode(self, layout: PageLayout, pages, codebook):
+        s = self.spec
+        return (decode_channel_groups(layout, pages, "k", s.bits, s.group),
+                decode_token_groups(layout, pages, "v", s.bits, s.group))

@@ -1,0 +1,88 @@
+"""Batched Lloyd's k-means, the torch reference for the Triton kernel.
+
+Each batch entry (one head of one chunk) is an independent problem of N points in D dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_ROWS = 4096  # distance rows computed at once, so memory stays O(rows * C), never O(N * C)
+
+
+@dataclass
+class KMeansResult:
+    centroids: torch.Tensor  # float32 [B, C, D]
+    assign: torch.Tensor  # int64 [B, N]
+    iterations: int  # Lloyd steps run (each = assign + update)
+    objective: float  # mean squared distance to the assigned centroid, after the last assignment
+
+
+def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid per point: (index [B, N], squared distance [B, N])."""
+    c_norm = (centroids * centroids).sum(-1)  # [B, C]
+    idx, dist = [], []
+    for start in range(0, x.shape[1], _ROWS):
+        xs = x[:, start : start + _ROWS]
+        d = (xs * xs).sum(-1, keepdim=True) - 2 * xs @ centroids.transpose(1, 2) + c_norm.unsqueeze(1)
+        best, where = d.min(dim=-1)
+        idx.append(where)
+        dist.append(best.clamp_min(0))
+    return torch.cat(idx, 1), torch.cat(dist, 1)
+
+
+def random_init(x: torch.Tensor, num_centroids: int, generator: torch.Generator) -> torch.Tensor:
+    """C distinct random points per batch entry (with repeats only when N < C)."""
+    b, n, _ = x.shape
+    if n >= num_centroids:
+        order = torch.stack([torch.randperm(n, generator=generator) for _ in range(b)])[:, :num_centroids]
+    else:
+        order = torch.randint(0, n, (b, num_centroids), generator=generator)
+    return torch.gather(x, 1, order.to(x.device).unsqueeze(-1).expand(-1, -1, x.shape[2])).clone()
+
+
+def kmeanspp_init(x: torch.Tensor, num_centroids: int, generator: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding: each next centroid is a point drawn with probability ~ squared distance
+    to the nearest centroid so far. Far fewer merged clusters than uniform random points."""
+    b, n, d = x.shape
+    first = torch.randint(0, n, (b,), generator=generator).to(x.device)
+    centroids = [x[torch.arange(b, device=x.device), first]]
+    nearest = ((x - centroids[0].unsqueeze(1)) ** 2).sum(-1)  # [B, N]
+    for _ in range(1, num_centroids):
+        weights = nearest.cpu().double()
+        total = weights.sum(-1, keepdim=True)
+        # All points already covered (duplicates): fall back to uniform draws.
+        weights = torch.where(total > 0, weights, torch.ones_like(weights))
+        pick = torch.multinomial(weights, 1, generator=generator).squeeze(-1).to(x.device)
+        c = x[torch.arange(b, device=x.device), pick]
+        centroids.append(c)
+        nearest = torch.minimum(nearest, ((x - c.unsqueeze(1)) ** 2).sum(-1))
+    return torch.stack(centroids, 1)
+
+
+def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int) -> KMeansResult:
+    """Lloyd's algorithm from ``init`` for at most ``max_iters`` steps; stops early once no
+    assignment changes. Empty clusters keep their previous centroid.
+
+    Args:
+        x: float32 [B, N, D] points.
+        init: float32 [B, C, D] starting centroids (random points, or last chunk's centroids).
+    """
+    centroids = init.float().clone()
+    b, _, d = x.shape
+    c = centroids.shape[1]
+    assign, dist = assign_nearest(x, centroids)
+    iterations = 0
+    for _ in range(max_iters):
+        sums = torch.zeros(b, c, d, device=x.device).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), x)
+        counts = torch.zeros(b, c, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float32))
+        centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1).unsqueeze(-1), centroids)
+        iterations += 1
+        new_assign, dist = assign_nearest(x, centroids)
+        changed = bool((new_assign != assign).any())
+        assign = new_assign
+        if not changed:
+            break
+    return KMeansResult(centroids, assign, iterations, float(dist.mean()))

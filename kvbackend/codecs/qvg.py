@@ -1,0 +1,100 @@
+"""QVG: per-chunk k-means smoothing, progressive residual stages, low-bit group quantization.
+
+Per chunk and head, S stages of k-means (C centroids, warm-started from the previous chunk)
+each subtract the assigned centroid; the final residual is quantized per token in groups of B
+channels with FP8 scales (and FP8 zeros when asymmetric). Centroids are stored in bf16 and the
+residual is taken against the *stored* centroids, so decoding adds back exactly what was removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import SpecError
+from ..geometry import Geometry
+from ..layout import PageLayout
+from ..quant import scale_dtype
+from .base import Codec, CodecState, FieldSpecs, from_pages, to_pages
+from .groups import decode_token_groups, encode_token_groups, token_group_fields
+from .kmeans import kmeans, kmeanspp_init, random_init
+
+_INITS = {"kmeans++": kmeanspp_init, "random": random_init}
+from .rtn import check_bits_group
+
+
+@dataclass(frozen=True)
+class QVGSpec:
+    name: str
+    bits: int = 2  # residual code width
+    group: int = 64  # B: channels per residual scale
+    centroids: int = 16  # C per stage and head (at most 256: assignments are uint8)
+    stages: int = 1  # S: progressive residual stages
+    iters: int = 4  # Lloyd steps per stage (fewer when assignments stop changing)
+    symmetric: bool = False  # ternary absmax codes, or asymmetric min/max with a zero
+    scale: str = "fp8"  # storage dtype of residual scales and zeros
+    seed: int = 0  # random initialisation of the first chunk's centroids
+    init: str = "kmeans++"  # first chunk's seeding: "kmeans++" or "random" points
+
+
+class QVGCodec(Codec):
+    name: ClassVar[str] = "qvg"
+
+    def validate(self, geometry: Geometry, page_size: int) -> None:
+        s = self.spec
+        check_bits_group(s, geometry.head_dim)
+        if not 1 <= s.centroids <= 256:
+            raise SpecError(f"{s.name}: centroids={s.centroids} must be in 1..256 (uint8 assignments)")
+        if s.init not in _INITS:
+            raise SpecError(f"{s.name}: init={s.init!r}; valid: {', '.join(_INITS)}")
+        if s.stages < 1 or s.iters < 0:
+            raise SpecError(f"{s.name}: stages must be >= 1 and iters >= 0")
+
+    def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
+        s = self.spec
+        h, d = geometry.num_kv_heads, geometry.head_dim
+        page: FieldSpecs = []
+        book: FieldSpecs = []
+        for prefix in ("k", "v"):
+            page += token_group_fields(prefix, page_size, h, d, s.bits, s.group, s.symmetric, scale_dtype(s.scale))
+            page.append((f"{prefix}_assign", torch.uint8, (s.stages, page_size, h)))
+            book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
+        return page, book
+
+    def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        s = self.spec
+        generator = torch.Generator().manual_seed(s.seed)
+        for prefix, x in (("k", k), ("v", v)):
+            residual = x.transpose(0, 1).contiguous()  # [H, T, D]
+            warm = state.centroids.get(prefix)
+            stored, assigns = [], []
+            for stage in range(s.stages):
+                init = warm[stage] if warm is not None else _INITS[s.init](residual, s.centroids, generator)
+                result = kmeans(residual, init.to(residual.device), s.iters)
+                state.iterations.append(result.iterations)
+                cents = result.centroids.to(torch.bfloat16)
+                residual = residual - torch.gather(
+                    cents.float(), 1, result.assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
+                stored.append(cents)
+                assigns.append(result.assign)
+            state.centroids[prefix] = torch.stack(stored).float()
+            layout.codebook.view(codebook, f"{prefix}_centroids").copy_(torch.stack(stored))
+            assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
+            view = layout.page.view(pages, f"{prefix}_assign")  # [n, S, P, H]
+            view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
+            encode_token_groups(residual.transpose(0, 1), layout, pages, prefix, s.bits, s.group, s.symmetric)
+
+    def _decode(self, layout: PageLayout, pages, codebook):
+        s = self.spec
+        out = []
+        for prefix in ("k", "v"):
+            x = decode_token_groups(layout, pages, prefix, s.bits, s.group)  # [T, H, D]
+            cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()  # [S, H, C, D]
+            assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
+            heads = torch.arange(x.shape[1], device=x.device)
+            for stage in reversed(range(s.stages)):
+                x = x + cents[stage][heads, assign[:, stage]]  # [T, H, D]
+            out.append(x)
+        return out[0], out[1]

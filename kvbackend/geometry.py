@@ -1,0 +1,70 @@
+"""Model geometry and cache configuration: the frozen facts every other part reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of one model's KV cache."""
+
+    num_layers: int  # L: attention layers that keep a cache
+    num_kv_heads: int  # H: key/value heads per layer
+    head_dim: int  # D: channels per head
+    dtype: torch.dtype = torch.bfloat16  # dtype of K/V at the API boundary
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Geometry.{name} must be a positive int, got {value!r}")
+        if self.head_dim % 8:
+            raise ValueError(f"Geometry.head_dim must be a multiple of 8 for bit packing, got {self.head_dim}")
+        if self.dtype not in _KV_DTYPES:
+            raise ValueError(f"Geometry.dtype must be one of {_KV_DTYPES}, got {self.dtype}")
+
+    @property
+    def values_per_token(self) -> int:
+        """K and V values of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How a `KVCache` lays out and sizes its pools.
+
+    The defaults keep codec metadata small: with 64-token pages and 32-page chunks a chunk holds
+    2048 tokens, so a 16-centroid bf16 codebook costs 16 * 16 / 2048 = 0.125 bits per value.
+    """
+
+    codec: str = "qvg"  # codec spec string, parsed by kvbackend.codecs.get
+    page_size: int = 64  # P: tokens per page
+    chunk_pages: int = 32  # pages in one chunk; a chunk is encoded once it is full
+    dense_pages: int = 256  # capacity of the dense (uncompressed) pool, in pages
+    packed_pages: int = 1024  # capacity of the packed pool, in pages
+    codebook_slots: int | None = None  # chunk codebook slots; default: one per possible chunk
+    device: str = "cpu"
+    check_finite: bool = True  # reject NaN/Inf in appended K/V (one device sync per append)
+    extra_keys: tuple = field(default_factory=tuple)  # mixed into every page hash (LoRA id, salt, ...)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "chunk_pages", "dense_pages", "packed_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """N: tokens in one full chunk."""
+        return self.page_size * self.chunk_pages
+
+    @property
+    def num_codebook_slots(self) -> int:
+        if self.codebook_slots is not None:
+            return self.codebook_slots
+        return -(-self.packed_pages // self.chunk_pages) + 1

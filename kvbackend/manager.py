@@ -1,0 +1,293 @@
+"""`KVCache`: the facade engines talk to. Admit, append, complete chunks, read, fork, free."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import codecs
+from .codecs.base import CodecState, check_kv
+from .errors import CacheFull, InvalidKV, UnknownRequest
+from .geometry import CacheConfig, Geometry
+from .hashing import hash_page
+from .page_table import PageTable
+from .pool import DensePool, PackedPool
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the pools. Bytes are measured from the stored tensors."""
+
+    dense_pages_used: int
+    packed_pages_used: int  # referenced by at least one request
+    packed_pages_cached: int  # unreferenced, kept for prefix reuse
+    codebook_slots_used: int
+    requests: int
+    dense_bytes: int  # bytes of dense pages in use (all layers)
+    packed_bytes: int  # bytes of live packed pages and codebook slots (all layers)
+    packed_tokens: int  # tokens those packed pages represent
+    bits_per_value: float | None  # 8 * packed_bytes / values represented; None when nothing is packed
+
+
+class KVCache:
+    """A paged, compressed KV cache for one model.
+
+    Tokens go into a request's dense active chunk; once ``chunk_pages`` pages are full in every
+    layer the chunk is encoded with the configured codec into packed pages and the dense pages
+    are freed. Packed pages of known tokens are hashed, so later requests with the same prefix
+    share them.
+    """
+
+    def __init__(self, geometry: Geometry, config: CacheConfig | None = None) -> None:
+        self.geometry = geometry
+        self.config = config or CacheConfig()
+        self.codec = codecs.get(self.config.codec)
+        self.layout = self.codec.layout(geometry, self.config.page_size)
+        self.dense = DensePool(geometry, self.config)
+        self.packed = PackedPool(self.layout, self.config)
+        self._tables: dict[int, PageTable] = {}
+        # hashed packed page -> its tokens, for the collision check on a hit; entries of evicted pages
+        # are harmless (their hash is gone) and are overwritten when the page is hashed again
+        self._page_tokens: dict[int, tuple[int, ...]] = {}
+        self._ids = itertools.count()
+
+    # -- admission --------------------------------------------------------------------------
+    def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
+        """Admit a request. Returns (request id, number of prefix tokens already cached).
+
+        At most ``len(token_ids) - 1`` tokens are reported cached, so the engine always computes
+        the last prompt token's logits.
+        """
+        tokens = [int(t) for t in token_ids]
+        p = self.config.page_size
+        table = PageTable(next(self._ids), self.geometry.num_layers, p, token_ids=tokens)
+        parent = None
+        for start in range(0, max(len(tokens) - 1, 0) // p * p, p):
+            key = hash_page(parent, tokens[start : start + p], self.config.extra_keys)
+            page = self.packed.allocator.lookup(key)
+            if page is None or self._page_tokens.get(page) != tuple(tokens[start : start + p]):
+                break
+            self.packed.allocator.incref(page)
+            table.packed.append(page)
+            parent = key
+        table.last_hash = parent
+        table.lengths = [table.num_packed_tokens] * self.geometry.num_layers
+        if table.packed and "k_centroids" in self.layout.codebook:
+            slot = self.packed.slot_of_page[table.packed[-1]]
+            for layer, state in enumerate(table.states):
+                for prefix in ("k", "v"):
+                    state.centroids[prefix] = self.layout.codebook.view(
+                        self.packed.codebooks[layer, slot], f"{prefix}_centroids").float().clone()
+        self._tables[table.request_id] = table
+        return table.request_id, table.num_packed_tokens
+
+    def extend_tokens(self, request_id: int, token_ids: Sequence[int]) -> None:
+        """Record the ids of generated tokens, so their pages can be hashed and shared later."""
+        self._table(request_id).token_ids.extend(int(t) for t in token_ids)
+
+    # -- writing ----------------------------------------------------------------------------
+    def append(self, request_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``[T, H, D]`` keys and values of one layer. Encodes a chunk once every layer filled it.
+
+        Raises:
+            UnknownRequest, InvalidKV, CacheFull (nothing is written when it is raised).
+        """
+        table = self._table(request_id)
+        if not 0 <= layer < self.geometry.num_layers:
+            raise InvalidKV(f"layer {layer} out of range 0..{self.geometry.num_layers - 1}")
+        check_kv(k, v, self.geometry)
+        if k.device != self.dense.data.device:
+            raise InvalidKV(f"k/v on {k.device}, cache on {self.dense.data.device}")
+        if self.config.check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise InvalidKV(f"request {request_id} layer {layer}: K/V contain NaN or Inf; nothing was written")
+        p, n = self.config.page_size, k.shape[0]
+        start = table.dense_tokens(layer)
+        pages_needed = -(-(start + n) // p) - len(table.dense)
+        completes = self._chunks_completed(table, layer, n)
+        # Check, then commit: every allocation this call can make is checked before any write.
+        if not self.dense.allocator.can_allocate(max(pages_needed, 0)):
+            raise CacheFull("dense", pages_needed, self.dense.allocator.num_free)
+        if completes:
+            self._check_packed_capacity(completes)
+        if pages_needed > 0:
+            table.dense.extend(self.dense.allocator.allocate(pages_needed))
+        written = 0
+        while written < n:  # one slice per page touched
+            position = start + written
+            page, offset = table.dense[position // p], position % p
+            m = min(p - offset, n - written)
+            self.dense.data[layer, page, 0, offset : offset + m] = k[written : written + m]
+            self.dense.data[layer, page, 1, offset : offset + m] = v[written : written + m]
+            written += m
+        table.lengths[layer] += n
+        for _ in range(completes):
+            self._complete_chunk(table)
+
+    def _chunks_completed(self, table: PageTable, layer: int, n: int) -> int:
+        """Chunks that become full in every layer once this layer holds ``n`` more tokens."""
+        lengths = list(table.lengths)
+        lengths[layer] += n
+        return max(min(lengths) - table.num_packed_tokens, 0) // self.config.chunk_tokens
+
+    def _check_packed_capacity(self, chunks: int) -> None:
+        pages = chunks * self.config.chunk_pages
+        if not self.packed.allocator.can_allocate(pages):
+            raise CacheFull("packed", pages, self.packed.allocator.num_free)
+        # Evicting cached pages to make room can release slots, so count those as available too.
+        slots_free = self.packed.slots.num_free + min(self.packed.allocator.num_cached, pages)
+        if slots_free < chunks:
+            raise CacheFull("codebook", chunks, self.packed.slots.num_free)
+
+    def _complete_chunk(self, table: PageTable) -> None:
+        cfg = self.config
+        chunk_dense = table.dense[: cfg.chunk_pages]
+        new_pages = self.packed.allocator.allocate(cfg.chunk_pages)
+        (slot,) = self.packed.slots.allocate(1)
+        for layer in range(self.geometry.num_layers):
+            kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
+            k = kv[:, 0].reshape(-1, *kv.shape[-2:])
+            v = kv[:, 1].reshape(-1, *kv.shape[-2:])
+            chunk = self.codec.encode(k, v, self.layout, table.states[layer])
+            self.packed.pages[layer, new_pages] = chunk.pages
+            self.packed.codebooks[layer, slot] = chunk.codebook
+        self.packed.bind(new_pages, slot)
+        self.packed.slots.decref(slot)  # the pages now hold the slot; drop the allocation's own ref
+        first_token = table.num_packed_tokens
+        table.packed.extend(new_pages)
+        table.dense = table.dense[cfg.chunk_pages :]
+        for page in reversed(chunk_dense):
+            self.dense.allocator.decref(page)
+        self._publish(table, new_pages, first_token)
+
+    def _publish(self, table: PageTable, pages: list[int], first_token: int) -> None:
+        """Hash newly packed pages whose tokens are known, continuing the request's chain."""
+        p = self.config.page_size
+        chained = table.last_hash is not None or first_token == 0
+        for i, page in enumerate(pages):
+            start = first_token + i * p
+            tokens = table.token_ids[start : start + p]
+            if not chained or len(tokens) < p:
+                table.last_hash = None
+                return
+            key = hash_page(table.last_hash, tokens, self.config.extra_keys)
+            if self.packed.allocator.set_hash(page, key):
+                self._page_tokens[page] = tuple(tokens)
+            table.last_hash = key
+
+    # -- reading ----------------------------------------------------------------------------
+    def read(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of one layer's K and V for a request, ``[tokens, H, D]``, packed pages decoded by the
+        torch reference."""
+        table = self._table(request_id)
+        keys, values = [], []
+        for slot, pages in self._runs(table.packed):
+            k, v = self.codec.decode_pages(self.layout, self.packed.pages[layer, pages],
+                                           self.packed.codebooks[layer, slot])
+            keys.append(k)
+            values.append(v)
+        n = table.dense_tokens(layer)
+        if table.dense:
+            kv = self.dense.data[layer, table.dense]
+            keys.append(kv[:, 0].reshape(-1, *kv.shape[-2:])[:n])
+            values.append(kv[:, 1].reshape(-1, *kv.shape[-2:])[:n])
+        if not keys:
+            shape = (0, self.geometry.num_kv_heads, self.geometry.head_dim)
+            empty = self.dense.data.new_zeros(shape)
+            return empty, empty.clone()
+        return torch.cat(keys), torch.cat(values)
+
+    def _runs(self, pages: list[int]) -> list[tuple[int, list[int]]]:
+        """Split packed pages into runs that share one codebook slot."""
+        runs: list[tuple[int, list[int]]] = []
+        for page in pages:
+            slot = self.packed.slot_of_page[page]
+            if runs and runs[-1][0] == slot:
+                runs[-1][1].append(page)
+            else:
+                runs.append((slot, [page]))
+        return runs
+
+    def page_table(self, request_id: int) -> PageTable:
+        return self._table(request_id)
+
+    def num_tokens(self, request_id: int) -> int:
+        return self._table(request_id).num_tokens
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def fork(self, request_id: int) -> int:
+        """A new request sharing the packed pages and owning a copy of the active chunk."""
+        src = self._table(request_id)
+        dense = self.dense.allocator.allocate(len(src.dense))  # raises CacheFull before any change
+        for page in src.packed:
+            self.packed.allocator.incref(page)
+        if dense:
+            self.dense.data[:, dense] = self.dense.data[:, src.dense]
+        table = PageTable(next(self._ids), src.num_layers, src.page_size, token_ids=list(src.token_ids),
+                          packed=list(src.packed), dense=dense, lengths=list(src.lengths),
+                          states=[s.clone() for s in src.states], last_hash=src.last_hash)
+        self._tables[table.request_id] = table
+        return table.request_id
+
+    def free(self, request_id: int) -> None:
+        """Drop a request. Its hashed packed pages stay cached (tail pages evicted first)."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            raise UnknownRequest(f"request {request_id} is unknown or already freed")
+        for page in reversed(table.dense):
+            self.dense.allocator.decref(page)
+        for page in reversed(table.packed):
+            self.packed.allocator.decref(page)
+
+    def _table(self, request_id: int) -> PageTable:
+        try:
+            return self._tables[request_id]
+        except KeyError:
+            raise UnknownRequest(f"request {request_id} is unknown or already freed") from None
+
+    @property
+    def request_ids(self) -> list[int]:
+        return list(self._tables)
+
+    # -- accounting -------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        live_pages = sum(s is not None for s in self.packed.slot_of_page)
+        packed_bytes = self.packed.stored_bytes()
+        tokens = live_pages * self.config.page_size
+        values = tokens * self.geometry.num_layers * self.geometry.values_per_token
+        return CacheStats(
+            dense_pages_used=self.dense.allocator.num_used,
+            packed_pages_used=self.packed.allocator.num_used,
+            packed_pages_cached=self.packed.allocator.num_cached,
+            codebook_slots_used=len(self.packed.live_slots()),
+            requests=len(self._tables),
+            dense_bytes=self.dense.allocator.num_used * self.dense.page_bytes * self.geometry.num_layers,
+            packed_bytes=packed_bytes,
+            packed_tokens=tokens,
+            bits_per_value=8.0 * packed_bytes / values if values else None,
+        )
+
+    def check(self) -> None:
+        """Assert every pool invariant, including that ref counts match the page tables."""
+        self.dense.allocator.check()
+        self.packed.allocator.check()
+        self.packed.slots.check()
+        dense_refs: dict[int, int] = {}
+        packed_refs: dict[int, int] = {}
+        for table in self._tables.values():
+            for page in table.dense:
+                dense_refs[page] = dense_refs.get(page, 0) + 1
+            for page in table.packed:
+                packed_refs[page] = packed_refs.get(page, 0) + 1
+        for page in range(self.dense.allocator.num_pages):
+            assert self.dense.allocator.ref_count(page) == dense_refs.get(page, 0), f"dense page {page} refs"
+        for page in range(self.packed.allocator.num_pages):
+            assert self.packed.allocator.ref_count(page) == packed_refs.get(page, 0), f"packed page {page} refs"
+        slot_refs: dict[int, int] = {}
+        for slot in self.packed.slot_of_page:
+            if slot is not None:
+                slot_refs[slot] = slot_refs.get(slot, 0) + 1
+        for slot in range(self.packed.slots.num_pages):
+            assert self.packed.slots.ref_count(slot) == slot_refs.get(slot, 0), f"codebook slot {slot} refs"

@@ -1,0 +1,64 @@
+"""Device storage for pages: a dense pool for active chunks and a packed pool for encoded ones."""
+
+from __future__ import annotations
+
+import torch
+
+from .allocator import PageAllocator
+from .geometry import CacheConfig, Geometry
+from .layout import PageLayout
+
+
+class DensePool:
+    """Uncompressed pages ``[L, pages, 2, P, H, D]`` in the geometry's dtype (K at 0, V at 1)."""
+
+    def __init__(self, geometry: Geometry, config: CacheConfig) -> None:
+        g = geometry
+        self.data = torch.zeros(g.num_layers, config.dense_pages, 2, config.page_size, g.num_kv_heads, g.head_dim,
+                                dtype=g.dtype, device=config.device)
+        self.allocator = PageAllocator(config.dense_pages, "dense")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data[0, 0].nbytes
+
+
+class PackedPool:
+    """Packed pages ``[L, pages, page_bytes]`` and codebook slots ``[L, slots, codebook_bytes]``.
+
+    Every packed page records its chunk's codebook slot; the slot is reference-counted by the
+    pages that point at it and returns to its free list with the last of them.
+    """
+
+    def __init__(self, layout: PageLayout, config: CacheConfig) -> None:
+        g = layout.geometry
+        self.layout = layout
+        self.pages = torch.zeros(g.num_layers, config.packed_pages, layout.page_bytes, dtype=torch.uint8,
+                                 device=config.device)
+        self.codebooks = torch.zeros(g.num_layers, config.num_codebook_slots, layout.codebook_bytes,
+                                     dtype=torch.uint8, device=config.device)
+        self.slot_of_page: list[int | None] = [None] * config.packed_pages
+        self.slots = PageAllocator(config.num_codebook_slots, "codebook")
+        self.allocator = PageAllocator(config.packed_pages, "packed", on_release=self._release_slot)
+
+    def _release_slot(self, page: int) -> None:
+        slot = self.slot_of_page[page]
+        assert slot is not None, f"packed page {page} has no codebook slot"
+        self.slot_of_page[page] = None
+        self.slots.decref(slot)
+
+    def bind(self, pages: list[int], slot: int) -> None:
+        """Record that ``pages`` belong to the chunk in ``slot`` (the slot gains one ref per page)."""
+        for page in pages:
+            assert self.slot_of_page[page] is None
+            self.slot_of_page[page] = slot
+            self.slots.incref(slot)
+
+    def live_slots(self) -> set[int]:
+        return {s for s in self.slot_of_page if s is not None}
+
+    def stored_bytes(self) -> int:
+        """Bytes of every live packed page (in use or cached) and live codebook slot, all layers."""
+        live_pages = sum(s is not None for s in self.slot_of_page)
+        return (live_pages * self.pages[0, 0].nbytes + len(self.live_slots()) * self.codebooks[0, 0].nbytes) \
+            * self.pages.shape[0]

@@ -1,0 +1,88 @@
+"""Uniform group quantization shared by the reference codecs.
+
+Groups are the last dimension of the input. Scales (and zeros) are rounded to their storage
+dtype *before* the codes are computed, in the direction that keeps every value inside the
+representable range, so the decoder sees exactly the numbers the encoder used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def scale_dtype(name: str) -> torch.dtype:
+    from .errors import SpecError
+
+    try:
+        return SCALE_DTYPES[name]
+    except KeyError:
+        raise SpecError(f"unknown scale dtype {name!r}; valid: {', '.join(SCALE_DTYPES)}") from None
+
+
+def _limits(dtype: torch.dtype) -> tuple[float, float, float]:
+    """(relative step, smallest positive step, largest finite) of a float dtype."""
+    info = torch.finfo(dtype)
+    return info.eps, info.smallest_normal * info.eps, info.max
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, direction: str) -> torch.Tensor:
+    """Round float32 ``x`` to a value representable in ``dtype``: ``"up"`` (>= x) or ``"down"`` (<= x).
+
+    Returned in float32. Saturates at the dtype's largest finite value.
+    """
+    eps, tiny, big = _limits(dtype)
+    x = x.clamp(-big, big)
+    y = x.to(dtype).float()
+    # One relative step (or the smallest subnormal step) in the wanted direction always crosses
+    # at least one representable value, so re-rounding the nudged value lands on the right side.
+    step = torch.maximum(x.abs() * eps, torch.full_like(x, tiny))
+    if direction == "up":
+        bad = y < x
+        nudged = (x + step).clamp(-big, big).to(dtype).float()
+    else:
+        bad = y > x
+        nudged = (x - step).clamp(-big, big).to(dtype).float()
+    return torch.where(bad, nudged, y)
+
+
+@dataclass
+class Quantized:
+    """Codes and per-group parameters for a tensor whose last dimension is one group."""
+
+    codes: torch.Tensor  # uint8 [..., G], values in [0, 2**bits)
+    scale: torch.Tensor  # [...] in the storage dtype
+    zero: torch.Tensor | None  # [...] in the storage dtype, asymmetric only
+
+
+def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype) -> Quantized:
+    """Quantize float ``x [..., G]`` with one scale (and zero) per group of the last dimension.
+
+    Symmetric uses levels ``-q..q`` with ``q = 2**(bits-1) - 1`` (ternary at 2 bits, as QVG's
+    public code does); asymmetric uses ``0..2**bits - 1`` above a per-group minimum.
+    """
+    x = x.float()
+    _, tiny, _ = _limits(store)
+    if symmetric:
+        qmax = (1 << (bits - 1)) - 1
+        scale = round_to((x.abs().amax(dim=-1) / qmax).clamp_min(tiny), store, "up")
+        q = torch.round(x / scale.unsqueeze(-1)).clamp(-qmax, qmax) + qmax
+        return Quantized(q.to(torch.uint8), scale.to(store), None)
+    levels = (1 << bits) - 1
+    zero = round_to(x.amin(dim=-1), store, "down")
+    scale = round_to(((x.amax(dim=-1) - zero) / levels).clamp_min(tiny), store, "up")
+    q = torch.round((x - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, levels)
+    return Quantized(q.to(torch.uint8), scale.to(store), zero.to(store))
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Inverse of `quantize`, in float32."""
+    c = codes.float()
+    s = scale.float().unsqueeze(-1)
+    if zero is None:
+        qmax = (1 << (bits - 1)) - 1
+        return (c - qmax) * s
+    return c * s + zero.float().unsqueeze(-1)

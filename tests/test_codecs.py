@@ -1,0 +1,170 @@
+"""Round trips of every reference codec, with error bounds derived from the stored scales."""
+
+import pytest
+import torch
+
+from kvbackend import Geometry, InvalidKV, codecs
+from kvbackend.codecs.base import CodecState
+from kvbackend.codecs.kmeans import kmeans, kmeanspp_init
+
+ALL = ["identity", "fp16", "bf16", "fp8", "rtn:bits=2,group=64", "rtn:bits=3,group=32", "rtn:bits=4,group=16,symmetric=true",
+       "rtn:bits=8,group=64,scale=fp32", "kivi:bits=2,group=16", "kivi:bits=4,group=32", "qvg", "qvg:symmetric=true",
+       "qvg-pro", "qvg:bits=4,centroids=8"]
+
+
+def structured_kv(n, h, d, kind, gen):
+    """Random, outlier-channel or repeated-token KV."""
+    x = torch.randn(n, h, d, generator=gen)
+    if kind == "outliers":
+        x[:, :, :3] *= 40  # a few channels two orders larger, as in real keys
+    elif kind == "repeated":
+        x = x[torch.randint(0, 5, (n,), generator=gen)]  # five distinct tokens, repeated
+    return x
+
+
+def nrmse(x, y):
+    return float((x.float() - y.float()).norm() / x.float().norm())
+
+
+@pytest.mark.parametrize("spec", ALL)
+@pytest.mark.parametrize("kind", ["random", "outliers", "repeated"])
+def test_round_trip_and_bytes(spec, kind):
+    gen = torch.Generator().manual_seed(1)
+    geometry = Geometry(1, 3, 64, torch.float32)
+    codec = codecs.get(spec)
+    layout = codec.layout(geometry, 32)
+    k = structured_kv(83, 3, 64, kind, gen)  # ends mid-page
+    v = structured_kv(83, 3, 64, kind, gen)
+    chunk = codec.encode(k, v, layout)
+    kh, vh = codec.decode(chunk)
+    assert kh.shape == k.shape and vh.dtype == torch.float32
+    assert torch.isfinite(kh).all() and torch.isfinite(vh).all()
+    # bpv from stored bytes equals the layout's accounting
+    assert chunk.nbytes == layout.stored_bytes(num_pages=3, num_chunks=1)
+    assert chunk.bits_per_value == pytest.approx(8 * chunk.nbytes / (83 * 2 * 3 * 64))
+    name = codec.spec.name
+    if name == "identity":
+        assert torch.equal(kh, k) and torch.equal(vh, v)
+    elif name in ("fp16", "bf16", "fp8"):
+        rel = {"fp16": 2**-11, "bf16": 2**-8, "fp8": 2**-4}[name]
+        for x, xh in ((k, kh), (v, vh)):  # round-to-nearest: half an ulp, relative (above the subnormals)
+            assert torch.all((x - xh).abs() <= x.abs() * rel + 2**-9)
+    else:
+        bits = codec.spec.bits
+        # Uniform quantization in b bits: relative error shrinks ~2x per bit. These ceilings hold
+        # with margin on Gaussian data; the exact per-value bound is checked in test_error_bound.
+        ceiling = {2: 0.8, 3: 0.25, 4: 0.12, 8: 0.01}[bits]
+        if kind == "outliers" and bits == 2 and name != "kivi":
+            ceiling = 1.0  # per-token groups at 2 bits: three 40x channels set every token's step
+        if kind == "repeated" and name.startswith("qvg"):
+            ceiling = 0.05  # five distinct tokens: the centroids capture them almost exactly
+        assert nrmse(k, kh) < ceiling and nrmse(v, vh) < ceiling
+
+
+@pytest.mark.parametrize("spec", ["rtn:bits=2,group=64", "rtn:bits=3,group=8,symmetric=true", "rtn:bits=4,group=32,scale=fp8",
+                                  "qvg", "qvg:symmetric=true,bits=4", "qvg-pro"])
+def test_error_bound_per_value(spec):
+    """|x - x_hat| <= scale / 2 for every value: scales are rounded so every value is in range."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get(spec)
+    layout = codec.layout(geometry, 16)
+    k = torch.randn(48, 2, 64) * torch.logspace(-2, 2, 64)
+    v = torch.randn(48, 2, 64)
+    chunk = codec.encode(k, v, layout)
+    kh, vh = codec.decode(chunk)
+    group = codec.spec.group
+    for prefix, x, xh in (("k", k, kh), ("v", v, vh)):
+        scale = layout.page.view(chunk.pages, f"{prefix}_scales").float().reshape(48, 2, 64 // group)
+        bound = scale.repeat_interleave(group, dim=-1) / 2
+        assert torch.all((x - xh).abs() <= bound * (1 + 1e-5) + 1e-5)
+
+
+def test_kivi_keys_per_channel():
+    """KIVI keys: a channel with a huge constant offset costs nothing (per-channel min)."""
+    geometry = Geometry(1, 1, 64, torch.float32)
+    codec = codecs.get("kivi:bits=2,group=16")
+    layout = codec.layout(geometry, 16)
+    k = torch.randn(32, 1, 64) * 0.1
+    k[:, :, 5] += 100.0  # fp16 minima have a 1/16 step at 100, still far below the group range
+    kh, _ = codec.decode(codec.encode(k, k.clone(), layout))
+    assert (kh - k).abs().max() < 0.15  # half a 2-bit step of a ~0.7-wide channel group, plus rounding
+    assert layout.page.fields["k_scales"].shape == (1, 1, 64)
+
+
+def test_qvg_bpv_at_paper_scale():
+    """S=1, B=64, C=256, N=32768, D=128, symmetric FP8 scales: 2 + 8/64 + 8/128 + 16*256/32768 = 2.31."""
+    geometry = Geometry(1, 2, 128, torch.bfloat16)
+    codec = codecs.get("qvg:bits=2,group=64,centroids=256,stages=1,iters=1,symmetric=true,init=random")
+    layout = codec.layout(geometry, 64)
+    k = torch.randn(32768, 2, 128).bfloat16()
+    chunk = codec.encode(k, k.clone(), layout)
+    assert chunk.bits_per_value <= 2.35
+    assert chunk.bits_per_value == pytest.approx(2 + 8 / 64 + 8 / 128 + 16 * 256 / 32768, abs=1e-3)
+
+
+def test_warm_start_converges_faster():
+    """Correlated chunks (the next chunk is the last one plus a small drift): starting from the
+    previous chunk's centroids converges in fewer Lloyd steps than fresh seeding, to a no worse
+    objective than the previous chunk reached."""
+    gen = torch.Generator().manual_seed(4)
+    centers = torch.randn(2, 16, 32, generator=gen) * 3
+    idx = torch.randint(0, 16, (2, 2048), generator=gen)
+    first_chunk = torch.gather(centers, 1, idx.unsqueeze(-1).expand(-1, -1, 32)) + 0.5 * torch.randn(2, 2048, 32, generator=gen)
+    first = kmeans(first_chunk, kmeanspp_init(first_chunk, 16, gen), max_iters=100)
+    second = first_chunk + 0.1 * torch.randn(first_chunk.shape, generator=gen)
+    warm = kmeans(second, first.centroids, max_iters=100)
+    cold = [kmeans(second, kmeanspp_init(second, 16, torch.Generator().manual_seed(s)), max_iters=100) for s in range(6)]
+    cold_iters = sum(c.iterations for c in cold) / len(cold)
+    assert warm.iterations < cold_iters
+    assert warm.iterations <= 3
+    assert warm.objective <= first.objective * 1.1  # drift of 0.1 per dim adds ~0.32 per point
+
+
+def test_qvg_state_carries_centroids():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get("qvg:centroids=8,iters=3")
+    layout = codec.layout(geometry, 16)
+    state = CodecState()
+    x = torch.randn(64, 2, 64)
+    codec.encode(x, x.clone(), layout, state)
+    assert state.centroids["k"].shape == (1, 2, 8, 64)
+    before = state.centroids["k"].clone()
+    codec.encode(x, x.clone(), layout, state)  # same data again: warm start is already converged
+    assert state.iterations[-1] == 1
+    assert torch.allclose(state.centroids["k"], before, atol=1e-2)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_non_finite_rejected(bad):
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get("qvg")
+    layout = codec.layout(geometry, 16)
+    k = torch.randn(16, 2, 64)
+    k[3, 1, 7] = float(bad)
+    with pytest.raises(InvalidKV, match="NaN or Inf"):
+        codec.encode(k, torch.randn(16, 2, 64), layout)
+
+
+def test_bad_shapes_rejected():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get("rtn")
+    layout = codec.layout(geometry, 16)
+    with pytest.raises(InvalidKV, match="shape"):
+        codec.encode(torch.randn(16, 3, 64), torch.randn(16, 3, 64), layout)
+    with pytest.raises(InvalidKV, match="differ"):
+        codec.encode(torch.randn(16, 2, 64), torch.randn(15, 2, 64), layout)
+    with pytest.raises(InvalidKV, match="bf16, fp16 or fp32"):
+        codec.encode(torch.ones(16, 2, 64, dtype=torch.int32), torch.ones(16, 2, 64, dtype=torch.int32), layout)
+    with pytest.raises(InvalidKV, match="empty"):
+        codec.encode(torch.randn(0, 2, 64), torch.randn(0, 2, 64), layout)
+
+
+def test_spec_checked_against_geometry():
+    from kvbackend import SpecError
+
+    with pytest.raises(SpecError, match="divide head_dim"):
+        codecs.get("rtn:group=48").layout(Geometry(1, 2, 64), 16)
+    with pytest.raises(SpecError, match="page_size"):
+        codecs.get("kivi:group=32").layout(Geometry(1, 2, 64), 16)
+    with pytest.raises(SpecError, match="1..256"):
+        codecs.get("qvg:centroids=300").layout(Geometry(1, 2, 64), 16)

@@ -1,0 +1,243 @@
+"""KVCache: admission, chunk completion, prefix reuse, fork/free, capacity and bad input."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvbackend import CacheConfig, CacheFull, Geometry, InvalidKV, KVCache, UnknownRequest
+
+GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+
+
+def make(codec="identity", **kw):
+    cfg = dict(codec=codec, page_size=4, chunk_pages=2, dense_pages=12, packed_pages=12)
+    cfg.update(kw)
+    return KVCache(GEOM, CacheConfig(**cfg))
+
+
+def append_all(cache, rid, k, v):
+    for layer in range(GEOM.num_layers):
+        cache.append(rid, layer, k[layer], v[layer])
+
+
+def rand_kv(n):
+    return torch.randn(GEOM.num_layers, n, 2, 16), torch.randn(GEOM.num_layers, n, 2, 16)
+
+
+def test_chunk_completes_and_reads_back():
+    cache = make()
+    rid, cached = cache.add_request(list(range(11)))
+    assert cached == 0
+    k, v = rand_kv(11)
+    append_all(cache, rid, k, v)
+    table = cache.page_table(rid)
+    assert len(table.packed) == 2 and len(table.dense) == 1  # one chunk of 8 encoded, 3 tokens dense
+    for layer in range(2):
+        kh, vh = cache.read(rid, layer)
+        assert torch.equal(kh, k[layer]) and torch.equal(vh, v[layer])
+    stats = cache.stats()
+    assert stats.packed_pages_used == 2 and stats.dense_pages_used == 1 and stats.codebook_slots_used == 1
+    cache.check()
+
+
+def test_chunk_waits_for_every_layer():
+    cache = make()
+    rid, _ = cache.add_request()
+    k, v = rand_kv(8)
+    cache.append(rid, 0, k[0], v[0])
+    assert cache.page_table(rid).packed == []
+    cache.append(rid, 1, k[1], v[1])
+    assert len(cache.page_table(rid).packed) == 2
+
+
+def test_stats_bpv_matches_layout_accounting():
+    cache = make("qvg:centroids=4,group=16", page_size=8, chunk_pages=2)
+    rid, _ = cache.add_request()
+    k, v = rand_kv(40)  # two chunks of 16 + 8 dense
+    append_all(cache, rid, k, v)
+    stats = cache.stats()
+    expected = GEOM.num_layers * cache.layout.stored_bytes(num_pages=4, num_chunks=2)
+    assert stats.packed_bytes == expected
+    assert stats.bits_per_value == pytest.approx(8 * expected / (32 * GEOM.num_layers * GEOM.values_per_token))
+    kh, _ = cache.read(rid, 1)
+    assert ((kh - k[1]).norm() / k[1].norm()) < 0.8
+
+
+def test_prefix_reuse_shares_pages_and_verifies_tokens():
+    cache = make()
+    tokens = list(range(100, 109))
+    a, _ = cache.add_request(tokens)
+    k, v = rand_kv(9)
+    append_all(cache, a, k, v)
+    b, cached = cache.add_request(tokens + [1, 2])
+    assert cached == 8
+    assert cache.page_table(b).packed == cache.page_table(a).packed
+    kb, _ = cache.read(b, 0)
+    assert torch.equal(kb, k[0, :8])
+    # Same tokens at a different position (other parent) is no hit.
+    _, cached = cache.add_request([7] + tokens)
+    assert cached == 0
+    # Never reports the whole prompt cached: the last token's logits must be computed.
+    _, cached = cache.add_request(tokens[:8])
+    assert cached == 4
+    cache.check()
+
+
+def test_extra_keys_separate_caches():
+    a = make(extra_keys=("lora-1",))
+    b = make(extra_keys=("lora-2",))
+    from kvbackend.hashing import hash_page
+    assert hash_page(None, [1, 2], ("lora-1",)) != hash_page(None, [1, 2], ("lora-2",))
+    assert a.config.extra_keys != b.config.extra_keys
+
+
+def test_free_keeps_hashed_pages_cached_then_evicts_tail_first():
+    cache = make(packed_pages=4)
+    a, _ = cache.add_request(list(range(9)))
+    append_all(cache, a, *rand_kv(9))
+    cache.free(a)
+    stats = cache.stats()
+    assert stats.packed_pages_cached == 2 and stats.packed_pages_used == 0
+    b, cached = cache.add_request(list(range(9)))
+    assert cached == 8
+    cache.free(b)
+    c, _ = cache.add_request(list(range(50, 59)))
+    append_all(cache, c, *rand_kv(9))  # takes the 2 free pages
+    d, _ = cache.add_request(list(range(70, 79)))
+    append_all(cache, d, *rand_kv(9))  # must evict both cached pages
+    _, cached = cache.add_request(list(range(9)))
+    assert cached == 0
+    cache.check()
+
+
+def test_fork_copies_active_chunk():
+    cache = make()
+    a, _ = cache.add_request()
+    k, v = rand_kv(10)
+    append_all(cache, a, k, v)
+    b = cache.fork(a)
+    extra_k, extra_v = rand_kv(1)
+    append_all(cache, b, extra_k, extra_v)
+    ka, _ = cache.read(a, 0)
+    kb, _ = cache.read(b, 0)
+    assert ka.shape[0] == 10 and kb.shape[0] == 11
+    assert torch.equal(kb[:10], ka) and torch.equal(kb[10], extra_k[0, 0])
+    cache.free(a)
+    kb2, _ = cache.read(b, 0)
+    assert torch.equal(kb2, kb)
+    cache.check()
+
+
+def test_cache_full_leaves_state_intact():
+    cache = make(dense_pages=3)
+    rid, _ = cache.add_request()
+    k, v = rand_kv(14)
+    cache.append(rid, 0, k[0, :6], v[0, :6])  # 2 pages of 4
+    with pytest.raises(CacheFull) as err:
+        cache.append(rid, 0, k[0, 6:], v[0, 6:])  # 14 tokens need 4 pages: 2 more, 1 free
+    assert "dense pool is full: requested 2 pages, 1 free" in str(err.value)
+    assert cache.page_table(rid).lengths == [6, 0] and len(cache.page_table(rid).dense) == 2
+    cache.check()
+    kh, _ = cache.read(rid, 0)
+    assert torch.equal(kh, k[0, :6])
+
+
+def test_cache_full_on_packed_pool_writes_nothing():
+    cache = make(packed_pages=2)
+    a, _ = cache.add_request()
+    append_all(cache, a, *rand_kv(8))
+    b, _ = cache.add_request()
+    k, v = rand_kv(8)
+    cache.append(b, 0, k[0], v[0])
+    with pytest.raises(CacheFull, match="packed"):
+        cache.append(b, 1, k[1], v[1])
+    assert cache.page_table(b).lengths == [8, 0]  # the failed append left no trace
+    cache.check()
+    cache.free(a)
+    cache.append(b, 1, k[1], v[1])  # room again: the retry completes the chunk
+    assert len(cache.page_table(b).packed) == 2
+    kb, _ = cache.read(b, 1)
+    assert torch.equal(kb, k[1])
+
+
+def test_bad_input():
+    cache = make()
+    rid, _ = cache.add_request()
+    ok = torch.randn(2, 2, 16)
+    with pytest.raises(InvalidKV, match="shape"):
+        cache.append(rid, 0, torch.randn(2, 3, 16), torch.randn(2, 3, 16))
+    with pytest.raises(InvalidKV, match="bf16, fp16 or fp32"):
+        cache.append(rid, 0, ok.long(), ok.long())
+    with pytest.raises(InvalidKV, match="out of range"):
+        cache.append(rid, 5, ok, ok)
+    with pytest.raises(InvalidKV, match="devices|cache on"):
+        cache.append(rid, 0, ok.to("meta"), ok.to("meta"))
+    bad = ok.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(InvalidKV, match="NaN or Inf"):
+        cache.append(rid, 0, bad, ok)
+    assert cache.page_table(rid).lengths == [0, 0]
+    cache.append(rid, 0, ok.transpose(0, 1).contiguous().transpose(0, 1), ok)  # non-contiguous input is fine: it is copied
+    cache.free(rid)
+    with pytest.raises(UnknownRequest, match="already freed"):
+        cache.free(rid)
+    with pytest.raises(UnknownRequest):
+        cache.append(rid, 0, ok, ok)
+    with pytest.raises(UnknownRequest):
+        cache.read(rid, 0)
+    cache.check()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free"]), st.integers(0, 9), st.integers(1, 12)),
+                min_size=20, max_size=80))
+def test_random_operations_against_model(ops):
+    """Thousands of operations over the examples: no leak, no double free, ref counts match, reads exact."""
+    cache = make(dense_pages=40, packed_pages=40)
+    model: dict[int, list[torch.Tensor]] = {}  # request -> [k0, v0, k1, v1] as appended
+    page_content: dict[int, list[torch.Tensor]] = {}  # packed page -> the model's K/V for its tokens
+    for op, pick, n in ops:
+        live = sorted(model)
+        if op == "add" or not live:
+            tokens = [pick % 2] * (n + 6)  # overlapping prompts exercise prefix hits
+            rid, cached = cache.add_request(tokens)
+            if cached:
+                event("prefix hit")
+                pages = cache.page_table(rid).packed
+                assert len(pages) * 4 == cached
+                model[rid] = [torch.cat([page_content[p][j] for p in pages]) for j in range(4)]
+            else:
+                model[rid] = [torch.zeros(0, 2, 16) for _ in range(4)]
+            continue
+        rid = live[pick % len(live)]
+        if op == "append":
+            k, v = rand_kv(n)
+            try:
+                append_all(cache, rid, k, v)
+            except CacheFull:
+                continue
+            for layer in range(2):
+                model[rid][2 * layer] = torch.cat([model[rid][2 * layer], k[layer]])
+                model[rid][2 * layer + 1] = torch.cat([model[rid][2 * layer + 1], v[layer]])
+            for i, page in enumerate(cache.page_table(rid).packed):
+                page_content[page] = [x[4 * i : 4 * i + 4] for x in model[rid]]
+        elif op == "fork":
+            try:
+                new = cache.fork(rid)
+            except CacheFull:
+                continue
+            model[new] = [x.clone() for x in model[rid]]
+        else:
+            cache.free(rid)
+            del model[rid]
+        cache.check()
+    for rid, expected in model.items():
+        for layer in range(2):
+            k, v = cache.read(rid, layer)
+            assert torch.equal(k, expected[2 * layer]) and torch.equal(v, expected[2 * layer + 1])
+    for rid in list(model):
+        cache.free(rid)
+    cache.check()
+    stats = cache.stats()
+    assert stats.dense_pages_used == 0 and stats.packed_pages_used == 0

@@ -1,0 +1,1 @@
+"""Host and file tiers, prefetch and policies (installed as kvbackend.tiers)."""
