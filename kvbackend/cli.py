@@ -20,7 +20,7 @@ def _cmd_bpv(args: argparse.Namespace) -> int:
             row = measure(spec, dim, args.tokens, args.heads)
             table.add_row(row.spec, str(dim), str(row.page_bytes), str(row.codebook_bytes),
                           f"{row.bits_per_value:.3f}", f"{row.k_nrmse:.4f}", f"{row.v_nrmse:.4f}")
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     return 0
 
 

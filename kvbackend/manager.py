@@ -179,25 +179,37 @@ class KVCache:
 
     # -- reading ----------------------------------------------------------------------------
     def read(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All of one layer's K and V for a request, ``[tokens, H, D]``, packed pages decoded by the
-        torch reference."""
+        """All of one layer's K and V for a request, ``[tokens, H, D]``: packed pages decoded by the
+        torch reference, then the active chunk as stored."""
+        pk, pv = self.read_packed(request_id, layer)
+        dk, dv = self.read_dense(request_id, layer)
+        return torch.cat([pk, dk]), torch.cat([pv, dv])
+
+    def read_packed(self, request_id: int, layer: int, first_page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reconstruction of the request's packed pages from ``first_page`` on, ``[pages * P, H, D]``.
+
+        Packed pages never change, so callers can keep what they decoded and ask only for new pages.
+        """
         table = self._table(request_id)
-        keys, values = [], []
-        for slot, pages in self._runs(table.packed):
+        keys, values = [self._empty()], [self._empty()]
+        for slot, pages in self._runs(table.packed[first_page:]):
             k, v = self.codec.decode_pages(self.layout, self.packed.pages[layer, pages],
                                            self.packed.codebooks[layer, slot])
             keys.append(k)
             values.append(v)
-        n = table.dense_tokens(layer)
-        if table.dense:
-            kv = self.dense.data[layer, table.dense]
-            keys.append(kv[:, 0].reshape(-1, *kv.shape[-2:])[:n])
-            values.append(kv[:, 1].reshape(-1, *kv.shape[-2:])[:n])
-        if not keys:
-            shape = (0, self.geometry.num_kv_heads, self.geometry.head_dim)
-            empty = self.dense.data.new_zeros(shape)
-            return empty, empty.clone()
         return torch.cat(keys), torch.cat(values)
+
+    def read_dense(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active chunk's K and V as stored, ``[tokens, H, D]``."""
+        table = self._table(request_id)
+        n = table.dense_tokens(layer)
+        if not table.dense:
+            return self._empty(), self._empty()
+        kv = self.dense.data[layer, table.dense]
+        return kv[:, 0].reshape(-1, *kv.shape[-2:])[:n], kv[:, 1].reshape(-1, *kv.shape[-2:])[:n]
+
+    def _empty(self) -> torch.Tensor:
+        return self.dense.data.new_zeros((0, self.geometry.num_kv_heads, self.geometry.head_dim))
 
     def _runs(self, pages: list[int]) -> list[tuple[int, list[int]]]:
         """Split packed pages into runs that share one codebook slot."""

@@ -1,0 +1,178 @@
+"""Hugging Face transformers integration: a `Cache` whose layers live in kvbackend pages.
+
+    cache = KVBackendCache(model.config, codec="kivi:bits=2,group=32")
+    model.generate(input_ids, past_key_values=cache)
+
+Each batch row is one kvbackend request. Keys and values go into the request's dense active chunk;
+completed chunks are encoded by the codec; attention reads the reconstruction of the packed
+chunks (decoded once per chunk and kept) followed by the active chunk as stored. The first
+``sink`` tokens can stay exact, and keys can be stored before RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..geometry import CacheConfig, Geometry
+from ..manager import KVCache
+from ..rope import Rotary
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Options of a `KVBackendCache`."""
+
+    codec: str = "qvg"  # codec spec for completed chunks
+    page_size: int = 64  # tokens per page
+    chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
+    sink: int = 0  # first tokens of every row kept exact, outside the pages
+    pre_rope: bool = False  # store keys before RoPE, rotate again on read
+    max_tokens: int = 4096  # longest sequence per batch row; sizes the pools
+
+
+def rotary_from_config(config) -> Rotary:
+    """The model's RoPE (default or any type transformers knows) as a `Rotary`."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return Rotary.default(head_dim, theta)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return Rotary(inv_freq.float(), float(scaling))
+
+
+class KVBackendLayer(CacheLayerMixin):
+    """One attention layer's cache, stored in the shared `KVCache` of its `KVBackendCache`."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: "KVBackendCache", layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.length = 0  # tokens per row seen by this layer (sink included)
+        self._sink_k: torch.Tensor | None = None  # [B, H, sink, D], exact
+        self._sink_v: torch.Tensor | None = None
+        self._packed_k: list[torch.Tensor] = []  # per row: decoded packed pages [H, n, D] (RoPE applied)
+        self._packed_v: list[torch.Tensor] = []
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.owner._ensure_engine(key_states)
+        batch = key_states.shape[0]
+        empty = key_states.new_zeros(batch, key_states.shape[1], 0, key_states.shape[3])
+        self._sink_k, self._sink_v = empty, empty.clone()
+        self._packed_k = [empty[0]] * batch
+        self._packed_v = [empty[0]] * batch
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        opts, engine = self.owner.options, self.owner.engine
+        t = key_states.shape[2]
+        to_sink = min(max(opts.sink - self.length, 0), t)
+        if to_sink:
+            self._sink_k = torch.cat([self._sink_k, key_states[:, :, :to_sink]], dim=2)
+            self._sink_v = torch.cat([self._sink_v, value_states[:, :, :to_sink]], dim=2)
+        k_new, v_new = key_states[:, :, to_sink:], value_states[:, :, to_sink:]
+        first = self.length + to_sink - opts.sink  # position of k_new[0] among paged tokens
+        if opts.pre_rope and k_new.shape[2]:
+            k_new = self.owner.rotary.derotate(k_new, self._positions(first, k_new.shape[2]))
+        for row, rid in enumerate(self.owner.request_ids):
+            engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1))
+        self.length += t
+        return self._gather()
+
+    def _positions(self, first: int, n: int) -> torch.Tensor:
+        # Paged tokens sit after the sink, so their RoPE position is their index plus the sink length.
+        return torch.arange(first, first + n) + self.owner.options.sink
+
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        engine, opts = self.owner.engine, self.owner.options
+        keys, values = [], []
+        for row, rid in enumerate(self.owner.request_ids):
+            have = self._packed_k[row].shape[1] // opts.page_size
+            pk, pv = engine.read_packed(rid, self.layer_idx, first_page=have)
+            if pk.shape[0]:
+                pk = pk.transpose(0, 1)
+                if opts.pre_rope:
+                    pk = self.owner.rotary.rotate(pk, self._positions(have * opts.page_size, pk.shape[1]))
+                self._packed_k[row] = torch.cat([self._packed_k[row], pk], dim=1)
+                self._packed_v[row] = torch.cat([self._packed_v[row], pv.transpose(0, 1)], dim=1)
+            dk, dv = engine.read_dense(rid, self.layer_idx)
+            dk = dk.transpose(0, 1)
+            if opts.pre_rope and dk.shape[1]:
+                dk = self.owner.rotary.rotate(dk, self._positions(self._packed_k[row].shape[1], dk.shape[1]))
+            keys.append(torch.cat([self._packed_k[row], dk], dim=1))
+            values.append(torch.cat([self._packed_v[row], dv.transpose(0, 1)], dim=1))
+        return torch.cat([self._sink_k, torch.stack(keys)], dim=2), torch.cat([self._sink_v, torch.stack(values)], dim=2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.is_initialized = False
+        self._sink_k = self._sink_v = None
+        self._packed_k, self._packed_v = [], []
+
+    def stored_bytes(self) -> int:
+        """Bytes of the exact sink tokens kept by this layer."""
+        return 0 if self._sink_k is None else self._sink_k.nbytes + self._sink_v.nbytes
+
+
+class KVBackendCache(Cache):
+    """A transformers `Cache` backed by kvbackend's paged, compressed storage."""
+
+    def __init__(self, config, codec: str = "qvg", *, page_size: int = 64, chunk_pages: int = 32, sink: int = 0,
+                 pre_rope: bool = False, max_tokens: int = 4096) -> None:
+        self.options = CacheOptions(codec, page_size, chunk_pages, sink, pre_rope, max_tokens)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.model_config = text_config
+        self.rotary = rotary_from_config(text_config) if pre_rope else None
+        self.engine: KVCache | None = None
+        self.request_ids: list[int] = []
+        layers = [KVBackendLayer(self, i) for i in range(text_config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def _ensure_engine(self, key_states: torch.Tensor) -> None:
+        if self.engine is not None:
+            return
+        cfg, opts = self.model_config, self.options
+        batch, heads, _, head_dim = key_states.shape
+        pages_per_row = -(-opts.max_tokens // opts.page_size) + 1
+        geometry = Geometry(cfg.num_hidden_layers, heads, head_dim, key_states.dtype)
+        config = CacheConfig(codec=opts.codec, page_size=opts.page_size, chunk_pages=opts.chunk_pages,
+                             dense_pages=batch * pages_per_row, packed_pages=batch * pages_per_row,
+                             device=str(key_states.device))
+        self.engine = KVCache(geometry, config)
+        self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
+
+    def kv_bytes(self) -> dict[str, int]:
+        """Bytes held: ``stored`` (packed pages + codebooks + dense active pages + exact sinks), and
+        ``exact`` (the same tokens as uncompressed tensors of the model's dtype)."""
+        if self.engine is None:
+            return {"stored": 0, "exact": 0, "packed": 0, "dense": 0, "sink": 0}
+        stats = self.engine.stats()
+        g = self.engine.geometry
+        sink = sum(layer.stored_bytes() for layer in self.layers)
+        element = torch.empty((), dtype=g.dtype).element_size()
+        tokens = sum(layer.length for layer in self.layers) * len(self.request_ids)
+        dense_used = sum(self.engine.read_dense(rid, 0)[0].shape[0] for rid in self.request_ids)
+        dense = dense_used * g.num_layers * g.values_per_token * element  # tokens, not whole pages
+        return {"stored": stats.packed_bytes + dense + sink, "exact": tokens * g.values_per_token * element,
+                "packed": stats.packed_bytes, "dense": dense, "sink": sink}

@@ -1,0 +1,252 @@
+"""The quality meter: what a codec does to a real model's attention and next-token predictions.
+
+One exact forward pass captures every layer's queries, keys (post-RoPE) and values. Then, per
+codec:
+- the whole prefix is encoded (the last partial chunk included) and decoded;
+- ``k_nrmse``/``v_nrmse``: ||X - X^|| / ||X|| over all layers;
+- ``attn_out_err``/``top1_shift``: the last ``queries`` positions of a causal pass of ``tokens``
+  tokens, every layer and query head, attention with exact vs reconstructed K/V;
+- ``kl``/``top1_agree``/``ppl``: the next ``continue`` tokens are teacher-forced over the
+  reconstructed prefix cache, against the same run over the exact prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import codecs
+from .geometry import Geometry
+from .reconstruct import reconstruct_layer
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    tokens: int = 2048  # tokens of the attention-fidelity pass
+    prefix: int = 1536  # tokens cached through the codec
+    cont: int = 512  # tokens teacher-forced after the prefix
+    queries: int = 128  # last query positions scored for attention fidelity
+    page_size: int = 64
+    chunk_tokens: int = 2048  # codec chunk length
+    device: str = "cpu"
+
+
+@dataclass
+class CodecResult:
+    spec: str  # the spec as given
+    canonical: str  # the codec's canonical spec string
+    bpv: float  # 8 * stored bytes / values, for the compressed prefix
+    stored_bytes: int
+    k_nrmse: float
+    v_nrmse: float
+    attn_out_err: float
+    top1_shift: float
+    kl: float
+    top1_agree: float
+    ppl: float
+    ppl_ref: float
+
+
+@dataclass
+class Capture:
+    """Exact per-layer tensors of one forward pass (batch 1)."""
+
+    q: list[torch.Tensor]  # per layer [Hq, T, D]
+    k: list[torch.Tensor]  # per layer [H, T, D], post-RoPE
+    v: list[torch.Tensor]  # per layer [H, T, D]
+
+
+def capture_exact(model, input_ids: torch.Tensor) -> Capture:
+    """Run ``model`` once and keep each layer's queries, keys and values."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = (query[0].detach(), key[0].detach(), value[0].detach())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvbackend_capture", capture)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvbackend_capture")
+    try:
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        model.set_attn_implementation(previous)
+    layers = sorted(seen)
+    return Capture([seen[i][0] for i in layers], [seen[i][1] for i in layers], [seen[i][2] for i in layers])
+
+
+def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                       queries: int) -> tuple[float, float, int]:
+    """(sum ||O - O^||^2, sum ||O||^2, top-1 changes) for the last ``queries`` positions of one layer.
+
+    q: [Hq, T, D]; k, v, kh, vh: [H, T, D]. Causal: the query at position p sees keys 0..p.
+    """
+    hq, t, d = q.shape
+    group = hq // k.shape[0]
+    qs = q[:, t - queries :].float()
+    positions = torch.arange(t - queries, t, device=q.device)
+    mask = torch.arange(t, device=q.device)[None, :] > positions[:, None]  # [Q, T] future keys
+
+    def attend(keys, values):
+        keys = keys.float().repeat_interleave(group, 0)
+        scores = (qs @ keys.transpose(1, 2)) / math.sqrt(d)
+        scores = scores.masked_fill(mask, float("-inf"))
+        return scores.softmax(-1) @ values.float().repeat_interleave(group, 0), scores.argmax(-1)
+
+    out, top = attend(k, v)
+    out_h, top_h = attend(kh, vh)
+    return float(((out - out_h) ** 2).sum()), float((out**2).sum()), int((top != top_h).sum())
+
+
+def _continuation_logits(model, prefix_k: list[torch.Tensor], prefix_v: list[torch.Tensor], cont_ids: torch.Tensor):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(zip(prefix_k, prefix_v)):
+        cache.update(k[None], v[None], layer)
+    with torch.no_grad():
+        return model(cont_ids, cache=cache).logits[0].float()
+
+
+def _next_token_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float, float]:
+    log_ref, log_test = ref.log_softmax(-1), test.log_softmax(-1)
+    kl = float((log_ref.exp() * (log_ref - log_test)).sum(-1).mean())
+    agree = float((ref.argmax(-1) == test.argmax(-1)).float().mean())
+    n = targets.shape[0]
+    nll = lambda logp: float(-logp[:n].gather(-1, targets[:, None]).mean())  # noqa: E731
+    return kl, agree, math.exp(nll(log_test)), math.exp(nll(log_ref))
+
+
+def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None) -> list[CodecResult]:
+    """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``."""
+    s = settings
+    need = max(s.tokens, s.prefix + s.cont)
+    if input_ids.shape[1] < need:
+        raise ValueError(f"the text has {input_ids.shape[1]} tokens; --tokens {s.tokens}, --prefix {s.prefix} and "
+                         f"--continue {s.cont} need {need}")
+    if not 0 < s.queries <= s.tokens:
+        raise ValueError(f"queries={s.queries} must be in 1..tokens={s.tokens}")
+    ids = input_ids[:, :need].to(s.device)
+    exact = capture_exact(model, ids)
+    num_layers = len(exact.k)
+    heads, _, head_dim = exact.k[0].shape
+    geometry = Geometry(num_layers, heads, head_dim, exact.k[0].dtype)
+    cont_ids = ids[:, s.prefix : s.prefix + s.cont]
+    targets = ids[0, s.prefix + 1 : s.prefix + s.cont]
+    ref_logits = _continuation_logits(model, [k[:, : s.prefix] for k in exact.k], [v[:, : s.prefix] for v in exact.v],
+                                      cont_ids)
+    results = []
+    task = progress.add_task("codecs x layers", total=len(specs) * num_layers) if progress else None
+    for spec in specs:
+        codec = codecs.get(spec)
+        err_k = err_v = norm_k = norm_v = 0.0
+        out_err = out_norm = 0.0
+        shifts = 0
+        stored = 0
+        prefix_k, prefix_v = [], []
+        for layer in range(num_layers):
+            k, v = exact.k[layer].transpose(0, 1), exact.v[layer].transpose(0, 1)  # [T, H, D]
+            pre = reconstruct_layer(codec, k[: s.prefix], v[: s.prefix], geometry, s.page_size, s.chunk_tokens)
+            stored += pre.stored_bytes
+            prefix_k.append(pre.k.transpose(0, 1))
+            prefix_v.append(pre.v.transpose(0, 1))
+            kx, vx = k[: s.prefix].float(), v[: s.prefix].float()
+            err_k += float(((kx - pre.k.float()) ** 2).sum())
+            err_v += float(((vx - pre.v.float()) ** 2).sum())
+            norm_k += float((kx**2).sum())
+            norm_v += float((vx**2).sum())
+            if s.tokens == s.prefix:
+                full = pre
+            else:
+                full = reconstruct_layer(codec, k[: s.tokens], v[: s.tokens], geometry, s.page_size, s.chunk_tokens)
+            e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
+                                             exact.v[layer][:, : s.tokens], full.k.transpose(0, 1),
+                                             full.v.transpose(0, 1), s.queries)
+            out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
+            if progress:
+                progress.advance(task)
+        test_logits = _continuation_logits(model, prefix_k, prefix_v, cont_ids)
+        kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
+        values = s.prefix * num_layers * geometry.values_per_token
+        results.append(CodecResult(
+            spec=spec, canonical=codec.spec_string, bpv=8.0 * stored / values, stored_bytes=stored,
+            k_nrmse=math.sqrt(err_k / norm_k), v_nrmse=math.sqrt(err_v / norm_v),
+            attn_out_err=math.sqrt(out_err / out_norm),
+            top1_shift=shifts / (num_layers * exact.q[0].shape[0] * s.queries),
+            kl=kl, top1_agree=agree, ppl=ppl, ppl_ref=ppl_ref))
+    return results
+
+
+def write_json(path: str, results: list[CodecResult], meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({**meta, "codecs": [asdict(r) for r in results]}, f, indent=2)
+
+
+def pareto_plot(path: str, results: list[CodecResult], title: str) -> None:
+    """KL and attention output error against bpv, one labelled point per codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for ax, key, label in ((axes[0], "kl", "next-token KL (exact || codec)"), (axes[1], "attn_out_err", "attention output error")):
+        xs = [r.bpv for r in results]
+        ys = [max(getattr(r, key), 1e-7) for r in results]
+        ax.scatter(xs, ys)
+        for r, x, y in zip(results, xs, ys):
+            ax.annotate(r.spec, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per value (from stored bytes)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+COLUMNS = ("bpv", "k_nrmse", "v_nrmse", "attn_out_err", "top1_shift", "kl", "top1_agree", "ppl")
+
+
+def run_eval_cli(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .models import load_model
+
+    console = Console(width=max(Console().width, 150))
+    for spec in args.codec:  # fail fast on a bad spec, before loading anything
+        codecs.parse(spec)
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    with console.status("loading model"):
+        model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
+                            queries=min(128, args.tokens), device=args.device)
+    with Progress(console=console, transient=True) as progress:
+        results = evaluate(model, ids, args.codec, settings, progress)
+    table = Table(title=f"{args.text}: {settings.tokens} tokens, prefix {settings.prefix} + {settings.cont}, "
+                        f"ppl_ref {results[0].ppl_ref:.2f}")
+    table.add_column("spec", overflow="fold")
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r.spec, *(f"{getattr(r, c):.4f}" if c != "bpv" else f"{r.bpv:.3f}" for c in COLUMNS))
+    console.print(table)
+    meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings)}
+    if args.json:
+        write_json(args.json, results, meta)
+    if args.plot:
+        pareto_plot(args.plot, results, f"{args.text}: quality per byte")
+    return 0

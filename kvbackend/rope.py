@@ -1,0 +1,41 @@
+"""Rotary position embedding, so keys can be stored before RoPE and rotated again on read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """RoPE in the half-split convention (channel i pairs with i + D/2), as Llama models use it."""
+
+    inv_freq: torch.Tensor  # [D/2] float32
+    scaling: float = 1.0  # attention scaling folded into cos/sin by some RoPE variants
+
+    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        return emb.cos(), emb.sin()
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE to ``x [..., T, D]`` at ``positions [T]`` (what the model does to keys)."""
+        cos, sin = self._cos_sin(positions, x.device)
+        xf = x.float()
+        return ((xf * cos + _rotate_half(xf) * sin) * self.scaling).to(x.dtype)
+
+    def derotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo `rotate`: the transpose of the rotation, divided by the scaling."""
+        cos, sin = self._cos_sin(positions, x.device)
+        xf = x.float()
+        return ((xf * cos - _rotate_half(xf) * sin) / self.scaling).to(x.dtype)
+
+    @staticmethod
+    def default(head_dim: int, theta: float) -> "Rotary":
+        return Rotary(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))

@@ -1,0 +1,149 @@
+"""transformers integration on the shipped SmolLM2 model (marked `model`; runs in `make test`)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.model
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvbackend.integration.transformers import KVBackendCache  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Write one sentence about the sea. The waves of the ocean are",
+           "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer():
+    from kvbackend.models import load_model
+
+    return load_model()
+
+
+def encode(tokenizer, prompts):
+    tokenizer.padding_side = "left"
+    return tokenizer(prompts, return_tensors="pt", padding=True)
+
+
+def generate(model, batch, cache, n=12, **kw):
+    kw.setdefault("do_sample", False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, cache=cache,
+                             pad_token_id=model.config.pad_token_id, **kw)
+    return out[:, batch["input_ids"].shape[1] :]
+
+
+@pytest.mark.parametrize("options", [
+    dict(),  # nothing completes a chunk: all dense
+    dict(page_size=4, chunk_pages=2),  # chunks complete during prefill and decode
+    dict(page_size=4, chunk_pages=1, sink=3, pre_rope=True),  # sink + pre-RoPE keys, re-rotated on read
+])
+def test_lossless_codec_matches_dynamic_cache(model_and_tokenizer, options):
+    model, tokenizer = model_and_tokenizer
+    for prompts in (PROMPTS[:1], PROMPTS[1:2], PROMPTS[:2]):  # single prompts, then a padded batch of 2
+        batch = encode(tokenizer, prompts)
+        expected = generate(model, batch, DynamicCache(config=model.config))
+        cache = KVBackendCache(model.config, codec="identity", **options)
+        got = generate(model, batch, cache)
+        assert torch.equal(got, expected), (prompts, options)
+        if options:
+            assert cache.engine.stats().packed_pages_used > 0  # the packed path was really exercised
+
+
+def test_compressed_generation_runs_and_stores_less(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    batch = encode(tokenizer, PROMPTS)
+    for spec in ("fp8", "kivi:bits=2,group=16", "qvg:centroids=4,group=32"):
+        cache = KVBackendCache(model.config, codec=spec, page_size=16, chunk_pages=1)
+        tokens = generate(model, batch, cache, n=6)
+        assert tokens.shape == (3, 6)
+        held = cache.kv_bytes()
+        assert 0 < held["packed"] and held["stored"] < held["exact"]
+    torch.manual_seed(0)
+    sampled = generate(model, batch, KVBackendCache(model.config, codec="kivi:bits=4,group=16", page_size=16,
+                                                    chunk_pages=1), n=5, do_sample=True, top_k=20)
+    assert sampled.shape == (3, 5)
+
+
+@pytest.fixture(scope="session")
+def sample_ids(model_and_tokenizer):
+    from pathlib import Path
+
+    _, tokenizer = model_and_tokenizer
+    text = (Path(__file__).parent / "data" / "sample.txt").read_text()
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+SMALL = dict(tokens=320, prefix=256, cont=64, queries=64, chunk_tokens=128)
+
+
+def test_eval_kl_matches_independent_computation(model_and_tokenizer, sample_ids):
+    """fp8 KL from `evaluate` equals a direct computation: cast the exact prefix K/V to fp8 and score."""
+    from kvbackend.evaluate import EvalSettings, evaluate
+
+    model, _ = model_and_tokenizer
+    (result,) = evaluate(model, sample_ids, ["fp8"], EvalSettings(**SMALL))
+    ids = sample_ids[:, :320]
+    with torch.no_grad():
+        exact = DynamicCache(config=model.config)
+        model(ids[:, :256], cache=exact)
+        fp8 = DynamicCache(config=model.config)
+        for i, layer in enumerate(exact.layers):
+            fp8.update(layer.keys.to(torch.float8_e4m3fn).float(), layer.values.to(torch.float8_e4m3fn).float(), i)
+        ref = model(ids[:, 256:320], cache=exact).logits[0].log_softmax(-1)
+        test = model(ids[:, 256:320], cache=fp8).logits[0].log_softmax(-1)
+    kl = float((ref.exp() * (ref - test)).sum(-1).mean())
+    assert result.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)
+    assert result.kl > 0
+    assert result.top1_agree == pytest.approx(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
+
+
+def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
+    from pathlib import Path
+
+    from kvbackend.cli import main
+    from kvbackend.evaluate import COLUMNS
+
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    text = str(Path(__file__).parent / "data" / "sample.txt")
+    code = main(["eval", "--text", text, "--codec", "identity", "--codec", "fp16", "--codec", "fp8",
+                 "--codec", "kivi:bits=2,group=32", "--codec", "qvg", "--tokens", "320", "--prefix", "256",
+                 "--continue", "64", "--json", str(out_json), "--plot", str(out_png)])
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    rows = {row["spec"]: row for row in data["codecs"]}
+    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg"]
+    for row in rows.values():
+        for key in (*COLUMNS, "ppl_ref", "spec"):
+            assert key in row
+        assert all(math.isfinite(row[k]) for k in (*COLUMNS, "ppl_ref"))
+    lossless = rows["identity"]
+    assert lossless["k_nrmse"] == 0 and lossless["v_nrmse"] == 0 and lossless["kl"] == 0
+    assert lossless["top1_shift"] == 0 and lossless["attn_out_err"] == 0 and lossless["top1_agree"] == 1
+    # fp16 of a float32 model: half-ulp error 2^-11 relative, so zero to three decimals.
+    assert rows["fp16"]["k_nrmse"] < 1e-3 and rows["fp16"]["kl"] < 1e-4 and rows["fp16"]["bpv"] == 16
+    assert rows["kivi:bits=2,group=32"]["bpv"] == pytest.approx(3.0)
+    assert rows["kivi:bits=2,group=32"]["kl"] > rows["fp8"]["kl"] > rows["fp16"]["kl"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_rejects_short_text(model_and_tokenizer, sample_ids):
+    from kvbackend.evaluate import EvalSettings, evaluate
+
+    model, _ = model_and_tokenizer
+    with pytest.raises(ValueError, match="tokens"):
+        evaluate(model, sample_ids[:, :100], ["fp8"], EvalSettings(**SMALL))
+
+
+def test_demo_runs(model_and_tokenizer, capsys):
+    from kvbackend.cli import main
+
+    assert main(["demo", "--max-new-tokens", "3", "--codec", "kivi:bits=2,group=16", "--prompt", "Hello",
+                 "--prompt", "Name three colours."]) == 0
+    out = capsys.readouterr().out
+    assert "kivi:bits=2,group=16" in out and "compression" in out and "exact (DynamicCache)" in out
