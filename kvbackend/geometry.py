@@ -49,6 +49,7 @@ class CacheConfig:
     packed_pages: int = 1024  # capacity of the packed pool, in pages
     codebook_slots: int | None = None  # chunk codebook slots; default: one per possible chunk
     device: str = "cpu"
+    backend: str = "auto"  # "auto" (Triton kernels on CUDA when they read the layout), "torch" or "triton"
     check_finite: bool = True  # reject NaN/Inf in appended K/V (one device sync per append)
     extra_keys: tuple = field(default_factory=tuple)  # mixed into every page hash (LoRA id, salt, ...)
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codecs
+from . import backends, codecs
+from .batch import BatchPlan, plan_batch
 from .codecs.base import CodecState, check_kv
 from .errors import CacheFull, InvalidKV, UnknownRequest
 from .geometry import CacheConfig, Geometry
@@ -48,6 +49,7 @@ class KVCache:
         self.layout = self.codec.layout(geometry, self.config.page_size)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layout, self.config)
+        self.backend = backends.choose(self.config.backend, self.dense.data.device, self.codec, self.layout)
         self._tables: dict[int, PageTable] = {}
         # hashed packed page -> its tokens, for the collision check on a hit; entries of evicted pages
         # are harmless (their hash is gone) and are overwritten when the page is hashed again
@@ -146,13 +148,13 @@ class KVCache:
         chunk_dense = table.dense[: cfg.chunk_pages]
         new_pages = self.packed.allocator.allocate(cfg.chunk_pages)
         (slot,) = self.packed.slots.allocate(1)
+        page_ids = torch.tensor(new_pages, dtype=torch.int32, device=self.dense.data.device)
         for layer in range(self.geometry.num_layers):
             kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
             k = kv[:, 0].reshape(-1, *kv.shape[-2:])
             v = kv[:, 1].reshape(-1, *kv.shape[-2:])
-            chunk = self.codec.encode(k, v, self.layout, table.states[layer])
-            self.packed.pages[layer, new_pages] = chunk.pages
-            self.packed.codebooks[layer, slot] = chunk.codebook
+            self.backend.encode_chunk(self.codec, self.layout, k, v, table.states[layer], self.packed.pages[layer],
+                                      page_ids, self.packed.codebooks[layer, slot])
         self.packed.bind(new_pages, slot)
         self.packed.slots.decref(slot)  # the pages now hold the slot; drop the allocation's own ref
         first_token = table.num_packed_tokens
@@ -221,6 +223,21 @@ class KVCache:
             else:
                 runs.append((slot, [page]))
         return runs
+
+    # -- batched attention (plan once per batch, run per layer) -----------------------------
+    def plan(self, request_ids: list[int], layer: int = 0) -> BatchPlan:
+        """Flatten the batch's page tables once; reuse the plan for every layer of one step."""
+        for rid in request_ids:
+            self._table(rid)
+        return plan_batch(self, list(request_ids), layer)
+
+    def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
+        return self.backend.gather(self, plan, layer)
+
+    def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
+        """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
+        return self.backend.decode(self, plan, layer, q, scale)
 
     def page_table(self, request_id: int) -> PageTable:
         return self._table(request_id)

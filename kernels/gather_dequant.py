@@ -1,0 +1,109 @@
+"""Gather-dequant: packed and dense pages of a batch -> contiguous K/V per request, for any attention.
+
+One program per (work page, KV head) reconstructs the page's tokens and writes them at the
+request's rows (cu_seqlens layout). Pre-RoPE keys can be rotated on the way out.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbackend.batch import BatchPlan
+from kvbackend.scheme import TensorScheme
+
+from .dequant import load_page, pool_views, scheme_constants
+
+
+@triton.jit
+def _rope(x, cos, sin, P: tl.constexpr, D: tl.constexpr):
+    """Half-split RoPE on a [P, D] tile; cos/sin are [P, D/2]."""
+    halves = tl.permute(tl.reshape(x, (P, 2, D // 2)), (0, 2, 1))
+    x1, x2 = tl.split(halves)
+    joined = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    return tl.reshape(tl.permute(joined, (0, 2, 1)), (P, D))
+
+
+@triton.jit
+def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds, valid, rows, positions,
+                           cos_table, sin_table, k_out, v_out,
+                           PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
+                           D: tl.constexpr, ROPE: tl.constexpr,
+                           K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
+                           K_KIND: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
+                           K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
+                           V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
+                           V_KIND: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
+                           V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr):
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(page_ids + w).to(tl.int64)
+    slot = tl.load(slots + w).to(tl.int64)
+    kind = tl.load(kinds + w)
+    n = tl.load(valid + w)
+    row = tl.load(rows + w).to(tl.int64)
+    k = load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, 0, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
+                  K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
+    v = load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, 1, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE,
+                  V_BITS, V_GROUP, V_SYMMETRIC, V_KIND, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
+    t = tl.arange(0, P)
+    d = tl.arange(0, D)
+    if ROPE:
+        position = tl.load(positions + w) + t
+        half = tl.arange(0, D // 2)
+        cos = tl.load(cos_table + position[:, None] * (D // 2) + half[None, :])
+        sin = tl.load(sin_table + position[:, None] * (D // 2) + half[None, :])
+        k = _rope(k, cos, sin, P, D)
+    out = ((row + t[:, None]) * H + h) * D + d[None, :]
+    mask = t[:, None] < n
+    tl.store(k_out + out, k.to(k_out.dtype.element_ty), mask=mask)
+    tl.store(v_out + out, v.to(v_out.dtype.element_ty), mask=mask)
+
+
+def _check(pages: torch.Tensor, dense: torch.Tensor, plan: BatchPlan) -> None:
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
+        raise ValueError(f"packed pages must be a contiguous uint8 [pages, page_bytes] tensor, got {pages.dtype} {tuple(pages.shape)}")
+    if dense.dim() != 5 or dense.shape[1] != 2 or not dense.is_contiguous():
+        raise ValueError(f"dense pages must be a contiguous [pages, 2, P, H, D] tensor, got {tuple(dense.shape)}")
+    if dense.device != pages.device or plan.page_ids.device != pages.device:
+        raise ValueError("pages, dense pages and the plan must be on one device")
+    p, _, d = dense.shape[2:]
+    for name, value in (("page_size", p), ("head_dim", d)):
+        if value & (value - 1):
+            raise ValueError(f"kernels need a power-of-two {name}, got {value}")
+
+
+def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, schemes: tuple[TensorScheme, TensorScheme],
+                   plan: BatchPlan, out_dtype: torch.dtype = torch.bfloat16, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reconstruct every token of the planned requests, ``[total_tokens, H, D]`` each for K and V.
+
+    Args:
+        pages: one layer's packed pages ``[num_pages, page_bytes]`` (uint8).
+        codebooks: one layer's codebook slots ``[num_slots, codebook_bytes]`` (uint8).
+        dense: one layer's dense pages ``[num_pages, 2, P, H, D]``.
+        rope: optional (cos, sin) tables ``[max_position, D/2]`` float32 to rotate pre-RoPE keys.
+        out: optional caller buffers to write into.
+    """
+    _check(pages, dense, plan)
+    _, _, p, h, d = dense.shape
+    if plan.page_size != p:
+        raise ValueError(f"plan page_size {plan.page_size} != dense pages' {p}")
+    u8, i16, i32 = pool_views(pages)
+    _, book_i16, _ = pool_views(codebooks)
+    total = plan.num_tokens
+    k_out, v_out = out if out is not None else (torch.empty(total, h, d, dtype=out_dtype, device=pages.device),
+                                                torch.empty(total, h, d, dtype=out_dtype, device=pages.device))
+    if out is not None and (k_out.shape != (total, h, d) or not k_out.is_contiguous()):
+        raise ValueError(f"output buffers must be contiguous [{total}, {h}, {d}]")
+    work = plan.page_ids.numel()
+    if work == 0:
+        return k_out, v_out
+    cos, sin = rope if rope is not None else (k_out, k_out)  # unused when ROPE is off
+    k_scheme, v_scheme = schemes
+    _gather_dequant_kernel[(work, h)](
+        u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.kinds, plan.valid, plan.rows, plan.positions,
+        cos, sin, k_out, v_out, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
+        ROPE=rope is not None, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
+    return k_out, v_out

@@ -1,0 +1,103 @@
+"""The one seam between the core and the kernels.
+
+The core never imports Triton at module level. A backend encodes completed chunks, gathers K/V
+and runs decode attention; the Triton backend uses `kvbackend.kernels`, the torch backend the
+reference codecs. `choose` picks Triton on CUDA when the codec's layout is one the kernels read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .attention import decode_attention
+from .batch import BatchPlan
+from .codecs.base import CodecState
+from .errors import SpecError
+from .layout import PageLayout
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class TorchBackend:
+    """Reference implementations: exact, portable, slow."""
+
+    name = "torch"
+
+    def encode_chunk(self, codec, layout: PageLayout, k, v, state: CodecState, pages, page_ids, codebook) -> None:
+        chunk = codec.encode(k, v, layout, state)
+        pages[page_ids.long()] = chunk.pages
+        codebook.copy_(chunk.codebook)
+
+    def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        reads = [cache.read(rid, layer) for rid in plan.request_ids]
+        return torch.cat([r[0] for r in reads]), torch.cat([r[1] for r in reads])
+
+    def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
+        reads = [cache.read(rid, layer) for rid in plan.request_ids]
+        out, lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads], scale)
+        return out.to(q.dtype), lse
+
+
+class TritonBackend:
+    """Kernels from `kvbackend.kernels`; the pools are read and written in place."""
+
+    name = "triton"
+
+    def __init__(self, codec, layout: PageLayout) -> None:
+        from .scheme import kernel_schemes
+
+        self.schemes = kernel_schemes(codec, layout)
+
+    def encode_chunk(self, codec, layout: PageLayout, k, v, state: CodecState, pages, page_ids, codebook) -> None:
+        from .kernels.chunk_encoder import encode_chunk
+
+        encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
+
+    def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from .kernels.gather_dequant import gather_dequant
+
+        return gather_dequant(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                              self.schemes, plan, out_dtype=cache.geometry.dtype)
+
+    def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
+        from .kernels.paged_decode import paged_decode
+
+        return paged_decode(q.contiguous(), cache.packed.pages[layer], cache.packed.codebooks[layer],
+                            cache.dense.data[layer], self.schemes, plan, scale)
+
+
+def kernels_can_serve(codec, layout: PageLayout) -> bool:
+    """Whether the Triton kernels read this layout (2/4/8-bit codes or floats, power-of-two P and D)."""
+    from .scheme import kernel_schemes
+
+    p, d = layout.page_size, layout.geometry.head_dim
+    if p & (p - 1) or d & (d - 1):
+        return False
+    try:
+        schemes = kernel_schemes(codec, layout)
+    except NotImplementedError:
+        return False
+    return all(s.supported_by_kernels() for s in schemes)
+
+
+def choose(name: str, device: torch.device, codec, layout: PageLayout):
+    """The backend called ``name`` ("auto", "torch" or "triton") for pools on ``device``.
+
+    Raises:
+        SpecError: an unknown name, or "triton" where Triton is missing or cannot read the layout.
+    """
+    if name not in BACKENDS:
+        raise SpecError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and has_triton and kernels_can_serve(codec, layout) else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if not has_triton:
+        raise SpecError("backend 'triton' needs the triton package (pip install 'kvbackend[gpu]')")
+    if not kernels_can_serve(codec, layout):
+        raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
+                        f"{layout.page_size} and head_dim {layout.geometry.head_dim}")
+    return TritonBackend(codec, layout)

@@ -1,0 +1,25 @@
+"""Small odd-shaped caches shared by the kernel tests (kept small: the CPU interpreter is slow)."""
+
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def filled_cache(codec: str, head_dim: int, page_size: int, lengths, heads: int = 2, layers: int = 2,
+                 backend: str = "torch", chunk_pages: int = 2, dtype=torch.bfloat16, seed: int = 0):
+    """A cache holding one request per length; lengths end mid-page and mid-chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    geometry = Geometry(layers, heads, head_dim, dtype)
+    cache = KVCache(geometry, CacheConfig(codec=codec, page_size=page_size, chunk_pages=chunk_pages, dense_pages=64,
+                                          packed_pages=64, device=DEVICE, backend=backend))
+    ids = []
+    for n in lengths:
+        rid, _ = cache.add_request()
+        for layer in range(layers):
+            k = (torch.randn(n, heads, head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
+            v = torch.randn(n, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+            cache.append(rid, layer, k, v)
+        ids.append(rid)
+    return cache, ids
