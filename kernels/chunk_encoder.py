@@ -26,7 +26,7 @@ def encode_chunk(codec, layout: PageLayout, k: torch.Tensor, v: torch.Tensor, st
         codebook: the chunk's codebook slot [codebook_bytes] of this layer, written in place.
     """
     schemes = kernel_schemes(codec, layout)
-    spec = codec.spec
+    quantized = []
     for prefix, x, scheme in (("k", k, schemes[0]), ("v", v, schemes[1])):
         if scheme.mode == FLOAT:
             dtype = layout.page.fields[prefix].dtype
@@ -35,27 +35,46 @@ def encode_chunk(codec, layout: PageLayout, k: torch.Tensor, v: torch.Tensor, st
             layout.page.view(rows, prefix).copy_(x.float().clamp(-big, big).to(dtype).reshape(
                 -1, layout.page_size, *x.shape[1:]))
             pages[page_ids.long()] = rows
-            continue
-        if not scheme.stages:
+        else:
+            quantized.append((prefix, x, scheme))
+    staged = [item for item in quantized if item[2].stages]
+    centroids, assign = _cluster(codec.spec, staged, state, k.shape[1]) if staged else ({}, {})
+    for prefix, x, scheme in quantized:
+        if prefix in centroids:
+            layout.codebook.view(codebook, f"{prefix}_centroids").copy_(centroids[prefix])
+            encode_into_pages(x.contiguous(), scheme, pages, page_ids, assign[prefix], centroids[prefix])
+        else:
             encode_into_pages(x.contiguous(), scheme, pages, page_ids)
-            continue
-        residual = x.float().transpose(0, 1).contiguous()  # [H, N, D]
-        warm = state.centroids.get(prefix)
-        generator = torch.Generator().manual_seed(spec.seed)
-        stored, assigns = [], []
-        for stage in range(scheme.stages):
-            if warm is not None:
-                init = warm[stage].to(residual.device)
-            else:
-                init = _INITS[spec.init](residual.cpu(), scheme.centroids, generator).to(residual.device)
-            result = kmeans(residual, init, spec.iters)
-            state.iterations.append(result.iterations)
-            cents = result.centroids.to(torch.bfloat16)
-            residual -= torch.gather(cents.float(), 1, result.assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
-            stored.append(cents)
-            assigns.append(result.assign)
-        centroids = torch.stack(stored)  # [S, H, C, D]
-        state.centroids[prefix] = centroids.float()
-        layout.codebook.view(codebook, f"{prefix}_centroids").copy_(centroids)
-        assign = torch.stack(assigns).transpose(1, 2).to(torch.int32).contiguous()  # [S, N, H]
-        encode_into_pages(x.contiguous(), scheme, pages, page_ids, assign, centroids)
+
+
+def _cluster(spec, staged, state: CodecState, heads: int):
+    """k-means stages for K and V together (one batch of 2H problems), warm-started from ``state``.
+
+    Returns per prefix the bf16 centroids [S, H, C, D] and int32 assignments [S, N, H].
+    """
+    prefixes = [prefix for prefix, _, _ in staged]
+    stages, count = staged[0][2].stages, staged[0][2].centroids
+    residual = torch.cat([x.float().transpose(0, 1) for _, x, _ in staged]).contiguous()  # [len * H, N, D]
+    generator = torch.Generator().manual_seed(spec.seed)
+    early_stop = not residual.is_cuda  # on the GPU: fixed steps, no host sync
+    stored, assigns = [], []
+    for stage in range(stages):
+        if all(p in state.centroids for p in prefixes):
+            init = torch.cat([state.centroids[p][stage] for p in prefixes]).to(residual.device)
+        else:  # K's heads then V's, as the reference seeds them (same draws for one stage)
+            init = torch.cat([_INITS[spec.init](part.cpu(), count, generator)
+                              for part in residual.split(heads)]).to(residual.device)
+        result = kmeans(residual, init, spec.iters, early_stop=early_stop)
+        state.iterations.append(result.iterations)
+        cents = result.centroids.to(torch.bfloat16)
+        residual -= torch.gather(cents.float(), 1, result.assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
+        stored.append(cents)
+        assigns.append(result.assign)
+    all_cents = torch.stack(stored)  # [S, len * H, C, D]
+    all_assign = torch.stack(assigns).transpose(1, 2).to(torch.int32)  # [S, N, len * H]
+    centroids, assign = {}, {}
+    for i, prefix in enumerate(prefixes):
+        centroids[prefix] = all_cents[:, i * heads : (i + 1) * heads].contiguous()
+        assign[prefix] = all_assign[:, :, i * heads : (i + 1) * heads].contiguous()
+        state.centroids[prefix] = centroids[prefix].float()
+    return centroids, assign

@@ -26,16 +26,18 @@ def fp8e4m3_to_f32(b):
 
 
 @triton.jit
-def load_elements(u8, i16, i32, byte_offset, KIND: tl.constexpr):
-    """Load float elements of kind KIND (0 fp8 e4m3, 1 fp16, 2 bf16, 3 fp32) at byte offsets, as float32."""
+def load_elements(u8, i16, i32, base, index, KIND: tl.constexpr):
+    """Float elements of kind KIND (0 fp8 e4m3, 1 fp16, 2 bf16, 3 fp32) at element ``base + index`` of the
+    matching typed view, as float32. Offsets stay in element units so Triton sees contiguous runs and
+    vectorizes the loads."""
     if KIND == 0:
-        return fp8e4m3_to_f32(tl.load(u8 + byte_offset).to(tl.int32))
+        return fp8e4m3_to_f32(tl.load(u8 + base + index).to(tl.int32))
     elif KIND == 1:
-        return tl.load(i16 + byte_offset // 2).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.load(i16 + base + index).to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 2:
-        return tl.load(i16 + byte_offset // 2).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return tl.load(i16 + base + index).to(tl.bfloat16, bitcast=True).to(tl.float32)
     else:
-        return tl.load(i32 + byte_offset // 4).to(tl.float32, bitcast=True)
+        return tl.load(i32 + base + index).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -49,51 +51,70 @@ def element_size(KIND: tl.constexpr):
 
 
 @triton.jit
-def dequant_tile(u8, i16, i32, page_offset, book_i16, book_offset, h,
+def unpack_codes(i32, word_base, row, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Codes [P, D] (int32) of one head from packed rows, read as 32-bit words.
+
+    ``row`` is the token-major row index ``t * H + h`` for t in 0..P-1; bytes hold their first code in
+    the top bits, and a little-endian word holds bytes 0..3 in bits 0..31.
+    """
+    PER_BYTE: tl.constexpr = 8 // BITS
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = D // PER_WORD
+    w = tl.arange(0, WORDS)
+    words = tl.load(i32 + word_base + row[:, None] * WORDS + w[None, :])
+    j = tl.arange(0, PER_WORD)
+    shifts = 8 * (j // PER_BYTE) + (PER_BYTE - 1 - j % PER_BYTE) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (P, D))
+
+
+@triton.jit
+def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
+                 PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
                  H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                  MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
                  KIND: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
                  ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr):
-    """float32 [P, D]: head ``h`` of the page at byte ``page_offset`` (int64), reconstructed."""
+    """float32 [P, D]: head ``h`` of packed page ``page`` (int64), reconstructed."""
     t = tl.arange(0, P)
     d = tl.arange(0, D)
     esize: tl.constexpr = element_size(KIND)
+    base = page * (PAGE_BYTES // esize)
     if MODE == 0:  # plain floats [P, H, D]
-        x = load_elements(u8, i16, i32, page_offset + CODES + ((t[:, None] * H + h) * D + d[None, :]) * esize, KIND)
+        x = load_elements(u8, i16, i32, base + CODES // esize, (t[:, None] * H + h) * D + d[None, :], KIND)
     else:
-        PER: tl.constexpr = 8 // BITS  # codes per byte, first in the top bits
-        DP: tl.constexpr = D // PER
-        byte = tl.arange(0, DP)
-        raw = tl.load(u8 + page_offset + CODES + (t[:, None] * H + h) * DP + byte[None, :]).to(tl.int32)
-        shifts = (PER - 1 - tl.arange(0, PER)) * BITS
-        codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        codes = tl.reshape(codes, (P, D)).to(tl.float32)
+        codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS).to(tl.float32)
         if MODE == 1:  # per token, groups of GROUP channels: [P, H, D / GROUP]
             NG: tl.constexpr = D // GROUP
-            g = tl.arange(0, NG)
-            where = ((t[:, None] * H + h) * NG + g[None, :]) * esize
+            where = (t[:, None] * H + h) * NG + tl.arange(0, NG)[None, :]
             scale = tl.reshape(tl.broadcast_to(
-                load_elements(u8, i16, i32, page_offset + SCALES + where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
+                load_elements(u8, i16, i32, base + SCALES // esize, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
             if not SYMMETRIC:
                 zero = tl.reshape(tl.broadcast_to(
-                    load_elements(u8, i16, i32, page_offset + ZEROS + where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
+                    load_elements(u8, i16, i32, base + ZEROS // esize, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
         else:  # per channel, groups of GROUP tokens: [P / GROUP, H, D]
             NT: tl.constexpr = P // GROUP
-            tg = tl.arange(0, NT)
-            where = ((tg[:, None] * H + h) * D + d[None, :]) * esize
+            where = (tl.arange(0, NT)[:, None] * H + h) * D + d[None, :]
             scale = tl.reshape(tl.broadcast_to(
-                load_elements(u8, i16, i32, page_offset + SCALES + where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
+                load_elements(u8, i16, i32, base + SCALES // esize, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
             if not SYMMETRIC:
                 zero = tl.reshape(tl.broadcast_to(
-                    load_elements(u8, i16, i32, page_offset + ZEROS + where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
+                    load_elements(u8, i16, i32, base + ZEROS // esize, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
         if SYMMETRIC:
             x = (codes - ((1 << (BITS - 1)) - 1)) * scale
         else:
             x = codes * scale + zero
+    book = slot * (BOOK_BYTES // 2) + BOOK // 2
     for stage in tl.static_range(STAGES):
-        ids = tl.load(u8 + page_offset + ASSIGN + (stage * P + t) * H + h).to(tl.int32)
-        rows = book_offset + BOOK + (((stage * H + h) * C + ids[:, None]) * D + d[None, :]) * 2
-        x += tl.load(book_i16 + rows // 2).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        ids = tl.load(u8 + page * PAGE_BYTES + ASSIGN + (stage * P + t) * H + h).to(tl.int32)
+        if C >= 16:  # one-hot [P, C] x centroids [C, D] on tensor cores: a contiguous load, not a gather
+            c = tl.arange(0, C)
+            onehot = (ids[:, None] == c[None, :]).to(tl.float16)
+            cents = tl.load(book_i16 + book + ((stage * H + h) * C + c[:, None]) * D + d[None, :])
+            x += tl.dot(onehot, cents.to(tl.bfloat16, bitcast=True).to(tl.float16))
+        else:
+            rows = ((stage * H + h) * C + ids[:, None]) * D + d[None, :]
+            x += tl.load(book_i16 + book + rows).to(tl.bfloat16, bitcast=True).to(tl.float32)
     return x
 
 
@@ -118,17 +139,8 @@ def pool_views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @triton.jit
-def load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, is_v: tl.constexpr,
-              PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-              MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
-              KIND: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
-              ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr):
-    """float32 [P, D] of head ``h`` from a packed page (kind 0) or a dense page (kind 1)."""
-    if kind == 0:
-        x = dequant_tile(u8, i16, i32, page * PAGE_BYTES, book_i16, slot * BOOK_BYTES, h, H, P, D, MODE, BITS,
-                         GROUP, SYMMETRIC, KIND, CODES, SCALES, ZEROS, ASSIGN, STAGES, C, BOOK)
-    else:
-        t = tl.arange(0, P)
-        d = tl.arange(0, D)
-        x = tl.load(dense + ((page * 2 + is_v) * P + t[:, None]) * (H * D) + h * D + d[None, :]).to(tl.float32)
-    return x
+def load_dense(dense, page, h, is_v: tl.constexpr, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
+    """float32 [P, D] of head ``h`` from dense page ``page`` of a [pages, 2, P, H, D] pool."""
+    t = tl.arange(0, P)
+    d = tl.arange(0, D)
+    return tl.load(dense + ((page * 2 + is_v) * P + t[:, None]) * (H * D) + h * D + d[None, :]).to(tl.float32)

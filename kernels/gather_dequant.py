@@ -13,7 +13,7 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
-from .dequant import load_page, pool_views, scheme_constants
+from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
 
 
 @triton.jit
@@ -43,10 +43,14 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
     kind = tl.load(kinds + w)
     n = tl.load(valid + w)
     row = tl.load(rows + w).to(tl.int64)
-    k = load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, 0, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
-                  K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
-    v = load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, 1, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE,
-                  V_BITS, V_GROUP, V_SYMMETRIC, V_KIND, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
+    if kind == 0:
+        k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
+                         K_GROUP, K_SYMMETRIC, K_KIND, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
+        v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
+                         V_GROUP, V_SYMMETRIC, V_KIND, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
+    else:
+        k = load_dense(dense, page, h, 0, H, P, D)
+        v = load_dense(dense, page, h, 1, H, P, D)
     t = tl.arange(0, P)
     d = tl.arange(0, D)
     if ROPE:

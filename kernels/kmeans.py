@@ -14,7 +14,8 @@ from kvbackend.codecs.kmeans import KMeansResult
 
 
 @triton.jit
-def _assign_kernel(x, centroids, c_norm, out, N, C, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+def _assign_kernel(x, centroids, c_norm, out, N, C, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                   PRECISION: tl.constexpr):
     b = tl.program_id(0)  # problem (head)
     block = tl.program_id(1)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -28,7 +29,7 @@ def _assign_kernel(x, centroids, c_norm, out, N, C, D: tl.constexpr, BLOCK_N: tl
         valid = cols < C
         cents = tl.load(centroids + (b * C + cols[:, None]) * D + d[None, :], mask=valid[:, None], other=0.0)
         norms = tl.load(c_norm + b * C + cols, mask=valid, other=float("inf"))
-        dist = norms[None, :] - 2.0 * tl.dot(points, tl.trans(cents), input_precision="ieee")
+        dist = norms[None, :] - 2.0 * tl.dot(points, tl.trans(cents), input_precision=PRECISION)
         block_best = tl.min(dist, 1)
         block_id = tl.argmin(dist, 1).to(tl.int32) + start
         better = block_best < best
@@ -51,12 +52,19 @@ def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     block_n = 64
     block_c = max(16, min(64, triton.next_power_of_2(c)))
     _assign_kernel[(b, triton.cdiv(n, block_n))](x, centroids, (centroids * centroids).sum(-1).contiguous(), out, n, c,
-                                                 D=d, BLOCK_N=block_n, BLOCK_C=block_c)
+                                                 D=d, BLOCK_N=block_n, BLOCK_C=block_c,
+                                                 PRECISION="tf32" if x.is_cuda else "ieee")
     return out.long()
 
 
-def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int) -> KMeansResult:
-    """Same contract as `kvbackend.codecs.kmeans.kmeans`, with the assignment step in Triton."""
+def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool = True) -> KMeansResult:
+    """Same contract as `kvbackend.codecs.kmeans.kmeans`, with the assignment step in Triton.
+
+    ``early_stop=False`` runs exactly ``max_iters`` steps with no host synchronisation (the GPU
+    encode path); once assignments stop changing, further steps change nothing.
+    On CUDA the distances use TF32 tensor cores, so near-ties may resolve differently from the
+    float32 reference.
+    """
     x = x.float().contiguous()
     centroids = init.float().clone()
     b, _, d = x.shape
@@ -72,9 +80,10 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int) -> KMeansResult:
         centroids = torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
         iterations += 1
         new_assign = assign_nearest(x, centroids)
-        changed = bool((new_assign != assign).any())
-        assign = new_assign
-        if not changed:
+        if early_stop and not bool((new_assign != assign).any()):
+            assign = new_assign
             break
+        assign = new_assign
     nearest = torch.gather(centroids, 1, assign.unsqueeze(-1).expand(-1, -1, d))
-    return KMeansResult(centroids, assign, iterations, float(((x - nearest) ** 2).sum(-1).mean()))
+    objective = float(((x - nearest) ** 2).sum(-1).mean()) if early_stop else float("nan")
+    return KMeansResult(centroids, assign, iterations, objective)

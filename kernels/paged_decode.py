@@ -17,15 +17,29 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
-from .dequant import load_page, pool_views, scheme_constants
+from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from .gather_dequant import _check
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, kinds, valid,
-                         req_start, req_pages, scale_log2, pages_per_split, num_splits,
+def _attend(q_tile, k, v, n, m_i, l_i, acc, scale_log2, P: tl.constexpr):
+    """One page of online softmax: scores in log2 units, masked past the page's ``n`` tokens."""
+    t = tl.arange(0, P)
+    scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2  # [ROWS, P]
+    scores = tl.where(t[None, :] < n, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, valid,
+                         req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
                          PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                          D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                          K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
@@ -39,35 +53,32 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     s = tl.program_id(2)
     start = tl.load(req_start + r)
     count = tl.load(req_pages + r)
+    packed = tl.load(req_packed + r)
     first = s * pages_per_split
     last = tl.minimum(first + pages_per_split, count)
     i = tl.arange(0, ROWS)
     d = tl.arange(0, D)
-    t = tl.arange(0, P)
     heads = h * GROUP + i
     q_rows = (r * (H * GROUP) + heads) * D
     q_tile = tl.load(q + q_rows[:, None] + d[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float16)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
-    for j in range(first, last):
-        w = start + j
-        page = tl.load(page_ids + w).to(tl.int64)
-        slot = tl.load(slots + w).to(tl.int64)
-        kind = tl.load(kinds + w)
-        n = tl.load(valid + w)
-        k = load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, 0, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
-                      K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
-        scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2  # [ROWS, P], log2 units
-        scores = tl.where(t[None, :] < n, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        v = load_page(u8, i16, i32, book_i16, dense, page, slot, kind, h, 1, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE,
-                      V_BITS, V_GROUP, V_SYMMETRIC, V_KIND, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m_i = m_new
+    # Packed pages and dense pages in two branch-free loops, so each can be software-pipelined.
+    for j in range(first, tl.minimum(last, packed)):
+        page = tl.load(page_ids + start + j).to(tl.int64)
+        slot = tl.load(slots + start + j).to(tl.int64)
+        k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
+                         K_GROUP, K_SYMMETRIC, K_KIND, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
+        v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
+                         V_GROUP, V_SYMMETRIC, V_KIND, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
+        m_i, l_i, acc = _attend(q_tile, k, v, P, m_i, l_i, acc, scale_log2, P)
+    for j in range(tl.maximum(first, packed), last):
+        page = tl.load(page_ids + start + j).to(tl.int64)
+        n = tl.load(valid + start + j)
+        k = load_dense(dense, page, h, 0, H, P, D)
+        v = load_dense(dense, page, h, 1, H, P, D)
+        m_i, l_i, acc = _attend(q_tile, k, v, n, m_i, l_i, acc, scale_log2, P)
     part = (r * (H * GROUP) + heads) * num_splits + s
     mask = i < GROUP
     tl.store(m_part + part, m_i, mask=mask)
@@ -94,7 +105,7 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr,
 
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor,
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
-                 target_programs: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                 target_programs: int = 1024, num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
@@ -123,10 +134,11 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
     _paged_decode_kernel[(b, h, splits)](
-        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.kinds, plan.valid,
-        plan.req_start, plan.req_pages, scale * _LOG2E, per_split, splits,
+        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
+        plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits,
         PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
-        ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
+        ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme),
+        num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=triton.next_power_of_2(splits))

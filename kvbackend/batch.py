@@ -24,6 +24,7 @@ class BatchPlan:
     positions: torch.Tensor  # int32 [W]: sequence position of the page's first token
     req_start: torch.Tensor  # int32 [B]: index of each request's first work page
     req_pages: torch.Tensor  # int32 [B]: work pages per request
+    req_packed: torch.Tensor  # int32 [B]: how many of those are packed (they come first)
     cu_seqlens: torch.Tensor  # int32 [B + 1]: token offsets of requests in gathered output
     max_pages: int  # most work pages of any request
     page_size: int
@@ -44,7 +45,7 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     """Flatten the page tables of ``request_ids`` (lengths taken from ``layer``; all layers of a
     request must hold the same number of tokens when the plan is reused across layers)."""
     p = cache.config.page_size
-    page_ids, kinds, slots, valid, rows, positions, starts, counts, cu = [], [], [], [], [], [], [], [], [0]
+    page_ids, kinds, slots, valid, rows, positions, starts, counts, packed, cu = [], [], [], [], [], [], [], [], [], [0]
     for rid in request_ids:
         table = cache.page_table(rid)
         starts.append(len(page_ids))
@@ -62,6 +63,7 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
             valid.append(min(p, dense_tokens - i * p))
             positions.append(table.num_packed_tokens + i * p)
         counts.append(len(page_ids) - starts[-1])
+        packed.append(len(table.packed))
         for position in positions[starts[-1] :]:
             rows.append(cu[-1] + position)
         cu.append(cu[-1] + table.lengths[layer])
@@ -71,5 +73,6 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     return BatchPlan(list(request_ids), as_tensor(page_ids), as_tensor(kinds), as_tensor(slots), as_tensor(valid),
-                     as_tensor(rows), as_tensor(positions), as_tensor(starts), as_tensor(counts), as_tensor(cu),
+                     as_tensor(rows), as_tensor(positions), as_tensor(starts), as_tensor(counts), as_tensor(packed),
+                     as_tensor(cu),
                      max(counts, default=0), p)
