@@ -41,16 +41,6 @@ def load_elements(u8, i16, i32, base, index, KIND: tl.constexpr):
 
 
 @triton.jit
-def element_size(KIND: tl.constexpr):
-    if KIND == 0:
-        return 1
-    elif KIND == 3:
-        return 4
-    else:
-        return 2
-
-
-@triton.jit
 def unpack_codes(i32, word_base, row, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """Codes [P, D] (int32) of one head from packed rows, read as 32-bit words.
 
@@ -73,33 +63,35 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                  PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
                  H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                  MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
-                 KIND: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
-                 ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr):
-    """float32 [P, D]: head ``h`` of packed page ``page`` (int64), reconstructed."""
+                 KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
+                 ZEROS: tl.constexpr, ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr):
+    """float32 [P, D]: head ``h`` of packed page ``page`` (int64), reconstructed.
+
+    ESIZE is the byte size of KIND's elements (passed in: Triton 3.6 cannot divide by a constexpr
+    returned from a jit function)."""
     t = tl.arange(0, P)
     d = tl.arange(0, D)
-    esize: tl.constexpr = element_size(KIND)
-    base = page * (PAGE_BYTES // esize)
+    base = page * (PAGE_BYTES // ESIZE)
     if MODE == 0:  # plain floats [P, H, D]
-        x = load_elements(u8, i16, i32, base + CODES // esize, (t[:, None] * H + h) * D + d[None, :], KIND)
+        x = load_elements(u8, i16, i32, base + CODES // ESIZE, (t[:, None] * H + h) * D + d[None, :], KIND)
     else:
         codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS).to(tl.float32)
         if MODE == 1:  # per token, groups of GROUP channels: [P, H, D / GROUP]
             NG: tl.constexpr = D // GROUP
             where = (t[:, None] * H + h) * NG + tl.arange(0, NG)[None, :]
             scale = tl.reshape(tl.broadcast_to(
-                load_elements(u8, i16, i32, base + SCALES // esize, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
+                load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
             if not SYMMETRIC:
                 zero = tl.reshape(tl.broadcast_to(
-                    load_elements(u8, i16, i32, base + ZEROS // esize, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
+                    load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
         else:  # per channel, groups of GROUP tokens: [P / GROUP, H, D]
             NT: tl.constexpr = P // GROUP
             where = (tl.arange(0, NT)[:, None] * H + h) * D + d[None, :]
             scale = tl.reshape(tl.broadcast_to(
-                load_elements(u8, i16, i32, base + SCALES // esize, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
+                load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
             if not SYMMETRIC:
                 zero = tl.reshape(tl.broadcast_to(
-                    load_elements(u8, i16, i32, base + ZEROS // esize, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
+                    load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
         if SYMMETRIC:
             x = (codes - ((1 << (BITS - 1)) - 1)) * scale
         else:
@@ -122,7 +114,8 @@ def scheme_constants(prefix: str, scheme) -> dict:
     """Keyword constants for `dequant_tile` from a TensorScheme, names prefixed ``K_`` or ``V_``."""
     return {
         f"{prefix}_MODE": scheme.mode, f"{prefix}_BITS": max(scheme.bits, 1), f"{prefix}_GROUP": max(scheme.group, 1),
-        f"{prefix}_SYMMETRIC": scheme.symmetric, f"{prefix}_KIND": scheme.kind, f"{prefix}_CODES": scheme.codes,
+        f"{prefix}_SYMMETRIC": scheme.symmetric, f"{prefix}_KIND": scheme.kind,
+        f"{prefix}_ESIZE": {0: 1, 1: 2, 2: 2, 3: 4}[scheme.kind], f"{prefix}_CODES": scheme.codes,
         f"{prefix}_SCALES": max(scheme.scales, 0), f"{prefix}_ZEROS": max(scheme.zeros, 0),
         f"{prefix}_ASSIGN": max(scheme.assign, 0), f"{prefix}_STAGES": scheme.stages,
         f"{prefix}_C": max(scheme.centroids, 1), f"{prefix}_BOOK": max(scheme.codebook, 0),

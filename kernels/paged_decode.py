@@ -43,10 +43,10 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                          D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                          K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
-                         K_KIND: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
+                         K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
                          K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
                          V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
-                         V_KIND: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
+                         V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
                          V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -69,9 +69,9 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
         page = tl.load(page_ids + start + j).to(tl.int64)
         slot = tl.load(slots + start + j).to(tl.int64)
         k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
-                         K_GROUP, K_SYMMETRIC, K_KIND, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
+                         K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
-                         V_GROUP, V_SYMMETRIC, V_KIND, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
+                         V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
         m_i, l_i, acc = _attend(q_tile, k, v, P, m_i, l_i, acc, scale_log2, P)
     for j in range(tl.maximum(first, packed), last):
         page = tl.load(page_ids + start + j).to(tl.int64)
