@@ -64,8 +64,12 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                  H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                  MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
                  KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
-                 ZEROS: tl.constexpr, ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr):
+                 ZEROS: tl.constexpr, ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr,
+                 UNPACK: tl.constexpr = 0):
     """float32 [P, D]: head ``h`` of packed page ``page`` (int64), reconstructed.
+
+    UNPACK 0 loads packed words and scales once and broadcasts them in registers (reshapes);
+    UNPACK 1 has every element load its own word and scale (more loads, served by L1, no reshapes).
 
     ESIZE is the byte size of KIND's elements (passed in: Triton 3.6 cannot divide by a constexpr
     returned from a jit function)."""
@@ -74,6 +78,23 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
     base = page * (PAGE_BYTES // ESIZE)
     if MODE == 0:  # plain floats [P, H, D]
         x = load_elements(u8, i16, i32, base + CODES // ESIZE, (t[:, None] * H + h) * D + d[None, :], KIND)
+    elif UNPACK == 1:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        PER_WORD: tl.constexpr = 32 // BITS
+        words = tl.load(i32 + page * (PAGE_BYTES // 4) + CODES // 4 + (t[:, None] * H + h) * (D // PER_WORD)
+                        + d[None, :] // PER_WORD)
+        j = d % PER_WORD
+        shifts = 8 * (j // PER_BYTE) + (PER_BYTE - 1 - j % PER_BYTE) * BITS
+        codes = ((words >> shifts[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        if MODE == 1:
+            where = (t[:, None] * H + h) * (D // GROUP) + d[None, :] // GROUP
+        else:
+            where = ((t[:, None] // GROUP) * H + h) * D + d[None, :]
+        scale = load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND)
+        if SYMMETRIC:
+            x = (codes - ((1 << (BITS - 1)) - 1)) * scale
+        else:
+            x = codes * scale + load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND)
     else:
         codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS).to(tl.float32)
         if MODE == 1:  # per token, groups of GROUP channels: [P, H, D / GROUP]

@@ -66,14 +66,18 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype) ->
     """
     x = x.float()
     _, tiny, _ = _limits(store)
+    # Divide by a tensor, not a Python number: CUDA torch turns division by a scalar into multiplication
+    # by its reciprocal, which rounds differently from the CPU (and from the kernels' IEEE division).
     if symmetric:
         qmax = (1 << (bits - 1)) - 1
-        scale = round_to((x.abs().amax(dim=-1) / qmax).clamp_min(tiny), store, "up")
+        divisor = torch.tensor(float(qmax), device=x.device)
+        scale = round_to((x.abs().amax(dim=-1) / divisor).clamp_min(tiny), store, "up")
         q = torch.round(x / scale.unsqueeze(-1)).clamp(-qmax, qmax) + qmax
         return Quantized(q.to(torch.uint8), scale.to(store), None)
     levels = (1 << bits) - 1
     zero = round_to(x.amin(dim=-1), store, "down")
-    scale = round_to(((x.amax(dim=-1) - zero) / levels).clamp_min(tiny), store, "up")
+    divisor = torch.tensor(float(levels), device=x.device)
+    scale = round_to(((x.amax(dim=-1) - zero) / divisor).clamp_min(tiny), store, "up")
     q = torch.round((x - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, levels)
     return Quantized(q.to(torch.uint8), scale.to(store), zero.to(store))
 

@@ -176,10 +176,12 @@ def sdpa_time(batch, hq, heads, length, dim, rotations):
 def decode(copy_bw):
     rows = []
     hq, heads, dim, p = 32, 8, 128, 64
-    for spec in ("rtn:bits=2,group=64,scale=fp8", "qvg", "kivi:bits=2,group=64", "fp8", "identity"):
+    shapes = ((8, 32768), (1, 32768), (32, 8192), (8, 131072))  # the first one picks the configuration
+    for spec in ("rtn:bits=2,group=64,scale=fp8", "qvg", "kivi:bits=2,group=64", "identity"):
         codec, layout, chunk = encoded_pages(spec, heads, dim, p)
         schemes = kernel_schemes(codec, layout)
-        for batch, length in ((1, 32768), (8, 32768), (32, 8192), (8, 131072)):
+        best_config = None
+        for batch, length in shapes:
             packed_per_req = length // p - 1  # the last page of every request is its dense active page
             per_rot = batch * packed_per_req * layout.page_bytes
             rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
@@ -190,24 +192,30 @@ def decode(copy_bw):
             dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
             plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
+            if best_config is None:
+                configs = [(u, w, st, tp) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
+            else:
+                configs = [best_config[:3] + (tp,) for tp in (1024, 4096)]
             best = None
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    i = [0]
+            for unpack, warps, stages, programs in configs:
+                i = [0]
 
-                    def run():
-                        j = i[0] % rotations
-                        i[0] += 1
-                        return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps, num_stages=stages)
+                def run():
+                    j = i[0] % rotations
+                    i[0] += 1
+                    return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
+                                        num_stages=stages, target_programs=programs, unpack=unpack)
 
-                    try:
-                        ms = bench(run, 100)
-                    except Exception as exc:  # a config that does not compile is skipped, and said
-                        print(f"  {spec} warps={warps} stages={stages}: {type(exc).__name__}")
-                        continue
-                    if best is None or ms < best[0]:
-                        best = (ms, warps, stages)
-            ms, warps, stages = best
+                try:
+                    ms = bench(run, 100)
+                except Exception as exc:  # a config that does not compile is skipped, and said
+                    print(f"  {spec} {(unpack, warps, stages, programs)}: {type(exc).__name__}")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, (unpack, warps, stages, programs))
+            ms, config = best
+            if best_config is None:
+                best_config = config
             chunks = math.ceil(length / 4096)
             bytes_read = batch * (packed_per_req * layout.page_bytes + chunks * layout.codebook_bytes
                                   + 2 * p * heads * dim * 2)
@@ -216,11 +224,12 @@ def decode(copy_bw):
             row = {"codec": spec, "B": batch, "L": length, "ours_us": ms * 1e3, "sdpa_us": sdpa_ms * 1e3,
                    "speedup_vs_sdpa": sdpa_ms / ms, "ours_GBps": bytes_read / ms / 1e6,
                    "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100, "sdpa_GBps": sdpa_bytes / sdpa_ms / 1e6,
-                   "bytes_read": bytes_read, "num_warps": warps, "num_stages": stages,
+                   "sdpa_pct_of_copy": sdpa_bytes / sdpa_ms / 1e6 / copy_bw * 100, "bytes_read": bytes_read,
+                   "config_unpack_warps_stages_programs": list(config),
                    "bits_per_value_read": 8 * bytes_read / (batch * length * heads * dim * 2)}
             rows.append(row)
             print(f"decode {spec:32s} B={batch:2d} L={length:6d}: ours {row['ours_us']:7.1f} us "
-                  f"({row['ours_GBps']:6.0f} GB/s, {row['ours_pct_of_copy']:4.1f}% of copy, w{warps}s{stages})  "
+                  f"({row['ours_GBps']:6.0f} GB/s, {row['ours_pct_of_copy']:4.1f}% of copy, {config})  "
                   f"SDPA {row['sdpa_us']:7.1f} us  speedup {row['speedup_vs_sdpa']:.2f}x", flush=True)
             del pages, dense, plans, qs
             torch.cuda.empty_cache()

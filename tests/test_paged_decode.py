@@ -72,3 +72,17 @@ def test_rejects_bad_query():
         paged_decode(torch.randn(1, 3, 32, device=DEVICE), *args)
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode(torch.randn(2, 2, 64, device=DEVICE), *args)
+
+
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "qvg", "rtn:bits=4,group=32,scale=fp16"])
+def test_unpack_variants_agree(codec):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache(codec, 64, 16, [61, 30])
+    plan = cache.plan(ids, 0)
+    q = torch.randn(2, 4, 64, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), plan)
+    a, _ = paged_decode(q, *args, unpack=0)
+    b, _ = paged_decode(q, *args, unpack=1)
+    assert torch.allclose(a.float(), b.float(), atol=1e-2)
