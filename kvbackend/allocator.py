@@ -83,6 +83,19 @@ class PageAllocator:
                 if self._on_release is not None:
                     self._on_release(page)
 
+    def cached_pages(self) -> list[int]:
+        """Unreferenced hashed pages, least recently freed first (the eviction order)."""
+        return list(self._cached)
+
+    def evict_cached(self, page: int) -> None:
+        """Turn a cached page into a free one now (its content moved to a lower tier)."""
+        assert page in self._cached, f"{self.kind} page {page} is not cached"
+        del self._cached[page]
+        self._unhash(page)
+        self._free.append(page)
+        if self._on_release is not None:
+            self._on_release(page)
+
     def ref_count(self, page: int) -> int:
         return self._refs[page]
 

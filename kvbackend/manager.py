@@ -245,6 +245,83 @@ class KVCache:
     def num_tokens(self, request_id: int) -> int:
         return self._table(request_id).num_tokens
 
+    # -- moving pages between tiers (driven by kvbackend.tiers; the core stays tier-agnostic) ---
+    def prefix_keys(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained keys of the full pages of a prompt that `add_request` could reuse."""
+        tokens = [int(t) for t in token_ids]
+        p, keys, parent = self.config.page_size, [], None
+        for start in range(0, max(len(tokens) - 1, 0) // p * p, p):
+            parent = hash_page(parent, tokens[start : start + p], self.config.extra_keys)
+            keys.append(parent)
+        return keys
+
+    def device_prefix(self, keys: Sequence[int]) -> int:
+        """How many of ``keys`` (from the start) have a packed page on the device."""
+        n = 0
+        for key in keys:
+            if self.packed.allocator.lookup(key) is None:
+                break
+            n += 1
+        return n
+
+    @property
+    def blob_bytes(self) -> int:
+        """Bytes of one exported page group: every layer's packed page, then every layer's codebook slot."""
+        return self.geometry.num_layers * (self.layout.page_bytes + self.layout.codebook_bytes)
+
+    def export_page(self, page: int) -> torch.Tensor:
+        """A copy of one packed page's bytes in every layer plus its chunk's codebook slot (uint8, 1-D)."""
+        slot = self.packed.slot_of_page[page]
+        assert slot is not None, f"packed page {page} is not live"
+        return torch.cat([self.packed.pages[:, page].reshape(-1), self.packed.codebooks[:, slot].reshape(-1)])
+
+    def evictable_pages(self) -> list[tuple[int, int]]:
+        """(page, key) of unreferenced cached packed pages, least recently used first."""
+        allocator = self.packed.allocator
+        return [(page, allocator.page_hash(page)) for page in allocator.cached_pages()]
+
+    def drop_cached(self, page: int) -> None:
+        """Free a cached packed page whose bytes now live in a lower tier."""
+        self.packed.allocator.evict_cached(page)
+
+    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: Sequence[torch.Tensor],
+                      first_page: int) -> int:
+        """Put restored page groups back on the device as cached pages, so `add_request` hits them.
+
+        ``keys[i]`` is the key of prompt page ``first_page + i``; pages next to each other whose
+        codebook bytes are equal share one codebook slot. Returns how many pages were installed
+        (fewer when the pools are full: nothing partial is left behind).
+        """
+        g, p = self.geometry, self.config.page_size
+        pages_part = g.num_layers * self.layout.page_bytes
+        tokens = [int(t) for t in token_ids]
+        installed, last_book, last_slot = 0, None, None
+        for i, (key, blob) in enumerate(zip(keys, blobs)):
+            if self.packed.allocator.lookup(key) is not None:
+                installed += 1
+                continue
+            book = blob[pages_part:]
+            share = last_book is not None and last_slot is not None and torch.equal(book, last_book)
+            if not self.packed.allocator.can_allocate(1) or (not share and not self.packed.slots.can_allocate(1)):
+                break
+            (page,) = self.packed.allocator.allocate(1)
+            if share:
+                slot = last_slot
+            else:
+                (slot,) = self.packed.slots.allocate(1)
+                self.packed.codebooks[:, slot] = book.to(self.packed.codebooks.device).view(g.num_layers, -1)
+            self.packed.pages[:, page] = blob[:pages_part].to(self.packed.pages.device).view(g.num_layers, -1)
+            self.packed.bind([page], slot)
+            if not share:
+                self.packed.slots.decref(slot)  # the page holds the slot now
+            start = (first_page + i) * p
+            self.packed.allocator.set_hash(page, key)
+            self._page_tokens[page] = tuple(tokens[start : start + p])
+            self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
+            last_book, last_slot = book, slot
+            installed += 1
+        return installed
+
     # -- lifetime ---------------------------------------------------------------------------
     def fork(self, request_id: int) -> int:
         """A new request sharing the packed pages and owning a copy of the active chunk."""

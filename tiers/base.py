@@ -1,0 +1,99 @@
+"""The tier protocol: opaque blobs keyed by chained page hashes, moved asynchronously.
+
+A blob is one page group: every layer's packed page bytes plus the chunk's codebook slot (see
+`KVCache.export_page`). Tiers never look inside blobs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class TierError(RuntimeError):
+    """A tier operation failed (the message says which key and why)."""
+
+
+class Handle:
+    """An asynchronous tier operation. ``result()`` is one bool per key: True when that key's blob
+    was moved intact, False when it was missing, corrupt, cancelled or could not be written."""
+
+    def __init__(self, future: Future | None = None, results: list[bool] | None = None,
+                 events: list | None = None) -> None:
+        self._future = future
+        self._results = results
+        self._cancelled = threading.Event()
+        self.events = events or []  # CUDA events, one per blob, when copies ran on a stream
+
+    @staticmethod
+    def finished(results: list[bool]) -> "Handle":
+        return Handle(results=results)
+
+    def done(self) -> bool:
+        if self._future is not None and not self._future.done():
+            return False
+        return all(e.query() for e in self.events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished (or ``timeout`` seconds); True when finished."""
+        if self._future is not None:
+            try:
+                self._future.result(timeout=timeout)
+            except TimeoutError:
+                return False
+        for event in self.events:
+            event.synchronize()
+        return True
+
+    def cancel(self) -> None:
+        """Ask the operation to stop; keys not yet moved report False."""
+        self._cancelled.set()
+        if self._future is not None:
+            self._future.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        if self._future is not None:
+            if self._future.cancelled():
+                raise TierError("operation was cancelled")
+            return self._future.result(timeout=timeout)
+        self.wait(timeout)
+        return list(self._results or [])
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    blobs: int  # blobs held
+    bytes_used: int  # bytes of blobs held
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    failures: int  # writes that failed (disk full, I/O error) or reads that failed their checksum
+
+
+class Tier(Protocol):
+    name: str
+
+    def contains(self, keys: Sequence[int]) -> int:
+        """Length of the prefix of ``keys`` whose blobs this tier holds."""
+
+    def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
+        """Store blobs (uint8, 1-D) under keys, asynchronously. Keys already held are skipped."""
+
+    def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
+        """Copy the blobs of ``keys`` into the caller's buffers (host or device), asynchronously."""
+
+    def evict(self, n: int) -> int:
+        """Drop up to ``n`` least recently used blobs; returns how many were dropped."""
+
+    def stats(self) -> TierStats: ...

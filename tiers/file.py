@@ -1,0 +1,282 @@
+"""File tier: crash-safe page-group files with a checksum per blob.
+
+One file per `put` call (a page group). It is written to a temporary name, fsynced, renamed into
+place and the directory fsynced, so a file under its final name is always complete. Layout:
+
+    header (48 bytes): magic, version, layout fingerprint (16 bytes), blob count, table crc32c
+    table: per blob (key u64, offset u64, length u64, crc32c u32, pad u32)
+    blob bytes
+
+The index is rebuilt by scanning the directory at start-up; partial, foreign-format or damaged files
+are deleted. File names come from a hash of the keys, never from user strings; files are 0600.
+Nothing is pickled. A blob whose checksum fails on read counts as a miss and its file is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import crc32c
+import torch
+
+from .base import Handle, TierStats
+
+MAGIC = b"KVBKPAGE"
+VERSION = 1
+_HEADER = struct.Struct("<8sI16sII12x")  # magic, version, fingerprint, count, table crc, padding to 48 bytes
+_ENTRY = struct.Struct("<QQQII")  # key, offset, length, crc32c, pad
+SUFFIX = ".kvb"
+
+
+@dataclass(frozen=True)
+class _Location:
+    path: str
+    offset: int
+    length: int
+    crc: int
+
+
+class FileTier:
+    name = "file"
+
+    def __init__(self, directory: str, budget_bytes: int, fingerprint: str, fsync: bool = True,
+                 workers: int = 2) -> None:
+        if len(fingerprint.encode()) != 16:
+            raise ValueError(f"fingerprint must be 16 ASCII characters (PageLayout.fingerprint), got {fingerprint!r}")
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+        self.fingerprint = fingerprint.encode()
+        self.fsync = fsync
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: dict[int, _Location] = {}
+        self._files: OrderedDict[str, tuple[list[int], int]] = OrderedDict()  # path -> (keys, size); LRU first
+        self._used = 0
+        self._hits = self._misses = self._evictions = self._failures = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbackend-file")
+        self._scan()
+
+    # -- start-up -------------------------------------------------------------------------
+    def _scan(self) -> None:
+        entries = sorted(os.scandir(self.directory), key=lambda e: e.stat().st_mtime)
+        for entry in entries:
+            if not entry.is_file():
+                continue
+            if ".tmp" in entry.name:  # a write that never reached its rename
+                _remove(entry.path)
+                continue
+            if not entry.name.endswith(SUFFIX):
+                continue
+            parsed = self._read_table(entry.path)
+            if parsed is None:
+                _remove(entry.path)
+                continue
+            if parsed == "foreign":
+                continue
+            self._adopt(entry.path, parsed, entry.stat().st_size)
+
+    def _read_table(self, path: str):
+        """[(key, offset, length, crc)] of a well-formed file of our layout; "foreign"; or None if damaged."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+                if len(head) != _HEADER.size:
+                    return None
+                magic, version, fingerprint, count, table_crc = _HEADER.unpack(head)
+                if magic != MAGIC or version != VERSION:
+                    return None
+                if fingerprint != self.fingerprint:
+                    return "foreign"
+                table = f.read(count * _ENTRY.size)
+                if len(table) != count * _ENTRY.size or crc32c.crc32c(table) != table_crc:
+                    return None
+                rows = [_ENTRY.unpack_from(table, i * _ENTRY.size)[:4] for i in range(count)]
+                size = os.fstat(f.fileno()).st_size
+                end = _HEADER.size + count * _ENTRY.size + sum(r[2] for r in rows)
+                return rows if size == end else None
+        except OSError:
+            return None
+
+    def _adopt(self, path: str, rows, size: int) -> None:
+        keys = []
+        for key, offset, length, crc in rows:
+            if key not in self._index:
+                self._index[key] = _Location(path, offset, length, crc)
+                keys.append(key)
+        self._files[path] = (keys, size)
+        self._used += size
+
+    # -- protocol -------------------------------------------------------------------------
+    def contains(self, keys: Sequence[int]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                n += 1
+            return n
+
+    def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
+        if len(keys) != len(blobs):
+            raise ValueError(f"{len(keys)} keys but {len(blobs)} blobs")
+        with self._lock:
+            fresh = [(k, b) for k, b in zip(keys, blobs) if k not in self._index]
+        if not fresh:
+            return Handle.finished([True] * len(keys))
+        return Handle(self._pool.submit(self._put_now, list(keys), fresh))
+
+    def _put_now(self, keys: list[int], fresh) -> list[bool]:
+        payloads = [b.detach().to("cpu").contiguous().numpy().tobytes() for _, b in fresh]
+        ok = self.write_group([k for k, _ in fresh], payloads)
+        with self._lock:
+            return [ok or k in self._index for k in keys]
+
+    def write_group(self, keys: list[int], payloads: list[bytes]) -> bool:
+        """Write one page group synchronously; False (and nothing indexed) if it could not be written."""
+        size = _HEADER.size + len(keys) * _ENTRY.size + sum(len(p) for p in payloads)
+        with self._lock:
+            if size > self.budget_bytes:
+                self._failures += 1
+                return False
+            while self._used + size > self.budget_bytes and self._evict_file():
+                pass
+        table, offset, rows = bytearray(), _HEADER.size + len(keys) * _ENTRY.size, []
+        for key, payload in zip(keys, payloads):
+            crc = crc32c.crc32c(payload)
+            table += _ENTRY.pack(key, offset, len(payload), crc, 0)
+            rows.append((key, offset, len(payload), crc))
+            offset += len(payload)
+        header = _HEADER.pack(MAGIC, VERSION, self.fingerprint, len(keys), crc32c.crc32c(bytes(table)))
+        name = hashlib.blake2b(struct.pack(f"<{len(keys)}Q", *keys), digest_size=16).hexdigest() + SUFFIX
+        path = os.path.join(self.directory, name)
+        temp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        try:
+            self._write_file(temp, [header, bytes(table), *payloads])
+            os.replace(temp, path)
+            if self.fsync:
+                _fsync_dir(self.directory)
+        except OSError:
+            _remove(temp)
+            with self._lock:
+                self._failures += 1
+            return False
+        with self._lock:
+            if path in self._files:  # the same group written twice: keep one copy
+                return True
+            self._adopt(path, rows, size)
+        return True
+
+    def _write_file(self, path: str, parts: list[bytes]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for part in parts:
+                view = memoryview(part)
+                while view:
+                    written = os.write(fd, view)
+                    if written <= 0:
+                        raise OSError(errno.EIO, "short write")
+                    view = view[written:]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
+        if len(keys) != len(into):
+            raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
+        return Handle(self._pool.submit(self._get_now, list(keys), list(into)))
+
+    def _get_now(self, keys: list[int], into: list[torch.Tensor]) -> list[bool]:
+        results = []
+        for key, out in zip(keys, into):
+            with self._lock:
+                where = self._index.get(key)
+                if where is not None:
+                    self._files.move_to_end(where.path)
+            if where is None or out.numel() < where.length:
+                with self._lock:
+                    self._misses += 1
+                results.append(False)
+                continue
+            data = self._read_blob(where)
+            if data is None or crc32c.crc32c(data) != where.crc:
+                with self._lock:
+                    self._failures += 1
+                    self._misses += 1
+                    self._drop_file(where.path)
+                _remove(where.path)
+                results.append(False)
+                continue
+            out[: where.length].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            with self._lock:
+                self._hits += 1
+            results.append(True)
+        return results
+
+    def _read_blob(self, where: _Location) -> bytes | None:
+        try:
+            with open(where.path, "rb") as f:
+                f.seek(where.offset)
+                data = f.read(where.length)
+            return data if len(data) == where.length else None
+        except OSError:
+            return None
+
+    def blob_size(self, key: int) -> int | None:
+        with self._lock:
+            where = self._index.get(key)
+            return None if where is None else where.length
+
+    def _drop_file(self, path: str) -> None:
+        keys, size = self._files.pop(path, ([], 0))
+        for key in keys:
+            self._index.pop(key, None)
+        self._used -= size
+
+    def _evict_file(self) -> bool:
+        if not self._files:
+            return False
+        path = next(iter(self._files))
+        self._drop_file(path)
+        _remove(path)
+        self._evictions += 1
+        return True
+
+    def evict(self, n: int) -> int:
+        """Drop up to ``n`` least recently used page-group files."""
+        with self._lock:
+            dropped = 0
+            while dropped < n and self._evict_file():
+                dropped += 1
+            return dropped
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, len(self._index), self._used, self.budget_bytes, self._hits, self._misses,
+                             self._evictions, self._failures)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,244 @@
+"""Host tier: one (pinned, when CUDA is present) buffer carved into fixed-size slots.
+
+A blob occupies ceil(len / slot_bytes) slots, not necessarily adjacent. Each entry moves through
+WRITING -> READY -> READING -> READY; only READY entries are evicted, in LRU order. Copies from or
+to CUDA buffers run on a dedicated stream with one event per blob; CPU copies run on a worker thread,
+so the same code is exercised on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Handle, TierError, TierStats
+
+DEBUG = os.environ.get("KVBACKEND_DEBUG_TIERS") == "1"
+
+
+class SlotState(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+    READING = "reading"
+
+
+@dataclass
+class _Entry:
+    slots: list[int]  # slot indices, in blob order
+    nbytes: int
+    state: SlotState
+    readers: int = 0  # concurrent reads in flight
+    events: list = field(default_factory=list)  # CUDA events of the write, if any
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int, pin: bool | None = None) -> None:
+        if slot_bytes <= 0 or capacity_bytes < slot_bytes:
+            raise ValueError(f"host tier needs capacity_bytes >= slot_bytes > 0, got {capacity_bytes}, {slot_bytes}")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity_bytes // slot_bytes
+        self.buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU: first = evicted first
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbackend-host")
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._hits = self._misses = self._evictions = self._failures = 0
+
+    # -- bookkeeping (always under the lock) ---------------------------------------------
+    def _slot_view(self, slot: int, nbytes: int) -> torch.Tensor:
+        return self.buffer[slot * self.slot_bytes : slot * self.slot_bytes + nbytes]
+
+    def _take_slots(self, count: int) -> list[int] | None:
+        while len(self._free) < count:
+            if not self._evict_one():
+                return None
+        return [self._free.pop() for _ in range(count)]
+
+    def _evict_one(self) -> bool:
+        for key, entry in self._entries.items():
+            if entry.state is SlotState.READY and entry.readers == 0:
+                del self._entries[key]
+                self._free.extend(entry.slots)
+                self._evictions += 1
+                return True
+        return False
+
+    def _check(self) -> None:
+        used = [s for e in self._entries.values() for s in e.slots]
+        assert len(used) == len(set(used)), "slot owned twice"
+        assert not set(used) & set(self._free), "slot both used and free"
+        assert len(used) + len(self._free) == self.num_slots, "slot leaked"
+
+    # -- protocol -------------------------------------------------------------------------
+    def contains(self, keys: Sequence[int]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or entry.state is SlotState.WRITING:
+                    break
+                n += 1
+            return n
+
+    def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
+        if len(keys) != len(blobs):
+            raise ValueError(f"{len(keys)} keys but {len(blobs)} blobs")
+        plan: list[tuple[int, torch.Tensor, _Entry] | None] = []
+        with self._lock:
+            for key, blob in zip(keys, blobs):
+                if blob.dtype != torch.uint8 or blob.dim() != 1:
+                    raise ValueError(f"blob for key {key} must be 1-D uint8, got {blob.dtype} {tuple(blob.shape)}")
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    plan.append(None)
+                    continue
+                slots = self._take_slots(-(-blob.numel() // self.slot_bytes))
+                if slots is None:
+                    self._failures += 1
+                    plan.append(None)
+                    continue
+                entry = _Entry(slots, blob.numel(), SlotState.WRITING)
+                self._entries[key] = entry
+                plan.append((key, blob, entry))
+            if DEBUG:
+                self._check()
+        results = [item is not None or key in self._entries for item, key in zip(plan, keys)]
+        work = [item for item in plan if item is not None]
+        if any(b.is_cuda for _, b, _ in work) and self._stream is not None:
+            return self._put_cuda(work, results)
+        future = self._pool.submit(self._copy_in, work, results)
+        return Handle(future)
+
+    def _copy_in(self, work, results) -> list[bool]:
+        for key, blob, entry in work:
+            self._scatter(blob, entry)
+            with self._lock:
+                entry.state = SlotState.READY
+        return results
+
+    def _put_cuda(self, work, results) -> Handle:
+        events = []
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for key, blob, entry in work:
+                blob.record_stream(self._stream)
+                self._scatter(blob, entry, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                entry.events = [event]
+                events.append(event)
+
+        def mark_ready():
+            for (key, blob, entry), event in zip(work, events):
+                event.synchronize()
+                with self._lock:
+                    entry.state = SlotState.READY
+            return results
+
+        return Handle(self._pool.submit(mark_ready), events=events)
+
+    def _scatter(self, blob: torch.Tensor, entry: _Entry, non_blocking: bool = False) -> None:
+        for i, slot in enumerate(entry.slots):
+            part = blob[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+            self._slot_view(slot, part.numel()).copy_(part, non_blocking=non_blocking)
+
+    def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
+        if len(keys) != len(into):
+            raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
+        work, results = [], []
+        with self._lock:
+            for key, out in zip(keys, into):
+                entry = self._entries.get(key)
+                if entry is None or entry.state is SlotState.WRITING or out.numel() < entry.nbytes:
+                    self._misses += 1
+                    results.append(False)
+                    continue
+                self._hits += 1
+                entry.readers += 1
+                entry.state = SlotState.READING
+                self._entries.move_to_end(key)
+                work.append((key, out, entry))
+                results.append(True)
+        if any(out.is_cuda for _, out, _ in work) and self._stream is not None:
+            events = []
+            with torch.cuda.stream(self._stream):
+                for key, out, entry in work:
+                    self._gather(out, entry, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    events.append(event)
+
+            def release():
+                for (_, _, entry), event in zip(work, events):
+                    event.synchronize()
+                    self._release(entry)
+                return results
+
+            return Handle(self._pool.submit(release), events=events)
+
+        def copy_out():
+            for _, out, entry in work:
+                self._gather(out, entry)
+                self._release(entry)
+            return results
+
+        return Handle(self._pool.submit(copy_out))
+
+    def _gather(self, out: torch.Tensor, entry: _Entry, non_blocking: bool = False) -> None:
+        for i, slot in enumerate(entry.slots):
+            n = min(self.slot_bytes, entry.nbytes - i * self.slot_bytes)
+            out[i * self.slot_bytes : i * self.slot_bytes + n].copy_(self._slot_view(slot, n), non_blocking=non_blocking)
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+            if entry.readers == 0:
+                entry.state = SlotState.READY
+
+    def blob_size(self, key: int) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.nbytes
+
+    def evict(self, n: int) -> int:
+        with self._lock:
+            dropped = 0
+            while dropped < n and self._evict_one():
+                dropped += 1
+            return dropped
+
+    def discard(self, keys: Sequence[int]) -> None:
+        """Drop these keys if present and idle (used when a blob is found stale)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.state is SlotState.READY and entry.readers == 0:
+                    del self._entries[key]
+                    self._free.extend(entry.slots)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, len(self._entries), sum(e.nbytes for e in self._entries.values()),
+                             self.num_slots * self.slot_bytes, self._hits, self._misses, self._evictions,
+                             self._failures)
+
+    def check(self) -> None:
+        with self._lock:
+            self._check()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+__all__ = ["HostTier", "SlotState", "TierError"]

@@ -1,0 +1,207 @@
+"""`TieredCache`: a `KVCache` with host and file tiers below it.
+
+- Offload: a background worker (thread, queue, stop event) moves cached packed pages down when the
+  device pool passes the policy's high-water mark: bytes go to the host tier (D2H on a side stream
+  where there is a GPU) and on to the file tier, then the device pages are freed.
+- Prefetch: `add_request` finds the part of a prompt's prefix that lives only in lower tiers and
+  restores it (file -> host -> device) before admitting the request, so it reuses the pages.
+  `prefetch` does the same asynchronously and returns a handle; freeing or cancelling stops it.
+
+All calls into the wrapped `KVCache` hold one lock: the core is single-threaded by design.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvbackend.manager import KVCache
+
+from .base import Handle
+from .file import FileTier
+from .host import HostTier
+from .policy import OffloadPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    device_hits: int  # prefix pages already on the device
+    restored_from_host: int
+    restored_from_file: int
+    failed: int  # pages found in a lower tier that could not be restored (corrupt, evicted meanwhile)
+
+
+class TieredCache:
+    def __init__(self, cache: KVCache, host: HostTier | None = None, file: FileTier | None = None,
+                 policy: OffloadPolicy | None = None, background: bool = True) -> None:
+        self.cache = cache
+        self.host = host
+        self.file = file
+        self.policy = policy or OffloadPolicy()
+        self.lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbackend-prefetch")
+        self._wake: queue.Queue[int] = queue.Queue()
+        self._stop = threading.Event()
+        self._pending: list[Handle] = []  # writes in flight; guarded by _pending_lock
+        self._pending_lock = threading.Lock()
+        self.offloaded_pages = 0
+        self._worker = None
+        if background:
+            self._worker = threading.Thread(target=self._offload_loop, name="kvbackend-offload", daemon=True)
+            self._worker.start()
+
+    # -- offload ----------------------------------------------------------------------------
+    def _offload_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._wake.get(timeout=self.policy.interval_s)
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            try:
+                self.offload()
+            except Exception:  # the serving path must never see the offloader's failure
+                log.exception("offload failed; pages stay on the device")
+
+    def offload(self, max_pages: int | None = None) -> int:
+        """Move cached pages down per the policy (or exactly ``max_pages`` of them). Returns pages moved."""
+        with self.lock:
+            allocator = self.cache.packed.allocator
+            if max_pages is None:
+                max_pages = self.policy.pages_to_offload(allocator.num_used, allocator.num_cached, allocator.num_pages)
+            victims = self.cache.evictable_pages()[:max_pages]
+            if not victims or self.host is None and self.file is None:
+                return 0
+            keys = [key for _, key in victims]
+            blobs = [self.cache.export_page(page) for page, _ in victims]
+            for page, _ in victims:
+                self.cache.drop_cached(page)
+        self._store(keys, blobs)
+        self.offloaded_pages += len(victims)
+        return len(victims)
+
+    def _store(self, keys: list[int], blobs: list[torch.Tensor]) -> None:
+        handles = []
+        if self.host is not None:
+            handle = self.host.put(keys, blobs)
+            if self.file is not None and self.policy.write_through_to_file:
+                handle.wait()
+                handles.append(self.file.put(keys, [b.cpu() if b.is_cuda else b for b in blobs]))
+            else:
+                handles.append(handle)
+        elif self.file is not None:
+            handles.append(self.file.put(keys, blobs))
+        with self._pending_lock:
+            self._pending = [h for h in self._pending if not h.done()] + handles
+
+    def flush(self) -> None:
+        """Wait for every write issued so far (tests, shutdown)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self, token_ids: Sequence[int], cancel: threading.Event | None = None) -> RestoreReport:
+        """Bring the lower-tier part of a prompt's prefix back to the device as cached pages."""
+        with self.lock:
+            keys = self.cache.prefix_keys(token_ids)
+            on_device = self.cache.device_prefix(keys)
+        rest = keys[on_device:]
+        sources: list[str] = []
+        for key in rest:
+            if self.host is not None and self.host.contains([key]):
+                sources.append("host")
+            elif self.file is not None and self.file.contains([key]):
+                sources.append("file")
+            else:
+                break
+        rest = rest[: len(sources)]
+        if not rest:
+            return RestoreReport(on_device, 0, 0, 0)
+        size = self.cache.blob_bytes
+        blobs = [torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in rest]
+        ok = [False] * len(rest)
+        host_idx = [i for i, s in enumerate(sources) if s == "host"]
+        file_idx = [i for i, s in enumerate(sources) if s == "file"]
+        if host_idx:
+            got = self.host.get([rest[i] for i in host_idx], [blobs[i] for i in host_idx]).result()
+            for i, g in zip(host_idx, got):
+                ok[i] = g
+        if file_idx and not (cancel is not None and cancel.is_set()):
+            got = self.file.get([rest[i] for i in file_idx], [blobs[i] for i in file_idx]).result()
+            for i, g in zip(file_idx, got):
+                ok[i] = g
+            if self.host is not None:  # keep a warm copy one tier up
+                good = [i for i in file_idx if ok[i]]
+                self.host.put([rest[i] for i in good], [blobs[i] for i in good])
+        usable = next((i for i, g in enumerate(ok) if not g), len(ok))  # a prefix stops at the first hole
+        if cancel is not None and cancel.is_set():
+            usable = 0
+        with self.lock:
+            device = self.cache.dense.data.device
+            staged = [b.to(device, non_blocking=True) for b in blobs[:usable]]
+            installed = self.cache.install_pages(rest[:usable], token_ids, staged, on_device)
+        from_host = sum(1 for i in range(installed) if sources[i] == "host")
+        return RestoreReport(on_device, from_host, installed - from_host, len(rest) - installed)
+
+    def prefetch(self, token_ids: Sequence[int]) -> "Prefetch":
+        """Start restoring a prompt's prefix in the background."""
+        cancel = threading.Event()
+        return Prefetch(self._pool.submit(self.restore, list(token_ids), cancel), cancel)
+
+    def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
+        """Restore what lower tiers hold of the prefix, then admit: (request id, cached prefix tokens)."""
+        self.restore(token_ids)
+        with self.lock:
+            return self.cache.add_request(token_ids)
+
+    # -- pass-through -------------------------------------------------------------------------
+    def append(self, request_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        with self.lock:
+            self.cache.append(request_id, layer, k, v)
+        if self._worker is not None:
+            self._wake.put(1)
+
+    def read(self, request_id: int, layer: int):
+        with self.lock:
+            return self.cache.read(request_id, layer)
+
+    def free(self, request_id: int) -> None:
+        with self.lock:
+            self.cache.free(request_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._worker is not None:
+            self._wake.put(0)
+            self._worker.join(timeout=5)
+        self.flush()
+        self._pool.shutdown(wait=True)
+
+
+class Prefetch:
+    """A background restore; `cancel()` (e.g. when the request is freed first) stops it early."""
+
+    def __init__(self, future: Future, cancel: threading.Event) -> None:
+        self._future = future
+        self._cancel = cancel
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> RestoreReport:
+        return self._future.result(timeout=timeout)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        self._future.cancel()
