@@ -284,42 +284,58 @@ class KVCache:
         """Free a cached packed page whose bytes now live in a lower tier."""
         self.packed.allocator.evict_cached(page)
 
-    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: Sequence[torch.Tensor],
+    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor | Sequence[torch.Tensor],
                       first_page: int) -> int:
         """Put restored page groups back on the device as cached pages, so `add_request` hits them.
 
-        ``keys[i]`` is the key of prompt page ``first_page + i``; pages next to each other whose
-        codebook bytes are equal share one codebook slot. Returns how many pages were installed
-        (fewer when the pools are full: nothing partial is left behind).
+        ``keys[i]`` is the key of prompt page ``first_page + i`` and ``blobs[i]`` its exported bytes
+        (a [n, blob_bytes] tensor or a list). Neighbouring pages whose codebook bytes are equal share
+        one codebook slot. Returns how many pages were installed (fewer when the pools are full).
         """
         g, p = self.geometry, self.config.page_size
         pages_part = g.num_layers * self.layout.page_bytes
+        has_book = self.layout.codebook_bytes > 0
         tokens = [int(t) for t in token_ids]
-        installed, last_book, last_slot = 0, None, None
-        for i, (key, blob) in enumerate(zip(keys, blobs)):
+        # Plan on the host first (check, then commit), then copy in two batched transfers.
+        new_pages, new_slots, slot_sources, rows, installed = [], [], [], [], 0
+        last_row, last_slot = None, None
+        for i, key in enumerate(keys):
             if self.packed.allocator.lookup(key) is not None:
                 installed += 1
                 continue
-            book = blob[pages_part:]
-            share = last_book is not None and last_slot is not None and torch.equal(book, last_book)
-            if not self.packed.allocator.can_allocate(1) or (not share and not self.packed.slots.can_allocate(1)):
+            share = has_book and last_row is not None and torch.equal(blobs[i][pages_part:], blobs[last_row][pages_part:])
+            need_slot = has_book and not share or not has_book and last_slot is None
+            if not self.packed.allocator.can_allocate(1) or (need_slot and not self.packed.slots.can_allocate(1)):
                 break
             (page,) = self.packed.allocator.allocate(1)
-            if share:
-                slot = last_slot
-            else:
+            if need_slot:
                 (slot,) = self.packed.slots.allocate(1)
-                self.packed.codebooks[:, slot] = book.to(self.packed.codebooks.device).view(g.num_layers, -1)
-            self.packed.pages[:, page] = blob[:pages_part].to(self.packed.pages.device).view(g.num_layers, -1)
+                new_slots.append(slot)
+                slot_sources.append(i)
+            else:
+                slot = last_slot
             self.packed.bind([page], slot)
-            if not share:
+            if need_slot:
                 self.packed.slots.decref(slot)  # the page holds the slot now
-            start = (first_page + i) * p
+            new_pages.append(page)
+            rows.append(i)
             self.packed.allocator.set_hash(page, key)
+            start = (first_page + i) * p
             self._page_tokens[page] = tuple(tokens[start : start + p])
-            self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
-            last_book, last_slot = book, slot
+            last_row, last_slot = i, slot
             installed += 1
+        if new_pages:
+            device = self.packed.pages.device
+            stacked = torch.stack([blobs[i] for i in rows]) if not isinstance(blobs, torch.Tensor) else blobs[rows]
+            stacked = stacked.to(device, non_blocking=True)
+            index = torch.tensor(new_pages, device=device)
+            self.packed.pages[:, index] = stacked[:, :pages_part].view(len(rows), g.num_layers, -1).transpose(0, 1)
+            if has_book and new_slots:
+                books = stacked[[rows.index(i) for i in slot_sources], pages_part:]
+                slot_index = torch.tensor(new_slots, device=device)
+                self.packed.codebooks[:, slot_index] = books.view(len(new_slots), g.num_layers, -1).transpose(0, 1)
+            for page in new_pages:
+                self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
         return installed
 
     # -- lifetime ---------------------------------------------------------------------------

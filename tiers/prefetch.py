@@ -129,28 +129,30 @@ class TieredCache:
         if not rest:
             return RestoreReport(on_device, 0, 0, 0)
         size = self.cache.blob_bytes
-        blobs = [torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in rest]
+        device = self.cache.dense.data.device
+        staged = torch.empty(len(rest), size, dtype=torch.uint8, device=device)  # host blobs land here directly
         ok = [False] * len(rest)
         host_idx = [i for i, s in enumerate(sources) if s == "host"]
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
         if host_idx:
-            got = self.host.get([rest[i] for i in host_idx], [blobs[i] for i in host_idx]).result()
+            got = self.host.get([rest[i] for i in host_idx], [staged[i] for i in host_idx]).result()
             for i, g in zip(host_idx, got):
                 ok[i] = g
         if file_idx and not (cancel is not None and cancel.is_set()):
-            got = self.file.get([rest[i] for i in file_idx], [blobs[i] for i in file_idx]).result()
-            for i, g in zip(file_idx, got):
+            bounce = torch.empty(len(file_idx), size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            got = self.file.get([rest[i] for i in file_idx], list(bounce)).result()
+            for j, (i, g) in enumerate(zip(file_idx, got)):
                 ok[i] = g
+                if g:
+                    staged[i].copy_(bounce[j], non_blocking=True)
             if self.host is not None:  # keep a warm copy one tier up
-                good = [i for i in file_idx if ok[i]]
-                self.host.put([rest[i] for i in good], [blobs[i] for i in good])
+                good = [j for j, g in enumerate(got) if g]
+                self.host.put([rest[file_idx[j]] for j in good], [bounce[j] for j in good]).wait()
         usable = next((i for i, g in enumerate(ok) if not g), len(ok))  # a prefix stops at the first hole
         if cancel is not None and cancel.is_set():
             usable = 0
         with self.lock:
-            device = self.cache.dense.data.device
-            staged = [b.to(device, non_blocking=True) for b in blobs[:usable]]
-            installed = self.cache.install_pages(rest[:usable], token_ids, staged, on_device)
+            installed = self.cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device)
         from_host = sum(1 for i in range(installed) if sources[i] == "host")
         return RestoreReport(on_device, from_host, installed - from_host, len(rest) - installed)
 

@@ -1,0 +1,173 @@
+"""GPU benchmark of the host tier and restore path (the lent H200), one run.
+
+    python perf/bench_tiers.py --out $OUT/bench_tiers.json
+
+1. pinned host <-> device copy bandwidth (the ceiling);
+2. HostTier put from device buffers (D2H) and get into device buffers (H2D), page-group blobs;
+3. restore of a 32K-token prefix, Llama-8B geometry (32 layers, 8 KV heads, D 128), host tier ->
+   device pool through `TieredCache.restore`, for compressed layouts and for raw BF16 pages;
+4. decode step (32 layers of paged_decode, B=8, L=32K) with and without concurrent tier traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+import triton.testing
+
+from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.tiers.host import HostTier
+from kvbackend.tiers.prefetch import TieredCache
+
+sys.path.insert(0, os.path.dirname(__file__))
+DEV = "cuda"
+RESULTS: dict = {}
+
+
+def median_ms(fn, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def pinned_bandwidth():
+    n = 2**30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=DEV)
+    h2d = median_ms(lambda: dev.copy_(host, non_blocking=True))
+    d2h = median_ms(lambda: host.copy_(dev, non_blocking=True))
+    out = {"h2d_GBps": n / h2d / 1e6, "d2h_GBps": n / d2h / 1e6}
+    print(f"pinned copy: H2D {out['h2d_GBps']:.1f} GB/s, D2H {out['d2h_GBps']:.1f} GB/s", flush=True)
+    return out
+
+
+def host_tier_throughput(blob_bytes: int, count: int, ceiling):
+    host = HostTier(blob_bytes * count, blob_bytes)
+    blobs = torch.randint(0, 255, (count, blob_bytes), dtype=torch.uint8, device=DEV)
+    keys = list(range(count))
+    put_ms = median_ms(lambda: (host.evict(count), host.put(keys, list(blobs)).wait()), reps=5)
+    host.put(keys, list(blobs)).wait()
+    into = torch.empty_like(blobs)
+    get_ms = median_ms(lambda: host.get(keys, list(into)).wait(), reps=5)
+    assert torch.equal(into, blobs)
+    total = blob_bytes * count
+    out = {"blob_bytes": blob_bytes, "blobs": count, "put_GBps": total / put_ms / 1e6, "get_GBps": total / get_ms / 1e6}
+    out["put_pct_of_d2h"] = out["put_GBps"] / ceiling["d2h_GBps"] * 100
+    out["get_pct_of_h2d"] = out["get_GBps"] / ceiling["h2d_GBps"] * 100
+    print(f"host tier, {count} blobs of {blob_bytes / 2**20:.2f} MiB: put (D2H) {out['put_GBps']:.1f} GB/s "
+          f"({out['put_pct_of_d2h']:.0f}%), get (H2D) {out['get_GBps']:.1f} GB/s ({out['get_pct_of_h2d']:.0f}%)", flush=True)
+    host.close()
+    return out
+
+
+def restore_prefix(codec: str, tokens: int = 32768):
+    geometry = Geometry(32, 8, 128, torch.bfloat16)
+    pages = tokens // 64
+    cache = KVCache(geometry, CacheConfig(codec=codec, page_size=64, chunk_pages=16, dense_pages=4,
+                                          packed_pages=pages + 8, device=DEV))
+    prompt = list(range(tokens + 1))
+    keys = cache.prefix_keys(prompt)[:pages]
+    host = HostTier(cache.blob_bytes * pages, cache.blob_bytes)
+    blob = torch.randint(0, 255, (cache.blob_bytes,), dtype=torch.uint8)
+    host.put(keys, [blob] * pages).wait()
+    tiered = TieredCache(cache, host, None, background=False)
+
+    def once():
+        for page, _ in cache.evictable_pages():
+            cache.drop_cached(page)
+        report = tiered.restore(prompt)
+        assert report.restored_from_host == pages, report
+
+    ms = median_ms(once, reps=5, warmup=1)
+    total = cache.blob_bytes * pages
+    out = {"codec": codec, "tokens": tokens, "blob_bytes": cache.blob_bytes, "bytes": total, "restore_ms": ms,
+           "GBps": total / ms / 1e6}
+    print(f"restore {tokens} tokens, {codec}: {ms:.1f} ms for {total / 2**30:.2f} GiB ({out['GBps']:.1f} GB/s)", flush=True)
+    tiered.close()
+    del cache, host
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode_under_traffic():
+    from bench_kernels import encoded_pages, make_plan
+
+    from kvbackend.kernels.paged_decode import paged_decode
+    from kvbackend.scheme import kernel_schemes
+
+    codec, layout, chunk = encoded_pages("kivi:bits=2,group=64", 8, 128, 64)
+    schemes = kernel_schemes(codec, layout)
+    batch, length, p = 8, 32768, 64
+    per_req = length // p - 1
+    pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()
+    books = chunk.codebook.reshape(1, -1).contiguous()
+    dense = torch.randn(batch, 2, p, 8, 128, device=DEV).bfloat16()
+    plan = make_plan(batch, per_req, p, p, 0, 0)
+    q = torch.randn(batch, 32, 128, device=DEV).bfloat16()
+
+    def step():  # 32 layers sharing one pool: same bytes per layer as a real model
+        for _ in range(32):
+            paged_decode(q, pages, books, dense, schemes, plan)
+
+    quiet = triton.testing.do_bench(step, warmup=20, rep=300, return_mode="median")
+    host = HostTier(64 * 2**20 * 8, 64 * 2**20)
+    blobs = torch.randint(0, 255, (4, 64 * 2**20), dtype=torch.uint8, device=DEV)
+    into = torch.empty_like(blobs)
+    stop = threading.Event()
+    moved = [0]
+
+    def traffic():
+        keys = [0, 1, 2, 3]
+        while not stop.is_set():
+            host.evict(8)
+            host.put(keys, list(blobs)).wait()
+            host.get(keys, list(into)).wait()
+            moved[0] += 2 * blobs.numel()
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    busy = triton.testing.do_bench(step, warmup=20, rep=300, return_mode="median")
+    seconds = time.perf_counter() - t0
+    stop.set()
+    thread.join()
+    out = {"step_quiet_ms": quiet, "step_with_traffic_ms": busy, "slowdown": busy / quiet,
+           "traffic_GBps_during": moved[0] / seconds / 1e9}
+    print(f"decode step (32 layers, B=8, L=32K, kivi-2): {quiet:.3f} ms quiet, {busy:.3f} ms with tier traffic "
+          f"({out['traffic_GBps_during']:.1f} GB/s moving) -> {out['slowdown']:.3f}x", flush=True)
+    host.close()
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    RESULTS["ceiling"] = ceiling = pinned_bandwidth()
+    RESULTS["host_tier"] = [host_tier_throughput(b, c, ceiling) for b, c in ((1179648, 512), (8 * 2**20, 128))]
+    RESULTS["restore"] = [restore_prefix(c) for c in ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64", "qvg", "identity")]
+    raw = next(r for r in RESULTS["restore"] if r["codec"] == "identity")
+    for r in RESULTS["restore"]:
+        r["speedup_vs_raw_bf16"] = raw["restore_ms"] / r["restore_ms"]
+        print(f"  {r['codec']}: {r['speedup_vs_raw_bf16']:.2f}x faster than raw BF16 pages", flush=True)
+    RESULTS["decode_under_traffic"] = decode_under_traffic()
+    with open(args.out, "w") as f:
+        json.dump(RESULTS, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
