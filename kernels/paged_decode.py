@@ -125,7 +125,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         raise ValueError(f"q {tuple(q.shape)} does not fit {len(plan.request_ids)} requests of {h} KV heads x {d}")
     if not q.is_contiguous() or q.device != pages.device:
         raise ValueError("q must be contiguous and on the pools' device")
-    if int(plan.req_pages.min()) == 0 if b else False:
+    if b and plan.min_pages == 0:
         raise ValueError("every request in a decode batch needs at least one token")
     group = hq // h
     per_split, splits = plan.splits(h, target_programs)

@@ -28,6 +28,7 @@ class BatchPlan:
     cu_seqlens: torch.Tensor  # int32 [B + 1]: token offsets of requests in gathered output
     max_pages: int  # most work pages of any request
     page_size: int
+    min_pages: int = 1  # fewest work pages of any request (host-side, so launchers need no device sync)
 
     @property
     def num_tokens(self) -> int:
@@ -75,4 +76,4 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     return BatchPlan(list(request_ids), as_tensor(page_ids), as_tensor(kinds), as_tensor(slots), as_tensor(valid),
                      as_tensor(rows), as_tensor(positions), as_tensor(starts), as_tensor(counts), as_tensor(packed),
                      as_tensor(cu),
-                     max(counts, default=0), p)
+                     max(counts, default=0), p, min(counts, default=0))

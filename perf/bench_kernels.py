@@ -101,7 +101,7 @@ def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int
         cu.append(cu[-1] + packed_per_req * page_size + dense_tokens)
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
     return BatchPlan(list(range(batch)), t(page_ids), t(kinds), t([0] * len(page_ids)), t(valid), t(rows),
-                     t(positions), t(starts), t(counts), t(packed), t(cu), max(counts), page_size)
+                     t(positions), t(starts), t(counts), t(packed), t(cu), max(counts), page_size, min(counts))
 
 
 @section("checks")

@@ -118,9 +118,17 @@ def decode_under_traffic():
     plan = make_plan(batch, per_req, p, p, 0, 0)
     q = torch.randn(batch, 32, 128, device=DEV).bfloat16()
 
-    def step():  # 32 layers sharing one pool: same bytes per layer as a real model
+    def layers():  # 32 layers sharing one pool: same bytes per layer as a real model
         for _ in range(32):
             paged_decode(q, pages, books, dense, schemes, plan)
+
+    layers()
+    graph = torch.cuda.CUDAGraph()  # an engine replays decode steps as graphs; Python threads cannot delay them
+    with torch.cuda.graph(graph):
+        layers()
+
+    def step():
+        graph.replay()
 
     quiet = triton.testing.do_bench(step, warmup=20, rep=300, return_mode="median")
     host = HostTier(64 * 2**20 * 8, 64 * 2**20)

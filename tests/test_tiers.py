@@ -260,3 +260,17 @@ def test_prefetch_and_cancel(tmp_path):
     if handle.done() and not handle._future.cancelled():
         assert handle.wait().restored_from_host in (0, 4)
     tiered.close()
+
+
+def test_adjacent_blobs_coalesce_into_one_copy():
+    """Rows adjacent in one buffer and in host slots move as one transfer (the CUDA path's copies)."""
+    from kvbackend.tiers.host import SlotState, _Entry
+
+    host = HostTier(10 * 100, 100, pin=False)
+    staged = torch.zeros(4, 100, dtype=torch.uint8)
+    entries = [_Entry([i], 100, SlotState.READY) for i in (3, 4, 5, 7)]
+    runs = list(host._runs(list(zip(list(staged), entries))))
+    assert [len(e) for _, e in runs] == [3, 1] and [t.numel() for t, _ in runs] == [300, 100]
+    assert host._host_run(runs[0][1]).data_ptr() == host.buffer[300:].data_ptr()
+    separate = [torch.zeros(100, dtype=torch.uint8) for _ in range(2)]  # other storages never merge
+    assert len(list(host._runs(list(zip(separate, entries[:2]))))) == 2

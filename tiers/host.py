@@ -128,25 +128,58 @@ class HostTier:
         return results
 
     def _put_cuda(self, work, results) -> Handle:
-        events = []
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for key, blob, entry in work:
+            for blob, entries in self._runs([(blob, entry) for _, blob, entry in work]):
                 blob.record_stream(self._stream)
-                self._scatter(blob, entry, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                entry.events = [event]
-                events.append(event)
+                if len(entries) == 1 and len(entries[0].slots) > 1:
+                    self._scatter(blob, entries[0], non_blocking=True)
+                else:
+                    self._host_run(entries).copy_(blob, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
 
         def mark_ready():
-            for (key, blob, entry), event in zip(work, events):
-                event.synchronize()
-                with self._lock:
+            event.synchronize()
+            with self._lock:
+                for _, _, entry in work:
                     entry.state = SlotState.READY
             return results
 
-        return Handle(self._pool.submit(mark_ready), events=events)
+        return Handle(self._pool.submit(mark_ready), events=[event])
+
+    def _runs(self, pairs):
+        """Merge (device tensor, entry) pairs into runs that are adjacent both in device memory and in
+        host slots, so a run moves in one copy; yields (device view, [entries])."""
+        run_tensor, run_entries, run_end, next_slot = None, [], None, None
+        for tensor, entry in pairs:
+            single = len(entry.slots) == 1 and entry.nbytes == self.slot_bytes and tensor.numel() == entry.nbytes
+            if (single and run_tensor is not None and tensor.data_ptr() == run_end and entry.slots[0] == next_slot
+                    and tensor.untyped_storage().data_ptr() == run_tensor.untyped_storage().data_ptr()):
+                run_entries.append(entry)
+                run_end += entry.nbytes
+                next_slot += 1
+                continue
+            if run_tensor is not None:
+                yield self._device_run(run_tensor, run_entries), run_entries
+            run_tensor, run_entries = tensor, [entry]
+            run_end = tensor.data_ptr() + tensor.numel()
+            next_slot = entry.slots[0] + 1 if single else None
+        if run_tensor is not None:
+            yield self._device_run(run_tensor, run_entries), run_entries
+
+    @staticmethod
+    def _device_run(first: torch.Tensor, entries) -> torch.Tensor:
+        total = sum(e.nbytes for e in entries)
+        if len(entries) == 1:
+            return first[: entries[0].nbytes]
+        return torch.as_strided(first, (total,), (1,))
+
+    def _host_run(self, entries) -> torch.Tensor:
+        if len(entries) == 1 and len(entries[0].slots) > 1:
+            raise AssertionError("multi-slot blobs are copied slot by slot")
+        start = entries[0].slots[0] * self.slot_bytes
+        return self.buffer[start : start + sum(e.nbytes for e in entries)]
 
     def _scatter(self, blob: torch.Tensor, entry: _Entry, non_blocking: bool = False) -> None:
         for i, slot in enumerate(entry.slots):
@@ -171,21 +204,23 @@ class HostTier:
                 work.append((key, out, entry))
                 results.append(True)
         if any(out.is_cuda for _, out, _ in work) and self._stream is not None:
-            events = []
+            self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                for key, out, entry in work:
-                    self._gather(out, entry, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                    events.append(event)
+                for out, entries in self._runs([(out, entry) for _, out, entry in work]):
+                    if len(entries) == 1 and len(entries[0].slots) > 1:
+                        self._gather(out, entries[0], non_blocking=True)
+                    else:
+                        out.copy_(self._host_run(entries), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
 
             def release():
-                for (_, _, entry), event in zip(work, events):
-                    event.synchronize()
+                event.synchronize()
+                for _, _, entry in work:
                     self._release(entry)
                 return results
 
-            return Handle(self._pool.submit(release), events=events)
+            return Handle(self._pool.submit(release), events=[event])
 
         def copy_out():
             for _, out, entry in work:
