@@ -299,6 +299,9 @@ class KVCache:
         # Plan on the host first (check, then commit), then copy in two batched transfers.
         new_pages, new_slots, slot_sources, rows, installed = [], [], [], [], 0
         last_row, last_slot = None, None
+        allocator = self.packed.allocator
+        if not has_book and not any(allocator.lookup(k) is not None for k in keys):
+            return self._install_plain(keys, tokens, blobs, first_page)
         for i, key in enumerate(keys):
             if self.packed.allocator.lookup(key) is not None:
                 installed += 1
@@ -337,6 +340,26 @@ class KVCache:
             for page in new_pages:
                 self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
         return installed
+
+    def _install_plain(self, keys, tokens, blobs, first_page: int) -> int:
+        """`install_pages` for layouts without a codebook: one allocation, one slot, one copy."""
+        n = min(len(keys), self.packed.allocator.num_free)
+        if n == 0 or not self.packed.slots.can_allocate(1):
+            return 0
+        g, p = self.geometry, self.config.page_size
+        pages = self.packed.allocator.allocate(n)
+        (slot,) = self.packed.slots.allocate(1)
+        self.packed.bind(pages, slot)
+        self.packed.slots.decref(slot)
+        device = self.packed.pages.device
+        stacked = (blobs[:n] if isinstance(blobs, torch.Tensor) else torch.stack(list(blobs[:n]))).to(device)
+        self.packed.pages[:, torch.tensor(pages, device=device)] = stacked.view(n, g.num_layers, -1).transpose(0, 1)
+        for i, (page, key) in enumerate(zip(pages, keys)):
+            self.packed.allocator.set_hash(page, key)
+            start = (first_page + i) * p
+            self._page_tokens[page] = tuple(tokens[start : start + p])
+            self.packed.allocator.decref(page)
+        return n
 
     # -- lifetime ---------------------------------------------------------------------------
     def fork(self, request_id: int) -> int:

@@ -199,8 +199,9 @@ def fill(tiered, tokens, seed=0):
     return rid
 
 
-def test_round_trip_device_host_file_host_device(tmp_path):
-    cache = filled()
+@pytest.mark.parametrize("codec,slots", [("qvg", 2), ("kivi:bits=2,group=16", 1)])
+def test_round_trip_device_host_file_host_device(tmp_path, codec, slots):
+    cache = filled(codec)
     tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), FileTier(str(tmp_path), 10**8, cache.layout.fingerprint),
                          background=False)
     tokens = list(range(70))
@@ -219,7 +220,7 @@ def test_round_trip_device_host_file_host_device(tmp_path):
     for layer in range(2):
         k, v = tiered.read(rid2, layer)
         assert torch.equal(k, before[layer][0][:64]) and torch.equal(v, before[layer][1][:64])
-    assert cache.stats().codebook_slots_used == 2  # 4 pages of 2 chunks share 2 restored codebook slots
+    assert cache.stats().codebook_slots_used == slots  # qvg: 4 pages of 2 chunks share 2 restored codebooks
     assert tiered.host.contains(cache.prefix_keys(tokens)) == 4  # the file hit was copied up to the host
     cache.check()
     tiered.close()

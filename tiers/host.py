@@ -96,6 +96,7 @@ class HostTier:
             raise ValueError(f"{len(keys)} keys but {len(blobs)} blobs")
         plan: list[tuple[int, torch.Tensor, _Entry] | None] = []
         with self._lock:
+            self._free.sort(reverse=True)  # hand out ascending slots, so neighbouring blobs coalesce
             for key, blob in zip(keys, blobs):
                 if blob.dtype != torch.uint8 or blob.dim() != 1:
                     raise ValueError(f"blob for key {key} must be 1-D uint8, got {blob.dtype} {tuple(blob.shape)}")
