@@ -14,7 +14,7 @@ import torch
 from .attention import decode_attention
 from .batch import BatchPlan
 from .codecs.base import CodecState
-from .errors import SpecError
+from .errors import SpecError, UnsupportedLayout
 from .layout import PageLayout
 
 BACKENDS = ("auto", "torch", "triton")
@@ -77,7 +77,7 @@ def kernels_can_serve(codec, layout: PageLayout) -> bool:
         return False
     try:
         schemes = kernel_schemes(codec, layout)
-    except NotImplementedError:
+    except UnsupportedLayout:
         return False
     return all(s.supported_by_kernels() for s in schemes)
 

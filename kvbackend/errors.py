@@ -30,3 +30,7 @@ class UnknownRequest(KVBackendError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else "unknown request"
+
+
+class UnsupportedLayout(KVBackendError, ValueError):
+    """No kernel reads this codec's page layout (the torch reference still serves it)."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UnsupportedLayout
 from .layout import PageLayout
 
 FLOAT, TOKEN_GROUPS, CHANNEL_GROUPS = 0, 1, 2  # storage modes
@@ -47,7 +48,7 @@ def kernel_schemes(codec, layout: PageLayout) -> tuple[TensorScheme, TensorSchem
     """(K scheme, V scheme) for ``codec`` on ``layout``.
 
     Raises:
-        NotImplementedError: for a codec whose fields no kernel reads (the torch reference still works).
+        UnsupportedLayout: for a codec whose fields no kernel reads (the torch reference still works).
     """
     spec = codec.spec
     page, book = layout.page.fields, layout.codebook.fields
@@ -57,7 +58,7 @@ def kernel_schemes(codec, layout: PageLayout) -> tuple[TensorScheme, TensorSchem
             out.append(TensorScheme(FLOAT, 0, 0, False, kind_of(page[prefix].dtype), page[prefix].offset))
             continue
         if f"{prefix}_codes" not in page:
-            raise NotImplementedError(f"no kernel reads the fields of codec {codec.spec_string!r}")
+            raise UnsupportedLayout(f"no kernel reads the fields of codec {codec.spec_string!r}")
         scales = page[f"{prefix}_scales"]
         channel = scales.shape[0] != layout.page_size  # KIVI keys: [P / G, H, D]
         zeros = page.get(f"{prefix}_zeros")

@@ -15,6 +15,21 @@ from typing import Protocol
 import torch
 
 
+def prefix_length(keys: Sequence[int], present) -> int:
+    """How many of ``keys``, from the first, satisfy ``present(key)``."""
+    n = 0
+    for key in keys:
+        if not present(key):
+            break
+        n += 1
+    return n
+
+
+def check_pairs(keys: Sequence[int], items: Sequence, what: str) -> None:
+    if len(keys) != len(items):
+        raise ValueError(f"{len(keys)} keys but {len(items)} {what}")
+
+
 class TierError(RuntimeError):
     """A tier operation failed (the message says which key and why)."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from .base import Handle, TierStats
+from .base import Handle, TierStats, check_pairs, prefix_length
 
 MAGIC = b"KVBKPAGE"
 VERSION = 1
@@ -117,16 +117,10 @@ class FileTier:
     # -- protocol -------------------------------------------------------------------------
     def contains(self, keys: Sequence[int]) -> int:
         with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
-            return n
+            return prefix_length(keys, self._index.__contains__)
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
-        if len(keys) != len(blobs):
-            raise ValueError(f"{len(keys)} keys but {len(blobs)} blobs")
+        check_pairs(keys, blobs, "blobs")
         with self._lock:
             fresh = [(k, b) for k, b in zip(keys, blobs) if k not in self._index]
         if not fresh:
@@ -146,8 +140,8 @@ class FileTier:
             if size > self.budget_bytes:
                 self._failures += 1
                 return False
-            while self._used + size > self.budget_bytes and self._evict_file():
-                pass
+            while self._used + size > self.budget_bytes:
+                self._evict_file()  # cannot run dry: the group alone fits the budget
         table, offset, rows = bytearray(), _HEADER.size + len(keys) * _ENTRY.size, []
         for key, payload in zip(keys, payloads):
             crc = crc32c.crc32c(payload)
@@ -190,8 +184,7 @@ class FileTier:
             os.close(fd)
 
     def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
-        if len(keys) != len(into):
-            raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
+        check_pairs(keys, into, "buffers")
         return Handle(self._pool.submit(self._get_now, list(keys), list(into)))
 
     def _get_now(self, keys: list[int], into: list[torch.Tensor]) -> list[bool]:
@@ -268,10 +261,11 @@ class FileTier:
 
 
 def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+    if os.path.exists(path):
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # removed meanwhile by another thread
+            return
 
 
 def _fsync_dir(directory: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Handle, TierError, TierStats
+from .base import Handle, TierError, TierStats, check_pairs, prefix_length
 
 DEBUG = os.environ.get("KVBACKEND_DEBUG_TIERS") == "1"
 
@@ -83,17 +83,14 @@ class HostTier:
     # -- protocol -------------------------------------------------------------------------
     def contains(self, keys: Sequence[int]) -> int:
         with self._lock:
-            n = 0
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or entry.state is SlotState.WRITING:
-                    break
-                n += 1
-            return n
+            return prefix_length(keys, self._readable)
+
+    def _readable(self, key: int) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.state is not SlotState.WRITING
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
-        if len(keys) != len(blobs):
-            raise ValueError(f"{len(keys)} keys but {len(blobs)} blobs")
+        check_pairs(keys, blobs, "blobs")
         plan: list[tuple[int, torch.Tensor, _Entry] | None] = []
         with self._lock:
             self._free.sort(reverse=True)  # hand out ascending slots, so neighbouring blobs coalesce
@@ -188,8 +185,7 @@ class HostTier:
             self._slot_view(slot, part.numel()).copy_(part, non_blocking=non_blocking)
 
     def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
-        if len(keys) != len(into):
-            raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
+        check_pairs(keys, into, "buffers")
         work, results = [], []
         with self._lock:
             for key, out in zip(keys, into):

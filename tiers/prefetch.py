@@ -1,6 +1,6 @@
 """`TieredCache`: a `KVCache` with host and file tiers below it.
 
-- Offload: a background worker (thread, queue, stop event) moves cached packed pages down when the
+- Offload: a background worker (thread, wake event, stop event) moves cached packed pages down when the
   device pool passes the policy's high-water mark: bytes go to the host tier (D2H on a side stream
   where there is a GPU) and on to the file tier, then the device pages are freed.
 - Prefetch: `add_request` finds the part of a prompt's prefix that lives only in lower tiers and
@@ -13,7 +13,6 @@ All calls into the wrapped `KVCache` hold one lock: the core is single-threaded 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +47,7 @@ class TieredCache:
         self.policy = policy or OffloadPolicy()
         self.lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbackend-prefetch")
-        self._wake: queue.Queue[int] = queue.Queue()
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending: list[Handle] = []  # writes in flight; guarded by _pending_lock
         self._pending_lock = threading.Lock()
@@ -61,10 +60,8 @@ class TieredCache:
     # -- offload ----------------------------------------------------------------------------
     def _offload_loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._wake.get(timeout=self.policy.interval_s)
-            except queue.Empty:
-                pass
+            self._wake.wait(timeout=self.policy.interval_s)  # an append wakes us; else look on the interval
+            self._wake.clear()
             if self._stop.is_set():
                 break
             try:
@@ -172,7 +169,7 @@ class TieredCache:
         with self.lock:
             self.cache.append(request_id, layer, k, v)
         if self._worker is not None:
-            self._wake.put(1)
+            self._wake.set()
 
     def read(self, request_id: int, layer: int):
         with self.lock:
@@ -185,7 +182,7 @@ class TieredCache:
     def close(self) -> None:
         self._stop.set()
         if self._worker is not None:
-            self._wake.put(0)
+            self._wake.set()
             self._worker.join(timeout=5)
         self.flush()
         self._pool.shutdown(wait=True)
