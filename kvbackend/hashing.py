@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import hashlib
 import struct
+
+import numpy as np
 from collections.abc import Sequence
 
 
-def hash_page(parent: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes: what page hashes cover and collision checks compare."""
+    return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+def hash_page(parent: int | None, token_ids: Sequence[int] | bytes, extra_keys: tuple = ()) -> int:
     """hash(parent, token ids, extra keys) as a 63-bit int, stable across processes and machines.
 
-    Extra keys (adapter ids, cache salts, multimodal hashes) separate caches that share tokens.
+    ``token_ids`` may be given as `token_bytes` already. Extra keys (adapter ids, cache salts,
+    multimodal hashes) separate caches that share tokens.
     """
     h = hashlib.sha256()
     h.update(b"\x00" if parent is None else struct.pack("<Q", parent))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids))
     if extra_keys:
         h.update(repr(tuple(extra_keys)).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1

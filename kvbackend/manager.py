@@ -13,7 +13,7 @@ from .batch import BatchPlan, plan_batch
 from .codecs.base import CodecState, check_kv
 from .errors import CacheFull, InvalidKV, UnknownRequest
 from .geometry import CacheConfig, Geometry
-from .hashing import hash_page
+from .hashing import hash_page, token_bytes
 from .page_table import PageTable
 from .pool import DensePool, PackedPool
 
@@ -53,7 +53,7 @@ class KVCache:
         self._tables: dict[int, PageTable] = {}
         # hashed packed page -> its tokens, for the collision check on a hit; entries of evicted pages
         # are harmless (their hash is gone) and are overwritten when the page is hashed again
-        self._page_tokens: dict[int, tuple[int, ...]] = {}
+        self._page_tokens: dict[int, bytes] = {}
         self._ids = itertools.count()
 
     # -- admission --------------------------------------------------------------------------
@@ -64,13 +64,15 @@ class KVCache:
         the last prompt token's logits.
         """
         tokens = [int(t) for t in token_ids]
+        raw = token_bytes(tokens)
         p = self.config.page_size
         table = PageTable(next(self._ids), self.geometry.num_layers, p, token_ids=tokens)
         parent = None
         for start in range(0, max(len(tokens) - 1, 0) // p * p, p):
-            key = hash_page(parent, tokens[start : start + p], self.config.extra_keys)
+            page_raw = raw[8 * start : 8 * (start + p)]
+            key = hash_page(parent, page_raw, self.config.extra_keys)
             page = self.packed.allocator.lookup(key)
-            if page is None or self._page_tokens.get(page) != tuple(tokens[start : start + p]):
+            if page is None or self._page_tokens.get(page) != page_raw:
                 break
             self.packed.allocator.incref(page)
             table.packed.append(page)
@@ -174,9 +176,10 @@ class KVCache:
             if not chained or len(tokens) < p:
                 table.last_hash = None
                 return
-            key = hash_page(table.last_hash, tokens, self.config.extra_keys)
+            raw = token_bytes(tokens)
+            key = hash_page(table.last_hash, raw, self.config.extra_keys)
             if self.packed.allocator.set_hash(page, key):
-                self._page_tokens[page] = tuple(tokens)
+                self._page_tokens[page] = raw
             table.last_hash = key
 
     # -- reading ----------------------------------------------------------------------------
@@ -248,10 +251,10 @@ class KVCache:
     # -- moving pages between tiers (driven by kvbackend.tiers; the core stays tier-agnostic) ---
     def prefix_keys(self, token_ids: Sequence[int]) -> list[int]:
         """Chained keys of the full pages of a prompt that `add_request` could reuse."""
-        tokens = [int(t) for t in token_ids]
+        raw = token_bytes(token_ids)
         p, keys, parent = self.config.page_size, [], None
-        for start in range(0, max(len(tokens) - 1, 0) // p * p, p):
-            parent = hash_page(parent, tokens[start : start + p], self.config.extra_keys)
+        for start in range(0, max(len(raw) // 8 - 1, 0) // p * p, p):
+            parent = hash_page(parent, raw[8 * start : 8 * (start + p)], self.config.extra_keys)
             keys.append(parent)
         return keys
 
@@ -295,7 +298,7 @@ class KVCache:
         g, p = self.geometry, self.config.page_size
         pages_part = g.num_layers * self.layout.page_bytes
         has_book = self.layout.codebook_bytes > 0
-        tokens = [int(t) for t in token_ids]
+        tokens = token_bytes(token_ids)
         # Plan on the host first (check, then commit), then copy in two batched transfers.
         new_pages, new_slots, slot_sources, rows, installed = [], [], [], [], 0
         last_row, last_slot = None, None
@@ -324,7 +327,7 @@ class KVCache:
             rows.append(i)
             self.packed.allocator.set_hash(page, key)
             start = (first_page + i) * p
-            self._page_tokens[page] = tuple(tokens[start : start + p])
+            self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
             last_row, last_slot = i, slot
             installed += 1
         if new_pages:
@@ -357,7 +360,7 @@ class KVCache:
         for i, (page, key) in enumerate(zip(pages, keys)):
             self.packed.allocator.set_hash(page, key)
             start = (first_page + i) * p
-            self._page_tokens[page] = tuple(tokens[start : start + p])
+            self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
             self.packed.allocator.decref(page)
         return n
 

@@ -115,12 +115,13 @@ class TieredCache:
             on_device = self.cache.device_prefix(keys)
         rest = keys[on_device:]
         sources: list[str] = []
-        for key in rest:
-            if self.host is not None and self.host.contains([key]):
-                sources.append("host")
-            elif self.file is not None and self.file.contains([key]):
-                sources.append("file")
-            else:
+        while len(sources) < len(rest):  # alternate bulk prefix look-ups: host first, then file
+            start = len(sources)
+            in_host = self.host.contains(rest[start:]) if self.host is not None else 0
+            sources += ["host"] * in_host
+            in_file = self.file.contains(rest[len(sources):]) if self.file is not None else 0
+            sources += ["file"] * in_file
+            if len(sources) == start:
                 break
         rest = rest[: len(sources)]
         if not rest:
