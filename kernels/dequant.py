@@ -65,8 +65,9 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                  MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
                  KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
                  ZEROS: tl.constexpr, ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr,
-                 UNPACK: tl.constexpr = 0):
-    """float32 [P, D]: head ``h`` of packed page ``page`` (int64), reconstructed.
+                 UNPACK: tl.constexpr = 0, XT: tl.constexpr = tl.float32):
+    """[P, D] in XT (float32, or float16 for attention operands): head ``h`` of packed page ``page``
+    (int64), reconstructed.
 
     UNPACK 0 loads packed words and scales once and broadcasts them in registers (reshapes);
     UNPACK 1 has every element load its own word and scale (more loads, served by L1, no reshapes).
@@ -77,7 +78,7 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
     d = tl.arange(0, D)
     base = page * (PAGE_BYTES // ESIZE)
     if MODE == 0:  # plain floats [P, H, D]
-        x = load_elements(u8, i16, i32, base + CODES // ESIZE, (t[:, None] * H + h) * D + d[None, :], KIND)
+        x = load_elements(u8, i16, i32, base + CODES // ESIZE, (t[:, None] * H + h) * D + d[None, :], KIND).to(XT)
     elif UNPACK == 1:
         PER_BYTE: tl.constexpr = 8 // BITS
         PER_WORD: tl.constexpr = 32 // BITS
@@ -85,34 +86,34 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                         + d[None, :] // PER_WORD)
         j = d % PER_WORD
         shifts = 8 * (j // PER_BYTE) + (PER_BYTE - 1 - j % PER_BYTE) * BITS
-        codes = ((words >> shifts[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        codes = ((words >> shifts[None, :]) & ((1 << BITS) - 1)).to(XT)
         if MODE == 1:
             where = (t[:, None] * H + h) * (D // GROUP) + d[None, :] // GROUP
         else:
             where = ((t[:, None] // GROUP) * H + h) * D + d[None, :]
-        scale = load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND)
+        scale = load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND).to(XT)
         if SYMMETRIC:
             x = (codes - ((1 << (BITS - 1)) - 1)) * scale
         else:
-            x = codes * scale + load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND)
+            x = codes * scale + load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND).to(XT)
     else:
-        codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS).to(tl.float32)
+        codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS).to(XT)
         if MODE == 1:  # per token, groups of GROUP channels: [P, H, D / GROUP]
             NG: tl.constexpr = D // GROUP
             where = (t[:, None] * H + h) * NG + tl.arange(0, NG)[None, :]
             scale = tl.reshape(tl.broadcast_to(
-                load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
+                load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND).to(XT)[:, :, None], (P, NG, GROUP)), (P, D))
             if not SYMMETRIC:
                 zero = tl.reshape(tl.broadcast_to(
-                    load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND)[:, :, None], (P, NG, GROUP)), (P, D))
+                    load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND).to(XT)[:, :, None], (P, NG, GROUP)), (P, D))
         else:  # per channel, groups of GROUP tokens: [P / GROUP, H, D]
             NT: tl.constexpr = P // GROUP
             where = (tl.arange(0, NT)[:, None] * H + h) * D + d[None, :]
             scale = tl.reshape(tl.broadcast_to(
-                load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
+                load_elements(u8, i16, i32, base + SCALES // ESIZE, where, KIND).to(XT)[:, None, :], (NT, GROUP, D)), (P, D))
             if not SYMMETRIC:
                 zero = tl.reshape(tl.broadcast_to(
-                    load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND)[:, None, :], (NT, GROUP, D)), (P, D))
+                    load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND).to(XT)[:, None, :], (NT, GROUP, D)), (P, D))
         if SYMMETRIC:
             x = (codes - ((1 << (BITS - 1)) - 1)) * scale
         else:
@@ -124,10 +125,10 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
             c = tl.arange(0, C)
             onehot = (ids[:, None] == c[None, :]).to(tl.float16)
             cents = tl.load(book_i16 + book + ((stage * H + h) * C + c[:, None]) * D + d[None, :])
-            x += tl.dot(onehot, cents.to(tl.bfloat16, bitcast=True).to(tl.float16))
+            x += tl.dot(onehot, cents.to(tl.bfloat16, bitcast=True).to(tl.float16)).to(XT)
         else:
             rows = ((stage * H + h) * C + ids[:, None]) * D + d[None, :]
-            x += tl.load(book_i16 + book + rows).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            x += tl.load(book_i16 + book + rows).to(tl.bfloat16, bitcast=True).to(XT)
     return x
 
 
@@ -157,4 +158,4 @@ def load_dense(dense, page, h, is_v: tl.constexpr, H: tl.constexpr, P: tl.conste
     """float32 [P, D] of head ``h`` from dense page ``page`` of a [pages, 2, P, H, D] pool."""
     t = tl.arange(0, P)
     d = tl.arange(0, D)
-    return tl.load(dense + ((page * 2 + is_v) * P + t[:, None]) * (H * D) + h * D + d[None, :]).to(tl.float32)
+    return tl.load(dense + ((page * 2 + is_v) * P + t[:, None]) * (H * D) + h * D + d[None, :])

@@ -49,8 +49,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                          V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
     else:
-        k = load_dense(dense, page, h, 0, H, P, D)
-        v = load_dense(dense, page, h, 1, H, P, D)
+        k = load_dense(dense, page, h, 0, H, P, D).to(tl.float32)
+        v = load_dense(dense, page, h, 1, H, P, D).to(tl.float32)
     t = tl.arange(0, P)
     d = tl.arange(0, D)
     if ROPE:
