@@ -199,8 +199,8 @@ class FileTier:
                     self._misses += 1
                 results.append(False)
                 continue
-            data = self._read_blob(where)
-            if data is None or crc32c.crc32c(data) != where.crc:
+            ok = self._read_into(where, out)
+            if not ok:
                 with self._lock:
                     self._failures += 1
                     self._misses += 1
@@ -208,20 +208,28 @@ class FileTier:
                 _remove(where.path)
                 results.append(False)
                 continue
-            out[: where.length].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             with self._lock:
                 self._hits += 1
             results.append(True)
         return results
 
-    def _read_blob(self, where: _Location) -> bytes | None:
+    def _read_into(self, where: _Location, out: torch.Tensor) -> bool:
+        """Read one blob into ``out`` and check it. CPU buffers (pinned or not) are filled in place;
+        device buffers through one bounce copy. On a bad checksum ``out`` holds garbage and False says so."""
+        direct = out.device.type == "cpu" and out.is_contiguous()
+        target = out[: where.length] if direct else torch.empty(where.length, dtype=torch.uint8)
+        view = memoryview(target.numpy())
         try:
             with open(where.path, "rb") as f:
                 f.seek(where.offset)
-                data = f.read(where.length)
-            return data if len(data) == where.length else None
+                got = f.readinto(view)
         except OSError:
-            return None
+            return False
+        if got != where.length or crc32c.crc32c(view) != where.crc:
+            return False
+        if not direct:
+            out[: where.length].copy_(target)
+        return True
 
     def blob_size(self, key: int) -> int | None:
         with self._lock:
