@@ -1,0 +1,247 @@
+"""SGLang HiCache storage backend: compressed pages in kvbackend's crash-safe file tier.
+
+Launch SGLang with:
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+    --hicache-storage-backend-extra-config '{"backend_name": "kvbackend",
+        "module_path": "kvbackend.integration.sglang", "class_name": "KVBackendStorage",
+        "interface_v1": 1, "codec": "kivi:bits=4,group=32", "directory": "/var/cache/kvbackend",
+        "budget_gb": 100}'
+
+Host pages going to storage are encoded with the codec (per layer, on the CPU) and written as one
+checksummed blob per page; on a prefix hit they are decoded straight into SGLang's host pool.
+Supported host layouts: ``layer_first`` and ``page_first``; others are refused at registration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from ..codecs import get as get_codec
+from ..codecs.base import EncodedChunk
+from ..geometry import Geometry
+from ..tiers.file import FileTier
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LAYOUTS = ("layer_first", "page_first")
+DEFAULTS = {"codec": "kivi:bits=4,group=32", "directory": "/tmp/kvbackend_hicache", "budget_gb": 64.0}
+
+
+class KVBackendStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.codec_spec = str(extra.get("codec", DEFAULTS["codec"]))
+        self.codec = get_codec(self.codec_spec)  # a bad spec fails here, at start-up, with the valid options
+        model = str(getattr(storage_config, "model_name", None) or "model").replace("/", "-")
+        rank = f"tp{getattr(storage_config, 'tp_rank', 0)}of{getattr(storage_config, 'tp_size', 1)}" \
+               f"_pp{getattr(storage_config, 'pp_rank', 0)}of{getattr(storage_config, 'pp_size', 1)}"
+        self.namespace = f"{model}_{rank}"  # keys of different models/ranks never collide
+        self.directory = os.path.join(str(extra.get("directory", DEFAULTS["directory"])), self.namespace)
+        self.budget_bytes = int(float(extra.get("budget_gb", DEFAULTS["budget_gb"])) * 2**30)
+        self.mem_pool_host = None
+        self.tier: FileTier | None = None
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self._stats = {"hits": 0, "misses": 0, "failures": 0, "pages_set": 0, "raw_bytes_set": 0,
+                       "encode_s": 0.0, "decode_s": 0.0}
+
+    # -- set-up -----------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        layout = getattr(mem_pool_host, "layout", None)
+        if layout not in SUPPORTED_LAYOUTS:
+            raise ValueError(f"kvbackend storage supports host layouts {SUPPORTED_LAYOUTS}, not {layout!r}; "
+                             "start SGLang with --hicache-mem-layout layer_first or page_first")
+        self.mem_pool_host = mem_pool_host
+        self.page_size = mem_pool_host.page_size
+        self.geometry = Geometry(mem_pool_host.layer_num, mem_pool_host.head_num, mem_pool_host.head_dim,
+                                 mem_pool_host.dtype)
+        self.layout = self.codec.layout(self.geometry, self.page_size)  # SpecError if the codec cannot serve it
+        self.tier = FileTier(self.directory, self.budget_bytes, self.layout.fingerprint)
+
+    def _require_pool(self) -> None:
+        if self.tier is None:
+            raise RuntimeError("register_mem_pool_host must be called before storage operations")
+
+    def _key(self, key: str) -> int:
+        digest = hashlib.blake2b(f"{self.namespace}/{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    # -- page <-> blob ------------------------------------------------------------------------
+    def _encode(self, page: torch.Tensor) -> torch.Tensor:
+        """A [2, L, P, H, D] page -> one blob: each layer's packed page then each layer's codebook."""
+        start = time.perf_counter()
+        chunks: list[EncodedChunk] = [self.codec.encode(page[0, layer], page[1, layer], self.layout)
+                                      for layer in range(self.geometry.num_layers)]
+        blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [c.codebook.reshape(-1) for c in chunks])
+        with self._lock:
+            self._stats["encode_s"] += time.perf_counter() - start
+        return blob
+
+    def _decode(self, blob: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        g, lay = self.geometry, self.layout
+        pages = blob[: g.num_layers * lay.page_bytes].view(g.num_layers, 1, lay.page_bytes)
+        books = blob[g.num_layers * lay.page_bytes :].view(g.num_layers, lay.codebook_bytes)
+        out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)
+        for layer in range(g.num_layers):
+            k, v = self.codec.decode_pages(lay, pages[layer], books[layer])
+            out[0, layer], out[1, layer] = k[: self.page_size], v[: self.page_size]
+        with self._lock:
+            self._stats["decode_s"] += time.perf_counter() - start
+        return out
+
+    def _page_from_pool(self, index: int) -> torch.Tensor:
+        """[2, L, P, H, D] view-independent copy of the host page starting at token ``index``."""
+        g = self.geometry
+        flat = self.mem_pool_host.get_data_page(index, flat=True)
+        if self.mem_pool_host.layout == "layer_first":
+            return flat.reshape(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
+        return flat.reshape(2, self.page_size, g.num_layers, g.num_kv_heads, g.head_dim).transpose(1, 2)
+
+    def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
+        if self.mem_pool_host.layout == "page_first":
+            page = page.transpose(1, 2)
+        self.mem_pool_host.set_from_flat_data_page(index, page.contiguous().flatten())
+
+    def _flat_from_page(self, page: torch.Tensor) -> torch.Tensor:
+        return self._layout_order(page).contiguous().flatten()
+
+    def _layout_order(self, page: torch.Tensor) -> torch.Tensor:
+        return page.transpose(1, 2) if self.mem_pool_host.layout == "page_first" else page
+
+    def _page_from_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        if self.mem_pool_host.layout == "layer_first":
+            return flat.reshape(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
+        return flat.reshape(2, self.page_size, g.num_layers, g.num_kv_heads, g.head_dim).transpose(1, 2)
+
+    def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        blobs, ints, ok = [], [], []
+        for key, page in zip(keys, pages):
+            try:
+                blobs.append(self._encode(page))
+                ints.append(self._key(key))
+                ok.append(True)
+            except Exception as exc:  # a bad page fails alone, never the I/O thread
+                self._log_once("encode", f"kvbackend storage: encoding a page failed: {exc!r}")
+                ok.append(False)
+        if not ints:
+            return ok
+        written = iter(self.tier.put(ints, blobs).result())
+        results = [next(written) if good else False for good in ok]
+        with self._lock:
+            self._stats["pages_set"] += sum(results)
+            self._stats["raw_bytes_set"] += sum(p.nbytes for p, r in zip(pages, results) if r)
+            self._stats["failures"] += results.count(False)
+        return results
+
+    def _load(self, keys: List[str]) -> List[Optional[torch.Tensor]]:
+        ints = [self._key(k) for k in keys]
+        buffers = [torch.empty(self.tier.blob_size(i) or 0, dtype=torch.uint8) for i in ints]
+        found = self.tier.get(ints, buffers).result()
+        pages: list[Optional[torch.Tensor]] = []
+        for buffer, good in zip(buffers, found):
+            if not good or buffer.numel() == 0:
+                pages.append(None)
+                continue
+            try:
+                pages.append(self._decode(buffer))
+            except Exception as exc:
+                self._log_once("decode", f"kvbackend storage: decoding a page failed: {exc!r}")
+                pages.append(None)
+        with self._lock:
+            hits = sum(p is not None for p in pages)
+            self._stats["hits"] += hits
+            self._stats["misses"] += len(pages) - hits
+        return pages
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error(message)
+
+    # -- the v1 zero-copy interface (used when "interface_v1": 1) -----------------------------
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        try:
+            self._require_pool()
+            pages = self._load(list(keys))
+            results = []
+            for i, page in enumerate(pages):
+                if page is None:
+                    results.append(False)
+                    continue
+                self._page_to_pool(int(host_indices[i * self.page_size]), page)
+                results.append(True)
+            return results
+        except Exception as exc:  # never None, never an exception into SGLang's I/O threads
+            self._log_once("get_v1", f"kvbackend storage: batch_get_v1 failed: {exc!r}")
+            return [False] * len(keys)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        try:
+            self._require_pool()
+            pages = [self._page_from_pool(int(host_indices[i * self.page_size])) for i in range(len(keys))]
+            return self._store(list(keys), pages)
+        except Exception as exc:
+            self._log_once("set_v1", f"kvbackend storage: batch_set_v1 failed: {exc!r}")
+            return [False] * len(keys)
+
+    # -- the generic interface (flat data pages as SGLang's host pool returns them) ------------
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        self._require_pool()
+        out = []
+        for i, page in enumerate(self._load(list(keys))):
+            if page is None:
+                out.append(None)
+                continue
+            flat = self._flat_from_page(page)
+            if target_locations is not None and target_locations[i] is not None:
+                target_locations[i].copy_(flat.view_as(target_locations[i]))
+                flat = target_locations[i]
+            out.append(flat)
+        return out
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        self._require_pool()
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"batch_set needs one value per key ({len(keys)} keys)")
+        return all(self._store(list(keys), [self._page_from_flat(v) for v in values]))
+
+    def exists(self, key: str) -> bool:
+        self._require_pool()
+        return self.tier.contains([self._key(key)]) == 1
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        self._require_pool()
+        return self.tier.contains([self._key(k) for k in keys])
+
+    def clear(self) -> None:
+        if self.tier is not None:
+            self.tier.evict(1 << 62)
+
+    def get_stats(self) -> dict:
+        stored = self.tier.stats().bytes_used if self.tier is not None else 0
+        with self._lock:
+            stats = dict(self._stats)
+        stats.update(bytes_stored=stored, codec=self.codec_spec,
+                     compression_ratio=stats["raw_bytes_set"] / stored if stored else None)
+        return stats

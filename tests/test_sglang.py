@@ -1,0 +1,172 @@
+"""kvbackend as an SGLang HiCache storage backend, created through SGLang's own factory."""
+
+import threading
+
+import pytest
+import torch
+
+hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+
+from kvbackend.integration.sglang import KVBackendStorage  # noqa: E402
+
+
+class HostPool:
+    """The host-pool surface SGLang hands to storage backends, as `MHATokenToKVPoolHost` implements it
+    (kv_buffer shapes and the three data-page methods, same code). SGLang's own class cannot be built
+    here: its constructor needs a device KV pool with CUDA pointer tables."""
+
+    def __init__(self, layout, pages=12, page_size=16, layers=3, heads=2, head_dim=64, dtype=torch.bfloat16):
+        self.layout, self.page_size, self.layer_num, self.head_num, self.head_dim = layout, page_size, layers, heads, head_dim
+        self.dtype, self.device, self.pin_memory = dtype, "cpu", False
+        self.size = pages * page_size
+        dims = (2, layers, self.size, heads, head_dim) if layout == "layer_first" else (2, self.size, layers, heads, head_dim)
+        self.kv_buffer = torch.zeros(dims, dtype=dtype)
+
+    def get_data_page(self, index, flat=True):
+        if self.layout == "layer_first":
+            page = self.kv_buffer[:, :, index : index + self.page_size]
+        else:
+            page = self.kv_buffer[:, index : index + self.page_size]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim), dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index, data_page):
+        if self.layout == "layer_first":
+            self.kv_buffer[:, :, index : index + self.page_size] = data_page.reshape(
+                2, self.layer_num, self.page_size, self.head_num, self.head_dim)
+        else:
+            self.kv_buffer[:, index : index + self.page_size] = data_page.reshape(
+                2, self.page_size, self.layer_num, self.head_num, self.head_dim)
+
+    def page(self, index):  # [2, L, P, H, D] regardless of layout
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, index : index + self.page_size].clone()
+        return self.kv_buffer[:, index : index + self.page_size].transpose(1, 2).clone()
+
+
+def make_backend(tmp_path, host, codec="kivi:bits=4,group=16", **extra):
+    config = hicache.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first", model_name="test/model",
+        extra_config={"backend_name": "kvbackend", "module_path": "kvbackend.integration.sglang",
+                      "class_name": "KVBackendStorage", "interface_v1": 1, "codec": codec,
+                      "directory": str(tmp_path), **extra})
+    backend = factory.StorageBackendFactory.create_backend("dynamic", config, host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+def host_indices(pages, page_size=16):
+    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("codec,dtype", [("identity", torch.bfloat16), ("fp16", torch.float16),
+                                         ("kivi:bits=4,group=16", torch.bfloat16),
+                                         ("rtn:bits=2,group=64,scale=fp8", torch.bfloat16)])
+def test_v1_round_trip(tmp_path, layout, codec, dtype):
+    host = HostPool(layout, dtype=dtype)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, codec)
+    assert isinstance(backend, KVBackendStorage)
+    keys = [f"page-{i}" for i in range(6)]
+    originals = [host.page(i * 16) for i in range(6)]
+    assert backend.batch_set_v1(keys, host_indices(range(6))) == [True] * 6
+    assert backend.batch_exists(keys) == 6
+    host.kv_buffer.zero_()
+    assert backend.batch_get_v1(keys, host_indices(range(6, 12))) == [True] * 6
+    for i, original in enumerate(originals):
+        got = host.page((6 + i) * 16)
+        if codec in ("identity", "fp16"):  # the pool's own dtype stored unchanged: bit-exact
+            assert torch.equal(got, original)
+        else:
+            err = float((got.float() - original.float()).norm() / original.float().norm())
+            assert err < (0.12 if "bits=4" in codec else 0.6)
+    stats = backend.get_stats()
+    assert stats["hits"] == 6 and stats["pages_set"] == 6 and stats["bytes_stored"] > 0
+
+
+def test_generic_interface_and_prefix_after_eviction(tmp_path):
+    host = HostPool("layer_first")
+    backend = make_backend(tmp_path, host, "identity")
+    pages = [torch.randn(2 * 3 * 16 * 2 * 64).bfloat16() for _ in range(4)]
+    for i, page in enumerate(pages):
+        assert backend.set(f"k{i}", page)
+    assert backend.exists("k2") and not backend.exists("missing")
+    got = backend.batch_get(["k0", "k3", "missing"])
+    assert torch.equal(got[0], pages[0]) and torch.equal(got[1], pages[3]) and got[2] is None
+    target = torch.empty_like(pages[1])
+    assert backend.get("k1", target) is target and torch.equal(target, pages[1])
+    assert backend.batch_exists(["k0", "k1", "k2", "k3"]) == 4
+    backend.tier.evict(1)  # the least recently used page group: k2 (k0, k1, k3 were read since)
+    assert backend.batch_exists(["k0", "k1", "k2", "k3"]) == 2
+    assert backend.batch_exists(["k3", "k0"]) == 2
+
+
+def test_corrupted_page_is_a_miss_never_data(tmp_path):
+    import os
+
+    host = HostPool("layer_first")
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host)
+    backend.batch_set_v1(["a", "b"], host_indices([0, 1]))
+    files = sorted(os.path.join(backend.directory, f) for f in os.listdir(backend.directory))
+    data = bytearray(open(files[0], "rb").read())
+    data[-5] ^= 0xFF
+    open(files[0], "wb").write(bytes(data))
+    host.kv_buffer[:, :, 32:64] = 7.0
+    results = backend.batch_get_v1(["a", "b"], host_indices([2, 3]))
+    assert results.count(False) == 1
+    bad = 2 + results.index(False)
+    assert torch.all(host.kv_buffer[:, :, bad * 16 : (bad + 1) * 16] == 7.0)  # untouched
+    assert backend.get_stats()["misses"] == 1
+
+
+def test_concurrent_callers(tmp_path):
+    host = HostPool("page_first", pages=64)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "identity")
+    reference = {i: host.page(i * 16) for i in range(32)}
+    errors = []
+
+    def worker(seed):
+        rng = torch.Generator().manual_seed(seed)
+        for _ in range(20):
+            i = int(torch.randint(0, 32, (1,), generator=rng))
+            if not backend.batch_set_v1([f"p{i}"], host_indices([i])) == [True]:
+                errors.append("set failed")
+            dest = 32 + seed  # each thread reads into its own page
+            if backend.batch_get_v1([f"p{i}"], host_indices([dest]))[0]:
+                if not torch.equal(host.page(dest * 16), reference[i]):
+                    errors.append(f"wrong data for p{i}")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
+def test_refuses_unsupported_layout_and_bad_spec(tmp_path):
+    host = HostPool("layer_first")
+    host.layout = "page_head"
+    with pytest.raises(ValueError, match="layer_first"):
+        make_backend(tmp_path, host)
+    from kvbackend import SpecError
+
+    with pytest.raises((SpecError, ValueError), match="unknown codec"):
+        make_backend(tmp_path, HostPool("layer_first"), codec="zip")
+    with pytest.raises((SpecError, ValueError)):
+        make_backend(tmp_path, HostPool("layer_first"), codec="kivi:bits=2,group=32")  # group > page of 16
+
+
+def test_v1_never_returns_none(tmp_path):
+    backend = KVBackendStorage(hicache.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name=None, extra_config={"directory": str(tmp_path)}))
+    assert backend.batch_get_v1(["x"], torch.arange(16)) == [False]  # no host pool registered yet
+    assert backend.batch_set_v1(["x"], torch.arange(16)) == [False]
