@@ -99,30 +99,23 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["decode_s"] += time.perf_counter() - start
         return out
 
-    def _page_from_pool(self, index: int) -> torch.Tensor:
-        """[2, L, P, H, D] view-independent copy of the host page starting at token ``index``."""
+    def _page_from_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat host data page (in the pool's layout) as [2, L, P, H, D]."""
         g = self.geometry
-        flat = self.mem_pool_host.get_data_page(index, flat=True)
         if self.mem_pool_host.layout == "layer_first":
             return flat.reshape(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
         return flat.reshape(2, self.page_size, g.num_layers, g.num_kv_heads, g.head_dim).transpose(1, 2)
-
-    def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
-        if self.mem_pool_host.layout == "page_first":
-            page = page.transpose(1, 2)
-        self.mem_pool_host.set_from_flat_data_page(index, page.contiguous().flatten())
 
     def _flat_from_page(self, page: torch.Tensor) -> torch.Tensor:
-        return self._layout_order(page).contiguous().flatten()
+        """Inverse of `_page_from_flat`."""
+        ordered = page.transpose(1, 2) if self.mem_pool_host.layout == "page_first" else page
+        return ordered.contiguous().flatten()
 
-    def _layout_order(self, page: torch.Tensor) -> torch.Tensor:
-        return page.transpose(1, 2) if self.mem_pool_host.layout == "page_first" else page
+    def _page_from_pool(self, index: int) -> torch.Tensor:
+        return self._page_from_flat(self.mem_pool_host.get_data_page(index, flat=True))
 
-    def _page_from_flat(self, flat: torch.Tensor) -> torch.Tensor:
-        g = self.geometry
-        if self.mem_pool_host.layout == "layer_first":
-            return flat.reshape(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
-        return flat.reshape(2, self.page_size, g.num_layers, g.num_kv_heads, g.head_dim).transpose(1, 2)
+    def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
+        self.mem_pool_host.set_from_flat_data_page(index, self._flat_from_page(page))
 
     def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
         blobs, ints, ok = [], [], []

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +35,6 @@ class _Entry:
     nbytes: int
     state: SlotState
     readers: int = 0  # concurrent reads in flight
-    events: list = field(default_factory=list)  # CUDA events of the write, if any
 
 
 class HostTier:
