@@ -85,7 +85,7 @@ def run_demo(args) -> int:
             progress.advance(task)
 
     exact = runs[0].tokens
-    summary = Table(title=f"{len(prompts)} prompts ({batch['input_ids'].shape[1]} tokens padded), "
+    summary = Table(title=f"{len(prompts)} prompts ({batch['input_ids'].shape[1]} tokens padded; exact = the model's float32 K/V), "
                           f"{args.max_new_tokens} new tokens each, greedy, pages of {DEMO_PAGE_SIZE}, "
                           f"chunks of {DEMO_PAGE_SIZE * DEMO_CHUNK_PAGES} tokens")
     for col in ("cache", "KV bytes exact", "KV bytes stored", "compression", "tokens/s", "same tokens as exact"):

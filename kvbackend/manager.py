@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import random
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +33,9 @@ class CacheStats:
     packed_bytes: int  # bytes of live packed pages and codebook slots (all layers)
     packed_tokens: int  # tokens those packed pages represent
     bits_per_value: float | None  # 8 * packed_bytes / values represented; None when nothing is packed
+
+
+_TRAILER = struct.Struct("<QQ")  # exported page group: chunk id, 1 if the chunk's codebook follows
 
 
 class KVCache:
@@ -158,6 +163,7 @@ class KVCache:
             self.backend.encode_chunk(self.codec, self.layout, k, v, table.states[layer], self.packed.pages[layer],
                                       page_ids, self.packed.codebooks[layer, slot])
         self.packed.bind(new_pages, slot)
+        self.packed.open_slot(slot, random.getrandbits(63), new_pages[0])
         self.packed.slots.decref(slot)  # the pages now hold the slot; drop the allocation's own ref
         first_token = table.num_packed_tokens
         table.packed.extend(new_pages)
@@ -269,14 +275,26 @@ class KVCache:
 
     @property
     def blob_bytes(self) -> int:
-        """Bytes of one exported page group: every layer's packed page, then every layer's codebook slot."""
-        return self.geometry.num_layers * (self.layout.page_bytes + self.layout.codebook_bytes)
+        """Largest exported page group: every layer's packed page, a 16-byte trailer (chunk id, whether
+        a codebook follows), then every layer's codebook slot when this page carries it."""
+        return self._pages_part + _TRAILER.size + self.geometry.num_layers * self.layout.codebook_bytes
+
+    @property
+    def _pages_part(self) -> int:
+        return self.geometry.num_layers * self.layout.page_bytes
 
     def export_page(self, page: int) -> torch.Tensor:
-        """A copy of one packed page's bytes in every layer plus its chunk's codebook slot (uint8, 1-D)."""
+        """A copy of one packed page group (uint8, 1-D). Only the chunk's first page carries the
+        chunk's codebook; the others name the chunk and share it again when restored."""
         slot = self.packed.slot_of_page[page]
         assert slot is not None, f"packed page {page} is not live"
-        return torch.cat([self.packed.pages[:, page].reshape(-1), self.packed.codebooks[:, slot].reshape(-1)])
+        carrier = self.packed.carrier_of_slot[slot] == page and self.layout.codebook_bytes > 0
+        trailer = torch.frombuffer(bytearray(_TRAILER.pack(self.packed.chunk_of_slot[slot], int(carrier))),
+                                   dtype=torch.uint8).to(self.packed.pages.device)
+        parts = [self.packed.pages[:, page].reshape(-1), trailer]
+        if carrier:
+            parts.append(self.packed.codebooks[:, slot].reshape(-1))
+        return torch.cat(parts)
 
     def evictable_pages(self) -> list[tuple[int, int]]:
         """(page, key) of unreferenced cached packed pages, least recently used first."""
@@ -287,82 +305,69 @@ class KVCache:
         """Free a cached packed page whose bytes now live in a lower tier."""
         self.packed.allocator.evict_cached(page)
 
-    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor | Sequence[torch.Tensor],
-                      first_page: int) -> int:
+    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int],
+                      blobs: torch.Tensor | Sequence[torch.Tensor | None], first_page: int) -> int:
         """Put restored page groups back on the device as cached pages, so `add_request` hits them.
 
         ``keys[i]`` is the key of prompt page ``first_page + i`` and ``blobs[i]`` its exported bytes
-        (a [n, blob_bytes] tensor or a list). Neighbouring pages whose codebook bytes are equal share
-        one codebook slot. Returns how many pages were installed (fewer when the pools are full).
+        (rows of a tensor, or a list; None for a page expected to be resident already). A page joins
+        the resident slot of its chunk, or opens a slot from the codebook it carries; a page whose
+        chunk's codebook is nowhere, or whose bytes are missing, stops the restore there. Returns how
+        many of ``keys`` (a prefix) are now on the device.
         """
         g, p = self.geometry, self.config.page_size
-        pages_part = g.num_layers * self.layout.page_bytes
-        has_book = self.layout.codebook_bytes > 0
+        part = self._pages_part
         tokens = token_bytes(token_ids)
-        # Plan on the host first (check, then commit), then copy in two batched transfers.
-        new_pages, new_slots, slot_sources, rows, installed = [], [], [], [], 0
-        last_row, last_slot = None, None
-        allocator = self.packed.allocator
-        if not has_book and not any(allocator.lookup(k) is not None for k in keys):
-            return self._install_plain(keys, tokens, blobs, first_page)
+        blobs = list(blobs)
+        given = [i for i, b in enumerate(blobs) if b is not None]
+        trailers: list[tuple[int, int] | None] = [None] * len(blobs)
+        if given:  # one transfer for all trailers
+            heads = torch.stack([blobs[i][part : part + _TRAILER.size] for i in given]).cpu().numpy()
+            for i, row in zip(given, heads):
+                trailers[i] = _TRAILER.unpack(bytes(row))
+        allocator, pool = self.packed.allocator, self.packed
+        new_pages, rows, new_slots, slot_rows, installed = [], [], [], [], 0
         for i, key in enumerate(keys):
-            if self.packed.allocator.lookup(key) is not None:
+            if allocator.lookup(key) is not None:
                 installed += 1
                 continue
-            share = has_book and last_row is not None and torch.equal(blobs[i][pages_part:], blobs[last_row][pages_part:])
-            need_slot = has_book and not share or not has_book and last_slot is None
-            if not self.packed.allocator.can_allocate(1) or (need_slot and not self.packed.slots.can_allocate(1)):
+            if trailers[i] is None:
+                break  # expected on the device, but evicted meanwhile
+            chunk, carries = trailers[i]
+            slot = pool.slot_of_chunk.get(chunk)
+            opens = slot is None
+            if opens and not (carries or self.layout.codebook_bytes == 0):
+                break  # the codebook of this page's chunk is neither resident nor carried
+            if not allocator.can_allocate(1) or (opens and not pool.slots.can_allocate(1)):
                 break
-            (page,) = self.packed.allocator.allocate(1)
-            if need_slot:
-                (slot,) = self.packed.slots.allocate(1)
+            (page,) = allocator.allocate(1)
+            if opens:
+                (slot,) = pool.slots.allocate(1)
+                pool.open_slot(slot, chunk, page)
                 new_slots.append(slot)
-                slot_sources.append(i)
-            else:
-                slot = last_slot
-            self.packed.bind([page], slot)
-            if need_slot:
-                self.packed.slots.decref(slot)  # the page holds the slot now
+                slot_rows.append(i)
+            pool.bind([page], slot)
+            if opens:
+                pool.slots.decref(slot)  # the page holds the slot now
+            allocator.set_hash(page, key)
+            start = (first_page + i) * p
+            self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
             new_pages.append(page)
             rows.append(i)
-            self.packed.allocator.set_hash(page, key)
-            start = (first_page + i) * p
-            self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
-            last_row, last_slot = i, slot
             installed += 1
         if new_pages:
-            device = self.packed.pages.device
-            stacked = torch.stack([blobs[i] for i in rows]) if not isinstance(blobs, torch.Tensor) else blobs[rows]
-            stacked = stacked.to(device, non_blocking=True)
-            index = torch.tensor(new_pages, device=device)
-            self.packed.pages[:, index] = stacked[:, :pages_part].view(len(rows), g.num_layers, -1).transpose(0, 1)
-            if has_book and new_slots:
-                books = stacked[[rows.index(i) for i in slot_sources], pages_part:]
-                slot_index = torch.tensor(new_slots, device=device)
-                self.packed.codebooks[:, slot_index] = books.view(len(new_slots), g.num_layers, -1).transpose(0, 1)
+            device = pool.pages.device
+            stacked = torch.stack([blobs[i][:part] for i in rows])
+            pool.pages[:, torch.tensor(new_pages, device=device)] = \
+                stacked.to(device).reshape(len(rows), g.num_layers, -1).transpose(0, 1)
+            if new_slots and self.layout.codebook_bytes:
+                start, size = part + _TRAILER.size, g.num_layers * self.layout.codebook_bytes
+                books = torch.stack([blobs[i][start : start + size] for i in slot_rows]).to(device)
+                pool.codebooks[:, torch.tensor(new_slots, device=device)] = \
+                    books.view(len(new_slots), g.num_layers, -1).transpose(0, 1)
             for page in new_pages:
-                self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
+                allocator.decref(page)  # unreferenced: cached until a request takes it
         return installed
-
-    def _install_plain(self, keys, tokens, blobs, first_page: int) -> int:
-        """`install_pages` for layouts without a codebook: one allocation, one slot, one copy."""
-        n = min(len(keys), self.packed.allocator.num_free)
-        if n == 0 or not self.packed.slots.can_allocate(1):
-            return 0
-        g, p = self.geometry, self.config.page_size
-        pages = self.packed.allocator.allocate(n)
-        (slot,) = self.packed.slots.allocate(1)
-        self.packed.bind(pages, slot)
-        self.packed.slots.decref(slot)
-        device = self.packed.pages.device
-        stacked = (blobs[:n] if isinstance(blobs, torch.Tensor) else torch.stack(list(blobs[:n]))).to(device)
-        self.packed.pages[:, torch.tensor(pages, device=device)] = stacked.view(n, g.num_layers, -1).transpose(0, 1)
-        for i, (page, key) in enumerate(zip(pages, keys)):
-            self.packed.allocator.set_hash(page, key)
-            start = (first_page + i) * p
-            self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
-            self.packed.allocator.decref(page)
-        return n
 
     # -- lifetime ---------------------------------------------------------------------------
     def fork(self, request_id: int) -> int:

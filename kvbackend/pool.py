@@ -38,7 +38,12 @@ class PackedPool:
         self.codebooks = torch.zeros(g.num_layers, config.num_codebook_slots, layout.codebook_bytes,
                                      dtype=torch.uint8, device=config.device)
         self.slot_of_page: list[int | None] = [None] * config.packed_pages
-        self.slots = PageAllocator(config.num_codebook_slots, "codebook")
+        # Per live slot: the chunk it encodes (an id that travels with exported pages) and the page
+        # that carries the codebook when pages move to lower tiers (the chunk's first page).
+        self.chunk_of_slot: list[int | None] = [None] * config.num_codebook_slots
+        self.carrier_of_slot: list[int | None] = [None] * config.num_codebook_slots
+        self.slot_of_chunk: dict[int, int] = {}
+        self.slots = PageAllocator(config.num_codebook_slots, "codebook", on_release=self._forget_slot)
         self.allocator = PageAllocator(config.packed_pages, "packed", on_release=self._release_slot)
 
     def _release_slot(self, page: int) -> None:
@@ -46,6 +51,18 @@ class PackedPool:
         assert slot is not None, f"packed page {page} has no codebook slot"
         self.slot_of_page[page] = None
         self.slots.decref(slot)
+
+    def open_slot(self, slot: int, chunk_id: int, carrier: int) -> None:
+        """Record which chunk a freshly allocated slot holds and which page carries its codebook."""
+        self.chunk_of_slot[slot] = chunk_id
+        self.carrier_of_slot[slot] = carrier
+        self.slot_of_chunk[chunk_id] = slot
+
+    def _forget_slot(self, slot: int) -> None:
+        chunk = self.chunk_of_slot[slot]
+        if chunk is not None and self.slot_of_chunk.get(chunk) == slot:
+            del self.slot_of_chunk[chunk]
+        self.chunk_of_slot[slot] = self.carrier_of_slot[slot] = None
 
     def bind(self, pages: list[int], slot: int) -> None:
         """Record that ``pages`` belong to the chunk in ``slot`` (the slot gains one ref per page)."""

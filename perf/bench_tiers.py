@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 import sys
 import threading
 import time
@@ -81,8 +82,17 @@ def restore_prefix(codec: str, tokens: int = 32768):
     prompt = list(range(tokens + 1))
     keys = cache.prefix_keys(prompt)[:pages]
     host = HostTier(cache.blob_bytes * pages, cache.blob_bytes)
-    blob = torch.randint(0, 255, (cache.blob_bytes,), dtype=torch.uint8)
-    host.put(keys, [blob] * pages).wait()
+    # Page groups as `export_page` writes them: 16-page chunks whose first page carries the codebook.
+    pages_part = geometry.num_layers * cache.layout.page_bytes
+    payload = torch.randint(0, 255, (cache.blob_bytes,), dtype=torch.uint8)
+    blobs = []
+    for j in range(pages):
+        carrier = j % 16 == 0 and cache.layout.codebook_bytes > 0
+        blob = payload[: cache.blob_bytes if carrier else pages_part + 16].clone()
+        blob[pages_part : pages_part + 16] = torch.frombuffer(bytearray(struct.pack("<QQ", j // 16, int(carrier))),
+                                                              dtype=torch.uint8)
+        blobs.append(blob)
+    host.put(keys, blobs).wait()
     tiered = TieredCache(cache, host, None, background=False)
 
     def once():
@@ -92,7 +102,7 @@ def restore_prefix(codec: str, tokens: int = 32768):
         assert report.restored_from_host == pages, report
 
     ms = median_ms(once, reps=5, warmup=1)
-    total = cache.blob_bytes * pages
+    total = sum(b.numel() for b in blobs)
     out = {"codec": codec, "tokens": tokens, "blob_bytes": cache.blob_bytes, "bytes": total, "restore_ms": ms,
            "GBps": total / ms / 1e6}
     print(f"restore {tokens} tokens, {codec}: {ms:.1f} ms for {total / 2**30:.2f} GiB ({out['GBps']:.1f} GB/s)", flush=True)

@@ -199,8 +199,8 @@ def fill(tiered, tokens, seed=0):
     return rid
 
 
-@pytest.mark.parametrize("codec,slots", [("qvg", 2), ("kivi:bits=2,group=16", 1)])
-def test_round_trip_device_host_file_host_device(tmp_path, codec, slots):
+@pytest.mark.parametrize("codec", ["qvg", "kivi:bits=2,group=16"])
+def test_round_trip_device_host_file_host_device(tmp_path, codec):
     cache = filled(codec)
     tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), FileTier(str(tmp_path), 10**8, cache.layout.fingerprint),
                          background=False)
@@ -208,6 +208,7 @@ def test_round_trip_device_host_file_host_device(tmp_path, codec, slots):
     rid = fill(tiered, tokens)
     before_bytes = [cache.export_page(p) for p in cache.page_table(rid).packed]
     before = [tiered.read(rid, layer) for layer in range(2)]
+    slots_before = cache.stats().codebook_slots_used  # 2 chunks
     tiered.free(rid)
     assert tiered.offload(max_pages=100) == 4
     tiered.flush()
@@ -216,11 +217,13 @@ def test_round_trip_device_host_file_host_device(tmp_path, codec, slots):
     rid2, hit = tiered.add_request(tokens)
     assert hit == 64
     after_bytes = [cache.export_page(p) for p in cache.page_table(rid2).packed]
-    assert all(torch.equal(a, b) for a, b in zip(before_bytes, after_bytes))
+    assert all(torch.equal(a, b) for a, b in zip(before_bytes, after_bytes))  # chunk ids and carriers too
+    if codec == "qvg":  # only each chunk's first page carries the codebook
+        assert [b.numel() for b in before_bytes] == [cache.blob_bytes, cache.blob_bytes - 2 * cache.layout.codebook_bytes] * 2
     for layer in range(2):
         k, v = tiered.read(rid2, layer)
         assert torch.equal(k, before[layer][0][:64]) and torch.equal(v, before[layer][1][:64])
-    assert cache.stats().codebook_slots_used == slots  # qvg: 4 pages of 2 chunks share 2 restored codebooks
+    assert cache.stats().codebook_slots_used == slots_before  # pages of a chunk share its slot again
     assert tiered.host.contains(cache.prefix_keys(tokens)) == 4  # the file hit was copied up to the host
     cache.check()
     tiered.close()
@@ -275,3 +278,27 @@ def test_adjacent_blobs_coalesce_into_one_copy():
     assert host._host_run(runs[0][1]).data_ptr() == host.buffer[300:].data_ptr()
     separate = [torch.zeros(100, dtype=torch.uint8) for _ in range(2)]  # other storages never merge
     assert len(list(host._runs(list(zip(separate, entries[:2]))))) == 2
+
+
+def test_restore_joins_the_resident_codebook_and_stops_without_one():
+    cache = filled("qvg")
+    tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), None, background=False)
+    tokens = list(range(70))
+    tiered.free(fill(tiered, tokens))
+    keys = cache.prefix_keys(tokens)
+    pages = {key: page for page, key in cache.evictable_pages()}
+    # Offload only the second page of each chunk: their chunks' codebooks stay resident on the device.
+    for key in (keys[1], keys[3]):
+        assert tiered.host.put([key], [cache.export_page(pages[key])]).result() == [True]
+        cache.drop_cached(pages[key])
+    slots = cache.stats().codebook_slots_used
+    assert tiered.restore(tokens).restored_from_host == 2
+    assert cache.stats().codebook_slots_used == slots  # joined, no codebook copied
+    # Now drop a chunk's carrier everywhere: its second page cannot be restored, and the prefix stops.
+    for page, key in cache.evictable_pages():
+        tiered.host.put([key], [cache.export_page(page)]).wait()
+        cache.drop_cached(page)
+    tiered.host.discard([keys[2]])  # the carrier of the second chunk
+    report = tiered.restore(tokens)
+    assert report.restored_from_host == 2 and cache.device_prefix(keys) == 2
+    cache.check()

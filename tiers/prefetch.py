@@ -114,22 +114,22 @@ class TieredCache:
             keys = self.cache.prefix_keys(token_ids)
             on_device = self.cache.device_prefix(keys)
         rest = keys[on_device:]
-        sources: list[str] = []
-        while len(sources) < len(rest):  # alternate bulk prefix look-ups: host first, then file
+        sources: list[str] = []  # per key: "device" (already resident further along), "host" or "file"
+        while len(sources) < len(rest):  # bulk prefix look-ups, tier by tier, until no tier has the next key
             start = len(sources)
-            in_host = self.host.contains(rest[start:]) if self.host is not None else 0
-            sources += ["host"] * in_host
-            in_file = self.file.contains(rest[len(sources):]) if self.file is not None else 0
-            sources += ["file"] * in_file
+            with self.lock:
+                sources += ["device"] * self.cache.device_prefix(rest[start:])
+            if self.host is not None:
+                sources += ["host"] * self.host.contains(rest[len(sources):])
+            if self.file is not None:
+                sources += ["file"] * self.file.contains(rest[len(sources):])
             if len(sources) == start:
                 break
         rest = rest[: len(sources)]
-        if not rest:
-            return RestoreReport(on_device, 0, 0, 0)
         size = self.cache.blob_bytes
         device = self.cache.dense.data.device
         staged = torch.empty(len(rest), size, dtype=torch.uint8, device=device)  # host blobs land here directly
-        ok = [False] * len(rest)
+        ok = [s == "device" for s in sources]
         host_idx = [i for i, s in enumerate(sources) if s == "host"]
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
         if host_idx:
@@ -149,10 +149,12 @@ class TieredCache:
         usable = next((i for i, g in enumerate(ok) if not g), len(ok))  # a prefix stops at the first hole
         if cancel is not None and cancel.is_set():
             usable = 0
+        blobs = [None if sources[i] == "device" else staged[i] for i in range(usable)]
         with self.lock:
-            installed = self.cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device)
-        from_host = sum(1 for i in range(installed) if sources[i] == "host")
-        return RestoreReport(on_device, from_host, installed - from_host, len(rest) - installed)
+            installed = self.cache.install_pages(rest[:usable], token_ids, blobs, on_device)
+        from_host = sum(1 for s in sources[:installed] if s == "host")
+        from_file = sum(1 for s in sources[:installed] if s == "file")
+        return RestoreReport(on_device, from_host, from_file, len(rest) - installed)
 
     def prefetch(self, token_ids: Sequence[int]) -> "Prefetch":
         """Start restoring a prompt's prefix in the background."""
