@@ -305,26 +305,26 @@ class KVCache:
         """Free a cached packed page whose bytes now live in a lower tier."""
         self.packed.allocator.evict_cached(page)
 
-    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int],
-                      blobs: torch.Tensor | Sequence[torch.Tensor | None], first_page: int) -> int:
+    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor | Sequence[torch.Tensor],
+                      first_page: int, resident: Sequence[bool] | None = None) -> int:
         """Put restored page groups back on the device as cached pages, so `add_request` hits them.
 
         ``keys[i]`` is the key of prompt page ``first_page + i`` and ``blobs[i]`` its exported bytes
-        (rows of a tensor, or a list; None for a page expected to be resident already). A page joins
-        the resident slot of its chunk, or opens a slot from the codebook it carries; a page whose
-        chunk's codebook is nowhere, or whose bytes are missing, stops the restore there. Returns how
-        many of ``keys`` (a prefix) are now on the device.
+        (rows of one tensor, the fast path, or a list); ``resident[i]`` marks rows that carry no bytes
+        because the page was on the device already. A page joins the resident slot of its chunk, or
+        opens a slot from the codebook it carries; a page whose chunk's codebook is nowhere, or whose
+        bytes are missing, stops the restore there. Returns how many of ``keys`` (a prefix) are now on
+        the device.
         """
         g, p = self.geometry, self.config.page_size
         part = self._pages_part
         tokens = token_bytes(token_ids)
-        blobs = list(blobs)
-        given = [i for i, b in enumerate(blobs) if b is not None]
-        trailers: list[tuple[int, int] | None] = [None] * len(blobs)
-        if given:  # one transfer for all trailers
-            heads = torch.stack([blobs[i][part : part + _TRAILER.size] for i in given]).cpu().numpy()
-            for i, row in zip(given, heads):
-                trailers[i] = _TRAILER.unpack(bytes(row))
+        resident = list(resident) if resident is not None else [False] * len(keys)
+        if isinstance(blobs, torch.Tensor):  # one transfer for all trailers
+            heads = blobs[: len(keys), part : part + _TRAILER.size].cpu().numpy()
+        else:
+            heads = [b[part : part + _TRAILER.size].cpu().numpy() for b in blobs]
+        trailers = [None if resident[i] else _TRAILER.unpack(bytes(heads[i])) for i in range(len(keys))]
         allocator, pool = self.packed.allocator, self.packed
         new_pages, rows, new_slots, slot_rows, installed = [], [], [], [], 0
         for i, key in enumerate(keys):
@@ -357,7 +357,10 @@ class KVCache:
             installed += 1
         if new_pages:
             device = pool.pages.device
-            stacked = torch.stack([blobs[i][:part] for i in rows])
+            if isinstance(blobs, torch.Tensor):
+                stacked = blobs[torch.tensor(rows, device=blobs.device), :part]
+            else:
+                stacked = torch.stack([blobs[i][:part] for i in rows])
             pool.pages[:, torch.tensor(new_pages, device=device)] = \
                 stacked.to(device).reshape(len(rows), g.num_layers, -1).transpose(0, 1)
             if new_slots and self.layout.codebook_bytes:

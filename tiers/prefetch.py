@@ -149,9 +149,9 @@ class TieredCache:
         usable = next((i for i, g in enumerate(ok) if not g), len(ok))  # a prefix stops at the first hole
         if cancel is not None and cancel.is_set():
             usable = 0
-        blobs = [None if sources[i] == "device" else staged[i] for i in range(usable)]
         with self.lock:
-            installed = self.cache.install_pages(rest[:usable], token_ids, blobs, on_device)
+            installed = self.cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device,
+                                                 resident=[s == "device" for s in sources[:usable]])
         from_host = sum(1 for s in sources[:installed] if s == "host")
         from_file = sum(1 for s in sources[:installed] if s == "file")
         return RestoreReport(on_device, from_host, from_file, len(rest) - installed)
