@@ -162,6 +162,35 @@ class KVBackendCache(Cache):
         self.engine = KVCache(geometry, config)
         self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
 
+    # -- batch reshuffles (beam search and friends) ---------------------------------------------
+    def _reselect(self, rows: list[int]) -> None:
+        """Make batch row i a copy of old row ``rows[i]``: packed pages are shared, active chunks copied."""
+        if self.engine is None:
+            return
+        old = self.request_ids
+        self.request_ids = [self.engine.fork(old[r]) for r in rows]
+        for rid in old:
+            self.engine.free(rid)
+        for layer in self.layers:
+            if layer.is_initialized:
+                index = torch.tensor(rows, device=layer._sink_k.device)
+                layer._sink_k, layer._sink_v = layer._sink_k[index], layer._sink_v[index]
+                layer._packed_k = [layer._packed_k[r] for r in rows]
+                layer._packed_v = [layer._packed_v[r] for r in rows]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._reselect([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reselect([int(i) for i in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reselect([row for row in range(len(self.request_ids)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a KVBackendCache cannot drop tokens (packed chunks are immutable); "
+                         "assisted or speculative decoding that rolls back the cache is not supported")
+
     def kv_bytes(self) -> dict[str, int]:
         """Bytes held: ``stored`` (packed pages + codebooks + dense active pages + exact sinks), and
         ``exact`` (the same tokens as uncompressed tensors of the model's dtype)."""

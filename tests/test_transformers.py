@@ -55,6 +55,24 @@ def test_lossless_codec_matches_dynamic_cache(model_and_tokenizer, options):
             assert cache.engine.stats().packed_pages_used > 0  # the packed path was really exercised
 
 
+def test_beam_search_matches_dynamic_cache(model_and_tokenizer):
+    """Beam search reorders rows every step: forks share packed pages, copy the active chunk."""
+    model, tokenizer = model_and_tokenizer
+    batch = encode(tokenizer, PROMPTS[:2])
+    expected = generate(model, batch, DynamicCache(config=model.config), n=8, num_beams=2)
+    cache = KVBackendCache(model.config, codec="identity", page_size=4, chunk_pages=2)
+    calls = []
+    reselect = cache._reselect
+    cache._reselect = lambda rows: (calls.append(rows), reselect(rows))
+    got = generate(model, batch, cache, n=8, num_beams=2)
+    assert torch.equal(got, expected)
+    assert calls, "beam search never reordered the cache: the test exercised nothing"
+    assert len(cache.request_ids) == 4  # 2 prompts x 2 beams, old rows freed
+    cache.engine.check()
+    with pytest.raises(ValueError, match="cannot drop tokens"):
+        cache.crop(1)
+
+
 def test_compressed_generation_runs_and_stores_less(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     batch = encode(tokenizer, PROMPTS)
