@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..geometry import CacheConfig, Geometry
 from ..manager import KVCache
-from ..rope import Rotary
+from ..rope import Rotary, rotary_from_config
 
 
 @dataclass(frozen=True)
@@ -31,20 +31,6 @@ class CacheOptions:
     sink: int = 0  # first tokens of every row kept exact, outside the pages
     pre_rope: bool = False  # store keys before RoPE, rotate again on read
     max_tokens: int = 4096  # longest sequence per batch row; sizes the pools
-
-
-def rotary_from_config(config) -> Rotary:
-    """The model's RoPE (default or any type transformers knows) as a `Rotary`."""
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return Rotary.default(head_dim, theta)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-    return Rotary(inv_freq.float(), float(scaling))
 
 
 class KVBackendLayer(CacheLayerMixin):

@@ -20,7 +20,8 @@ import torch
 
 from . import codecs
 from .geometry import Geometry
-from .reconstruct import reconstruct_layer
+from .reconstruct import reconstruct_sequence
+from .rope import rotary_from_config
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     targets = ids[0, s.prefix + 1 : s.prefix + s.cont]
     ref_logits = _continuation_logits(model, [k[:, : s.prefix] for k in exact.k], [v[:, : s.prefix] for v in exact.v],
                                       cont_ids)
+    rotary = rotary_from_config(model.config)
     results = []
     task = progress.add_task("codecs x layers", total=len(specs) * num_layers) if progress else None
     for spec in specs:
@@ -153,7 +155,8 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
         prefix_k, prefix_v = [], []
         for layer in range(num_layers):
             k, v = exact.k[layer].transpose(0, 1), exact.v[layer].transpose(0, 1)  # [T, H, D]
-            pre = reconstruct_layer(codec, k[: s.prefix], v[: s.prefix], geometry, s.page_size, s.chunk_tokens)
+            pre = reconstruct_sequence(codec, k[: s.prefix], v[: s.prefix], geometry, s.page_size, s.chunk_tokens,
+                                       rotary)
             stored += pre.stored_bytes
             prefix_k.append(pre.k.transpose(0, 1))
             prefix_v.append(pre.v.transpose(0, 1))
@@ -165,7 +168,8 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
             if s.tokens == s.prefix:
                 full = pre
             else:
-                full = reconstruct_layer(codec, k[: s.tokens], v[: s.tokens], geometry, s.page_size, s.chunk_tokens)
+                full = reconstruct_sequence(codec, k[: s.tokens], v[: s.tokens], geometry, s.page_size,
+                                            s.chunk_tokens, rotary)
             e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
                                              exact.v[layer][:, : s.tokens], full.k.transpose(0, 1),
                                              full.v.transpose(0, 1), s.queries)

@@ -13,7 +13,7 @@ import torch
 from . import backends, codecs
 from .batch import BatchPlan, plan_batch
 from .codecs.base import CodecState, check_kv
-from .errors import CacheFull, InvalidKV, UnknownRequest
+from .errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from .geometry import CacheConfig, Geometry
 from .hashing import hash_page, token_bytes
 from .page_table import PageTable
@@ -51,6 +51,9 @@ class KVCache:
         self.geometry = geometry
         self.config = config or CacheConfig()
         self.codec = codecs.get(self.config.codec)
+        if self.codec.levers.active:
+            raise SpecError(f"{self.config.codec!r}: sink/prerope/vrot act on whole sequences; they are applied by "
+                            "`kvbackend eval` and by KVBackendCache(sink=..., pre_rope=...), not by a KVCache")
         self.layout = self.codec.layout(geometry, self.config.page_size)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layout, self.config)

@@ -13,6 +13,8 @@ import torch
 from . import codecs
 from .codecs.base import CodecState
 from .geometry import Geometry
+from .levers import hadamard
+from .rope import Rotary
 
 
 @dataclass
@@ -34,4 +36,36 @@ def reconstruct_layer(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, geo
         keys.append(kh)
         values.append(vh)
         stored += chunk.nbytes
+    return Reconstruction(torch.cat(keys), torch.cat(values), stored)
+
+
+def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, geometry: Geometry, page_size: int,
+                         chunk_tokens: int, rotary: Rotary | None = None) -> Reconstruction:
+    """`reconstruct_layer` with the codec's sequence-level levers applied (see `kvbackend.levers`).
+
+    ``k`` are post-RoPE keys at positions 0..T-1. Sink tokens are stored as fp16 and counted.
+    """
+    levers = codec.levers
+    sink = min(levers.sink, k.shape[0])
+    head_k, head_v = k[:sink].to(torch.float16), v[:sink].to(torch.float16)
+    stored = head_k.nbytes + head_v.nbytes
+    keys, values = [head_k.to(k.dtype)], [head_v.to(v.dtype)]
+    if sink < k.shape[0]:
+        rest_k, rest_v = k[sink:], v[sink:]
+        positions = torch.arange(sink, k.shape[0])
+        if levers.prerope:
+            if rotary is None:
+                raise ValueError("prerope=true needs the model's RoPE (pass rotary)")
+            rest_k = rotary.derotate(rest_k.transpose(0, 1), positions).transpose(0, 1)
+        if levers.vrot == "hadamard":
+            rest_v = rest_v.float() @ hadamard(rest_v.shape[-1]).to(rest_v.device)
+        rec = reconstruct_layer(codec, rest_k.contiguous(), rest_v.contiguous(), geometry, page_size, chunk_tokens)
+        kh, vh = rec.k, rec.v
+        if levers.vrot == "hadamard":
+            vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)
+        if levers.prerope:
+            kh = rotary.rotate(kh.transpose(0, 1), positions).transpose(0, 1)
+        keys.append(kh.to(k.dtype))
+        values.append(vh.to(v.dtype))
+        stored += rec.stored_bytes
     return Reconstruction(torch.cat(keys), torch.cat(values), stored)

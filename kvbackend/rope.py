@@ -39,3 +39,17 @@ class Rotary:
     @staticmethod
     def default(head_dim: int, theta: float) -> "Rotary":
         return Rotary(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
+
+
+def rotary_from_config(config) -> Rotary:
+    """A transformers model config's RoPE (default, or any type transformers knows) as a `Rotary`."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return Rotary.default(head_dim, theta)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return Rotary(inv_freq.float(), float(scaling))

@@ -66,7 +66,7 @@ def kernel_schemes(codec, layout: PageLayout) -> tuple[TensorScheme, TensorSchem
         cents = book.get(f"{prefix}_centroids")
         out.append(TensorScheme(
             mode=CHANNEL_GROUPS if channel else TOKEN_GROUPS,
-            bits=spec.bits,
+            bits=getattr(spec, "key_bits" if prefix == "k" else "value_bits", spec.bits),
             group=spec.group,
             symmetric=zeros is None,
             kind=kind_of(scales.dtype),

@@ -130,12 +130,17 @@ def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
     text = str(Path(__file__).parent / "data" / "sample.txt")
     code = main(["eval", "--text", text, "--codec", "identity", "--codec", "fp16", "--codec", "fp8",
-                 "--codec", "kivi:bits=2,group=32", "--codec", "qvg", "--tokens", "320", "--prefix", "256",
+                 "--codec", "kivi:bits=2,group=32", "--codec", "qvg",
+                 "--codec", "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard", "--tokens", "320", "--prefix", "256",
                  "--continue", "64", "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     data = json.loads(out_json.read_text())
     rows = {row["spec"]: row for row in data["codecs"]}
-    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg"]
+    levered = "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard"
+    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg", levered]
+    # 4-bit pre-RoPE keys, sinks and rotated values: more bytes than KIVI-2, less KL
+    assert rows[levered]["bpv"] > rows["kivi:bits=2,group=32"]["bpv"]
+    assert rows[levered]["kl"] < rows["kivi:bits=2,group=32"]["kl"]
     for row in rows.values():
         for key in (*COLUMNS, "ppl_ref", "spec"):
             assert key in row

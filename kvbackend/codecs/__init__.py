@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import SpecError
+from ..levers import Levers, split_levers
 from ..spec import build_spec, split_spec
 from .base import Codec, CodecState, EncodedChunk, check_kv
 from .floats import FloatCodec, FloatSpec
@@ -50,19 +51,26 @@ def parse(text: str) -> Any:
     Raises:
         SpecError: unknown codec (the message lists them), unknown option, or a bad value.
     """
+    return _parse_with_levers(text)[0]
+
+
+def _parse_with_levers(text: str) -> tuple[Any, Levers]:
     name, options = split_spec(text)
     entry = _REGISTRY.get(name)
     if entry is None:
         raise SpecError(f"unknown codec {name!r}; valid codecs: {', '.join(names())}")
-    return build_spec(entry.spec_type, name, options, entry.defaults)
+    options, levers = split_levers(options, name)
+    return build_spec(entry.spec_type, name, options, entry.defaults), levers
 
 
 def get(spec: str | Any) -> Codec:
     """A codec instance for a spec string (or an already parsed spec)."""
     if isinstance(spec, Codec):
         return spec
-    parsed = parse(spec) if isinstance(spec, str) else spec
-    return _REGISTRY[parsed.name].codec_type(parsed)
+    parsed, levers = _parse_with_levers(spec) if isinstance(spec, str) else (spec, Levers())
+    codec = _REGISTRY[parsed.name].codec_type(parsed)
+    codec.levers = levers
+    return codec
 
 
 __all__ = ["Codec", "CodecState", "EncodedChunk", "check_kv", "get", "parse", "names", "register", "SpecError"]

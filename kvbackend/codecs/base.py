@@ -11,6 +11,7 @@ import torch
 from ..errors import InvalidKV
 from ..geometry import Geometry
 from ..layout import FieldSet, PageLayout
+from ..levers import Levers
 from ..spec import format_spec
 
 FieldSpecs = list[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -59,6 +60,7 @@ class Codec(ABC):
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
+        self.levers = Levers()  # sequence-level options; set by kvbackend.codecs.get
         self._layouts: dict[tuple[Geometry, int], PageLayout] = {}
 
     def __repr__(self) -> str:
@@ -66,7 +68,8 @@ class Codec(ABC):
 
     @property
     def spec_string(self) -> str:
-        return format_spec(self.spec)
+        levers = self.levers.suffix()
+        return format_spec(self.spec) + ((":" if ":" not in format_spec(self.spec) else ",") + levers if levers else "")
 
     # -- declared by subclasses -------------------------------------------------------------
     @abstractmethod

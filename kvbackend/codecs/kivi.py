@@ -25,6 +25,16 @@ class KIVISpec:
     bits: int = 2  # code width of keys and values
     group: int = 32  # tokens per key group, channels per value group
     scale: str = "fp16"  # storage dtype of scales and minima
+    kbits: int = 0  # key code width when it differs from `bits` (0: same)
+    vbits: int = 0  # value code width when it differs from `bits` (0: same)
+
+    @property
+    def key_bits(self) -> int:
+        return self.kbits or self.bits
+
+    @property
+    def value_bits(self) -> int:
+        return self.vbits or self.bits
 
 
 class KIVICodec(Codec):
@@ -32,21 +42,26 @@ class KIVICodec(Codec):
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)
+        for name, bits in (("kbits", self.spec.kbits), ("vbits", self.spec.vbits)):
+            if bits not in (0, 2, 3, 4, 8):
+                raise SpecError(f"kivi: {name}={bits} not supported; choose 2, 3, 4 or 8 (0 = bits)")
+            if bits == 3 and self.spec.group % 8:
+                raise SpecError("kivi: 3-bit codes need group to be a multiple of 8")
         if page_size % self.spec.group:
             raise SpecError(f"kivi: group={self.spec.group} tokens must divide page_size={page_size}")
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec
         h, d, store = geometry.num_kv_heads, geometry.head_dim, scale_dtype(s.scale)
-        return (channel_group_fields("k", page_size, h, d, s.bits, s.group, store)
-                + token_group_fields("v", page_size, h, d, s.bits, s.group, False, store)), []
+        return (channel_group_fields("k", page_size, h, d, s.key_bits, s.group, store)
+                + token_group_fields("v", page_size, h, d, s.value_bits, s.group, False, store)), []
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
         s = self.spec
-        encode_channel_groups(k, layout, pages, "k", s.bits, s.group)
-        encode_token_groups(v, layout, pages, "v", s.bits, s.group, symmetric=False)
+        encode_channel_groups(k, layout, pages, "k", s.key_bits, s.group)
+        encode_token_groups(v, layout, pages, "v", s.value_bits, s.group, symmetric=False)
 
     def _decode(self, layout: PageLayout, pages, codebook):
         s = self.spec
-        return (decode_channel_groups(layout, pages, "k", s.bits, s.group),
-                decode_token_groups(layout, pages, "v", s.bits, s.group))
+        return (decode_channel_groups(layout, pages, "k", s.key_bits, s.group),
+                decode_token_groups(layout, pages, "v", s.value_bits, s.group))

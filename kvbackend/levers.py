@@ -1,0 +1,69 @@
+"""Sequence-level levers any codec can combine with: exact sink tokens, keys stored before RoPE, and
+an orthogonal (Hadamard) rotation of values before quantization.
+
+They are options of every codec spec (``kivi:bits=2,sink=4,prerope=true,vrot=hadamard``), parsed
+apart from the codec's own options. They need positions and the model's RoPE, so they are applied
+where sequences are whole: `kvbackend eval` (`reconstruct_sequence`). Sink tokens are kept in fp16
+and counted in the bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SpecError
+from .spec import _convert
+
+ROTATIONS = ("none", "hadamard")
+
+
+@dataclass(frozen=True)
+class Levers:
+    sink: int = 0  # first tokens of the sequence kept exact (fp16)
+    prerope: bool = False  # quantize keys before RoPE (de-rotate, encode, decode, re-rotate)
+    vrot: str = "none"  # rotation of values before quantization: "none" or "hadamard"
+
+    def __post_init__(self) -> None:
+        if self.sink < 0:
+            raise SpecError(f"sink={self.sink} must be >= 0")
+        if self.vrot not in ROTATIONS:
+            raise SpecError(f"vrot={self.vrot!r}; valid: {', '.join(ROTATIONS)}")
+
+    @property
+    def active(self) -> bool:
+        return self != Levers()
+
+    def suffix(self) -> str:
+        parts = []
+        if self.sink:
+            parts.append(f"sink={self.sink}")
+        if self.prerope:
+            parts.append("prerope=true")
+        if self.vrot != "none":
+            parts.append(f"vrot={self.vrot}")
+        return ",".join(parts)
+
+
+_TYPES = {"sink": int, "prerope": bool, "vrot": str}
+
+
+def split_levers(options: dict[str, str], spec_name: str) -> tuple[dict[str, str], Levers]:
+    """Take the lever options out of a spec's options."""
+    rest = {k: v for k, v in options.items() if k not in _TYPES}
+    values = {k: _convert(v, _TYPES[k], k, spec_name) for k, v in options.items() if k in _TYPES}
+    return rest, Levers(**values)
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard(dim: int) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix of size ``dim`` (a power of two), float32."""
+    if dim & (dim - 1):
+        raise SpecError(f"a Hadamard rotation needs a power-of-two head_dim, got {dim}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(dim)
