@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..geometry import CacheConfig, Geometry
 from ..manager import KVCache
-from ..rope import Rotary, rotary_from_config
+from ..rope import rotary_from_config
 
 
 @dataclass(frozen=True)

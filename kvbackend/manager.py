@@ -12,7 +12,7 @@ import torch
 
 from . import backends, codecs
 from .batch import BatchPlan, plan_batch
-from .codecs.base import CodecState, check_kv
+from .codecs.base import check_kv
 from .errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from .geometry import CacheConfig, Geometry
 from .hashing import hash_page, token_bytes

@@ -167,9 +167,7 @@ def sdpa_time(batch, hq, heads, length, dim, rotations):
         i[0] += 1
         return torch.nn.functional.scaled_dot_product_attention(qs[j], ks[j], vs[j], enable_gqa=True)
 
-    ms = bench(run)
-    del qs, ks, vs
-    return ms
+    return bench(run)
 
 
 @section("decode")
@@ -231,7 +229,7 @@ def decode(copy_bw):
             print(f"decode {spec:32s} B={batch:2d} L={length:6d}: ours {row['ours_us']:7.1f} us "
                   f"({row['ours_GBps']:6.0f} GB/s, {row['ours_pct_of_copy']:4.1f}% of copy, {config})  "
                   f"SDPA {row['sdpa_us']:7.1f} us  speedup {row['speedup_vs_sdpa']:.2f}x", flush=True)
-            del pages, dense, plans, qs
+            pages = dense = plans = qs = None  # free this shape's buffers before the next one
             torch.cuda.empty_cache()
     return rows
 

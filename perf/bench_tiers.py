@@ -107,8 +107,6 @@ def restore_prefix(codec: str, tokens: int = 32768):
            "GBps": total / ms / 1e6}
     print(f"restore {tokens} tokens, {codec}: {ms:.1f} ms for {total / 2**30:.2f} GiB ({out['GBps']:.1f} GB/s)", flush=True)
     tiered.close()
-    del cache, host
-    torch.cuda.empty_cache()
     return out
 
 

@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
