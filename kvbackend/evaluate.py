@@ -156,7 +156,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
         for layer in range(num_layers):
             k, v = exact.k[layer].transpose(0, 1), exact.v[layer].transpose(0, 1)  # [T, H, D]
             pre = reconstruct_sequence(codec, k[: s.prefix], v[: s.prefix], geometry, s.page_size, s.chunk_tokens,
-                                       rotary)
+                                       rotary, exact.q[layer])
             stored += pre.stored_bytes
             prefix_k.append(pre.k.transpose(0, 1))
             prefix_v.append(pre.v.transpose(0, 1))
@@ -169,7 +169,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
                 full = pre
             else:
                 full = reconstruct_sequence(codec, k[: s.tokens], v[: s.tokens], geometry, s.page_size,
-                                            s.chunk_tokens, rotary)
+                                            s.chunk_tokens, rotary, exact.q[layer])
             e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
                                              exact.v[layer][:, : s.tokens], full.k.transpose(0, 1),
                                              full.v.transpose(0, 1), s.queries)

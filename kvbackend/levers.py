@@ -1,5 +1,6 @@
-"""Sequence-level levers any codec can combine with: exact sink tokens, keys stored before RoPE, and
-an orthogonal (Hadamard) rotation of values before quantization.
+"""Sequence-level levers any codec can combine with: exact sink tokens, keys stored before RoPE, an
+orthogonal (Hadamard) rotation of values before quantization, and QuantWM's principal-subspace
+attention compensation (PSAC) of key errors along the directions queries use.
 
 They are options of every codec spec (``kivi:bits=2,sink=4,prerope=true,vrot=hadamard``), parsed
 apart from the codec's own options. They need positions and the model's RoPE, so they are applied
@@ -26,10 +27,13 @@ class Levers:
     sink: int = 0  # first tokens of the sequence kept exact (fp16)
     prerope: bool = False  # quantize keys before RoPE (de-rotate, encode, decode, re-rotate)
     vrot: str = "none"  # rotation of values before quantization: "none" or "hadamard"
+    psac: int = 0  # rank of the query-subspace key correction (QuantWM's PSAC); 0 = off
 
     def __post_init__(self) -> None:
         if self.sink < 0:
             raise SpecError(f"sink={self.sink} must be >= 0")
+        if self.psac < 0:
+            raise SpecError(f"psac={self.psac} must be >= 0")
         if self.vrot not in ROTATIONS:
             raise SpecError(f"vrot={self.vrot!r}; valid: {', '.join(ROTATIONS)}")
 
@@ -45,10 +49,12 @@ class Levers:
             parts.append("prerope=true")
         if self.vrot != "none":
             parts.append(f"vrot={self.vrot}")
+        if self.psac:
+            parts.append(f"psac={self.psac}")
         return ",".join(parts)
 
 
-_TYPES = {"sink": int, "prerope": bool, "vrot": str}
+_TYPES = {"sink": int, "prerope": bool, "vrot": str, "psac": int}
 
 
 def split_levers(options: dict[str, str], spec_name: str) -> tuple[dict[str, str], Levers]:

@@ -14,6 +14,7 @@ from . import codecs
 from .codecs.base import CodecState
 from .geometry import Geometry
 from .levers import hadamard
+from .psac import correct_keys, query_second_moment
 from .rope import Rotary
 
 
@@ -40,10 +41,13 @@ def reconstruct_layer(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, geo
 
 
 def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, geometry: Geometry, page_size: int,
-                         chunk_tokens: int, rotary: Rotary | None = None) -> Reconstruction:
+                         chunk_tokens: int, rotary: Rotary | None = None,
+                         queries: torch.Tensor | None = None) -> Reconstruction:
     """`reconstruct_layer` with the codec's sequence-level levers applied (see `kvbackend.levers`).
 
-    ``k`` are post-RoPE keys at positions 0..T-1. Sink tokens are stored as fp16 and counted.
+    ``k`` are post-RoPE keys at positions 0..T-1; ``queries`` [Hq, >= T, D] (post-RoPE) feed PSAC,
+    which uses for each chunk only the queries up to that chunk's last token. Sink tokens are stored
+    as fp16 and counted.
     """
     levers = codec.levers
     sink = min(levers.sink, k.shape[0])
@@ -65,6 +69,18 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
             vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)
         if levers.prerope:
             kh = rotary.rotate(kh.transpose(0, 1), positions).transpose(0, 1)
+        if levers.psac:
+            if queries is None:
+                raise ValueError("psac needs the queries attention saw (pass queries)")
+            parts = []
+            for start in range(0, kh.shape[0], chunk_tokens):
+                end = min(start + chunk_tokens, kh.shape[0])
+                seen = queries[:, : sink + end]  # causal: up to this chunk's last token
+                moment = query_second_moment(seen, k.shape[1])
+                fixed = correct_keys(k[sink + start : sink + end], kh[start:end], moment, levers.psac)
+                parts.append(fixed.keys)
+                stored += fixed.stored_bytes
+            kh = torch.cat(parts)
         keys.append(kh.to(k.dtype))
         values.append(vh.to(v.dtype))
         stored += rec.stored_bytes

@@ -78,3 +78,38 @@ def test_mixed_width_kivi_bytes():
 def test_cache_refuses_sequence_levers():
     with pytest.raises(SpecError, match="sequences"):
         KVCache(Geometry(1, 2, 64), CacheConfig(codec="kivi:bits=2,sink=4", page_size=32))
+
+
+def test_psac_full_rank_reproduces_keys_up_to_int8_rounding():
+    from kvbackend.psac import correct_keys, query_second_moment
+
+    keys = torch.randn(40, 2, 64)
+    approx = keys + 0.3 * torch.randn(40, 2, 64)
+    queries = torch.randn(6, 100, 64)
+    fixed = correct_keys(keys, approx, query_second_moment(queries, 2), rank=64)
+    error = (fixed.keys - keys).norm(dim=-1)  # per (token, head)
+    coeff_max = (keys - approx).abs().amax() * 8  # |E U| <= ||E|| <= sqrt(64) * max|E|
+    assert torch.all(error <= 8 * coeff_max / 127 / 2 * 1.01)  # sqrt(r) * half an INT8 step
+    assert float((fixed.keys - keys).norm() / (approx - keys).norm()) < 0.02
+    assert fixed.stored_bytes == 40 * 2 * 64 + 40 * 2 * 2 + 2 * 64 * 64 * 2  # int8 rows, fp16 scales, bf16 bases
+
+
+def test_psac_lowers_query_weighted_error_and_is_causal():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    direction = torch.randn(64, generator=gen)
+    queries = torch.randn(6, 96, 64, generator=gen) * 0.2 + direction * 3  # queries look one way
+    k, v = torch.randn(96, 2, 64, generator=gen), torch.randn(96, 2, 64, generator=gen)
+    plain = reconstruct_sequence(codecs.get("kivi:bits=2,group=16"), k, v, geometry, 16, 32, queries=queries)
+    psac = reconstruct_sequence(codecs.get("kivi:bits=2,group=16,psac=4"), k, v, geometry, 16, 32, queries=queries)
+    logit_error = lambda rec: float(((rec.k - k) @ direction).abs().mean())  # noqa: E731
+    assert logit_error(psac) < 0.25 * logit_error(plain)
+    assert psac.stored_bytes > plain.stored_bytes
+    # Causality: queries after the first chunk's last token never change how that chunk is encoded.
+    later = queries.clone()
+    later[:, 32:] = torch.randn(6, 64, 64, generator=gen) * 5
+    again = reconstruct_sequence(codecs.get("kivi:bits=2,group=16,psac=4"), k, v, geometry, 16, 32, queries=later)
+    assert torch.equal(again.k[:32], psac.k[:32])
+    assert not torch.equal(again.k[32:], psac.k[32:])
+    with pytest.raises(ValueError, match="queries"):
+        reconstruct_sequence(codecs.get("kivi:bits=2,group=16,psac=4"), k, v, geometry, 16, 32)
