@@ -20,6 +20,7 @@ import torch
 
 from . import codecs
 from .geometry import Geometry
+from .auto import parse_auto, plan_widths
 from .reconstruct import reconstruct_sequence
 from .rope import rotary_from_config
 
@@ -38,7 +39,7 @@ class EvalSettings:
 @dataclass
 class CodecResult:
     spec: str  # the spec as given
-    canonical: str  # the codec's canonical spec string
+    canonical: str  # the codec's canonical spec string (for auto: the first layer's)
     bpv: float  # 8 * stored bytes / values, for the compressed prefix
     stored_bytes: int
     k_nrmse: float
@@ -49,6 +50,7 @@ class CodecResult:
     top1_agree: float
     ppl: float
     ppl_ref: float
+    plan: list[str] | None = None  # per-layer specs chosen by auto:..., else None
 
 
 @dataclass
@@ -147,7 +149,15 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     results = []
     task = progress.add_task("codecs x layers", total=len(specs) * num_layers) if progress else None
     for spec in specs:
-        codec = codecs.get(spec)
+        auto = parse_auto(spec)
+        plan = None
+        if auto is not None:
+            plan = plan_widths(auto, [q[:, : s.prefix] for q in exact.q],
+                               [k.transpose(0, 1)[: s.prefix] for k in exact.k],
+                               [v.transpose(0, 1)[: s.prefix] for v in exact.v], geometry, s.page_size,
+                               s.chunk_tokens, rotary).specs
+        layer_codecs = [codecs.get(p) for p in plan] if plan else [codecs.get(spec)] * num_layers
+        codec = layer_codecs[0]
         err_k = err_v = norm_k = norm_v = 0.0
         out_err = out_norm = 0.0
         shifts = 0
@@ -155,6 +165,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
         prefix_k, prefix_v = [], []
         for layer in range(num_layers):
             k, v = exact.k[layer].transpose(0, 1), exact.v[layer].transpose(0, 1)  # [T, H, D]
+            codec = layer_codecs[layer]
             pre = reconstruct_sequence(codec, k[: s.prefix], v[: s.prefix], geometry, s.page_size, s.chunk_tokens,
                                        rotary, exact.q[layer])
             stored += pre.stored_bytes
@@ -184,7 +195,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
             k_nrmse=math.sqrt(err_k / norm_k), v_nrmse=math.sqrt(err_v / norm_v),
             attn_out_err=math.sqrt(out_err / out_norm),
             top1_shift=shifts / (num_layers * exact.q[0].shape[0] * s.queries),
-            kl=kl, top1_agree=agree, ppl=ppl, ppl_ref=ppl_ref))
+            kl=kl, top1_agree=agree, ppl=ppl, ppl_ref=ppl_ref, plan=plan))
     return results
 
 
@@ -230,7 +241,8 @@ def run_eval_cli(args) -> int:
 
     console = Console(width=max(Console().width, 150))
     for spec in args.codec:  # fail fast on a bad spec, before loading anything
-        codecs.parse(spec)
+        if parse_auto(spec) is None:
+            codecs.parse(spec)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     with console.status("loading model"):
@@ -248,6 +260,10 @@ def run_eval_cli(args) -> int:
     for r in results:
         table.add_row(r.spec, *(f"{getattr(r, c):.4f}" if c != "bpv" else f"{r.bpv:.3f}" for c in COLUMNS))
     console.print(table)
+    for r in results:
+        if r.plan:
+            console.print(f"{r.spec}: per-layer plan (measured {r.bpv:.3f} bpv): " + "; ".join(
+                f"L{i}:k{codecs.parse(p).key_bits}v{codecs.parse(p).value_bits}" for i, p in enumerate(r.plan)))
     meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings)}
     if args.json:
         write_json(args.json, results, meta)

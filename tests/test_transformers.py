@@ -131,13 +131,16 @@ def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
     text = str(Path(__file__).parent / "data" / "sample.txt")
     code = main(["eval", "--text", text, "--codec", "identity", "--codec", "fp16", "--codec", "fp8",
                  "--codec", "kivi:bits=2,group=32", "--codec", "qvg",
-                 "--codec", "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard", "--tokens", "320", "--prefix", "256",
+                 "--codec", "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard",
+                 "--codec", "auto:bpv=3.2", "--tokens", "320", "--prefix", "256",
                  "--continue", "64", "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     data = json.loads(out_json.read_text())
     rows = {row["spec"]: row for row in data["codecs"]}
     levered = "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard"
-    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg", levered]
+    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg", levered, "auto:bpv=3.2"]
+    auto = rows["auto:bpv=3.2"]
+    assert len(auto["plan"]) == 30 and auto["bpv"] <= 3.2 and all(r["plan"] is None for r in rows.values() if r is not auto)
     # 4-bit pre-RoPE keys, sinks and rotated values: more bytes than KIVI-2, less KL
     assert rows[levered]["bpv"] > rows["kivi:bits=2,group=32"]["bpv"]
     assert rows[levered]["kl"] < rows["kivi:bits=2,group=32"]["kl"]

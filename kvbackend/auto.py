@@ -1,0 +1,123 @@
+"""`auto:bpv=B`: choose key and value widths per layer to fit a byte budget, calibrated on the
+prompt's own prefix.
+
+For every layer and every (key bits, value bits) pair of the grid, the prefix is encoded with the
+base codec at those widths and the attention output of the prefix's last queries is compared with
+the exact one (the queries and keys of the prompt itself: no external data). Starting from the
+narrowest widths everywhere, the planner repeatedly takes the one-step widening (keys or values of
+one layer) with the largest error reduction per stored byte, while the measured total stays within
+the budget. Deterministic for a given input. The plan is a list of per-layer codec specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import codecs
+from .errors import SpecError
+from .geometry import Geometry
+from .reconstruct import reconstruct_sequence
+from .rope import Rotary
+from .spec import build_spec, split_spec
+
+
+@dataclass(frozen=True)
+class AutoSpec:
+    name: str
+    bpv: float = 3.0  # budget: bits per value over every stored byte
+    base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen
+    widths: str = "2-3-4"  # candidate widths, dash-separated
+    queries: int = 128  # last prefix queries scored per layer
+
+
+def parse_auto(text: str) -> AutoSpec | None:
+    """The AutoSpec of an ``auto:...`` string, or None for any other spec."""
+    name, options = split_spec(text)
+    if name != "auto":
+        return None
+    if "base" in options:
+        options["base"] = options["base"].replace(";", ",")  # a nested spec's commas are written as ';'
+    spec = build_spec(AutoSpec, name, options)
+    if spec.bpv <= 0:
+        raise SpecError(f"auto: bpv={spec.bpv} must be positive")
+    return spec
+
+
+@dataclass
+class Plan:
+    specs: list[str]  # one codec spec per layer
+    bits_per_value: float  # measured from the stored bytes of the calibration prefix
+    error: float  # summed relative attention-output error of the chosen widths
+
+
+def _attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> float:
+    """Relative output error of causal attention for queries q [Hq, n, D] at the last n positions."""
+    hq, n, d = q.shape
+    t = k.shape[0]
+    group = hq // k.shape[1]
+    mask = torch.arange(t)[None, :] > torch.arange(t - n, t)[:, None]
+
+    def attend(keys, values):
+        keys = keys.float().transpose(0, 1).repeat_interleave(group, 0)
+        values = values.float().transpose(0, 1).repeat_interleave(group, 0)
+        scores = (q.float() @ keys.transpose(1, 2) / d**0.5).masked_fill(mask, float("-inf"))
+        return scores.softmax(-1) @ values
+
+    exact = attend(k, v)
+    return float((attend(kh, vh) - exact).norm() / exact.norm())
+
+
+def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+                geometry: Geometry, page_size: int, chunk_tokens: int, rotary: Rotary | None) -> Plan:
+    """Choose per-layer widths. ``queries[l]`` [Hq, T, D], ``keys[l]``/``values[l]`` [T, H, D] of the prefix."""
+    widths = sorted(int(w) for w in spec.widths.split("-"))
+    base_name = codecs.parse(spec.base).name
+    if base_name != "kivi":
+        raise SpecError(f"auto: base must be a kivi spec (kbits/vbits are chosen), got {spec.base!r}")
+    layers = len(keys)
+    values_total = sum(k.shape[0] for k in keys) * geometry.values_per_token
+    table: dict[tuple[int, int, int], tuple[float, int]] = {}  # (layer, kb, vb) -> (error, bytes)
+    for layer in range(layers):
+        n = min(spec.queries, keys[layer].shape[0])
+        q = queries[layer][:, keys[layer].shape[0] - n : keys[layer].shape[0]]
+        for kb in widths:
+            for vb in widths:
+                codec = codecs.get(f"{spec.base},kbits={kb},vbits={vb}")
+                rec = reconstruct_sequence(codec, keys[layer], values[layer], geometry, page_size, chunk_tokens,
+                                           rotary, queries[layer])
+                table[layer, kb, vb] = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes)
+    state = [(widths[0], widths[0])] * layers
+    used = sum(table[layer, kb, vb][1] for layer, (kb, vb) in enumerate(state))
+    budget = spec.bpv * values_total / 8
+    if used > budget:
+        raise SpecError(f"auto: bpv={spec.bpv} cannot be met; the narrowest widths of {spec.base!r} already "
+                        f"need {8.0 * used / values_total:.3f} bpv on this prefix")
+    while True:
+        best = None
+        for layer, (kb, vb) in enumerate(state):
+            err, size = table[layer, kb, vb]
+            for nkb, nvb in ((_next(widths, kb), vb), (kb, _next(widths, vb))):
+                if nkb is None or nvb is None:
+                    continue
+                new_err, new_size = table[layer, nkb, nvb]
+                extra = new_size - size
+                if used + extra > budget or new_err >= err:
+                    continue
+                gain = (err - new_err) / max(extra, 1)
+                if best is None or gain > best[0]:
+                    best = (gain, layer, (nkb, nvb), extra)
+        if best is None:
+            break
+        _, layer, choice, extra = best
+        state[layer] = choice
+        used += extra
+    specs = [f"{spec.base},kbits={kb},vbits={vb}" for kb, vb in state]
+    error = sum(table[layer, kb, vb][0] for layer, (kb, vb) in enumerate(state))
+    return Plan(specs, 8.0 * used / values_total, error)
+
+
+def _next(widths: list[int], current: int) -> int | None:
+    bigger = [w for w in widths if w > current]
+    return bigger[0] if bigger else None

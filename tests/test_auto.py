@@ -1,0 +1,54 @@
+"""auto:bpv=B plans per-layer key/value widths within a byte budget, deterministically."""
+
+import pytest
+import torch
+
+from kvbackend import Geometry, SpecError, codecs
+from kvbackend.auto import parse_auto, plan_widths
+from kvbackend.reconstruct import reconstruct_sequence
+from kvbackend.rope import Rotary
+
+GEOM = Geometry(3, 2, 64, torch.float32)
+
+
+def capture(seed=0, tokens=128):
+    gen = torch.Generator().manual_seed(seed)
+    scales = [0.5, 2.0, 8.0]  # layers differ in how much their keys matter
+    q = [torch.randn(4, tokens, 64, generator=gen) * s for s in scales]
+    k = [torch.randn(tokens, 2, 64, generator=gen) for _ in scales]
+    v = [torch.randn(tokens, 2, 64, generator=gen) for _ in scales]
+    return q, k, v
+
+
+def plan(text, seed=0):
+    q, k, v = capture(seed)
+    return plan_widths(parse_auto(text), q, k, v, GEOM, 32, 128, Rotary.default(64, 10000.0))
+
+
+def test_meets_the_budget_from_stored_bytes_and_is_deterministic():
+    base = "kivi:group=32,sink=4,prerope=true,vrot=hadamard"
+    # 128 tokens, 4 fp16 sinks, 32-token key groups: the narrowest widths (K2 V2) cost 3.5 bpv here
+    with pytest.raises(SpecError, match="cannot be met.*3.500"):
+        plan(f"auto:bpv=3.4,base={base.replace(',', ';')}")
+    tight = plan(f"auto:bpv=3.9,base={base.replace(',', ';')}")
+    again = plan(f"auto:bpv=3.9,base={base.replace(',', ';')}")
+    assert tight.specs == again.specs and tight.bits_per_value == again.bits_per_value
+    assert 3.5 < tight.bits_per_value <= 3.9
+    # the measured bpv is that of the chosen per-layer codecs' stored bytes
+    q, k, v = capture()
+    stored = sum(reconstruct_sequence(codecs.get(s), k[i], v[i], GEOM, 32, 128, Rotary.default(64, 10000.0), q[i])
+                 .stored_bytes for i, s in enumerate(tight.specs))
+    assert tight.bits_per_value == pytest.approx(8 * stored / (3 * 128 * GEOM.values_per_token))
+    loose = plan(f"auto:bpv=4.6,base={base.replace(',', ';')}")
+    widths = lambda p: sum(codecs.parse(s).key_bits + codecs.parse(s).value_bits for s in p.specs)  # noqa: E731
+    assert widths(loose) > widths(tight) and loose.error < tight.error and loose.bits_per_value <= 4.6
+
+
+def test_bad_auto_specs():
+    assert parse_auto("kivi:bits=2") is None
+    with pytest.raises(SpecError, match="bpv"):
+        parse_auto("auto:bpv=0")
+    with pytest.raises(SpecError, match="valid options"):
+        parse_auto("auto:kl=0.01")
+    with pytest.raises(SpecError, match="kivi"):
+        plan("auto:bpv=3,base=rtn:bits=2")
