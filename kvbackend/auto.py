@@ -2,8 +2,9 @@
 prompt's own prefix.
 
 For every layer and every (key bits, value bits) pair of the grid, the prefix is encoded with the
-base codec at those widths and the attention output of the prefix's last queries is compared with
-the exact one (the queries and keys of the prompt itself: no external data). Starting from the
+base codec at those widths and attention of the prefix's last queries is compared with the exact one
+(the prompt's own queries and keys: no external data): the relative output error plus the fraction
+of queries whose most-attended key changes. Starting from the
 narrowest widths everywhere, the planner repeatedly takes the one-step widening (keys or values of
 one layer) with the largest error reduction per stored byte, while the measured total stays within
 the budget. Deterministic for a given input. The plan is a list of per-layer codec specs.
@@ -63,10 +64,13 @@ def _attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torc
         keys = keys.float().transpose(0, 1).repeat_interleave(group, 0)
         values = values.float().transpose(0, 1).repeat_interleave(group, 0)
         scores = (q.float() @ keys.transpose(1, 2) / d**0.5).masked_fill(mask, float("-inf"))
-        return scores.softmax(-1) @ values
+        return scores.softmax(-1) @ values, scores.argmax(-1)
 
-    exact = attend(k, v)
-    return float((attend(kh, vh) - exact).norm() / exact.norm())
+    exact, exact_top = attend(k, v)
+    approx, approx_top = attend(kh, vh)
+    # Output error plus the fraction of queries whose most-attended key changes: next-token loss
+    # follows key-selection shifts more than the output norm shows.
+    return float((approx - exact).norm() / exact.norm()) + float((approx_top != exact_top).float().mean())
 
 
 def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
