@@ -187,7 +187,7 @@ class KVBackendCache(Cache):
         sink = sum(layer.stored_bytes() for layer in self.layers)
         element = torch.empty((), dtype=g.dtype).element_size()
         tokens = sum(layer.length for layer in self.layers) * len(self.request_ids)
-        dense_used = sum(self.engine.read_dense(rid, 0)[0].shape[0] for rid in self.request_ids)
+        dense_used = sum(self.engine.page_table(rid).dense_tokens(0) for rid in self.request_ids)
         dense = dense_used * g.num_layers * g.values_per_token * element  # tokens, not whole pages
         return {"stored": stats.packed_bytes + dense + sink, "exact": tokens * g.values_per_token * element,
                 "packed": stats.packed_bytes, "dense": dense, "sink": sink}

@@ -191,7 +191,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
         kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
         values = s.prefix * num_layers * geometry.values_per_token
         results.append(CodecResult(
-            spec=spec, canonical=codec.spec_string, bpv=8.0 * stored / values, stored_bytes=stored,
+            spec=spec, canonical=layer_codecs[0].spec_string, bpv=8.0 * stored / values, stored_bytes=stored,
             k_nrmse=math.sqrt(err_k / norm_k), v_nrmse=math.sqrt(err_v / norm_v),
             attn_out_err=math.sqrt(out_err / out_norm),
             top1_shift=shifts / (num_layers * exact.q[0].shape[0] * s.queries),

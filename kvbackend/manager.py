@@ -308,12 +308,12 @@ class KVCache:
         """Free a cached packed page whose bytes now live in a lower tier."""
         self.packed.allocator.evict_cached(page)
 
-    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor | Sequence[torch.Tensor],
-                      first_page: int, resident: Sequence[bool] | None = None) -> int:
+    def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor, first_page: int,
+                      resident: Sequence[bool] | None = None) -> int:
         """Put restored page groups back on the device as cached pages, so `add_request` hits them.
 
-        ``keys[i]`` is the key of prompt page ``first_page + i`` and ``blobs[i]`` its exported bytes
-        (rows of one tensor, the fast path, or a list); ``resident[i]`` marks rows that carry no bytes
+        ``keys[i]`` is the key of prompt page ``first_page + i`` and row ``blobs[i]`` its exported bytes
+        (rows at least `blob_bytes` long); ``resident[i]`` marks rows that carry no bytes
         because the page was on the device already. A page joins the resident slot of its chunk, or
         opens a slot from the codebook it carries; a page whose chunk's codebook is nowhere, or whose
         bytes are missing, stops the restore there. Returns how many of ``keys`` (a prefix) are now on
@@ -323,10 +323,7 @@ class KVCache:
         part = self._pages_part
         tokens = token_bytes(token_ids)
         resident = list(resident) if resident is not None else [False] * len(keys)
-        if isinstance(blobs, torch.Tensor):  # one transfer for all trailers
-            heads = blobs[: len(keys), part : part + _TRAILER.size].cpu().numpy()
-        else:
-            heads = [b[part : part + _TRAILER.size].cpu().numpy() for b in blobs]
+        heads = blobs[: len(keys), part : part + _TRAILER.size].cpu().numpy()  # one transfer for all trailers
         trailers = [None if resident[i] else _TRAILER.unpack(bytes(heads[i])) for i in range(len(keys))]
         allocator, pool = self.packed.allocator, self.packed
         new_pages, rows, new_slots, slot_rows, installed = [], [], [], [], 0
@@ -360,15 +357,12 @@ class KVCache:
             installed += 1
         if new_pages:
             device = pool.pages.device
-            if isinstance(blobs, torch.Tensor):
-                stacked = blobs[torch.tensor(rows, device=blobs.device), :part]
-            else:
-                stacked = torch.stack([blobs[i][:part] for i in rows])
+            stacked = blobs[torch.tensor(rows, device=blobs.device), :part]
             pool.pages[:, torch.tensor(new_pages, device=device)] = \
                 stacked.to(device).reshape(len(rows), g.num_layers, -1).transpose(0, 1)
             if new_slots and self.layout.codebook_bytes:
                 start, size = part + _TRAILER.size, g.num_layers * self.layout.codebook_bytes
-                books = torch.stack([blobs[i][start : start + size] for i in slot_rows]).to(device)
+                books = blobs[torch.tensor(slot_rows, device=blobs.device), start : start + size].to(device)
                 pool.codebooks[:, torch.tensor(new_slots, device=device)] = \
                     books.view(len(new_slots), g.num_layers, -1).transpose(0, 1)
             for page in new_pages:

@@ -6,7 +6,6 @@ A blob is one page group: every layer's packed page bytes plus the chunk's codeb
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ class Handle:
                  events: list | None = None) -> None:
         self._future = future
         self._results = results
-        self._cancelled = threading.Event()
         self.events = events or []  # CUDA events, one per blob, when copies ran on a stream
 
     @staticmethod
@@ -66,14 +64,9 @@ class Handle:
         return True
 
     def cancel(self) -> None:
-        """Ask the operation to stop; keys not yet moved report False."""
-        self._cancelled.set()
+        """Drop the operation if it has not started (a started copy runs to completion)."""
         if self._future is not None:
             self._future.cancel()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
     def result(self, timeout: float | None = None) -> list[bool]:
         if self._future is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Handle, TierError, TierStats, check_pairs, prefix_length
+from .base import Handle, TierStats, check_pairs, prefix_length
 
 DEBUG = os.environ.get("KVBACKEND_DEBUG_TIERS") == "1"
 
@@ -272,4 +272,4 @@ class HostTier:
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["HostTier", "SlotState", "TierError"]
+__all__ = ["HostTier", "SlotState"]

@@ -68,8 +68,10 @@ class Codec(ABC):
 
     @property
     def spec_string(self) -> str:
-        levers = self.levers.suffix()
-        return format_spec(self.spec) + ((":" if ":" not in format_spec(self.spec) else ",") + levers if levers else "")
+        text, levers = format_spec(self.spec), self.levers.suffix()
+        if not levers:
+            return text
+        return f"{text}{',' if ':' in text else ':'}{levers}"
 
     # -- declared by subclasses -------------------------------------------------------------
     @abstractmethod
