@@ -1,0 +1,82 @@
+"""``alignpred:error=…`` spec strings: the error budget and the codec's options."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import SpecError
+from ..spec import split_spec
+
+ALIGNS = ("none", "heads", "layers")
+PREDICTS = ("mean", "prev")
+FITS = ("group", "frozen")
+
+
+@dataclass(frozen=True)
+class ErrorBudget:
+    """An NRMSE budget, ``||x - x^|| / ||x||`` per page group and per K/V."""
+
+    value: float  # the NRMSE itself, or the multiple of FP8's NRMSE when ``relative_to_fp8``
+    relative_to_fp8: bool  # True for "2x": 2 x FP8-e4m3's NRMSE measured on the same data
+
+    def __str__(self) -> str:
+        return f"{self.value:g}x" if self.relative_to_fp8 else f"{self.value:g}"
+
+
+@dataclass(frozen=True)
+class AlignPredSpec:
+    error: ErrorBudget  # the guaranteed NRMSE budget
+    align: str = "none"  # blocks registered by orthogonal Procrustes: none, heads of a layer, adjacent layers
+    predict: str = "mean"  # token-wise predictor of a block: per-channel mean of the group, or previous token
+    fit: str = "group"  # alignment fitted per page group (stored) or frozen from calibration (not stored)
+    blend: float = 0.5  # fixed weight of the per-group aligned cross-block prediction
+
+    @property
+    def spec_string(self) -> str:
+        fit = ",fit=frozen" if self.fit == "frozen" else ""
+        return f"alignpred:error={self.error},align={self.align},predict={self.predict}{fit}"
+
+
+def parse_error(raw: str) -> ErrorBudget:
+    text = raw.strip().lower()
+    relative = text.endswith("x")
+    try:
+        value = float(text[:-1] if relative else text)
+    except ValueError:
+        raise SpecError(f"error={raw!r}: give an NRMSE (error=0.03) or a multiple of FP8's error (error=2x)") from None
+    if not math.isfinite(value) or value <= 0 or (not relative and value >= 1):
+        raise SpecError(f"error={raw!r}: the budget must be > 0 (and an absolute NRMSE < 1)")
+    return ErrorBudget(value, relative)
+
+
+def parse_alignpred(text: str) -> AlignPredSpec:
+    """Parse ``alignpred:error=1x[,align=heads][,predict=prev]``.
+
+    Raises:
+        SpecError: another codec name, a missing budget, an unknown option or value.
+    """
+    name, options = split_spec(text)
+    if name != "alignpred":
+        raise SpecError(f"not an alignpred spec: {text!r}")
+    if "error" not in options:
+        raise SpecError(f"{text!r}: alignpred needs an error budget, e.g. alignpred:error=1x (FP8-level NRMSE)")
+    error = parse_error(options.pop("error"))
+    align = options.pop("align", "none").lower()
+    predict = options.pop("predict", "mean").lower()
+    if align not in ALIGNS:
+        raise SpecError(f"align={align!r}; valid: {', '.join(ALIGNS)}")
+    if predict not in PREDICTS:
+        raise SpecError(f"predict={predict!r}; valid: {', '.join(PREDICTS)}")
+    fit = options.pop("fit", "group").lower()
+    if fit not in FITS:
+        raise SpecError(f"fit={fit!r}; valid: {', '.join(FITS)}")
+    if fit == "frozen" and align != "layers":
+        raise SpecError("fit=frozen needs align=layers (frozen predictors map each layer from the one before)")
+    if options:
+        raise SpecError(f"unknown alignpred option(s) {sorted(options)}; valid: error, align, predict, fit")
+    return AlignPredSpec(error, align, predict, fit)
+
+
+def is_alignpred(text: str) -> bool:
+    return isinstance(text, str) and text.strip().lower().partition(":")[0] == "alignpred"

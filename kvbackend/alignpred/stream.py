@@ -1,0 +1,70 @@
+"""The byte container of an AlignPred page group: named numpy arrays, a header, and a crc32c.
+
+Layout (little endian): ``magic "KVAP" | version u8 | count u16 | entries | crc32c u32`` with each
+entry ``name_len u8 | name | dtype u8 | ndim u8 | shape u32 * ndim | payload``. No pickle: the
+reader accepts only the dtypes listed below and checks every length before it slices.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import crc32c
+import numpy as np
+
+MAGIC = b"KVAP"
+VERSION = 1
+_DTYPES = [np.dtype(t) for t in ("uint8", "uint16", "uint32", "int32", "int64", "float32", "float64", "float16")]
+
+
+class CorruptStream(ValueError):
+    """An AlignPred stream that is truncated, damaged or of another format; nothing is decoded from it."""
+
+
+def pack(arrays: dict[str, np.ndarray]) -> bytes:
+    parts = [MAGIC, struct.pack("<BH", VERSION, len(arrays))]
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        raw = name.encode()
+        parts.append(struct.pack("<B", len(raw)) + raw)
+        parts.append(struct.pack(f"<BB{a.ndim}I", _DTYPES.index(a.dtype), a.ndim, *a.shape))
+        parts.append(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+    body = b"".join(parts)
+    return body + struct.pack("<I", crc32c.crc32c(body))
+
+
+def unpack(blob: bytes | memoryview | np.ndarray) -> dict[str, np.ndarray]:
+    """Read a stream written by :func:`pack`.
+
+    Raises:
+        CorruptStream: wrong magic or version, a checksum mismatch, or lengths that do not add up.
+    """
+    data = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
+    if len(data) < 11 or bytes(data[:4]) != MAGIC:
+        raise CorruptStream("not an AlignPred stream (bad magic or too short)")
+    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+    if crc32c.crc32c(data[:-4]) != crc:
+        raise CorruptStream("AlignPred stream checksum mismatch: the stored bytes are damaged")
+    version, count = struct.unpack_from("<BH", data, 4)
+    if version != VERSION:
+        raise CorruptStream(f"AlignPred stream version {version}; this build reads version {VERSION}")
+    pos, end, out = 7, len(data) - 4, {}
+    try:
+        for _ in range(count):
+            (n,) = struct.unpack_from("<B", data, pos)
+            name = bytes(data[pos + 1 : pos + 1 + n]).decode()
+            pos += 1 + n
+            code, ndim = struct.unpack_from("<BB", data, pos)
+            shape = struct.unpack_from(f"<{ndim}I", data, pos + 2)
+            pos += 2 + 4 * ndim
+            dtype = _DTYPES[code].newbyteorder("<")
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if pos + size > end:
+                raise CorruptStream("AlignPred stream truncated inside an array")
+            out[name] = np.frombuffer(data[pos : pos + size], dtype).reshape(shape)
+            pos += size
+    except (struct.error, IndexError, UnicodeDecodeError) as exc:
+        raise CorruptStream(f"AlignPred stream header unreadable: {exc}") from None
+    if pos != end:
+        raise CorruptStream("AlignPred stream has trailing bytes")
+    return out

@@ -1,0 +1,156 @@
+"""AlignPred: the error budget holds on every page group, streams are exact and self-checking."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbackend.alignpred import AlignPredCodec, Calibration, CorruptStream, fp8_nrmse, parse_alignpred
+from kvbackend.errors import SpecError
+
+
+def _nrmse(x, y):
+    x = x.astype(np.float64)
+    return math.sqrt(float(((x - y) ** 2).sum()) / float((x**2).sum()))
+
+
+def _structured(rng, L, T, H, D):
+    """KV-like data: per-channel offsets and scales (outlier channels), slow drift over tokens."""
+    scale = np.exp(rng.normal(0, 1.0, (L, 1, H, D)))
+    offset = rng.normal(0, 2.0, (L, 1, H, D))
+    drift = np.cumsum(rng.normal(0, 0.1, (L, T, H, D)), axis=1)
+    return (offset + scale * (rng.normal(0, 1, (L, T, H, D)) + drift)).astype(np.float32)
+
+
+def _check(codec, k, v):
+    blob = codec.encode(k, v)
+    kh, vh = codec.decode(blob)
+    bound_k, bound_v = codec.max_errors(blob)
+    assert kh.shape == k.shape and vh.shape == v.shape
+    assert np.abs(k.astype(np.float64) - kh).max() <= bound_k
+    assert np.abs(v.astype(np.float64) - vh).max() <= bound_v
+    for x, xh, report in ((k, kh, codec.last_report[0]), (v, vh, codec.last_report[1])):
+        budget = codec.spec.error.value * (fp8_nrmse(x) if codec.spec.error.relative_to_fp8 else 1.0)
+        assert _nrmse(x, xh) <= max(budget, 1e-6) * (1 + 1e-9)
+        assert report.nrmse <= report.target
+    return blob
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), T=st.sampled_from([1, 7, 64, 65]), H=st.integers(1, 3), D=st.sampled_from([4, 16, 64]),
+       error=st.sampled_from(["0.5x", "1x", "2x", "8x", "0.01", "0.2"]), predict=st.sampled_from(["mean", "prev"]),
+       align=st.sampled_from(["none", "heads", "layers"]), kind=st.sampled_from(["random", "structured"]),
+       seed=st.integers(0, 2**16))
+def test_budget_holds_on_every_group(L, T, H, D, error, predict, align, kind, seed):
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        k = rng.standard_normal((L, T, H, D)).astype(np.float32) * 3
+        v = rng.standard_t(3, (L, T, H, D)).astype(np.float32)
+    else:
+        k, v = _structured(rng, L, T, H, D), _structured(rng, L, T, H, D)
+    _check(AlignPredCodec(f"alignpred:error={error},predict={predict},align={align}"), k, v)
+
+
+@pytest.fixture(scope="module")
+def real_kv():
+    """Keys and values of the shipped SmolLM2 model on a shipped text, [L, T, H, D]."""
+    torch = pytest.importorskip("torch")
+    from kvbackend.evaluate import capture_exact
+    from kvbackend.models import load_model
+
+    model, tok = load_model()
+    text = open("/usr/share/common-licenses/GPL-3").read()
+    ids = tok(text, return_tensors="pt").input_ids[:, :256]
+    cap = capture_exact(model, ids)
+    k = torch.stack([x.transpose(0, 1) for x in cap.k]).float().numpy()
+    v = torch.stack([x.transpose(0, 1) for x in cap.v]).float().numpy()
+    return k, v
+
+
+def test_budget_and_bytes_on_real_kv(real_kv):
+    k, v = real_kv
+    bpv = {}
+    for error in (1, 2, 4, 8):
+        codec = AlignPredCodec(f"alignpred:error={error}x")
+        stored = sum(len(_check(codec, k[:, s : s + 64], v[:, s : s + 64])) for s in range(0, k.shape[1], 64))
+        bpv[error] = 8 * stored / (2 * k.size)  # from the bytes of every stream kept
+    # A uniform lattice saves about one bit per value each time its step doubles (high-rate theory);
+    # headers and side information keep the saving a little under one bit.
+    for lo, hi in ((1, 2), (2, 4), (4, 8)):
+        assert 0.6 < bpv[lo] - bpv[hi] < 1.1, bpv
+    assert bpv[1] < 6.0, bpv  # FP8-level error at well under FP8's 8 bits
+
+
+def test_frozen_calibration_round_trip_and_mismatch(real_kv):
+    k, v = real_kv
+    cal = Calibration.fit(k[:, :128], v[:, :128])
+    codec = AlignPredCodec("alignpred:error=1x,align=layers,fit=frozen", cal)
+    blob = _check(codec, k[:, 128:192], v[:, 128:192])
+    other = AlignPredCodec("alignpred:error=1x,align=layers,fit=frozen", Calibration.fit(k[:, 64:128], v[:, 64:128]))
+    with pytest.raises(CorruptStream, match="calibration"):
+        other.decode(blob)
+    with pytest.raises(ValueError, match="Calibration"):
+        AlignPredCodec("alignpred:error=1x,align=layers,fit=frozen")
+
+
+def test_round_trip_is_deterministic():
+    rng = np.random.default_rng(1)
+    k, v = _structured(rng, 3, 64, 2, 16), _structured(rng, 3, 64, 2, 16)
+    codec = AlignPredCodec("alignpred:error=1x,align=heads")
+    a, b = codec.encode(k, v), codec.encode(k, v)
+    assert a == b
+    k1, v1 = codec.decode(a)
+    k2, v2 = codec.decode(b)
+    assert np.array_equal(k1, k2) and np.array_equal(v1, v2)
+
+
+def test_corrupted_streams_raise():
+    rng = np.random.default_rng(2)
+    k, v = _structured(rng, 2, 64, 2, 16), _structured(rng, 2, 64, 2, 16)
+    codec = AlignPredCodec("alignpred:error=1x")
+    blob = codec.encode(k, v)
+    for trial in range(200):
+        damaged = bytearray(blob)
+        pos = int(rng.integers(0, len(blob)))
+        damaged[pos] ^= 1 << int(rng.integers(0, 8))
+        with pytest.raises(CorruptStream):
+            codec.decode(bytes(damaged))
+    with pytest.raises(CorruptStream):
+        codec.decode(blob[: len(blob) // 2])
+    with pytest.raises(CorruptStream):
+        codec.decode(b"not a stream at all")
+
+
+def test_zero_and_constant_groups():
+    codec = AlignPredCodec("alignpred:error=1x")
+    z = np.zeros((2, 64, 1, 8), np.float32)
+    kh, vh = codec.decode(codec.encode(z, z))
+    assert np.array_equal(kh, z) and np.array_equal(vh, z)
+    c = np.full((1, 64, 1, 8), 0.5, np.float32)  # exact in FP8: the budget falls back to a tight absolute one
+    kh, _ = codec.decode(codec.encode(c, c))
+    assert np.abs(kh - c).max() <= 1e-5
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("alignpred", "error budget"),
+    ("alignpred:error=0", "> 0"),
+    ("alignpred:error=abc", "NRMSE"),
+    ("alignpred:error=1x,align=rows", "align"),
+    ("alignpred:error=1x,fit=frozen", "align=layers"),
+    ("alignpred:error=1x,speed=9", "unknown"),
+])
+def test_bad_specs(spec, message):
+    with pytest.raises(SpecError, match=message):
+        parse_alignpred(spec)
+
+
+def test_bad_input():
+    codec = AlignPredCodec("alignpred:error=1x")
+    with pytest.raises(ValueError, match="layers, tokens, heads"):
+        codec.encode(np.zeros((4, 8)), np.zeros((4, 8)))
+    bad = np.zeros((1, 4, 1, 4), np.float32)
+    bad[0, 1, 0, 2] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(bad, bad)
