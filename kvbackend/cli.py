@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--plot", help="write a Pareto plot (PNG) here")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--model-dir", default=None)
+    ev.add_argument("--calibration", default=None,
+                    help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")
     ev.set_defaults(func=_cmd_eval)
     return parser
 

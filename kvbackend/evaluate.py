@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import codecs
+from .alignpred import AlignPredCodec, Calibration, is_alignpred, parse_alignpred
+from .alignpred.sequence import reconstruct as alignpred_reconstruct
 from .geometry import Geometry
 from .auto import parse_auto, plan_widths
 from .reconstruct import reconstruct_sequence
@@ -127,8 +129,52 @@ def _next_token_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Te
     return kl, agree, math.exp(nll(log_test)), math.exp(nll(log_ref))
 
 
-def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None) -> list[CodecResult]:
-    """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``."""
+def _alignpred_result(spec: str, calibration: Calibration | None, exact: Capture, s: EvalSettings, model, cont_ids,
+                      targets, ref_logits) -> CodecResult:
+    """AlignPred codes page groups across every layer, so it is measured on all layers at once."""
+    codec = AlignPredCodec(spec, calibration)
+    k_all = torch.stack([k.transpose(0, 1) for k in exact.k])  # [L, T, H, D]
+    v_all = torch.stack([v.transpose(0, 1) for v in exact.v])
+    pre = alignpred_reconstruct(codec, k_all[:, : s.prefix], v_all[:, : s.prefix], s.page_size)
+    if s.tokens > s.prefix:
+        rest = alignpred_reconstruct(codec, k_all[:, s.prefix : s.tokens], v_all[:, s.prefix : s.tokens], s.page_size)
+        full_k, full_v = torch.cat([pre.k, rest.k], 1), torch.cat([pre.v, rest.v], 1)
+    else:
+        full_k, full_v = pre.k[:, : s.tokens], pre.v[:, : s.tokens]
+    kx, vx = k_all[:, : s.prefix].float(), v_all[:, : s.prefix].float()
+    out_err = out_norm = 0.0
+    shifts = 0
+    for layer in range(len(exact.k)):
+        e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
+                                         exact.v[layer][:, : s.tokens], full_k[layer].transpose(0, 1).to(kx.dtype),
+                                         full_v[layer].transpose(0, 1).to(vx.dtype), s.queries)
+        out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
+    dtype = exact.k[0].dtype
+    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(dtype) for k in pre.k],
+                                       [v.transpose(0, 1).to(dtype) for v in pre.v], cont_ids)
+    kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
+    nrmse = lambda x, y: math.sqrt(float((x - y).square().sum()) / float(x.square().sum()))  # noqa: E731
+    return CodecResult(spec=spec, canonical=codec.spec_string, bpv=8.0 * pre.stored_bytes / (kx.numel() + vx.numel()),
+                       stored_bytes=pre.stored_bytes, k_nrmse=nrmse(kx, pre.k), v_nrmse=nrmse(vx, pre.v),
+                       attn_out_err=math.sqrt(out_err / out_norm),
+                       top1_shift=shifts / (len(exact.k) * exact.q[0].shape[0] * s.queries), kl=kl, top1_agree=agree,
+                       ppl=ppl, ppl_ref=ppl_ref)
+
+
+def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024) -> Calibration:
+    """Frozen AlignPred predictors fitted on the exact KV of another text's first ``tokens`` tokens."""
+    cap = capture_exact(model, input_ids[:, :tokens])
+    k = torch.stack([x.transpose(0, 1) for x in cap.k]).float().cpu().numpy()
+    v = torch.stack([x.transpose(0, 1) for x in cap.v]).float().cpu().numpy()
+    return Calibration.fit(k, v)
+
+
+def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None,
+             calibration: Calibration | None = None) -> list[CodecResult]:
+    """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``.
+
+    ``calibration`` serves ``alignpred:…,fit=frozen`` specs; fit it on other data than ``input_ids``.
+    """
     s = settings
     need = max(s.tokens, s.prefix + s.cont)
     if input_ids.shape[1] < need:
@@ -149,6 +195,11 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     results = []
     task = progress.add_task("codecs x layers", total=len(specs) * num_layers) if progress else None
     for spec in specs:
+        if is_alignpred(spec):
+            results.append(_alignpred_result(spec, calibration, exact, s, model, cont_ids, targets, ref_logits))
+            if progress:
+                progress.advance(task, num_layers)
+            continue
         auto = parse_auto(spec)
         plan = None
         if auto is not None:
@@ -240,9 +291,14 @@ def run_eval_cli(args) -> int:
     from .models import load_model
 
     console = Console(width=max(Console().width, 150))
+    frozen = False
     for spec in args.codec:  # fail fast on a bad spec, before loading anything
-        if parse_auto(spec) is None:
+        if is_alignpred(spec):
+            frozen |= parse_alignpred(spec).fit == "frozen"
+        elif parse_auto(spec) is None:
             codecs.parse(spec)
+    if frozen and not args.calibration:
+        raise SystemExit("alignpred fit=frozen needs --calibration TEXT (another text than --text)")
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     with console.status("loading model"):
@@ -250,8 +306,12 @@ def run_eval_cli(args) -> int:
     ids = tokenizer(text, return_tensors="pt").input_ids
     settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
                             queries=min(128, args.tokens), device=args.device)
+    calibration = None
+    if frozen:
+        with open(args.calibration, encoding="utf-8") as f:
+            calibration = calibration_from_text(model, tokenizer(f.read(), return_tensors="pt").input_ids.to(args.device))
     with Progress(console=console, transient=True) as progress:
-        results = evaluate(model, ids, args.codec, settings, progress)
+        results = evaluate(model, ids, args.codec, settings, progress, calibration)
     table = Table(title=f"{args.text}: {settings.tokens} tokens, prefix {settings.prefix} + {settings.cont}, "
                         f"ppl_ref {results[0].ppl_ref:.2f}")
     table.add_column("spec", overflow="fold")
@@ -264,7 +324,8 @@ def run_eval_cli(args) -> int:
         if r.plan:
             console.print(f"{r.spec}: per-layer plan (measured {r.bpv:.3f} bpv): " + "; ".join(
                 f"L{i}:k{codecs.parse(p).key_bits}v{codecs.parse(p).value_bits}" for i, p in enumerate(r.plan)))
-    meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings)}
+    meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
+            "calibration": args.calibration if frozen else None}
     if args.json:
         write_json(args.json, results, meta)
     if args.plot:
