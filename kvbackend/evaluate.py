@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import codecs
-from .alignpred import AlignPredCodec, Calibration, is_alignpred, parse_alignpred
-from .alignpred.sequence import reconstruct as alignpred_reconstruct
+from .alignpred.spec import is_alignpred, parse_alignpred
 from .geometry import Geometry
 from .auto import parse_auto, plan_widths
 from .reconstruct import reconstruct_sequence
@@ -129,9 +128,12 @@ def _next_token_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Te
     return kl, agree, math.exp(nll(log_test)), math.exp(nll(log_ref))
 
 
-def _alignpred_result(spec: str, calibration: Calibration | None, exact: Capture, s: EvalSettings, model, cont_ids,
+def _alignpred_result(spec: str, calibration,  exact: Capture, s: EvalSettings, model, cont_ids,
                       targets, ref_logits) -> CodecResult:
     """AlignPred codes page groups across every layer, so it is measured on all layers at once."""
+    from .alignpred import AlignPredCodec
+    from .alignpred.sequence import reconstruct as alignpred_reconstruct
+
     codec = AlignPredCodec(spec, calibration)
     k_all = torch.stack([k.transpose(0, 1) for k in exact.k])  # [L, T, H, D]
     v_all = torch.stack([v.transpose(0, 1) for v in exact.v])
@@ -161,8 +163,10 @@ def _alignpred_result(spec: str, calibration: Calibration | None, exact: Capture
                        ppl=ppl, ppl_ref=ppl_ref)
 
 
-def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024) -> Calibration:
+def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024):
     """Frozen AlignPred predictors fitted on the exact KV of another text's first ``tokens`` tokens."""
+    from .alignpred import Calibration
+
     cap = capture_exact(model, input_ids[:, :tokens])
     k = torch.stack([x.transpose(0, 1) for x in cap.k]).float().cpu().numpy()
     v = torch.stack([x.transpose(0, 1) for x in cap.v]).float().cpu().numpy()
@@ -170,7 +174,7 @@ def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024) ->
 
 
 def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None,
-             calibration: Calibration | None = None) -> list[CodecResult]:
+             calibration=None) -> list[CodecResult]:
     """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``.
 
     ``calibration`` serves ``alignpred:…,fit=frozen`` specs; fit it on other data than ``input_ids``.

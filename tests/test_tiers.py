@@ -302,3 +302,55 @@ def test_restore_joins_the_resident_codebook_and_stops_without_one():
     report = tiered.restore(tokens)
     assert report.restored_from_host == 2 and cache.device_prefix(keys) == 2
     cache.check()
+
+
+def test_file_tier_stores_dense_pages_as_alignpred(tmp_path):
+    """A bf16 cache's file tier in AlignPred: fewer bytes on disk, every restored value within the
+    stored bound (plus bf16 rounding), damaged files count as misses, other formats are not served."""
+    from kvbackend.alignpred import AlignPredCodec, fp8_nrmse
+    from kvbackend.errors import UnsupportedLayout
+    from kvbackend.tiers.persist import AlignPredFormat
+
+    cache = KVCache(Geometry(2, 2, 64, torch.bfloat16),
+                    CacheConfig(codec="bf16", page_size=16, chunk_pages=2, dense_pages=32, packed_pages=16))
+    fmt = AlignPredFormat("alignpred:error=1x", cache.layout)
+    file = FileTier(str(tmp_path), 10**8, cache.layout.fingerprint, fmt=fmt)
+    tiered = TieredCache(cache, None, file, background=False)
+    tokens = list(range(70))
+    rid = fill(tiered, tokens)
+    before = [tiered.read(rid, layer) for layer in range(2)]
+    exported = [cache.export_page(p) for p in cache.page_table(rid).packed]
+    tiered.free(rid)
+    assert tiered.offload(max_pages=100) == 4
+    tiered.flush()
+    stored = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
+    assert stored < 0.5 * sum(b.numel() for b in exported)  # bf16 pages at FP8-level error: well under half
+    rid2, hit = tiered.add_request(tokens)
+    assert hit == 64
+    codec = AlignPredCodec("alignpred:error=1x")
+    restored = [cache.export_page(p) for p in cache.page_table(rid2).packed]
+    for old, new in zip(exported, restored):
+        stream = fmt.encode(old.numpy().tobytes())[16:]  # deterministic: the very stream the tier wrote
+        bounds = codec.max_errors(stream)
+        assert torch.equal(old[-16:], new[-16:])  # the trailer comes back verbatim
+        for x, y, bound in zip(fmt._views(old), fmt._views(new), bounds):
+            x, y = x.float(), y.float()
+            nrmse = float((x - y).square().sum().sqrt() / x.square().sum().sqrt())
+            assert 0 < nrmse <= 1.01 * fp8_nrmse(x.numpy())  # FP8-level; bf16 storage adds its own rounding
+            assert bool(((y - x).abs() <= bound + y.abs() * 2.0**-8).all())  # bound + bf16 half-ulp
+    for layer in range(2):
+        k, _ = tiered.read(rid2, layer)
+        assert not torch.equal(k, before[layer][0][:64]) and torch.allclose(k, before[layer][0][:64], atol=0.5)
+    reopened = FileTier(str(tmp_path), 10**8, cache.layout.fingerprint, fmt=fmt)
+    assert reopened.contains(cache.prefix_keys(tokens)) == 4
+    raw = FileTier(str(tmp_path), 10**8, cache.layout.fingerprint)  # the raw format does not serve them
+    assert raw.contains(cache.prefix_keys(tokens)) == 0
+    (path,) = [tmp_path / f for f in os.listdir(tmp_path)]
+    data = bytearray(path.read_bytes())
+    data[len(data) - 100] ^= 0x10  # inside the last page group's stream
+    path.write_bytes(bytes(data))
+    outs = [torch.empty(fmt.blob_bytes, dtype=torch.uint8) for _ in range(4)]
+    assert reopened.get(cache.prefix_keys(tokens), outs).result()[-1] is False  # a miss, never wrong values
+    tiered.close()
+    with pytest.raises(UnsupportedLayout, match="dense float pages"):
+        AlignPredFormat("alignpred:error=1x", filled("qvg").layout)

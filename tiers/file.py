@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
+from ..alignpred.stream import CorruptStream
 from .base import Handle, TierStats, check_pairs, prefix_length
+from .persist import BlobFormat
 
 MAGIC = b"KVBKPAGE"
 VERSION = 1
@@ -48,9 +50,13 @@ class FileTier:
     name = "file"
 
     def __init__(self, directory: str, budget_bytes: int, fingerprint: str, fsync: bool = True,
-                 workers: int = 2) -> None:
+                 workers: int = 2, fmt: BlobFormat | None = None) -> None:
+        """``fmt``: how blobs are stored (default: their bytes as they are; see :mod:`.persist`)."""
         if len(fingerprint.encode()) != 16:
             raise ValueError(f"fingerprint must be 16 ASCII characters (PageLayout.fingerprint), got {fingerprint!r}")
+        if fmt is not None:  # files of another persistent format are another layout on disk
+            fingerprint = hashlib.blake2b(f"{fingerprint}|{fmt.name}".encode(), digest_size=8).hexdigest()
+        self.fmt = fmt
         self.directory = directory
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint.encode()
@@ -129,6 +135,13 @@ class FileTier:
 
     def _put_now(self, keys: list[int], fresh) -> list[bool]:
         payloads = [b.detach().to("cpu").contiguous().numpy().tobytes() for _, b in fresh]
+        if self.fmt is not None:
+            try:
+                payloads = [self.fmt.encode(p) for p in payloads]
+            except ValueError:  # a blob this format cannot hold: nothing is written, the caller keeps it
+                with self._lock:
+                    self._failures += 1
+                return [k in self._index for k in keys]
         ok = self.write_group([k for k, _ in fresh], payloads)
         with self._lock:
             return [ok or k in self._index for k in keys]
@@ -194,7 +207,7 @@ class FileTier:
                 where = self._index.get(key)
                 if where is not None:
                     self._files.move_to_end(where.path)
-            if where is None or out.numel() < where.length:
+            if where is None or out.numel() < (self.fmt.blob_bytes if self.fmt else where.length):
                 with self._lock:
                     self._misses += 1
                 results.append(False)
@@ -216,7 +229,7 @@ class FileTier:
     def _read_into(self, where: _Location, out: torch.Tensor) -> bool:
         """Read one blob into ``out`` and check it. CPU buffers (pinned or not) are filled in place;
         device buffers through one bounce copy. On a bad checksum ``out`` holds garbage and False says so."""
-        direct = out.device.type == "cpu" and out.is_contiguous()
+        direct = out.device.type == "cpu" and out.is_contiguous() and self.fmt is None
         target = out[: where.length] if direct else torch.empty(where.length, dtype=torch.uint8)
         view = memoryview(target.numpy())
         try:
@@ -227,14 +240,26 @@ class FileTier:
             return False
         if got != where.length or crc32c.crc32c(view) != where.crc:
             return False
-        if not direct:
+        if self.fmt is not None:
+            try:
+                if out.device.type == "cpu":
+                    self.fmt.decode(view, out)
+                else:
+                    staged = torch.empty(self.fmt.blob_bytes, dtype=torch.uint8)
+                    self.fmt.decode(view, staged)
+                    out[: staged.numel()].copy_(staged)
+            except CorruptStream:
+                return False
+        elif not direct:
             out[: where.length].copy_(target)
         return True
 
     def blob_size(self, key: int) -> int | None:
         with self._lock:
             where = self._index.get(key)
-            return None if where is None else where.length
+            if where is None:
+                return None
+            return self.fmt.blob_bytes if self.fmt is not None else where.length
 
     def _drop_file(self, path: str) -> None:
         keys, size = self._files.pop(path, ([], 0))

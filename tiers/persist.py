@@ -1,0 +1,74 @@
+"""Persistent formats: how the file tier stores a page group's bytes.
+
+The default stores the packed bytes as they are (nothing is re-encoded on the way down). A cache
+whose device pages are dense floats (``identity``/``fp16``/``bf16``) can instead keep its file tier in
+AlignPred, an error-bounded format: fewer bytes for a guaranteed NRMSE per page group. The decoded
+page returns in the page's own dtype, so its error is AlignPred's bound plus that dtype's rounding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from ..alignpred.stream import CorruptStream
+from ..errors import UnsupportedLayout
+from ..layout import PageLayout
+
+if TYPE_CHECKING:
+    from ..alignpred import Calibration
+
+TRAILER_BYTES = 16  # the page group's trailer (chunk id, carries-codebook), kept verbatim
+
+
+class BlobFormat(Protocol):
+    name: str  # enters the file tier's fingerprint: files of another format are never served
+    blob_bytes: int  # bytes of one decoded page group
+
+    def encode(self, blob: bytes) -> bytes: ...
+
+    def decode(self, stored: memoryview, out: torch.Tensor) -> None:
+        """Write the page group into ``out`` (uint8, >= blob_bytes); raise CorruptStream if damaged."""
+
+
+class AlignPredFormat:
+    """Page groups of a dense-float cache stored as AlignPred streams (plus the verbatim trailer)."""
+
+    def __init__(self, spec: str, layout: PageLayout, calibration: "Calibration | None" = None) -> None:
+        from ..alignpred import AlignPredCodec  # needs the ``codecs`` extra (constriction)
+
+        page = layout.page
+        fields = page.fields
+        if layout.codebook_bytes or set(fields) != {"k", "v"} or not fields["k"].dtype.is_floating_point:
+            raise UnsupportedLayout(
+                f"alignpred persists dense float pages (identity, fp16 or bf16 caches); this cache stores "
+                f"{layout.codec!r} pages, whose packed bytes the file tier keeps as they are")
+        self.codec = AlignPredCodec(spec, calibration)
+        self.layout = layout
+        self.layers = layout.geometry.num_layers
+        self.pages_part = self.layers * page.nbytes
+        self.blob_bytes = self.pages_part + TRAILER_BYTES
+        self.name = self.codec.spec_string + (f"@{calibration.fingerprint():08x}" if self.codec.calibration else "")
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = buffer[: self.pages_part].view(self.layers, self.layout.page.nbytes)
+        return self.layout.page.view(rows, "k"), self.layout.page.view(rows, "v")  # [L, P, H, D] each
+
+    def encode(self, blob: bytes) -> bytes:
+        if len(blob) != self.blob_bytes:
+            raise ValueError(f"a page group of this layout is {self.blob_bytes} bytes, got {len(blob)}")
+        buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        k, v = self._views(buffer)
+        return bytes(blob[self.pages_part :]) + self.codec.encode(k.float(), v.float())
+
+    def decode(self, stored: memoryview, out: torch.Tensor) -> None:
+        if len(stored) < TRAILER_BYTES:
+            raise CorruptStream("stored page group shorter than its trailer")
+        k, v = self.codec.decode(stored[TRAILER_BYTES:])
+        target = out[: self.blob_bytes]
+        kv, vv = self._views(target)
+        kv.copy_(torch.from_numpy(k))
+        vv.copy_(torch.from_numpy(v))
+        target[self.pages_part :].copy_(torch.from_numpy(np.frombuffer(stored[:TRAILER_BYTES], np.uint8).copy()))
