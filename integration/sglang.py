@@ -10,6 +10,9 @@ Launch SGLang with:
 
 Host pages going to storage are encoded with the codec (per layer, on the CPU) and written as one
 checksummed blob per page; on a prefix hit they are decoded straight into SGLang's host pool.
+``"codec": "alignpred:error=1x"`` (or 2x, 4x, an absolute NRMSE) stores each page with the
+error-bounded persistent codec instead: every layer of the page in one stream, the NRMSE budget
+guaranteed per page.
 Supported host layouts: ``layer_first`` and ``page_first``; others are refused at registration.
 """
 
@@ -25,6 +28,7 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from ..alignpred.spec import is_alignpred
 from ..codecs import get as get_codec
 from ..codecs.base import EncodedChunk
 from ..geometry import Geometry
@@ -40,7 +44,16 @@ class KVBackendStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.codec_spec = str(extra.get("codec", DEFAULTS["codec"]))
-        self.codec = get_codec(self.codec_spec)  # a bad spec fails here, at start-up, with the valid options
+        if is_alignpred(self.codec_spec):
+            from ..alignpred import AlignPredCodec
+
+            self.persistent = AlignPredCodec(self.codec_spec)  # a bad spec fails here, at start-up
+            if self.persistent.spec.fit == "frozen":
+                raise ValueError("alignpred fit=frozen needs a calibration; use fit=group with SGLang storage")
+            self.codec = None
+        else:
+            self.persistent = None
+            self.codec = get_codec(self.codec_spec)  # a bad spec fails here, at start-up, with the valid options
         model = str(getattr(storage_config, "model_name", None) or "model").replace("/", "-")
         rank = f"tp{getattr(storage_config, 'tp_rank', 0)}of{getattr(storage_config, 'tp_size', 1)}" \
                f"_pp{getattr(storage_config, 'pp_rank', 0)}of{getattr(storage_config, 'pp_size', 1)}"
@@ -64,8 +77,14 @@ class KVBackendStorage(HiCacheStorage):
         self.page_size = mem_pool_host.page_size
         self.geometry = Geometry(mem_pool_host.layer_num, mem_pool_host.head_num, mem_pool_host.head_dim,
                                  mem_pool_host.dtype)
-        self.layout = self.codec.layout(self.geometry, self.page_size)  # SpecError if the codec cannot serve it
-        self.tier = FileTier(self.directory, self.budget_bytes, self.layout.fingerprint)
+        if self.persistent is not None:
+            self.layout = None
+            fingerprint = hashlib.blake2b(f"{self.persistent.spec_string}|{self.geometry}|{self.page_size}".encode(),
+                                          digest_size=8).hexdigest()
+        else:
+            self.layout = self.codec.layout(self.geometry, self.page_size)  # SpecError if the codec cannot serve it
+            fingerprint = self.layout.fingerprint
+        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
 
     def _require_pool(self) -> None:
         if self.tier is None:
@@ -79,9 +98,12 @@ class KVBackendStorage(HiCacheStorage):
     def _encode(self, page: torch.Tensor) -> torch.Tensor:
         """A [2, L, P, H, D] page -> one blob: each layer's packed page then each layer's codebook."""
         start = time.perf_counter()
-        chunks: list[EncodedChunk] = [self.codec.encode(page[0, layer], page[1, layer], self.layout)
-                                      for layer in range(self.geometry.num_layers)]
-        blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [c.codebook.reshape(-1) for c in chunks])
+        if self.persistent is not None:
+            blob = torch.frombuffer(bytearray(self.persistent.encode(page[0], page[1])), dtype=torch.uint8)
+        else:
+            chunks: list[EncodedChunk] = [self.codec.encode(page[0, layer], page[1, layer], self.layout)
+                                          for layer in range(self.geometry.num_layers)]
+            blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [c.codebook.reshape(-1) for c in chunks])
         with self._lock:
             self._stats["encode_s"] += time.perf_counter() - start
         return blob
@@ -89,6 +111,12 @@ class KVBackendStorage(HiCacheStorage):
     def _decode(self, blob: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         g, lay = self.geometry, self.layout
+        if self.persistent is not None:  # raises CorruptStream (a ValueError) on damage: the page is a miss
+            k, v = self.persistent.decode(blob.numpy())
+            out = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).to(g.dtype)
+            with self._lock:
+                self._stats["decode_s"] += time.perf_counter() - start
+            return out
         pages = blob[: g.num_layers * lay.page_bytes].view(g.num_layers, 1, lay.page_bytes)
         books = blob[g.num_layers * lay.page_bytes :].view(g.num_layers, lay.codebook_bytes)
         out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)

@@ -66,7 +66,9 @@ def host_indices(pages, page_size=16):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("codec,dtype", [("identity", torch.bfloat16), ("fp16", torch.float16),
                                          ("kivi:bits=4,group=16", torch.bfloat16),
-                                         ("rtn:bits=2,group=64,scale=fp8", torch.bfloat16)])
+                                         ("rtn:bits=2,group=64,scale=fp8", torch.bfloat16),
+                                         ("alignpred:error=1x", torch.bfloat16),
+                                         ("alignpred:error=4x", torch.float16)])
 def test_v1_round_trip(tmp_path, layout, codec, dtype):
     host = HostPool(layout, dtype=dtype)
     host.kv_buffer.normal_()
@@ -82,6 +84,13 @@ def test_v1_round_trip(tmp_path, layout, codec, dtype):
         got = host.page((6 + i) * 16)
         if codec in ("identity", "fp16"):  # the pool's own dtype stored unchanged: bit-exact
             assert torch.equal(got, original)
+        elif codec.startswith("alignpred"):  # the NRMSE budget per page, plus the pool dtype's rounding
+            from kvbackend.alignpred import fp8_nrmse
+
+            multiple = float(codec.split("=")[1][:-1])
+            for x, y in zip(original.float(), got.float()):  # K, then V
+                budget = multiple * fp8_nrmse(x.numpy())
+                assert float((y - x).norm() / x.norm()) <= budget * 1.01
         else:
             err = float((got.float() - original.float()).norm() / original.float().norm())
             assert err < (0.12 if "bits=4" in codec else 0.6)
