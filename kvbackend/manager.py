@@ -6,7 +6,7 @@ import itertools
 import random
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,17 @@ class CacheStats:
 _TRAILER = struct.Struct("<QQ")  # exported page group: chunk id, 1 if the chunk's codebook follows
 
 
+@dataclass
+class InstallPlan:
+    """Restored page groups assigned to device pages (see `KVCache.plan_install`)."""
+
+    installed: int = 0  # how many of the keys (a prefix) are on the device once the copies land
+    rows: list[int] = field(default_factory=list)  # blob row of each new page
+    new_pages: list[int] = field(default_factory=list)  # device pages that receive those rows
+    slot_rows: list[int] = field(default_factory=list)  # blob row carrying each newly opened codebook
+    new_slots: list[int] = field(default_factory=list)  # codebook slots opened
+
+
 class KVCache:
     """A paged, compressed KV cache for one model.
 
@@ -63,6 +74,7 @@ class KVCache:
         # are harmless (their hash is gone) and are overwritten when the page is hashed again
         self._page_tokens: dict[int, bytes] = {}
         self._ids = itertools.count()
+        self._layer_events: list | None = None  # per-layer CUDA events of the last layered restore
 
     # -- admission --------------------------------------------------------------------------
     def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
@@ -205,6 +217,7 @@ class KVCache:
         Packed pages never change, so callers can keep what they decoded and ask only for new pages.
         """
         table = self._table(request_id)
+        self.wait_layer(layer)
         keys, values = [self._empty()], [self._empty()]
         for slot, pages in self._runs(table.packed[first_page:]):
             k, v = self.codec.decode_pages(self.layout, self.packed.pages[layer, pages],
@@ -245,10 +258,12 @@ class KVCache:
 
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
+        self.wait_layer(layer)
         return self.backend.gather(self, plan, layer)
 
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
+        self.wait_layer(layer)
         return self.backend.decode(self, plan, layer, q, scale)
 
     def page_table(self, request_id: int) -> PageTable:
@@ -319,17 +334,32 @@ class KVCache:
         bytes are missing, stops the restore there. Returns how many of ``keys`` (a prefix) are now on
         the device.
         """
-        g, p = self.geometry, self.config.page_size
+        plan = self.plan_install(keys, token_ids, self.read_trailers(blobs, len(keys), resident), first_page)
+        for layer in range(self.geometry.num_layers):
+            self.copy_install_layer(plan, blobs, layer)
+        self.finish_install(plan)
+        return plan.installed
+
+    def read_trailers(self, blobs: torch.Tensor, count: int,
+                      resident: Sequence[bool] | None = None) -> list[tuple[int, int] | None]:
+        """(chunk id, carries codebook) of each blob row; None for rows marked resident."""
         part = self._pages_part
+        resident = list(resident) if resident is not None else [False] * count
+        heads = blobs[:count, part : part + _TRAILER.size].cpu().numpy()  # one transfer for all trailers
+        return [None if resident[i] else _TRAILER.unpack(bytes(heads[i])) for i in range(count)]
+
+    def plan_install(self, keys: Sequence[int], token_ids: Sequence[int],
+                     trailers: Sequence[tuple[int, int] | None], first_page: int) -> InstallPlan:
+        """The bookkeeping half of `install_pages`: pages and codebook slots are allocated and hashed
+        now; their bytes must be copied (`copy_install_layer`) before any kernel reads them, and
+        `finish_install` then hands the pages to the cache."""
+        p = self.config.page_size
         tokens = token_bytes(token_ids)
-        resident = list(resident) if resident is not None else [False] * len(keys)
-        heads = blobs[: len(keys), part : part + _TRAILER.size].cpu().numpy()  # one transfer for all trailers
-        trailers = [None if resident[i] else _TRAILER.unpack(bytes(heads[i])) for i in range(len(keys))]
         allocator, pool = self.packed.allocator, self.packed
-        new_pages, rows, new_slots, slot_rows, installed = [], [], [], [], 0
+        plan = InstallPlan()
         for i, key in enumerate(keys):
             if allocator.lookup(key) is not None:
-                installed += 1
+                plan.installed += 1
                 continue
             if trailers[i] is None:
                 break  # expected on the device, but evicted meanwhile
@@ -344,30 +374,48 @@ class KVCache:
             if opens:
                 (slot,) = pool.slots.allocate(1)
                 pool.open_slot(slot, chunk, page)
-                new_slots.append(slot)
-                slot_rows.append(i)
+                plan.new_slots.append(slot)
+                plan.slot_rows.append(i)
             pool.bind([page], slot)
             if opens:
                 pool.slots.decref(slot)  # the page holds the slot now
             allocator.set_hash(page, key)
             start = (first_page + i) * p
             self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
-            new_pages.append(page)
-            rows.append(i)
-            installed += 1
-        if new_pages:
-            device = pool.pages.device
-            stacked = blobs[torch.tensor(rows, device=blobs.device), :part]
-            pool.pages[:, torch.tensor(new_pages, device=device)] = \
-                stacked.to(device).reshape(len(rows), g.num_layers, -1).transpose(0, 1)
-            if new_slots and self.layout.codebook_bytes:
-                start, size = part + _TRAILER.size, g.num_layers * self.layout.codebook_bytes
-                books = blobs[torch.tensor(slot_rows, device=blobs.device), start : start + size].to(device)
-                pool.codebooks[:, torch.tensor(new_slots, device=device)] = \
-                    books.view(len(new_slots), g.num_layers, -1).transpose(0, 1)
-            for page in new_pages:
-                allocator.decref(page)  # unreferenced: cached until a request takes it
-        return installed
+            plan.new_pages.append(page)
+            plan.rows.append(i)
+            plan.installed += 1
+        return plan
+
+    def copy_install_layer(self, plan: InstallPlan, blobs: torch.Tensor, layer: int) -> None:
+        """Copy one layer of the planned pages (and of the codebooks they open) out of ``blobs``, on
+        the current stream."""
+        if not plan.new_pages:
+            return
+        pool, pb = self.packed, self.layout.page_bytes
+        device = pool.pages.device
+        rows = torch.tensor(plan.rows, device=blobs.device)
+        pool.pages[layer, torch.tensor(plan.new_pages, device=device)] = \
+            blobs[rows, layer * pb : (layer + 1) * pb].to(device)
+        if plan.new_slots and self.layout.codebook_bytes:
+            cb = self.layout.codebook_bytes
+            start = self._pages_part + _TRAILER.size + layer * cb
+            books = blobs[torch.tensor(plan.slot_rows, device=blobs.device), start : start + cb].to(device)
+            pool.codebooks[layer, torch.tensor(plan.new_slots, device=device)] = books
+
+    def finish_install(self, plan: InstallPlan) -> None:
+        for page in plan.new_pages:
+            self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
+
+    def set_layer_events(self, events: Sequence | None) -> None:
+        """CUDA events, one per layer, recorded after a restore's copies of that layer: kernels that
+        read layer i first make the current stream wait for event i (no host synchronisation)."""
+        self._layer_events = list(events) if events else None
+
+    def wait_layer(self, layer: int) -> None:
+        events = self._layer_events
+        if events is not None:
+            torch.cuda.current_stream(self.packed.pages.device).wait_event(events[layer])
 
     # -- lifetime ---------------------------------------------------------------------------
     def fork(self, request_id: int) -> int:

@@ -354,3 +354,83 @@ def test_file_tier_stores_dense_pages_as_alignpred(tmp_path):
     tiered.close()
     with pytest.raises(UnsupportedLayout, match="dense float pages"):
         AlignPredFormat("alignpred:error=1x", filled("qvg").layout)
+
+
+def test_copy_2d_rows_at_their_pitches():
+    from kvbackend.tiers.copy2d import copy_2d
+
+    src = torch.arange(1000, dtype=torch.int64).remainder(251).to(torch.uint8)
+    dst = torch.zeros(900, dtype=torch.uint8)
+    copy_2d(dst, 5, 97, src, 11, 123, 40, 7)  # 7 rows of 40 bytes
+    for r in range(7):
+        assert torch.equal(dst[5 + r * 97 : 45 + r * 97], src[11 + r * 123 : 51 + r * 123])
+    assert int(dst[:5].sum()) == 0 and int(dst[45:102].sum()) == 0  # nothing between the rows
+    with pytest.raises(AssertionError, match="outside"):
+        copy_2d(dst, 0, 200, src, 0, 123, 40, 7)
+
+
+@pytest.mark.parametrize("codec", ["qvg", "rtn:bits=2,group=16"])
+def test_layered_restore_from_host_is_bit_identical(codec):
+    """Host -> device restore range by range (trailers, then each layer) over slots that are not all
+    adjacent: the installed pages equal the exported ones, byte for byte."""
+    from kvbackend.tiers.host import LayeredRead
+
+    cache = filled(codec)
+    host = HostTier(10**6, cache.blob_bytes)
+    host.put([999], [torch.zeros(cache.blob_bytes, dtype=torch.uint8)]).wait()  # takes slot 0
+    tiered = TieredCache(cache, host, None, background=False)
+    tokens = list(range(70))
+    rid = fill(tiered, tokens)
+    before = [cache.export_page(p) for p in cache.page_table(rid).packed]
+    reads = [tiered.read(rid, layer) for layer in range(2)]
+    tiered.free(rid)
+    keys = cache.prefix_keys(tokens)
+    host.put(keys[2:], [before[2], before[3]]).wait()  # slots 1, 2
+    host.put([998], [torch.zeros(cache.blob_bytes, dtype=torch.uint8)]).wait()  # slot 3: a gap
+    host.put(keys[:2], [before[0], before[1]]).wait()  # slots 4, 5: two runs of rows and slots
+    for page, _ in cache.evictable_pages():
+        cache.drop_cached(page)
+    calls = []
+    original = LayeredRead.copy_range
+    LayeredRead.copy_range = lambda self, off, width: (calls.append((off, width)), original(self, off, width))[1]
+    try:
+        report = tiered.restore(tokens)
+    finally:
+        LayeredRead.copy_range = original
+    assert report.restored_from_host == 4 and report.failed == 0
+    pb = cache.layout.page_bytes
+    assert [c[0] for c in calls] == [2 * pb, 0, pb]  # trailers and codebooks first, then layer 0, layer 1
+    rid2, hit = tiered.add_request(tokens)
+    assert hit == 64
+    after = [cache.export_page(p) for p in cache.page_table(rid2).packed]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    for layer in range(2):
+        k, v = tiered.read(rid2, layer)
+        assert torch.equal(k, reads[layer][0][:64]) and torch.equal(v, reads[layer][1][:64])
+    host.check()
+    assert host.stats().blobs == 6
+    tiered.close()
+
+
+def test_layered_read_refuses_multi_slot_blobs():
+    host = HostTier(10**5, 1000)
+    host.put([1], [blob_for(1, 2500)]).wait()  # three slots
+    assert host.read_layered([1], torch.empty(1, 3000, dtype=torch.uint8), [0]) is None
+    host.check()
+
+
+def test_host_batches_keep_results_in_order():
+    """put/get of more blobs than one batch: one handle, one result per key, in order."""
+    from kvbackend.tiers.host import BATCH
+
+    host = HostTier(10**6, 4096)
+    n = 2 * BATCH + 5
+    keys = list(range(100, 100 + n))
+    blobs = [blob_for(k, 2000) for k in keys]
+    assert host.put(keys[:3], blobs[:3]).result() == [True] * 3
+    assert host.put(keys, blobs).result() == [True] * n  # the first three were held already
+    outs = [torch.empty(2100, dtype=torch.uint8) for _ in keys]
+    handle = host.get(keys + [7], outs + [torch.empty(2100, dtype=torch.uint8)])
+    assert handle.result() == [True] * n + [False] and handle.done()
+    assert all(torch.equal(o[: b.numel()], b) for o, b in zip(outs, blobs))
+    host.check()

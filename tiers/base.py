@@ -47,6 +47,11 @@ class Handle:
     def finished(results: list[bool]) -> "Handle":
         return Handle(results=results)
 
+    @staticmethod
+    def combine(parts: list["Handle"]) -> "Handle":
+        """One handle over consecutive parts of one call (results concatenated in order)."""
+        return parts[0] if len(parts) == 1 else _Combined(parts)
+
     def done(self) -> bool:
         if self._future is not None and not self._future.done():
             return False
@@ -75,6 +80,25 @@ class Handle:
             return self._future.result(timeout=timeout)
         self.wait(timeout)
         return list(self._results or [])
+
+
+class _Combined(Handle):
+    def __init__(self, parts: list[Handle]) -> None:
+        super().__init__(events=[e for p in parts for e in p.events])
+        self._parts = parts
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._parts)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return all([p.wait(timeout) for p in self._parts])
+
+    def cancel(self) -> None:
+        for p in self._parts:
+            p.cancel()
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        return [r for p in self._parts for r in p.result(timeout)]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import nullcontext as _nullcontext
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,7 +133,16 @@ class TieredCache:
         ok = [s == "device" for s in sources]
         host_idx = [i for i, s in enumerate(sources) if s == "host"]
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
-        if host_idx:
+        part = self.cache.layout.page_bytes * self.cache.geometry.num_layers
+        layered = self.host.read_layered([rest[i] for i in host_idx], staged, host_idx) if host_idx else None
+        if layered is not None:  # trailers and codebooks first; the layers follow the install plan
+            for i, g in zip(host_idx, layered.results):
+                ok[i] = g
+            layered.copy_range(part, size - part)
+            tail = torch.cuda.Event() if layered.stream is not None else None
+            if tail is not None:
+                tail.record(layered.stream)
+        elif host_idx:
             got = self.host.get([rest[i] for i in host_idx], [staged[i] for i in host_idx]).result()
             for i, g in zip(host_idx, got):
                 ok[i] = g
@@ -149,9 +159,31 @@ class TieredCache:
         usable = next((i for i, g in enumerate(ok) if not g), len(ok))  # a prefix stops at the first hole
         if cancel is not None and cancel.is_set():
             usable = 0
+        if layered is not None and layered.stream is not None:
+            torch.cuda.current_stream().wait_event(tail)  # the trailers are read on the host next
         with self.lock:
-            installed = self.cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device,
-                                                 resident=[s == "device" for s in sources[:usable]])
+            cache = self.cache
+            resident = [s == "device" for s in sources[:usable]]
+            plan = cache.plan_install(rest[:usable], token_ids, cache.read_trailers(staged, usable, resident), on_device)
+            if layered is None:
+                for layer in range(cache.geometry.num_layers):
+                    cache.copy_install_layer(plan, staged, layer)
+            else:  # layer by layer on the copy stream: attention of layer i waits for layer i only
+                events = []
+                stream = layered.stream
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream())  # rows that came from the file tier
+                with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                    for layer in range(cache.geometry.num_layers):
+                        layered.copy_range(layer * cache.layout.page_bytes, cache.layout.page_bytes)
+                        cache.copy_install_layer(plan, staged, layer)
+                        if stream is not None:
+                            events.append(torch.cuda.Event())
+                            events[-1].record(stream)
+                layered.close()
+                cache.set_layer_events(events or None)
+            cache.finish_install(plan)
+            installed = plan.installed
         from_host = sum(1 for s in sources[:installed] if s == "host")
         from_file = sum(1 for s in sources[:installed] if s == "file")
         return RestoreReport(on_device, from_host, from_file, len(rest) - installed)
