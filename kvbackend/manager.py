@@ -47,6 +47,17 @@ class InstallPlan:
     new_pages: list[int] = field(default_factory=list)  # device pages that receive those rows
     slot_rows: list[int] = field(default_factory=list)  # blob row carrying each newly opened codebook
     new_slots: list[int] = field(default_factory=list)  # codebook slots opened
+    _index: dict = field(default_factory=dict, repr=False)  # device index tensors, made once per plan
+
+    def index(self, blobs_device: torch.device, pool_device: torch.device) -> dict[str, torch.Tensor]:
+        """The plan's lists as index tensors. Made on first use, on the current stream: make them
+        before enqueueing per-layer copies on another stream (a pageable upload waits for its stream)."""
+        if not self._index:
+            self._index = {"rows": torch.tensor(self.rows, device=blobs_device),
+                           "pages": torch.tensor(self.new_pages, device=pool_device),
+                           "slot_rows": torch.tensor(self.slot_rows, device=blobs_device),
+                           "slots": torch.tensor(self.new_slots, device=pool_device)}
+        return self._index
 
 
 class KVCache:
@@ -394,14 +405,12 @@ class KVCache:
             return
         pool, pb = self.packed, self.layout.page_bytes
         device = pool.pages.device
-        rows = torch.tensor(plan.rows, device=blobs.device)
-        pool.pages[layer, torch.tensor(plan.new_pages, device=device)] = \
-            blobs[rows, layer * pb : (layer + 1) * pb].to(device)
+        idx = plan.index(blobs.device, device)
+        pool.pages[layer, idx["pages"]] = blobs[idx["rows"], layer * pb : (layer + 1) * pb].to(device)
         if plan.new_slots and self.layout.codebook_bytes:
             cb = self.layout.codebook_bytes
             start = self._pages_part + _TRAILER.size + layer * cb
-            books = blobs[torch.tensor(plan.slot_rows, device=blobs.device), start : start + cb].to(device)
-            pool.codebooks[layer, torch.tensor(plan.new_slots, device=device)] = books
+            pool.codebooks[layer, idx["slots"]] = blobs[idx["slot_rows"], start : start + cb].to(device)
 
     def finish_install(self, plan: InstallPlan) -> None:
         for page in plan.new_pages:

@@ -322,26 +322,29 @@ class LayeredRead:
         self.out = out
         self.results = results
         self.stream = tier._stream if out.is_cuda else None
-        self._work = work
-        self._runs: list[tuple[int, int, int]] = []  # (first row, first slot, count)
-        for row, entry in sorted(work, key=lambda w: w[0]):
-            slot = entry.slots[0]
-            if self._runs and self._runs[-1][0] + self._runs[-1][2] == row and self._runs[-1][1] + self._runs[-1][2] == slot:
-                first_row, first_slot, count = self._runs[-1]
-                self._runs[-1] = (first_row, first_slot, count + 1)
-            else:
-                self._runs.append((row, slot, 1))
+        self._work = sorted(work, key=lambda w: w[0])
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
             out.record_stream(self.stream)
 
     def copy_range(self, offset: int, width: int) -> None:
-        """Enqueue bytes [offset, offset + width) of every blob (clipped to a slot)."""
-        width = min(width, self.tier.slot_bytes - offset, self.out.shape[1] - offset)
-        pitch = self.out.shape[1]
-        for row, slot, count in self._runs:
-            copy_2d(self.out, row * pitch + offset, pitch, self.tier.buffer, slot * self.tier.slot_bytes + offset,
-                    self.tier.slot_bytes, width, count, self.stream)
+        """Enqueue bytes [offset, offset + width) of every blob, clipped to each blob's own length (a
+        page that carries no codebook moves no codebook bytes). Rows consecutive in the buffer and in
+        host slots, with one clipped width, move as one strided copy."""
+        pitch, slot_bytes = self.out.shape[1], self.tier.slot_bytes
+        run = None  # (first row, first slot, count, width)
+        for row, entry in self._work:
+            w = max(0, min(width, entry.nbytes - offset))
+            if run and run[0] + run[2] == row and run[1] + run[2] == entry.slots[0] and run[3] == w:
+                run = (run[0], run[1], run[2] + 1, w)
+                continue
+            if run and run[3]:
+                copy_2d(self.out, run[0] * pitch + offset, pitch, self.tier.buffer, run[1] * slot_bytes + offset,
+                        slot_bytes, run[3], run[2], self.stream)
+            run = (row, entry.slots[0], 1, w)
+        if run and run[3]:
+            copy_2d(self.out, run[0] * pitch + offset, pitch, self.tier.buffer, run[1] * slot_bytes + offset,
+                    slot_bytes, run[3], run[2], self.stream)
 
     def close(self) -> Handle:
         entries = [entry for _, entry in self._work]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import nullcontext as _nullcontext
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from .host import HostTier
 from .policy import OffloadPolicy
 
 log = logging.getLogger(__name__)
+MIN_ROW_BYTES = 64 * 1024  # a restore copies whole layers in rows of at least this many bytes per page
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class TieredCache:
         self._pending: list[Handle] = []  # writes in flight; guarded by _pending_lock
         self._pending_lock = threading.Lock()
         self.offloaded_pages = 0
+        self._install_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._worker = None
         if background:
             self._worker = threading.Thread(target=self._offload_loop, name="kvbackend-offload", daemon=True)
@@ -81,23 +82,19 @@ class TieredCache:
                 return 0
             keys = [key for _, key in victims]
             blobs = [self.cache.export_page(page) for page, _ in victims]
+            # Issue the writes before the device pages go, under the lock: a page is always either on
+            # the device or registered (WRITING or READY) below, so admission can wait for it.
+            first = self.host.put(keys, blobs) if self.host is not None else self.file.put(keys, blobs)
             for page, _ in victims:
                 self.cache.drop_cached(page)
-        self._store(keys, blobs)
+            self._track([first])
+        if self.host is not None and self.file is not None and self.policy.write_through_to_file:
+            first.wait()
+            self._track([self.file.put(keys, [b.cpu() if b.is_cuda else b for b in blobs])])
         self.offloaded_pages += len(victims)
         return len(victims)
 
-    def _store(self, keys: list[int], blobs: list[torch.Tensor]) -> None:
-        handles = []
-        if self.host is not None:
-            handle = self.host.put(keys, blobs)
-            if self.file is not None and self.policy.write_through_to_file:
-                handle.wait()
-                handles.append(self.file.put(keys, [b.cpu() if b.is_cuda else b for b in blobs]))
-            else:
-                handles.append(handle)
-        elif self.file is not None:
-            handles.append(self.file.put(keys, blobs))
+    def _track(self, handles: list[Handle]) -> None:
         with self._pending_lock:
             self._pending = [h for h in self._pending if not h.done()] + handles
 
@@ -135,13 +132,18 @@ class TieredCache:
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
         part = self.cache.layout.page_bytes * self.cache.geometry.num_layers
         layered = self.host.read_layered([rest[i] for i in host_idx], staged, host_idx) if host_idx else None
-        if layered is not None:  # trailers and codebooks first; the layers follow the install plan
+        arrived = []  # per layer, on CUDA: the event after which that layer's host bytes are in `staged`
+        if layered is not None:  # trailers and codebooks first, then the layers, all enqueued now
             for i, g in zip(host_idx, layered.results):
                 ok[i] = g
+            pb = self.cache.layout.page_bytes
             layered.copy_range(part, size - part)
-            tail = torch.cuda.Event() if layered.stream is not None else None
-            if tail is not None:
-                tail.record(layered.stream)
+            tail = self._record(layered.stream)
+            span = -(-MIN_ROW_BYTES // pb)  # layers per copy: strided rows below ~64 KiB lose DMA bandwidth
+            for first in range(0, self.cache.geometry.num_layers, span):
+                count = min(span, self.cache.geometry.num_layers - first)
+                layered.copy_range(first * pb, count * pb)
+                arrived += [self._record(layered.stream)] * count
         elif host_idx:
             got = self.host.get([rest[i] for i in host_idx], [staged[i] for i in host_idx]).result()
             for i, g in zip(host_idx, got):
@@ -165,28 +167,37 @@ class TieredCache:
             cache = self.cache
             resident = [s == "device" for s in sources[:usable]]
             plan = cache.plan_install(rest[:usable], token_ids, cache.read_trailers(staged, usable, resident), on_device)
-            if layered is None:
+            if layered is None or layered.stream is None:
                 for layer in range(cache.geometry.num_layers):
                     cache.copy_install_layer(plan, staged, layer)
-            else:  # layer by layer on the copy stream: attention of layer i waits for layer i only
+            else:  # each layer installed once it arrived; attention of layer i waits for layer i only
+                index = plan.index(staged.device, cache.packed.pages.device)
+                stream = self._install_stream
+                stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
+                for t in (staged, *index.values()):
+                    t.record_stream(stream)
                 events = []
-                stream = layered.stream
-                if stream is not None:
-                    stream.wait_stream(torch.cuda.current_stream())  # rows that came from the file tier
-                with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                with torch.cuda.stream(stream):
                     for layer in range(cache.geometry.num_layers):
-                        layered.copy_range(layer * cache.layout.page_bytes, cache.layout.page_bytes)
+                        stream.wait_event(arrived[layer])
                         cache.copy_install_layer(plan, staged, layer)
-                        if stream is not None:
-                            events.append(torch.cuda.Event())
-                            events[-1].record(stream)
+                        events.append(self._record(stream))
+                cache.set_layer_events(events)
+            if layered is not None:
                 layered.close()
-                cache.set_layer_events(events or None)
             cache.finish_install(plan)
             installed = plan.installed
         from_host = sum(1 for s in sources[:installed] if s == "host")
         from_file = sum(1 for s in sources[:installed] if s == "file")
         return RestoreReport(on_device, from_host, from_file, len(rest) - installed)
+
+    @staticmethod
+    def _record(stream):
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def prefetch(self, token_ids: Sequence[int]) -> "Prefetch":
         """Start restoring a prompt's prefix in the background."""
@@ -195,8 +206,14 @@ class TieredCache:
 
     def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
         """Restore what lower tiers hold of the prefix, then admit: (request id, cached prefix tokens)."""
-        self.restore(token_ids)
-        with self.lock:
+        self.restore(token_ids)  # file reads and copies without holding the lock
+        with self.lock:  # the offload worker may have moved restored pages down meanwhile: check again
+            keys = self.cache.prefix_keys(token_ids)
+            if self.cache.device_prefix(keys) < len(keys):
+                self.restore(token_ids)  # under the lock, so admission sees what this restore installed
+                if self.cache.device_prefix(keys) < len(keys) and self._pending:
+                    self.flush()  # pages still on their way down are readable below once written
+                    self.restore(token_ids)
             return self.cache.add_request(token_ids)
 
     # -- pass-through -------------------------------------------------------------------------
