@@ -259,10 +259,31 @@ def test_prefetch_and_cancel(tmp_path):
     assert report.restored_from_host == 4 and report.failed == 0
     tiered.offload(max_pages=100)
     tiered.flush()
-    handle = tiered.prefetch(tokens)
-    handle.cancel()
-    if handle.done() and not handle._future.cancelled():
-        assert handle.wait().restored_from_host in (0, 4)
+    keys = cache.prefix_keys(tokens)
+    gate = threading.Event()
+    tiered._pool.submit(gate.wait)  # the prefetch queues behind this
+    rid, _ = tiered.add_request(tokens[:5])
+    queued = tiered.prefetch(tokens, request_id=rid)
+    tiered.free(rid)  # freed before its prefetch ran: cancelled, nothing installed
+    gate.set()
+    assert queued.cancelled() and queued.wait(timeout=30) is None
+    assert cache.device_prefix(keys) == 0
+    started = threading.Event()
+    original = tiered.host.read_layered
+
+    def slow_read(*args):  # cancel while the restore is copying from the host
+        started.set()
+        time.sleep(0.2)
+        return original(*args)
+
+    tiered.host.read_layered = slow_read
+    rid, _ = tiered.add_request(tokens[:5])
+    running = tiered.prefetch(tokens, request_id=rid)
+    assert started.wait(timeout=30)
+    tiered.free(rid)
+    report = running.wait(timeout=30)
+    assert report is not None and report.restored_from_host == 0 and cache.device_prefix(keys) == 0
+    assert tiered.host.contains(keys) == 4  # the blobs stay below, ready for the next request
     tiered.close()
 
 

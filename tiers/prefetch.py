@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,7 @@ class TieredCache:
         self._stop = threading.Event()
         self._pending: list[Handle] = []  # writes in flight; guarded by _pending_lock
         self._pending_lock = threading.Lock()
+        self._prefetches: dict[int, list[Prefetch]] = {}  # request id -> its prefetches; under _pending_lock
         self.offloaded_pages = 0
         self._install_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._worker = None
@@ -199,10 +200,15 @@ class TieredCache:
         event.record(stream)
         return event
 
-    def prefetch(self, token_ids: Sequence[int]) -> "Prefetch":
-        """Start restoring a prompt's prefix in the background."""
+    def prefetch(self, token_ids: Sequence[int], request_id: int | None = None) -> "Prefetch":
+        """Start restoring a prompt's prefix in the background. With ``request_id``, freeing that
+        request cancels the prefetch if it has not finished (nothing it fetched is installed)."""
         cancel = threading.Event()
-        return Prefetch(self._pool.submit(self.restore, list(token_ids), cancel), cancel)
+        handle = Prefetch(self._pool.submit(self.restore, list(token_ids), cancel), cancel)
+        if request_id is not None:
+            with self._pending_lock:
+                self._prefetches.setdefault(request_id, []).append(handle)
+        return handle
 
     def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
         """Restore what lower tiers hold of the prefix, then admit: (request id, cached prefix tokens)."""
@@ -228,6 +234,10 @@ class TieredCache:
             return self.cache.read(request_id, layer)
 
     def free(self, request_id: int) -> None:
+        with self._pending_lock:
+            prefetches = self._prefetches.pop(request_id, [])
+        for handle in prefetches:
+            handle.cancel()
         with self.lock:
             self.cache.free(request_id)
 
@@ -250,8 +260,15 @@ class Prefetch:
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self, timeout: float | None = None) -> RestoreReport:
-        return self._future.result(timeout=timeout)
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def wait(self, timeout: float | None = None) -> RestoreReport | None:
+        """The restore's report; None when it was cancelled before it ran."""
+        try:
+            return self._future.result(timeout=timeout)
+        except CancelledError:
+            return None
 
     def cancel(self) -> None:
         self._cancel.set()
