@@ -1,5 +1,5 @@
-"""`auto:bpv=B`: choose key and value widths per layer to fit a byte budget, calibrated on the
-prompt's own prefix.
+"""`auto:bpv=B` / `auto:kl=K`: choose key and value widths per layer, calibrated on the prompt's own
+prefix: the least error within a byte budget, or the fewest bytes within a next-token KL budget.
 
 For every layer and every (key bits, value bits) pair of the grid, the prefix is encoded with the
 base codec at those widths and attention of the prefix's last queries is compared with the exact one
@@ -8,11 +8,16 @@ of queries whose most-attended key changes. Starting from the
 narrowest widths everywhere, the planner repeatedly takes the one-step widening (keys or values of
 one layer) with the largest error reduction per stored byte, while the measured total stays within
 the budget. Deterministic for a given input. The plan is a list of per-layer codec specs.
+
+`auto:kl=K` walks the same greedy path without a byte limit and keeps the shortest prefix of it whose
+next-token KL, measured on the prefix itself (its first part cached through the plan, its last
+``calib`` tokens teacher-forced, against the exact cache), is within K (binary search on the path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,7 +32,9 @@ from .spec import build_spec, split_spec
 @dataclass(frozen=True)
 class AutoSpec:
     name: str
-    bpv: float = 3.0  # budget: bits per value over every stored byte
+    bpv: float = 0.0  # budget: bits per value over every stored byte (0: not set)
+    kl: float = 0.0  # or: budget of next-token KL on the prefix's own tail (0: not set)
+    calib: int = 256  # prefix tokens teacher-forced to measure the KL of a plan
     base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen
     widths: str = "2-3-4"  # candidate widths, dash-separated
     queries: int = 128  # last prefix queries scored per layer
@@ -41,8 +48,11 @@ def parse_auto(text: str) -> AutoSpec | None:
     if "base" in options:
         options["base"] = options["base"].replace(";", ",")  # a nested spec's commas are written as ';'
     spec = build_spec(AutoSpec, name, options)
-    if spec.bpv <= 0:
-        raise SpecError(f"auto: bpv={spec.bpv} must be positive")
+    if (spec.bpv > 0) == (spec.kl > 0) or spec.bpv < 0 or spec.kl < 0:
+        raise SpecError(f"auto: give exactly one positive budget, bpv=B (bits per value) or kl=K (next-token KL); "
+                        f"got {text!r}")
+    if spec.calib < 16:
+        raise SpecError(f"auto: calib={spec.calib} must be >= 16 tokens")
     return spec
 
 
@@ -51,6 +61,7 @@ class Plan:
     specs: list[str]  # one codec spec per layer
     bits_per_value: float  # measured from the stored bytes of the calibration prefix
     error: float  # summed relative attention-output error of the chosen widths
+    calib_kl: float | None = None  # for kl=K: the KL measured on the prefix's tail for this plan
 
 
 def _attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> float:
@@ -73,17 +84,13 @@ def _attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torc
     return float((approx - exact).norm() / exact.norm()) + float((approx_top != exact_top).float().mean())
 
 
-def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
-                geometry: Geometry, page_size: int, chunk_tokens: int, rotary: Rotary | None) -> Plan:
-    """Choose per-layer widths. ``queries[l]`` [Hq, T, D], ``keys[l]``/``values[l]`` [T, H, D] of the prefix."""
-    widths = sorted(int(w) for w in spec.widths.split("-"))
+def _error_table(spec: AutoSpec, widths: list[int], queries, keys, values, geometry: Geometry, page_size: int,
+                 chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, int, int], tuple[float, int]]:
     base_name = codecs.parse(spec.base).name
     if base_name != "kivi":
         raise SpecError(f"auto: base must be a kivi spec (kbits/vbits are chosen), got {spec.base!r}")
-    layers = len(keys)
-    values_total = sum(k.shape[0] for k in keys) * geometry.values_per_token
     table: dict[tuple[int, int, int], tuple[float, int]] = {}  # (layer, kb, vb) -> (error, bytes)
-    for layer in range(layers):
+    for layer in range(len(keys)):
         n = min(spec.queries, keys[layer].shape[0])
         q = queries[layer][:, keys[layer].shape[0] - n : keys[layer].shape[0]]
         for kb in widths:
@@ -92,12 +99,14 @@ def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Te
                 rec = reconstruct_sequence(codec, keys[layer], values[layer], geometry, page_size, chunk_tokens,
                                            rotary, queries[layer])
                 table[layer, kb, vb] = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes)
+    return table
+
+
+def _greedy_path(table, widths: list[int], layers: int, budget: float) -> list[tuple[list[tuple[int, int]], int]]:
+    """Every state of the greedy widening (narrowest first), with its stored bytes."""
     state = [(widths[0], widths[0])] * layers
     used = sum(table[layer, kb, vb][1] for layer, (kb, vb) in enumerate(state))
-    budget = spec.bpv * values_total / 8
-    if used > budget:
-        raise SpecError(f"auto: bpv={spec.bpv} cannot be met; the narrowest widths of {spec.base!r} already "
-                        f"need {8.0 * used / values_total:.3f} bpv on this prefix")
+    path = [(list(state), used)]
     while True:
         best = None
         for layer, (kb, vb) in enumerate(state):
@@ -113,13 +122,55 @@ def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Te
                 if best is None or gain > best[0]:
                     best = (gain, layer, (nkb, nvb), extra)
         if best is None:
-            break
+            return path
         _, layer, choice, extra = best
         state[layer] = choice
         used += extra
-    specs = [f"{spec.base},kbits={kb},vbits={vb}" for kb, vb in state]
-    error = sum(table[layer, kb, vb][0] for layer, (kb, vb) in enumerate(state))
-    return Plan(specs, 8.0 * used / values_total, error)
+        path.append((list(state), used))
+
+
+def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+                geometry: Geometry, page_size: int, chunk_tokens: int, rotary: Rotary | None,
+                kl_of: Callable[[list[str]], float] | None = None) -> Plan:
+    """Choose per-layer widths. ``queries[l]`` [Hq, T, D], ``keys[l]``/``values[l]`` [T, H, D] of the prefix.
+
+    ``kl_of(specs)`` measures a plan's next-token KL on the prefix's tail; ``auto:kl=K`` needs it.
+    """
+    if spec.kl > 0 and kl_of is None:
+        raise SpecError("auto: kl=K needs the model to measure KL on the prefix (run it through `kvbackend eval`)")
+    widths = sorted(int(w) for w in spec.widths.split("-"))
+    layers = len(keys)
+    values_total = sum(k.shape[0] for k in keys) * geometry.values_per_token
+    table = _error_table(spec, widths, queries, keys, values, geometry, page_size, chunk_tokens, rotary)
+    as_specs = lambda state: [f"{spec.base},kbits={kb},vbits={vb}" for kb, vb in state]  # noqa: E731
+    as_error = lambda state: sum(table[layer, kb, vb][0] for layer, (kb, vb) in enumerate(state))  # noqa: E731
+    if spec.bpv > 0:
+        budget = spec.bpv * values_total / 8
+        path = _greedy_path(table, widths, layers, budget)
+        state, used = path[-1]
+        if used > budget:
+            raise SpecError(f"auto: bpv={spec.bpv} cannot be met; the narrowest widths of {spec.base!r} already "
+                            f"need {8.0 * used / values_total:.3f} bpv on this prefix")
+        return Plan(as_specs(state), 8.0 * used / values_total, as_error(state))
+    path = _greedy_path(table, widths, layers, float("inf"))
+    measured: dict[int, float] = {}
+
+    def kl_at(i: int) -> float:
+        if i not in measured:
+            measured[i] = kl_of(as_specs(path[i][0]))
+        return measured[i]
+
+    lo, hi = 0, len(path) - 1  # find the first state within the budget (KL falls along the path)
+    if kl_at(hi) > spec.kl:
+        lo = hi  # even the widest plan misses the budget: keep the widest (the report says its KL)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if kl_at(mid) <= spec.kl:
+            hi = mid
+        else:
+            lo = mid + 1
+    state, used = path[lo]
+    return Plan(as_specs(state), 8.0 * used / values_total, as_error(state), kl_at(lo))
 
 
 def _next(widths: list[int], current: int) -> int | None:

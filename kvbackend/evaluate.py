@@ -52,6 +52,7 @@ class CodecResult:
     ppl: float
     ppl_ref: float
     plan: list[str] | None = None  # per-layer specs chosen by auto:..., else None
+    calib_kl: float | None = None  # auto:kl=K: the KL its plan reached on the prefix's own tail
 
 
 @dataclass
@@ -163,6 +164,32 @@ def _alignpred_result(spec: str, calibration,  exact: Capture, s: EvalSettings, 
                        ppl=ppl, ppl_ref=ppl_ref)
 
 
+def _prefix_kl(model, exact: Capture, ids: torch.Tensor, s: EvalSettings, calib: int, geometry: Geometry, rotary):
+    """``kl_of(per-layer specs)`` for `auto:kl=K`: the prefix's first part cached through the plan, its
+    last ``calib`` tokens teacher-forced, KL against the exact cache. Uses only the prefix."""
+    split = s.prefix - calib
+    if split < s.page_size:
+        raise ValueError(f"auto calib={calib} leaves {split} prefix tokens to cache; lower calib")
+    window = ids[:, split : s.prefix]
+    exact_k = [k[:, :split] for k in exact.k]
+    exact_v = [v[:, :split] for v in exact.v]
+    reference = _continuation_logits(model, exact_k, exact_v, window)
+
+    def kl_of(specs: list[str]) -> float:
+        ks, vs = [], []
+        for layer, spec in enumerate(specs):
+            k, v = exact.k[layer].transpose(0, 1)[:split], exact.v[layer].transpose(0, 1)[:split]
+            rec = reconstruct_sequence(codecs.get(spec), k, v, geometry, s.page_size, s.chunk_tokens, rotary,
+                                       exact.q[layer])
+            ks.append(rec.k.transpose(0, 1))
+            vs.append(rec.v.transpose(0, 1))
+        test = _continuation_logits(model, ks, vs, window)
+        log_ref, log_test = reference.log_softmax(-1), test.log_softmax(-1)
+        return float((log_ref.exp() * (log_ref - log_test)).sum(-1).mean())
+
+    return kl_of
+
+
 def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024):
     """Frozen AlignPred predictors fitted on the exact KV of another text's first ``tokens`` tokens."""
     from .alignpred import Calibration
@@ -205,12 +232,14 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
                 progress.advance(task, num_layers)
             continue
         auto = parse_auto(spec)
-        plan = None
+        plan = calib_kl = None
         if auto is not None:
-            plan = plan_widths(auto, [q[:, : s.prefix] for q in exact.q],
-                               [k.transpose(0, 1)[: s.prefix] for k in exact.k],
-                               [v.transpose(0, 1)[: s.prefix] for v in exact.v], geometry, s.page_size,
-                               s.chunk_tokens, rotary).specs
+            kl_of = _prefix_kl(model, exact, ids, s, auto.calib, geometry, rotary) if auto.kl > 0 else None
+            chosen = plan_widths(auto, [q[:, : s.prefix] for q in exact.q],
+                                 [k.transpose(0, 1)[: s.prefix] for k in exact.k],
+                                 [v.transpose(0, 1)[: s.prefix] for v in exact.v], geometry, s.page_size,
+                                 s.chunk_tokens, rotary, kl_of)
+            plan, calib_kl = chosen.specs, chosen.calib_kl
         layer_codecs = [codecs.get(p) for p in plan] if plan else [codecs.get(spec)] * num_layers
         codec = layer_codecs[0]
         err_k = err_v = norm_k = norm_v = 0.0
@@ -250,7 +279,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
             k_nrmse=math.sqrt(err_k / norm_k), v_nrmse=math.sqrt(err_v / norm_v),
             attn_out_err=math.sqrt(out_err / out_norm),
             top1_shift=shifts / (num_layers * exact.q[0].shape[0] * s.queries),
-            kl=kl, top1_agree=agree, ppl=ppl, ppl_ref=ppl_ref, plan=plan))
+            kl=kl, top1_agree=agree, ppl=ppl, ppl_ref=ppl_ref, plan=plan, calib_kl=calib_kl))
     return results
 
 
@@ -326,7 +355,8 @@ def run_eval_cli(args) -> int:
     console.print(table)
     for r in results:
         if r.plan:
-            console.print(f"{r.spec}: per-layer plan (measured {r.bpv:.3f} bpv): " + "; ".join(
+            calib = f", KL {r.calib_kl:.4f} on the prefix's tail" if r.calib_kl is not None else ""
+            console.print(f"{r.spec}: per-layer plan (measured {r.bpv:.3f} bpv{calib}): " + "; ".join(
                 f"L{i}:k{codecs.parse(p).key_bits}v{codecs.parse(p).value_bits}" for i, p in enumerate(r.plan)))
     meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
             "calibration": args.calibration if frozen else None}

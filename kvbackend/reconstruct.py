@@ -26,12 +26,20 @@ class Reconstruction:
 
 
 def reconstruct_layer(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, geometry: Geometry, page_size: int,
-                      chunk_tokens: int, state: CodecState | None = None) -> Reconstruction:
-    """Encode ``k, v [T, H, D]`` in chunks of ``chunk_tokens`` (warm-starting each from the last) and decode."""
+                      chunk_tokens: int, state: CodecState | None = None,
+                      queries: torch.Tensor | None = None) -> Reconstruction:
+    """Encode ``k, v [T, H, D]`` in chunks of ``chunk_tokens`` (warm-starting each from the last) and decode.
+
+    ``queries [Hq, >= T, D]`` (in the frame of ``k``) give query-aware codecs their statistics: each
+    chunk sees only the queries up to its own last token.
+    """
     layout = codec.layout(geometry, page_size)
     state = state if state is not None else CodecState()
     keys, values, stored = [], [], 0
     for start in range(0, k.shape[0], chunk_tokens):
+        if codec.uses_queries and queries is not None:
+            end = min(start + chunk_tokens, k.shape[0])
+            state.query_moment = query_second_moment(queries[:, :end], geometry.num_kv_heads)
         chunk = codec.encode(k[start : start + chunk_tokens], v[start : start + chunk_tokens], layout, state)
         kh, vh = codec.decode(chunk)
         keys.append(kh)
@@ -63,7 +71,13 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
             rest_k = rotary.derotate(rest_k.transpose(0, 1), positions).transpose(0, 1)
         if levers.vrot == "hadamard":
             rest_v = rest_v.float() @ hadamard(rest_v.shape[-1]).to(rest_v.device)
-        rec = reconstruct_layer(codec, rest_k.contiguous(), rest_v.contiguous(), geometry, page_size, chunk_tokens)
+        frame_queries = None
+        if codec.uses_queries and queries is not None:  # the queries of the same tokens, in the keys' frame
+            frame_queries = queries[:, sink : k.shape[0]]
+            if levers.prerope:  # approximate: q.k depends on relative rotation; de-rotated by own position
+                frame_queries = rotary.derotate(frame_queries, positions[: frame_queries.shape[1]])
+        rec = reconstruct_layer(codec, rest_k.contiguous(), rest_v.contiguous(), geometry, page_size, chunk_tokens,
+                                queries=frame_queries)
         kh, vh = rec.k, rec.v
         if levers.vrot == "hadamard":
             vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)

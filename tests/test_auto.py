@@ -1,4 +1,4 @@
-"""auto:bpv=B plans per-layer key/value widths within a byte budget, deterministically."""
+"""auto:bpv=B / auto:kl=K plan per-layer key/value widths within a byte or KL budget, deterministically."""
 
 import pytest
 import torch
@@ -46,9 +46,34 @@ def test_meets_the_budget_from_stored_bytes_and_is_deterministic():
 
 def test_bad_auto_specs():
     assert parse_auto("kivi:bits=2") is None
-    with pytest.raises(SpecError, match="bpv"):
+    with pytest.raises(SpecError, match="exactly one"):
         parse_auto("auto:bpv=0")
-    with pytest.raises(SpecError, match="valid options"):
-        parse_auto("auto:kl=0.01")
+    with pytest.raises(SpecError, match="exactly one"):
+        parse_auto("auto:bpv=3,kl=0.01")
+    assert parse_auto("auto:kl=0.01").kl == 0.01
+    with pytest.raises(SpecError, match="needs the model"):
+        plan("auto:kl=0.05,base=kivi:group=32")
     with pytest.raises(SpecError, match="kivi"):
         plan("auto:bpv=3,base=rtn:bits=2")
+
+
+def test_kl_budget_takes_the_shortest_path_prefix_within_budget():
+    """kl=K: the plan is the first state of the greedy path whose measured KL is within K; a stand-in
+    KL (decreasing with total width) makes the choice checkable."""
+    widths = lambda specs: sum(codecs.parse(s).key_bits + codecs.parse(s).value_bits for s in specs)  # noqa: E731
+    seen = []
+
+    def kl_of(specs):
+        seen.append(widths(specs))
+        return 1.0 / widths(specs)
+
+    base = "base=kivi:group=32;sink=4;prerope=true;vrot=hadamard"
+    spec = parse_auto(f"auto:kl=0.08,{base}")
+    p = plan_widths(spec, *capture(), GEOM, 32, 128, Rotary.default(64, 10000.0), kl_of)
+    assert p.calib_kl is not None and p.calib_kl <= 0.08
+    assert 1.0 / (widths(p.specs) - 1) > 0.08 or widths(p.specs) == min(seen)  # one step narrower would miss
+    assert len(seen) <= 12  # binary search, not a walk of the whole path
+    again = plan_widths(spec, *capture(), GEOM, 32, 128, Rotary.default(64, 10000.0), kl_of)
+    assert again.specs == p.specs  # deterministic
+    strict = plan_widths(parse_auto(f"auto:kl=0.0001,{base}"), *capture(), GEOM, 32, 128, Rotary.default(64, 10000.0), kl_of)
+    assert strict.calib_kl > 0.0001 and widths(strict.specs) == max(seen)  # unreachable: the widest plan

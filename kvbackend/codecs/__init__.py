@@ -11,6 +11,7 @@ from ..spec import build_spec, split_spec
 from .base import Codec, CodecState, EncodedChunk, check_kv
 from .floats import FloatCodec, FloatSpec
 from .kivi import KIVICodec, KIVISpec
+from .quantwm import QuantWMCodec, QuantWMSpec
 from .qvg import QVGCodec, QVGSpec
 from .rtn import RTNCodec, RTNSpec
 
@@ -32,6 +33,8 @@ _REGISTRY: dict[str, _Entry] = {
     "kivi": _Entry(KIVISpec, KIVICodec, {}, "keys per channel, values per token"),
     "qvg": _Entry(QVGSpec, QVGCodec, {"stages": 1, "group": 64}, "k-means smoothing + INT2 residual"),
     "qvg-pro": _Entry(QVGSpec, QVGCodec, {"stages": 4, "group": 16}, "4 residual stages, groups of 16"),
+    "quantwm": _Entry(QuantWMSpec, QuantWMCodec, {"stages": 1, "group": 64},
+                      "qvg + query-aware centroid choice (QSAC) + INT8 key correction along query directions (PSAC)"),
 }
 
 

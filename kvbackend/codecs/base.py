@@ -23,9 +23,13 @@ class CodecState:
 
     centroids: dict[str, torch.Tensor] = field(default_factory=dict)  # "k"/"v" -> [S, H, C, D] warm start
     iterations: list[int] = field(default_factory=list)  # k-means iterations run, per encode (diagnostics)
+    # per KV head, mean q q^T of the queries attention saw up to the chunk being encoded [H, D, D]
+    # (set by the caller; read by query-aware codecs such as quantwm; None = no statistics yet)
+    query_moment: torch.Tensor | None = None
 
     def clone(self) -> "CodecState":
-        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations))
+        moment = self.query_moment.clone() if self.query_moment is not None else None
+        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations), moment)
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Codec(ABC):
     """Base of every codec. Subclasses declare their fields and fill/read them."""
 
     name: ClassVar[str]
+
+    uses_queries: ClassVar[bool] = False  # reads CodecState.query_moment (set it per chunk, causally)
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec

@@ -1,0 +1,143 @@
+"""QuantWM: QVG with query-sensitivity-aware centroid choice (QSAC) and principal-subspace attention
+compensation (PSAC) of the keys.
+
+Query statistics come from ``CodecState.query_moment`` (per KV head, M = mean q q^T over the queries
+of its group that attention saw up to this chunk's last token; set by the caller). Without them the
+codec is QVG with an empty PSAC (cold start: uniform channel weights, no correction).
+
+- QSAC (keys): channel weights w = diag(M) (mean 1 per head). The top ``candidates`` centroids by
+  weighted distance are tried and the one minimising sum_g (sum_{c in g} w_c) * R_g^2, with R_g the
+  range of the residual in channel group g (the quantization step grows with it), is kept.
+- PSAC (keys): the top ``rank`` eigenvectors U_r of M are stored per chunk (bf16, codebook); each
+  token's key error E = K - K^ is projected, C = E U_r, and stored INT8 with one fp16 scale per
+  (token, head). A row is kept only if it lowers the query-weighted error e^T M e; dropped rows store
+  scale 0. Decoding adds C U_r^T. Values are coded as in QVG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import SpecError
+from ..geometry import Geometry
+from ..layout import PageLayout
+from ..quant import round_to
+from .base import CodecState, FieldSpecs, from_pages, to_pages
+from .groups import decode_token_groups, encode_token_groups
+from .kmeans import kmeans
+from .qvg import _INITS, QVGCodec, QVGSpec
+
+
+@dataclass(frozen=True)
+class QuantWMSpec(QVGSpec):
+    candidates: int = 4  # QSAC: centroids tried per key, by query-weighted distance
+    rank: int = 8  # PSAC rank r (0 = off; the `psac=` lever is the post-hoc, sequence-level variant)
+
+
+def channel_weights(moment: torch.Tensor) -> torch.Tensor:
+    """diag(M) per head, scaled to mean 1: [H, D]."""
+    w = torch.diagonal(moment, dim1=-2, dim2=-1).clamp_min(0)
+    return w / w.mean(-1, keepdim=True).clamp_min(1e-12)
+
+
+def qsac_assign(x: torch.Tensor, cents: torch.Tensor, weights: torch.Tensor, candidates: int, group: int) -> torch.Tensor:
+    """QSAC choice per point: x [H, T, D], cents [H, C, D], weights [H, D] -> index [H, T]."""
+    h, t, d = x.shape
+    m = min(candidates, cents.shape[1])
+    dist = ((x.unsqueeze(2) - cents.unsqueeze(1)) ** 2 * weights[:, None, None, :]).sum(-1)  # [H, T, C]
+    cand = dist.topk(m, dim=-1, largest=False).indices  # [H, T, M]
+    chosen = torch.gather(cents.unsqueeze(1).expand(h, t, -1, d), 2, cand.unsqueeze(-1).expand(-1, -1, -1, d))
+    residual = (x.unsqueeze(2) - chosen).reshape(h, t, m, d // group, group)
+    ranges = residual.amax(-1) - residual.amin(-1)  # [H, T, M, G]
+    group_w = weights.reshape(h, 1, 1, d // group, group).sum(-1)  # [H, 1, 1, G]
+    score = (group_w * ranges**2).sum(-1)  # [H, T, M]
+    return torch.gather(cand, 2, score.argmin(-1, keepdim=True)).squeeze(-1)
+
+
+def qsac_score(x: torch.Tensor, cents: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
+    """QSAC's objective of given assignments, per point [H, T] (for tests and diagnostics)."""
+    h, t, d = x.shape
+    chosen = torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, d))
+    r = (x - chosen).reshape(h, t, d // group, group)
+    return (weights.reshape(h, 1, d // group, group).sum(-1) * (r.amax(-1) - r.amin(-1)) ** 2).sum(-1)
+
+
+class QuantWMCodec(QVGCodec):
+    name: ClassVar[str] = "quantwm"
+    uses_queries: ClassVar[bool] = True
+
+    def validate(self, geometry: Geometry, page_size: int) -> None:
+        super().validate(geometry, page_size)
+        s = self.spec
+        if s.candidates < 1 or not 0 <= s.rank <= geometry.head_dim:
+            raise SpecError(f"quantwm: candidates={s.candidates} must be >= 1 and rank={s.rank} in 0..head_dim")
+
+    def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
+        page, book = super().fields(geometry, page_size)
+        r, h, d = self.spec.rank, geometry.num_kv_heads, geometry.head_dim
+        if r:
+            page += [("k_psac", torch.int8, (page_size, h, r)), ("k_psac_scale", torch.float16, (page_size, h))]
+            book += [("k_psac_basis", torch.bfloat16, (h, d, r))]
+        return page, book
+
+    def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        s = self.spec
+        moment = state.query_moment.to(k.device).float() if state.query_moment is not None else None
+        weights = channel_weights(moment) if moment is not None else None
+        generator = torch.Generator().manual_seed(s.seed)
+        for prefix, x in (("k", k), ("v", v)):
+            residual = x.transpose(0, 1).contiguous()  # [H, T, D]
+            warm = state.centroids.get(prefix)
+            stored, assigns = [], []
+            for stage in range(s.stages):
+                init = warm[stage] if warm is not None else _INITS[s.init](residual, s.centroids, generator)
+                result = kmeans(residual, init.to(residual.device), s.iters)
+                state.iterations.append(result.iterations)
+                cents = result.centroids.to(torch.bfloat16)
+                assign = result.assign
+                if prefix == "k" and weights is not None and s.candidates > 1:
+                    assign = qsac_assign(residual, cents.float(), weights, s.candidates, s.group)
+                residual = residual - torch.gather(cents.float(), 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
+                stored.append(cents)
+                assigns.append(assign)
+            state.centroids[prefix] = torch.stack(stored).float()
+            layout.codebook.view(codebook, f"{prefix}_centroids").copy_(torch.stack(stored))
+            assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
+            view = layout.page.view(pages, f"{prefix}_assign")
+            view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
+            encode_token_groups(residual.transpose(0, 1), layout, pages, prefix, s.bits, s.group, s.symmetric)
+        if s.rank and moment is not None:
+            self._encode_psac(k, layout, pages, codebook, moment)
+
+    def _encode_psac(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor) -> None:
+        r, p = self.spec.rank, layout.page_size
+        approx, _ = super()._decode(layout, pages, codebook)  # keys without the correction
+        _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
+        basis = vectors[:, :, -r:].to(torch.bfloat16)  # [H, D, r] as stored
+        u = basis.float()
+        error = (k - approx).transpose(0, 1)  # [H, T, D]
+        coeff = error @ u  # [H, T, r]
+        scale = round_to((coeff.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
+        codes = torch.round(coeff / scale.unsqueeze(-1)).clamp(-127, 127)
+        fix = (codes * scale.float().unsqueeze(-1)) @ u.transpose(1, 2)  # [H, T, D]
+        before = torch.einsum("htd,hde,hte->ht", error, moment, error)
+        after_e = error - fix
+        after = torch.einsum("htd,hde,hte->ht", after_e, moment, after_e)
+        keep = after < before  # rows that lower the query-weighted error
+        scale = torch.where(keep, scale.float(), torch.zeros_like(scale.float())).to(torch.float16)
+        codes = torch.where(keep.unsqueeze(-1), codes, torch.zeros_like(codes)).to(torch.int8)
+        layout.codebook.view(codebook, "k_psac_basis").copy_(basis)
+        layout.page.view(pages, "k_psac").copy_(to_pages(codes.transpose(0, 1), p))
+        layout.page.view(pages, "k_psac_scale").copy_(to_pages(scale.transpose(0, 1), p))
+
+    def _decode(self, layout: PageLayout, pages, codebook):
+        k, v = super()._decode(layout, pages, codebook)
+        if self.spec.rank:
+            codes = from_pages(layout.page.view(pages, "k_psac")).float()  # [T, H, r]
+            scale = from_pages(layout.page.view(pages, "k_psac_scale")).float()  # [T, H]
+            u = layout.codebook.view(codebook, "k_psac_basis").float()  # [H, D, r]
+            k = k + torch.einsum("thr,hdr->thd", codes * scale.unsqueeze(-1), u)
+        return k, v

@@ -1,0 +1,92 @@
+"""QuantWM: QSAC's choice under its own score, PSAC's correction, causal query statistics."""
+
+import pytest
+import torch
+
+from kvbackend import codecs
+from kvbackend.codecs.base import CodecState
+from kvbackend.codecs.quantwm import channel_weights, qsac_assign, qsac_score
+from kvbackend.geometry import Geometry
+from kvbackend.psac import query_second_moment
+from kvbackend.reconstruct import reconstruct_layer
+
+
+def _keys(t=128, h=2, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(1, h, d, generator=g))  # outlier channels
+    return torch.randn(t, h, d, generator=g) * scale
+
+
+def _queries(t=128, hq=4, d=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(hq, t, d, generator=g) * torch.linspace(0.1, 3.0, d)  # some channels matter more
+
+
+@pytest.mark.parametrize("group", [16, 64])
+def test_qsac_never_worse_than_nearest_under_its_score(group):
+    x = _keys().transpose(0, 1)  # [H, T, D]
+    cents = x[:, torch.randperm(x.shape[1])[:16]] + 0.1
+    weights = channel_weights(query_second_moment(_queries(), 2))
+    nearest = ((x.unsqueeze(2) - cents.unsqueeze(1)) ** 2).sum(-1).argmin(-1)
+    chosen = qsac_assign(x, cents, weights, 4, group)
+    ours, plain = qsac_score(x, cents, chosen, weights, group), qsac_score(x, cents, nearest, weights, group)
+    weighted_nearest = ((x.unsqueeze(2) - cents.unsqueeze(1)) ** 2 * weights[:, None, None]).sum(-1).argmin(-1)
+    # the weighted-nearest centroid is always among the candidates, so QSAC's pick scores no worse
+    assert bool((ours <= qsac_score(x, cents, weighted_nearest, weights, group) + 1e-4).all())
+    assert float(ours.mean()) < float(plain.mean())  # and it pays on average against plain nearest
+
+
+def test_psac_full_rank_reproduces_keys_to_int8_rounding():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get("quantwm:rank=64,candidates=1")
+    layout = codec.layout(geometry, 64)
+    k, v = _keys(), _keys(seed=3)
+    plain = codecs.get("quantwm:rank=0,candidates=1")
+    state = CodecState(query_moment=query_second_moment(_queries(), 2))
+    kh, _ = codec.decode(codec.encode(k, v, layout, state))
+    base, _ = plain.decode(plain.encode(k, v, plain.layout(geometry, 64), CodecState(query_moment=state.query_moment)))
+    err, base_err = (k - kh).norm(dim=-1), (k - base).norm(dim=-1)
+    # INT8 with one scale per (token, head): at most half a step of 127 per coefficient
+    assert bool((err <= base_err / 127 * 64**0.5 + 1e-3).all())
+    assert float(err.mean()) < 0.02 * float(base_err.mean())
+
+
+def test_psac_rows_only_kept_when_they_help_and_bytes_counted():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec, qvg = codecs.get("quantwm"), codecs.get("qvg")
+    k, v = _keys(), _keys(seed=3)
+    moment = query_second_moment(_queries(), 2)
+    chunk = codec.encode(k, v, codec.layout(geometry, 64), CodecState(query_moment=moment))
+    kh, _ = codec.decode(chunk)
+    plain = codecs.get("quantwm:rank=0").decode(
+        codecs.get("quantwm:rank=0").encode(k, v, codecs.get("quantwm:rank=0").layout(geometry, 64),
+                                            CodecState(query_moment=moment)))[0]
+    qerr = lambda e: torch.einsum("thd,hde,the->th", e, moment, e)  # noqa: E731
+    assert bool((qerr(k - kh) <= qerr(k - plain) * (1 + 1e-3) + 1e-4).all())  # never worse, row by row
+    assert float(qerr(k - kh).mean()) < 0.7 * float(qerr(k - plain).mean())
+    extra = chunk.nbytes - qvg.encode(k, v, qvg.layout(geometry, 64)).nbytes
+    assert extra == 128 * 2 * (8 + 2) + 2 * 64 * 8 * 2  # INT8 rows + fp16 scales + bf16 bases
+
+
+def test_query_statistics_are_causal():
+    """A chunk's encoding never depends on queries after its last token."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get("quantwm")
+    k, v = _keys(t=192), _keys(t=192, seed=3)
+    q = _queries(t=192)
+    later = q.clone()
+    later[:, 128:] = torch.randn_like(later[:, 128:]) * 5  # different future queries
+    a = reconstruct_layer(codec, k, v, geometry, 64, 128, queries=q)
+    b = reconstruct_layer(codec, k, v, geometry, 64, 128, queries=later)
+    assert torch.equal(a.k[:128], b.k[:128])  # the first chunk ended at token 128
+    assert not torch.equal(a.k[128:], b.k[128:])
+
+
+def test_cold_start_is_qvg():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v = _keys(), _keys(seed=3)
+    ours = codecs.get("quantwm")
+    qvg = codecs.get("qvg")
+    kh, vh = ours.decode(ours.encode(k, v, ours.layout(geometry, 64)))
+    qk, qv = qvg.decode(qvg.encode(k, v, qvg.layout(geometry, 64)))
+    assert torch.equal(kh, qk) and torch.equal(vh, qv)
