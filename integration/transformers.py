@@ -7,6 +7,11 @@ Each batch row is one kvbackend request. Keys and values go into the request's d
 completed chunks are encoded by the codec; attention reads the reconstruction of the packed
 chunks (decoded once per chunk and kept) followed by the active chunk as stored. The first
 ``sink`` tokens can stay exact, and keys can be stored before RoPE.
+
+Query-aware codecs (``quantwm``) also need the queries attention used. ``cache.attach(model)``
+installs an attention function that hands each layer's queries to the cache before attending; the
+layer then appends its new tokens together with their queries (so a chunk is encoded with the
+statistics of its own and earlier queries). Without it such a codec runs on cold statistics.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class KVBackendLayer(CacheLayerMixin):
         self._sink_v: torch.Tensor | None = None
         self._packed_k: list[torch.Tensor] = []  # per row: decoded packed pages [H, n, D] (RoPE applied)
         self._packed_v: list[torch.Tensor] = []
+        # new tokens waiting for their queries (attach()): (k as stored [B, H, T, D], v, first position)
+        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -62,6 +69,7 @@ class KVBackendLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.flush_pending()  # queries never came (attention ran without the attached function)
         opts, engine = self.owner.options, self.owner.engine
         t = key_states.shape[2]
         to_sink = min(max(opts.sink - self.length, 0), t)
@@ -70,12 +78,41 @@ class KVBackendLayer(CacheLayerMixin):
             self._sink_v = torch.cat([self._sink_v, value_states[:, :, :to_sink]], dim=2)
         k_new, v_new = key_states[:, :, to_sink:], value_states[:, :, to_sink:]
         first = self.length + to_sink - opts.sink  # position of k_new[0] among paged tokens
+        k_seen = k_new
         if opts.pre_rope and k_new.shape[2]:
             k_new = self.owner.rotary.derotate(k_new, self._positions(first, k_new.shape[2]))
+        if self.owner.wants_queries and k_new.shape[2]:  # append once attention hands over the queries
+            keys, values = self._gather()
+            self._pending = (k_new, v_new, first)
+            self.length += t
+            return torch.cat([keys, k_seen], dim=2), torch.cat([values, v_new], dim=2)
         for row, rid in enumerate(self.owner.request_ids):
             engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1))
         self.length += t
         return self._gather()
+
+    def observe_queries(self, query: torch.Tensor) -> None:
+        """Append the pending tokens with their queries ``[B, Hq, T, D]`` (post-RoPE, as attention saw
+        them; de-rotated like the keys when keys are stored before RoPE)."""
+        if self._pending is None:
+            return
+        k_new, v_new, first = self._pending
+        n = k_new.shape[2]
+        q = query[:, :, -n:]
+        if self.owner.options.pre_rope:  # approximate frame: each query de-rotated by its own position
+            q = self.owner.rotary.derotate(q, self._positions(first, n))
+        self._pending = None
+        for row, rid in enumerate(self.owner.request_ids):
+            self.owner.engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1),
+                                     queries=q[row].transpose(0, 1))
+
+    def flush_pending(self) -> None:
+        if self._pending is None:
+            return
+        k_new, v_new, _ = self._pending
+        self._pending = None
+        for row, rid in enumerate(self.owner.request_ids):
+            self.owner.engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1))
 
     def _positions(self, first: int, n: int) -> torch.Tensor:
         # Paged tokens sit after the sink, so their RoPE position is their index plus the sink length.
@@ -111,6 +148,7 @@ class KVBackendLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        self._pending = None
         self.length = 0
         self.is_initialized = False
         self._sink_k = self._sink_v = None
@@ -132,8 +170,37 @@ class KVBackendCache(Cache):
         self.rotary = rotary_from_config(text_config) if pre_rope else None
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
+        self.wants_queries = False  # set by attach() when the codec reads query statistics
         layers = [KVBackendLayer(self, i) for i in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
+
+    def attach(self, model) -> str:
+        """Route ``model``'s attention through a function that hands queries to this cache first
+        (needed by query-aware codecs such as ``quantwm``; harmless for others). Returns the name it
+        registered; ``detach(model)`` restores the previous implementation."""
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            layer = self.layers[module.layer_idx]
+            layer.observe_queries(query)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+        name = f"kvbackend_{id(self):x}"
+        AttentionInterface.register(name, attention)
+        self._previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(name)
+        from ..codecs import get as get_codec
+
+        self.wants_queries = get_codec(self.options.codec).uses_queries
+        return name
+
+    def detach(self, model) -> None:
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.flush_pending()
+        self.wants_queries = False
+        model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
 
     def _ensure_engine(self, key_states: torch.Tensor) -> None:
         if self.engine is not None:
@@ -153,6 +220,9 @@ class KVBackendCache(Cache):
         """Make batch row i a copy of old row ``rows[i]``: packed pages are shared, active chunks copied."""
         if self.engine is None:
             return
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.flush_pending()
         old = self.request_ids
         self.request_ids = [self.engine.fork(old[r]) for r in rows]
         for rid in old:
@@ -182,6 +252,9 @@ class KVBackendCache(Cache):
         ``exact`` (the same tokens as uncompressed tensors of the model's dtype)."""
         if self.engine is None:
             return {"stored": 0, "exact": 0, "packed": 0, "dense": 0, "sink": 0}
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.flush_pending()
         stats = self.engine.stats()
         g = self.engine.geometry
         sink = sum(layer.stored_bytes() for layer in self.layers)

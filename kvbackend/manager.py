@@ -124,8 +124,13 @@ class KVCache:
         self._table(request_id).token_ids.extend(int(t) for t in token_ids)
 
     # -- writing ----------------------------------------------------------------------------
-    def append(self, request_id: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, request_id: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+               queries: torch.Tensor | None = None) -> None:
         """Append ``[T, H, D]`` keys and values of one layer. Encodes a chunk once every layer filled it.
+
+        ``queries [T, Hq, D]`` (optional, same tokens, same frame as ``k``) feed query-aware codecs
+        (``quantwm``): a chunk is encoded with the second moment of the queries of its own and
+        earlier tokens only.
 
         Raises:
             UnknownRequest, InvalidKV, CacheFull (nothing is written when it is raised).
@@ -134,6 +139,12 @@ class KVCache:
         if not 0 <= layer < self.geometry.num_layers:
             raise InvalidKV(f"layer {layer} out of range 0..{self.geometry.num_layers - 1}")
         check_kv(k, v, self.geometry)
+        if queries is not None:
+            g = self.geometry
+            if (queries.dim() != 3 or queries.shape[0] != k.shape[0] or queries.shape[2] != g.head_dim
+                    or queries.shape[1] % g.num_kv_heads):
+                raise InvalidKV(f"queries must be [{k.shape[0]}, Hq, {g.head_dim}] with Hq a multiple of "
+                                f"{g.num_kv_heads}, got {tuple(queries.shape)}")
         if k.device != self.dense.data.device:
             raise InvalidKV(f"k/v on {k.device}, cache on {self.dense.data.device}")
         if self.config.check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
@@ -157,6 +168,15 @@ class KVCache:
             self.dense.data[layer, page, 0, offset : offset + m] = k[written : written + m]
             self.dense.data[layer, page, 1, offset : offset + m] = v[written : written + m]
             written += m
+        if queries is not None and self.codec.uses_queries:
+            chunk_tokens = self.config.chunk_tokens
+            base = table.lengths[layer]  # position of this call's first token
+            offset = 0  # split at chunk boundaries
+            while offset < n:
+                chunk = (base + offset) // chunk_tokens
+                stop = min(n, (chunk + 1) * chunk_tokens - base)
+                table.states[layer].add_queries(chunk, queries[offset:stop], self.geometry.num_kv_heads)
+                offset = stop
         table.lengths[layer] += n
         for _ in range(completes):
             self._complete_chunk(table)
@@ -182,7 +202,9 @@ class KVCache:
         new_pages = self.packed.allocator.allocate(cfg.chunk_pages)
         (slot,) = self.packed.slots.allocate(1)
         page_ids = torch.tensor(new_pages, dtype=torch.int32, device=self.dense.data.device)
+        chunk_index = table.num_packed_tokens // cfg.chunk_tokens
         for layer in range(self.geometry.num_layers):
+            table.states[layer].close_chunk(chunk_index)
             kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
             k = kv[:, 0].reshape(-1, *kv.shape[-2:])
             v = kv[:, 1].reshape(-1, *kv.shape[-2:])

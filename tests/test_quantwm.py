@@ -90,3 +90,59 @@ def test_cold_start_is_qvg():
     kh, vh = ours.decode(ours.encode(k, v, ours.layout(geometry, 64)))
     qk, qv = qvg.decode(qvg.encode(k, v, qvg.layout(geometry, 64)))
     assert torch.equal(kh, qk) and torch.equal(vh, qv)
+
+
+def test_paged_cache_moments_are_causal_per_chunk():
+    """KVCache.append(queries=...): a chunk is encoded with the queries of its own and earlier tokens
+    only, even when one append runs past the chunk's end."""
+    from kvbackend import CacheConfig, KVCache
+
+    geometry = Geometry(2, 2, 64, torch.float32)
+    cache = KVCache(geometry, CacheConfig(codec="quantwm", page_size=16, chunk_pages=2, dense_pages=16,
+                                          packed_pages=16))
+    rid, _ = cache.add_request()
+    k, v, q = _keys(t=80), _keys(t=80, seed=3), _queries(t=80).transpose(0, 1)  # q: [T, Hq, D]
+    for layer in range(2):
+        cache.append(rid, layer, k, v, queries=q)  # 80 tokens: chunks of 32 complete twice
+    state = cache.page_table(rid).states[0]
+    expected = query_second_moment(q[:64].transpose(0, 1), 2)  # the second chunk ends at token 64
+    assert torch.allclose(state.query_moment, expected, rtol=1e-5, atol=1e-5)
+    assert set(state.query_parts) == {1, 2}  # tokens 64..79 wait for their own chunk
+    reference = codecs.get("quantwm")
+    st = CodecState(query_moment=query_second_moment(q[:32].transpose(0, 1), 2))
+    first = reference.encode(k[:32], v[:32], reference.layout(geometry, 16), st)
+    stored = cache.packed.pages[0, cache.page_table(rid).packed[:2]]
+    assert torch.equal(stored, first.pages)  # chunk 0 saw exactly the queries of tokens 0..31
+    from kvbackend.errors import InvalidKV
+
+    with pytest.raises(InvalidKV, match="queries"):
+        cache.append(rid, 0, k[:2], v[:2], queries=q[:3])
+
+
+def test_transformers_attach_feeds_queries():
+    pytest.importorskip("transformers")
+    from kvbackend.integration.transformers import KVBackendCache
+    from kvbackend.models import load_model
+
+    model, tok = load_model()
+    ids = tok(open("/usr/share/common-licenses/GPL-3").read(), return_tensors="pt").input_ids[:, :200]
+    cache = KVBackendCache(model.config, codec="quantwm", page_size=16, chunk_pages=4, max_tokens=256)
+    name = cache.attach(model)
+    assert model.config._attn_implementation == name and cache.wants_queries
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)  # one decode step: the prompt's last tokens land
+    engine = cache.engine
+    rid = cache.request_ids[0]
+    states = engine.page_table(rid).states
+    assert all(s.query_moment is not None for s in states)  # every layer's chunks saw queries
+    layout = engine.layout
+    packed = engine.page_table(rid).packed
+    scales = layout.page.view(engine.packed.pages[5, packed], "k_psac_scale")
+    assert float(scales.float().abs().sum()) > 0  # PSAC rows were kept
+    cache.detach(model)
+    assert model.config._attn_implementation != name
+    plain = KVBackendCache(model.config, codec="quantwm", page_size=16, chunk_pages=4, max_tokens=256)
+    with torch.no_grad():
+        model(ids, cache=plain)
+    assert all(s.query_moment is None for s in plain.engine.page_table(plain.request_ids[0]).states)

@@ -26,10 +26,31 @@ class CodecState:
     # per KV head, mean q q^T of the queries attention saw up to the chunk being encoded [H, D, D]
     # (set by the caller; read by query-aware codecs such as quantwm; None = no statistics yet)
     query_moment: torch.Tensor | None = None
+    # running sums behind query_moment in a paged cache: chunk index -> (sum of q q^T [H, D, D], count);
+    # chunks not yet encoded keep their own part, so a chunk never sees queries of later tokens
+    query_parts: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def clone(self) -> "CodecState":
         moment = self.query_moment.clone() if self.query_moment is not None else None
-        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations), moment)
+        parts = {c: (s.clone(), n) for c, (s, n) in self.query_parts.items()}
+        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations), moment, parts)
+
+    def add_queries(self, chunk: int, queries: torch.Tensor, kv_heads: int) -> None:
+        """Add queries [T, Hq, D] of tokens of chunk ``chunk`` (GQA groups pooled per KV head)."""
+        t, hq, d = queries.shape
+        q = queries.float().transpose(0, 1).reshape(kv_heads, (hq // kv_heads) * t, d)
+        total, count = self.query_parts.get(chunk, (torch.zeros(kv_heads, d, d, device=q.device), 0))
+        self.query_parts[chunk] = (total + q.transpose(1, 2) @ q, count + q.shape[1])
+
+    def close_chunk(self, chunk: int) -> None:
+        """Set query_moment from the queries of chunks <= ``chunk`` and fold them into one part."""
+        done = [c for c in self.query_parts if c <= chunk]
+        if not done:
+            return
+        total = sum(self.query_parts[c][0] for c in done)
+        count = sum(self.query_parts.pop(c)[1] for c in done)
+        self.query_parts[chunk] = (total, count)
+        self.query_moment = total / max(count, 1)
 
 
 @dataclass
