@@ -52,6 +52,8 @@ def kernel_schemes(codec, layout: PageLayout) -> tuple[TensorScheme, TensorSchem
     """
     spec = codec.spec
     page, book = layout.page.fields, layout.codebook.fields
+    if "k_psac" in page:
+        raise UnsupportedLayout(f"no kernel adds PSAC corrections yet ({codec.spec_string!r}); the torch reference serves it")
     out = []
     for prefix in ("k", "v"):
         if prefix in page:  # identity / fp16 / bf16 / fp8: plain values
@@ -67,7 +69,7 @@ def kernel_schemes(codec, layout: PageLayout) -> tuple[TensorScheme, TensorSchem
         out.append(TensorScheme(
             mode=CHANNEL_GROUPS if channel else TOKEN_GROUPS,
             bits=getattr(spec, "key_bits" if prefix == "k" else "value_bits", spec.bits),
-            group=spec.group,
+            group=layout.page_size // scales.shape[0] if channel else layout.geometry.head_dim // scales.shape[-1],
             symmetric=zeros is None,
             kind=kind_of(scales.dtype),
             codes=page[f"{prefix}_codes"].offset,

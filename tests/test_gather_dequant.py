@@ -12,6 +12,7 @@ triton = pytest.importorskip("triton")
 CASES = [  # (codec, head_dim, page_size, lengths)
     ("qvg", 64, 16, [45, 70]),
     ("qvg-pro", 128, 16, [33]),
+    ("qvg:kchannel=8,group=32", 64, 16, [45, 30]),
     ("kivi:bits=2,group=16", 64, 16, [70, 5, 40]),
     ("kivi:bits=4,group=32", 128, 64, [150]),
     ("rtn:bits=4,group=32,symmetric=true,scale=fp8", 64, 64, [130, 20]),

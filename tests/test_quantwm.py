@@ -146,3 +146,23 @@ def test_transformers_attach_feeds_queries():
     with torch.no_grad():
         model(ids, cache=plain)
     assert all(s.query_moment is None for s in plain.engine.page_table(plain.request_ids[0]).states)
+
+
+def test_kernel_schemes_read_group_sizes_from_the_layout():
+    """Key residuals per channel (kchannel) are described to the kernels with their real token groups;
+    PSAC fields, which no kernel reads yet, send the cache to the torch reference."""
+    from kvbackend.errors import UnsupportedLayout
+    from kvbackend.scheme import CHANNEL_GROUPS, TOKEN_GROUPS, kernel_schemes
+
+    geometry = Geometry(2, 3, 64, torch.bfloat16)
+    codec = codecs.get("qvg:kchannel=16,group=32")
+    k, v = kernel_schemes(codec, codec.layout(geometry, 64))
+    assert (k.mode, k.group, v.mode, v.group) == (CHANNEL_GROUPS, 16, TOKEN_GROUPS, 32)
+    kivi = codecs.get("kivi:bits=2,group=32")
+    k, v = kernel_schemes(kivi, kivi.layout(geometry, 64))
+    assert (k.mode, k.group, v.mode, v.group) == (CHANNEL_GROUPS, 32, TOKEN_GROUPS, 32)
+    with pytest.raises(UnsupportedLayout, match="PSAC"):
+        quantwm = codecs.get("quantwm")
+        kernel_schemes(quantwm, quantwm.layout(geometry, 64))
+    ok = codecs.get("quantwm:rank=0,kchannel=32")
+    assert kernel_schemes(ok, ok.layout(geometry, 64))[0].group == 32

@@ -5,7 +5,8 @@ Query statistics come from ``CodecState.query_moment`` (per KV head, M = mean q 
 of its group that attention saw up to this chunk's last token; set by the caller). Without them the
 codec is QVG with an empty PSAC (cold start: uniform channel weights, no correction).
 
-- QSAC (keys): channel weights w = diag(M) (mean 1 per head). The top ``candidates`` centroids by
+- QSAC (keys; per-token residual groups only, since with ``kchannel`` a key's step depends on its
+  token group): channel weights w = diag(M) (mean 1 per head). The top ``candidates`` centroids by
   weighted distance are tried and the one minimising sum_g (sum_{c in g} w_c) * R_g^2, with R_g the
   range of the residual in channel group g (the quantization step grows with it), is kept.
 - PSAC (keys): the top ``rank`` eigenvectors U_r of M are stored per chunk (bf16, codebook); each
@@ -26,7 +27,6 @@ from ..geometry import Geometry
 from ..layout import PageLayout
 from ..quant import round_to
 from .base import CodecState, FieldSpecs, from_pages, to_pages
-from .groups import decode_token_groups, encode_token_groups
 from .kmeans import kmeans
 from .qvg import _INITS, QVGCodec, QVGSpec
 
@@ -98,7 +98,7 @@ class QuantWMCodec(QVGCodec):
                 state.iterations.append(result.iterations)
                 cents = result.centroids.to(torch.bfloat16)
                 assign = result.assign
-                if prefix == "k" and weights is not None and s.candidates > 1:
+                if prefix == "k" and weights is not None and s.candidates > 1 and not s.kchannel:
                     assign = qsac_assign(residual, cents.float(), weights, s.candidates, s.group)
                 residual = residual - torch.gather(cents.float(), 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
                 stored.append(cents)
@@ -108,7 +108,7 @@ class QuantWMCodec(QVGCodec):
             assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
             view = layout.page.view(pages, f"{prefix}_assign")
             view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
-            encode_token_groups(residual.transpose(0, 1), layout, pages, prefix, s.bits, s.group, s.symmetric)
+            self._quantize_residual(residual.transpose(0, 1), layout, pages, prefix)
         if s.rank and moment is not None:
             self._encode_psac(k, layout, pages, codebook, moment)
 

@@ -18,7 +18,8 @@ from ..geometry import Geometry
 from ..layout import PageLayout
 from ..quant import scale_dtype
 from .base import Codec, CodecState, FieldSpecs, from_pages, to_pages
-from .groups import decode_token_groups, encode_token_groups, token_group_fields
+from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
+                     encode_token_groups, token_group_fields)
 from .kmeans import kmeans, kmeanspp_init, random_init
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
@@ -37,6 +38,7 @@ class QVGSpec:
     scale: str = "fp8"  # storage dtype of residual scales and zeros
     seed: int = 0  # random initialisation of the first chunk's centroids
     init: str = "kmeans++"  # first chunk's seeding: "kmeans++" or "random" points
+    kchannel: int = 0  # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style)
 
 
 class QVGCodec(Codec):
@@ -51,6 +53,8 @@ class QVGCodec(Codec):
             raise SpecError(f"{s.name}: init={s.init!r}; valid: {', '.join(_INITS)}")
         if s.stages < 1 or s.iters < 0:
             raise SpecError(f"{s.name}: stages must be >= 1 and iters >= 0")
+        if s.kchannel and (s.kchannel < 0 or page_size % s.kchannel):
+            raise SpecError(f"{s.name}: kchannel={s.kchannel} tokens must divide page_size={page_size}")
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec
@@ -58,7 +62,10 @@ class QVGCodec(Codec):
         page: FieldSpecs = []
         book: FieldSpecs = []
         for prefix in ("k", "v"):
-            page += token_group_fields(prefix, page_size, h, d, s.bits, s.group, s.symmetric, scale_dtype(s.scale))
+            if prefix == "k" and s.kchannel:
+                page += channel_group_fields(prefix, page_size, h, d, s.bits, s.kchannel, scale_dtype(s.scale))
+            else:
+                page += token_group_fields(prefix, page_size, h, d, s.bits, s.group, s.symmetric, scale_dtype(s.scale))
             page.append((f"{prefix}_assign", torch.uint8, (s.stages, page_size, h)))
             book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
         return page, book
@@ -84,13 +91,26 @@ class QVGCodec(Codec):
             assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
             view = layout.page.view(pages, f"{prefix}_assign")  # [n, S, P, H]
             view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
-            encode_token_groups(residual.transpose(0, 1), layout, pages, prefix, s.bits, s.group, s.symmetric)
+            self._quantize_residual(residual.transpose(0, 1), layout, pages, prefix)
+
+    def _quantize_residual(self, x, layout: PageLayout, pages, prefix: str) -> None:
+        s = self.spec
+        if prefix == "k" and s.kchannel:
+            encode_channel_groups(x, layout, pages, prefix, s.bits, s.kchannel)
+        else:
+            encode_token_groups(x, layout, pages, prefix, s.bits, s.group, s.symmetric)
+
+    def _dequantize_residual(self, layout: PageLayout, pages, prefix: str):
+        s = self.spec
+        if prefix == "k" and s.kchannel:
+            return decode_channel_groups(layout, pages, prefix, s.bits, s.kchannel)
+        return decode_token_groups(layout, pages, prefix, s.bits, s.group)
 
     def _decode(self, layout: PageLayout, pages, codebook):
         s = self.spec
         out = []
         for prefix in ("k", "v"):
-            x = decode_token_groups(layout, pages, prefix, s.bits, s.group)  # [T, H, D]
+            x = self._dequantize_residual(layout, pages, prefix)  # [T, H, D]
             cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()  # [S, H, C, D]
             assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
             heads = torch.arange(x.shape[1], device=x.device)
