@@ -28,11 +28,11 @@ def token_group_fields(prefix: str, page_size: int, heads: int, dim: int, bits: 
 
 
 def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor, prefix: str,
-                        bits: int, group: int, symmetric: bool) -> None:
+                        bits: int, group: int, symmetric: bool, clip: bool = False) -> None:
     """Quantize float ``x [n*P, H, D]`` per token in channel groups, into ``pages``."""
     t, h, d = x.shape
     store = layout.page.fields[f"{prefix}_scales"].dtype
-    q = quantize(x.reshape(t, h, d // group, group), bits, symmetric, store)
+    q = quantize(x.reshape(t, h, d // group, group), bits, symmetric, store, clip)
     page = layout.page
     p = layout.page_size
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(q.codes.reshape(t, h, d), bits), p))
@@ -60,12 +60,12 @@ def channel_group_fields(prefix: str, page_size: int, heads: int, dim: int, bits
 
 
 def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor, prefix: str,
-                          bits: int, group: int) -> None:
+                          bits: int, group: int, clip: bool = False) -> None:
     """Quantize float ``x [n*P, H, D]`` per channel over groups of ``group`` tokens (asymmetric)."""
     t, h, d = x.shape
     store = layout.page.fields[f"{prefix}_scales"].dtype
     grouped = x.reshape(t // group, group, h, d).permute(0, 2, 3, 1)  # [tg, H, D, G]
-    q = quantize(grouped, bits, symmetric=False, store=store)
+    q = quantize(grouped, bits, symmetric=False, store=store, clip=clip)
     codes = q.codes.permute(0, 3, 1, 2).reshape(t, h, d)
     page = layout.page
     p = layout.page_size

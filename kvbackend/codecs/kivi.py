@@ -27,6 +27,8 @@ class KIVISpec:
     scale: str = "fp16"  # storage dtype of scales and minima
     kbits: int = 0  # key code width when it differs from `bits` (0: same)
     vbits: int = 0  # value code width when it differs from `bits` (0: same)
+    kclip: bool = False  # keys: MSE-optimal Gaussian step instead of min/max (same bytes; see quant.quantize)
+    vclip: bool = False  # values: the same for value groups
 
     @property
     def key_bits(self) -> int:
@@ -58,8 +60,8 @@ class KIVICodec(Codec):
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
         s = self.spec
-        encode_channel_groups(k, layout, pages, "k", s.key_bits, s.group)
-        encode_token_groups(v, layout, pages, "v", s.value_bits, s.group, symmetric=False)
+        encode_channel_groups(k, layout, pages, "k", s.key_bits, s.group, clip=s.kclip)
+        encode_token_groups(v, layout, pages, "v", s.value_bits, s.group, symmetric=False, clip=s.vclip)
 
     def _decode(self, layout: PageLayout, pages, codebook):
         s = self.spec
