@@ -192,3 +192,19 @@ def test_gaussian_clip_same_bytes_lower_error_on_gaussian_groups():
     spec = codecs.get("kivi:bits=2,group=32,kclip=true,vclip=true")
     geometry = Geometry(1, 2, 64, torch.float32)
     assert spec.layout(geometry, 64).page_bytes == codecs.get("kivi:bits=2,group=32").layout(geometry, 64).page_bytes
+
+
+def test_qvg_clip_same_bytes_lower_error():
+    import torch
+
+    geometry = Geometry(1, 2, 64, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(256, 2, 64, generator=g), torch.randn(256, 2, 64, generator=g)
+    errors = {}
+    for spec in ("qvg:kchannel=32", "qvg:kchannel=32,clip=true"):
+        codec = codecs.get(spec)
+        chunk = codec.encode(k, v, codec.layout(geometry, 64))
+        kh, vh = codec.decode(chunk)
+        errors[spec] = (chunk.nbytes, float((kh - k).norm() + (vh - v).norm()))
+    (plain_bytes, plain_err), (clip_bytes, clip_err) = errors.values()
+    assert plain_bytes == clip_bytes and clip_err < 0.95 * plain_err

@@ -39,6 +39,7 @@ class QVGSpec:
     seed: int = 0  # random initialisation of the first chunk's centroids
     init: str = "kmeans++"  # first chunk's seeding: "kmeans++" or "random" points
     kchannel: int = 0  # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style)
+    clip: bool = False  # residual steps: MSE-optimal Gaussian step instead of min/max (asymmetric only)
 
 
 class QVGCodec(Codec):
@@ -96,9 +97,9 @@ class QVGCodec(Codec):
     def _quantize_residual(self, x, layout: PageLayout, pages, prefix: str) -> None:
         s = self.spec
         if prefix == "k" and s.kchannel:
-            encode_channel_groups(x, layout, pages, prefix, s.bits, s.kchannel)
+            encode_channel_groups(x, layout, pages, prefix, s.bits, s.kchannel, clip=s.clip)
         else:
-            encode_token_groups(x, layout, pages, prefix, s.bits, s.group, s.symmetric)
+            encode_token_groups(x, layout, pages, prefix, s.bits, s.group, s.symmetric, clip=s.clip and not s.symmetric)
 
     def _dequantize_residual(self, layout: PageLayout, pages, prefix: str):
         s = self.spec
