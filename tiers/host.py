@@ -200,17 +200,10 @@ class HostTier:
         work, results = [], []
         with self._lock:
             for key, out in zip(keys, into):
-                entry = self._entries.get(key)
-                if entry is None or entry.state is SlotState.WRITING or out.numel() < entry.nbytes:
-                    self._misses += 1
-                    results.append(False)
-                    continue
-                self._hits += 1
-                entry.readers += 1
-                entry.state = SlotState.READING
-                self._entries.move_to_end(key)
-                work.append((key, out, entry))
-                results.append(True)
+                entry = self._begin_read(key, out.numel())
+                results.append(entry is not None)
+                if entry is not None:
+                    work.append((key, out, entry))
         if any(out.is_cuda for _, out, _ in work) and self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
@@ -250,18 +243,25 @@ class HostTier:
             if any(e is not None and len(e.slots) > 1 for e in entries):
                 return None
             work, results = [], []
-            for key, row, entry in zip(keys, rows, entries):
-                if entry is None or entry.state is SlotState.WRITING or out.shape[1] < entry.nbytes:
-                    self._misses += 1
-                    results.append(False)
-                    continue
-                self._hits += 1
-                entry.readers += 1
-                entry.state = SlotState.READING
-                self._entries.move_to_end(key)
-                work.append((row, entry))
-                results.append(True)
+            for key, row in zip(keys, rows):
+                entry = self._begin_read(key, out.shape[1])
+                results.append(entry is not None)
+                if entry is not None:
+                    work.append((row, entry))
         return LayeredRead(self, out, work, results)
+
+    def _begin_read(self, key: int, capacity: int) -> _Entry | None:
+        """Under the lock: the entry of ``key`` marked READING (a hit), or None (a miss: absent, still
+        being written, or larger than ``capacity`` bytes)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is SlotState.WRITING or capacity < entry.nbytes:
+            self._misses += 1
+            return None
+        self._hits += 1
+        entry.readers += 1
+        entry.state = SlotState.READING
+        self._entries.move_to_end(key)
+        return entry
 
     def _gather(self, out: torch.Tensor, entry: _Entry, non_blocking: bool = False) -> None:
         for i, slot in enumerate(entry.slots):
@@ -332,19 +332,17 @@ class LayeredRead:
         page that carries no codebook moves no codebook bytes). Rows consecutive in the buffer and in
         host slots, with one clipped width, move as one strided copy."""
         pitch, slot_bytes = self.out.shape[1], self.tier.slot_bytes
-        run = None  # (first row, first slot, count, width)
+        runs: list[list[int]] = []  # [first row, first slot, count, width]
         for row, entry in self._work:
             w = max(0, min(width, entry.nbytes - offset))
-            if run and run[0] + run[2] == row and run[1] + run[2] == entry.slots[0] and run[3] == w:
-                run = (run[0], run[1], run[2] + 1, w)
-                continue
-            if run and run[3]:
-                copy_2d(self.out, run[0] * pitch + offset, pitch, self.tier.buffer, run[1] * slot_bytes + offset,
-                        slot_bytes, run[3], run[2], self.stream)
-            run = (row, entry.slots[0], 1, w)
-        if run and run[3]:
-            copy_2d(self.out, run[0] * pitch + offset, pitch, self.tier.buffer, run[1] * slot_bytes + offset,
-                    slot_bytes, run[3], run[2], self.stream)
+            last = runs[-1] if runs else None
+            if last and last[0] + last[2] == row and last[1] + last[2] == entry.slots[0] and last[3] == w:
+                last[2] += 1
+            else:
+                runs.append([row, entry.slots[0], 1, w])
+        for row, slot, count, w in runs:
+            copy_2d(self.out, row * pitch + offset, pitch, self.tier.buffer, slot * slot_bytes + offset, slot_bytes,
+                    w, count, self.stream)  # copy_2d skips zero widths
 
     def close(self) -> Handle:
         entries = [entry for _, entry in self._work]

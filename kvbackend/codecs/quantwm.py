@@ -27,8 +27,7 @@ from ..geometry import Geometry
 from ..layout import PageLayout
 from ..quant import round_to
 from .base import CodecState, FieldSpecs, from_pages, to_pages
-from .kmeans import kmeans
-from .qvg import _INITS, QVGCodec, QVGSpec
+from .qvg import QVGCodec, QVGSpec
 
 
 @dataclass(frozen=True)
@@ -83,34 +82,17 @@ class QuantWMCodec(QVGCodec):
             book += [("k_psac_basis", torch.bfloat16, (h, d, r))]
         return page, book
 
-    def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+    def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
         s = self.spec
-        moment = state.query_moment.to(k.device).float() if state.query_moment is not None else None
-        weights = channel_weights(moment) if moment is not None else None
-        generator = torch.Generator().manual_seed(s.seed)
-        for prefix, x in (("k", k), ("v", v)):
-            residual = x.transpose(0, 1).contiguous()  # [H, T, D]
-            warm = state.centroids.get(prefix)
-            stored, assigns = [], []
-            for stage in range(s.stages):
-                init = warm[stage] if warm is not None else _INITS[s.init](residual, s.centroids, generator)
-                result = kmeans(residual, init.to(residual.device), s.iters)
-                state.iterations.append(result.iterations)
-                cents = result.centroids.to(torch.bfloat16)
-                assign = result.assign
-                if prefix == "k" and weights is not None and s.candidates > 1 and not s.kchannel:
-                    assign = qsac_assign(residual, cents.float(), weights, s.candidates, s.group)
-                residual = residual - torch.gather(cents.float(), 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
-                stored.append(cents)
-                assigns.append(assign)
-            state.centroids[prefix] = torch.stack(stored).float()
-            layout.codebook.view(codebook, f"{prefix}_centroids").copy_(torch.stack(stored))
-            assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
-            view = layout.page.view(pages, f"{prefix}_assign")
-            view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
-            self._quantize_residual(residual.transpose(0, 1), layout, pages, prefix)
-        if s.rank and moment is not None:
-            self._encode_psac(k, layout, pages, codebook, moment)
+        if prefix != "k" or state.query_moment is None or s.candidates < 2 or s.kchannel:
+            return nearest
+        weights = channel_weights(state.query_moment.to(residual.device).float())
+        return qsac_assign(residual, cents, weights, s.candidates, s.group)
+
+    def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        super()._encode(k, v, layout, pages, codebook, state)
+        if self.spec.rank and state.query_moment is not None:
+            self._encode_psac(k, layout, pages, codebook, state.query_moment.to(k.device).float())
 
     def _encode_psac(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor) -> None:
         r, p = self.spec.rank, layout.page_size

@@ -83,16 +83,21 @@ class QVGCodec(Codec):
                 result = kmeans(residual, init.to(residual.device), s.iters)
                 state.iterations.append(result.iterations)
                 cents = result.centroids.to(torch.bfloat16)
-                residual = residual - torch.gather(
-                    cents.float(), 1, result.assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
+                assign = self._assign(prefix, residual, cents.float(), result.assign, state)
+                residual = residual - torch.gather(cents.float(), 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
                 stored.append(cents)
-                assigns.append(result.assign)
+                assigns.append(assign)
             state.centroids[prefix] = torch.stack(stored).float()
             layout.codebook.view(codebook, f"{prefix}_centroids").copy_(torch.stack(stored))
             assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
             view = layout.page.view(pages, f"{prefix}_assign")  # [n, S, P, H]
             view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
             self._quantize_residual(residual.transpose(0, 1), layout, pages, prefix)
+
+    def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
+        """Centroid index per point of one stage: the k-means (nearest) assignment; subclasses may
+        choose otherwise (QuantWM's QSAC)."""
+        return nearest
 
     def _quantize_residual(self, x, layout: PageLayout, pages, prefix: str) -> None:
         s = self.spec
