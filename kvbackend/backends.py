@@ -51,6 +51,9 @@ class TritonBackend:
         self.schemes = kernel_schemes(codec, layout)
 
     def encode_chunk(self, codec, layout: PageLayout, k, v, state: CodecState, pages, page_ids, codebook) -> None:
+        if not codec.kernel_encodes:  # an option the encode kernel does not implement: the reference encodes
+            TorchBackend().encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
+            return
         from .kernels.chunk_encoder import encode_chunk
 
         encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)

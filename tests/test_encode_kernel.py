@@ -72,3 +72,23 @@ def test_qvg_through_triton_backend():
         # the same k-means steps on the same data: same reconstruction up to bf16 rounding
         assert torch.allclose(got[0].float(), want[0].float(), rtol=2**-7, atol=1e-3)
     assert triton_cache.page_table(ids[0]).states[0].centroids["k"].shape == (1, 2, 16, 64)
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=2,group=16,kclip=true,vclip=true", "qvg:clip=true"])
+def test_options_the_kernel_lacks_encode_through_the_reference(spec):
+    """A cache on the Triton backend whose codec has options the encode kernel does not implement
+    stores exactly the reference encoder's bytes (the kernel would silently use min/max steps)."""
+    from kernel_cases import filled_cache
+
+    from kvbackend.codecs.base import CodecState
+
+    cache, ids = filled_cache(spec, 64, 16, [40], backend="triton", layers=1)
+    assert cache.backend.name == "triton" and not cache.codec.kernel_encodes
+    table = cache.page_table(ids[0])
+    dense_like = cache.read(ids[0], 0)  # reconstruction of the packed chunk + the dense tail
+    gen = torch.Generator().manual_seed(0)  # the same draws filled_cache made
+    k = (torch.randn(40, 2, 64, generator=gen) * 2).to(torch.bfloat16)
+    v = torch.randn(40, 2, 64, generator=gen).to(torch.bfloat16)
+    chunk = cache.codec.encode(k[:32], v[:32], cache.layout, CodecState())
+    assert torch.equal(cache.packed.pages[0, table.packed].cpu(), chunk.pages.cpu())
+    assert dense_like[0].shape[0] == 40

@@ -85,6 +85,12 @@ class Codec(ABC):
 
     uses_queries: ClassVar[bool] = False  # reads CodecState.query_moment (set it per chunk, causally)
 
+    @property
+    def kernel_encodes(self) -> bool:
+        """True when the GPU encode kernel produces exactly this codec's bytes (min/max steps, nearest
+        centroids); options it does not implement send encoding to the torch reference."""
+        return True
+
     def __init__(self, spec: Any) -> None:
         self.spec = spec
         self.levers = Levers()  # sequence-level options; set by kvbackend.codecs.get

@@ -54,6 +54,10 @@ class KIVICodec(Codec):
         if page_size % self.spec.group:
             raise SpecError(f"kivi: group={self.spec.group} tokens must divide page_size={page_size}")
 
+    @property
+    def kernel_encodes(self) -> bool:
+        return not (self.spec.vclip or (self.spec.kclip and self.spec.key_bits == 2))
+
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec
         h, d, store = geometry.num_kv_heads, geometry.head_dim, scale_dtype(s.scale)

@@ -68,6 +68,10 @@ class QuantWMCodec(QVGCodec):
     name: ClassVar[str] = "quantwm"
     uses_queries: ClassVar[bool] = True
 
+    @property
+    def kernel_encodes(self) -> bool:
+        return False  # QSAC and PSAC run in the reference encoder
+
     def validate(self, geometry: Geometry, page_size: int) -> None:
         super().validate(geometry, page_size)
         s = self.spec

@@ -45,6 +45,10 @@ class QVGSpec:
 class QVGCodec(Codec):
     name: ClassVar[str] = "qvg"
 
+    @property
+    def kernel_encodes(self) -> bool:
+        return not self.spec.clip
+
     def validate(self, geometry: Geometry, page_size: int) -> None:
         s = self.spec
         check_bits_group(s, geometry.head_dim)
