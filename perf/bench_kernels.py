@@ -107,7 +107,8 @@ def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int
 @section("checks")
 def checks():
     out = {}
-    for spec in ("qvg", "qvg-pro", "kivi:bits=2,group=64", "rtn:bits=2,group=64,scale=fp8", "fp8"):
+    for spec in ("qvg", "qvg-pro", "kivi:bits=2,group=64", "rtn:bits=2,group=64,scale=fp8", "fp8", "qvg:kchannel=32",
+                 "kivi:bits=2,group=64,kclip=true,vclip=true"):
         for heads, dim, group in ((8, 128, 4), (3, 64, 3)):
             codec, layout, chunk = encoded_pages(spec, heads, dim, tokens=1024)
             schemes = kernel_schemes(codec, layout)
@@ -125,6 +126,12 @@ def checks():
             ref, _ = decode_attention(q, [want_k[: 8 * 64 + 37], want_k[8 * 64 + 37 :]],
                                       [want_v[: 8 * 64 + 37], want_v[8 * 64 + 37 :]])
             decode_rel = float((o.float() - ref).norm() / ref.norm())
+            key = f"{spec}|H{heads}D{dim}"
+            if not codec.kernel_encodes:  # the reference encodes these (clip steps): read paths only
+                out[key] = {"gather_max_abs_err": gather_err, "decode_rel_err": decode_rel}
+                print(key, out[key], flush=True)
+                assert gather_err < 0.05 and decode_rel < 2e-2, out[key]
+                continue
             # encode kernel vs reference bytes, for the reference's own assignments
             x = torch.randn(1024, heads, dim, device=DEV).bfloat16()
             chunk2 = codec.encode(x, x.clone(), layout, CodecState())
@@ -140,7 +147,6 @@ def checks():
                     extra = (a.permute(1, 0, 2, 3).reshape(scheme.stages, 1024, heads).int(),
                              layout.codebook.view(chunk2.codebook, f"{prefix}_centroids"))
                 encode_into_pages(x, scheme, mine, ids, *extra)
-            key = f"{spec}|H{heads}D{dim}"
             out[key] = {"gather_max_abs_err": gather_err, "decode_rel_err": decode_rel,
                         "encode_bytes_equal": bool(torch.equal(mine, chunk2.pages))}
             if not out[key]["encode_bytes_equal"]:
