@@ -323,23 +323,32 @@ class LayeredRead:
         self.results = results
         self.stream = tier._stream if out.is_cuda else None
         self._work = sorted(work, key=lambda w: w[0])
+        self._min_bytes = min((entry.nbytes for _, entry in self._work), default=0)
+        self._runs = self._group(lambda entry: 0)  # runs of rows adjacent in the buffer and in host slots
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
             out.record_stream(self.stream)
+
+    def _group(self, width_of) -> list[list[int]]:
+        runs: list[list[int]] = []  # [first row, first slot, count, width]
+        for row, entry in self._work:
+            w = width_of(entry)
+            last = runs[-1] if runs else None
+            if last and last[0] + last[2] == row and last[1] + last[2] == entry.slots[0] and last[3] == w:
+                last[2] += 1
+            else:
+                runs.append([row, entry.slots[0], 1, w])
+        return runs
 
     def copy_range(self, offset: int, width: int) -> None:
         """Enqueue bytes [offset, offset + width) of every blob, clipped to each blob's own length (a
         page that carries no codebook moves no codebook bytes). Rows consecutive in the buffer and in
         host slots, with one clipped width, move as one strided copy."""
         pitch, slot_bytes = self.out.shape[1], self.tier.slot_bytes
-        runs: list[list[int]] = []  # [first row, first slot, count, width]
-        for row, entry in self._work:
-            w = max(0, min(width, entry.nbytes - offset))
-            last = runs[-1] if runs else None
-            if last and last[0] + last[2] == row and last[1] + last[2] == entry.slots[0] and last[3] == w:
-                last[2] += 1
-            else:
-                runs.append([row, entry.slots[0], 1, w])
+        if offset + width <= self._min_bytes:  # every blob holds the whole range (layers): the fixed runs
+            runs = [(row, slot, count, width) for row, slot, count, _ in self._runs]
+        else:
+            runs = self._group(lambda entry: max(0, min(width, entry.nbytes - offset)))
         for row, slot, count, w in runs:
             copy_2d(self.out, row * pitch + offset, pitch, self.tier.buffer, slot * slot_bytes + offset, slot_bytes,
                     w, count, self.stream)  # copy_2d skips zero widths

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvbackend.manager import KVCache
@@ -109,6 +110,7 @@ class TieredCache:
     # -- restore ----------------------------------------------------------------------------
     def restore(self, token_ids: Sequence[int], cancel: threading.Event | None = None) -> RestoreReport:
         """Bring the lower-tier part of a prompt's prefix back to the device as cached pages."""
+        token_ids = np.asarray(token_ids, dtype=np.int64)  # converted once for hashing and the hit check
         with self.lock:
             keys = self.cache.prefix_keys(token_ids)
             on_device = self.cache.device_prefix(keys)
