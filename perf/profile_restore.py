@@ -1,5 +1,12 @@
-import sys, time, cProfile, pstats, struct, torch
-sys.path.insert(0, "perf")
+"""cProfile of one host-tier restore of a 32K-token prefix (Llama-8B geometry), on the GPU:
+    python3 perf/profile_restore.py
+"""
+import cProfile
+import pstats
+import struct
+import time
+
+import torch
 from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.tiers.host import HostTier
 from kvbackend.tiers.prefetch import TieredCache
