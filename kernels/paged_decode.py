@@ -42,6 +42,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
                          PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                          D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, UNPACK: tl.constexpr,
+                         PAIR: tl.constexpr,
                          K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
                          K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
                          K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
@@ -65,16 +66,32 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
     # Packed pages and dense pages in two branch-free loops, so each can be software-pipelined.
-    for j in range(first, tl.minimum(last, packed)):
+    # PAIR: two packed pages per iteration, both pages' loads issued before either is used (more
+    # memory requests in flight per program); a missing second page repeats the first, fully masked.
+    end_packed = tl.minimum(last, packed)
+    for j in range(first, end_packed, 1 + PAIR):
         page = tl.load(page_ids + start + j).to(tl.int64)
         slot = tl.load(slots + start + j).to(tl.int64)
+        if PAIR:
+            j2 = tl.minimum(j + 1, end_packed - 1)
+            page2 = tl.load(page_ids + start + j2).to(tl.int64)
+            slot2 = tl.load(slots + start + j2).to(tl.int64)
         k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
                          K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK,
                          UNPACK, tl.float16)
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                          V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK,
                          UNPACK, tl.float16)
+        if PAIR:
+            k2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
+                              K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C,
+                              K_BOOK, UNPACK, tl.float16)
+            v2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
+                              V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
+                              V_BOOK, UNPACK, tl.float16)
         m_i, l_i, acc = _attend(q_tile, k, v, P, m_i, l_i, acc, scale_log2, P)
+        if PAIR:  # after a full page m_i is finite, so a fully masked second page changes nothing
+            m_i, l_i, acc = _attend(q_tile, k2, v2, tl.where(j + 1 < end_packed, P, 0), m_i, l_i, acc, scale_log2, P)
     for j in range(tl.maximum(first, packed), last):
         page = tl.load(page_ids + start + j).to(tl.int64)
         n = tl.load(valid + start + j)
@@ -108,13 +125,14 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr,
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor,
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
                  target_programs: int = 1024, num_warps: int = 4, num_stages: int = 2,
-                 unpack: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 unpack: int = 0, pair: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
         q: [B, Hq, D] queries (bf16/fp16/fp32), B = len(plan.request_ids), Hq a multiple of the KV heads.
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
         target_programs: about how many programs the split-K grid should have (fill every SM).
+        pair: 1 = two packed pages per loop iteration (more loads in flight per program).
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -140,7 +158,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
         plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits,
         PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
-        ROWS=max(16, triton.next_power_of_2(group)), UNPACK=unpack, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme),
+        ROWS=max(16, triton.next_power_of_2(group)), UNPACK=unpack, PAIR=pair, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme),
         num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)

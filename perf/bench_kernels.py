@@ -197,26 +197,27 @@ def decode(copy_bw):
             plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
             if best_config is None:
-                configs = [(u, w, st, tp) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
+                configs = [(u, w, st, tp, pr) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)
+                           for pr in (0, 1)]
             else:
-                configs = [best_config[:3] + (tp,) for tp in (1024, 4096)]
+                configs = [best_config[:3] + (tp, best_config[4]) for tp in (1024, 4096)]
             best = None
-            for unpack, warps, stages, programs in configs:
+            for unpack, warps, stages, programs, pair in configs:
                 i = [0]
 
                 def run():
                     j = i[0] % rotations
                     i[0] += 1
                     return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
-                                        num_stages=stages, target_programs=programs, unpack=unpack)
+                                        num_stages=stages, target_programs=programs, unpack=unpack, pair=pair)
 
                 try:
                     ms = bench(run, 100)
                 except Exception as exc:  # a config that does not compile is skipped, and said
-                    print(f"  {spec} {(unpack, warps, stages, programs)}: {type(exc).__name__}")
+                    print(f"  {spec} {(unpack, warps, stages, programs, pair)}: {type(exc).__name__}")
                     continue
                 if best is None or ms < best[0]:
-                    best = (ms, (unpack, warps, stages, programs))
+                    best = (ms, (unpack, warps, stages, programs, pair))
             ms, config = best
             if best_config is None:
                 best_config = config
@@ -229,7 +230,7 @@ def decode(copy_bw):
                    "speedup_vs_sdpa": sdpa_ms / ms, "ours_GBps": bytes_read / ms / 1e6,
                    "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100, "sdpa_GBps": sdpa_bytes / sdpa_ms / 1e6,
                    "sdpa_pct_of_copy": sdpa_bytes / sdpa_ms / 1e6 / copy_bw * 100, "bytes_read": bytes_read,
-                   "config_unpack_warps_stages_programs": list(config),
+                   "config_unpack_warps_stages_programs_pair": list(config),
                    "bits_per_value_read": 8 * bytes_read / (batch * length * heads * dim * 2)}
             rows.append(row)
             print(f"decode {spec:32s} B={batch:2d} L={length:6d}: ours {row['ours_us']:7.1f} us "

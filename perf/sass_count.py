@@ -32,12 +32,12 @@ POINTERS = {"q": "*bf16", "o_part": "*fp32", "m_part": "*fp32", "l_part": "*fp32
 
 
 def sass_counts(spec: str, num_warps: int, unpack: int, num_stages: int = 1, heads: int = 8, dim: int = 128,
-                group: int = 4) -> collections.Counter:
+                group: int = 4, pair: int = 0) -> collections.Counter:
     codec = codecs.get(spec)
     layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), 64)
     k_scheme, v_scheme = kernel_schemes(codec, layout)
     consts = dict(PAGE_BYTES=layout.page_bytes, BOOK_BYTES=layout.codebook_bytes, H=heads, P=64, D=dim, GROUP=group,
-                  ROWS=max(16, group), UNPACK=unpack, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
+                  ROWS=max(16, group), UNPACK=unpack, PAIR=pair, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
     fn = pd._paged_decode_kernel
     signature = {name: "constexpr" for name in fn.arg_names if name in consts}
     signature.update(POINTERS)
@@ -56,13 +56,14 @@ def sass_counts(spec: str, num_warps: int, unpack: int, num_stages: int = 1, hea
 
 def main() -> None:
     specs = (sys.argv[1] if len(sys.argv) > 1 else "rtn:bits=2,group=64,scale=fp8;kivi:bits=2,group=64;qvg;identity")
-    print(f"{'codec':34s} warps unpack  total  spills  PRMT  LDG  smem")
+    print(f"{'codec':34s} warps unpack pair  total  spills  PRMT  LDG  smem")
     for spec in specs.split(";"):
         for warps in (4, 8):
             for unpack in (0, 1):
-                ops = sass_counts(spec, warps, unpack)
-                print(f"{spec:34s} {warps:5d} {unpack:6d} {sum(ops.values()):6d} {ops['LDL'] + ops['STL']:7d} "
-                      f"{ops['PRMT']:5d} {ops['LDG']:4d} {ops['STS'] + ops['LDS']:5d}")
+                for pair in (0, 1):
+                    ops = sass_counts(spec, warps, unpack, pair=pair)
+                    print(f"{spec:34s} {warps:5d} {unpack:6d} {pair:4d} {sum(ops.values()):6d} "
+                          f"{ops['LDL'] + ops['STL']:7d} {ops['PRMT']:5d} {ops['LDG']:4d} {ops['STS'] + ops['LDS']:5d}")
 
 
 if __name__ == "__main__":

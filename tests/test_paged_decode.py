@@ -20,15 +20,16 @@ CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs)
 ]
 
 
+@pytest.mark.parametrize("pair", [0, 1])
 @pytest.mark.parametrize("codec,head_dim,page_size,lengths,ratio,programs", CASES)
-def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs):
+def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs, pair):
     from kvbackend.kernels.paged_decode import paged_decode
 
     cache, ids = filled_cache(codec, head_dim, page_size, lengths)
     plan = cache.plan(ids, 1)
     q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
     out, lse = paged_decode(q, cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1],
-                            kernel_schemes(cache.codec, cache.layout), plan, target_programs=programs)
+                            kernel_schemes(cache.codec, cache.layout), plan, target_programs=programs, pair=pair)
     reads = [cache.read(rid, 1) for rid in ids]
     want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
     # fp16 tensor-core operands (11-bit mantissa) and a bf16 output (8-bit): ~2^-8 relative per element.
@@ -86,3 +87,21 @@ def test_unpack_variants_agree(codec):
     a, _ = paged_decode(q, *args, unpack=0)
     b, _ = paged_decode(q, *args, unpack=1)
     assert torch.allclose(a.float(), b.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_pair_of_pages_per_iteration_agrees(programs):
+    """Two packed pages per loop iteration gives the one-page result, also when a split holds an odd
+    number of packed pages (the second page is then fully masked)."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("kivi:bits=2,group=16", 64, 16, [100, 52], chunk_pages=2)
+    assert [len(cache.page_table(r).packed) for r in ids] == [6, 2]
+    plan = cache.plan(ids, 0)
+    q = torch.randn(2, 4, 64, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), plan)
+    a, lse_a = paged_decode(q, *args, target_programs=programs, pair=0)
+    b, lse_b = paged_decode(q, *args, target_programs=programs, pair=1)
+    assert torch.isfinite(b.float()).all()
+    assert torch.allclose(a.float(), b.float(), atol=1e-2) and torch.allclose(lse_a, lse_b, atol=1e-3)
