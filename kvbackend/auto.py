@@ -29,12 +29,16 @@ from .rope import Rotary
 from .spec import build_spec, split_spec
 
 
+VARIANTS = {"plain": ("",), "clip": ("", ",kclip=true,vclip=true")}  # same-byte options tried per table entry
+
+
 @dataclass(frozen=True)
 class AutoSpec:
     name: str
     bpv: float = 0.0  # budget: bits per value over every stored byte (0: not set)
     kl: float = 0.0  # or: budget of next-token KL on the prefix's own tail (0: not set)
     calib: int = 256  # prefix tokens teacher-forced to measure the KL of a plan
+    variants: str = "plain"  # per layer and width, also try: "clip" (kclip+vclip, same bytes); "plain" = base only
     base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen
     widths: str = "2-3-4"  # candidate widths, dash-separated
     queries: int = 128  # last prefix queries scored per layer
@@ -53,6 +57,8 @@ def parse_auto(text: str) -> AutoSpec | None:
                         f"got {text!r}")
     if spec.calib < 16:
         raise SpecError(f"auto: calib={spec.calib} must be >= 16 tokens")
+    if spec.variants not in VARIANTS:
+        raise SpecError(f"auto: variants={spec.variants!r}; valid: {', '.join(VARIANTS)}")
     return spec
 
 
@@ -85,20 +91,25 @@ def _attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torc
 
 
 def _error_table(spec: AutoSpec, widths: list[int], queries, keys, values, geometry: Geometry, page_size: int,
-                 chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, int, int], tuple[float, int]]:
+                 chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, int, int], tuple[float, int, str]]:
+    """(layer, kbits, vbits) -> (attention error, stored bytes, spec): of the variants tried (same
+    bytes by construction), the one with the lowest error."""
     base_name = codecs.parse(spec.base).name
     if base_name != "kivi":
         raise SpecError(f"auto: base must be a kivi spec (kbits/vbits are chosen), got {spec.base!r}")
-    table: dict[tuple[int, int, int], tuple[float, int]] = {}  # (layer, kb, vb) -> (error, bytes)
+    table: dict[tuple[int, int, int], tuple[float, int, str]] = {}
     for layer in range(len(keys)):
         n = min(spec.queries, keys[layer].shape[0])
         q = queries[layer][:, keys[layer].shape[0] - n : keys[layer].shape[0]]
         for kb in widths:
             for vb in widths:
-                codec = codecs.get(f"{spec.base},kbits={kb},vbits={vb}")
-                rec = reconstruct_sequence(codec, keys[layer], values[layer], geometry, page_size, chunk_tokens,
-                                           rotary, queries[layer])
-                table[layer, kb, vb] = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes)
+                for extra in VARIANTS[spec.variants]:
+                    text = f"{spec.base},kbits={kb},vbits={vb}{extra}"
+                    rec = reconstruct_sequence(codecs.get(text), keys[layer], values[layer], geometry, page_size,
+                                               chunk_tokens, rotary, queries[layer])
+                    entry = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes, text)
+                    if (layer, kb, vb) not in table or entry[0] < table[layer, kb, vb][0]:
+                        table[layer, kb, vb] = entry
     return table
 
 
@@ -110,11 +121,11 @@ def _greedy_path(table, widths: list[int], layers: int, budget: float) -> list[t
     while True:
         best = None
         for layer, (kb, vb) in enumerate(state):
-            err, size = table[layer, kb, vb]
+            err, size, _ = table[layer, kb, vb]
             for nkb, nvb in ((_next(widths, kb), vb), (kb, _next(widths, vb))):
                 if nkb is None or nvb is None:
                     continue
-                new_err, new_size = table[layer, nkb, nvb]
+                new_err, new_size, _ = table[layer, nkb, nvb]
                 extra = new_size - size
                 if used + extra > budget or new_err >= err:
                     continue
@@ -142,7 +153,7 @@ def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Te
     layers = len(keys)
     values_total = sum(k.shape[0] for k in keys) * geometry.values_per_token
     table = _error_table(spec, widths, queries, keys, values, geometry, page_size, chunk_tokens, rotary)
-    as_specs = lambda state: [f"{spec.base},kbits={kb},vbits={vb}" for kb, vb in state]  # noqa: E731
+    as_specs = lambda state: [table[layer, kb, vb][2] for layer, (kb, vb) in enumerate(state)]  # noqa: E731
     as_error = lambda state: sum(table[layer, kb, vb][0] for layer, (kb, vb) in enumerate(state))  # noqa: E731
     if spec.bpv > 0:
         budget = spec.bpv * values_total / 8

@@ -77,3 +77,19 @@ def test_kl_budget_takes_the_shortest_path_prefix_within_budget():
     assert again.specs == p.specs  # deterministic
     strict = plan_widths(parse_auto(f"auto:kl=0.0001,{base}"), *capture(), GEOM, 32, 128, Rotary.default(64, 10000.0), kl_of)
     assert strict.calib_kl > 0.0001 and widths(strict.specs) == max(seen)  # unreachable: the widest plan
+
+
+def test_clip_variants_never_worse_per_entry_and_same_bytes():
+    from kvbackend.auto import _error_table
+
+    q, k, v = capture()
+    base = "base=kivi:group=32;sink=4;prerope=true;vrot=hadamard"
+    rotary = Rotary.default(64, 10000.0)
+    plain = _error_table(parse_auto(f"auto:bpv=3,{base}"), [2, 3], q, k, v, GEOM, 32, 128, rotary)
+    clip = _error_table(parse_auto(f"auto:bpv=3,{base},variants=clip"), [2, 3], q, k, v, GEOM, 32, 128, rotary)
+    assert plain.keys() == clip.keys()
+    for key in plain:
+        assert clip[key][0] <= plain[key][0] and clip[key][1] == plain[key][1]
+    assert any("vclip=true" in entry[2] for entry in clip.values())  # on Gaussian data clipping wins somewhere
+    with pytest.raises(SpecError, match="variants"):
+        parse_auto("auto:bpv=3,variants=lots")
