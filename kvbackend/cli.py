@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .errors import KVBackendError
+
 
 def _cmd_bpv(args: argparse.Namespace) -> int:
     from rich.console import Console
@@ -75,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "head_dim", "absent") is None:
         args.head_dim = [64, 128]
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (KVBackendError, ValueError, OSError) as exc:  # bad specs, budgets, texts: a message, no traceback
+        print(f"kvbackend {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

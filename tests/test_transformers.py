@@ -173,3 +173,19 @@ def test_demo_runs(model_and_tokenizer, capsys):
                  "--prompt", "Name three colours."]) == 0
     out = capsys.readouterr().out
     assert "kivi:bits=2,group=16" in out and "compression" in out and "exact (DynamicCache)" in out
+
+
+def test_eval_cli_bad_input_is_a_message_not_a_traceback(model_and_tokenizer, tmp_path, capsys):
+    from pathlib import Path
+
+    from kvbackend.cli import main
+
+    text = str(Path(__file__).parent / "data" / "sample.txt")
+    assert main(["eval", "--text", text, "--codec", "zip:bits=2"]) == 2
+    assert "unknown codec 'zip'" in capsys.readouterr().err
+    assert main(["eval", "--text", str(tmp_path / "missing.txt"), "--codec", "fp8"]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    # a budget the narrowest widths cannot meet, found after the model ran
+    assert main(["eval", "--text", text, "--codec", "auto:bpv=1.0", "--tokens", "320", "--prefix", "256",
+                 "--continue", "64"]) == 2
+    assert "cannot be met" in capsys.readouterr().err
