@@ -75,7 +75,9 @@ def host_tier_throughput(blob_bytes: int, count: int, ceiling):
     return out
 
 
-def restore_prefix(codec: str, tokens: int = 32768):
+def prefix_on_host(codec: str, tokens: int = 32768):
+    """A Llama-8B-shaped cache whose ``tokens``-token prefix sits in the host tier only:
+    (cache, tiered, prompt, page groups as stored)."""
     geometry = Geometry(32, 8, 128, torch.bfloat16)
     pages = tokens // 64
     cache = KVCache(geometry, CacheConfig(codec=codec, page_size=64, chunk_pages=16, dense_pages=4,
@@ -94,7 +96,12 @@ def restore_prefix(codec: str, tokens: int = 32768):
                                                               dtype=torch.uint8)
         blobs.append(blob)
     host.put(keys, blobs).wait()
-    tiered = TieredCache(cache, host, None, background=False)
+    return cache, TieredCache(cache, host, None, background=False), prompt, blobs
+
+
+def restore_prefix(codec: str, tokens: int = 32768):
+    cache, tiered, prompt, blobs = prefix_on_host(codec, tokens)
+    pages = len(blobs)
 
     def drop():  # outside the timed region: only the restore is timed
         for page, _ in cache.evictable_pages():

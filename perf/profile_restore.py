@@ -1,33 +1,36 @@
 """cProfile of one host-tier restore of a 32K-token prefix (Llama-8B geometry), on the GPU:
-    python3 perf/profile_restore.py
+
+    python3 perf/profile_restore.py [CODEC]
 """
+
 import cProfile
+import os
 import pstats
-import struct
+import sys
 import time
 
 import torch
-from kvbackend import CacheConfig, Geometry, KVCache
-from kvbackend.tiers.host import HostTier
-from kvbackend.tiers.prefetch import TieredCache
-geometry = Geometry(32, 8, 128, torch.bfloat16)
-tokens=32768; pages=tokens//64
-cache = KVCache(geometry, CacheConfig(codec="rtn:bits=2,group=64,scale=fp8", page_size=64, chunk_pages=16, dense_pages=4, packed_pages=pages + 8, device="cuda"))
-prompt = list(range(tokens + 1))
-keys = cache.prefix_keys(prompt)[:pages]
-host = HostTier(cache.blob_bytes * pages, cache.blob_bytes)
-part = geometry.num_layers * cache.layout.page_bytes
-payload = torch.randint(0, 255, (cache.blob_bytes,), dtype=torch.uint8)
-blobs=[]
-for j in range(pages):
-    blob = payload[: part + 16].clone()
-    blob[part:part+16] = torch.frombuffer(bytearray(struct.pack("<QQ", j // 16, 0)), dtype=torch.uint8)
-    blobs.append(blob)
-host.put(keys, blobs).wait()
-tiered = TieredCache(cache, host, None, background=False)
-for rep in range(4):
-    for page, _ in cache.evictable_pages(): cache.drop_cached(page)
-    torch.cuda.synchronize()
-    pr=cProfile.Profile(); t=time.perf_counter(); pr.enable(); tiered.restore(prompt); pr.disable(); torch.cuda.synchronize(); ms=(time.perf_counter()-t)*1e3
-    print("restore ms", ms)
-pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_tiers import prefix_on_host  # noqa: E402
+
+
+def main() -> None:
+    cache, tiered, prompt, _ = prefix_on_host(sys.argv[1] if len(sys.argv) > 1 else "rtn:bits=2,group=64,scale=fp8")
+    for _ in range(4):  # the first runs warm the allocator; the last one is profiled
+        for page, _ in cache.evictable_pages():
+            cache.drop_cached(page)
+        torch.cuda.synchronize()
+        profile = cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        tiered.restore(prompt)
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"restore {(time.perf_counter() - start) * 1e3:.1f} ms (profiled)")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    tiered.close()
+
+
+if __name__ == "__main__":
+    main()

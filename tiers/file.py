@@ -141,7 +141,7 @@ class FileTier:
             except ValueError:  # a blob this format cannot hold: nothing is written, the caller keeps it
                 with self._lock:
                     self._failures += 1
-                return [k in self._index for k in keys]
+                    return [k in self._index for k in keys]
         ok = self.write_group([k for k, _ in fresh], payloads)
         with self._lock:
             return [ok or k in self._index for k in keys]
@@ -207,7 +207,7 @@ class FileTier:
                 where = self._index.get(key)
                 if where is not None:
                     self._files.move_to_end(where.path)
-            if where is None or out.numel() < (self.fmt.blob_bytes if self.fmt else where.length):
+            if where is None or out.numel() < self._decoded_size(where):
                 with self._lock:
                     self._misses += 1
                 results.append(False)
@@ -242,12 +242,7 @@ class FileTier:
             return False
         if self.fmt is not None:
             try:
-                if out.device.type == "cpu":
-                    self.fmt.decode(view, out)
-                else:
-                    staged = torch.empty(self.fmt.blob_bytes, dtype=torch.uint8)
-                    self.fmt.decode(view, staged)
-                    out[: staged.numel()].copy_(staged)
+                self.fmt.decode(view, out)  # host or device buffer: the format copies into it
             except CorruptStream:
                 return False
         elif not direct:
@@ -257,9 +252,11 @@ class FileTier:
     def blob_size(self, key: int) -> int | None:
         with self._lock:
             where = self._index.get(key)
-            if where is None:
-                return None
-            return self.fmt.blob_bytes if self.fmt is not None else where.length
+            return None if where is None else self._decoded_size(where)
+
+    def _decoded_size(self, where: _Location) -> int:
+        """Bytes a blob occupies once read back (its stored length, or the format's decoded size)."""
+        return self.fmt.blob_bytes if self.fmt is not None else where.length
 
     def _drop_file(self, path: str) -> None:
         keys, size = self._files.pop(path, ([], 0))

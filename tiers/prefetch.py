@@ -169,11 +169,11 @@ class TieredCache:
         with self.lock:
             cache = self.cache
             resident = [s == "device" for s in sources[:usable]]
-            plan = cache.plan_install(rest[:usable], token_ids, cache.read_trailers(staged, usable, resident), on_device)
-            if layered is None or layered.stream is None:
-                for layer in range(cache.geometry.num_layers):
-                    cache.copy_install_layer(plan, staged, layer)
+            if layered is None or layered.stream is None:  # bytes all present: install in one go
+                installed = cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device, resident)
             else:  # each layer installed once it arrived; attention of layer i waits for layer i only
+                plan = cache.plan_install(rest[:usable], token_ids, cache.read_trailers(staged, usable, resident),
+                                          on_device)
                 index = plan.index(staged.device, cache.packed.pages.device)
                 stream = self._install_stream
                 stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
@@ -186,10 +186,10 @@ class TieredCache:
                         cache.copy_install_layer(plan, staged, layer)
                         events.append(self._record(stream))
                 cache.set_layer_events(events)
+                cache.finish_install(plan)
+                installed = plan.installed
             if layered is not None:
                 layered.close()
-            cache.finish_install(plan)
-            installed = plan.installed
         from_host = sum(1 for s in sources[:installed] if s == "host")
         from_file = sum(1 for s in sources[:installed] if s == "file")
         return RestoreReport(on_device, from_host, from_file, len(rest) - installed)

@@ -46,7 +46,7 @@ def _consts() -> tuple[int, int, int]:
     return size, size // 2 - 1, size - 1  # alphabet, offset, escape
 
 
-def _pair_model(table: np.ndarray):
+def _joint_model(table: np.ndarray):
     p = table.astype(np.float64)
     p /= p.sum()
     joint = p
@@ -101,7 +101,7 @@ def encode_classes(values: list[np.ndarray], classes: list[int]) -> tuple[list[C
             sym = (sym << COMP_BITS) | comps[j::GROUP]
         symbols.append(sym)
     for code, sym in zip(reversed(codes), reversed(symbols)):  # a stack: the first class is decoded first
-        coder.encode_reverse(sym, _pair_model(code.table))
+        coder.encode_reverse(sym, _joint_model(code.table))
     esc = np.concatenate(escapes).astype(np.int32) if escapes else np.zeros(0, np.int32)
     return codes, coder.get_compressed(), esc
 
@@ -114,7 +114,7 @@ def decode_classes(codes: list[ClassCode], words: np.ndarray, escapes: np.ndarra
     mask = (1 << COMP_BITS) - 1
     for code in codes:
         k = low_bits(code.cls)
-        sym = coder.decode(_pair_model(code.table), -(-code.count // GROUP))
+        sym = coder.decode(_joint_model(code.table), -(-code.count // GROUP))
         comps = np.empty((sym.size, GROUP), np.int32)
         for j in range(GROUP):
             comps[:, GROUP - 1 - j] = (sym >> (COMP_BITS * j)) & mask
