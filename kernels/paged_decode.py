@@ -9,6 +9,7 @@ written to memory.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -17,6 +18,7 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
+from . import folded_decode
 from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from .gather_dequant import _check
 
@@ -125,7 +127,7 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr,
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor,
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
                  target_programs: int = 1024, num_warps: int = 4, num_stages: int = 2,
-                 unpack: int = 0, pair: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 unpack: int = 0, pair: int = 0, fold: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
@@ -133,6 +135,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
         target_programs: about how many programs the split-K grid should have (fill every SM).
         pair: 1 = two packed pages per loop iteration (more loads in flight per program).
+        fold: use the kernel with scales folded out of the per-element path (`folded_decode`);
+            None = where it supports the layout and measured faster (`folded_decode.preferred`).
+            ``unpack`` and ``pair`` apply to the plain kernel.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -154,12 +159,22 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     l_part = torch.empty_like(m_part)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
-    _paged_decode_kernel[(b, h, splits)](
-        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
-        plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits,
-        PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
-        ROWS=max(16, triton.next_power_of_2(group)), UNPACK=unpack, PAIR=pair, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme),
-        num_warps=num_warps, num_stages=num_stages)
+    if fold is None:
+        fold = folded_decode.preferred(k_scheme, v_scheme, p, d)
+    elif fold and not folded_decode.supports(k_scheme, v_scheme, p, d):
+        raise ValueError(f"the folded decode kernel does not read this layout ({k_scheme}, {v_scheme})")
+    constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
+                     ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),
+                     **scheme_constants("V", v_scheme))
+    if fold:
+        folded_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), book_i16, dense, plan, scale * _LOG2E,
+                             per_split, splits, (b, h, splits), constants, asm=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                             num_warps=num_warps, num_stages=num_stages)
+    else:
+        _paged_decode_kernel[(b, h, splits)](
+            q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
+            plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits, UNPACK=unpack,
+            PAIR=pair, **constants, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=triton.next_power_of_2(splits))

@@ -28,6 +28,7 @@ from kvbackend.attention import decode_attention
 from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.kernels.chunk_encoder import encode_chunk
+from kvbackend.kernels import folded_decode
 from kvbackend.kernels.encode import encode_into_pages
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
@@ -122,10 +123,13 @@ def checks():
             want_v = torch.cat([rv[: 8 * 64], dense[0, 1, :37], rv[8 * 64 : 16 * 64], dense[1, 1, :37]])
             gather_err = max(float((k.float() - want_k.float()).abs().max()), float((v.float() - want_v.float()).abs().max()))
             q = torch.randn(2, heads * group, dim, device=DEV).bfloat16()
-            o, _ = paged_decode(q, pages, books, dense, schemes, plan)
             ref, _ = decode_attention(q, [want_k[: 8 * 64 + 37], want_k[8 * 64 + 37 :]],
                                       [want_v[: 8 * 64 + 37], want_v[8 * 64 + 37 :]])
+            o, _ = paged_decode(q, pages, books, dense, schemes, plan, fold=False)
             decode_rel = float((o.float() - ref).norm() / ref.norm())
+            if folded_decode.supports(*schemes, 64, dim):  # the folded kernel, with its inline-PTX unpack
+                o, _ = paged_decode(q, pages, books, dense, schemes, plan, fold=True)
+                decode_rel = max(decode_rel, float((o.float() - ref).norm() / ref.norm()))
             key = f"{spec}|H{heads}D{dim}"
             if not codec.kernel_encodes:  # the reference encodes these (clip steps): read paths only
                 out[key] = {"gather_max_abs_err": gather_err, "decode_rel_err": decode_rel}
@@ -196,28 +200,32 @@ def decode(copy_bw):
             dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
             plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
-            if best_config is None:
-                configs = [(u, w, st, tp, pr) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)
-                           for pr in (0, 1)]
+            if best_config is None:  # (fold, unpack, warps, stages, programs, pair)
+                configs = [(0, 0, w, st, tp, 0) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
+                if folded_decode.supports(*schemes, p, dim):
+                    configs += [(1, 0, w, st, tp, 0) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096)]
             else:
-                configs = [best_config[:3] + (tp, best_config[4]) for tp in (1024, 4096)]
+                configs = [best_config[:4] + (tp, best_config[5]) for tp in (1024, 4096)]
             best = None
-            for unpack, warps, stages, programs, pair in configs:
+            per_kernel = {}
+            for fold, unpack, warps, stages, programs, pair in configs:
                 i = [0]
 
                 def run():
                     j = i[0] % rotations
                     i[0] += 1
                     return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
-                                        num_stages=stages, target_programs=programs, unpack=unpack, pair=pair)
+                                        num_stages=stages, target_programs=programs, unpack=unpack, pair=pair,
+                                        fold=bool(fold))
 
                 try:
                     ms = bench(run, 100)
                 except Exception as exc:  # a config that does not compile is skipped, and said
-                    print(f"  {spec} {(unpack, warps, stages, programs, pair)}: {type(exc).__name__}")
+                    print(f"  {spec} {(fold, unpack, warps, stages, programs, pair)}: {type(exc).__name__}: {exc}"[:300])
                     continue
+                per_kernel[fold] = min(per_kernel.get(fold, ms), ms)
                 if best is None or ms < best[0]:
-                    best = (ms, (unpack, warps, stages, programs, pair))
+                    best = (ms, (fold, unpack, warps, stages, programs, pair))
             ms, config = best
             if best_config is None:
                 best_config = config
@@ -230,7 +238,8 @@ def decode(copy_bw):
                    "speedup_vs_sdpa": sdpa_ms / ms, "ours_GBps": bytes_read / ms / 1e6,
                    "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100, "sdpa_GBps": sdpa_bytes / sdpa_ms / 1e6,
                    "sdpa_pct_of_copy": sdpa_bytes / sdpa_ms / 1e6 / copy_bw * 100, "bytes_read": bytes_read,
-                   "config_unpack_warps_stages_programs_pair": list(config),
+                   "config_fold_unpack_warps_stages_programs_pair": list(config),
+                   "best_us_per_kernel": {("folded" if k else "plain"): v * 1e3 for k, v in per_kernel.items()},
                    "bits_per_value_read": 8 * bytes_read / (batch * length * heads * dim * 2)}
             rows.append(row)
             print(f"decode {spec:32s} B={batch:2d} L={length:6d}: ours {row['ours_us']:7.1f} us "

@@ -1,0 +1,375 @@
+"""Paged decode attention with the scales folded out of the per-element path.
+
+The plain kernel (`paged_decode`) rebuilds every K and V element as ``code * scale + zero`` before
+its tensor-core products; with 2-bit codes that per-element work, not memory, sets its speed. Here
+the tensor cores consume the integer-valued codes themselves (exact in fp16) and the scales act on
+the small side of each product:
+
+    keys, per-token channel groups g:   s[q, t] = sum_g scale[t, g] * (q_g . codes[t, g]) + zero[t, g] * sum(q_g)
+    keys, per-channel token groups:     s[q, t] = (q * scale) . codes[t] + q . zero
+    values, per-token channel groups:   o[q, g] += (p * scale[:, g]) @ codes[:, g];   z[q, g] += p @ zero[:, g]
+    centroids (every stage):            s[q, t] += (q @ C^T)[q, a[t]];               o[q] += (p @ onehot(a)) @ C
+
+so per code only an unpack remains: shift, mask and a float conversion (on the GPU, two codes per
+32-bit register through a magic-number conversion; in the interpreter, plain Triton). Channel groups
+are unrolled, each a 2-D product of its own (a 3-D batched product was tried first: its reductions
+across the batch crossed warps and it ran 2x slower). ``lazy=True`` rescales the online softmax's
+accumulators only when a row's maximum grows by more than 2^8 (measured no faster, so off by default).
+
+Serves keys in either scale mode and values with per-token channel groups, 2/4/8-bit codes, with or
+without zeros and centroid stages; `supports` says which layouts, and `paged_decode` falls back to
+the plain kernel for the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
+
+from .dequant import load_elements
+
+RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
+_TOKEN_GROUPS = tl.constexpr(TOKEN_GROUPS)
+_CHANNEL_GROUPS = tl.constexpr(CHANNEL_GROUPS)
+
+# Four bytes of 2-bit codes (first code in the top bits of each byte) -> four pairs of fp16 per
+# output: output k holds the codes of shift 6 - 2k of bytes (0, 1) in its first register and of
+# bytes (2, 3) in its second. prmt spreads bytes into 16-bit lanes; or-ing a code into the mantissa of
+# 1024.0 (0x6400) and subtracting 1024.0 gives the code as fp16 without an integer conversion.
+_UNPACK2 = tl.constexpr("""
+{
+.reg .b32 lo, hi, t, m;
+mov.b32 m, 0x64006400;
+prmt.b32 lo, $8, 0, 0x4140;
+prmt.b32 hi, $8, 0, 0x4342;
+shr.b32 t, lo, 6; and.b32 t, t, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $0, t, m;
+shr.b32 t, hi, 6; and.b32 t, t, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $1, t, m;
+shr.b32 t, lo, 4; and.b32 t, t, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $2, t, m;
+shr.b32 t, hi, 4; and.b32 t, t, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $3, t, m;
+shr.b32 t, lo, 2; and.b32 t, t, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $4, t, m;
+shr.b32 t, hi, 2; and.b32 t, t, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $5, t, m;
+and.b32 t, lo, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $6, t, m;
+and.b32 t, hi, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $7, t, m;
+}
+""")
+
+
+@triton.jit
+def _magic_fp16(c):
+    """Small non-negative int32 codes as fp16, through the mantissa of 1024.0 (no integer conversion)."""
+    return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def unpack_fp16(b, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Codes as fp16 in channel order from packed bytes ``b`` (uint8 [..., N]) -> [..., N * 8 // BITS].
+
+    A byte holds its first code in the top bits. ASM (GPU only) converts two codes per instruction."""
+    if BITS == 8:
+        return b.to(tl.float16)
+    elif BITS == 4:
+        x = b.to(tl.int32)
+        return tl.interleave(_magic_fp16(x >> 4), _magic_fp16(x & 15))
+    else:
+        if ASM:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _UNPACK2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            x = b.to(tl.int32)
+            c0 = _magic_fp16((x >> 6) & 3)
+            c1 = _magic_fp16((x >> 4) & 3)
+            c2 = _magic_fp16((x >> 2) & 3)
+            c3 = _magic_fp16(x & 3)
+        return tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
+
+
+@triton.jit
+def _centroid_ids(u8, page, t, h, stage, PAGE_BYTES: tl.constexpr, ASSIGN: tl.constexpr, H: tl.constexpr,
+                  P: tl.constexpr, CP: tl.constexpr):
+    """One-hot [BT, CP] fp16 of the tokens' centroid ids in one stage."""
+    ids = tl.load(u8 + page * PAGE_BYTES + ASSIGN + (stage * P + t) * H + h).to(tl.int32)
+    return (ids[:, None] == tl.arange(0, CP)[None, :]).to(tl.float16)
+
+
+@triton.jit
+def _centroids(book_i16, slot, h, stage, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr, H: tl.constexpr,
+               C: tl.constexpr, CP: tl.constexpr, D: tl.constexpr):
+    """Centroids [CP, D] fp16 of one stage (rows past C are zero)."""
+    c = tl.arange(0, CP)
+    d = tl.arange(0, D)
+    rows = ((stage * H + h) * C + c[:, None]) * D + d[None, :]
+    x = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BOOK // 2 + rows, mask=(c < C)[:, None], other=0)
+    return x.to(tl.bfloat16, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _centroid_cols(book_i16, slot, h, stage, g, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr, H: tl.constexpr,
+                   C: tl.constexpr, CP: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    """Columns g*G..(g+1)*G of one stage's centroids: [CP, G] fp16."""
+    c = tl.arange(0, CP)
+    rows = ((stage * H + h) * C + c[:, None]) * D + g * G + tl.arange(0, G)[None, :]
+    x = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BOOK // 2 + rows, mask=(c < C)[:, None], other=0)
+    return x.to(tl.bfloat16, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _load_q(q, q_rows, live, col0, scale_log2, W: tl.constexpr):
+    """Queries [ROWS, W] (columns col0..col0+W) times the softmax scale, fp16."""
+    cols = col0 + tl.arange(0, W)
+    x = tl.load(q + q_rows[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    return (x * scale_log2).to(tl.float16)
+
+
+@triton.jit
+def _key_group(u8, i16, i32, page, rows, q_g, q_g_sum, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr,
+               NG: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+               KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
+    """Scores [ROWS, BT] of channel group g of per-token-group keys: s * (q_g . codes) + z * sum(q_g)."""
+    GB: tl.constexpr = G * BITS // 8
+    codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
+                                + tl.arange(0, GB)[None, :]), BITS, ASM)  # [BT, G]
+    where = rows * NG + g
+    scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
+    if SYMMETRIC:
+        zero = scale * (-((1 << (BITS - 1)) - 1))
+    else:
+        zero = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + ZEROS // ESIZE, where, KIND)
+    return tl.dot(q_g, tl.trans(codes)) * scale[None, :] + q_g_sum[:, None] * zero[None, :]
+
+
+@triton.jit
+def _value_group(u8, i16, i32, page, rows, p, acc, zacc, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr,
+                 NG: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                 KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
+                 ZEROS: tl.constexpr):
+    """Accumulate channel group g of per-token-group values: acc += (p * s) @ codes, zacc += p @ z."""
+    GB: tl.constexpr = G * BITS // 8
+    codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
+                                + tl.arange(0, GB)[None, :]), BITS, ASM)  # [BT, G]
+    where = rows * NG + g
+    scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
+    if SYMMETRIC:
+        zero = scale * (-((1 << (BITS - 1)) - 1))
+    else:
+        zero = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + ZEROS // ESIZE, where, KIND)
+    acc = tl.dot((p * scale[None, :]).to(tl.float16), codes, acc)
+    zacc += tl.sum(p * zero[None, :], 1)
+    return acc, zacc
+
+
+@triton.jit
+def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, valid,
+                          req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
+                          PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
+                          D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr,
+                          LAZY: tl.constexpr,
+                          K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
+                          K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr,
+                          K_ZEROS: tl.constexpr, K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr,
+                          K_BOOK: tl.constexpr,
+                          V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
+                          V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
+                          V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
+                          V_BOOK: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    start = tl.load(req_start + r)
+    count = tl.load(req_pages + r)
+    packed = tl.load(req_packed + r)
+    first = s * pages_per_split
+    last = tl.minimum(first + pages_per_split, count)
+
+    # Channel groups are unrolled (at most 4 for keys and 4 for values: `supports` checks), each a
+    # 2-D product of its own, so no reduction ever crosses warps. Keys per-token: KNG groups of KG
+    # channels; keys per-channel: softmax blocks of K_GROUP tokens. Values: VNG groups of VG channels.
+    KNG: tl.constexpr = D // K_GROUP if K_MODE == _TOKEN_GROUPS else 1
+    KG: tl.constexpr = K_GROUP if K_MODE == _TOKEN_GROUPS else D
+    BT: tl.constexpr = K_GROUP if K_MODE == _CHANNEL_GROUPS else P  # tokens per softmax block
+    VNG: tl.constexpr = D // V_GROUP
+    VG: tl.constexpr = V_GROUP
+    K_ROW: tl.constexpr = D * K_BITS // 8
+    KCP: tl.constexpr = max(16, K_C)
+    VCP: tl.constexpr = max(16, V_C)
+
+    i = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    heads = h * GROUP + i
+    q_rows = (r * (H * GROUP) + heads) * D
+    live = i < GROUP
+    # Queries carry the softmax scale (log2 units), rounded to fp16 once: every product uses the same q.
+    q_f16 = _load_q(q, q_rows, live, 0, scale_log2, D)
+    q_f32 = q_f16.to(tl.float32)
+    q0 = _load_q(q, q_rows, live, 0, scale_log2, KG)
+    q0_sum = tl.sum(q0.to(tl.float32), 1)
+    q1, q2, q3 = q0, q0, q0
+    q1_sum, q2_sum, q3_sum = q0_sum, q0_sum, q0_sum
+    if KNG > 1:
+        q1 = _load_q(q, q_rows, live, KG, scale_log2, KG)
+        q1_sum = tl.sum(q1.to(tl.float32), 1)
+    if KNG > 2:
+        q2 = _load_q(q, q_rows, live, 2 * KG, scale_log2, KG)
+        q2_sum = tl.sum(q2.to(tl.float32), 1)
+        q3 = _load_q(q, q_rows, live, 3 * KG, scale_log2, KG)
+        q3_sum = tl.sum(q3.to(tl.float32), 1)
+
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    # Per value channel group: codes times scaled probabilities, and probabilities times zeros.
+    a0 = tl.zeros((ROWS, VG), tl.float32)
+    a1 = tl.zeros((ROWS, VG), tl.float32)
+    a2 = tl.zeros((ROWS, VG), tl.float32)
+    a3 = tl.zeros((ROWS, VG), tl.float32)
+    z0 = tl.zeros((ROWS,), tl.float32)
+    z1 = tl.zeros((ROWS,), tl.float32)
+    z2 = tl.zeros((ROWS,), tl.float32)
+    z3 = tl.zeros((ROWS,), tl.float32)
+
+    for j in range(first, tl.minimum(last, packed)):
+        page = tl.load(page_ids + start + j).to(tl.int64)
+        slot = tl.load(slots + start + j).to(tl.int64)
+        for blk in tl.static_range(P // BT):
+            t = blk * BT + tl.arange(0, BT)
+            rows = t * H + h
+            # ---- scores [ROWS, BT], log2 units
+            if K_MODE == _TOKEN_GROUPS:
+                scores = _key_group(u8, i16, i32, page, rows, q0, q0_sum, 0, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                                    K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
+                if KNG > 1:
+                    scores += _key_group(u8, i16, i32, page, rows, q1, q1_sum, 1, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                                         K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
+                if KNG > 2:
+                    scores += _key_group(u8, i16, i32, page, rows, q2, q2_sum, 2, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                                         K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
+                    scores += _key_group(u8, i16, i32, page, rows, q3, q3_sum, 3, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                                         K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
+            else:
+                codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + K_CODES + rows[:, None] * K_ROW
+                                            + tl.arange(0, K_ROW)[None, :]), K_BITS, ASM)  # [BT, D]
+                where = (blk * H + h) * D + d
+                ks = load_elements(u8, i16, i32, page * (PAGE_BYTES // K_ESIZE) + K_SCALES // K_ESIZE, where, K_KIND)
+                if K_SYMMETRIC:
+                    kz = ks * (-((1 << (K_BITS - 1)) - 1))
+                else:
+                    kz = load_elements(u8, i16, i32, page * (PAGE_BYTES // K_ESIZE) + K_ZEROS // K_ESIZE, where, K_KIND)
+                scores = tl.dot((q_f32 * ks[None, :]).to(tl.float16), tl.trans(codes))
+                scores += tl.sum(q_f32 * kz[None, :], 1)[:, None]
+            for stage in tl.static_range(K_STAGES):
+                cents = _centroids(book_i16, slot, h, stage, BOOK_BYTES, K_BOOK, H, K_C, KCP, D)
+                q_c = tl.dot(q_f16, tl.trans(cents))  # [ROWS, KCP]
+                onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, K_ASSIGN, H, P, KCP)
+                scores += tl.dot(q_c.to(tl.float16), tl.trans(onehot))
+            # ---- online softmax (LAZY: rescale only when a row's maximum grows by more than 2^8)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            if LAZY:
+                if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
+                    alpha = tl.exp2(m_i - m_new)
+                    l_i = l_i * alpha
+                    a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
+                    z0, z1, z2, z3 = z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
+                    m_i = m_new
+            else:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
+                z0, z1, z2, z3 = z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
+                m_i = m_new
+            p = tl.exp2(scores - m_i[:, None])  # [ROWS, BT]
+            l_i += tl.sum(p, 1)
+            # ---- values
+            a0, z0 = _value_group(u8, i16, i32, page, rows, p, a0, z0, 0, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                                  V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
+            if VNG > 1:
+                a1, z1 = _value_group(u8, i16, i32, page, rows, p, a1, z1, 1, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                                      V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
+            if VNG > 2:
+                a2, z2 = _value_group(u8, i16, i32, page, rows, p, a2, z2, 2, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                                      V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
+                a3, z3 = _value_group(u8, i16, i32, page, rows, p, a3, z3, 3, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                                      V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
+            for stage in tl.static_range(V_STAGES):
+                onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, V_ASSIGN, H, P, VCP)
+                p_c = tl.dot(p.to(tl.float16), onehot).to(tl.float16)  # [ROWS, VCP]
+                a0 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 0, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a0)
+                if VNG > 1:
+                    a1 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 1, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a1)
+                if VNG > 2:
+                    a2 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 2, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a2)
+                    a3 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 3, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a3)
+
+    # Dense (BF16) pages: the request's active tail.
+    t = tl.arange(0, P)
+    vj = tl.arange(0, VG)
+    for j in range(tl.maximum(first, packed), last):
+        page = tl.load(page_ids + start + j).to(tl.int64)
+        n = tl.load(valid + start + j)
+        keys = tl.load(dense + ((page * 2) * P + t[:, None]) * (H * D) + h * D + d[None, :]).to(tl.float16)
+        scores = tl.dot(q_f16, tl.trans(keys))
+        scores = tl.where(t[None, :] < n, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
+        z0, z1, z2, z3 = z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
+        m_i = m_new
+        p = tl.exp2(scores - m_i[:, None]).to(tl.float16)
+        l_i += tl.sum(p.to(tl.float32), 1)
+        values = dense + ((page * 2 + 1) * P + t[:, None]) * (H * D) + h * D + vj[None, :]
+        a0 = tl.dot(p, tl.load(values).to(tl.float16), a0)
+        if VNG > 1:
+            a1 = tl.dot(p, tl.load(values + VG).to(tl.float16), a1)
+        if VNG > 2:
+            a2 = tl.dot(p, tl.load(values + 2 * VG).to(tl.float16), a2)
+            a3 = tl.dot(p, tl.load(values + 3 * VG).to(tl.float16), a3)
+
+    part = (r * (H * GROUP) + heads) * num_splits + s
+    tl.store(m_part + part, m_i, mask=live)
+    tl.store(l_part + part, l_i, mask=live)
+    out = o_part + part[:, None] * D + vj[None, :]
+    tl.store(out, a0 + z0[:, None], mask=live[:, None])
+    if VNG > 1:
+        tl.store(out + VG, a1 + z1[:, None], mask=live[:, None])
+    if VNG > 2:
+        tl.store(out + 2 * VG, a2 + z2[:, None], mask=live[:, None])
+        tl.store(out + 3 * VG, a3 + z3[:, None], mask=live[:, None])
+
+
+def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int) -> bool:
+    """Whether the folded kernel reads this pair of schemes (else the plain kernel serves them)."""
+    def pow2(x: int) -> bool:
+        return x > 0 and x & (x - 1) == 0
+
+    def codes_ok(x: TensorScheme) -> bool:
+        return x.mode != FLOAT and x.bits in (2, 4, 8) and (x.stages == 0 or x.centroids <= 256)
+
+    if not (codes_ok(k) and codes_ok(v) and pow2(page_size) and pow2(head_dim)):
+        return False
+    def groups_ok(x: TensorScheme) -> bool:
+        # Channel groups are unrolled: 1, 2 or 4 of them, each at least 32 channels (16-channel groups
+        # gave wrong results on the H200 under Triton 3.6 although the interpreter agrees: kernels v7).
+        return pow2(x.group) and 32 <= x.group <= head_dim and head_dim // x.group <= 4
+
+    k_ok = groups_ok(k) if k.mode == TOKEN_GROUPS else pow2(k.group) and 32 <= k.group <= page_size
+    v_ok = v.mode == TOKEN_GROUPS and groups_ok(v)
+    return k_ok and v_ok and page_size >= 16
+
+
+def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int) -> bool:
+    """Whether `paged_decode` picks this kernel by default: where it reads the layout and keys are
+    stored per token. With per-channel (KIVI) keys the plain kernel measured faster on the H200
+    (perf/NOTES.md, kernels v7): its per-block query scaling costs more than it saves there."""
+    return supports(k, v, page_size, head_dim) and k.mode == TOKEN_GROUPS
+
+
+def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, per_split, splits, grid,
+           constants: dict, asm: bool, num_warps: int, num_stages: int, lazy: bool = False) -> None:
+    """Launch the folded kernel (arguments as prepared by `paged_decode`)."""
+    u8, i16, i32 = views
+    _folded_decode_kernel[grid](
+        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
+        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, ASM=asm, LAZY=lazy,
+        **constants, num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,126 @@
+"""Variants of the folded decode kernel side by side with the plain kernel (one device call).
+
+    python3 perf/probe_folded.py --out $OUT/probe_folded.json
+
+Times each variant at B=8, L=32K (Llama-8B geometry) and checks each against the torch reference on
+a small case, so a variant that is fast but wrong shows up as wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton.testing
+
+from kvbackend.attention import decode_attention
+from kvbackend.kernels import folded_decode
+from kvbackend.kernels.dequant import pool_views, scheme_constants
+from kvbackend.kernels.paged_decode import _LOG2E, _merge_kernel
+from kvbackend.scheme import kernel_schemes
+
+import bench_kernels as bk
+
+
+def folded(q, pages, books, dense, schemes, plan, warps, stages, asm, lazy, programs=4096):
+    b, hq, d = q.shape
+    p, h = dense.shape[2], dense.shape[3]
+    per_split, splits = plan.splits(h, programs)
+    o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(books.shape[-1], 0), H=h, P=p, D=d, GROUP=hq // h,
+                     ROWS=max(16, triton.next_power_of_2(hq // h)), **scheme_constants("K", schemes[0]), **scheme_constants("V", schemes[1]))
+    _, book_i16, _ = pool_views(books)
+    folded_decode.launch(q, o_part, m_part, l_part, pool_views(pages), book_i16, dense, plan, _LOG2E / math.sqrt(d),
+                         per_split, splits, (b, h, splits), constants, asm=asm, num_warps=warps, num_stages=stages,
+                         lazy=lazy)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=triton.next_power_of_2(splits))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--codecs", default="rtn:bits=2,group=64,scale=fp8;kivi:bits=2,group=64;qvg;qvg-pro")
+    parser.add_argument("--check-only", action="store_true", help="correctness of every variant, no timing")
+    args = parser.parse_args()
+    rows = []
+    if args.check_only:
+        for spec in args.codecs.split(";"):
+            for heads, dim, ratio in ((8, 128, 4), (3, 64, 3)):
+                codec, layout, chunk = bk.encoded_pages(spec, heads, dim, tokens=1024)
+                schemes = kernel_schemes(codec, layout)
+                if not folded_decode.supports(*schemes, 64, dim):
+                    print(spec, heads, dim, "not supported", flush=True)
+                    continue
+                pages, books = chunk.pages.contiguous(), chunk.codebook.reshape(1, -1).contiguous()
+                dense = torch.randn(2, 2, 64, heads, dim, device="cuda").bfloat16()
+                plan = bk.make_plan(2, 8, 37, 64, 0, 0)
+                rk, rv = codec.decode_pages(layout, pages, chunk.codebook)
+                ks = [torch.cat([rk[:512], dense[0, 0, :37]]), torch.cat([rk[512:1024], dense[1, 0, :37]])]
+                vs = [torch.cat([rv[:512], dense[0, 1, :37]]), torch.cat([rv[512:1024], dense[1, 1, :37]])]
+                q = torch.randn(2, heads * ratio, dim, device="cuda").bfloat16()
+                ref, _ = decode_attention(q, ks, vs)
+                for asm in (0, 1):
+                    o = folded(q, pages, books, dense, schemes, plan, 4, 1, bool(asm), False)
+                    row = dict(codec=spec, heads=heads, dim=dim, asm=asm, schemes=str(schemes),
+                               rel_err=float((o.float() - ref).norm() / ref.norm()))
+                    rows.append(row)
+                    print({k: v for k, v in row.items() if k != "schemes"}, flush=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        return
+    hq, heads, dim, p = 32, 8, 128, 64
+    for spec in args.codecs.split(";"):
+        # correctness on a small case, every variant
+        codec, layout, chunk = bk.encoded_pages(spec, heads, dim, tokens=1024)
+        schemes = kernel_schemes(codec, layout)
+        pages, books = chunk.pages.contiguous(), chunk.codebook.reshape(1, -1).contiguous()
+        dense = torch.randn(2, 2, 64, heads, dim, device="cuda").bfloat16()
+        plan = bk.make_plan(2, 8, 37, 64, 0, 0)
+        rk, rv = codec.decode_pages(layout, pages, chunk.codebook)
+        ks = [torch.cat([rk[:512], dense[0, 0, :37]]), torch.cat([rk[512:1024], dense[1, 0, :37]])]
+        vs = [torch.cat([rv[:512], dense[0, 1, :37]]), torch.cat([rv[512:1024], dense[1, 1, :37]])]
+        q = torch.randn(2, hq, dim, device="cuda").bfloat16()
+        ref, _ = decode_attention(q, ks, vs)
+        # timing shapes
+        batch, length = 8, 32768
+        packed_per_req = length // p - 1
+        rot = 2
+        total = rot * batch * packed_per_req
+        big = chunk.pages.repeat(-(-total // chunk.pages.shape[0]), 1)[:total].contiguous()
+        bdense = torch.randn(rot * batch, 2, p, heads, dim, device="cuda").bfloat16()
+        plans = [bk.make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rot)]
+        qs = [torch.randn(batch, hq, dim, device="cuda").bfloat16() for _ in range(rot)]
+        for warps in (4, 8):
+            for stages in (1, 2):
+                for asm in (0, 1):
+                    for lazy in (0, 1):
+                        try:
+                            o = folded(q, pages, books, dense, schemes, plan, warps, stages, bool(asm), bool(lazy))
+                            err = float((o.float() - ref).norm() / ref.norm())
+                            i = [0]
+
+                            def run():
+                                i[0] += 1
+                                j = i[0] % rot
+                                return folded(qs[j], big, books, bdense, schemes, plans[j], warps, stages, bool(asm), bool(lazy))
+
+                            us = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") * 1e3
+                        except Exception as exc:
+                            print(spec, warps, stages, asm, lazy, "failed", repr(exc)[:300], flush=True)
+                            continue
+                        row = dict(codec=spec, warps=warps, stages=stages, asm=asm, lazy=lazy, rel_err=err, us=us)
+                        rows.append(row)
+                        print(row, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
