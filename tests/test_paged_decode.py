@@ -29,7 +29,8 @@ def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs,
     plan = cache.plan(ids, 1)
     q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
     out, lse = paged_decode(q, cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1],
-                            kernel_schemes(cache.codec, cache.layout), plan, target_programs=programs, pair=pair)
+                            kernel_schemes(cache.codec, cache.layout), plan, target_programs=programs, pair=pair,
+                            fold=False)  # the plain kernel here; the folded one has its own cases below
     reads = [cache.read(rid, 1) for rid in ids]
     want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
     # fp16 tensor-core operands (11-bit mantissa) and a bf16 output (8-bit): ~2^-8 relative per element.
@@ -84,8 +85,8 @@ def test_unpack_variants_agree(codec):
     q = torch.randn(2, 4, 64, device=DEVICE).bfloat16()
     args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
             kernel_schemes(cache.codec, cache.layout), plan)
-    a, _ = paged_decode(q, *args, unpack=0)
-    b, _ = paged_decode(q, *args, unpack=1)
+    a, _ = paged_decode(q, *args, unpack=0, fold=False)  # unpack variants belong to the plain kernel
+    b, _ = paged_decode(q, *args, unpack=1, fold=False)
     assert torch.allclose(a.float(), b.float(), atol=1e-2)
 
 
@@ -105,3 +106,79 @@ def test_pair_of_pages_per_iteration_agrees(programs):
     b, lse_b = paged_decode(q, *args, target_programs=programs, pair=1)
     assert torch.isfinite(b.float()).all()
     assert torch.allclose(a.float(), b.float(), atol=1e-2) and torch.allclose(lse_a, lse_b, atol=1e-3)
+
+
+FOLDED_CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs, lazy)
+    ("qvg", 64, 16, [45, 70, 3], 3, 8, False),
+    ("kivi:bits=2,group=32", 64, 64, [150, 20], 4, 5, True),  # per-channel keys: two softmax blocks a page
+    ("rtn:bits=4,group=32,scale=fp16", 64, 16, [40, 33], 1, 3, False),
+    ("rtn:bits=2,group=32,scale=fp8", 128, 32, [90, 17], 3, 4, True),  # four channel groups
+    ("qvg:kchannel=32", 64, 32, [77], 4, 2, False),
+    ("rtn:bits=8,group=32", 64, 16, [21], 3, 1, True),
+]
+
+
+@pytest.mark.parametrize("codec,head_dim,page_size,lengths,ratio,programs,lazy", FOLDED_CASES)
+def test_folded_kernel_matches_reference(codec, head_dim, page_size, lengths, ratio, programs, lazy):
+    """Scales folded onto the small side of each product give the reference attention."""
+    from kvbackend.kernels import folded_decode
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache(codec, head_dim, page_size, lengths, seed=len(lengths) + ratio)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    assert folded_decode.supports(*schemes, page_size, head_dim)
+    plan = cache.plan(ids, 1)
+    q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, plan)
+    if lazy:  # the lazily rescaled softmax, through the launcher directly
+        import math
+
+        import triton as tr
+
+        from kvbackend.kernels.dequant import pool_views, scheme_constants
+        from kvbackend.kernels.paged_decode import _LOG2E, _merge_kernel
+
+        b, hq, d = q.shape
+        per_split, splits = plan.splits(2, programs)
+        o_part = torch.full((b, hq, splits, d), float("nan"), device=DEVICE)
+        m_part = torch.full((b, hq, splits), float("nan"), device=DEVICE)
+        l_part = torch.full_like(m_part, float("nan"))
+        constants = dict(PAGE_BYTES=args[0].shape[1], BOOK_BYTES=max(args[1].shape[-1], 0), H=2, P=page_size, D=d,
+                         GROUP=ratio, ROWS=16, **scheme_constants("K", schemes[0]), **scheme_constants("V", schemes[1]))
+        folded_decode.launch(q, o_part, m_part, l_part, pool_views(args[0]), pool_views(args[1])[1], args[2], plan,
+                             _LOG2E / math.sqrt(d), per_split, splits, (b, 2, splits), constants, asm=False,
+                             num_warps=4, num_stages=1, lazy=True)
+        out = torch.empty_like(q)
+        lse = torch.empty(b, hq, device=DEVICE)
+        _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=tr.next_power_of_2(splits))
+    else:
+        out, lse = paged_decode(q, *args, target_programs=programs, fold=True)
+    reads = [cache.read(rid, 1) for rid in ids]
+    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+    assert torch.isfinite(out.float()).all()
+    assert float((out.float() - want).norm() / want.norm()) < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2)
+
+
+def test_folded_kernel_support_and_default():
+    from kvbackend.kernels import folded_decode
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    def schemes(codec, page=16, dim=64):
+        from kvbackend import Geometry, codecs
+
+        c = codecs.get(codec)
+        return kernel_schemes(c, c.layout(Geometry(1, 2, dim, torch.bfloat16), page))
+
+    assert folded_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 16, 64)
+    assert folded_decode.preferred(*schemes("qvg"), 16, 64)
+    # per-channel (KIVI) keys: supported, but the plain kernel measured faster and stays the default
+    assert folded_decode.supports(*schemes("kivi:bits=2,group=32", 64), 64, 64)
+    assert not folded_decode.preferred(*schemes("kivi:bits=2,group=32", 64), 64, 64)
+    assert not folded_decode.supports(*schemes("kivi:bits=2,group=16"), 16, 64)  # 16-token blocks refused
+    assert not folded_decode.supports(*schemes("rtn:bits=4,group=16,scale=fp16"), 16, 64)  # 16-channel groups
+    assert not folded_decode.supports(*schemes("identity"), 16, 64)  # float pages: the plain kernel
+    cache, ids = filled_cache("qvg-pro", 64, 16, [20])
+    with pytest.raises(ValueError, match="folded decode kernel does not read"):
+        paged_decode(torch.randn(1, 4, 64, device=DEVICE).bfloat16(), cache.packed.pages[0], cache.packed.codebooks[0],
+                     cache.dense.data[0], kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0), fold=True)
