@@ -128,9 +128,10 @@ def _load_q(q, q_rows, live, col0, scale_log2, W: tl.constexpr):
 def _key_group(u8, i16, i32, page, rows, q_g, q_g_sum, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr,
                NG: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
-    """Scores [ROWS, BT] of channel group g of per-token-group keys: s * (q_g . codes) + z * sum(q_g)."""
+    """Scores [ROWS, BT] of channel group g of per-token-group keys: s * (q_g . codes) + z * sum(q_g).
+    ``page`` [BT] (int64) and ``rows`` [BT] say where each token lives."""
     GB: tl.constexpr = G * BITS // 8
-    codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
+    codes = unpack_fp16(tl.load(u8 + page[:, None] * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
                                 + tl.arange(0, GB)[None, :]), BITS, ASM)  # [BT, G]
     where = rows * NG + g
     scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
@@ -148,7 +149,7 @@ def _value_group(u8, i16, i32, page, rows, p, acc, zacc, g, PAGE_BYTES: tl.const
                  ZEROS: tl.constexpr):
     """Accumulate channel group g of per-token-group values: acc += (p * s) @ codes, zacc += p @ z."""
     GB: tl.constexpr = G * BITS // 8
-    codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
+    codes = unpack_fp16(tl.load(u8 + page[:, None] * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
                                 + tl.arange(0, GB)[None, :]), BITS, ASM)  # [BT, G]
     where = rows * NG + g
     scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
@@ -166,7 +167,7 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
                           PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                           D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr,
-                          LAZY: tl.constexpr,
+                          LAZY: tl.constexpr, PAGES: tl.constexpr,
                           K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
                           K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr,
                           K_ZEROS: tl.constexpr, K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr,
@@ -189,7 +190,9 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
     # channels; keys per-channel: softmax blocks of K_GROUP tokens. Values: VNG groups of VG channels.
     KNG: tl.constexpr = D // K_GROUP if K_MODE == _TOKEN_GROUPS else 1
     KG: tl.constexpr = K_GROUP if K_MODE == _TOKEN_GROUPS else D
-    BT: tl.constexpr = K_GROUP if K_MODE == _CHANNEL_GROUPS else P  # tokens per softmax block
+    # tokens per softmax block: a token group of per-channel keys, else PAGES whole pages
+    BT: tl.constexpr = K_GROUP if K_MODE == _CHANNEL_GROUPS else P * PAGES
+    BLOCKS: tl.constexpr = P // K_GROUP if K_MODE == _CHANNEL_GROUPS else 1  # blocks per loop step
     VNG: tl.constexpr = D // V_GROUP
     VG: tl.constexpr = V_GROUP
     K_ROW: tl.constexpr = D * K_BITS // 8
@@ -229,23 +232,32 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
     z2 = tl.zeros((ROWS,), tl.float32)
     z3 = tl.zeros((ROWS,), tl.float32)
 
-    for j in range(first, tl.minimum(last, packed)):
+    end_packed = tl.minimum(last, packed)
+    for j in range(first, end_packed, PAGES):
         page = tl.load(page_ids + start + j).to(tl.int64)
         slot = tl.load(slots + start + j).to(tl.int64)
-        for blk in tl.static_range(P // BT):
-            t = blk * BT + tl.arange(0, BT)
+        for blk in tl.static_range(BLOCKS):
+            if PAGES == 2:  # two pages in one block; a missing second page repeats the first, masked
+                page2 = tl.load(page_ids + start + tl.minimum(j + 1, end_packed - 1)).to(tl.int64)
+                tt = tl.arange(0, BT)
+                t = tt % P
+                page_t = tl.where(tt < P, page, page2)
+                present = (tt < P) | (j + 1 < end_packed)
+            else:
+                t = blk * BT + tl.arange(0, BT)
+                page_t = tl.zeros((BT,), tl.int64) + page
             rows = t * H + h
             # ---- scores [ROWS, BT], log2 units
             if K_MODE == _TOKEN_GROUPS:
-                scores = _key_group(u8, i16, i32, page, rows, q0, q0_sum, 0, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                scores = _key_group(u8, i16, i32, page_t, rows, q0, q0_sum, 0, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
                                     K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
                 if KNG > 1:
-                    scores += _key_group(u8, i16, i32, page, rows, q1, q1_sum, 1, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                    scores += _key_group(u8, i16, i32, page_t, rows, q1, q1_sum, 1, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
                                          K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
                 if KNG > 2:
-                    scores += _key_group(u8, i16, i32, page, rows, q2, q2_sum, 2, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                    scores += _key_group(u8, i16, i32, page_t, rows, q2, q2_sum, 2, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
                                          K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
-                    scores += _key_group(u8, i16, i32, page, rows, q3, q3_sum, 3, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
+                    scores += _key_group(u8, i16, i32, page_t, rows, q3, q3_sum, 3, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
                                          K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
             else:
                 codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + K_CODES + rows[:, None] * K_ROW
@@ -263,6 +275,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                 q_c = tl.dot(q_f16, tl.trans(cents))  # [ROWS, KCP]
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, K_ASSIGN, H, P, KCP)
                 scores += tl.dot(q_c.to(tl.float16), tl.trans(onehot))
+            if PAGES == 2:
+                scores = tl.where(present[None, :], scores, float("-inf"))
             # ---- online softmax (LAZY: rescale only when a row's maximum grows by more than 2^8)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             if LAZY:
@@ -281,15 +295,15 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
             p = tl.exp2(scores - m_i[:, None])  # [ROWS, BT]
             l_i += tl.sum(p, 1)
             # ---- values
-            a0, z0 = _value_group(u8, i16, i32, page, rows, p, a0, z0, 0, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+            a0, z0 = _value_group(u8, i16, i32, page_t, rows, p, a0, z0, 0, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
                                   V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
             if VNG > 1:
-                a1, z1 = _value_group(u8, i16, i32, page, rows, p, a1, z1, 1, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                a1, z1 = _value_group(u8, i16, i32, page_t, rows, p, a1, z1, 1, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
                                       V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
             if VNG > 2:
-                a2, z2 = _value_group(u8, i16, i32, page, rows, p, a2, z2, 2, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                a2, z2 = _value_group(u8, i16, i32, page_t, rows, p, a2, z2, 2, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
                                       V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
-                a3, z3 = _value_group(u8, i16, i32, page, rows, p, a3, z3, 3, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
+                a3, z3 = _value_group(u8, i16, i32, page_t, rows, p, a3, z3, 3, PAGE_BYTES, ASM, VNG, VG, D, V_BITS,
                                       V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS)
             for stage in tl.static_range(V_STAGES):
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, V_ASSIGN, H, P, VCP)
@@ -366,10 +380,13 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int) -
 
 
 def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, per_split, splits, grid,
-           constants: dict, asm: bool, num_warps: int, num_stages: int, lazy: bool = False) -> None:
-    """Launch the folded kernel (arguments as prepared by `paged_decode`)."""
+           constants: dict, asm: bool, num_warps: int, num_stages: int, lazy: bool = False, pages: int = 1) -> None:
+    """Launch the folded kernel (arguments as prepared by `paged_decode`). ``pages=2`` takes two packed
+    pages per softmax block (per-token-group keys without centroids only; else one)."""
+    if constants["K_MODE"] != TOKEN_GROUPS or constants["K_STAGES"] or constants["V_STAGES"]:
+        pages = 1
     u8, i16, i32 = views
     _folded_decode_kernel[grid](
         q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
-        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, ASM=asm, LAZY=lazy,
+        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, ASM=asm, LAZY=lazy, PAGES=pages,
         **constants, num_warps=num_warps, num_stages=num_stages)

@@ -137,7 +137,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         pair: 1 = two packed pages per loop iteration (more loads in flight per program).
         fold: use the kernel with scales folded out of the per-element path (`folded_decode`);
             None = where it supports the layout and measured faster (`folded_decode.preferred`).
-            ``unpack`` and ``pair`` apply to the plain kernel.
+            ``unpack`` applies to the plain kernel; ``pair`` to both (in the folded kernel: two pages
+            per softmax block, for per-token-group keys without centroids).
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -169,7 +170,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     if fold:
         folded_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), book_i16, dense, plan, scale * _LOG2E,
                              per_split, splits, (b, h, splits), constants, asm=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, pages=1 + pair)
     else:
         _paged_decode_kernel[(b, h, splits)](
             q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,

@@ -203,7 +203,7 @@ def decode(copy_bw):
             if best_config is None:  # (fold, unpack, warps, stages, programs, pair)
                 configs = [(0, 0, w, st, tp, 0) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
                 if folded_decode.supports(*schemes, p, dim):
-                    configs += [(1, 0, w, st, tp, 0) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096)]
+                    configs += [(1, 0, w, st, tp, pr) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096) for pr in (0, 1)]
             else:
                 configs = [best_config[:4] + (tp, best_config[5]) for tp in (1024, 4096)]
             best = None
