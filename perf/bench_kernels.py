@@ -201,7 +201,7 @@ def decode(copy_bw):
             plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
             if best_config is None:  # (fold, unpack, warps, stages, programs, pair)
-                configs = [(0, 0, w, st, tp, 0) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
+                configs = [(0, u, w, st, tp, 0) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
                 if folded_decode.supports(*schemes, p, dim):
                     configs += [(1, 0, w, st, tp, pr) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096) for pr in (0, 1)]
             else:
