@@ -24,7 +24,7 @@ from kvbackend.scheme import kernel_schemes
 import bench_kernels as bk
 
 
-def folded(q, pages, books, dense, schemes, plan, warps, stages, asm, lazy, programs=4096):
+def folded(q, pages, books, dense, schemes, plan, warps, stages, asm, lazy, programs=4096, vfold=True):
     b, hq, d = q.shape
     p, h = dense.shape[2], dense.shape[3]
     per_split, splits = plan.splits(h, programs)
@@ -36,7 +36,7 @@ def folded(q, pages, books, dense, schemes, plan, warps, stages, asm, lazy, prog
     _, book_i16, _ = pool_views(books)
     folded_decode.launch(q, o_part, m_part, l_part, pool_views(pages), book_i16, dense, plan, _LOG2E / math.sqrt(d),
                          per_split, splits, (b, h, splits), constants, asm=asm, num_warps=warps, num_stages=stages,
-                         lazy=lazy)
+                         lazy=lazy, vfold=vfold)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=triton.next_power_of_2(splits))
@@ -97,25 +97,26 @@ def main():
         bdense = torch.randn(rot * batch, 2, p, heads, dim, device="cuda").bfloat16()
         plans = [bk.make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rot)]
         qs = [torch.randn(batch, hq, dim, device="cuda").bfloat16() for _ in range(rot)]
-        for warps in (4, 8):
-            for stages in (1, 2):
-                for asm in (0, 1):
-                    for lazy in (0, 1):
+        variants = [(w, st, 1, 0, vf) for w in (2, 4) for st in (1, 3) for vf in (0, 1)]
+        for warps, stages, asm, lazy, vfold in variants:
                         try:
-                            o = folded(q, pages, books, dense, schemes, plan, warps, stages, bool(asm), bool(lazy))
+                            o = folded(q, pages, books, dense, schemes, plan, warps, stages, bool(asm), bool(lazy),
+                                       vfold=bool(vfold))
                             err = float((o.float() - ref).norm() / ref.norm())
                             i = [0]
 
                             def run():
                                 i[0] += 1
                                 j = i[0] % rot
-                                return folded(qs[j], big, books, bdense, schemes, plans[j], warps, stages, bool(asm), bool(lazy))
+                                return folded(qs[j], big, books, bdense, schemes, plans[j], warps, stages, bool(asm),
+                                              bool(lazy), vfold=bool(vfold))
 
                             us = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") * 1e3
                         except Exception as exc:
-                            print(spec, warps, stages, asm, lazy, "failed", repr(exc)[:300], flush=True)
+                            print(spec, warps, stages, asm, lazy, vfold, "failed", repr(exc)[:300], flush=True)
                             continue
-                        row = dict(codec=spec, warps=warps, stages=stages, asm=asm, lazy=lazy, rel_err=err, us=us)
+                        row = dict(codec=spec, warps=warps, stages=stages, asm=asm, lazy=lazy, vfold=vfold, rel_err=err,
+                                   us=us)
                         rows.append(row)
                         print(row, flush=True)
     with open(args.out, "w") as f:

@@ -33,7 +33,7 @@ POINTERS = {"q": "*bf16", "o_part": "*fp32", "m_part": "*fp32", "l_part": "*fp32
 
 
 def sass_counts(spec: str, num_warps: int, unpack: int, num_stages: int = 1, heads: int = 8, dim: int = 128,
-                group: int = 4, pair: int = 0, fold: int = 0, asm: int = 1) -> collections.Counter:
+                group: int = 4, pair: int = 0, fold: int = 0, asm: int = 1, vfold: int = 1) -> collections.Counter:
     codec = codecs.get(spec)
     layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), 64)
     k_scheme, v_scheme = kernel_schemes(codec, layout)
@@ -41,7 +41,7 @@ def sass_counts(spec: str, num_warps: int, unpack: int, num_stages: int = 1, hea
                   ROWS=max(16, group), **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
     if fold:
         consts["ASM"] = asm
-        consts["LAZY"] = 1
+        consts.update(LAZY=0, PAGES=1 + pair, VFOLD=vfold)
         fn = fd._folded_decode_kernel
     else:
         consts.update(UNPACK=unpack, PAIR=pair)

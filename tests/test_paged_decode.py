@@ -130,7 +130,7 @@ def test_folded_kernel_matches_reference(codec, head_dim, page_size, lengths, ra
     plan = cache.plan(ids, 1)
     q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
     args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, plan)
-    if lazy:  # the lazily rescaled softmax, through the launcher directly
+    if lazy:  # the lazily rescaled softmax and the other value path, through the launcher directly
         import math
 
         import triton as tr
@@ -147,7 +147,7 @@ def test_folded_kernel_matches_reference(codec, head_dim, page_size, lengths, ra
                          GROUP=ratio, ROWS=16, **scheme_constants("K", schemes[0]), **scheme_constants("V", schemes[1]))
         folded_decode.launch(q, o_part, m_part, l_part, pool_views(args[0]), pool_views(args[1])[1], args[2], plan,
                              _LOG2E / math.sqrt(d), per_split, splits, (b, 2, splits), constants, asm=False,
-                             num_warps=4, num_stages=1, lazy=True)
+                             num_warps=4, num_stages=1, lazy=True, vfold=not folded_decode.VFOLD_DEFAULT)
         out = torch.empty_like(q)
         lse = torch.empty(b, hq, device=DEVICE)
         _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=tr.next_power_of_2(splits))
