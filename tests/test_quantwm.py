@@ -166,3 +166,43 @@ def test_kernel_schemes_read_group_sizes_from_the_layout():
         kernel_schemes(quantwm, quantwm.layout(geometry, 64))
     ok = codecs.get("quantwm:rank=0,kchannel=32")
     assert kernel_schemes(ok, ok.layout(geometry, 64))[0].group == 32
+
+
+def test_sparse_psac_keeps_the_best_rows_per_page_and_counts_the_index():
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v = _keys(), _keys(seed=3)
+    moment = query_second_moment(_queries(), 2)
+    state = lambda: CodecState(query_moment=moment)  # noqa: E731
+    dense, every, sparse = (codecs.get(s) for s in ("quantwm", "quantwm:keep=0.999", "quantwm:keep=0.25"))
+    plain = codecs.get("quantwm:rank=0")
+    kd = dense.decode(dense.encode(k, v, dense.layout(geometry, 64), state()))[0]
+    chunk_all = every.encode(k, v, every.layout(geometry, 64), state())
+    chunk_dense = dense.encode(k, v, dense.layout(geometry, 64), state())
+    # a sparse budget of every row reproduces the dense correction, and pays one index byte a row
+    assert torch.equal(every.decode(chunk_all)[0], kd)
+    assert chunk_all.nbytes - chunk_dense.nbytes == 2 * 64 * 2 * 1  # 2 pages x 64 rows x 2 heads, uint8
+    chunk = sparse.encode(k, v, sparse.layout(geometry, 64), state())
+    ks = sparse.decode(chunk)[0]
+    kp = plain.decode(plain.encode(k, v, plain.layout(geometry, 64), state()))[0]
+    qerr = lambda e: torch.einsum("thd,hde,the->th", e, moment, e)  # noqa: E731
+    corrected = (ks != kp).any(-1).reshape(2, 64, 2)  # [page, token, head]
+    assert bool((corrected.sum(1) <= 16).all()) and int(corrected.sum()) > 0  # at most ceil(0.25 * 64) a page
+    assert bool((qerr(k - ks) <= qerr(k - kp) * (1 + 1e-3) + 1e-4).all())  # never worse, row by row
+    # the rows kept are the ones that lower the error most: no dropped row beats a kept one
+    gain = (qerr(k - kp) - qerr(k - kd)).reshape(2, 64, 2)
+    for page in range(2):
+        for head in range(2):
+            kept, dropped = gain[page, corrected[page, :, head], head], gain[page, ~corrected[page, :, head], head]
+            assert float(kept.min()) >= float(dropped.max()) - 1e-5
+    # bytes: 16 rows x 2 heads per page of INT8 coefficients, fp16 scale and uint8 index (16-byte aligned fields)
+    assert chunk.nbytes < chunk_dense.nbytes
+    layout = sparse.layout(geometry, 64)
+    assert layout.page.fields["k_psac"].shape == (16, 2, 8) and layout.page.fields["k_psac_token"].shape == (16, 2)
+
+
+@pytest.mark.parametrize("bad", ["quantwm:keep=0", "quantwm:keep=1.5"])
+def test_sparse_psac_rejects_bad_budgets(bad):
+    from kvbackend.errors import SpecError
+
+    with pytest.raises(SpecError, match="keep"):
+        codecs.get(bad).layout(Geometry(1, 2, 64, torch.float32), 64)
