@@ -385,11 +385,15 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int) ->
     return k_ok and v_ok and page_size >= 16
 
 
-def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int) -> bool:
-    """Whether `paged_decode` picks this kernel by default: where it reads the layout and keys are
-    stored per token. With per-channel (KIVI) keys the plain kernel measured faster on the H200
-    (perf/NOTES.md, kernels v7): its per-block query scaling costs more than it saves there."""
-    return supports(k, v, page_size, head_dim) and k.mode == TOKEN_GROUPS
+MIN_PAGES_PER_PROGRAM = 16  # below this the plain kernel measured faster (B=1, L=32K: 4 pages a program)
+
+
+def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, pages_per_program: int) -> bool:
+    """Whether `paged_decode` picks this kernel by default: where it reads the layout and each program
+    walks enough pages to amortise its longer prologue (H200, perf/NOTES.md kernels v9: at B=8, L=32K,
+    32 pages a program, folded 300-440 us vs plain 351-586 us; at B=1, 4 pages a program, plain
+    80-85 us vs folded 117-325 us)."""
+    return supports(k, v, page_size, head_dim) and pages_per_program >= MIN_PAGES_PER_PROGRAM
 
 
 def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, per_split, splits, grid,

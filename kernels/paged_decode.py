@@ -136,7 +136,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         target_programs: about how many programs the split-K grid should have (fill every SM).
         pair: 1 = two packed pages per loop iteration (more loads in flight per program).
         fold: use the kernel with scales folded out of the per-element path (`folded_decode`);
-            None = where it supports the layout and measured faster (`folded_decode.preferred`).
+            None = where it supports the layout and each program has enough pages
+            (`folded_decode.preferred`).
             ``unpack`` applies to the plain kernel; ``pair`` to both (in the folded kernel: two pages
             per softmax block, for per-token-group keys without centroids).
     Returns:
@@ -161,7 +162,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
     if fold is None:
-        fold = folded_decode.preferred(k_scheme, v_scheme, p, d)
+        fold = folded_decode.preferred(k_scheme, v_scheme, p, d, per_split)
     elif fold and not folded_decode.supports(k_scheme, v_scheme, p, d):
         raise ValueError(f"the folded decode kernel does not read this layout ({k_scheme}, {v_scheme})")
     constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,

@@ -204,9 +204,10 @@ def decode(copy_bw):
                 configs = [(0, u, w, st, tp, 0) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
                 if folded_decode.supports(*schemes, p, dim):
                     configs += [(1, 0, w, st, tp, pr) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096) for pr in (0, 1)]
-            else:
-                configs = [best_config[:4] + (tp, best_config[5]) for tp in (1024, 4096)]
+            else:  # each kernel with its own best configuration of the first shape, both split targets
+                configs = [c[:4] + (tp, c[5]) for c in best_config.values() for tp in (1024, 4096)]
             best = None
+            best_per_kernel = {}
             per_kernel = {}
             for fold, unpack, warps, stages, programs, pair in configs:
                 i = [0]
@@ -224,11 +225,13 @@ def decode(copy_bw):
                     print(f"  {spec} {(fold, unpack, warps, stages, programs, pair)}: {type(exc).__name__}: {exc}"[:300])
                     continue
                 per_kernel[fold] = min(per_kernel.get(fold, ms), ms)
+                if fold not in best_per_kernel or ms < best_per_kernel[fold][0]:
+                    best_per_kernel[fold] = (ms, (fold, unpack, warps, stages, programs, pair))
                 if best is None or ms < best[0]:
                     best = (ms, (fold, unpack, warps, stages, programs, pair))
             ms, config = best
             if best_config is None:
-                best_config = config
+                best_config = {fold: c for fold, (_, c) in best_per_kernel.items()}
             chunks = math.ceil(length / 4096)
             bytes_read = batch * (packed_per_req * layout.page_bytes + chunks * layout.codebook_bytes
                                   + 2 * p * heads * dim * 2)

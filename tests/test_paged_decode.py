@@ -173,11 +173,11 @@ def test_folded_kernel_support_and_default():
         c = codecs.get(codec)
         return kernel_schemes(c, c.layout(Geometry(1, 2, dim, torch.bfloat16), page))
 
-    assert folded_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 16, 64)
-    assert folded_decode.preferred(*schemes("qvg"), 16, 64)
-    # per-channel (KIVI) keys: supported, but the plain kernel measured faster and stays the default
-    assert folded_decode.supports(*schemes("kivi:bits=2,group=32", 64), 64, 64)
-    assert not folded_decode.preferred(*schemes("kivi:bits=2,group=32", 64), 64, 64)
+    many, few = folded_decode.MIN_PAGES_PER_PROGRAM, folded_decode.MIN_PAGES_PER_PROGRAM - 1
+    assert folded_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 16, 64, many)
+    assert folded_decode.preferred(*schemes("qvg"), 16, 64, many)
+    assert folded_decode.preferred(*schemes("kivi:bits=2,group=32", 64), 64, 64, many)
+    assert not folded_decode.preferred(*schemes("qvg"), 16, 64, few)  # short splits: the plain kernel
     assert not folded_decode.supports(*schemes("kivi:bits=2,group=16"), 16, 64)  # 16-token blocks refused
     assert not folded_decode.supports(*schemes("rtn:bits=4,group=16,scale=fp16"), 16, 64)  # 16-channel groups
     assert not folded_decode.supports(*schemes("identity"), 16, 64)  # float pages: the plain kernel
