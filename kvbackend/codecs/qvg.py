@@ -40,6 +40,7 @@ class QVGSpec:
     init: str = "kmeans++"  # first chunk's seeding: "kmeans++" or "random" points
     kchannel: int = 0  # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style)
     clip: bool = False  # residual steps: MSE-optimal Gaussian step instead of min/max (asymmetric only)
+    vcluster: bool = True  # false: values without centroids (plain per-token groups; saves assignments and codebook)
 
 
 class QVGCodec(Codec):
@@ -47,7 +48,10 @@ class QVGCodec(Codec):
 
     @property
     def kernel_encodes(self) -> bool:
-        return not self.spec.clip
+        return not self.spec.clip and self.spec.vcluster
+
+    def _clustered(self, prefix: str) -> bool:
+        return prefix == "k" or self.spec.vcluster
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         s = self.spec
@@ -71,14 +75,18 @@ class QVGCodec(Codec):
                 page += channel_group_fields(prefix, page_size, h, d, s.bits, s.kchannel, scale_dtype(s.scale))
             else:
                 page += token_group_fields(prefix, page_size, h, d, s.bits, s.group, s.symmetric, scale_dtype(s.scale))
-            page.append((f"{prefix}_assign", torch.uint8, (s.stages, page_size, h)))
-            book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
+            if self._clustered(prefix):
+                page.append((f"{prefix}_assign", torch.uint8, (s.stages, page_size, h)))
+                book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
         return page, book
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
         s = self.spec
         generator = torch.Generator().manual_seed(s.seed)
         for prefix, x in (("k", k), ("v", v)):
+            if not self._clustered(prefix):
+                self._quantize_residual(x, layout, pages, prefix)
+                continue
             residual = x.transpose(0, 1).contiguous()  # [H, T, D]
             warm = state.centroids.get(prefix)
             stored, assigns = [], []
@@ -121,6 +129,9 @@ class QVGCodec(Codec):
         out = []
         for prefix in ("k", "v"):
             x = self._dequantize_residual(layout, pages, prefix)  # [T, H, D]
+            if not self._clustered(prefix):
+                out.append(x)
+                continue
             cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()  # [S, H, C, D]
             assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
             heads = torch.arange(x.shape[1], device=x.device)
