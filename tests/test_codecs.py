@@ -208,3 +208,21 @@ def test_qvg_clip_same_bytes_lower_error():
         errors[spec] = (chunk.nbytes, float((kh - k).norm() + (vh - v).norm()))
     (plain_bytes, plain_err), (clip_bytes, clip_err) = errors.values()
     assert plain_bytes == clip_bytes and clip_err < 0.95 * plain_err
+
+
+def test_qvg_values_without_centroids_are_plain_token_groups():
+    """qvg:vcluster=false stores values as RTN does (same groups, scales and zeros), keys as qvg."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(128, 2, 64, generator=gen), torch.randn(128, 2, 64, generator=gen) * 3
+    ours, qvg, rtn = (codecs.get(s) for s in ("qvg:vcluster=false", "qvg", "rtn:bits=2,group=64,scale=fp8"))
+    layout = ours.layout(geometry, 64)
+    assert "v_assign" not in layout.page.fields and "v_centroids" not in layout.codebook.fields
+    kh, vh = ours.decode(ours.encode(k, v, layout))
+    qk, _ = qvg.decode(qvg.encode(k, v, qvg.layout(geometry, 64)))
+    _, rv = rtn.decode(rtn.encode(k, v, rtn.layout(geometry, 64)))
+    assert torch.equal(kh, qk) and torch.equal(vh, rv)
+    full = qvg.layout(geometry, 64)
+    saved = full.page.fields["v_assign"].nbytes * 2 + full.codebook.fields["v_centroids"].nbytes  # two pages
+    assert ours.encode(k, v, layout).nbytes == qvg.encode(k, v, full).nbytes - saved  # both pages and the codebook
+    assert not ours.kernel_encodes

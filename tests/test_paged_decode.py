@@ -115,6 +115,7 @@ FOLDED_CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target prog
     ("rtn:bits=2,group=32,scale=fp8", 128, 32, [90, 17], 3, 4, True),  # four channel groups
     ("qvg:kchannel=32", 64, 32, [77], 4, 2, False),
     ("rtn:bits=8,group=32", 64, 16, [21], 3, 1, True),
+    ("qvg:kchannel=32,vcluster=false", 64, 32, [70], 3, 2, False),  # key centroids only
 ]
 
 
