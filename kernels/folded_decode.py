@@ -130,20 +130,35 @@ def _load_q(q, q_rows, live, col0, scale_log2, W: tl.constexpr):
 
 
 @triton.jit
-def _key_group(u8, i16, i32, page, rows, q_g, q_g_sum, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr,
-               NG: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-               KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
-    """Scores [ROWS, BT] of channel group g of per-token-group keys: s * (q_g . codes) + z * sum(q_g).
-    ``page`` [BT] (int64) and ``rows`` [BT] say where each token lives."""
-    GB: tl.constexpr = G * BITS // 8
-    codes = unpack_fp16(tl.load(u8 + page[:, None] * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
-                                + tl.arange(0, GB)[None, :]), BITS, ASM)  # [BT, G]
-    where = rows * NG + g
+def _scale_zero(u8, i16, i32, page, where, PAGE_BYTES: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                KIND: tl.constexpr, ESIZE: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
+    """(scale, zero) float32 at element ``where`` of the page's scale and zero fields (a symmetric
+    layout's zero is -(2^(bits-1) - 1) * scale)."""
     scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
     if SYMMETRIC:
         zero = scale * (-((1 << (BITS - 1)) - 1))
     else:
         zero = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + ZEROS // ESIZE, where, KIND)
+    return scale, zero
+
+
+@triton.jit
+def _group_codes(u8, page, rows, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                 BITS: tl.constexpr, CODES: tl.constexpr):
+    """fp16 codes [BT, G] of channel group g; ``page`` [BT] (int64) and ``rows`` [BT] say where each
+    token lives."""
+    GB: tl.constexpr = G * BITS // 8
+    return unpack_fp16(tl.load(u8 + page[:, None] * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
+                               + tl.arange(0, GB)[None, :]), BITS, ASM)
+
+
+@triton.jit
+def _key_group(u8, i16, i32, page, rows, q_g, q_g_sum, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr,
+               NG: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+               KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
+    """Scores [ROWS, BT] of channel group g of per-token-group keys: s * (q_g . codes) + z * sum(q_g)."""
+    codes = _group_codes(u8, page, rows, g, PAGE_BYTES, ASM, G, D, BITS, CODES)
+    scale, zero = _scale_zero(u8, i16, i32, page, rows * NG + g, PAGE_BYTES, BITS, SYMMETRIC, KIND, ESIZE, SCALES, ZEROS)
     return tl.dot(q_g, tl.trans(codes)) * scale[None, :] + q_g_sum[:, None] * zero[None, :]
 
 
@@ -155,21 +170,22 @@ def _value_group(u8, i16, i32, page, rows, p, acc, zacc, g, PAGE_BYTES: tl.const
     """Accumulate channel group g of per-token-group values. VFOLD: acc += (p * s) @ codes and
     zacc += p @ z (scales on the probabilities); else acc += p @ (codes * s + z) with the per-token
     scale and zero broadcast along the row in registers (fp16), so every group shares one p operand."""
-    GB: tl.constexpr = G * BITS // 8
-    codes = unpack_fp16(tl.load(u8 + page[:, None] * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + g * GB
-                                + tl.arange(0, GB)[None, :]), BITS, ASM)  # [BT, G]
-    where = rows * NG + g
-    scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
-    if SYMMETRIC:
-        zero = scale * (-((1 << (BITS - 1)) - 1))
-    else:
-        zero = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + ZEROS // ESIZE, where, KIND)
+    codes = _group_codes(u8, page, rows, g, PAGE_BYTES, ASM, G, D, BITS, CODES)
+    scale, zero = _scale_zero(u8, i16, i32, page, rows * NG + g, PAGE_BYTES, BITS, SYMMETRIC, KIND, ESIZE, SCALES, ZEROS)
     if VFOLD:
         acc = tl.dot((p * scale[None, :]).to(tl.float16), codes, acc)
         zacc += tl.sum(p * zero[None, :], 1)
     else:
         acc = tl.dot(p.to(tl.float16), codes * scale.to(tl.float16)[:, None] + zero.to(tl.float16)[:, None], acc)
     return acc, zacc
+
+
+@triton.jit
+def _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3):
+    """Move the online softmax's reference maximum from m_i to m_new: every accumulator times 2^(m_i - m_new)."""
+    alpha = tl.exp2(m_i - m_new)
+    return (m_new, l_acc * alpha[:, None], a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None],
+            a3 * alpha[:, None], z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha)
 
 
 @triton.jit
@@ -272,12 +288,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
             else:
                 codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + K_CODES + rows[:, None] * K_ROW
                                             + tl.arange(0, K_ROW)[None, :]), K_BITS, ASM)  # [BT, D]
-                where = (blk * H + h) * D + d
-                ks = load_elements(u8, i16, i32, page * (PAGE_BYTES // K_ESIZE) + K_SCALES // K_ESIZE, where, K_KIND)
-                if K_SYMMETRIC:
-                    kz = ks * (-((1 << (K_BITS - 1)) - 1))
-                else:
-                    kz = load_elements(u8, i16, i32, page * (PAGE_BYTES // K_ESIZE) + K_ZEROS // K_ESIZE, where, K_KIND)
+                ks, kz = _scale_zero(u8, i16, i32, page, (blk * H + h) * D + d, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND,
+                                     K_ESIZE, K_SCALES, K_ZEROS)
                 scores = tl.dot((q_f32 * ks[None, :]).to(tl.float16), tl.trans(codes))
                 scores += tl.sum(q_f32 * kz[None, :], 1)[:, None]
             for stage in tl.static_range(K_STAGES):
@@ -291,17 +303,9 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             if LAZY:
                 if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
-                    alpha = tl.exp2(m_i - m_new)
-                    l_acc = l_acc * alpha[:, None]
-                    a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
-                    z0, z1, z2, z3 = z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
-                    m_i = m_new
+                    m_i, l_acc, a0, a1, a2, a3, z0, z1, z2, z3 = _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3)
             else:
-                alpha = tl.exp2(m_i - m_new)
-                l_acc = l_acc * alpha[:, None]
-                a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
-                z0, z1, z2, z3 = z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
-                m_i = m_new
+                m_i, l_acc, a0, a1, a2, a3, z0, z1, z2, z3 = _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3)
             p = tl.exp2(scores - m_i[:, None])  # [ROWS, BT]
             l_acc += p
             # ---- values
@@ -334,12 +338,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
         keys = tl.load(dense + ((page * 2) * P + t[:, None]) * (H * D) + h * D + d[None, :]).to(tl.float16)
         scores = tl.dot(q_f16, tl.trans(keys))
         scores = tl.where(t[None, :] < n, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        l_acc = l_acc * alpha[:, None]
-        a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
-        z0, z1, z2, z3 = z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
-        m_i = m_new
+        m_i, l_acc, a0, a1, a2, a3, z0, z1, z2, z3 = _rescale(m_i, tl.maximum(m_i, tl.max(scores, 1)), l_acc, a0, a1, a2,
+                                                              a3, z0, z1, z2, z3)
         p = tl.exp2(scores - m_i[:, None]).to(tl.float16)
         if BT == P:
             l_acc += p.to(tl.float32)

@@ -43,6 +43,24 @@ def folded(q, pages, books, dense, schemes, plan, warps, stages, asm, lazy, prog
     return out
 
 
+def small_case(spec, heads, dim, hq, check_support=True):
+    """Two requests of 8 packed pages + 37 dense tokens, and the reference attention over them; None
+    when the folded kernel does not read the layout (and check_support)."""
+    codec, layout, chunk = bk.encoded_pages(spec, heads, dim, tokens=1024)
+    schemes = kernel_schemes(codec, layout)
+    if check_support and not folded_decode.supports(*schemes, 64, dim):
+        return None
+    pages, books = chunk.pages.contiguous(), chunk.codebook.reshape(1, -1).contiguous()
+    dense = torch.randn(2, 2, 64, heads, dim, device="cuda").bfloat16()
+    plan = bk.make_plan(2, 8, 37, 64, 0, 0)
+    rk, rv = codec.decode_pages(layout, pages, chunk.codebook)
+    ks = [torch.cat([rk[:512], dense[0, 0, :37]]), torch.cat([rk[512:1024], dense[1, 0, :37]])]
+    vs = [torch.cat([rv[:512], dense[0, 1, :37]]), torch.cat([rv[512:1024], dense[1, 1, :37]])]
+    q = torch.randn(2, hq, dim, device="cuda").bfloat16()
+    ref, _ = decode_attention(q, ks, vs)
+    return chunk, schemes, pages, books, dense, plan, q, ref
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -53,19 +71,11 @@ def main():
     if args.check_only:
         for spec in args.codecs.split(";"):
             for heads, dim, ratio in ((8, 128, 4), (3, 64, 3)):
-                codec, layout, chunk = bk.encoded_pages(spec, heads, dim, tokens=1024)
-                schemes = kernel_schemes(codec, layout)
-                if not folded_decode.supports(*schemes, 64, dim):
+                case = small_case(spec, heads, dim, heads * ratio)
+                if case is None:
                     print(spec, heads, dim, "not supported", flush=True)
                     continue
-                pages, books = chunk.pages.contiguous(), chunk.codebook.reshape(1, -1).contiguous()
-                dense = torch.randn(2, 2, 64, heads, dim, device="cuda").bfloat16()
-                plan = bk.make_plan(2, 8, 37, 64, 0, 0)
-                rk, rv = codec.decode_pages(layout, pages, chunk.codebook)
-                ks = [torch.cat([rk[:512], dense[0, 0, :37]]), torch.cat([rk[512:1024], dense[1, 0, :37]])]
-                vs = [torch.cat([rv[:512], dense[0, 1, :37]]), torch.cat([rv[512:1024], dense[1, 1, :37]])]
-                q = torch.randn(2, heads * ratio, dim, device="cuda").bfloat16()
-                ref, _ = decode_attention(q, ks, vs)
+                chunk, schemes, pages, books, dense, plan, q, ref = case
                 for asm in (0, 1):
                     o = folded(q, pages, books, dense, schemes, plan, 4, 1, bool(asm), False)
                     row = dict(codec=spec, heads=heads, dim=dim, asm=asm, schemes=str(schemes),
@@ -78,16 +88,7 @@ def main():
     hq, heads, dim, p = 32, 8, 128, 64
     for spec in args.codecs.split(";"):
         # correctness on a small case, every variant
-        codec, layout, chunk = bk.encoded_pages(spec, heads, dim, tokens=1024)
-        schemes = kernel_schemes(codec, layout)
-        pages, books = chunk.pages.contiguous(), chunk.codebook.reshape(1, -1).contiguous()
-        dense = torch.randn(2, 2, 64, heads, dim, device="cuda").bfloat16()
-        plan = bk.make_plan(2, 8, 37, 64, 0, 0)
-        rk, rv = codec.decode_pages(layout, pages, chunk.codebook)
-        ks = [torch.cat([rk[:512], dense[0, 0, :37]]), torch.cat([rk[512:1024], dense[1, 0, :37]])]
-        vs = [torch.cat([rv[:512], dense[0, 1, :37]]), torch.cat([rv[512:1024], dense[1, 1, :37]])]
-        q = torch.randn(2, hq, dim, device="cuda").bfloat16()
-        ref, _ = decode_attention(q, ks, vs)
+        chunk, schemes, pages, books, dense, plan, q, ref = small_case(spec, heads, dim, hq, check_support=False)
         # timing shapes
         batch, length = 8, 32768
         packed_per_req = length // p - 1
@@ -99,26 +100,26 @@ def main():
         qs = [torch.randn(batch, hq, dim, device="cuda").bfloat16() for _ in range(rot)]
         variants = [(w, st, 1, 0, vf) for w in (2, 4) for st in (1, 3) for vf in (0, 1)]
         for warps, stages, asm, lazy, vfold in variants:
-                        try:
-                            o = folded(q, pages, books, dense, schemes, plan, warps, stages, bool(asm), bool(lazy),
-                                       vfold=bool(vfold))
-                            err = float((o.float() - ref).norm() / ref.norm())
-                            i = [0]
+            try:
+                o = folded(q, pages, books, dense, schemes, plan, warps, stages, bool(asm), bool(lazy),
+                           vfold=bool(vfold))
+                err = float((o.float() - ref).norm() / ref.norm())
+                i = [0]
 
-                            def run():
-                                i[0] += 1
-                                j = i[0] % rot
-                                return folded(qs[j], big, books, bdense, schemes, plans[j], warps, stages, bool(asm),
-                                              bool(lazy), vfold=bool(vfold))
+                def run():
+                    i[0] += 1
+                    j = i[0] % rot
+                    return folded(qs[j], big, books, bdense, schemes, plans[j], warps, stages, bool(asm),
+                                  bool(lazy), vfold=bool(vfold))
 
-                            us = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") * 1e3
-                        except Exception as exc:
-                            print(spec, warps, stages, asm, lazy, vfold, "failed", repr(exc)[:300], flush=True)
-                            continue
-                        row = dict(codec=spec, warps=warps, stages=stages, asm=asm, lazy=lazy, vfold=vfold, rel_err=err,
-                                   us=us)
-                        rows.append(row)
-                        print(row, flush=True)
+                us = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") * 1e3
+            except Exception as exc:
+                print(spec, warps, stages, asm, lazy, vfold, "failed", repr(exc)[:300], flush=True)
+                continue
+            row = dict(codec=spec, warps=warps, stages=stages, asm=asm, lazy=lazy, vfold=vfold, rel_err=err,
+                       us=us)
+            rows.append(row)
+            print(row, flush=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
 
