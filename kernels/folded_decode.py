@@ -27,7 +27,6 @@ the plain kernel for the rest.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

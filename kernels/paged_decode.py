@@ -170,7 +170,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                      **scheme_constants("V", v_scheme))
     if fold:
         folded_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), book_i16, dense, plan, scale * _LOG2E,
-                             per_split, splits, (b, h, splits), constants, asm=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                             per_split, splits, (b, h, splits), constants,
+                             asm=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",  # no PTX in the interpreter
                              num_warps=num_warps, num_stages=num_stages, pages=1 + pair)
     else:
         _paged_decode_kernel[(b, h, splits)](
