@@ -110,10 +110,11 @@ class KVCache:
             parent = key
         table.last_hash = parent
         table.lengths = [table.num_packed_tokens] * self.geometry.num_layers
-        if table.packed and "k_centroids" in self.layout.codebook:
+        clustered = [prefix for prefix in ("k", "v") if f"{prefix}_centroids" in self.layout.codebook]
+        if table.packed and clustered:  # warm-start k-means from the reused prefix's last codebook
             slot = self.packed.slot_of_page[table.packed[-1]]
             for layer, state in enumerate(table.states):
-                for prefix in ("k", "v"):
+                for prefix in clustered:
                     state.centroids[prefix] = self.layout.codebook.view(
                         self.packed.codebooks[layer, slot], f"{prefix}_centroids").float().clone()
         self._tables[table.request_id] = table

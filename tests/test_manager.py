@@ -241,3 +241,23 @@ def test_random_operations_against_model(ops):
     cache.check()
     stats = cache.stats()
     assert stats.dense_pages_used == 0 and stats.packed_pages_used == 0
+
+
+@pytest.mark.parametrize("codec", ["qvg:centroids=4,group=16", "qvg:centroids=4,group=16,vcluster=false"])
+def test_prefix_hit_warm_starts_only_clustered_tensors(codec):
+    """A prefix hit seeds k-means from the reused codebook, for the tensors that have centroids."""
+    cache = make(codec, page_size=8, chunk_pages=2)
+    tokens = list(range(200, 218))
+    a, _ = cache.add_request(tokens)
+    k, v = rand_kv(18)
+    append_all(cache, a, k, v)
+    b, cached = cache.add_request(tokens + [1])
+    assert cached == 16
+    state = cache.page_table(b).states[0]
+    assert sorted(state.centroids) == (["k", "v"] if "vcluster" not in codec else ["k"])
+    k2, v2 = rand_kv(16)
+    append_all(cache, b, k2, v2)  # the next chunk encodes from the warm start
+    assert len(cache.page_table(b).packed) == 4
+    kb, vb = cache.read(b, 1)
+    assert ((vb[16:] - v2[1]).norm() / v2[1].norm()) < 0.8
+    cache.check()
