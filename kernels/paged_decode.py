@@ -127,7 +127,8 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr,
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor,
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
                  target_programs: int = 1024, num_warps: int = 4, num_stages: int = 2,
-                 unpack: int = 0, pair: int = 0, fold: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 unpack: int = 0, pair: int = 0, fold: bool | None = None,
+                 fold_options: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
@@ -140,6 +141,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             (`folded_decode.preferred`).
             ``unpack`` applies to the plain kernel; ``pair`` to both (in the folded kernel: two pages
             per softmax block, for per-token-group keys without centroids).
+        fold_options: extra keywords of `folded_decode.launch` (``lazy``, ``vfold``, ``asm``), for
+            tests and probes of the folded kernel's variants.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -170,9 +173,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                      **scheme_constants("V", v_scheme))
     if fold:
         folded_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), book_i16, dense, plan, scale * _LOG2E,
-                             per_split, splits, (b, h, splits), constants,
-                             asm=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",  # no PTX in the interpreter
-                             num_warps=num_warps, num_stages=num_stages, pages=1 + pair)
+                             per_split, splits, (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages,
+                             pages=1 + pair, **{"asm": q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                                **(fold_options or {})})  # no PTX in the interpreter
     else:
         _paged_decode_kernel[(b, h, splits)](
             q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,

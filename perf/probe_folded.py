@@ -1,4 +1,4 @@
-"""Variants of the folded decode kernel side by side with the plain kernel (one device call).
+"""Variants of the folded decode kernel side by side (one device call; the plain kernel is in bench_kernels).
 
     python3 perf/probe_folded.py --out $OUT/probe_folded.json
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 import torch
@@ -18,29 +17,16 @@ import triton.testing
 
 from kvbackend.attention import decode_attention
 from kvbackend.kernels import folded_decode
-from kvbackend.kernels.dequant import pool_views, scheme_constants
-from kvbackend.kernels.paged_decode import _LOG2E, _merge_kernel
+from kvbackend.kernels.paged_decode import paged_decode
 from kvbackend.scheme import kernel_schemes
 
 import bench_kernels as bk
 
 
 def folded(q, pages, books, dense, schemes, plan, warps, stages, asm, lazy, programs=4096, vfold=True):
-    b, hq, d = q.shape
-    p, h = dense.shape[2], dense.shape[3]
-    per_split, splits = plan.splits(h, programs)
-    o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
-    constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(books.shape[-1], 0), H=h, P=p, D=d, GROUP=hq // h,
-                     ROWS=max(16, triton.next_power_of_2(hq // h)), **scheme_constants("K", schemes[0]), **scheme_constants("V", schemes[1]))
-    _, book_i16, _ = pool_views(books)
-    folded_decode.launch(q, o_part, m_part, l_part, pool_views(pages), book_i16, dense, plan, _LOG2E / math.sqrt(d),
-                         per_split, splits, (b, h, splits), constants, asm=asm, num_warps=warps, num_stages=stages,
-                         lazy=lazy, vfold=vfold)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=triton.next_power_of_2(splits))
+    """The folded kernel in one variant, through `paged_decode`."""
+    out, _ = paged_decode(q, pages, books, dense, schemes, plan, target_programs=programs, num_warps=warps,
+                          num_stages=stages, fold=True, fold_options=dict(asm=asm, lazy=lazy, vfold=vfold))
     return out
 
 

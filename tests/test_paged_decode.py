@@ -131,27 +131,9 @@ def test_folded_kernel_matches_reference(codec, head_dim, page_size, lengths, ra
     plan = cache.plan(ids, 1)
     q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
     args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, plan)
-    if lazy:  # the lazily rescaled softmax and the other value path, through the launcher directly
-        import math
-
-        import triton as tr
-
-        from kvbackend.kernels.dequant import pool_views, scheme_constants
-        from kvbackend.kernels.paged_decode import _LOG2E, _merge_kernel
-
-        b, hq, d = q.shape
-        per_split, splits = plan.splits(2, programs)
-        o_part = torch.full((b, hq, splits, d), float("nan"), device=DEVICE)
-        m_part = torch.full((b, hq, splits), float("nan"), device=DEVICE)
-        l_part = torch.full_like(m_part, float("nan"))
-        constants = dict(PAGE_BYTES=args[0].shape[1], BOOK_BYTES=max(args[1].shape[-1], 0), H=2, P=page_size, D=d,
-                         GROUP=ratio, ROWS=16, **scheme_constants("K", schemes[0]), **scheme_constants("V", schemes[1]))
-        folded_decode.launch(q, o_part, m_part, l_part, pool_views(args[0]), pool_views(args[1])[1], args[2], plan,
-                             _LOG2E / math.sqrt(d), per_split, splits, (b, 2, splits), constants, asm=False,
-                             num_warps=4, num_stages=1, lazy=True, vfold=not folded_decode.VFOLD_DEFAULT)
-        out = torch.empty_like(q)
-        lse = torch.empty(b, hq, device=DEVICE)
-        _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=tr.next_power_of_2(splits))
+    if lazy:  # the lazily rescaled softmax and the other value path
+        out, lse = paged_decode(q, *args, target_programs=programs, fold=True,
+                                fold_options=dict(lazy=True, vfold=not folded_decode.VFOLD_DEFAULT))
     else:
         out, lse = paged_decode(q, *args, target_programs=programs, fold=True)
         if not cache.layout.codebook.fields:  # two pages per block, odd page counts included
