@@ -33,15 +33,14 @@ POINTERS = {"q": "*bf16", "o_part": "*fp32", "m_part": "*fp32", "l_part": "*fp32
 
 
 def sass_counts(spec: str, num_warps: int, unpack: int, num_stages: int = 1, heads: int = 8, dim: int = 128,
-                group: int = 4, pair: int = 0, fold: int = 0, asm: int = 1, vfold: int = 1) -> collections.Counter:
+                group: int = 4, pair: int = 0, fold: int = 0, asm: int = 1, vfold: int = int(fd.VFOLD_DEFAULT)) -> collections.Counter:
     codec = codecs.get(spec)
     layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), 64)
     k_scheme, v_scheme = kernel_schemes(codec, layout)
     consts = dict(PAGE_BYTES=layout.page_bytes, BOOK_BYTES=layout.codebook_bytes, H=heads, P=64, D=dim, GROUP=group,
                   ROWS=max(16, group), **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
     if fold:
-        consts["ASM"] = asm
-        consts.update(LAZY=0, PAGES=1 + pair, VFOLD=vfold)
+        consts.update(ASM=asm, LAZY=0, PAGES=1 + pair, VFOLD=vfold)
         fn = fd._folded_decode_kernel
     else:
         consts.update(UNPACK=unpack, PAIR=pair)
