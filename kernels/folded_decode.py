@@ -369,16 +369,13 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int) ->
     def pow2(x: int) -> bool:
         return x > 0 and x & (x - 1) == 0
 
-    def codes_ok(x: TensorScheme) -> bool:
-        return x.mode != FLOAT and x.bits in (2, 4, 8) and (x.stages == 0 or x.centroids <= 256)
-
-    if not (codes_ok(k) and codes_ok(v) and pow2(page_size) and pow2(head_dim)):
-        return False
     def groups_ok(x: TensorScheme) -> bool:
         # Channel groups are unrolled: 1, 2 or 4 of them, each at least 32 channels (16-channel groups
         # gave wrong results on the H200 under Triton 3.6 although the interpreter agrees: kernels v7).
         return pow2(x.group) and 32 <= x.group <= head_dim and head_dim // x.group <= 4
 
+    if not all(x.mode != FLOAT and x.bits in (2, 4, 8) for x in (k, v)) or not (pow2(page_size) and pow2(head_dim)):
+        return False
     k_ok = groups_ok(k) if k.mode == TOKEN_GROUPS else pow2(k.group) and 32 <= k.group <= page_size
     v_ok = v.mode == TOKEN_GROUPS and groups_ok(v)
     return k_ok and v_ok and page_size >= 16
@@ -389,9 +386,9 @@ MIN_PAGES_PER_PROGRAM = 16  # below this the plain kernel measured faster (B=1, 
 
 def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, pages_per_program: int) -> bool:
     """Whether `paged_decode` picks this kernel by default: where it reads the layout and each program
-    walks enough pages to amortise its longer prologue (H200, perf/NOTES.md kernels v9: at B=8, L=32K,
-    32 pages a program, folded 300-440 us vs plain 351-586 us; at B=1, 4 pages a program, plain
-    80-85 us vs folded 117-325 us)."""
+    walks enough pages to amortise its longer prologue (H200, perf/NOTES.md kernels v9/v10: at B=8,
+    L=32K, 32 pages a program, folded 299-440 us vs plain 351-586 us; at B=1, 4 pages a program,
+    plain 93-112 us vs folded 117-325 us)."""
     return supports(k, v, page_size, head_dim) and pages_per_program >= MIN_PAGES_PER_PROGRAM
 
 
@@ -405,5 +402,5 @@ def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, 
     u8, i16, i32 = views
     _folded_decode_kernel[grid](
         q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
-        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, ASM=asm, LAZY=lazy, PAGES=pages, VFOLD=vfold,
-        **constants, num_warps=num_warps, num_stages=num_stages)
+        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, ASM=asm, LAZY=lazy,
+        PAGES=pages, VFOLD=vfold, **constants, num_warps=num_warps, num_stages=num_stages)
