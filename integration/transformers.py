@@ -8,6 +8,10 @@ completed chunks are encoded by the codec; attention reads the reconstruction of
 chunks (decoded once per chunk and kept) followed by the active chunk as stored. The first
 ``sink`` tokens can stay exact, and keys can be stored before RoPE.
 
+A per-layer plan (the one ``kvbackend eval`` prints for ``auto:...``) runs as it is chosen:
+``KVBackendCache.from_plan(model.config, plan)`` takes each layer's codec and the plan's sink,
+pre-RoPE and value-rotation levers, so nothing is calibrated again.
+
 Query-aware codecs (``quantwm``) also need the queries attention used. ``cache.attach(model)``
 installs an attention function that hands each layer's queries to the cache before attending; the
 layer then appends its new tokens together with their queries (so a chunk is encoded with the
@@ -16,12 +20,16 @@ statistics of its own and earlier queries). Without it such a codec runs on cold
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..auto import cache_specs
+from ..errors import SpecError
 from ..geometry import CacheConfig, Geometry
+from ..levers import ROTATIONS, hadamard
 from ..manager import KVCache
 from ..rope import rotary_from_config
 
@@ -30,12 +38,13 @@ from ..rope import rotary_from_config
 class CacheOptions:
     """Options of a `KVBackendCache`."""
 
-    codec: str = "qvg"  # codec spec for completed chunks
+    codec: str | tuple[str, ...] = "qvg"  # codec spec for completed chunks, or one spec per layer
     page_size: int = 64  # tokens per page
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
     sink: int = 0  # first tokens of every row kept exact, outside the pages
     pre_rope: bool = False  # store keys before RoPE, rotate again on read
     max_tokens: int = 4096  # longest sequence per batch row; sizes the pools
+    v_rotation: str = "none"  # "hadamard": values stored rotated (before quantization), rotated back on read
 
 
 class KVBackendLayer(CacheLayerMixin):
@@ -78,14 +87,15 @@ class KVBackendLayer(CacheLayerMixin):
             self._sink_v = torch.cat([self._sink_v, value_states[:, :, :to_sink]], dim=2)
         k_new, v_new = key_states[:, :, to_sink:], value_states[:, :, to_sink:]
         first = self.length + to_sink - opts.sink  # position of k_new[0] among paged tokens
-        k_seen = k_new
+        k_seen, v_seen = k_new, v_new
         if opts.pre_rope and k_new.shape[2]:
             k_new = self.owner.rotary.derotate(k_new, self._positions(first, k_new.shape[2]))
+        v_new = self.owner.rotate_values(v_new)
         if self.owner.wants_queries and k_new.shape[2]:  # append once attention hands over the queries
             keys, values = self._gather()
             self._pending = (k_new, v_new, first)
             self.length += t
-            return torch.cat([keys, k_seen], dim=2), torch.cat([values, v_new], dim=2)
+            return torch.cat([keys, k_seen], dim=2), torch.cat([values, v_seen], dim=2)
         for row, rid in enumerate(self.owner.request_ids):
             engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1))
         self.length += t
@@ -129,13 +139,14 @@ class KVBackendLayer(CacheLayerMixin):
                 if opts.pre_rope:
                     pk = self.owner.rotary.rotate(pk, self._positions(have * opts.page_size, pk.shape[1]))
                 self._packed_k[row] = torch.cat([self._packed_k[row], pk], dim=1)
-                self._packed_v[row] = torch.cat([self._packed_v[row], pv.transpose(0, 1)], dim=1)
+                pv = self.owner.rotate_values(pv.transpose(0, 1), back=True)
+                self._packed_v[row] = torch.cat([self._packed_v[row], pv], dim=1)
             dk, dv = engine.read_dense(rid, self.layer_idx)
             dk = dk.transpose(0, 1)
             if opts.pre_rope and dk.shape[1]:
                 dk = self.owner.rotary.rotate(dk, self._positions(self._packed_k[row].shape[1], dk.shape[1]))
             keys.append(torch.cat([self._packed_k[row], dk], dim=1))
-            values.append(torch.cat([self._packed_v[row], dv.transpose(0, 1)], dim=1))
+            values.append(torch.cat([self._packed_v[row], self.owner.rotate_values(dv.transpose(0, 1), back=True)], dim=1))
         return torch.cat([self._sink_k, torch.stack(keys)], dim=2), torch.cat([self._sink_v, torch.stack(values)], dim=2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -162,10 +173,16 @@ class KVBackendLayer(CacheLayerMixin):
 class KVBackendCache(Cache):
     """A transformers `Cache` backed by kvbackend's paged, compressed storage."""
 
-    def __init__(self, config, codec: str = "qvg", *, page_size: int = 64, chunk_pages: int = 32, sink: int = 0,
-                 pre_rope: bool = False, max_tokens: int = 4096) -> None:
-        self.options = CacheOptions(codec, page_size, chunk_pages, sink, pre_rope, max_tokens)
+    def __init__(self, config, codec: str | Sequence[str] = "qvg", *, page_size: int = 64, chunk_pages: int = 32,
+                 sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none") -> None:
+        if v_rotation not in ROTATIONS:
+            raise SpecError(f"v_rotation={v_rotation!r}; valid: {', '.join(ROTATIONS)}")
+        codec = codec if isinstance(codec, str) else tuple(codec)
+        self.options = CacheOptions(codec, page_size, chunk_pages, sink, pre_rope, max_tokens, v_rotation)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if isinstance(codec, tuple) and len(codec) != text_config.num_hidden_layers:
+            raise SpecError(f"a per-layer plan of {len(codec)} specs for a model of "
+                            f"{text_config.num_hidden_layers} layers")
         self.model_config = text_config
         self.rotary = rotary_from_config(text_config) if pre_rope else None
         self.engine: KVCache | None = None
@@ -173,6 +190,22 @@ class KVBackendCache(Cache):
         self.wants_queries = False  # set by attach() when the codec reads query statistics
         layers = [KVBackendLayer(self, i) for i in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
+
+    @classmethod
+    def from_plan(cls, config, plan: Sequence[str], **options) -> "KVBackendCache":
+        """A cache that runs a per-layer plan as chosen (e.g. ``kvbackend eval --json``'s ``plan`` for
+        an ``auto:...`` codec): each layer's codec, and the plan's ``sink``, ``prerope`` and ``vrot``
+        levers as ``sink``, ``pre_rope`` and ``v_rotation``. Other keyword options as for the class."""
+        specs, levers = cache_specs(plan)
+        return cls(config, specs, sink=levers.sink, pre_rope=levers.prerope, v_rotation=levers.vrot, **options)
+
+    def rotate_values(self, v: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """Values ``[..., D]`` into the stored frame (or ``back`` out of it): an orthonormal Hadamard
+        rotation when ``v_rotation="hadamard"`` (computed in float32), else unchanged."""
+        if self.options.v_rotation == "none" or not v.numel():
+            return v
+        h = hadamard(v.shape[-1]).to(v.device)
+        return (v.float() @ (h.T if back else h)).to(v.dtype)
 
     def attach(self, model) -> str:
         """Route ``model``'s attention through a function that hands queries to this cache first
@@ -192,7 +225,8 @@ class KVBackendCache(Cache):
         model.set_attn_implementation(name)
         from ..codecs import get as get_codec
 
-        self.wants_queries = get_codec(self.options.codec).uses_queries
+        specs = [self.options.codec] if isinstance(self.options.codec, str) else self.options.codec
+        self.wants_queries = any(get_codec(spec).uses_queries for spec in specs)
         return name
 
     def detach(self, model) -> None:
@@ -209,7 +243,8 @@ class KVBackendCache(Cache):
         batch, heads, _, head_dim = key_states.shape
         pages_per_row = -(-opts.max_tokens // opts.page_size) + 1
         geometry = Geometry(cfg.num_hidden_layers, heads, head_dim, key_states.dtype)
-        config = CacheConfig(codec=opts.codec, page_size=opts.page_size, chunk_pages=opts.chunk_pages,
+        which = {"codec": opts.codec} if isinstance(opts.codec, str) else {"layer_codecs": opts.codec}
+        config = CacheConfig(**which, page_size=opts.page_size, chunk_pages=opts.chunk_pages,
                              dense_pages=batch * pages_per_row, packed_pages=batch * pages_per_row,
                              device=str(key_states.device))
         self.engine = KVCache(geometry, config)

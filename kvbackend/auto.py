@@ -16,6 +16,7 @@ next-token KL, measured on the prefix itself (its first part cached through the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,12 +25,14 @@ import torch
 from . import codecs
 from .errors import SpecError
 from .geometry import Geometry
+from .levers import Levers
 from .reconstruct import reconstruct_sequence
 from .rope import Rotary
-from .spec import build_spec, split_spec
+from .spec import build_spec, format_spec, split_spec
 
 
-VARIANTS = {"plain": ("",), "clip": ("", ",kclip=true,vclip=true")}  # same-byte options tried per table entry
+VARIANTS = {"plain": ("",), "clip": ("", "clip")}  # same-byte options tried per table entry
+_CLIP = {"kivi": ",kclip=true,vclip=true"}  # how each base spells clipped steps (qvg family: clip=true)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class AutoSpec:
     kl: float = 0.0  # or: budget of next-token KL on the prefix's own tail (0: not set)
     calib: int = 256  # prefix tokens teacher-forced to measure the KL of a plan
     variants: str = "plain"  # per layer and width, also try: "clip" (kclip+vclip, same bytes); "plain" = base only
-    base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen
+    base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen (kivi/qvg/quantwm)
     widths: str = "2-3-4"  # candidate widths, dash-separated
     queries: int = 128  # last prefix queries scored per layer
 
@@ -94,9 +97,10 @@ def _error_table(spec: AutoSpec, widths: list[int], queries, keys, values, geome
                  chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, int, int], tuple[float, int, str]]:
     """(layer, kbits, vbits) -> (attention error, stored bytes, spec): of the variants tried (same
     bytes by construction), the one with the lowest error."""
-    base_name = codecs.parse(spec.base).name
-    if base_name != "kivi":
-        raise SpecError(f"auto: base must be a kivi spec (kbits/vbits are chosen), got {spec.base!r}")
+    base = codecs.parse(spec.base)
+    if not (hasattr(base, "kbits") and hasattr(base, "vbits")):
+        raise SpecError(f"auto: base must be a codec with kbits/vbits options (kivi, qvg, qvg-pro, quantwm), "
+                        f"got {spec.base!r}")
     table: dict[tuple[int, int, int], tuple[float, int, str]] = {}
     for layer in range(len(keys)):
         n = min(spec.queries, keys[layer].shape[0])
@@ -104,6 +108,7 @@ def _error_table(spec: AutoSpec, widths: list[int], queries, keys, values, geome
         for kb in widths:
             for vb in widths:
                 for extra in VARIANTS[spec.variants]:
+                    extra = _CLIP.get(base.name, ",clip=true") if extra == "clip" else extra
                     text = f"{spec.base},kbits={kb},vbits={vb}{extra}"
                     rec = reconstruct_sequence(codecs.get(text), keys[layer], values[layer], geometry, page_size,
                                                chunk_tokens, rotary, queries[layer])
@@ -187,3 +192,23 @@ def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Te
 def _next(widths: list[int], current: int) -> int | None:
     bigger = [w for w in widths if w > current]
     return bigger[0] if bigger else None
+
+
+def cache_specs(specs: Sequence[str]) -> tuple[list[str], Levers]:
+    """A plan's per-layer specs as a paged cache takes them: codec specs without the sequence levers
+    (for ``CacheConfig(layer_codecs=...)``) and the levers every layer shares (applied around the cache,
+    e.g. by ``KVBackendCache.from_plan``).
+
+    Raises:
+        SpecError: the layers use different levers, or the post-hoc ``psac=`` lever (eval only).
+    """
+    parsed = [codecs.get(spec) for spec in specs]
+    levers = {codec.levers for codec in parsed}
+    if len(levers) > 1:
+        raise SpecError(f"the plan's layers use different levers ({', '.join(sorted(lv.suffix() for lv in levers))}); "
+                        "a cache applies one set to every layer")
+    shared = levers.pop() if levers else Levers()
+    if shared.psac:
+        raise SpecError("the psac= lever corrects whole sequences after the fact (kvbackend eval only); "
+                        "use quantwm:rank=R for a correction stored in the pages")
+    return [format_spec(codec.spec) for codec in parsed], shared

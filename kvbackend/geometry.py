@@ -43,6 +43,8 @@ class CacheConfig:
     """
 
     codec: str = "qvg"  # codec spec string, parsed by kvbackend.codecs.get
+    # one codec spec per layer (e.g. the plan `kvbackend eval` prints for auto:...); empty: `codec` everywhere
+    layer_codecs: tuple[str, ...] = ()
     page_size: int = 64  # P: tokens per page
     chunk_pages: int = 32  # pages in one chunk; a chunk is encoded once it is full
     dense_pages: int = 256  # capacity of the dense (uncompressed) pool, in pages
@@ -54,6 +56,10 @@ class CacheConfig:
     extra_keys: tuple = field(default_factory=tuple)  # mixed into every page hash (LoRA id, salt, ...)
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_codecs, str) or not all(isinstance(c, str) for c in self.layer_codecs):
+            raise ValueError(f"CacheConfig.layer_codecs must be a sequence of codec spec strings, got "
+                             f"{self.layer_codecs!r}")
+        object.__setattr__(self, "layer_codecs", tuple(self.layer_codecs))  # a list is accepted, kept hashable
         for name in ("page_size", "chunk_pages", "dense_pages", "packed_pages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import struct
@@ -67,25 +68,76 @@ class KVCache:
     layer the chunk is encoded with the configured codec into packed pages and the dense pages
     are freed. Packed pages of known tokens are hashed, so later requests with the same prefix
     share them.
+
+    Every layer has its own codec when ``config.layer_codecs`` gives a per-layer plan (such as the
+    one `kvbackend eval` prints for ``auto:...``): each layer then has its own page layout, page
+    size in bytes and backend, and the plan is part of `fingerprint`, so decoding needs no
+    recalibration and tiers never mix pages of another plan.
     """
 
     def __init__(self, geometry: Geometry, config: CacheConfig | None = None) -> None:
         self.geometry = geometry
         self.config = config or CacheConfig()
-        self.codec = codecs.get(self.config.codec)
-        if self.codec.levers.active:
-            raise SpecError(f"{self.config.codec!r}: sink/prerope/vrot act on whole sequences; they are applied by "
-                            "`kvbackend eval` and by KVBackendCache(sink=..., pre_rope=...), not by a KVCache")
-        self.layout = self.codec.layout(geometry, self.config.page_size)
+        specs = self.config.layer_codecs or (self.config.codec,) * geometry.num_layers
+        if len(specs) != geometry.num_layers:
+            raise SpecError(f"layer_codecs has {len(specs)} specs for {geometry.num_layers} layers")
+        built: dict[str, tuple] = {}  # spec -> (codec, layout, backend), shared by layers of one spec
+        for spec in specs:
+            if spec in built:
+                continue
+            if spec.split(":", 1)[0] == "auto":
+                raise SpecError(f"{spec!r}: an auto plan is chosen on a prompt by `kvbackend eval` (or "
+                                "kvbackend.auto.plan_widths); pass its per-layer specs as CacheConfig(layer_codecs=...)")
+            codec = codecs.get(spec)
+            if codec.levers.active:
+                raise SpecError(f"{spec!r}: sink/prerope/vrot act on whole sequences; they are applied by "
+                                "`kvbackend eval` and by KVBackendCache(sink=..., pre_rope=...), not by a KVCache "
+                                "(kvbackend.auto.cache_specs strips them from a plan)")
+            layout = codec.layout(geometry, self.config.page_size)
+            built[spec] = (codec, layout, backends.choose(self.config.backend, torch.device(self.config.device),
+                                                          codec, layout))
+        self.codecs = [built[spec][0] for spec in specs]
+        self.layouts = [built[spec][1] for spec in specs]
+        self.backends = [built[spec][2] for spec in specs]
+        self.uniform = len(built) == 1
         self.dense = DensePool(geometry, self.config)
-        self.packed = PackedPool(self.layout, self.config)
-        self.backend = backends.choose(self.config.backend, self.dense.data.device, self.codec, self.layout)
+        self.packed = PackedPool(self.layouts, self.config)
+        # exported page groups: every layer's page, back to back, then a trailer and every layer's codebook
+        self._page_offsets = list(itertools.accumulate((lay.page_bytes for lay in self.layouts), initial=0))
+        self._book_offsets = list(itertools.accumulate((lay.codebook_bytes for lay in self.layouts), initial=0))
         self._tables: dict[int, PageTable] = {}
         # hashed packed page -> its tokens, for the collision check on a hit; entries of evicted pages
         # are harmless (their hash is gone) and are overwritten when the page is hashed again
         self._page_tokens: dict[int, bytes] = {}
         self._ids = itertools.count()
         self._layer_events: list | None = None  # per-layer CUDA events of the last layered restore
+
+    @property
+    def codec(self):
+        """The codec of every layer (a cache with a per-layer plan has `codecs` instead)."""
+        return self._the("codecs")
+
+    @property
+    def layout(self):
+        """The page layout of every layer (a cache with a per-layer plan has `layouts` instead)."""
+        return self._the("layouts")
+
+    @property
+    def backend(self):
+        return self._the("backends")
+
+    def _the(self, name: str):
+        if not self.uniform:
+            raise SpecError(f"this cache has a per-layer codec plan: use KVCache.{name}[layer]")
+        return getattr(self, name)[0]
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex characters naming the byte layout of every layer (the layout's own for one codec)."""
+        if self.uniform:
+            return self.layouts[0].fingerprint
+        text = "|".join(lay.fingerprint for lay in self.layouts)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- admission --------------------------------------------------------------------------
     def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
@@ -110,13 +162,14 @@ class KVCache:
             parent = key
         table.last_hash = parent
         table.lengths = [table.num_packed_tokens] * self.geometry.num_layers
-        clustered = [prefix for prefix in ("k", "v") if f"{prefix}_centroids" in self.layout.codebook]
-        if table.packed and clustered:  # warm-start k-means from the reused prefix's last codebook
+        if table.packed:  # warm-start k-means from the reused prefix's last codebook
             slot = self.packed.slot_of_page[table.packed[-1]]
             for layer, state in enumerate(table.states):
-                for prefix in clustered:
-                    state.centroids[prefix] = self.layout.codebook.view(
-                        self.packed.codebooks[layer, slot], f"{prefix}_centroids").float().clone()
+                book = self.layouts[layer].codebook
+                for prefix in ("k", "v"):
+                    if f"{prefix}_centroids" in book:
+                        state.centroids[prefix] = book.view(self.packed.codebooks[layer][slot],
+                                                            f"{prefix}_centroids").float().clone()
         self._tables[table.request_id] = table
         return table.request_id, table.num_packed_tokens
 
@@ -133,8 +186,13 @@ class KVCache:
         (``quantwm``): a chunk is encoded with the second moment of the queries of its own and
         earlier tokens only.
 
+        A chunk that completes while the packed pool (or its codebook slots) is full stays in the
+        dense pool as it is and is encoded by a later append once room exists: a step whose first
+        layers were appended never fails at its last one.
+
         Raises:
-            UnknownRequest, InvalidKV, CacheFull (nothing is written when it is raised).
+            UnknownRequest, InvalidKV, CacheFull (the dense pool is full; nothing is written when it
+            is raised).
         """
         table = self._table(request_id)
         if not 0 <= layer < self.geometry.num_layers:
@@ -153,12 +211,9 @@ class KVCache:
         p, n = self.config.page_size, k.shape[0]
         start = table.dense_tokens(layer)
         pages_needed = -(-(start + n) // p) - len(table.dense)
-        completes = self._chunks_completed(table, layer, n)
-        # Check, then commit: every allocation this call can make is checked before any write.
+        # Check, then commit: the one allocation that can fail is checked before any write.
         if not self.dense.allocator.can_allocate(max(pages_needed, 0)):
             raise CacheFull("dense", pages_needed, self.dense.allocator.num_free)
-        if completes:
-            self._check_packed_capacity(completes)
         if pages_needed > 0:
             table.dense.extend(self.dense.allocator.allocate(pages_needed))
         written = 0
@@ -169,7 +224,7 @@ class KVCache:
             self.dense.data[layer, page, 0, offset : offset + m] = k[written : written + m]
             self.dense.data[layer, page, 1, offset : offset + m] = v[written : written + m]
             written += m
-        if queries is not None and self.codec.uses_queries:
+        if queries is not None and self.codecs[layer].uses_queries:
             chunk_tokens = self.config.chunk_tokens
             base = table.lengths[layer]  # position of this call's first token
             offset = 0  # split at chunk boundaries
@@ -179,23 +234,15 @@ class KVCache:
                 table.states[layer].add_queries(chunk, queries[offset:stop], self.geometry.num_kv_heads)
                 offset = stop
         table.lengths[layer] += n
-        for _ in range(completes):
+        while table.num_tokens - table.num_packed_tokens >= self.config.chunk_tokens and self._can_pack():
             self._complete_chunk(table)
 
-    def _chunks_completed(self, table: PageTable, layer: int, n: int) -> int:
-        """Chunks that become full in every layer once this layer holds ``n`` more tokens."""
-        lengths = list(table.lengths)
-        lengths[layer] += n
-        return max(min(lengths) - table.num_packed_tokens, 0) // self.config.chunk_tokens
-
-    def _check_packed_capacity(self, chunks: int) -> None:
-        pages = chunks * self.config.chunk_pages
-        if not self.packed.allocator.can_allocate(pages):
-            raise CacheFull("packed", pages, self.packed.allocator.num_free)
+    def _can_pack(self) -> bool:
+        """Whether one more chunk fits in the packed pool and its codebook slots."""
+        pages = self.config.chunk_pages
         # Evicting cached pages to make room can release slots, so count those as available too.
         slots_free = self.packed.slots.num_free + min(self.packed.allocator.num_cached, pages)
-        if slots_free < chunks:
-            raise CacheFull("codebook", chunks, self.packed.slots.num_free)
+        return self.packed.allocator.can_allocate(pages) and slots_free >= 1
 
     def _complete_chunk(self, table: PageTable) -> None:
         cfg = self.config
@@ -209,8 +256,8 @@ class KVCache:
             kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
             k = kv[:, 0].reshape(-1, *kv.shape[-2:])
             v = kv[:, 1].reshape(-1, *kv.shape[-2:])
-            self.backend.encode_chunk(self.codec, self.layout, k, v, table.states[layer], self.packed.pages[layer],
-                                      page_ids, self.packed.codebooks[layer, slot])
+            self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], k, v, table.states[layer],
+                                              self.packed.pages[layer], page_ids, self.packed.codebooks[layer][slot])
         self.packed.bind(new_pages, slot)
         self.packed.open_slot(slot, random.getrandbits(63), new_pages[0])
         self.packed.slots.decref(slot)  # the pages now hold the slot; drop the allocation's own ref
@@ -254,8 +301,8 @@ class KVCache:
         self.wait_layer(layer)
         keys, values = [self._empty()], [self._empty()]
         for slot, pages in self._runs(table.packed[first_page:]):
-            k, v = self.codec.decode_pages(self.layout, self.packed.pages[layer, pages],
-                                           self.packed.codebooks[layer, slot])
+            k, v = self.codecs[layer].decode_pages(self.layouts[layer], self.packed.pages[layer][pages],
+                                                   self.packed.codebooks[layer][slot])
             keys.append(k)
             values.append(v)
         return torch.cat(keys), torch.cat(values)
@@ -293,12 +340,12 @@ class KVCache:
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
         self.wait_layer(layer)
-        return self.backend.gather(self, plan, layer)
+        return self.backends[layer].gather(self, plan, layer)
 
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
         self.wait_layer(layer)
-        return self.backend.decode(self, plan, layer, q, scale)
+        return self.backends[layer].decode(self, plan, layer, q, scale)
 
     def page_table(self, request_id: int) -> PageTable:
         return self._table(request_id)
@@ -329,23 +376,27 @@ class KVCache:
     def blob_bytes(self) -> int:
         """Largest exported page group: every layer's packed page, a 16-byte trailer (chunk id, whether
         a codebook follows), then every layer's codebook slot when this page carries it."""
-        return self._pages_part + _TRAILER.size + self.geometry.num_layers * self.layout.codebook_bytes
+        return self._pages_part + _TRAILER.size + self._book_offsets[-1]
 
     @property
     def _pages_part(self) -> int:
-        return self.geometry.num_layers * self.layout.page_bytes
+        return self._page_offsets[-1]
+
+    def page_span(self, layer: int) -> tuple[int, int]:
+        """(offset, bytes) of ``layer``'s page inside an exported page group."""
+        return self._page_offsets[layer], self.layouts[layer].page_bytes
 
     def export_page(self, page: int) -> torch.Tensor:
         """A copy of one packed page group (uint8, 1-D). Only the chunk's first page carries the
         chunk's codebook; the others name the chunk and share it again when restored."""
         slot = self.packed.slot_of_page[page]
         assert slot is not None, f"packed page {page} is not live"
-        carrier = self.packed.carrier_of_slot[slot] == page and self.layout.codebook_bytes > 0
+        carrier = self.packed.carrier_of_slot[slot] == page and self._book_offsets[-1] > 0
         trailer = torch.frombuffer(bytearray(_TRAILER.pack(self.packed.chunk_of_slot[slot], int(carrier))),
-                                   dtype=torch.uint8).to(self.packed.pages.device)
-        parts = [self.packed.pages[:, page].reshape(-1), trailer]
+                                   dtype=torch.uint8).to(self.packed.device)
+        parts = [pages[page] for pages in self.packed.pages] + [trailer]
         if carrier:
-            parts.append(self.packed.codebooks[:, slot].reshape(-1))
+            parts += [books[slot] for books in self.packed.codebooks]
         return torch.cat(parts)
 
     def evictable_pages(self) -> list[tuple[int, int]]:
@@ -400,7 +451,7 @@ class KVCache:
             chunk, carries = trailers[i]
             slot = pool.slot_of_chunk.get(chunk)
             opens = slot is None
-            if opens and not (carries or self.layout.codebook_bytes == 0):
+            if opens and not (carries or self._book_offsets[-1] == 0):
                 break  # the codebook of this page's chunk is neither resident nor carried
             if not allocator.can_allocate(1) or (opens and not pool.slots.can_allocate(1)):
                 break
@@ -426,14 +477,14 @@ class KVCache:
         the current stream."""
         if not plan.new_pages:
             return
-        pool, pb = self.packed, self.layout.page_bytes
-        device = pool.pages.device
+        pool, (start, pb) = self.packed, self.page_span(layer)
+        device = pool.device
         idx = plan.index(blobs.device, device)
-        pool.pages[layer, idx["pages"]] = blobs[idx["rows"], layer * pb : (layer + 1) * pb].to(device)
-        if plan.new_slots and self.layout.codebook_bytes:
-            cb = self.layout.codebook_bytes
-            start = self._pages_part + _TRAILER.size + layer * cb
-            pool.codebooks[layer, idx["slots"]] = blobs[idx["slot_rows"], start : start + cb].to(device)
+        pool.pages[layer][idx["pages"]] = blobs[idx["rows"], start : start + pb].to(device)
+        cb = self.layouts[layer].codebook_bytes
+        if plan.new_slots and cb:
+            start = self._pages_part + _TRAILER.size + self._book_offsets[layer]
+            pool.codebooks[layer][idx["slots"]] = blobs[idx["slot_rows"], start : start + cb].to(device)
 
     def finish_install(self, plan: InstallPlan) -> None:
         for page in plan.new_pages:
@@ -447,7 +498,7 @@ class KVCache:
     def wait_layer(self, layer: int) -> None:
         events = self._layer_events
         if events is not None:
-            torch.cuda.current_stream(self.packed.pages.device).wait_event(events[layer])
+            torch.cuda.current_stream(self.packed.device).wait_event(events[layer])
 
     # -- lifetime ---------------------------------------------------------------------------
     def fork(self, request_id: int) -> int:

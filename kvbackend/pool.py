@@ -24,19 +24,21 @@ class DensePool:
 
 
 class PackedPool:
-    """Packed pages ``[L, pages, page_bytes]`` and codebook slots ``[L, slots, codebook_bytes]``.
+    """Packed pages and codebook slots, one tensor pair per layer: ``pages[layer]`` is
+    ``[pages, page_bytes(layer)]`` and ``codebooks[layer]`` ``[slots, codebook_bytes(layer)]``.
 
-    Every packed page records its chunk's codebook slot; the slot is reference-counted by the
-    pages that point at it and returns to its free list with the last of them.
+    Layers may use different layouts (a per-layer codec plan), so their pages differ in size; a page
+    id names the same logical page in every layer. Every packed page records its chunk's codebook
+    slot; the slot is reference-counted by the pages that point at it and returns to its free list
+    with the last of them.
     """
 
-    def __init__(self, layout: PageLayout, config: CacheConfig) -> None:
-        g = layout.geometry
-        self.layout = layout
-        self.pages = torch.zeros(g.num_layers, config.packed_pages, layout.page_bytes, dtype=torch.uint8,
-                                 device=config.device)
-        self.codebooks = torch.zeros(g.num_layers, config.num_codebook_slots, layout.codebook_bytes,
-                                     dtype=torch.uint8, device=config.device)
+    def __init__(self, layouts: list[PageLayout], config: CacheConfig) -> None:
+        self.layouts = list(layouts)
+        self.pages = [torch.zeros(config.packed_pages, lay.page_bytes, dtype=torch.uint8, device=config.device)
+                      for lay in self.layouts]
+        self.codebooks = [torch.zeros(config.num_codebook_slots, lay.codebook_bytes, dtype=torch.uint8,
+                                      device=config.device) for lay in self.layouts]
         self.slot_of_page: list[int | None] = [None] * config.packed_pages
         # Per live slot: the chunk it encodes (an id that travels with exported pages) and the page
         # that carries the codebook when pages move to lower tiers (the chunk's first page).
@@ -45,6 +47,10 @@ class PackedPool:
         self.slot_of_chunk: dict[int, int] = {}
         self.slots = PageAllocator(config.num_codebook_slots, "codebook", on_release=self._forget_slot)
         self.allocator = PageAllocator(config.packed_pages, "packed", on_release=self._release_slot)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pages[0].device
 
     def _release_slot(self, page: int) -> None:
         slot = self.slot_of_page[page]
@@ -77,5 +83,6 @@ class PackedPool:
     def stored_bytes(self) -> int:
         """Bytes of every live packed page (in use or cached) and live codebook slot, all layers."""
         live_pages = sum(s is not None for s in self.slot_of_page)
-        return (live_pages * self.pages[0, 0].nbytes + len(self.live_slots()) * self.codebooks[0, 0].nbytes) \
-            * self.pages.shape[0]
+        live_slots = len(self.live_slots())
+        return sum(live_pages * pages.shape[1] + live_slots * books.shape[1]  # uint8: one byte per element
+                   for pages, books in zip(self.pages, self.codebooks))

@@ -9,10 +9,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def filled_cache(codec: str, head_dim: int, page_size: int, lengths, heads: int = 2, layers: int = 2,
                  backend: str = "torch", chunk_pages: int = 2, dtype=torch.bfloat16, seed: int = 0):
-    """A cache holding one request per length; lengths end mid-page and mid-chunk."""
+    """A cache holding one request per length; lengths end mid-page and mid-chunk. ``codec`` is one
+    spec, or a tuple of one spec per layer."""
     gen = torch.Generator().manual_seed(seed)
     geometry = Geometry(layers, heads, head_dim, dtype)
-    cache = KVCache(geometry, CacheConfig(codec=codec, page_size=page_size, chunk_pages=chunk_pages, dense_pages=64,
+    which = {"layer_codecs": codec} if isinstance(codec, tuple) else {"codec": codec}
+    cache = KVCache(geometry, CacheConfig(**which, page_size=page_size, chunk_pages=chunk_pages, dense_pages=64,
                                           packed_pages=64, device=DEVICE, backend=backend))
     ids = []
     for n in lengths:

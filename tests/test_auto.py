@@ -93,3 +93,31 @@ def test_clip_variants_never_worse_per_entry_and_same_bytes():
     assert any("vclip=true" in entry[2] for entry in clip.values())  # on Gaussian data clipping wins somewhere
     with pytest.raises(SpecError, match="variants"):
         parse_auto("auto:bpv=3,variants=lots")
+
+
+def test_qvg_family_takes_separate_key_and_value_widths():
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(64, 2, 64, generator=gen), torch.randn(64, 2, 64, generator=gen)
+
+    def decoded(spec):
+        codec = codecs.get(spec)
+        return codec.decode(codec.encode(k, v, codec.layout(GEOM, 32)))
+
+    mixed, wide, narrow = (decoded(f"qvg:centroids=4,{w}") for w in ("kbits=4,vbits=2", "bits=4", "bits=2"))
+    assert torch.equal(mixed[0], wide[0]) and torch.equal(mixed[1], narrow[1])  # the centroids do not depend on widths
+    layout = codecs.get("qvg:centroids=4,kbits=4,vbits=2").layout(GEOM, 32)
+    assert layout.page.fields["k_codes"].nbytes == 2 * layout.page.fields["v_codes"].nbytes
+    with pytest.raises(SpecError, match="kbits=5"):
+        codecs.get("quantwm:kbits=5").layout(GEOM, 32)
+
+
+def test_auto_plans_widths_of_a_quantwm_base():
+    base = "quantwm:centroids=4,rank=2,kchannel=32,sink=4,prerope=true,vrot=hadamard"
+    first = plan(f"auto:bpv=4.6,widths=2-4,base={base.replace(',', ';')}")
+    again = plan(f"auto:bpv=4.6,widths=2-4,base={base.replace(',', ';')}")
+    assert first.specs == again.specs and first.bits_per_value <= 4.6
+    parsed = [codecs.parse(s) for s in first.specs]
+    assert all(p.name == "quantwm" and p.rank == 2 for p in parsed)
+    assert {(p.key_bits, p.value_bits) for p in parsed} != {(2, 2)}  # the budget bought wider codes somewhere
+    clipped = plan(f"auto:bpv=4.6,widths=2-4,variants=clip,base={base.replace(',', ';')}")
+    assert all("clip=true" in s or codecs.parse(s).clip is False for s in clipped.specs)

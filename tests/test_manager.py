@@ -143,22 +143,24 @@ def test_cache_full_leaves_state_intact():
     assert torch.equal(kh, k[0, :6])
 
 
-def test_cache_full_on_packed_pool_writes_nothing():
+def test_full_packed_pool_defers_the_chunk():
+    """A chunk completing while the packed pool is full stays dense: no step fails at its last layer."""
     cache = make(packed_pages=2)
     a, _ = cache.add_request()
     append_all(cache, a, *rand_kv(8))
     b, _ = cache.add_request()
-    k, v = rand_kv(8)
-    cache.append(b, 0, k[0], v[0])
-    with pytest.raises(CacheFull, match="packed"):
-        cache.append(b, 1, k[1], v[1])
-    assert cache.page_table(b).lengths == [8, 0]  # the failed append left no trace
+    k, v = rand_kv(10)
+    append_all(cache, b, k[:, :8], v[:, :8])  # every layer is appended although no chunk can be packed
+    table = cache.page_table(b)
+    assert table.lengths == [8, 8] and table.packed == [] and len(table.dense) == 2
     cache.check()
     cache.free(a)
-    cache.append(b, 1, k[1], v[1])  # room again: the retry completes the chunk
-    assert len(cache.page_table(b).packed) == 2
-    kb, _ = cache.read(b, 1)
-    assert torch.equal(kb, k[1])
+    append_all(cache, b, k[:, 8:], v[:, 8:])  # room again: the deferred chunk is packed now
+    assert len(table.packed) == 2 and table.dense_tokens(0) == 2
+    for layer in range(2):
+        kb, vb = cache.read(b, layer)
+        assert torch.equal(kb, k[layer]) and torch.equal(vb, v[layer])
+    cache.check()
 
 
 def test_bad_input():

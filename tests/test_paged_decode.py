@@ -52,6 +52,26 @@ def test_split_count_does_not_change_the_result():
     assert torch.allclose(one.float(), many.float(), atol=2e-2)
 
 
+def test_per_layer_plan_runs_each_layers_kernels():
+    """Layers of one cache with different layouts (a per-layer plan): decode and gather read each
+    layer's pages with that layer's schemes."""
+    cache, ids = filled_cache(("kivi:bits=2,group=16", "qvg:centroids=4,kbits=4,vbits=2"), 64, 16, [50, 21],
+                              backend="triton")
+    assert [b.name for b in cache.backends] == ["triton", "triton"]
+    assert cache.layouts[0].page_bytes != cache.layouts[1].page_bytes
+    q = torch.randn(2, 6, 64, device=DEVICE).bfloat16()
+    for layer in range(2):
+        plan = cache.plan(ids, layer)
+        out, lse = cache.decode(plan, layer, q)
+        reads = [cache.read(rid, layer) for rid in ids]
+        want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2
+        assert torch.allclose(lse, want_lse, atol=2e-2)
+        k, v = cache.gather(plan, layer)  # bf16 out, summed in another order: within one bf16 step (2^-8)
+        assert torch.allclose(k.float(), torch.cat([r[0] for r in reads]).float(), rtol=2**-7, atol=1e-2)
+        assert torch.allclose(v.float(), torch.cat([r[1] for r in reads]).float(), rtol=2**-7, atol=1e-2)
+
+
 def test_backend_decode_through_cache():
     cache, ids = filled_cache("qvg", 64, 16, [50, 21], backend="triton")
     plan = cache.plan(ids, 0)

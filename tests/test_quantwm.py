@@ -111,7 +111,7 @@ def test_paged_cache_moments_are_causal_per_chunk():
     reference = codecs.get("quantwm")
     st = CodecState(query_moment=query_second_moment(q[:32].transpose(0, 1), 2))
     first = reference.encode(k[:32], v[:32], reference.layout(geometry, 16), st)
-    stored = cache.packed.pages[0, cache.page_table(rid).packed[:2]]
+    stored = cache.packed.pages[0][cache.page_table(rid).packed[:2]]
     assert torch.equal(stored, first.pages)  # chunk 0 saw exactly the queries of tokens 0..31
     from kvbackend.errors import InvalidKV
 
@@ -138,7 +138,7 @@ def test_transformers_attach_feeds_queries():
     assert all(s.query_moment is not None for s in states)  # every layer's chunks saw queries
     layout = engine.layout
     packed = engine.page_table(rid).packed
-    scales = layout.page.view(engine.packed.pages[5, packed], "k_psac_scale")
+    scales = layout.page.view(engine.packed.pages[5][packed], "k_psac_scale")
     assert float(scales.float().abs().sum()) > 0  # PSAC rows were kept
     cache.detach(model)
     assert model.config._attn_implementation != name

@@ -189,3 +189,49 @@ def test_eval_cli_bad_input_is_a_message_not_a_traceback(model_and_tokenizer, tm
     assert main(["eval", "--text", text, "--codec", "auto:bpv=1.0", "--tokens", "320", "--prefix", "256",
                  "--continue", "64"]) == 2
     assert "cannot be met" in capsys.readouterr().err
+
+
+def test_plan_from_eval_runs_in_the_cache(model_and_tokenizer):
+    """A per-layer plan with the eval's levers (sink, pre-RoPE keys, rotated values) stores in each
+    layer what `kvbackend eval` measured for that layer's spec."""
+    from kvbackend import Geometry, codecs
+    from kvbackend.reconstruct import reconstruct_sequence
+    from kvbackend.rope import rotary_from_config
+
+    model, tokenizer = model_and_tokenizer
+    layers = model.config.num_hidden_layers
+    plan = [f"kivi:group=16,kbits={4 if layer % 3 == 0 else 2},vbits=2,sink=4,prerope=true,vrot=hadamard"
+            for layer in range(layers)]
+    text = " ".join(PROMPTS) * 8
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : 4 + 64]  # sink + two chunks of 32
+    assert ids.shape[1] == 68
+    cache = KVBackendCache.from_plan(model.config, plan, page_size=16, chunk_pages=2)
+    assert (cache.options.sink, cache.options.pre_rope, cache.options.v_rotation) == (4, True, "hadamard")
+    exact = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        model(ids, cache=exact, use_cache=True)
+    assert len({lay.page_bytes for lay in cache.engine.layouts}) == 2  # two layouts really in use
+    assert cache.engine.stats().packed_tokens == 64
+    rotary = rotary_from_config(model.config)
+    for layer in range(layers):
+        k, v = exact.layers[layer].keys[0].transpose(0, 1), exact.layers[layer].values[0].transpose(0, 1)
+        geometry = Geometry(layers, k.shape[1], k.shape[2], k.dtype)
+        rec = reconstruct_sequence(codecs.get(plan[layer]), k, v, geometry, 16, 32, rotary)
+        got_k, got_v = (x[0].transpose(0, 1) for x in cache.layers[layer]._gather())
+        for got, want, exact_x in ((got_k, rec.k, k), (got_v, rec.v, v)):
+            # the eval's reconstruction (a rare code flips where rounding order differs), not the exact tensor
+            off = float((got - want).norm() / want.norm())
+            assert off < 1e-2 and off < 0.2 * float((got - exact_x).norm() / exact_x.norm()), layer
+
+
+def test_plan_errors_are_clear(model_and_tokenizer):
+    from kvbackend.errors import SpecError
+
+    model, _ = model_and_tokenizer
+    with pytest.raises(SpecError, match="different levers"):
+        KVBackendCache.from_plan(model.config, ["kivi:sink=4"] + ["kivi"] * (model.config.num_hidden_layers - 1))
+    with pytest.raises(SpecError, match="per-layer plan of 2 specs"):
+        KVBackendCache(model.config, codec=["kivi", "kivi"])
+    with pytest.raises(SpecError, match="v_rotation"):
+        KVBackendCache(model.config, v_rotation="random")

@@ -133,20 +133,24 @@ class TieredCache:
         ok = [s == "device" for s in sources]
         host_idx = [i for i, s in enumerate(sources) if s == "host"]
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
-        part = self.cache.layout.page_bytes * self.cache.geometry.num_layers
+        layers = self.cache.geometry.num_layers
+        part = sum(self.cache.page_span(layer)[1] for layer in range(layers))  # every layer's page, then the rest
         layered = self.host.read_layered([rest[i] for i in host_idx], staged, host_idx) if host_idx else None
         arrived = []  # per layer, on CUDA: the event after which that layer's host bytes are in `staged`
         if layered is not None:  # trailers and codebooks first, then the layers, all enqueued now
             for i, g in zip(host_idx, layered.results):
                 ok[i] = g
-            pb = self.cache.layout.page_bytes
             layered.copy_range(part, size - part)
             tail = self._record(layered.stream)
-            span = -(-MIN_ROW_BYTES // pb)  # layers per copy: strided rows below ~64 KiB lose DMA bandwidth
-            for first in range(0, self.cache.geometry.num_layers, span):
-                count = min(span, self.cache.geometry.num_layers - first)
-                layered.copy_range(first * pb, count * pb)
+            first = 0
+            while first < layers:  # a few layers per copy: strided rows below ~64 KiB lose DMA bandwidth
+                start, count, nbytes = self.cache.page_span(first)[0], 0, 0
+                while first + count < layers and (count == 0 or nbytes < MIN_ROW_BYTES):
+                    nbytes += self.cache.page_span(first + count)[1]
+                    count += 1
+                layered.copy_range(start, nbytes)
                 arrived += [self._record(layered.stream)] * count
+                first += count
         elif host_idx:
             got = self.host.get([rest[i] for i in host_idx], [staged[i] for i in host_idx]).result()
             for i, g in zip(host_idx, got):

@@ -41,6 +41,16 @@ class QVGSpec:
     kchannel: int = 0  # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style)
     clip: bool = False  # residual steps: MSE-optimal Gaussian step instead of min/max (asymmetric only)
     vcluster: bool = True  # false: values without centroids (plain per-token groups; saves assignments and codebook)
+    kbits: int = 0  # key residual width when it differs from `bits` (0: same)
+    vbits: int = 0  # value residual width when it differs from `bits` (0: same)
+
+    @property
+    def key_bits(self) -> int:
+        return self.kbits or self.bits
+
+    @property
+    def value_bits(self) -> int:
+        return self.vbits or self.bits
 
 
 class QVGCodec(Codec):
@@ -49,6 +59,9 @@ class QVGCodec(Codec):
     @property
     def kernel_encodes(self) -> bool:
         return not self.spec.clip and self.spec.vcluster
+
+    def _bits(self, prefix: str) -> int:
+        return self.spec.key_bits if prefix == "k" else self.spec.value_bits
 
     def _clustered(self, prefix: str) -> bool:
         return prefix == "k" or self.spec.vcluster
@@ -64,6 +77,11 @@ class QVGCodec(Codec):
             raise SpecError(f"{s.name}: stages must be >= 1 and iters >= 0")
         if s.kchannel and (s.kchannel < 0 or page_size % s.kchannel):
             raise SpecError(f"{s.name}: kchannel={s.kchannel} tokens must divide page_size={page_size}")
+        for name, bits in (("kbits", s.kbits), ("vbits", s.vbits)):
+            if bits not in (0, 2, 3, 4, 8):
+                raise SpecError(f"{s.name}: {name}={bits} not supported; choose 2, 3, 4 or 8 (0 = bits)")
+        if 3 in (s.key_bits, s.value_bits) and (s.group % 8 or s.kchannel % 8):
+            raise SpecError(f"{s.name}: 3-bit codes need group and kchannel to be multiples of 8")
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec
@@ -72,9 +90,11 @@ class QVGCodec(Codec):
         book: FieldSpecs = []
         for prefix in ("k", "v"):
             if prefix == "k" and s.kchannel:
-                page += channel_group_fields(prefix, page_size, h, d, s.bits, s.kchannel, scale_dtype(s.scale))
+                page += channel_group_fields(prefix, page_size, h, d, self._bits(prefix), s.kchannel,
+                                             scale_dtype(s.scale))
             else:
-                page += token_group_fields(prefix, page_size, h, d, s.bits, s.group, s.symmetric, scale_dtype(s.scale))
+                page += token_group_fields(prefix, page_size, h, d, self._bits(prefix), s.group, s.symmetric,
+                                           scale_dtype(s.scale))
             if self._clustered(prefix):
                 page.append((f"{prefix}_assign", torch.uint8, (s.stages, page_size, h)))
                 book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
@@ -114,15 +134,16 @@ class QVGCodec(Codec):
     def _quantize_residual(self, x, layout: PageLayout, pages, prefix: str) -> None:
         s = self.spec
         if prefix == "k" and s.kchannel:
-            encode_channel_groups(x, layout, pages, prefix, s.bits, s.kchannel, clip=s.clip)
+            encode_channel_groups(x, layout, pages, prefix, self._bits(prefix), s.kchannel, clip=s.clip)
         else:
-            encode_token_groups(x, layout, pages, prefix, s.bits, s.group, s.symmetric, clip=s.clip and not s.symmetric)
+            encode_token_groups(x, layout, pages, prefix, self._bits(prefix), s.group, s.symmetric,
+                                clip=s.clip and not s.symmetric)
 
     def _dequantize_residual(self, layout: PageLayout, pages, prefix: str):
         s = self.spec
         if prefix == "k" and s.kchannel:
-            return decode_channel_groups(layout, pages, prefix, s.bits, s.kchannel)
-        return decode_token_groups(layout, pages, prefix, s.bits, s.group)
+            return decode_channel_groups(layout, pages, prefix, self._bits(prefix), s.kchannel)
+        return decode_token_groups(layout, pages, prefix, self._bits(prefix), s.group)
 
     def _decode(self, layout: PageLayout, pages, codebook):
         s = self.spec
