@@ -49,25 +49,37 @@ def _to_kind(x, KIND: tl.constexpr):
 
 
 @triton.jit
+def _tiny_like(x, KIND: tl.constexpr):
+    """KIND's smallest positive step (`quant._limits`) as a float32 tensor shaped like ``x``. The
+    bf16 and fp32 steps (2^-133, 2^-149) are float32 subnormals, which Triton types as float64
+    literals (and Triton 3.6 then fails to compile the bitcasts), so they are made from their bits."""
+    if KIND == 0:
+        return tl.zeros_like(x) + 0.001953125
+    elif KIND == 1:
+        return tl.zeros_like(x) + 5.960464477539063e-08
+    elif KIND == 2:
+        return (tl.zeros_like(x).to(tl.int32, bitcast=True) + 65536).to(tl.float32, bitcast=True)
+    else:
+        return (tl.zeros_like(x).to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round_dir(x, KIND: tl.constexpr, UP: tl.constexpr):
     """`kvbackend.quant.round_to`: representable in KIND and >= x (UP) or <= x."""
     if KIND == 0:
         eps: tl.constexpr = 0.125
-        tiny: tl.constexpr = 0.001953125
         big: tl.constexpr = 448.0
     elif KIND == 1:
         eps: tl.constexpr = 0.0009765625
-        tiny: tl.constexpr = 5.960464477539063e-08
         big: tl.constexpr = 65504.0
     else:
         eps: tl.constexpr = 0.0078125
-        tiny: tl.constexpr = 9.183549615799121e-41
         big: tl.constexpr = 3.3895313892515355e38
     if KIND == 3:
         return x
     x = tl.minimum(tl.maximum(x, -big), big)
     y = _to_kind(x, KIND)
-    step = tl.maximum(tl.abs(x) * eps, tiny)
+    step = tl.maximum(tl.abs(x) * eps, _tiny_like(x, KIND))
     if UP:
         nudged = _to_kind(tl.minimum(tl.maximum(x + step, -big), big), KIND)
         return tl.where(y < x, nudged, y)
@@ -136,22 +148,16 @@ def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, N: tl.co
         hi = tl.max(grouped, 1)
         lo = tl.min(grouped, 1)
         where = base + ((tl.arange(0, NT)[:, None] * H + h) * D + d[None, :]) * esize
-    if KIND == 0:
-        tiny: tl.constexpr = 0.001953125
-    elif KIND == 1:
-        tiny: tl.constexpr = 5.960464477539063e-08
-    elif KIND == 2:
-        tiny: tl.constexpr = 9.183549615799121e-41
-    else:
-        tiny: tl.constexpr = 1.401298464324817e-45
     if SYMMETRIC:
         qmax: tl.constexpr = (1 << (BITS - 1)) - 1
-        scale = _round_dir(tl.maximum(tl.math.div_rn(tl.maximum(tl.abs(hi), tl.abs(lo)), qmax * 1.0), tiny), KIND, True)
+        step = tl.math.div_rn(tl.maximum(tl.abs(hi), tl.abs(lo)), qmax * 1.0)
+        scale = _round_dir(tl.maximum(step, _tiny_like(step, KIND)), KIND, True)
         zero = scale * 0.0
     else:
         levels: tl.constexpr = (1 << BITS) - 1
         zero = _round_dir(lo, KIND, False)
-        scale = _round_dir(tl.maximum(tl.math.div_rn(hi - zero, levels * 1.0), tiny), KIND, True)
+        step = tl.math.div_rn(hi - zero, levels * 1.0)
+        scale = _round_dir(tl.maximum(step, _tiny_like(step, KIND)), KIND, True)
         _store_kind(u8, i16, i32, where + ZEROS, zero, KIND)
     _store_kind(u8, i16, i32, where + SCALES, scale, KIND)
     if MODE == 1:
