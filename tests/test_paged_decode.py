@@ -129,12 +129,12 @@ def test_pair_of_pages_per_iteration_agrees(programs):
 
 
 FOLDED_CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs, lazy)
-    ("qvg", 64, 16, [45, 70, 3], 3, 8, False),
+    ("qvg", 64, 32, [45, 70, 3], 3, 8, False),
     ("kivi:bits=2,group=32", 64, 64, [150, 20], 4, 5, True),  # per-channel keys: two softmax blocks a page
-    ("rtn:bits=4,group=32,scale=fp16", 64, 16, [40, 33], 1, 3, False),
+    ("rtn:bits=4,group=32,scale=fp16", 64, 32, [40, 33, 100], 1, 3, False),
     ("rtn:bits=2,group=32,scale=fp8", 128, 32, [90, 17], 3, 4, True),  # four channel groups
     ("qvg:kchannel=32", 64, 32, [77], 4, 2, False),
-    ("rtn:bits=8,group=32", 64, 16, [21], 3, 1, True),
+    ("rtn:bits=8,group=32", 64, 32, [21], 3, 1, True),
     ("qvg:kchannel=32,vcluster=false", 64, 32, [70], 3, 2, False),  # key centroids only
 ]
 
@@ -170,20 +170,21 @@ def test_folded_kernel_support_and_default():
     from kvbackend.kernels import folded_decode
     from kvbackend.kernels.paged_decode import paged_decode
 
-    def schemes(codec, page=16, dim=64):
+    def schemes(codec, page=32, dim=64):
         from kvbackend import Geometry, codecs
 
         c = codecs.get(codec)
         return kernel_schemes(c, c.layout(Geometry(1, 2, dim, torch.bfloat16), page))
 
     many, few = folded_decode.MIN_PAGES_PER_PROGRAM, folded_decode.MIN_PAGES_PER_PROGRAM - 1
-    assert folded_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 16, 64, many)
-    assert folded_decode.preferred(*schemes("qvg"), 16, 64, many)
+    assert folded_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 32, 64, many)
+    assert folded_decode.preferred(*schemes("qvg"), 32, 64, many)
     assert folded_decode.preferred(*schemes("kivi:bits=2,group=32", 64), 64, 64, many)
-    assert not folded_decode.preferred(*schemes("qvg"), 16, 64, few)  # short splits: the plain kernel
-    assert not folded_decode.supports(*schemes("kivi:bits=2,group=16"), 16, 64)  # 16-token blocks refused
-    assert not folded_decode.supports(*schemes("rtn:bits=4,group=16,scale=fp16"), 16, 64)  # 16-channel groups
-    assert not folded_decode.supports(*schemes("identity"), 16, 64)  # float pages: the plain kernel
+    assert not folded_decode.preferred(*schemes("qvg"), 32, 64, few)  # short splits: the plain kernel
+    assert not folded_decode.supports(*schemes("qvg", 16), 16, 64)  # 16-token pages (wrong on the GPU)
+    assert not folded_decode.supports(*schemes("kivi:bits=2,group=16", 16), 16, 64)  # 16-token blocks refused
+    assert not folded_decode.supports(*schemes("rtn:bits=4,group=16,scale=fp16"), 32, 64)  # 16-channel groups
+    assert not folded_decode.supports(*schemes("identity"), 32, 64)  # float pages: the plain kernel
     cache, ids = filled_cache("qvg-pro", 64, 16, [20])
     with pytest.raises(ValueError, match="folded decode kernel does not read"):
         paged_decode(torch.randn(1, 4, 64, device=DEVICE).bfloat16(), cache.packed.pages[0], cache.packed.codebooks[0],
