@@ -41,7 +41,7 @@ class AutoSpec:
     bpv: float = 0.0  # budget: bits per value over every stored byte (0: not set)
     kl: float = 0.0  # or: budget of next-token KL on the prefix's own tail (0: not set)
     calib: int = 256  # prefix tokens teacher-forced to measure the KL of a plan
-    variants: str = "plain"  # per layer and width, also try: "clip" (kclip+vclip, same bytes); "plain" = base only
+    variants: str = "plain"  # per layer and width, also try: "clip" (clipped steps, same bytes); "plain" = base only
     base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen (kivi/qvg/quantwm)
     widths: str = "2-3-4"  # candidate widths, dash-separated
     queries: int = 128  # last prefix queries scored per layer

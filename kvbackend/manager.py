@@ -99,7 +99,7 @@ class KVCache:
         self.codecs = [built[spec][0] for spec in specs]
         self.layouts = [built[spec][1] for spec in specs]
         self.backends = [built[spec][2] for spec in specs]
-        self.uniform = len(built) == 1
+        self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layouts, self.config)
         # exported page groups: every layer's page, back to back, then a trailer and every layer's codebook

@@ -62,8 +62,9 @@ def test_bytes_are_the_sum_of_each_layers_layout():
 def test_fingerprint_names_the_plan():
     uniform = KVCache(GEOM, CacheConfig(codec=PLAN[0], page_size=16, chunk_pages=2, dense_pages=4, packed_pages=4))
     assert uniform.fingerprint == uniform.layout.fingerprint  # one codec: the layout's own
-    assert KVCache(GEOM, CacheConfig(layer_codecs=[PLAN[0]] * 3, page_size=16, chunk_pages=2, dense_pages=4,
-                                     packed_pages=4)).fingerprint == uniform.fingerprint
+    spelled = ["kivi:group=16", PLAN[0], "kivi:bits=2,group=16,scale=fp16"]  # one layout, three spellings
+    same = KVCache(GEOM, CacheConfig(layer_codecs=spelled, page_size=16, chunk_pages=2, dense_pages=4, packed_pages=4))
+    assert same.uniform and same.fingerprint == uniform.fingerprint
     mixed, swapped = make(), make(plan=(PLAN[1], PLAN[0], PLAN[2]))
     assert len({uniform.fingerprint, mixed.fingerprint, swapped.fingerprint}) == 3
     assert len(mixed.fingerprint) == 16
