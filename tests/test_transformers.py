@@ -121,6 +121,9 @@ def test_eval_kl_matches_independent_computation(model_and_tokenizer, sample_ids
     assert result.top1_agree == pytest.approx(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
 
 
+QUANTWM = "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true"
+
+
 def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
     from pathlib import Path
 
@@ -132,13 +135,17 @@ def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
     code = main(["eval", "--text", text, "--codec", "identity", "--codec", "fp16", "--codec", "fp8",
                  "--codec", "kivi:bits=2,group=32", "--codec", "qvg",
                  "--codec", "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard",
-                 "--codec", "auto:bpv=3.2", "--tokens", "320", "--prefix", "256",
+                 "--codec", QUANTWM, "--codec", "auto:bpv=3.2", "--tokens", "320", "--prefix", "256",
                  "--continue", "64", "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     data = json.loads(out_json.read_text())
     rows = {row["spec"]: row for row in data["codecs"]}
     levered = "kivi:bits=2,group=32,kbits=4,sink=4,prerope=true,vrot=hadamard"
-    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg", levered, "auto:bpv=3.2"]
+    assert list(rows) == ["identity", "fp16", "fp8", "kivi:bits=2,group=32", "qvg", levered, QUANTWM, "auto:bpv=3.2"]
+    # QSAC + sparse PSAC rows + levers: fewer bytes than KIVI-2 (every PSAC row, index and centroid
+    # counted) and a lower next-token KL
+    assert rows[QUANTWM]["bpv"] < rows["kivi:bits=2,group=32"]["bpv"]
+    assert rows[QUANTWM]["kl"] < rows["kivi:bits=2,group=32"]["kl"]
     auto = rows["auto:bpv=3.2"]
     assert len(auto["plan"]) == 30 and auto["bpv"] <= 3.2 and all(r["plan"] is None for r in rows.values() if r is not auto)
     # 4-bit pre-RoPE keys, sinks and rotated values: more bytes than KIVI-2, less KL
