@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..auto import cache_specs
 from ..errors import SpecError
 from ..geometry import CacheConfig, Geometry
-from ..levers import ROTATIONS, hadamard
+from ..levers import Levers, hadamard
 from ..manager import KVCache
 from ..rope import rotary_from_config
 
@@ -41,6 +41,7 @@ class CacheOptions:
     codec: str | tuple[str, ...] = "qvg"  # codec spec for completed chunks, or one spec per layer
     page_size: int = 64  # tokens per page
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
+    # the levers of every layer unless a per-layer plan gives each its own (KVBackendCache(layer_levers=...))
     sink: int = 0  # first tokens of every row kept exact, outside the pages
     pre_rope: bool = False  # store keys before RoPE, rotate again on read
     max_tokens: int = 4096  # longest sequence per batch row; sizes the pools
@@ -53,10 +54,11 @@ class KVBackendLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: "KVBackendCache", layer_idx: int) -> None:
+    def __init__(self, owner: "KVBackendCache", layer_idx: int, levers: Levers) -> None:
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
+        self.sink, self.pre_rope, self.v_rotation = levers.sink, levers.prerope, levers.vrot
         self.length = 0  # tokens per row seen by this layer (sink included)
         self._sink_k: torch.Tensor | None = None  # [B, H, sink, D], exact
         self._sink_v: torch.Tensor | None = None
@@ -81,16 +83,16 @@ class KVBackendLayer(CacheLayerMixin):
         self.flush_pending()  # queries never came (attention ran without the attached function)
         opts, engine = self.owner.options, self.owner.engine
         t = key_states.shape[2]
-        to_sink = min(max(opts.sink - self.length, 0), t)
+        to_sink = min(max(self.sink - self.length, 0), t)
         if to_sink:
             self._sink_k = torch.cat([self._sink_k, key_states[:, :, :to_sink]], dim=2)
             self._sink_v = torch.cat([self._sink_v, value_states[:, :, :to_sink]], dim=2)
         k_new, v_new = key_states[:, :, to_sink:], value_states[:, :, to_sink:]
-        first = self.length + to_sink - opts.sink  # position of k_new[0] among paged tokens
+        first = self.length + to_sink - self.sink  # position of k_new[0] among paged tokens
         k_seen, v_seen = k_new, v_new
-        if opts.pre_rope and k_new.shape[2]:
+        if self.pre_rope and k_new.shape[2]:
             k_new = self.owner.rotary.derotate(k_new, self._positions(first, k_new.shape[2]))
-        v_new = self.owner.rotate_values(v_new)
+        v_new = self.rotate_values(v_new)
         if self.owner.wants_queries and k_new.shape[2]:  # append once attention hands over the queries
             keys, values = self._gather()
             self._pending = (k_new, v_new, first)
@@ -109,7 +111,7 @@ class KVBackendLayer(CacheLayerMixin):
         k_new, v_new, first = self._pending
         n = k_new.shape[2]
         q = query[:, :, -n:]
-        if self.owner.options.pre_rope:  # approximate frame: each query de-rotated by its own position
+        if self.pre_rope:  # approximate frame: each query de-rotated by its own position
             q = self.owner.rotary.derotate(q, self._positions(first, n))
         self._pending = None
         for row, rid in enumerate(self.owner.request_ids):
@@ -126,7 +128,7 @@ class KVBackendLayer(CacheLayerMixin):
 
     def _positions(self, first: int, n: int) -> torch.Tensor:
         # Paged tokens sit after the sink, so their RoPE position is their index plus the sink length.
-        return torch.arange(first, first + n) + self.owner.options.sink
+        return torch.arange(first, first + n) + self.sink
 
     def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         engine, opts = self.owner.engine, self.owner.options
@@ -136,18 +138,26 @@ class KVBackendLayer(CacheLayerMixin):
             pk, pv = engine.read_packed(rid, self.layer_idx, first_page=have)
             if pk.shape[0]:
                 pk = pk.transpose(0, 1)
-                if opts.pre_rope:
+                if self.pre_rope:
                     pk = self.owner.rotary.rotate(pk, self._positions(have * opts.page_size, pk.shape[1]))
                 self._packed_k[row] = torch.cat([self._packed_k[row], pk], dim=1)
-                pv = self.owner.rotate_values(pv.transpose(0, 1), back=True)
+                pv = self.rotate_values(pv.transpose(0, 1), back=True)
                 self._packed_v[row] = torch.cat([self._packed_v[row], pv], dim=1)
             dk, dv = engine.read_dense(rid, self.layer_idx)
             dk = dk.transpose(0, 1)
-            if opts.pre_rope and dk.shape[1]:
+            if self.pre_rope and dk.shape[1]:
                 dk = self.owner.rotary.rotate(dk, self._positions(self._packed_k[row].shape[1], dk.shape[1]))
             keys.append(torch.cat([self._packed_k[row], dk], dim=1))
-            values.append(torch.cat([self._packed_v[row], self.owner.rotate_values(dv.transpose(0, 1), back=True)], dim=1))
+            values.append(torch.cat([self._packed_v[row], self.rotate_values(dv.transpose(0, 1), back=True)], dim=1))
         return torch.cat([self._sink_k, torch.stack(keys)], dim=2), torch.cat([self._sink_v, torch.stack(values)], dim=2)
+
+    def rotate_values(self, v: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """Values ``[..., D]`` into the stored frame (or ``back`` out of it): an orthonormal Hadamard
+        rotation when this layer's ``v_rotation`` is "hadamard" (computed in float32), else unchanged."""
+        if self.v_rotation == "none" or not v.numel():
+            return v
+        h = hadamard(v.shape[-1]).to(v.device)
+        return (v.float() @ (h.T if back else h)).to(v.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -174,38 +184,38 @@ class KVBackendCache(Cache):
     """A transformers `Cache` backed by kvbackend's paged, compressed storage."""
 
     def __init__(self, config, codec: str | Sequence[str] = "qvg", *, page_size: int = 64, chunk_pages: int = 32,
-                 sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none") -> None:
-        if v_rotation not in ROTATIONS:
-            raise SpecError(f"v_rotation={v_rotation!r}; valid: {', '.join(ROTATIONS)}")
+                 sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none",
+                 layer_levers: Sequence[Levers] | None = None) -> None:
+        """``layer_levers`` (one `Levers` per layer, as `from_plan` passes them) replaces ``sink``,
+        ``pre_rope`` and ``v_rotation`` layer by layer."""
         codec = codec if isinstance(codec, str) else tuple(codec)
         self.options = CacheOptions(codec, page_size, chunk_pages, sink, pre_rope, max_tokens, v_rotation)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if isinstance(codec, tuple) and len(codec) != text_config.num_hidden_layers:
-            raise SpecError(f"a per-layer plan of {len(codec)} specs for a model of "
-                            f"{text_config.num_hidden_layers} layers")
+        layers = text_config.num_hidden_layers
+        if isinstance(codec, tuple) and len(codec) != layers:
+            raise SpecError(f"a per-layer plan of {len(codec)} specs for a model of {layers} layers")
+        levers = list(layer_levers) if layer_levers is not None else [Levers(sink, pre_rope, v_rotation)] * layers
+        if len(levers) != layers:
+            raise SpecError(f"layer_levers has {len(levers)} entries for a model of {layers} layers")
+        if len({lever.sink for lever in levers}) > 1:  # the engine's requests hold one token count in all layers
+            raise SpecError(f"every layer of one cache keeps the same sink; the plan asks for "
+                            f"{sorted({lever.sink for lever in levers})}")
+        if any(lever.psac for lever in levers):
+            raise SpecError("the psac= lever is applied by `kvbackend eval` only; use quantwm:rank=R")
         self.model_config = text_config
-        self.rotary = rotary_from_config(text_config) if pre_rope else None
+        self.rotary = rotary_from_config(text_config) if any(lever.prerope for lever in levers) else None
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
-        layers = [KVBackendLayer(self, i) for i in range(text_config.num_hidden_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=[KVBackendLayer(self, i, lever) for i, lever in enumerate(levers)])
 
     @classmethod
     def from_plan(cls, config, plan: Sequence[str], **options) -> "KVBackendCache":
         """A cache that runs a per-layer plan as chosen (e.g. ``kvbackend eval --json``'s ``plan`` for
-        an ``auto:...`` codec): each layer's codec, and the plan's ``sink``, ``prerope`` and ``vrot``
-        levers as ``sink``, ``pre_rope`` and ``v_rotation``. Other keyword options as for the class."""
+        an ``auto:...`` codec): each layer's codec and its own ``sink``, ``prerope`` and ``vrot``
+        levers. Other keyword options as for the class."""
         specs, levers = cache_specs(plan)
-        return cls(config, specs, sink=levers.sink, pre_rope=levers.prerope, v_rotation=levers.vrot, **options)
-
-    def rotate_values(self, v: torch.Tensor, back: bool = False) -> torch.Tensor:
-        """Values ``[..., D]`` into the stored frame (or ``back`` out of it): an orthonormal Hadamard
-        rotation when ``v_rotation="hadamard"`` (computed in float32), else unchanged."""
-        if self.options.v_rotation == "none" or not v.numel():
-            return v
-        h = hadamard(v.shape[-1]).to(v.device)
-        return (v.float() @ (h.T if back else h)).to(v.dtype)
+        return cls(config, specs, layer_levers=levers, **options)
 
     def attach(self, model) -> str:
         """Route ``model``'s attention through a function that hands queries to this cache first

@@ -1,13 +1,16 @@
-"""`auto:bpv=B` / `auto:kl=K`: choose key and value widths per layer, calibrated on the prompt's own
-prefix: the least error within a byte budget, or the fewest bytes within a next-token KL budget.
+"""`auto:bpv=B` / `auto:kl=K`: choose key and value widths (and residual stages, steps and levers) per
+layer, calibrated on the prompt's own prefix: the least error within a byte budget, or the fewest
+bytes within a next-token KL budget.
 
-For every layer and every (key bits, value bits) pair of the grid, the prefix is encoded with the
-base codec at those widths and attention of the prefix's last queries is compared with the exact one
-(the prompt's own queries and keys: no external data): the relative output error plus the fraction
-of queries whose most-attended key changes. Starting from the
-narrowest widths everywhere, the planner repeatedly takes the one-step widening (keys or values of
-one layer) with the largest error reduction per stored byte, while the measured total stays within
-the budget. Deterministic for a given input. The plan is a list of per-layer codec specs.
+For every layer and every point of the grid (key bits x value bits, x stages when ``stages=`` lists
+several), the prefix is encoded with the base codec at those settings and attention of the prefix's
+last queries is compared with the exact one (the prompt's own queries and keys: no external data):
+the relative output error plus the fraction of queries whose most-attended key changes. At each grid
+point the same-byte variants (``variants=``: clipped steps, pre-RoPE keys and Hadamard values on or
+off) compete and the best stays. Starting from the narrowest point everywhere, the planner repeatedly
+takes the one-rung widening (keys, values or stages of one layer) with the largest error reduction
+per stored byte, while the measured total stays within the budget. Deterministic for a given input.
+The plan is a list of per-layer codec specs.
 
 `auto:kl=K` walks the same greedy path without a byte limit and keeps the shortest prefix of it whose
 next-token KL, measured on the prefix itself (its first part cached through the plan, its last
@@ -16,6 +19,7 @@ next-token KL, measured on the prefix itself (its first part cached through the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
@@ -31,8 +35,16 @@ from .rope import Rotary
 from .spec import build_spec, format_spec, split_spec
 
 
-VARIANTS = {"plain": ("",), "clip": ("", "clip")}  # same-byte options tried per table entry
-_CLIP = {"kivi": ",kclip=true,vclip=true"}  # how each base spells clipped steps (qvg family: clip=true)
+VARIANTS = ("plain", "clip", "levers", "all")  # same-byte options tried per layer and widths (see _variants)
+
+
+def _variants(kind: str, base_name: str) -> list[dict[str, str]]:
+    """Option overrides of the same stored bytes tried for every table entry: clipped steps, and the
+    pre-RoPE / value-rotation levers on and off."""
+    clip = [{}, {"kclip": "true", "vclip": "true"} if base_name == "kivi" else {"clip": "true"}]
+    levers = [{"prerope": pre, "vrot": rot} for pre in ("false", "true") for rot in ("none", "hadamard")]
+    return {"plain": [{}], "clip": clip, "levers": levers,
+            "all": [{**c, **lever} for c in clip for lever in levers]}[kind]
 
 
 @dataclass(frozen=True)
@@ -41,9 +53,12 @@ class AutoSpec:
     bpv: float = 0.0  # budget: bits per value over every stored byte (0: not set)
     kl: float = 0.0  # or: budget of next-token KL on the prefix's own tail (0: not set)
     calib: int = 256  # prefix tokens teacher-forced to measure the KL of a plan
-    variants: str = "plain"  # per layer and width, also try: "clip" (clipped steps, same bytes); "plain" = base only
+    # per layer and widths also try (same bytes): "clip" (clipped steps), "levers" (pre-RoPE keys and
+    # Hadamard values each on and off), "all" (both); "plain": the base as given
+    variants: str = "plain"
     base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen (kivi/qvg/quantwm)
     widths: str = "2-3-4"  # candidate widths, dash-separated
+    stages: str = ""  # candidate residual stages for qvg-family bases, dash-separated (e.g. 1-2); "": the base's
     queries: int = 128  # last prefix queries scored per layer
 
 
@@ -62,6 +77,9 @@ def parse_auto(text: str) -> AutoSpec | None:
         raise SpecError(f"auto: calib={spec.calib} must be >= 16 tokens")
     if spec.variants not in VARIANTS:
         raise SpecError(f"auto: variants={spec.variants!r}; valid: {', '.join(VARIANTS)}")
+    if spec.stages and not hasattr(codecs.parse(spec.base), "stages"):
+        raise SpecError(f"auto: stages={spec.stages} needs a base with residual stages (qvg, qvg-pro, quantwm), "
+                        f"got {spec.base!r}")
     return spec
 
 
@@ -93,50 +111,62 @@ def _attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kh: torc
     return float((approx - exact).norm() / exact.norm()) + float((approx_top != exact_top).float().mean())
 
 
-def _error_table(spec: AutoSpec, widths: list[int], queries, keys, values, geometry: Geometry, page_size: int,
-                 chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, int, int], tuple[float, int, str]]:
-    """(layer, kbits, vbits) -> (attention error, stored bytes, spec): of the variants tried (same
+def _ladders(spec: AutoSpec) -> list[tuple[str, list[int]]]:
+    """The options the planner widens, each with its candidate values (narrowest first)."""
+    ladders = [("kbits", sorted(int(w) for w in spec.widths.split("-"))),
+               ("vbits", sorted(int(w) for w in spec.widths.split("-")))]
+    if spec.stages:
+        ladders.append(("stages", sorted(int(n) for n in spec.stages.split("-"))))
+    return ladders
+
+
+def _error_table(spec: AutoSpec, ladders, queries, keys, values, geometry: Geometry, page_size: int,
+                 chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, tuple[int, ...]], tuple[float, int, str]]:
+    """(layer, ladder values) -> (attention error, stored bytes, spec): of the variants tried (same
     bytes by construction), the one with the lowest error."""
     base = codecs.parse(spec.base)
     if not (hasattr(base, "kbits") and hasattr(base, "vbits")):
         raise SpecError(f"auto: base must be a codec with kbits/vbits options (kivi, qvg, qvg-pro, quantwm), "
                         f"got {spec.base!r}")
-    table: dict[tuple[int, int, int], tuple[float, int, str]] = {}
+    name, options = split_spec(spec.base)
+    table: dict[tuple[int, tuple[int, ...]], tuple[float, int, str]] = {}
     for layer in range(len(keys)):
         n = min(spec.queries, keys[layer].shape[0])
         q = queries[layer][:, keys[layer].shape[0] - n : keys[layer].shape[0]]
-        for kb in widths:
-            for vb in widths:
-                for extra in VARIANTS[spec.variants]:
-                    extra = _CLIP.get(base.name, ",clip=true") if extra == "clip" else extra
-                    text = f"{spec.base},kbits={kb},vbits={vb}{extra}"
-                    rec = reconstruct_sequence(codecs.get(text), keys[layer], values[layer], geometry, page_size,
-                                               chunk_tokens, rotary, queries[layer])
-                    entry = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes, text)
-                    if (layer, kb, vb) not in table or entry[0] < table[layer, kb, vb][0]:
-                        table[layer, kb, vb] = entry
+        for values_of in itertools.product(*(ladder for _, ladder in ladders)):
+            chosen = {key: str(v) for (key, _), v in zip(ladders, values_of)}
+            for variant in _variants(spec.variants, base.name):
+                text = f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, **chosen, **variant}.items())
+                rec = reconstruct_sequence(codecs.get(text), keys[layer], values[layer], geometry, page_size,
+                                           chunk_tokens, rotary, queries[layer])
+                entry = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes, text)
+                if (layer, values_of) not in table or entry[0] < table[layer, values_of][0]:
+                    table[layer, values_of] = entry
     return table
 
 
-def _greedy_path(table, widths: list[int], layers: int, budget: float) -> list[tuple[list[tuple[int, int]], int]]:
-    """Every state of the greedy widening (narrowest first), with its stored bytes."""
-    state = [(widths[0], widths[0])] * layers
-    used = sum(table[layer, kb, vb][1] for layer, (kb, vb) in enumerate(state))
+def _greedy_path(table, ladders, layers: int, budget: float) -> list[tuple[list[tuple[int, ...]], int]]:
+    """Every state of the greedy widening (narrowest first), with its stored bytes: each step moves one
+    layer one rung up one ladder (key bits, value bits or stages)."""
+    state = [tuple(ladder[0] for _, ladder in ladders)] * layers
+    used = sum(table[layer, values_of][1] for layer, values_of in enumerate(state))
     path = [(list(state), used)]
     while True:
         best = None
-        for layer, (kb, vb) in enumerate(state):
-            err, size, _ = table[layer, kb, vb]
-            for nkb, nvb in ((_next(widths, kb), vb), (kb, _next(widths, vb))):
-                if nkb is None or nvb is None:
+        for layer, current in enumerate(state):
+            err, size, _ = table[layer, current]
+            for d, (_, ladder) in enumerate(ladders):
+                rung = _next(ladder, current[d])
+                if rung is None:
                     continue
-                new_err, new_size, _ = table[layer, nkb, nvb]
+                moved = current[:d] + (rung,) + current[d + 1 :]
+                new_err, new_size, _ = table[layer, moved]
                 extra = new_size - size
                 if used + extra > budget or new_err >= err:
                     continue
                 gain = (err - new_err) / max(extra, 1)
                 if best is None or gain > best[0]:
-                    best = (gain, layer, (nkb, nvb), extra)
+                    best = (gain, layer, moved, extra)
         if best is None:
             return path
         _, layer, choice, extra = best
@@ -154,21 +184,21 @@ def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Te
     """
     if spec.kl > 0 and kl_of is None:
         raise SpecError("auto: kl=K needs the model to measure KL on the prefix (run it through `kvbackend eval`)")
-    widths = sorted(int(w) for w in spec.widths.split("-"))
+    ladders = _ladders(spec)
     layers = len(keys)
     values_total = sum(k.shape[0] for k in keys) * geometry.values_per_token
-    table = _error_table(spec, widths, queries, keys, values, geometry, page_size, chunk_tokens, rotary)
-    as_specs = lambda state: [table[layer, kb, vb][2] for layer, (kb, vb) in enumerate(state)]  # noqa: E731
-    as_error = lambda state: sum(table[layer, kb, vb][0] for layer, (kb, vb) in enumerate(state))  # noqa: E731
+    table = _error_table(spec, ladders, queries, keys, values, geometry, page_size, chunk_tokens, rotary)
+    as_specs = lambda state: [table[layer, v][2] for layer, v in enumerate(state)]  # noqa: E731
+    as_error = lambda state: sum(table[layer, v][0] for layer, v in enumerate(state))  # noqa: E731
     if spec.bpv > 0:
         budget = spec.bpv * values_total / 8
-        path = _greedy_path(table, widths, layers, budget)
+        path = _greedy_path(table, ladders, layers, budget)
         state, used = path[-1]
         if used > budget:
             raise SpecError(f"auto: bpv={spec.bpv} cannot be met; the narrowest widths of {spec.base!r} already "
                             f"need {8.0 * used / values_total:.3f} bpv on this prefix")
         return Plan(as_specs(state), 8.0 * used / values_total, as_error(state))
-    path = _greedy_path(table, widths, layers, float("inf"))
+    path = _greedy_path(table, ladders, layers, float("inf"))
     measured: dict[int, float] = {}
 
     def kl_at(i: int) -> float:
@@ -194,21 +224,16 @@ def _next(widths: list[int], current: int) -> int | None:
     return bigger[0] if bigger else None
 
 
-def cache_specs(specs: Sequence[str]) -> tuple[list[str], Levers]:
+def cache_specs(specs: Sequence[str]) -> tuple[list[str], list[Levers]]:
     """A plan's per-layer specs as a paged cache takes them: codec specs without the sequence levers
-    (for ``CacheConfig(layer_codecs=...)``) and the levers every layer shares (applied around the cache,
-    e.g. by ``KVBackendCache.from_plan``).
+    (for ``CacheConfig(layer_codecs=...)``) and each layer's levers (applied around the cache, e.g. by
+    ``KVBackendCache.from_plan``).
 
     Raises:
-        SpecError: the layers use different levers, or the post-hoc ``psac=`` lever (eval only).
+        SpecError: a layer uses the post-hoc ``psac=`` lever (`kvbackend eval` only).
     """
     parsed = [codecs.get(spec) for spec in specs]
-    levers = {codec.levers for codec in parsed}
-    if len(levers) > 1:
-        raise SpecError(f"the plan's layers use different levers ({', '.join(sorted(lv.suffix() for lv in levers))}); "
-                        "a cache applies one set to every layer")
-    shared = levers.pop() if levers else Levers()
-    if shared.psac:
+    if any(codec.levers.psac for codec in parsed):
         raise SpecError("the psac= lever corrects whole sequences after the fact (kvbackend eval only); "
                         "use quantwm:rank=R for a correction stored in the pages")
-    return [format_spec(codec.spec) for codec in parsed], shared
+    return [format_spec(codec.spec) for codec in parsed], [codec.levers for codec in parsed]

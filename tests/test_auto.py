@@ -85,12 +85,17 @@ def test_clip_variants_never_worse_per_entry_and_same_bytes():
     q, k, v = capture()
     base = "base=kivi:group=32;sink=4;prerope=true;vrot=hadamard"
     rotary = Rotary.default(64, 10000.0)
-    plain = _error_table(parse_auto(f"auto:bpv=3,{base}"), [2, 3], q, k, v, GEOM, 32, 128, rotary)
-    clip = _error_table(parse_auto(f"auto:bpv=3,{base},variants=clip"), [2, 3], q, k, v, GEOM, 32, 128, rotary)
-    assert plain.keys() == clip.keys()
+    ladders = [("kbits", [2, 3]), ("vbits", [2, 3])]
+    tables = {kind: _error_table(parse_auto(f"auto:bpv=3,{base},variants={kind}"), ladders, q, k, v, GEOM, 32, 128,
+                                 rotary) for kind in ("plain", "clip", "levers", "all")}
+    plain = tables["plain"]
+    for kind, table in tables.items():  # every variant set includes the base itself: never worse, same bytes
+        assert table.keys() == plain.keys()
+        for key in plain:
+            assert table[key][0] <= plain[key][0] and table[key][1] == plain[key][1], kind
+    assert any("vclip=true" in entry[2] for entry in tables["clip"].values())  # on Gaussian data clipping wins somewhere
     for key in plain:
-        assert clip[key][0] <= plain[key][0] and clip[key][1] == plain[key][1]
-    assert any("vclip=true" in entry[2] for entry in clip.values())  # on Gaussian data clipping wins somewhere
+        assert tables["all"][key][0] <= min(tables["clip"][key][0], tables["levers"][key][0])
     with pytest.raises(SpecError, match="variants"):
         parse_auto("auto:bpv=3,variants=lots")
 
@@ -121,3 +126,13 @@ def test_auto_plans_widths_of_a_quantwm_base():
     assert {(p.key_bits, p.value_bits) for p in parsed} != {(2, 2)}  # the budget bought wider codes somewhere
     clipped = plan(f"auto:bpv=4.6,widths=2-4,variants=clip,base={base.replace(',', ';')}")
     assert all("clip=true" in s or codecs.parse(s).clip is False for s in clipped.specs)
+
+
+def test_stages_are_a_ladder_of_the_plan():
+    base = "qvg:centroids=4,kchannel=32,sink=4,prerope=true,vrot=hadamard".replace(",", ";")
+    wide = plan(f"auto:bpv=6,widths=2-4,stages=1-2,base={base}")
+    assert wide.specs == plan(f"auto:bpv=6,widths=2-4,stages=1-2,base={base}").specs and wide.bits_per_value <= 6
+    parsed = [codecs.parse(s) for s in wide.specs]
+    assert {p.stages for p in parsed} <= {1, 2} and any(p.stages == 2 for p in parsed)  # the budget bought stages
+    with pytest.raises(SpecError, match="stages"):
+        parse_auto("auto:bpv=3,stages=1-2")  # the default base (kivi) has no stages
