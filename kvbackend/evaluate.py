@@ -289,26 +289,35 @@ def write_json(path: str, results: list[CodecResult], meta: dict) -> None:
 
 
 def pareto_plot(path: str, results: list[CodecResult], title: str) -> None:
-    """KL and attention output error against bpv, one labelled point per codec."""
+    """KL and attention output error against bpv: one numbered point per codec, the specs listed below
+    (long specs would cover each other beside the points)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    width = 160  # characters per line of the spec list (specs have no spaces to break at)
+    legend = []
+    for i, r in enumerate(results, 1):
+        entry = f"{i}: {r.spec}"
+        legend += [entry[j : j + width] for j in range(0, len(entry), width)]
+    lines = len(legend)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5 + 0.17 * lines))
     for ax, key, label in ((axes[0], "kl", "next-token KL (exact || codec)"), (axes[1], "attn_out_err", "attention output error")):
         xs = [r.bpv for r in results]
         ys = [max(getattr(r, key), 1e-7) for r in results]
         ax.scatter(xs, ys)
-        for r, x, y in zip(results, xs, ys):
-            ax.annotate(r.spec, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for i, (x, y) in enumerate(zip(xs, ys), 1):
+            ax.annotate(str(i), (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("bits per value (from stored bytes)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
+    bottom = (0.17 * lines + 0.3) / (5 + 0.17 * lines)  # the share of the figure the spec list takes
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.text(0.01, bottom - 0.01, "\n".join(legend), fontsize=7, family="monospace", va="top")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
