@@ -17,10 +17,11 @@ from .base import Codec, CodecState, FieldSpecs
 from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
                      encode_token_groups, token_group_fields)
 from .rtn import check_bits_group
+from .widths import SplitWidths, check_split_widths
 
 
 @dataclass(frozen=True)
-class KIVISpec:
+class KIVISpec(SplitWidths):
     name: str
     bits: int = 2  # code width of keys and values
     group: int = 32  # tokens per key group, channels per value group
@@ -32,25 +33,15 @@ class KIVISpec:
     kclip: bool = False
     vclip: bool = False  # values: the same for value groups
 
-    @property
-    def key_bits(self) -> int:
-        return self.kbits or self.bits
-
-    @property
-    def value_bits(self) -> int:
-        return self.vbits or self.bits
-
 
 class KIVICodec(Codec):
     name: ClassVar[str] = "kivi"
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)
-        for name, bits in (("kbits", self.spec.kbits), ("vbits", self.spec.vbits)):
-            if bits not in (0, 2, 3, 4, 8):
-                raise SpecError(f"kivi: {name}={bits} not supported; choose 2, 3, 4 or 8 (0 = bits)")
-            if bits == 3 and self.spec.group % 8:
-                raise SpecError("kivi: 3-bit codes need group to be a multiple of 8")
+        check_split_widths(self.spec)
+        if 3 in (self.spec.key_bits, self.spec.value_bits) and self.spec.group % 8:
+            raise SpecError("kivi: 3-bit codes need group to be a multiple of 8")
         if page_size % self.spec.group:
             raise SpecError(f"kivi: group={self.spec.group} tokens must divide page_size={page_size}")
 

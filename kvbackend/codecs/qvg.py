@@ -24,10 +24,11 @@ from .kmeans import kmeans, kmeanspp_init, random_init
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
 from .rtn import check_bits_group
+from .widths import SplitWidths, check_split_widths
 
 
 @dataclass(frozen=True)
-class QVGSpec:
+class QVGSpec(SplitWidths):
     name: str
     bits: int = 2  # residual code width
     group: int = 64  # B: channels per residual scale
@@ -43,14 +44,6 @@ class QVGSpec:
     vcluster: bool = True  # false: values without centroids (plain per-token groups; saves assignments and codebook)
     kbits: int = 0  # key residual width when it differs from `bits` (0: same)
     vbits: int = 0  # value residual width when it differs from `bits` (0: same)
-
-    @property
-    def key_bits(self) -> int:
-        return self.kbits or self.bits
-
-    @property
-    def value_bits(self) -> int:
-        return self.vbits or self.bits
 
 
 class QVGCodec(Codec):
@@ -77,9 +70,7 @@ class QVGCodec(Codec):
             raise SpecError(f"{s.name}: stages must be >= 1 and iters >= 0")
         if s.kchannel and (s.kchannel < 0 or page_size % s.kchannel):
             raise SpecError(f"{s.name}: kchannel={s.kchannel} tokens must divide page_size={page_size}")
-        for name, bits in (("kbits", s.kbits), ("vbits", s.vbits)):
-            if bits not in (0, 2, 3, 4, 8):
-                raise SpecError(f"{s.name}: {name}={bits} not supported; choose 2, 3, 4 or 8 (0 = bits)")
+        check_split_widths(s)
         if 3 in (s.key_bits, s.value_bits) and (s.group % 8 or s.kchannel % 8):
             raise SpecError(f"{s.name}: 3-bit codes need group and kchannel to be multiples of 8")
 
