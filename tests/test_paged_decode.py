@@ -20,6 +20,18 @@ CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs)
 ]
 
 
+def assert_matches_reference(cache, ids, layer, q, out, lse):
+    """A kernel's decode output against reference attention over the reference reconstruction (fp16
+    tensor-core operands, 11-bit mantissa, and a bf16 output, 8-bit: ~2^-8 relative per element).
+    Returns the reference reads."""
+    reads = [cache.read(rid, layer) for rid in ids]
+    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+    assert torch.isfinite(out.float()).all()
+    assert float((out.float() - want).norm() / want.norm()) < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2)
+    return reads
+
+
 @pytest.mark.parametrize("pair", [0, 1])
 @pytest.mark.parametrize("codec,head_dim,page_size,lengths,ratio,programs", CASES)
 def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs, pair):
@@ -31,12 +43,7 @@ def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs,
     out, lse = paged_decode(q, cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1],
                             kernel_schemes(cache.codec, cache.layout), plan, target_programs=programs, pair=pair,
                             fold=False)  # the plain kernel here; the folded one has its own cases below
-    reads = [cache.read(rid, 1) for rid in ids]
-    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
-    # fp16 tensor-core operands (11-bit mantissa) and a bf16 output (8-bit): ~2^-8 relative per element.
-    assert torch.isfinite(out.float()).all()
-    assert float((out.float() - want).norm() / want.norm()) < 1e-2
-    assert torch.allclose(lse, want_lse, atol=2e-2)
+    assert_matches_reference(cache, ids, 1, q, out, lse)
 
 
 def test_split_count_does_not_change_the_result():
@@ -63,10 +70,7 @@ def test_per_layer_plan_runs_each_layers_kernels():
     for layer in range(2):
         plan = cache.plan(ids, layer)
         out, lse = cache.decode(plan, layer, q)
-        reads = [cache.read(rid, layer) for rid in ids]
-        want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
-        assert float((out.float() - want).norm() / want.norm()) < 1e-2
-        assert torch.allclose(lse, want_lse, atol=2e-2)
+        reads = assert_matches_reference(cache, ids, layer, q, out, lse)
         k, v = cache.gather(plan, layer)  # bf16 out, summed in another order: within one bf16 step (2^-8)
         assert torch.allclose(k.float(), torch.cat([r[0] for r in reads]).float(), rtol=2**-7, atol=1e-2)
         assert torch.allclose(v.float(), torch.cat([r[1] for r in reads]).float(), rtol=2**-7, atol=1e-2)
@@ -159,11 +163,7 @@ def test_folded_kernel_matches_reference(codec, head_dim, page_size, lengths, ra
         if not cache.layout.codebook.fields:  # two pages per block, odd page counts included
             two, lse2 = paged_decode(q, *args, target_programs=programs, fold=True, pair=1)
             assert torch.allclose(two.float(), out.float(), atol=1e-2) and torch.allclose(lse2, lse, atol=1e-3)
-    reads = [cache.read(rid, 1) for rid in ids]
-    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
-    assert torch.isfinite(out.float()).all()
-    assert float((out.float() - want).norm() / want.norm()) < 1e-2
-    assert torch.allclose(lse, want_lse, atol=2e-2)
+    assert_matches_reference(cache, ids, 1, q, out, lse)
 
 
 def test_folded_kernel_support_and_default():
