@@ -34,6 +34,7 @@ class CacheStats:
     packed_bytes: int  # bytes of live packed pages and codebook slots (all layers)
     packed_tokens: int  # tokens those packed pages represent
     bits_per_value: float | None  # 8 * packed_bytes / values represented; None when nothing is packed
+    deferred_chunks: int = 0  # full chunks still dense because the packed pool had no room when they completed
 
 
 _TRAILER = struct.Struct("<QQ")  # exported page group: chunk id, 1 if the chunk's codebook follows
@@ -551,6 +552,8 @@ class KVCache:
             packed_bytes=packed_bytes,
             packed_tokens=tokens,
             bits_per_value=8.0 * packed_bytes / values if values else None,
+            deferred_chunks=sum((t.num_tokens - t.num_packed_tokens) // self.config.chunk_tokens
+                                for t in self._tables.values()),
         )
 
     def check(self) -> None:

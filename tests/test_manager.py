@@ -153,10 +153,11 @@ def test_full_packed_pool_defers_the_chunk():
     append_all(cache, b, k[:, :8], v[:, :8])  # every layer is appended although no chunk can be packed
     table = cache.page_table(b)
     assert table.lengths == [8, 8] and table.packed == [] and len(table.dense) == 2
+    assert cache.stats().deferred_chunks == 1
     cache.check()
     cache.free(a)
     append_all(cache, b, k[:, 8:], v[:, 8:])  # room again: the deferred chunk is packed now
-    assert len(table.packed) == 2 and table.dense_tokens(0) == 2
+    assert len(table.packed) == 2 and table.dense_tokens(0) == 2 and cache.stats().deferred_chunks == 0
     for layer in range(2):
         kb, vb = cache.read(b, layer)
         assert torch.equal(kb, k[layer]) and torch.equal(vb, v[layer])
