@@ -34,11 +34,10 @@ class PackedPool:
     """
 
     def __init__(self, layouts: list[PageLayout], config: CacheConfig) -> None:
-        self.layouts = list(layouts)
         self.pages = [torch.zeros(config.packed_pages, lay.page_bytes, dtype=torch.uint8, device=config.device)
-                      for lay in self.layouts]
+                      for lay in layouts]
         self.codebooks = [torch.zeros(config.num_codebook_slots, lay.codebook_bytes, dtype=torch.uint8,
-                                      device=config.device) for lay in self.layouts]
+                                      device=config.device) for lay in layouts]
         self.slot_of_page: list[int | None] = [None] * config.packed_pages
         # Per live slot: the chunk it encodes (an id that travels with exported pages) and the page
         # that carries the codebook when pages move to lower tiers (the chunk's first page).
