@@ -11,7 +11,7 @@ from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
 from .encode import encode_into_pages
-from .kmeans import kmeans
+from .kmeans import kmeans, kmeans_graphed
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
 
@@ -56,7 +56,6 @@ def _cluster(spec, staged, state: CodecState, heads: int):
     stages, count = staged[0][2].stages, staged[0][2].centroids
     residual = torch.cat([x.float().transpose(0, 1) for _, x, _ in staged]).contiguous()  # [len * H, N, D]
     generator = torch.Generator().manual_seed(spec.seed)
-    early_stop = not residual.is_cuda  # on the GPU: fixed steps, no host sync
     stored, assigns = [], []
     for stage in range(stages):
         if all(p in state.centroids for p in prefixes):
@@ -64,7 +63,10 @@ def _cluster(spec, staged, state: CodecState, heads: int):
         else:  # K's heads then V's, as the reference seeds them (same draws for one stage)
             init = torch.cat([_INITS[spec.init](part.cpu(), count, generator)
                               for part in residual.split(heads)]).to(residual.device)
-        result = kmeans(residual, init, spec.iters, early_stop=early_stop)
+        if residual.is_cuda:  # fixed steps replayed from a CUDA graph: no host sync, few launches
+            result = kmeans_graphed(residual, init, spec.iters)
+        else:  # the interpreter: stop once assignments settle, as the reference does
+            result = kmeans(residual, init, spec.iters)
         state.iterations.append(result.iterations)
         cents = result.centroids.to(torch.bfloat16)
         residual -= torch.gather(cents.float(), 1, result.assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
