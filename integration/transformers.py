@@ -36,16 +36,13 @@ from ..rope import rotary_from_config
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Options of a `KVBackendCache`."""
+    """Options of a `KVBackendCache` shared by all its layers (each layer holds its own levers:
+    ``sink``, ``pre_rope``, ``v_rotation``)."""
 
     codec: str | tuple[str, ...] = "qvg"  # codec spec for completed chunks, or one spec per layer
     page_size: int = 64  # tokens per page
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
-    # the levers of every layer unless a per-layer plan gives each its own (KVBackendCache(layer_levers=...))
-    sink: int = 0  # first tokens of every row kept exact, outside the pages
-    pre_rope: bool = False  # store keys before RoPE, rotate again on read
     max_tokens: int = 4096  # longest sequence per batch row; sizes the pools
-    v_rotation: str = "none"  # "hadamard": values stored rotated (before quantization), rotated back on read
 
 
 class KVBackendLayer(CacheLayerMixin):
@@ -186,10 +183,12 @@ class KVBackendCache(Cache):
     def __init__(self, config, codec: str | Sequence[str] = "qvg", *, page_size: int = 64, chunk_pages: int = 32,
                  sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none",
                  layer_levers: Sequence[Levers] | None = None) -> None:
-        """``layer_levers`` (one `Levers` per layer, as `from_plan` passes them) replaces ``sink``,
-        ``pre_rope`` and ``v_rotation`` layer by layer."""
+        """``sink`` (first tokens of every row kept exact, outside the pages), ``pre_rope`` (keys stored
+        before RoPE, rotated again on read) and ``v_rotation`` ("hadamard": values stored rotated,
+        rotated back on read) apply to every layer, unless ``layer_levers`` (one `Levers` per layer,
+        as `from_plan` passes them) gives each layer its own."""
         codec = codec if isinstance(codec, str) else tuple(codec)
-        self.options = CacheOptions(codec, page_size, chunk_pages, sink, pre_rope, max_tokens, v_rotation)
+        self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = text_config.num_hidden_layers
         if isinstance(codec, tuple) and len(codec) != layers:

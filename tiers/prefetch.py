@@ -134,7 +134,7 @@ class TieredCache:
         host_idx = [i for i, s in enumerate(sources) if s == "host"]
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
         layers = self.cache.geometry.num_layers
-        part = sum(self.cache.page_span(layer)[1] for layer in range(layers))  # every layer's page, then the rest
+        part = sum(self.cache.page_span(layers - 1))  # every layer's page (the last one ends them), then the rest
         layered = self.host.read_layered([rest[i] for i in host_idx], staged, host_idx) if host_idx else None
         arrived = []  # per layer, on CUDA: the event after which that layer's host bytes are in `staged`
         if layered is not None:  # trailers and codebooks first, then the layers, all enqueued now
