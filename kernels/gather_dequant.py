@@ -29,7 +29,7 @@ def _rope(x, cos, sin, P: tl.constexpr, D: tl.constexpr):
 def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds, valid, rows, positions,
                            cos_table, sin_table, k_out, v_out,
                            PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
-                           D: tl.constexpr, ROPE: tl.constexpr,
+                           D: tl.constexpr, ROPE: tl.constexpr, UNPACK: tl.constexpr,
                            K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
                            K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
                            K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
@@ -45,9 +45,11 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
     row = tl.load(rows + w).to(tl.int64)
     if kind == 0:
         k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
-                         K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK)
+                         K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK,
+                         UNPACK)
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
-                         V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK)
+                         V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK,
+                         UNPACK)
     else:
         k = load_dense(dense, page, h, 0, H, P, D).to(tl.float32)
         v = load_dense(dense, page, h, 1, H, P, D).to(tl.float32)
@@ -78,9 +80,16 @@ def _check(pages: torch.Tensor, dense: torch.Tensor, plan: BatchPlan) -> None:
             raise ValueError(f"kernels need a power-of-two {name}, got {value}")
 
 
+def default_warps(k: TensorScheme, v: TensorScheme) -> int:
+    """8 warps a program, or 4 where centroid stages add a one-hot product per page (H200, B=8, L=32K,
+    perf/NOTES.md gather v2: rtn-2 and kivi-2 1.2-1.4x faster with 8 warps than 4, qvg 15% slower)."""
+    return 4 if k.stages or v.stages else 8
+
+
 def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, schemes: tuple[TensorScheme, TensorScheme],
                    plan: BatchPlan, out_dtype: torch.dtype = torch.bfloat16, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None,
+                   unpack: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstruct every token of the planned requests, ``[total_tokens, H, D]`` each for K and V.
 
     Args:
@@ -89,6 +98,9 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         dense: one layer's dense pages ``[num_pages, 2, P, H, D]``.
         rope: optional (cos, sin) tables ``[max_position, D/2]`` float32 to rotate pre-RoPE keys.
         out: optional caller buffers to write into.
+        num_warps, unpack: launch configuration (``unpack`` as in `dequant_tile`: 0 loads packed words
+            once and broadcasts them, 1 has each element load its own word, 2/3 those with codes made
+            float without an integer conversion). num_warps None = `default_warps`.
     """
     _check(pages, dense, plan)
     _, _, p, h, d = dense.shape
@@ -106,8 +118,10 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         return k_out, v_out
     cos, sin = rope if rope is not None else (k_out, k_out)  # unused when ROPE is off
     k_scheme, v_scheme = schemes
+    num_warps = num_warps or default_warps(k_scheme, v_scheme)
     _gather_dequant_kernel[(work, h)](
         u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.kinds, plan.valid, plan.rows, plan.positions,
         cos, sin, k_out, v_out, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
-        ROPE=rope is not None, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme))
+        ROPE=rope is not None, UNPACK=unpack, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme),
+        num_warps=num_warps)
     return k_out, v_out

@@ -47,6 +47,26 @@ def test_matches_reference(codec, head_dim, page_size, lengths):
         assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6)
 
 
+@pytest.mark.parametrize("codec", ["rtn:bits=2,group=64,scale=fp8", "qvg", "kivi:bits=2,group=16",
+                                   "rtn:bits=4,group=32,symmetric=true,scale=fp16"])
+def test_unpack_variants_are_bit_identical(codec):
+    """Every unpack variant (broadcast words or per-element words; int-to-float conversion or the
+    2^23 mantissa trick) and warp count writes the same bits: the codes are exact either way."""
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = filled_cache(codec, 64, 16, [45, 19], seed=3)
+    plan = cache.plan(ids, 0)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), plan)
+    base_k, base_v = gather_dequant(*args)
+    rk, _ = reference(cache, ids, 0)
+    assert torch.all((base_k.float() - rk.float()).abs() <= rk.float().abs() * 2**-7 + 1e-6)
+    for unpack, warps in ((1, 4), (2, 2), (3, 8)):
+        k, v = gather_dequant(*args, unpack=unpack, num_warps=warps)
+        assert torch.equal(k.view(torch.int16), base_k.view(torch.int16)), (unpack, warps)
+        assert torch.equal(v.view(torch.int16), base_v.view(torch.int16)), (unpack, warps)
+
+
 def test_rope_on_read():
     from kvbackend.kernels.gather_dequant import gather_dequant
 
@@ -82,3 +102,17 @@ def test_rejects_bad_input():
         gather_dequant(cache.packed.pages[0].float(), cache.packed.codebooks[0], cache.dense.data[0], schemes, plan)
     with pytest.raises(ValueError, match="dense pages"):
         gather_dequant(cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0, :, 0], schemes, plan)
+
+
+def test_default_warps_by_layout():
+    """Eight warps a program for plain group layouts, four where centroid stages add a product per page."""
+    from kvbackend import Geometry, codecs
+    from kvbackend.kernels.gather_dequant import default_warps
+
+    def schemes(spec):
+        codec = codecs.get(spec)
+        return kernel_schemes(codec, codec.layout(Geometry(1, 2, 64, torch.bfloat16), 16))
+
+    assert default_warps(*schemes("rtn:bits=2,group=64,scale=fp8")) == 8
+    assert default_warps(*schemes("kivi:bits=2,group=16")) == 8
+    assert default_warps(*schemes("qvg")) == 4

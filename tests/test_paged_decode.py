@@ -110,8 +110,9 @@ def test_unpack_variants_agree(codec):
     args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
             kernel_schemes(cache.codec, cache.layout), plan)
     a, _ = paged_decode(q, *args, unpack=0, fold=False)  # unpack variants belong to the plain kernel
-    b, _ = paged_decode(q, *args, unpack=1, fold=False)
-    assert torch.allclose(a.float(), b.float(), atol=1e-2)
+    for unpack in (1, 2, 3):
+        b, _ = paged_decode(q, *args, unpack=unpack, fold=False)
+        assert torch.allclose(a.float(), b.float(), atol=1e-2), unpack
 
 
 @pytest.mark.parametrize("programs", [1, 3, 64])
