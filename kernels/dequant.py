@@ -59,6 +59,16 @@ def unpack_codes(i32, word_base, row, H: tl.constexpr, P: tl.constexpr, D: tl.co
 
 
 @triton.jit
+def mantissa_f32(codes):
+    """Non-negative int32 codes below 2^23 as float32, exactly: or-ed into the mantissa of 2^23, then
+    2^23 subtracted (no int-to-float conversion, a quarter-rate instruction on NVIDIA GPUs)."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+UNPACK_MODES = (0, 1, 2, 3)  # the ``UNPACK`` values `dequant_tile` knows
+
+
+@triton.jit
 def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                  PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
                  H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
@@ -88,11 +98,11 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                         + d[None, :] // PER_WORD)
         j = d % PER_WORD
         shifts = 8 * (j // PER_BYTE) + (PER_BYTE - 1 - j % PER_BYTE) * BITS
-        if UNPACK == 2:  # or-ed into the mantissa of 2^23 and subtracted: exact, no integer conversion
-            raw = ((words >> shifts[None, :]) & ((1 << BITS) - 1)) | 0x4B000000
-            codes = (raw.to(tl.float32, bitcast=True) - 8388608.0).to(XT)
+        codes = (words >> shifts[None, :]) & ((1 << BITS) - 1)
+        if UNPACK == 2:
+            codes = mantissa_f32(codes).to(XT)
         else:
-            codes = ((words >> shifts[None, :]) & ((1 << BITS) - 1)).to(XT)
+            codes = codes.to(XT)
         if MODE == 1:
             where = (t[:, None] * H + h) * (D // GROUP) + d[None, :] // GROUP
         else:
@@ -104,8 +114,8 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
             x = codes * scale + load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND).to(XT)
     else:
         codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS)
-        if UNPACK == 3:  # the mantissa of 2^23, as UNPACK 2
-            codes = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(XT)
+        if UNPACK == 3:
+            codes = mantissa_f32(codes).to(XT)
         else:
             codes = codes.to(XT)
         if MODE == 1:  # per token, groups of GROUP channels: [P, H, D / GROUP]

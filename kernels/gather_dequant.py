@@ -13,7 +13,7 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
-from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
+from .dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
 
 
 @triton.jit
@@ -80,6 +80,13 @@ def _check(pages: torch.Tensor, dense: torch.Tensor, plan: BatchPlan) -> None:
             raise ValueError(f"kernels need a power-of-two {name}, got {value}")
 
 
+def _check_launch(num_warps: int | None, unpack: int) -> None:
+    if unpack not in UNPACK_MODES:
+        raise ValueError(f"unpack must be one of {UNPACK_MODES}, got {unpack!r}")
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps!r}")
+
+
 def default_warps(k: TensorScheme, v: TensorScheme) -> int:
     """8 warps a program, or 4 where centroid stages add a one-hot product per page (H200, B=8, L=32K,
     perf/NOTES.md gather v2: rtn-2 and kivi-2 1.2-1.4x faster with 8 warps than 4, qvg 15% slower)."""
@@ -103,6 +110,7 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
             float without an integer conversion). num_warps None = `default_warps`.
     """
     _check(pages, dense, plan)
+    _check_launch(num_warps, unpack)
     _, _, p, h, d = dense.shape
     if plan.page_size != p:
         raise ValueError(f"plan page_size {plan.page_size} != dense pages' {p}")

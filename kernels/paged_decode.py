@@ -20,7 +20,7 @@ from kvbackend.scheme import TensorScheme
 
 from . import folded_decode
 from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
-from .gather_dequant import _check
+from .gather_dequant import _check, _check_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -147,6 +147,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
     _check(pages, dense, plan)
+    _check_launch(num_warps, unpack)
     _, _, p, h, d = dense.shape
     b, hq, dq = q.shape
     if dq != d or hq % h or b != len(plan.request_ids):

@@ -102,6 +102,11 @@ def test_rejects_bad_input():
         gather_dequant(cache.packed.pages[0].float(), cache.packed.codebooks[0], cache.dense.data[0], schemes, plan)
     with pytest.raises(ValueError, match="dense pages"):
         gather_dequant(cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0, :, 0], schemes, plan)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], schemes, plan)
+    with pytest.raises(ValueError, match="unpack must be one of"):
+        gather_dequant(*args, unpack=4)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        gather_dequant(*args, num_warps=6)
 
 
 def test_default_warps_by_layout():
