@@ -89,7 +89,8 @@ def _check_launch(num_warps: int | None, unpack: int) -> None:
 
 def default_warps(k: TensorScheme, v: TensorScheme) -> int:
     """8 warps a program, or 4 where centroid stages add a one-hot product per page (H200, B=8, L=32K,
-    perf/NOTES.md gather v2: rtn-2 and kivi-2 1.2-1.4x faster with 8 warps than 4, qvg 15% slower)."""
+    perf/NOTES.md gather v1/v2: with 8 warps rtn-2 1.2-1.4x and kivi-2 1.1-1.15x faster than with 4,
+    qvg 15% slower; float layouts were not measured and follow the stage-free rule)."""
     return 4 if k.stages or v.stages else 8
 
 
