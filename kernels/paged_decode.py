@@ -18,7 +18,7 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
-from . import folded_decode
+from . import folded_decode, planar_decode
 from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from .gather_dequant import _check, _check_launch
 
@@ -126,16 +126,19 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr,
 
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor,
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
-                 target_programs: int = 1024, num_warps: int = 4, num_stages: int = 2,
+                 target_programs: int = 1024, num_warps: int = 4, num_stages: int | None = None,
                  unpack: int = 0, pair: int = 0, fold: bool | None = None,
-                 fold_options: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 fold_options: dict | None = None, planar: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
         q: [B, Hq, D] queries (bf16/fp16/fp32), B = len(plan.request_ids), Hq a multiple of the KV heads.
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
         target_programs: about how many programs the split-K grid should have (fill every SM).
-        pair: 1 = two packed pages per loop iteration (more loads in flight per program).
+        num_stages: software-pipelining stages; None = 1 for the planar kernel, 2 for the others (the
+            fastest measured on the H200, perf/NOTES.md).
+        pair: 1 = two packed pages per loop iteration (more loads in flight per program; in the
+            folded kernel, two pages per softmax block).
         fold: use the kernel with scales folded out of the per-element path (`folded_decode`);
             None = where it supports the layout and each program has enough pages
             (`folded_decode.preferred`).
@@ -143,6 +146,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             per softmax block, for per-token-group keys without centroids).
         fold_options: extra keywords of `folded_decode.launch` (``lazy``, ``vfold``, ``asm``), for
             tests and probes of the folded kernel's variants.
+        planar: use the kernel with tokens along the tensor-core product's M and codes read as bit
+            planes (`planar_decode`); None = where `planar_decode.preferred` says so. Takes precedence
+            over ``fold``.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -165,6 +171,10 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     l_part = torch.empty_like(m_part)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
+    if planar is None:
+        planar = fold is None and planar_decode.preferred(k_scheme, v_scheme, p, d, per_split)
+    elif planar and not planar_decode.supports(k_scheme, v_scheme, p, d):
+        raise ValueError(f"the planar decode kernel does not read this layout ({k_scheme}, {v_scheme})")
     if fold is None:
         fold = folded_decode.preferred(k_scheme, v_scheme, p, d, per_split)
     elif fold and not folded_decode.supports(k_scheme, v_scheme, p, d):
@@ -172,7 +182,12 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
                      ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),
                      **scheme_constants("V", v_scheme))
-    if fold:
+    if num_stages is None:
+        num_stages = 1 if planar else 2
+    if planar:
+        planar_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), dense, plan, scale * _LOG2E, per_split, splits,
+                             (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages)
+    elif fold:
         folded_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), book_i16, dense, plan, scale * _LOG2E,
                              per_split, splits, (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages,
                              pages=1 + pair, **{"asm": q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",

@@ -32,7 +32,7 @@ from kvbackend.attention import decode_attention
 from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.kernels.chunk_encoder import encode_chunk
-from kvbackend.kernels import folded_decode
+from kvbackend.kernels import folded_decode, planar_decode
 from kvbackend.kernels.encode import encode_into_pages
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
@@ -132,7 +132,10 @@ def checks():
             o, _ = paged_decode(q, pages, books, dense, schemes, plan, fold=False)
             decode_rel = float((o.float() - ref).norm() / ref.norm())
             if folded_decode.supports(*schemes, 64, dim):  # the folded kernel, with its inline-PTX unpack
-                o, _ = paged_decode(q, pages, books, dense, schemes, plan, fold=True)
+                o, _ = paged_decode(q, pages, books, dense, schemes, plan, fold=True, planar=False)
+                decode_rel = max(decode_rel, float((o.float() - ref).norm() / ref.norm()))
+            if planar_decode.supports(*schemes, 64, dim):  # the planar kernel
+                o, _ = paged_decode(q, pages, books, dense, schemes, plan, planar=True)
                 decode_rel = max(decode_rel, float((o.float() - ref).norm() / ref.norm()))
             key = f"{spec}|H{heads}D{dim}"
             if not codec.kernel_encodes:  # the reference encodes these (clip steps): read paths only
@@ -213,7 +216,7 @@ def decode(copy_bw):
     rows = []
     hq, heads, dim, p = 32, 8, 128, 64
     shapes = ((8, 32768), (1, 32768), (32, 8192), (8, 131072))  # the first one picks the configuration
-    for spec in ("rtn:bits=2,group=64,scale=fp8", "qvg", "kivi:bits=2,group=64", "identity"):
+    for spec in ("rtn:bits=2,group=64,scale=fp8", "rtn:bits=2,group=64", "qvg", "kivi:bits=2,group=64", "identity"):
         codec, layout, chunk = encoded_pages(spec, heads, dim, p)
         schemes = kernel_schemes(codec, layout)
         best_config = None
@@ -228,10 +231,12 @@ def decode(copy_bw):
             dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
             plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
-            if best_config is None:  # (fold, unpack, warps, stages, programs, pair)
+            if best_config is None:  # (kernel: 0 plain, 1 folded, 2 planar; unpack, warps, stages, programs, pair)
                 configs = [(0, u, w, st, tp, 0) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
                 if folded_decode.supports(*schemes, p, dim):
                     configs += [(1, 0, w, st, tp, pr) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096) for pr in (0, 1)]
+                if planar_decode.supports(*schemes, p, dim):
+                    configs += [(2, 0, 4, st, tp, 0) for st in (1, 2) for tp in (1024, 4096)]
             else:  # each kernel with its own best configuration of the first shape, both split targets
                 configs = [c[:4] + (tp, c[5]) for c in best_config.values() for tp in (1024, 4096)]
             best_per_kernel = {}  # fold -> (ms, config)
@@ -243,7 +248,7 @@ def decode(copy_bw):
                     i[0] += 1
                     return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
                                         num_stages=stages, target_programs=programs, unpack=unpack, pair=pair,
-                                        fold=bool(fold))
+                                        fold=fold == 1, planar=fold == 2)
 
                 try:
                     ms = bench(run, 100)
@@ -265,7 +270,7 @@ def decode(copy_bw):
                 graph["ours_graph_us"] = 1e3 * graph_time([
                     lambda j=j: paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
                                              num_stages=stages, target_programs=programs, unpack=unpack, pair=pair,
-                                             fold=bool(fold)) for j in range(rotations)])
+                                             fold=fold == 1, planar=fold == 2) for j in range(rotations)])
                 graph["sdpa_graph_us"] = 1e3 * sdpa_time(batch, hq, heads, length, dim,
                                                          2 if length * batch <= 262144 else 1, graphs=True)
                 graph["speedup_vs_sdpa_graph"] = graph["sdpa_graph_us"] / graph["ours_graph_us"]
@@ -276,8 +281,8 @@ def decode(copy_bw):
                    "speedup_vs_sdpa": sdpa_ms / ms, "ours_GBps": bytes_read / ms / 1e6,
                    "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100, "sdpa_GBps": sdpa_bytes / sdpa_ms / 1e6,
                    "sdpa_pct_of_copy": sdpa_bytes / sdpa_ms / 1e6 / copy_bw * 100, "bytes_read": bytes_read,
-                   "config_fold_unpack_warps_stages_programs_pair": list(config),
-                   "best_us_per_kernel": {("folded" if k else "plain"): v[0] * 1e3 for k, v in best_per_kernel.items()},
+                   "config_kernel_unpack_warps_stages_programs_pair": list(config),
+                   "best_us_per_kernel": {("plain", "folded", "planar")[k]: v[0] * 1e3 for k, v in best_per_kernel.items()},
                    "bits_per_value_read": 8 * bytes_read / (batch * length * heads * dim * 2)}
             rows.append(row)
             print(f"decode {spec:32s} B={batch:2d} L={length:6d}: ours {row['ours_us']:7.1f} us "

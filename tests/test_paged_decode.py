@@ -190,3 +190,56 @@ def test_folded_kernel_support_and_default():
     with pytest.raises(ValueError, match="folded decode kernel does not read"):
         paged_decode(torch.randn(1, 4, 64, device=DEVICE).bfloat16(), cache.packed.pages[0], cache.packed.codebooks[0],
                      cache.dense.data[0], kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0), fold=True)
+
+
+PLANAR_CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs)
+    ("rtn:bits=2,group=64,scale=fp8", 128, 64, [150, 20, 64], 4, 6),  # two channel groups, a full last page
+    ("rtn:bits=2,group=64", 64, 64, [200], 3, 2),  # asymmetric (zeros), one group
+    ("rtn:bits=4,group=64,symmetric=true,scale=fp16", 64, 64, [70, 129], 1, 3),
+    ("rtn:bits=8,group=64,scale=bf16", 128, 64, [90], 3, 1),
+]
+
+
+@pytest.mark.parametrize("codec,head_dim,page_size,lengths,ratio,programs", PLANAR_CASES)
+def test_planar_kernel_matches_reference(codec, head_dim, page_size, lengths, ratio, programs):
+    """Tokens along the product's M and codes read as bit planes give the reference attention."""
+    from kvbackend.kernels import planar_decode
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache(codec, head_dim, page_size, lengths, seed=len(lengths) + ratio, chunk_pages=1)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    assert planar_decode.supports(*schemes, page_size, head_dim)
+    plan = cache.plan(ids, 1)
+    q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, plan)
+    out, lse = paged_decode(q, *args, target_programs=programs, planar=True)
+    assert_matches_reference(cache, ids, 1, q, out, lse)
+    folded, folded_lse = paged_decode(q, *args, target_programs=programs, fold=True, planar=False)
+    assert torch.allclose(out.float(), folded.float(), atol=2e-2) and torch.allclose(lse, folded_lse, atol=1e-2)
+
+
+def test_planar_kernel_support():
+    from kvbackend.kernels import planar_decode
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    def schemes(codec, page=64, dim=128):
+        from kvbackend import Geometry, codecs
+
+        c = codecs.get(codec)
+        return kernel_schemes(c, c.layout(Geometry(1, 2, dim, torch.bfloat16), page))
+
+    assert planar_decode.supports(*schemes("rtn:bits=2,group=64,scale=fp8"), 64, 128)
+    assert planar_decode.supports(*schemes("rtn:bits=2,group=128"), 64, 128)
+    assert not planar_decode.supports(*schemes("rtn:bits=2,group=64,scale=fp8", 32), 32, 128)  # pages < 64 tokens
+    assert not planar_decode.supports(*schemes("rtn:bits=2,group=32"), 64, 128)  # 8-code planes: too narrow
+    assert not planar_decode.supports(*schemes("qvg"), 64, 128)  # centroid stages
+    assert not planar_decode.supports(*schemes("kivi:bits=2,group=64"), 64, 128)  # per-channel keys
+    assert not planar_decode.supports(*schemes("identity"), 64, 128)
+    many = planar_decode.MIN_PAGES_PER_PROGRAM
+    assert planar_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 64, 128, many)
+    assert not planar_decode.preferred(*schemes("rtn:bits=2,group=64,scale=fp8"), 64, 128, many - 1)  # short splits
+    assert not planar_decode.preferred(*schemes("qvg"), 64, 128, many)
+    cache, ids = filled_cache("qvg", 64, 16, [20])
+    with pytest.raises(ValueError, match="planar decode kernel does not read"):
+        paged_decode(torch.randn(1, 4, 64, device=DEVICE).bfloat16(), cache.packed.pages[0], cache.packed.codebooks[0],
+                     cache.dense.data[0], kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0), planar=True)

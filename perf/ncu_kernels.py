@@ -1,0 +1,58 @@
+"""A fixed workload for Nsight Compute: one kernel at B=8, L=32K (Llama-8B geometry), launched a few times.
+
+    ncu --clock-control none --kernel-name regex:folded --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats python3 perf/ncu_kernels.py decode rtn:bits=2,group=64,scale=fp8
+
+Kinds: ``decode`` (paged_decode, folded kernel where it reads the layout), ``gather`` (gather_dequant).
+The profiler's own report is the output; this script only builds inputs and launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvbackend.kernels import folded_decode
+from kvbackend.kernels.gather_dequant import gather_dequant
+from kvbackend.kernels.paged_decode import paged_decode
+from kvbackend.scheme import kernel_schemes
+
+import bench_kernels as bk
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind", choices=("decode", "gather"))
+    parser.add_argument("codec")
+    parser.add_argument("--launches", type=int, default=4)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--planar", action="store_true", help="decode: the planar kernel")
+    args = parser.parse_args()
+    hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
+    codec, layout, chunk = bk.encoded_pages(args.codec, heads, dim, p)
+    schemes = kernel_schemes(codec, layout)
+    books = chunk.codebook.reshape(1, -1).contiguous()
+    if args.kind == "decode":
+        per_req = length // p - 1
+        pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()
+        dense = torch.randn(batch, 2, p, heads, dim, device=bk.DEV).bfloat16()
+        plan = bk.make_plan(batch, per_req, p, p, 0, 0)
+        q = torch.randn(batch, hq, dim, device=bk.DEV).bfloat16()
+        fold = folded_decode.supports(*schemes, p, dim)
+        for _ in range(args.launches):
+            paged_decode(q, pages, books, dense, schemes, plan, target_programs=4096, num_warps=args.warps,
+                         num_stages=args.stages, fold=fold, planar=args.planar)
+    else:
+        per_req = length // p
+        pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()
+        dense = torch.zeros(1, 2, p, heads, dim, device=bk.DEV).bfloat16()
+        plan = bk.make_plan(batch, per_req, 0, p, 0, 0)
+        for _ in range(args.launches):
+            gather_dequant(pages, books, dense, schemes, plan)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
