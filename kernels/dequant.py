@@ -65,6 +65,25 @@ def mantissa_f32(codes):
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
+@triton.jit
+def magic_fp16(c):
+    """Small non-negative int32 codes as fp16, through the mantissa of 1024.0 (no integer conversion)."""
+    return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def scale_zero(u8, i16, i32, page, where, PAGE_BYTES: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                KIND: tl.constexpr, ESIZE: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
+    """(scale, zero) float32 at element ``where`` of the page's scale and zero fields (a symmetric
+    layout's zero is -(2^(bits-1) - 1) * scale)."""
+    scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
+    if SYMMETRIC:
+        zero = scale * (-((1 << (BITS - 1)) - 1))
+    else:
+        zero = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + ZEROS // ESIZE, where, KIND)
+    return scale, zero
+
+
 UNPACK_MODES = (0, 1, 2, 3)  # the ``UNPACK`` values `dequant_tile` knows
 
 

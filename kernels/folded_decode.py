@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
-from .dequant import load_elements
+from .dequant import load_elements, magic_fp16, scale_zero
 
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
 VFOLD_DEFAULT = False  # values: scales on the probabilities (True) or on the codes in registers (False, measured faster)
@@ -62,12 +62,6 @@ and.b32 t, hi, 0x00030003; or.b32 t, t, 0x64006400; sub.f16x2 $7, t, m;
 
 
 @triton.jit
-def _magic_fp16(c):
-    """Small non-negative int32 codes as fp16, through the mantissa of 1024.0 (no integer conversion)."""
-    return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-
-
-@triton.jit
 def unpack_fp16(b, BITS: tl.constexpr, ASM: tl.constexpr):
     """Codes as fp16 in channel order from packed bytes ``b`` (uint8 [..., N]) -> [..., N * 8 // BITS].
 
@@ -76,7 +70,7 @@ def unpack_fp16(b, BITS: tl.constexpr, ASM: tl.constexpr):
         return b.to(tl.float16)
     elif BITS == 4:
         x = b.to(tl.int32)
-        return tl.interleave(_magic_fp16(x >> 4), _magic_fp16(x & 15))
+        return tl.interleave(magic_fp16(x >> 4), magic_fp16(x & 15))
     else:
         if ASM:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
@@ -84,10 +78,10 @@ def unpack_fp16(b, BITS: tl.constexpr, ASM: tl.constexpr):
                 dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
         else:
             x = b.to(tl.int32)
-            c0 = _magic_fp16((x >> 6) & 3)
-            c1 = _magic_fp16((x >> 4) & 3)
-            c2 = _magic_fp16((x >> 2) & 3)
-            c3 = _magic_fp16(x & 3)
+            c0 = magic_fp16((x >> 6) & 3)
+            c1 = magic_fp16((x >> 4) & 3)
+            c2 = magic_fp16((x >> 2) & 3)
+            c3 = magic_fp16(x & 3)
         return tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
 
 
@@ -129,19 +123,6 @@ def _load_q(q, q_rows, live, col0, scale_log2, W: tl.constexpr):
 
 
 @triton.jit
-def _scale_zero(u8, i16, i32, page, where, PAGE_BYTES: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                KIND: tl.constexpr, ESIZE: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
-    """(scale, zero) float32 at element ``where`` of the page's scale and zero fields (a symmetric
-    layout's zero is -(2^(bits-1) - 1) * scale)."""
-    scale = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + SCALES // ESIZE, where, KIND)
-    if SYMMETRIC:
-        zero = scale * (-((1 << (BITS - 1)) - 1))
-    else:
-        zero = load_elements(u8, i16, i32, page * (PAGE_BYTES // ESIZE) + ZEROS // ESIZE, where, KIND)
-    return scale, zero
-
-
-@triton.jit
 def _group_codes(u8, page, rows, g, PAGE_BYTES: tl.constexpr, ASM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                  BITS: tl.constexpr, CODES: tl.constexpr):
     """fp16 codes [BT, G] of channel group g; ``page`` [BT] (int64) and ``rows`` [BT] say where each
@@ -157,7 +138,7 @@ def _key_group(u8, i16, i32, page, rows, q_g, q_g_sum, g, PAGE_BYTES: tl.constex
                KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr):
     """Scores [ROWS, BT] of channel group g of per-token-group keys: s * (q_g . codes) + z * sum(q_g)."""
     codes = _group_codes(u8, page, rows, g, PAGE_BYTES, ASM, G, D, BITS, CODES)
-    scale, zero = _scale_zero(u8, i16, i32, page, rows * NG + g, PAGE_BYTES, BITS, SYMMETRIC, KIND, ESIZE, SCALES, ZEROS)
+    scale, zero = scale_zero(u8, i16, i32, page, rows * NG + g, PAGE_BYTES, BITS, SYMMETRIC, KIND, ESIZE, SCALES, ZEROS)
     return tl.dot(q_g, tl.trans(codes)) * scale[None, :] + q_g_sum[:, None] * zero[None, :]
 
 
@@ -170,7 +151,7 @@ def _value_group(u8, i16, i32, page, rows, p, acc, zacc, g, PAGE_BYTES: tl.const
     zacc += p @ z (scales on the probabilities); else acc += p @ (codes * s + z) with the per-token
     scale and zero broadcast along the row in registers (fp16), so every group shares one p operand."""
     codes = _group_codes(u8, page, rows, g, PAGE_BYTES, ASM, G, D, BITS, CODES)
-    scale, zero = _scale_zero(u8, i16, i32, page, rows * NG + g, PAGE_BYTES, BITS, SYMMETRIC, KIND, ESIZE, SCALES, ZEROS)
+    scale, zero = scale_zero(u8, i16, i32, page, rows * NG + g, PAGE_BYTES, BITS, SYMMETRIC, KIND, ESIZE, SCALES, ZEROS)
     if VFOLD:
         acc = tl.dot((p * scale[None, :]).to(tl.float16), codes, acc)
         zacc += tl.sum(p * zero[None, :], 1)
@@ -287,7 +268,7 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
             else:
                 codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + K_CODES + rows[:, None] * K_ROW
                                             + tl.arange(0, K_ROW)[None, :]), K_BITS, ASM)  # [BT, D]
-                ks, kz = _scale_zero(u8, i16, i32, page, (blk * H + h) * D + d, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND,
+                ks, kz = scale_zero(u8, i16, i32, page, (blk * H + h) * D + d, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND,
                                      K_ESIZE, K_SCALES, K_ZEROS)
                 scores = tl.dot((q_f32 * ks[None, :]).to(tl.float16), tl.trans(codes))
                 scores += tl.sum(q_f32 * kz[None, :], 1)[:, None]

@@ -29,7 +29,8 @@ import triton.language as tl
 
 from kvbackend.scheme import TOKEN_GROUPS, TensorScheme
 
-from .folded_decode import MIN_PAGES_PER_PROGRAM, _magic_fp16, _scale_zero
+from .dequant import magic_fp16, scale_zero
+from .folded_decode import MIN_PAGES_PER_PROGRAM
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def _q_plane(q, q_rows, live, scale_log2, g, k, G: tl.constexpr, GB: tl.constexp
 @triton.jit
 def _plane(b, k, BITS: tl.constexpr):
     """Plane k (codes at bits ``8 - BITS * (k + 1)``) of int32 bytes ``b``, as fp16."""
-    return _magic_fp16((b >> (8 - BITS * (k + 1))) & ((1 << BITS) - 1))
+    return magic_fp16((b >> (8 - BITS * (k + 1))) & ((1 << BITS) - 1))
 
 
 @triton.jit
@@ -122,19 +123,19 @@ def _page_data(u8, i16, i32, page_ids, at, h, PAGE_BYTES: tl.constexpr, H: tl.co
     KNG: tl.constexpr = D // K_GROUP
     VNG: tl.constexpr = D // V_GROUP
     kb0 = _key_bytes(u8, page, rows, 0, PAGE_BYTES, D, K_BITS, K_GROUP, K_CODES)
-    ks0, kz0 = _scale_zero(u8, i16, i32, page, rows * KNG, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_SCALES,
+    ks0, kz0 = scale_zero(u8, i16, i32, page, rows * KNG, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_SCALES,
                            K_ZEROS)
     vb0 = _value_bytes(u8, page, rows, 0, PAGE_BYTES, D, V_BITS, V_GROUP, V_CODES)
-    vs0, vz0 = _scale_zero(u8, i16, i32, page, rows * VNG, PAGE_BYTES, V_BITS, V_SYMMETRIC, V_KIND, V_ESIZE, V_SCALES,
+    vs0, vz0 = scale_zero(u8, i16, i32, page, rows * VNG, PAGE_BYTES, V_BITS, V_SYMMETRIC, V_KIND, V_ESIZE, V_SCALES,
                            V_ZEROS)
     kb1, ks1, kz1, vb1, vs1, vz1 = kb0, ks0, kz0, vb0, vs0, vz0
     if KNG > 1:
         kb1 = _key_bytes(u8, page, rows, 1, PAGE_BYTES, D, K_BITS, K_GROUP, K_CODES)
-        ks1, kz1 = _scale_zero(u8, i16, i32, page, rows * KNG + 1, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE,
+        ks1, kz1 = scale_zero(u8, i16, i32, page, rows * KNG + 1, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE,
                                K_SCALES, K_ZEROS)
     if VNG > 1:
         vb1 = _value_bytes(u8, page, rows, 1, PAGE_BYTES, D, V_BITS, V_GROUP, V_CODES)
-        vs1, vz1 = _scale_zero(u8, i16, i32, page, rows * VNG + 1, PAGE_BYTES, V_BITS, V_SYMMETRIC, V_KIND, V_ESIZE,
+        vs1, vz1 = scale_zero(u8, i16, i32, page, rows * VNG + 1, PAGE_BYTES, V_BITS, V_SYMMETRIC, V_KIND, V_ESIZE,
                                V_SCALES, V_ZEROS)
     return kb0, ks0, kz0, vb0, vs0, vz0, kb1, ks1, kz1, vb1, vs1, vz1
 
