@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
+from .decode_split import program_pages
 from .dequant import load_elements, magic_fp16, scale_zero
 
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
@@ -182,14 +183,7 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                           V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
                           V_BOOK: tl.constexpr):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    start = tl.load(req_start + r)
-    count = tl.load(req_pages + r)
-    packed = tl.load(req_packed + r)
-    first = s * pages_per_split
-    last = tl.minimum(first + pages_per_split, count)
+    r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
 
     # Channel groups are unrolled (at most 4 for keys and 4 for values: `supports` checks), each a
     # 2-D product of its own, so no reduction ever crosses warps. Keys per-token: KNG groups of KG

@@ -19,6 +19,7 @@ from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
 from . import folded_decode, planar_decode
+from .decode_split import program_pages
 from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from .gather_dequant import _check, _check_launch
 
@@ -51,14 +52,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                          V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
                          V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    start = tl.load(req_start + r)
-    count = tl.load(req_pages + r)
-    packed = tl.load(req_packed + r)
-    first = s * pages_per_split
-    last = tl.minimum(first + pages_per_split, count)
+    r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     i = tl.arange(0, ROWS)
     d = tl.arange(0, D)
     heads = h * GROUP + i

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kvbackend.scheme import TOKEN_GROUPS, TensorScheme
 
+from .decode_split import program_pages
 from .dequant import magic_fp16, scale_zero
 from .folded_decode import MIN_PAGES_PER_PROGRAM
 
@@ -149,14 +150,7 @@ def _planar_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, dense, page_i
                           K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
                           V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr, V_KIND: tl.constexpr,
                           V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    start = tl.load(req_start + r)
-    count = tl.load(req_pages + r)
-    packed = tl.load(req_packed + r)
-    first = s * pages_per_split
-    last = tl.minimum(first + pages_per_split, count)
+    r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     KNG: tl.constexpr = D // K_GROUP
     VNG: tl.constexpr = D // V_GROUP
     VG: tl.constexpr = V_GROUP
