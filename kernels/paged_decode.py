@@ -141,8 +141,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         fold_options: extra keywords of `folded_decode.launch` (``lazy``, ``vfold``, ``asm``), for
             tests and probes of the folded kernel's variants.
         planar: use the kernel with tokens along the tensor-core product's M and codes read as bit
-            planes (`planar_decode`); None = where `planar_decode.preferred` says so. Takes precedence
-            over ``fold``.
+            planes (`planar_decode`); None = where `planar_decode.preferred` says so, unless ``fold``
+            is given (then the plain or folded kernel, as ``fold`` says). True takes precedence over
+            ``fold``.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """

@@ -3,7 +3,8 @@
     ncu --clock-control none --kernel-name regex:folded --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats python3 perf/ncu_kernels.py decode rtn:bits=2,group=64,scale=fp8
 
-Kinds: ``decode`` (paged_decode, folded kernel where it reads the layout), ``gather`` (gather_dequant).
+Kinds: ``decode`` (paged_decode: the folded kernel where it reads the layout, else the plain one; the
+planar kernel with ``--planar``), ``gather`` (gather_dequant).
 The profiler's own report is the output; this script only builds inputs and launches.
 """
 
