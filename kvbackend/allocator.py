@@ -9,6 +9,7 @@ All three structures are owned by this class alone.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -65,6 +66,10 @@ class PageAllocator:
             self._refs[page] = 1
             out.append(page)
         return out
+
+    def eviction_order(self, n: int) -> list[int]:
+        """The cached pages `allocate(n)` would evict (it takes free pages first), in that order."""
+        return list(itertools.islice(self._cached, max(n - len(self._free), 0)))
 
     def incref(self, page: int) -> None:
         if self._refs[page] == 0:

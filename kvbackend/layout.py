@@ -104,7 +104,8 @@ class PageLayout:
         """A stable hash of everything that decides the bytes; tiers refuse blobs of another layout."""
         g = self.geometry
         text = "|".join(
-            [self.codec, f"H{g.num_kv_heads}D{g.head_dim}P{self.page_size}", self.page.describe(), self.codebook.describe()]
+            [self.codec, f"L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}P{self.page_size}", str(g.dtype),
+             self.page.describe(), self.codebook.describe()]
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import random
-import struct
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +16,8 @@ from .codecs.base import check_kv
 from .errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from .geometry import CacheConfig, Geometry
 from .hashing import hash_page, token_bytes
+from .page_group import TRAILER_BYTES, PageGroupFormat, Trailer
+from .page_group import VERSION as PAGE_GROUP_VERSION
 from .page_table import PageTable
 from .pool import DensePool, PackedPool
 
@@ -37,14 +38,13 @@ class CacheStats:
     deferred_chunks: int = 0  # full chunks still dense because the packed pool had no room when they completed
 
 
-_TRAILER = struct.Struct("<QQ")  # exported page group: chunk id, 1 if the chunk's codebook follows
-
-
 @dataclass
 class InstallPlan:
     """Restored page groups assigned to device pages (see `KVCache.plan_install`)."""
 
     installed: int = 0  # how many of the keys (a prefix) are on the device once the copies land
+    pinned: list[int] = field(default_factory=list)  # resident pages held until `finish_install`, so no
+    # allocation of this plan evicts a page it counted as installed
     rows: list[int] = field(default_factory=list)  # blob row of each new page
     new_pages: list[int] = field(default_factory=list)  # device pages that receive those rows
     slot_rows: list[int] = field(default_factory=list)  # blob row carrying each newly opened codebook
@@ -103,9 +103,8 @@ class KVCache:
         self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layouts, self.config)
-        # exported page groups: every layer's page, back to back, then a trailer and every layer's codebook
-        self._page_offsets = list(itertools.accumulate((lay.page_bytes for lay in self.layouts), initial=0))
-        self._book_offsets = list(itertools.accumulate((lay.codebook_bytes for lay in self.layouts), initial=0))
+        self.fingerprint = self._fingerprint()
+        self.group = PageGroupFormat.of(self.layouts, self.fingerprint)  # the bytes of an exported page
         self._tables: dict[int, PageTable] = {}
         # hashed packed page -> its tokens, for the collision check on a hit; entries of evicted pages
         # are harmless (their hash is gone) and are overwritten when the page is hashed again
@@ -132,12 +131,14 @@ class KVCache:
             raise SpecError(f"this cache has a per-layer codec plan: use KVCache.{name}[layer]")
         return getattr(self, name)[0]
 
-    @property
-    def fingerprint(self) -> str:
-        """16 hex characters naming the byte layout of every layer (the layout's own for one codec)."""
-        if self.uniform:
-            return self.layouts[0].fingerprint
-        text = "|".join(lay.fingerprint for lay in self.layouts)
+    def _fingerprint(self) -> str:
+        """16 hex characters naming everything that shapes an exported page group's bytes: the page-group
+        format version, layers, heads, head size, dtype, page size, chunk pages and every layer's layout
+        (the per-layer plan). Tiers keyed by it never serve one cache's pages to another."""
+        g, cfg = self.geometry, self.config
+        text = "|".join([f"pagegroup-v{PAGE_GROUP_VERSION}", f"L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}",
+                         str(g.dtype), f"P{cfg.page_size}C{cfg.chunk_pages}",
+                         *(lay.fingerprint for lay in self.layouts)])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- admission --------------------------------------------------------------------------
@@ -196,8 +197,7 @@ class KVCache:
             is raised).
         """
         table = self._table(request_id)
-        if not 0 <= layer < self.geometry.num_layers:
-            raise InvalidKV(f"layer {layer} out of range 0..{self.geometry.num_layers - 1}")
+        self._check_layer(layer)
         check_kv(k, v, self.geometry)
         if queries is not None:
             g = self.geometry
@@ -239,29 +239,44 @@ class KVCache:
             self._complete_chunk(table)
 
     def _can_pack(self) -> bool:
-        """Whether one more chunk fits in the packed pool and its codebook slots."""
-        pages = self.config.chunk_pages
-        # Evicting cached pages to make room can release slots, so count those as available too.
-        slots_free = self.packed.slots.num_free + min(self.packed.allocator.num_cached, pages)
-        return self.packed.allocator.can_allocate(pages) and slots_free >= 1
+        """Whether one more chunk's pages and codebook slot can be allocated, exactly as
+        `_complete_chunk` will allocate them: the pages first (free pages, then cached ones in LRU
+        order, whose eviction releases a slot once its last page goes), then one slot."""
+        pages, pool = self.config.chunk_pages, self.packed
+        if not pool.allocator.can_allocate(pages):
+            return False
+        if pool.slots.can_allocate(1):
+            return True
+        evicted: dict[int, int] = {}  # slot -> its pages the allocation would evict
+        for page in pool.allocator.eviction_order(pages):
+            slot = pool.slot_of_page[page]
+            evicted[slot] = evicted.get(slot, 0) + 1
+        return any(pool.slots.ref_count(slot) == n for slot, n in evicted.items())
 
     def _complete_chunk(self, table: PageTable) -> None:
-        cfg = self.config
+        cfg, pool = self.config, self.packed
         chunk_dense = table.dense[: cfg.chunk_pages]
-        new_pages = self.packed.allocator.allocate(cfg.chunk_pages)
-        (slot,) = self.packed.slots.allocate(1)
+        new_pages = pool.allocator.allocate(cfg.chunk_pages)  # `_can_pack` said both allocations succeed
+        (slot,) = pool.slots.allocate(1)
+        pool.bind(new_pages, slot)
+        pool.slots.decref(slot)  # the pages hold the slot now; drop the allocation's own ref
         page_ids = torch.tensor(new_pages, dtype=torch.int32, device=self.dense.data.device)
         chunk_index = table.num_packed_tokens // cfg.chunk_tokens
-        for layer in range(self.geometry.num_layers):
-            table.states[layer].close_chunk(chunk_index)
-            kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
-            k = kv[:, 0].reshape(-1, *kv.shape[-2:])
-            v = kv[:, 1].reshape(-1, *kv.shape[-2:])
-            self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], k, v, table.states[layer],
-                                              self.packed.pages[layer], page_ids, self.packed.codebooks[layer][slot])
-        self.packed.bind(new_pages, slot)
-        self.packed.open_slot(slot, random.getrandbits(63), new_pages[0])
-        self.packed.slots.decref(slot)  # the pages now hold the slot; drop the allocation's own ref
+        try:
+            for layer in range(self.geometry.num_layers):
+                table.states[layer].close_chunk(chunk_index)
+                kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
+                k = kv[:, 0].reshape(-1, *kv.shape[-2:])
+                v = kv[:, 1].reshape(-1, *kv.shape[-2:])
+                self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], k, v, table.states[layer],
+                                                  pool.pages[layer], page_ids, pool.codebooks[layer][slot])
+        except BaseException:
+            for page in new_pages:  # the chunk stays dense; its pages (and with them the slot) go back
+                pool.allocator.decref(page)
+            raise
+        # A chunk id from the OS's entropy, never from a seedable generator: ids must not repeat across
+        # processes and restarts, or a restored page would join another chunk's codebook.
+        pool.open_slot(slot, secrets.randbits(63), new_pages[0])
         first_token = table.num_packed_tokens
         table.packed.extend(new_pages)
         table.dense = table.dense[cfg.chunk_pages :]
@@ -299,6 +314,7 @@ class KVCache:
         Packed pages never change, so callers can keep what they decoded and ask only for new pages.
         """
         table = self._table(request_id)
+        self._check_layer(layer)
         self.wait_layer(layer)
         keys, values = [self._empty()], [self._empty()]
         for slot, pages in self._runs(table.packed[first_page:]):
@@ -311,6 +327,7 @@ class KVCache:
     def read_dense(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The active chunk's K and V as stored, ``[tokens, H, D]``."""
         table = self._table(request_id)
+        self._check_layer(layer)
         n = table.dense_tokens(layer)
         if not table.dense:
             return self._empty(), self._empty()
@@ -336,15 +353,18 @@ class KVCache:
         """Flatten the batch's page tables once; reuse the plan for every layer of one step."""
         for rid in request_ids:
             self._table(rid)
+        self._check_layer(layer)
         return plan_batch(self, list(request_ids), layer)
 
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
+        self._check_layer(layer)
         self.wait_layer(layer)
         return self.backends[layer].gather(self, plan, layer)
 
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
+        self._check_layer(layer)
         self.wait_layer(layer)
         return self.backends[layer].decode(self, plan, layer, q, scale)
 
@@ -375,26 +395,22 @@ class KVCache:
 
     @property
     def blob_bytes(self) -> int:
-        """Largest exported page group: every layer's packed page, a 16-byte trailer (chunk id, whether
-        a codebook follows), then every layer's codebook slot when this page carries it."""
-        return self._pages_part + _TRAILER.size + self._book_offsets[-1]
-
-    @property
-    def _pages_part(self) -> int:
-        return self._page_offsets[-1]
+        """Largest exported page group (see `kvbackend.page_group`): every layer's packed page, the
+        trailer, then every layer's codebook slot when this page carries it."""
+        return self.group.blob_bytes
 
     def page_span(self, layer: int) -> tuple[int, int]:
         """(offset, bytes) of ``layer``'s page inside an exported page group."""
-        return self._page_offsets[layer], self.layouts[layer].page_bytes
+        return self.group.page_span(layer)
 
     def export_page(self, page: int) -> torch.Tensor:
         """A copy of one packed page group (uint8, 1-D). Only the chunk's first page carries the
         chunk's codebook; the others name the chunk and share it again when restored."""
         slot = self.packed.slot_of_page[page]
         assert slot is not None, f"packed page {page} is not live"
-        carrier = self.packed.carrier_of_slot[slot] == page and self._book_offsets[-1] > 0
-        trailer = torch.frombuffer(bytearray(_TRAILER.pack(self.packed.chunk_of_slot[slot], int(carrier))),
-                                   dtype=torch.uint8).to(self.packed.device)
+        carrier = self.packed.carrier_of_slot[slot] == page and self.group.has_codebooks
+        raw = self.group.pack_trailer(self.packed.chunk_of_slot[slot], carrier)
+        trailer = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.packed.device)
         parts = [pages[page] for pages in self.packed.pages] + [trailer]
         if carrier:
             parts += [books[slot] for books in self.packed.codebooks]
@@ -410,61 +426,88 @@ class KVCache:
         self.packed.allocator.evict_cached(page)
 
     def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor, first_page: int,
-                      resident: Sequence[bool] | None = None) -> int:
+                      resident: Sequence[bool] | None = None, sizes: Sequence[int | None] | None = None,
+                      hold: Sequence[int] = ()) -> int:
         """Put restored page groups back on the device as cached pages, so `add_request` hits them.
 
         ``keys[i]`` is the key of prompt page ``first_page + i`` and row ``blobs[i]`` its exported bytes
         (rows at least `blob_bytes` long); ``resident[i]`` marks rows that carry no bytes
         because the page was on the device already. A page joins the resident slot of its chunk, or
         opens a slot from the codebook it carries; a page whose chunk's codebook is nowhere, or whose
-        bytes are missing, stops the restore there. Returns how many of ``keys`` (a prefix) are now on
-        the device.
+        bytes are missing, stops the restore there; so does a row that is not a page group of this cache
+        (its trailer names another fingerprint, or its stored length ``sizes[i]``, when given, is not the
+        length its trailer implies). Returns how many of ``keys`` (a prefix) are now on the device.
         """
-        plan = self.plan_install(keys, token_ids, self.read_trailers(blobs, len(keys), resident), first_page)
+        plan = self.plan_install(keys, token_ids, self.read_trailers(blobs, len(keys), resident, sizes), first_page,
+                                 hold)
         for layer in range(self.geometry.num_layers):
             self.copy_install_layer(plan, blobs, layer)
         self.finish_install(plan)
         return plan.installed
 
-    def read_trailers(self, blobs: torch.Tensor, count: int,
-                      resident: Sequence[bool] | None = None) -> list[tuple[int, int] | None]:
-        """(chunk id, carries codebook) of each blob row; None for rows marked resident."""
-        part = self._pages_part
+    def read_trailers(self, blobs: torch.Tensor, count: int, resident: Sequence[bool] | None = None,
+                      sizes: Sequence[int | None] | None = None) -> list[Trailer | None]:
+        """The trailer of each blob row; None for rows marked resident and for rows that are not a page
+        group of this cache (another fingerprint or format version, or a stored length ``sizes[i]``
+        that does not match what the trailer says the group holds): `plan_install` stops there."""
+        start = self.group.pages_bytes
         resident = list(resident) if resident is not None else [False] * count
-        heads = blobs[:count, part : part + _TRAILER.size].cpu().numpy()  # one transfer for all trailers
-        return [None if resident[i] else _TRAILER.unpack(bytes(heads[i])) for i in range(count)]
+        heads = blobs[:count, start : start + TRAILER_BYTES].cpu().numpy()  # one transfer for all trailers
+        out: list[Trailer | None] = []
+        for i in range(count):
+            trailer = None if resident[i] else self.group.unpack_trailer(bytes(heads[i]))
+            if trailer is not None and sizes is not None and sizes[i] is not None \
+                    and sizes[i] != self.group.length(trailer.carries_codebook):
+                trailer = None
+            out.append(trailer)
+        return out
 
     def plan_install(self, keys: Sequence[int], token_ids: Sequence[int],
-                     trailers: Sequence[tuple[int, int] | None], first_page: int) -> InstallPlan:
+                     trailers: Sequence[Trailer | None], first_page: int, hold: Sequence[int] = ()) -> InstallPlan:
         """The bookkeeping half of `install_pages`: pages and codebook slots are allocated and hashed
         now; their bytes must be copied (`copy_install_layer`) before any kernel reads them, and
-        `finish_install` then hands the pages to the cache."""
+        `finish_install` then hands the pages to the cache.
+
+        A page joins the slot of its chunk when that slot is resident; the slot is held while the
+        page is allocated, so the allocation's eviction never frees the slot being joined. Resident
+        pages counted as installed are held until `finish_install` for the same reason, and so are the
+        pages of the keys in ``hold`` (the prompt's prefix already on the device, which these pages extend)."""
         p = self.config.page_size
         tokens = token_bytes(token_ids)
         allocator, pool = self.packed.allocator, self.packed
         plan = InstallPlan()
+        for key in hold:
+            page = allocator.lookup(key)
+            if page is None:
+                return plan  # the prefix these pages extend is gone: nothing to install
+            allocator.incref(page)
+            plan.pinned.append(page)
         for i, key in enumerate(keys):
-            if allocator.lookup(key) is not None:
+            resident = allocator.lookup(key)
+            if resident is not None:
+                allocator.incref(resident)
+                plan.pinned.append(resident)
                 plan.installed += 1
                 continue
-            if trailers[i] is None:
-                break  # expected on the device, but evicted meanwhile
-            chunk, carries = trailers[i]
-            slot = pool.slot_of_chunk.get(chunk)
+            trailer = trailers[i]
+            if trailer is None:
+                break  # expected on the device but evicted meanwhile, or not a page group of this cache
+            slot = pool.slot_of_chunk.get(trailer.chunk_id)
             opens = slot is None
-            if opens and not (carries or self._book_offsets[-1] == 0):
+            if opens and not (trailer.carries_codebook or not self.group.has_codebooks):
                 break  # the codebook of this page's chunk is neither resident nor carried
             if not allocator.can_allocate(1) or (opens and not pool.slots.can_allocate(1)):
                 break
+            if not opens:
+                pool.slots.incref(slot)  # held across the allocation below, which may evict its pages
             (page,) = allocator.allocate(1)
             if opens:
                 (slot,) = pool.slots.allocate(1)
-                pool.open_slot(slot, chunk, page)
+                pool.open_slot(slot, trailer.chunk_id, page)
                 plan.new_slots.append(slot)
                 plan.slot_rows.append(i)
             pool.bind([page], slot)
-            if opens:
-                pool.slots.decref(slot)  # the page holds the slot now
+            pool.slots.decref(slot)  # the page holds the slot now
             allocator.set_hash(page, key)
             start = (first_page + i) * p
             self._page_tokens[page] = tokens[8 * start : 8 * (start + p)]
@@ -478,17 +521,16 @@ class KVCache:
         the current stream."""
         if not plan.new_pages:
             return
-        pool, (start, pb) = self.packed, self.page_span(layer)
+        pool, (start, pb) = self.packed, self.group.page_span(layer)
         device = pool.device
         idx = plan.index(blobs.device, device)
         pool.pages[layer][idx["pages"]] = blobs[idx["rows"], start : start + pb].to(device)
-        cb = self.layouts[layer].codebook_bytes
+        start, cb = self.group.book_span(layer)
         if plan.new_slots and cb:
-            start = self._pages_part + _TRAILER.size + self._book_offsets[layer]
             pool.codebooks[layer][idx["slots"]] = blobs[idx["slot_rows"], start : start + cb].to(device)
 
     def finish_install(self, plan: InstallPlan) -> None:
-        for page in plan.new_pages:
+        for page in plan.new_pages + plan.pinned:
             self.packed.allocator.decref(page)  # unreferenced: cached until a request takes it
 
     def set_layer_events(self, events: Sequence | None) -> None:
@@ -525,6 +567,10 @@ class KVCache:
             self.dense.allocator.decref(page)
         for page in reversed(table.packed):
             self.packed.allocator.decref(page)
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.geometry.num_layers:
+            raise InvalidKV(f"layer {layer!r} out of range 0..{self.geometry.num_layers - 1}")
 
     def _table(self, request_id: int) -> PageTable:
         try:

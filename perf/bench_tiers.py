@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import sys
 import threading
 import time
@@ -86,14 +85,14 @@ def prefix_on_host(codec: str, tokens: int = 32768):
     keys = cache.prefix_keys(prompt)[:pages]
     host = HostTier(cache.blob_bytes * pages, cache.blob_bytes)
     # Page groups as `export_page` writes them: 16-page chunks whose first page carries the codebook.
-    pages_part = geometry.num_layers * cache.layout.page_bytes
+    group = cache.group
     payload = torch.randint(0, 255, (cache.blob_bytes,), dtype=torch.uint8)
     blobs = []
     for j in range(pages):
-        carrier = j % 16 == 0 and cache.layout.codebook_bytes > 0
-        blob = payload[: cache.blob_bytes if carrier else pages_part + 16].clone()
-        blob[pages_part : pages_part + 16] = torch.frombuffer(bytearray(struct.pack("<QQ", j // 16, int(carrier))),
-                                                              dtype=torch.uint8)
+        carrier = j % 16 == 0 and group.has_codebooks
+        blob = payload[: group.length(carrier)].clone()
+        blob[group.pages_bytes : group.books_offset] = torch.frombuffer(
+            bytearray(group.pack_trailer(j // 16, carrier)), dtype=torch.uint8)
         blobs.append(blob)
     host.put(keys, blobs).wait()
     return cache, TieredCache(cache, host, None, background=False), prompt, blobs

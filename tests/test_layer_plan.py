@@ -7,6 +7,7 @@ import torch
 from kvbackend import CacheConfig, Geometry, KVCache, codecs
 from kvbackend.codecs.base import CodecState
 from kvbackend.errors import SpecError
+from kvbackend.page_group import TRAILER_BYTES
 
 GEOM = Geometry(3, 2, 64, torch.float32)
 PLAN = ("kivi:bits=2,group=16", "rtn:bits=4,group=32", "qvg:centroids=4")
@@ -56,12 +57,18 @@ def test_bytes_are_the_sum_of_each_layers_layout():
     expected = sum(lay.stored_bytes(num_pages=4, num_chunks=2) for lay in cache.layouts)
     assert stats.packed_bytes == expected
     assert stats.bits_per_value == pytest.approx(8 * expected / (64 * GEOM.num_layers * GEOM.values_per_token))
-    assert cache.blob_bytes == sum(lay.page_bytes + lay.codebook_bytes for lay in cache.layouts) + 16
+    assert cache.blob_bytes == sum(lay.page_bytes + lay.codebook_bytes for lay in cache.layouts) + TRAILER_BYTES
 
 
 def test_fingerprint_names_the_plan():
     uniform = KVCache(GEOM, CacheConfig(codec=PLAN[0], page_size=16, chunk_pages=2, dense_pages=4, packed_pages=4))
-    assert uniform.fingerprint == uniform.layout.fingerprint  # one codec: the layout's own
+    # Everything that shapes the bytes names the cache: layers, chunk pages, dtype (issue: a 4-layer and a
+    # 2-layer cache once shared a file-tier directory and served each other's pages).
+    cfg = dict(codec=PLAN[0], page_size=16, chunk_pages=2, dense_pages=4, packed_pages=4)
+    others = [KVCache(Geometry(GEOM.num_layers + 1, GEOM.num_kv_heads, GEOM.head_dim, GEOM.dtype), CacheConfig(**cfg)),
+              KVCache(GEOM, CacheConfig(**{**cfg, "chunk_pages": 1})),
+              KVCache(Geometry(GEOM.num_layers, GEOM.num_kv_heads, GEOM.head_dim, torch.float16), CacheConfig(**cfg))]
+    assert len({uniform.fingerprint, *(c.fingerprint for c in others)}) == 4
     spelled = ["kivi:group=16", PLAN[0], "kivi:bits=2,group=16,scale=fp16"]  # one layout, three spellings
     same = KVCache(GEOM, CacheConfig(layer_codecs=spelled, page_size=16, chunk_pages=2, dense_pages=4, packed_pages=4))
     assert same.uniform and same.fingerprint == uniform.fingerprint

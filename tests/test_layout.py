@@ -34,3 +34,5 @@ def test_fingerprint_depends_on_everything():
     assert base != codecs.get("qvg").layout(g, 32).fingerprint
     assert base != codecs.get("qvg:centroids=32").layout(g, 64).fingerprint
     assert base != codecs.get("qvg").layout(Geometry(1, 4, 64), 64).fingerprint
+    assert base != codecs.get("qvg").layout(Geometry(2, 2, 64), 64).fingerprint  # layers shape a page group
+    assert base != codecs.get("qvg").layout(Geometry(1, 2, 64, torch.float16), 64).fingerprint

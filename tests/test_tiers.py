@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.page_group import TRAILER_BYTES
 from kvbackend.tiers.file import FileTier
 from kvbackend.tiers.host import HostTier
 from kvbackend.tiers.policy import OffloadPolicy
@@ -357,9 +358,9 @@ def test_file_tier_stores_dense_pages_as_alignpred(tmp_path):
     codec = AlignPredCodec("alignpred:error=1x")
     restored = [cache.export_page(p) for p in cache.page_table(rid2).packed]
     for old, new in zip(exported, restored):
-        stream = fmt.encode(old.numpy().tobytes())[16:]  # deterministic: the very stream the tier wrote
+        stream = fmt.encode(old.numpy().tobytes())[TRAILER_BYTES:]  # deterministic: the very stream the tier wrote
         bounds = codec.max_errors(stream)
-        assert torch.equal(old[-16:], new[-16:])  # the trailer comes back verbatim
+        assert torch.equal(old[-TRAILER_BYTES:], new[-TRAILER_BYTES:])  # the trailer comes back verbatim
         for x, y, bound in zip(fmt._views(old), fmt._views(new), bounds):
             x, y = x.float(), y.float()
             nrmse = float((x - y).square().sum().sqrt() / x.square().sum().sqrt())

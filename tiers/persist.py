@@ -16,11 +16,11 @@ import torch
 from ..alignpred.stream import CorruptStream
 from ..errors import UnsupportedLayout
 from ..layout import PageLayout
+from ..page_group import TRAILER_BYTES  # the page group's trailer is kept verbatim
 
 if TYPE_CHECKING:
     from ..alignpred import Calibration
 
-TRAILER_BYTES = 16  # the page group's trailer (chunk id, carries-codebook), kept verbatim
 
 
 class BlobFormat(Protocol):

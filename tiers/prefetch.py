@@ -131,6 +131,9 @@ class TieredCache:
         device = self.cache.dense.data.device
         staged = torch.empty(len(rest), size, dtype=torch.uint8, device=device)  # host blobs land here directly
         ok = [s == "device" for s in sources]
+        tiers = {"host": self.host, "file": self.file}
+        # stored length of each row's page group: one that disagrees with its trailer is not restored
+        sizes = [None if s == "device" else tiers[s].blob_size(key) for s, key in zip(sources, rest)]
         host_idx = [i for i, s in enumerate(sources) if s == "host"]
         file_idx = [i for i, s in enumerate(sources) if s == "file"]
         layers = self.cache.geometry.num_layers
@@ -174,11 +177,13 @@ class TieredCache:
             cache = self.cache
             resident = [s == "device" for s in sources[:usable]]
             if layered is None or layered.stream is None:  # bytes all present: install in one go
-                installed = cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device, resident)
+                installed = cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device, resident,
+                                                sizes[:usable], hold=keys[:on_device])
             else:  # each layer installed once it arrived; attention of layer i waits for layer i only
-                plan = cache.plan_install(rest[:usable], token_ids, cache.read_trailers(staged, usable, resident),
-                                          on_device)
-                index = plan.index(staged.device, cache.packed.pages.device)
+                plan = cache.plan_install(rest[:usable], token_ids,
+                                          cache.read_trailers(staged, usable, resident, sizes[:usable]), on_device,
+                                          hold=keys[:on_device])
+                index = plan.index(staged.device, cache.packed.device)
                 stream = self._install_stream
                 stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
                 for t in (staged, *index.values()):

@@ -1,0 +1,205 @@
+"""Regressions: the cache never serves another chunk's, request's or model's values, and never
+changes state on a call that fails.
+
+Each test reproduces a defect found by adversarial testing; the comment above it says what went wrong."""
+
+import random
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, InvalidKV, KVCache
+from kvbackend.page_group import TRAILER_BYTES
+from kvbackend.tiers.file import FileTier
+from kvbackend.tiers.host import HostTier
+from kvbackend.tiers.prefetch import TieredCache
+
+GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+CODEC = "qvg:centroids=4,group=16"  # a codec with a codebook per chunk
+
+
+def make(codec=CODEC, geometry=GEOM, **kw):
+    cfg = dict(codec=codec, page_size=4, chunk_pages=2, dense_pages=16, packed_pages=16)
+    cfg.update(kw)
+    return KVCache(geometry, CacheConfig(**cfg))
+
+
+def fill(cache, tokens, seed, geometry=GEOM):
+    """Admit ``tokens`` and append K/V for them in every layer; returns the request id."""
+    gen = torch.Generator().manual_seed(seed)
+    rid, cached = cache.add_request(tokens)
+    n = len(tokens) - cached
+    for layer in range(geometry.num_layers):
+        shape = (n, geometry.num_kv_heads, geometry.head_dim)
+        cache.append(rid, layer, torch.randn(*shape, generator=gen).to(geometry.dtype),
+                     torch.randn(*shape, generator=gen).to(geometry.dtype))
+    return rid
+
+
+def packed_reads(cache, rid):
+    return [cache.read_packed(rid, layer) for layer in range(cache.geometry.num_layers)]
+
+
+def assert_same_reads(a, b):
+    for (ka, va), (kb, vb) in zip(a, b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+# Defect: chunk ids came from Python's global `random`, which engines seed. After a restart with the
+# same seed, a page restored from the file tier joined a resident, unrelated chunk that drew the same
+# id and was decoded with that chunk's codebook (relative error 1.75, no error raised).
+def test_seeded_restart_never_joins_another_chunks_codebook(tmp_path):
+    prompt_a, prompt_b = list(range(100, 117)), list(range(500, 517))  # 4 full pages: 2 chunks each
+    first = make()
+    tiered = TieredCache(first, None, FileTier(str(tmp_path), 10**8, first.fingerprint), background=False)
+    random.seed(1234)
+    rid = fill(first, prompt_a, seed=1)
+    expected = packed_reads(first, rid)
+    first.free(rid)
+    assert tiered.offload(max_pages=100) == 4
+    tiered.flush()
+    tiered.close()
+
+    second = make()  # "the restarted process": same seed, an unrelated prompt stays resident
+    tiered = TieredCache(second, None, FileTier(str(tmp_path), 10**8, second.fingerprint), background=False)
+    random.seed(1234)
+    other = fill(second, prompt_b, seed=2)
+    rid, hit = tiered.add_request(prompt_a)
+    assert hit == 16
+    assert_same_reads(packed_reads(second, rid), expected)
+    assert second.stats().codebook_slots_used == 4  # two chunks of each prompt, none shared
+    second.check()
+    tiered.free(other)
+    tiered.close()
+
+
+# Defect: the fingerprint left out the layer count, so a 4-layer and a 2-layer cache shared a
+# file-tier directory and the 4-layer cache reported hits whose layers 2-3 were staging garbage.
+@pytest.mark.parametrize("key", ["cache", "layout"])
+def test_caches_of_other_shapes_never_share_pages(tmp_path, key):
+    tokens = list(range(17))
+    small = make("identity")
+    fingerprint = small.fingerprint if key == "cache" else small.layout.fingerprint
+    tiered = TieredCache(small, None, FileTier(str(tmp_path), 10**8, fingerprint), background=False)
+    small.free(fill(small, tokens, seed=3))
+    assert tiered.offload(max_pages=100) == 4
+    tiered.flush()
+    tiered.close()
+    wide = Geometry(4, GEOM.num_kv_heads, GEOM.head_dim, GEOM.dtype)
+    others = [make("identity", geometry=wide)]
+    if key == "cache":  # chunk pages are no property of a page's layout; the cache fingerprint covers them
+        others.append(make("identity", chunk_pages=1))
+    for other in others:
+        fingerprint = other.fingerprint if key == "cache" else other.layout.fingerprint
+        tiered = TieredCache(other, None, FileTier(str(tmp_path), 10**8, fingerprint), background=False)
+        rid, hit = tiered.add_request(tokens)
+        assert hit == 0
+        tiered.close()
+
+
+def test_page_groups_of_another_cache_or_length_are_misses():
+    """Bytes under a known key but written for another cache, or of a length their trailer does not
+    imply, are never installed (the trailer carries the cache's fingerprint)."""
+    tokens = list(range(17))
+    cache = make()
+    host = HostTier(10**6, cache.blob_bytes, pin=False)
+    tiered = TieredCache(cache, host, None, background=False)
+    rid = fill(cache, tokens, seed=4)
+    expected = packed_reads(cache, rid)
+    cache.free(rid)
+    keys = cache.prefix_keys(tokens)
+    groups = {key: cache.export_page(page) for page, key in cache.evictable_pages()}
+    for page, _ in cache.evictable_pages():
+        cache.drop_cached(page)
+    foreign = make(geometry=Geometry(2, GEOM.num_kv_heads, GEOM.head_dim, torch.float16))  # same bytes per page
+    assert foreign.blob_bytes != cache.blob_bytes or foreign.fingerprint != cache.fingerprint
+    bad = groups[keys[0]].clone()
+    bad[cache.group.pages_bytes + 16 : cache.group.pages_bytes + TRAILER_BYTES] = \
+        torch.frombuffer(bytearray(foreign.fingerprint.encode()), dtype=torch.uint8)
+    host.put([keys[0]], [bad]).wait()
+    assert tiered.restore(tokens).restored_from_host == 0 and cache.device_prefix(keys) == 0
+    host.discard([keys[0]])
+    host.put([keys[0]], [groups[keys[0]][: cache.group.books_offset]]).wait()  # a carrier without its codebooks
+    assert tiered.restore(tokens).restored_from_host == 0
+    host.discard([keys[0]])
+    host.put(keys, [groups[k] for k in keys]).wait()
+    assert tiered.restore(tokens).restored_from_host == 4
+    rid, hit = cache.add_request(tokens)
+    assert hit == 16
+    assert_same_reads(packed_reads(cache, rid), expected)
+    cache.check()
+    tiered.close()
+
+
+# Defect: `_can_pack` counted cached pages as codebook slots that eviction could free, but allocation
+# takes free pages first and evicts nothing, so the slot allocation failed inside chunk completion
+# after the pages were allocated (they leaked) and `append` raised CacheFull after writing.
+def test_append_never_fails_after_writing_when_slots_are_held_by_cached_pages():
+    cache = make("identity", packed_pages=12, codebook_slots=3)
+    for i in range(3):  # each request leaves one hashed (cached) page per chunk, holding that chunk's slot
+        rid = fill(cache, [1000 * i + t for t in range(5)], seed=i)  # 5 known tokens: only page 0 is hashed
+        extra = torch.randn(3, 2, 4, 2, 16)
+        for layer in range(2):
+            cache.append(rid, layer, extra[layer, 0], extra[layer, 1])  # completes the 8-token chunk
+        cache.free(rid)
+    stats = cache.stats()
+    assert stats.packed_pages_cached == 3 and stats.codebook_slots_used == 3
+    assert cache.packed.allocator.num_free - cache.packed.allocator.num_cached == 9  # free pages aplenty
+    rid = fill(cache, list(range(9000, 9008)), seed=9)  # a full chunk: no slot is free and none is released
+    cache.check()
+    stats = cache.stats()
+    assert stats.deferred_chunks == 1 and stats.packed_pages_used == 0  # kept dense, nothing leaked
+    k, v = cache.read(rid, 1)
+    assert k.shape[0] == 8
+    cache.free(rid)
+    cache.check()
+    assert cache.stats().dense_pages_used == 0
+
+
+# Defect: a restore looked up its chunk's resident slot, then allocated a page; with the free list
+# empty that evicted the slot's last cached page, freeing the slot, and `bind` failed with an
+# AssertionError out of `TieredCache.add_request`, leaking the page.
+def test_restore_never_evicts_the_slot_it_joins():
+    cache = make(packed_pages=3, codebook_slots=4)
+    host = HostTier(10**6, cache.blob_bytes, pin=False)
+    tiered = TieredCache(cache, host, None, background=False)
+    tokens = list(range(9))  # 2 full pages: one chunk
+    rid = fill(cache, tokens, seed=5)
+    expected = packed_reads(cache, rid)
+    cache.free(rid)
+    keys = cache.prefix_keys(tokens)
+    pages = {key: page for page, key in cache.evictable_pages()}
+    # Offload the second page only: its chunk's slot stays resident, held by the cached first page.
+    assert host.put([keys[1]], [cache.export_page(pages[keys[1]])]).result() == [True]
+    cache.drop_cached(pages[keys[1]])
+    # A live request takes the free pages, so the restore's allocation could only evict a cached page:
+    # the first page, which holds the slot being joined and is the prefix being extended.
+    live = fill(cache, list(range(50, 59)), seed=6)
+    allocator = cache.packed.allocator
+    assert allocator.num_free == 1 and allocator.cached_pages() == [pages[keys[0]]]
+    report = tiered.restore(tokens)
+    cache.check()
+    assert report.device_hits == 1 and report.restored_from_host == 0 and report.failed == 1
+    rid, hit = tiered.add_request(tokens)  # the first page stayed
+    assert hit == 4
+    assert_same_reads(packed_reads(cache, rid), [(k[:4], v[:4]) for k, v in expected])
+    tiered.free(rid)
+    tiered.free(live)  # room now: the second page comes back and joins the resident slot
+    rid, hit = tiered.add_request(tokens)
+    assert hit == 8
+    assert_same_reads(packed_reads(cache, rid), expected)
+    assert cache.stats().codebook_slots_used == 2  # the chunk's slot, and the live request's chunk (cached)
+    cache.check()
+    tiered.close()
+
+
+def test_layer_out_of_range_is_refused_on_every_path():
+    cache = make("identity")
+    rid = fill(cache, list(range(5)), seed=7)
+    plan = cache.plan([rid])
+    q = torch.randn(1, 2, 16)
+    for call in (lambda: cache.read(rid, -1), lambda: cache.read_packed(rid, 2), lambda: cache.read_dense(rid, -1),
+                 lambda: cache.gather(plan, -1), lambda: cache.decode(plan, 2, q), lambda: cache.plan([rid], -1),
+                 lambda: cache.append(rid, -1, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))):
+        with pytest.raises(InvalidKV, match="out of range"):
+            call()
