@@ -409,7 +409,8 @@ class KVCache:
         slot = self.packed.slot_of_page[page]
         assert slot is not None, f"packed page {page} is not live"
         carrier = self.packed.carrier_of_slot[slot] == page and self.group.has_codebooks
-        raw = self.group.pack_trailer(self.packed.chunk_of_slot[slot], carrier)
+        key = self.packed.allocator.page_hash(page)
+        raw = self.group.pack_trailer(key or 0, self.packed.chunk_of_slot[slot], carrier)  # unhashed: never restored
         trailer = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.packed.device)
         parts = [pages[page] for pages in self.packed.pages] + [trailer]
         if carrier:
@@ -490,8 +491,8 @@ class KVCache:
                 plan.installed += 1
                 continue
             trailer = trailers[i]
-            if trailer is None:
-                break  # expected on the device but evicted meanwhile, or not a page group of this cache
+            if trailer is None or trailer.key != key:
+                break  # expected on the device but evicted meanwhile, or not this page of this cache
             slot = pool.slot_of_chunk.get(trailer.chunk_id)
             opens = slot is None
             if opens and not (trailer.carries_codebook or not self.group.has_codebooks):

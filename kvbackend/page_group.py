@@ -5,13 +5,15 @@ page that carries its chunk's codebook) every layer's codebook slot:
 
     [layer 0 page | layer 1 page | ... | trailer | layer 0 codebook | layer 1 codebook | ...]
 
-The trailer names the chunk the page belongs to and the cache the bytes were written for:
+The trailer names the page, the chunk it belongs to and the cache the bytes were written for:
 
-    chunk id u64 | flags u32 (bit 0: the codebooks follow) | format version u32 | cache fingerprint 16 bytes
+    page key u64 | chunk id u64 | flags u32 (bit 0: the codebooks follow) | format version u32 |
+    cache fingerprint 16 bytes | zero padding 8 bytes
 
-A reader checks the version and the fingerprint before it trusts anything else in the group, so the
-bytes of another model, another plan or another page geometry are a miss, never data (a blob of
-another length puts its trailer elsewhere, where these checks fail too).
+A reader checks the version, the fingerprint and the key before it trusts anything else in the
+group, so the bytes of another model, another plan, another page geometry or another page (a blob
+filed under the wrong key) are a miss, never data; a blob of another length puts its trailer
+elsewhere, where these checks fail too.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from dataclasses import dataclass
 from .layout import PageLayout
 
 VERSION = 2  # of the page-group byte format; enters the cache fingerprint
-_TRAILER = struct.Struct("<QII16s")
+_TRAILER = struct.Struct("<QQII16s8x")  # 48 bytes: codebooks stay 16-byte aligned
 TRAILER_BYTES = _TRAILER.size
 _CARRIES = 1
 
 
 @dataclass(frozen=True)
 class Trailer:
+    key: int  # the page's chained prefix key (`kvbackend.hashing.hash_page`)
     chunk_id: int  # 63-bit id of the chunk the page belongs to (unique across processes and restarts)
     carries_codebook: bool  # the chunk's codebook slot of every layer follows the trailer
 
@@ -83,16 +86,16 @@ class PageGroupFormat:
         start = self.book_offsets[layer]
         return self.books_offset + start, self.book_offsets[layer + 1] - start
 
-    def pack_trailer(self, chunk_id: int, carries_codebook: bool) -> bytes:
-        return _TRAILER.pack(chunk_id, _CARRIES if carries_codebook else 0, VERSION, self.fingerprint.encode())
+    def pack_trailer(self, key: int, chunk_id: int, carries_codebook: bool) -> bytes:
+        return _TRAILER.pack(key, chunk_id, _CARRIES if carries_codebook else 0, VERSION, self.fingerprint.encode())
 
     def unpack_trailer(self, raw: bytes) -> Trailer | None:
         """The trailer in ``raw`` (TRAILER_BYTES long), or None when it was written for another cache
         or format: such a page group is a miss."""
-        chunk_id, flags, version, fingerprint = _TRAILER.unpack(raw)
+        key, chunk_id, flags, version, fingerprint = _TRAILER.unpack(raw)
         if version != VERSION or fingerprint != self.fingerprint.encode() or flags & ~_CARRIES:
             return None
         carries = bool(flags & _CARRIES)
         if carries and not self.has_codebooks:
             return None
-        return Trailer(chunk_id, carries)
+        return Trailer(key, chunk_id, carries)

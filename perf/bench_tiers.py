@@ -92,7 +92,7 @@ def prefix_on_host(codec: str, tokens: int = 32768):
         carrier = j % 16 == 0 and group.has_codebooks
         blob = payload[: group.length(carrier)].clone()
         blob[group.pages_bytes : group.books_offset] = torch.frombuffer(
-            bytearray(group.pack_trailer(j // 16, carrier)), dtype=torch.uint8)
+            bytearray(group.pack_trailer(keys[j], j // 16, carrier)), dtype=torch.uint8)
         blobs.append(blob)
     host.put(keys, blobs).wait()
     return cache, TieredCache(cache, host, None, background=False), prompt, blobs

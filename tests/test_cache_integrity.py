@@ -113,12 +113,17 @@ def test_page_groups_of_another_cache_or_length_are_misses():
         cache.drop_cached(page)
     foreign = make(geometry=Geometry(2, GEOM.num_kv_heads, GEOM.head_dim, torch.float16))  # same bytes per page
     assert foreign.blob_bytes != cache.blob_bytes or foreign.fingerprint != cache.fingerprint
+    trailer = cache.group.unpack_trailer(bytes(groups[keys[0]][cache.group.pages_bytes : cache.group.books_offset]))
+    assert trailer.key == keys[0] and trailer.carries_codebook
     bad = groups[keys[0]].clone()
-    bad[cache.group.pages_bytes + 16 : cache.group.pages_bytes + TRAILER_BYTES] = \
-        torch.frombuffer(bytearray(foreign.fingerprint.encode()), dtype=torch.uint8)
+    bad[cache.group.pages_bytes : cache.group.books_offset] = torch.frombuffer(
+        bytearray(foreign.group.pack_trailer(keys[0], trailer.chunk_id, True)), dtype=torch.uint8)
     host.put([keys[0]], [bad]).wait()
     assert tiered.restore(tokens).restored_from_host == 0 and cache.device_prefix(keys) == 0
     host.discard([keys[0]])
+    host.put(keys[:2], [groups[keys[1]], groups[keys[0]]]).wait()  # each page group filed under the other's key
+    assert tiered.restore(tokens).restored_from_host == 0
+    host.discard(keys[:2])
     host.put([keys[0]], [groups[keys[0]][: cache.group.books_offset]]).wait()  # a carrier without its codebooks
     assert tiered.restore(tokens).restored_from_host == 0
     host.discard([keys[0]])

@@ -160,7 +160,8 @@ class TieredCache:
                 ok[i] = g
         if file_idx and not (cancel is not None and cancel.is_set()):
             bounce = torch.empty(len(file_idx), size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            got = self.file.get([rest[i] for i in file_idx], list(bounce)).result()
+            got = self.file.get([rest[i] for i in file_idx], list(bounce),  # a blob of another length: a miss
+                                expected_len=[-1 if sizes[i] is None else sizes[i] for i in file_idx]).result()
             for j, (i, g) in enumerate(zip(file_idx, got)):
                 ok[i] = g
                 if g:
