@@ -5,18 +5,28 @@ place and the directory fsynced, so a file under its final name is always comple
 
     header (48 bytes): magic, version, layout fingerprint (16 bytes), blob count, table crc32c
     table: per blob (key u64, offset u64, length u64, crc32c u32, pad u32)
-    blob bytes
+    blob bytes, back to back in table order
 
-The index is rebuilt by scanning the directory at start-up; partial, foreign-format or damaged files
-are deleted. File names come from a hash of the keys, never from user strings; files are 0600.
-Nothing is pickled. A blob whose checksum fails on read counts as a miss and its file is removed.
+File names come from a hash of the fingerprint and the keys, never from user strings; files are 0600.
+Nothing is pickled. The index is rebuilt by scanning the directory at start-up. The directory may be
+shared (another model, another program), so the tier deletes only what it wrote itself: its own
+orphaned temporary files, and files of its own fingerprint that are damaged. Everything else
+(other names, other formats or fingerprints, symbolic links, which are never followed) is skipped
+and logged. Every length read from a file is bounded by the file's size.
+
+On read, a blob whose checksum fails (or whose stored stream the format rejects) is corrupt: a miss,
+and its file is removed. An I/O error is only a miss; the file and its index entries stay.
+The byte budget is a bound: a write reserves its bytes (evicting LRU files) before it starts.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
+import re
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -31,11 +41,22 @@ from ..alignpred.stream import CorruptStream
 from .base import Handle, TierStats, check_pairs, prefix_length
 from .persist import BlobFormat
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"KVBKPAGE"
 VERSION = 1
 _HEADER = struct.Struct("<8sI16sII12x")  # magic, version, fingerprint, count, table crc, padding to 48 bytes
 _ENTRY = struct.Struct("<QQQII")  # key, offset, length, crc32c, pad
 SUFFIX = ".kvb"
+TEMP_PREFIX = ".kvbw-"  # temporary files: TEMP_PREFIX + final stem + ".<pid>.<thread>" + SUFFIX + ".tmp"
+_FINAL_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\Z")
+_TEMP_NAMES = (
+    re.compile(re.escape(TEMP_PREFIX) + r"[0-9a-f]{32}\.([0-9]{1,10})\.[0-9]{1,20}" + re.escape(SUFFIX) + r"\.tmp\Z"),
+    re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.tmp\.([0-9]{1,10})\.[0-9]{1,20}\Z"),  # earlier versions
+)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+_HIT, _IO_ERROR, _GONE, _CORRUPT = "hit", "io error", "gone", "corrupt"  # outcomes of one blob read
 
 
 @dataclass(frozen=True)
@@ -65,51 +86,103 @@ class FileTier:
         self._lock = threading.Lock()
         self._index: dict[int, _Location] = {}
         self._files: OrderedDict[str, tuple[list[int], int]] = OrderedDict()  # path -> (keys, size); LRU first
-        self._used = 0
+        self._used = 0  # bytes of the files indexed
+        self._reserved = 0  # bytes of writes in flight (counted against the budget until they land or fail)
         self._hits = self._misses = self._evictions = self._failures = 0
+        self._logged: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbackend-file")
         self._scan()
 
     # -- start-up -------------------------------------------------------------------------
     def _scan(self) -> None:
-        entries = sorted(os.scandir(self.directory), key=lambda e: e.stat().st_mtime)
-        for entry in entries:
-            if not entry.is_file():
-                continue
-            if ".tmp" in entry.name:  # a write that never reached its rename
-                _remove(entry.path)
-                continue
-            if not entry.name.endswith(SUFFIX):
-                continue
-            parsed = self._read_table(entry.path)
-            if parsed is None:
-                _remove(entry.path)
-                continue
-            if parsed == "foreign":
-                continue
-            self._adopt(entry.path, parsed, entry.stat().st_size)
-
-    def _read_table(self, path: str):
-        """[(key, offset, length, crc)] of a well-formed file of our layout; "foreign"; or None if damaged."""
+        """Index this tier's files, oldest first; skip (and log) whatever it cannot read or does not own."""
+        skipped: dict[str, list[str]] = {}
         try:
-            with open(path, "rb") as f:
-                head = f.read(_HEADER.size)
-                if len(head) != _HEADER.size:
-                    return None
-                magic, version, fingerprint, count, table_crc = _HEADER.unpack(head)
-                if magic != MAGIC or version != VERSION:
-                    return None
-                if fingerprint != self.fingerprint:
-                    return "foreign"
-                table = f.read(count * _ENTRY.size)
-                if len(table) != count * _ENTRY.size or crc32c.crc32c(table) != table_crc:
-                    return None
-                rows = [_ENTRY.unpack_from(table, i * _ENTRY.size)[:4] for i in range(count)]
-                size = os.fstat(f.fileno()).st_size
-                end = _HEADER.size + count * _ENTRY.size + sum(r[2] for r in rows)
-                return rows if size == end else None
+            entries = list(os.scandir(self.directory))
+        except OSError as exc:
+            log.warning("file tier: cannot list %s (%s); starting empty", self.directory, exc)
+            return
+        candidates = []
+        for entry in entries:
+            reason = None
+            try:
+                if entry.is_symlink():
+                    reason = "symbolic links (never followed)"
+                elif _temp_writer(entry.name) is not None:
+                    reason = self._clean_temp(entry)
+                elif not _FINAL_NAME.match(entry.name):
+                    reason = "files of other names"
+                elif not entry.is_file(follow_symlinks=False):
+                    reason = "entries that are not regular files"
+                else:
+                    candidates.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name, entry.path))
+            except OSError:  # vanished or unreadable meanwhile
+                reason = "entries that could not be read"
+            if reason is not None:
+                skipped.setdefault(reason, []).append(entry.name)
+        for _, name, path in sorted(candidates):
+            verdict, rows, size = self._read_table(path)
+            if verdict == "ok":
+                self._adopt(path, rows, size)
+            elif verdict == "damaged":  # our fingerprint, so the tier wrote it
+                log.warning("file tier: removing damaged file %s", path)
+                _remove(path)
+            else:
+                skipped.setdefault(verdict, []).append(name)
+        for reason, names in skipped.items():
+            level = logging.INFO if reason == "files of another layout" else logging.WARNING
+            log.log(level, "file tier %s: skipped %d %s (left in place), e.g. %s", self.directory, len(names),
+                    reason, ", ".join(sorted(names)[:3]))
+        while self._used > self.budget_bytes and self._evict_file():  # e.g. restarted with a smaller budget
+            pass
+
+    def _clean_temp(self, entry: os.DirEntry) -> str | None:
+        """Remove one of our temporary files whose writer is gone; the reason it was kept otherwise."""
+        if not entry.is_file(follow_symlinks=False):
+            return "entries that are not regular files"
+        if _process_alive(_temp_writer(entry.name)):
+            return "temporary files of a running writer"
+        _remove(entry.path)
+        return None
+
+    def _read_table(self, path: str) -> tuple[str, list, int]:
+        """("ok", [(key, offset, length, crc)], size) for a well-formed file of our layout; else a verdict:
+        "damaged" (our fingerprint, so ours to delete) or why it is skipped (never deleted)."""
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError:
-            return None
+            return "entries that could not be read", [], 0
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return "entries that are not regular files", [], 0
+            size = info.st_size
+            head = _pread(fd, _HEADER.size, 0)
+            if len(head) != _HEADER.size:
+                return "files of another format", [], 0
+            magic, version, fingerprint, count, table_crc = _HEADER.unpack(head)
+            if magic != MAGIC or version != VERSION:
+                return "files of another format", [], 0
+            if fingerprint != self.fingerprint:
+                return "files of another layout", [], 0
+            data_start = _HEADER.size + count * _ENTRY.size
+            if data_start > size:  # checked before anything of that length is read
+                return "damaged", [], 0
+            table = _pread(fd, count * _ENTRY.size, _HEADER.size)
+            if len(table) != count * _ENTRY.size or crc32c.crc32c(table) != table_crc:
+                return "damaged", [], 0
+            rows, offset = [], data_start
+            for i in range(count):  # blobs lie back to back after the table, exactly as written
+                key, start, length, crc, _ = _ENTRY.unpack_from(table, i * _ENTRY.size)
+                if start != offset or length > size - offset:
+                    return "damaged", [], 0
+                rows.append((key, start, length, crc))
+                offset += length
+            return ("ok", rows, size) if offset == size else ("damaged", [], 0)
+        except OSError:
+            return "entries that could not be read", [], 0
+        finally:
+            os.close(fd)
 
     def _adopt(self, path: str, rows, size: int) -> None:
         keys = []
@@ -147,14 +220,13 @@ class FileTier:
             return [ok or k in self._index for k in keys]
 
     def write_group(self, keys: list[int], payloads: list[bytes]) -> bool:
-        """Write one page group synchronously; False (and nothing indexed) if it could not be written."""
+        """Write one page group synchronously; False (and nothing indexed) if it could not be written,
+        including a group larger than the whole budget."""
         size = _HEADER.size + len(keys) * _ENTRY.size + sum(len(p) for p in payloads)
         with self._lock:
-            if size > self.budget_bytes:
+            if not self._reserve(size):
                 self._failures += 1
                 return False
-            while self._used + size > self.budget_bytes:
-                self._evict_file()  # cannot run dry: the group alone fits the budget
         table, offset, rows = bytearray(), _HEADER.size + len(keys) * _ENTRY.size, []
         for key, payload in zip(keys, payloads):
             crc = crc32c.crc32c(payload)
@@ -162,27 +234,44 @@ class FileTier:
             rows.append((key, offset, len(payload), crc))
             offset += len(payload)
         header = _HEADER.pack(MAGIC, VERSION, self.fingerprint, len(keys), crc32c.crc32c(bytes(table)))
-        name = hashlib.blake2b(struct.pack(f"<{len(keys)}Q", *keys), digest_size=16).hexdigest() + SUFFIX
-        path = os.path.join(self.directory, name)
-        temp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        stem = hashlib.blake2b(self.fingerprint + struct.pack(f"<{len(keys)}Q", *keys), digest_size=16).hexdigest()
+        path = os.path.join(self.directory, stem + SUFFIX)
+        temp = os.path.join(self.directory, f"{TEMP_PREFIX}{stem}.{os.getpid()}.{threading.get_ident()}{SUFFIX}.tmp")
         try:
             self._write_file(temp, [header, bytes(table), *payloads])
-            os.replace(temp, path)
-            if self.fsync:
-                _fsync_dir(self.directory)
-        except OSError:
+            with self._lock:  # renamed and indexed at once: an eviction cannot fall in between
+                os.replace(temp, path)
+                self._reserved -= size
+                if path in self._files:  # the same group written again: the new file replaced the old
+                    self._drop_file(path)
+                self._adopt(path, rows, size)
+        except OSError as exc:
             _remove(temp)
             with self._lock:
+                self._reserved -= size
                 self._failures += 1
+            self._log_once(f"write {exc.errno}", "file tier: writing %s failed: %s", path, exc)
             return False
-        with self._lock:
-            if path in self._files:  # the same group written twice: keep one copy
-                return True
-            self._adopt(path, rows, size)
+        if self.fsync:
+            try:
+                _fsync_dir(self.directory)
+            except OSError as exc:  # the file is complete and readable; only its rename may not survive a crash
+                self._log_once(f"dirsync {exc.errno}", "file tier: syncing %s failed: %s", self.directory, exc)
+        return True
+
+    def _reserve(self, size: int) -> bool:
+        """Under the lock: hold ``size`` bytes of the budget, evicting LRU files for room; False if the
+        group cannot fit (larger than the budget, or writes in flight hold the rest of it)."""
+        if size > self.budget_bytes:
+            return False
+        while self._used + self._reserved + size > self.budget_bytes:
+            if not self._evict_file():
+                return False
+        self._reserved += size
         return True
 
     def _write_file(self, path: str, parts: list[bytes]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             for part in parts:
                 view = memoryview(part)
@@ -196,58 +285,87 @@ class FileTier:
         finally:
             os.close(fd)
 
-    def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
+    def get(self, keys: Sequence[int], into: Sequence[torch.Tensor],
+            expected_len: Sequence[int | None] | None = None) -> Handle:
+        """Read blobs into 1-D uint8 buffers (at least as long as the blob; bytes past it are left
+        alone). ``expected_len[i]``, when given and not None, is the exact length key ``i``'s blob must
+        have once read back (see `blob_size`): a blob of any other length is a miss, nothing copied."""
         check_pairs(keys, into, "buffers")
-        return Handle(self._pool.submit(self._get_now, list(keys), list(into)))
+        if expected_len is not None:
+            check_pairs(keys, expected_len, "expected lengths")
+        for out in into:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1:
+                raise ValueError(f"file tier buffers are 1-D uint8 tensors, got "
+                                 f"{getattr(out, 'dtype', type(out))} of shape {tuple(getattr(out, 'shape', ()))}")
+        wanted = list(expected_len) if expected_len is not None else [None] * len(keys)
+        return Handle(self._pool.submit(self._get_now, list(keys), list(into), wanted))
 
-    def _get_now(self, keys: list[int], into: list[torch.Tensor]) -> list[bool]:
+    def _get_now(self, keys: list[int], into: list[torch.Tensor], wanted: list[int | None]) -> list[bool]:
         results = []
-        for key, out in zip(keys, into):
+        for key, out, want in zip(keys, into, wanted):
             with self._lock:
                 where = self._index.get(key)
                 if where is not None:
                     self._files.move_to_end(where.path)
-            if where is None or out.numel() < self._decoded_size(where):
+            size = None if where is None else self._decoded_size(where)
+            if size is None or out.numel() < size or (want is not None and want != size):
                 with self._lock:
                     self._misses += 1
                 results.append(False)
                 continue
-            ok = self._read_into(where, out)
-            if not ok:
-                with self._lock:
-                    self._failures += 1
-                    self._misses += 1
-                    self._drop_file(where.path)
-                _remove(where.path)
-                results.append(False)
-                continue
+            outcome = self._read_into(where, out)
             with self._lock:
-                self._hits += 1
-            results.append(True)
+                if outcome == _HIT:
+                    self._hits += 1
+                else:
+                    self._misses += 1
+                    self._failures += 1
+                    if outcome in (_CORRUPT, _GONE) and self._index.get(key) is where:  # not re-written meanwhile
+                        self._drop_file(where.path)
+                        if outcome == _CORRUPT:
+                            _remove(where.path)
+            if outcome == _CORRUPT:
+                log.warning("file tier: blob %d in %s is corrupt; file removed", key, where.path)
+            results.append(outcome == _HIT)
         return results
 
-    def _read_into(self, where: _Location, out: torch.Tensor) -> bool:
-        """Read one blob into ``out`` and check it. CPU buffers (pinned or not) are filled in place;
-        device buffers through one bounce copy. On a bad checksum ``out`` holds garbage and False says so."""
+    def _read_into(self, where: _Location, out: torch.Tensor) -> str:
+        """Read one blob into ``out`` and check it; the outcome. CPU buffers (pinned or not) are filled
+        in place, device buffers through one bounce copy. On any outcome but a hit, ``out[:length]``
+        may hold garbage."""
         direct = out.device.type == "cpu" and out.is_contiguous() and self.fmt is None
         target = out[: where.length] if direct else torch.empty(where.length, dtype=torch.uint8)
         view = memoryview(target.numpy())
         try:
-            with open(where.path, "rb") as f:
-                f.seek(where.offset)
-                got = f.readinto(view)
-        except OSError:
-            return False
+            fd = os.open(where.path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return _GONE
+        except OSError as exc:
+            self._log_once(f"read {exc.errno}", "file tier: reading %s failed: %s (a miss)", where.path, exc)
+            return _IO_ERROR
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced by something the tier never wrote
+                return _GONE
+            got = _pread_into(fd, view, where.offset)
+        except OSError as exc:
+            self._log_once(f"read {exc.errno}", "file tier: reading %s failed: %s (a miss)", where.path, exc)
+            return _IO_ERROR
+        finally:
+            os.close(fd)
         if got != where.length or crc32c.crc32c(view) != where.crc:
-            return False
-        if self.fmt is not None:
-            try:
+            return _CORRUPT
+        try:
+            if self.fmt is not None:
                 self.fmt.decode(view, out)  # host or device buffer: the format copies into it
-            except CorruptStream:
-                return False
-        elif not direct:
-            out[: where.length].copy_(target)
-        return True
+            elif not direct:
+                out[: where.length].copy_(target)
+        except CorruptStream:
+            return _CORRUPT
+        except Exception as exc:  # noqa: BLE001 - not proven corrupt: a miss that keeps the file
+            self._log_once(f"copy {type(exc).__name__}", "file tier: delivering a blob of %s failed: %r",
+                           where.path, exc)
+            return _IO_ERROR
+        return _HIT
 
     def blob_size(self, key: int) -> int | None:
         with self._lock:
@@ -286,16 +404,62 @@ class FileTier:
             return TierStats(self.name, len(self._index), self._used, self.budget_bytes, self._hits, self._misses,
                              self._evictions, self._failures)
 
+    def _log_once(self, kind: str, message: str, *args) -> None:
+        """Log the first failure of each kind as a warning, the rest at debug level (no log storms)."""
+        first = kind not in self._logged
+        self._logged.add(kind)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
+def _temp_writer(name: str) -> int | None:
+    """The writer's pid if ``name`` is one of this tier's temporary files (of any version); else None."""
+    for pattern in _TEMP_NAMES:
+        match = pattern.match(name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _process_alive(pid: int | None) -> bool:
+    """Whether ``pid`` may still be writing (unknown counts as alive: its file is then kept)."""
+    if pid is None or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process, or not a pid this system could have
+        return True
+    return True
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    buffer = bytearray(length)
+    return bytes(buffer[: _pread_into(fd, memoryview(buffer), offset)])
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 def _remove(path: str) -> None:
-    if os.path.exists(path):
-        try:
-            os.remove(path)
-        except FileNotFoundError:  # removed meanwhile by another thread
-            return
+    """Delete one of the tier's own files (a symbolic link is unlinked, never followed)."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:  # removed meanwhile by another thread
+        return
+    except OSError as exc:
+        log.warning("file tier: cannot remove %s: %s", path, exc)
 
 
 def _fsync_dir(directory: str) -> None:
