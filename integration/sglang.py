@@ -14,13 +14,21 @@ checksummed blob per page; on a prefix hit they are decoded straight into SGLang
 error-bounded persistent codec instead: every layer of the page in one stream, the NRMSE budget
 guaranteed per page.
 Supported host layouts: ``layer_first`` and ``page_first``; others are refused at registration.
+
+Pages live under ``directory/<namespace>``: the namespace is the model name (readable part plus a
+hash of the exact name) and the rank. ``directory`` must belong to the current user and not be
+writable by group or others; it is created 0700 when absent, and again if it is removed while
+running. The file tier's fingerprint covers the codec, layers, heads, head_dim, dtype, page size
+and this backend's format version; a blob of another length than this configuration writes is a miss.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, List, Optional
@@ -33,11 +41,13 @@ from ..codecs import get as get_codec
 from ..codecs.base import EncodedChunk
 from ..geometry import Geometry
 from ..tiers.file import FileTier
+from .storage_options import budget_bytes, path_option, private_directory
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 DEFAULTS = {"codec": "kivi:bits=4,group=32", "directory": "/tmp/kvbackend_hicache", "budget_gb": 64.0}
+FORMAT_VERSION = 1  # of a stored page's bytes; enters the fingerprint
 
 
 class KVBackendStorage(HiCacheStorage):
@@ -54,12 +64,12 @@ class KVBackendStorage(HiCacheStorage):
         else:
             self.persistent = None
             self.codec = get_codec(self.codec_spec)  # a bad spec fails here, at start-up, with the valid options
-        model = str(getattr(storage_config, "model_name", None) or "model").replace("/", "-")
-        rank = f"tp{getattr(storage_config, 'tp_rank', 0)}of{getattr(storage_config, 'tp_size', 1)}" \
-               f"_pp{getattr(storage_config, 'pp_rank', 0)}of{getattr(storage_config, 'pp_size', 1)}"
-        self.namespace = f"{model}_{rank}"  # keys of different models/ranks never collide
-        self.directory = os.path.join(str(extra.get("directory", DEFAULTS["directory"])), self.namespace)
-        self.budget_bytes = int(float(extra.get("budget_gb", DEFAULTS["budget_gb"])) * 2**30)
+        self.namespace = _namespace(storage_config)  # keys of different models/ranks never collide
+        self.root = path_option("directory", extra.get("directory", DEFAULTS["directory"]))
+        self.directory = os.path.join(self.root, self.namespace)
+        self.budget_bytes = budget_bytes(extra.get("budget_gb", DEFAULTS["budget_gb"]))
+        self._private_directories()  # an unsafe directory is refused here, at start-up
+        self.blob_bytes: int | None = None  # length of every blob of a registered pool (None: it varies)
         self.mem_pool_host = None
         self.tier: FileTier | None = None
         self._lock = threading.Lock()
@@ -79,12 +89,22 @@ class KVBackendStorage(HiCacheStorage):
                                  mem_pool_host.dtype)
         if self.persistent is not None:
             self.layout = None
-            fingerprint = hashlib.blake2b(f"{self.persistent.spec_string}|{self.geometry}|{self.page_size}".encode(),
-                                          digest_size=8).hexdigest()
+            codec, layout = self.persistent.spec_string, None
         else:
             self.layout = self.codec.layout(self.geometry, self.page_size)  # SpecError if the codec cannot serve it
-            fingerprint = self.layout.fingerprint
+            codec, layout = self.codec.spec_string, self.layout.fingerprint
+            self.blob_bytes = self.geometry.num_layers * (self.layout.page_bytes + self.layout.codebook_bytes)
+        g = self.geometry
+        facts = {"format": FORMAT_VERSION, "codec": codec, "layout": layout, "layers": g.num_layers,
+                 "heads": g.num_kv_heads, "head_dim": g.head_dim, "dtype": str(g.dtype), "page_size": self.page_size}
+        fingerprint = hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=8).hexdigest()
+        self._private_directories()
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
+
+    def _private_directories(self) -> None:
+        """``directory`` and this namespace's directory in it: created 0700 if absent, refused if unsafe."""
+        private_directory(self.root, "directory")
+        private_directory(self.directory, "directory")
 
     def _require_pool(self) -> None:
         if self.tier is None:
@@ -104,6 +124,8 @@ class KVBackendStorage(HiCacheStorage):
             chunks: list[EncodedChunk] = [self.codec.encode(page[0, layer], page[1, layer], self.layout)
                                           for layer in range(self.geometry.num_layers)]
             blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [c.codebook.reshape(-1) for c in chunks])
+            if blob.numel() != self.blob_bytes:  # a blob this backend could never load back
+                raise RuntimeError(f"a page encoded to {blob.numel()} bytes, not the {self.blob_bytes} expected")
         with self._lock:
             self._stats["encode_s"] += time.perf_counter() - start
         return blob
@@ -113,6 +135,9 @@ class KVBackendStorage(HiCacheStorage):
         g, lay = self.geometry, self.layout
         if self.persistent is not None:  # raises CorruptStream (a ValueError) on damage: the page is a miss
             k, v = self.persistent.decode(blob.numpy())
+            shape = (g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(f"a stored page decoded to {tuple(k.shape)}, not {shape}")
             out = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).to(g.dtype)
             with self._lock:
                 self._stats["decode_s"] += time.perf_counter() - start
@@ -157,6 +182,13 @@ class KVBackendStorage(HiCacheStorage):
                 ok.append(False)
         if not ints:
             return ok
+        try:
+            self._private_directories()  # recreated if it was removed while running
+        except (OSError, ValueError) as exc:  # unsafe or impossible to create: nothing is written there
+            self._log_once("directory", f"kvbackend storage: {exc}")
+            with self._lock:
+                self._stats["failures"] += len(keys)
+            return [False] * len(keys)
         written = iter(self.tier.put(ints, blobs).result())
         results = [next(written) if good else False for good in ok]
         with self._lock:
@@ -167,8 +199,11 @@ class KVBackendStorage(HiCacheStorage):
 
     def _load(self, keys: List[str]) -> List[Optional[torch.Tensor]]:
         ints = [self._key(k) for k in keys]
-        buffers = [torch.empty(self.tier.blob_size(i) or 0, dtype=torch.uint8) for i in ints]
-        found = self.tier.get(ints, buffers).result()
+        sizes = [self.tier.blob_size(i) or 0 for i in ints]
+        if self.blob_bytes is not None:  # a blob of another length is not a page of this configuration
+            sizes = [size if size == self.blob_bytes else 0 for size in sizes]
+        buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers]).result()  # exact length
         pages: list[Optional[torch.Tensor]] = []
         for buffer, good in zip(buffers, found):
             if not good or buffer.numel() == 0:
@@ -266,3 +301,15 @@ class KVBackendStorage(HiCacheStorage):
         stats.update(bytes_stored=stored, codec=self.codec_spec,
                      compression_ratio=stats["raw_bytes_set"] / stored if stored else None)
         return stats
+
+
+def _namespace(config: HiCacheStorageConfig) -> str:
+    """Directory name for one model and rank: a readable part plus a hash of the exact model name, so
+    names that read alike (``org/m``, ``org-m``) never share pages."""
+    model = str(getattr(config, "model_name", None) or "model")
+    readable = re.sub(r"[^A-Za-z0-9._-]", "-", model)[:48]
+    digest = hashlib.blake2b(model.encode(), digest_size=8).hexdigest()
+    ranks = [("tp", "tp_rank", "tp_size"), ("pp", "pp_rank", "pp_size"), ("cp", "attn_cp_rank", "attn_cp_size"),
+             ("dcp", "dcp_rank", "dcp_size")]
+    rank = "_".join(f"{tag}{int(getattr(config, r, 0) or 0)}of{int(getattr(config, n, 1) or 1)}" for tag, r, n in ranks)
+    return f"{readable}-{digest}_{rank}_dp{int(getattr(config, 'dp_rank', 0) or 0)}"

@@ -15,11 +15,19 @@ A primary-tier chunk is opaque bytes whose layout depends on the attention backe
 KV layout keeps ``head_dim`` values of one token and head contiguous. The tier therefore accepts only
 codecs that quantize each such row on its own (``rtn``, ``fp8``, ``fp16``, ``bf16``, ``identity``);
 per-channel or clustering codecs need the token structure and are refused.
+
+Stored chunks live under ``root_dir/<fingerprint>``. The fingerprint covers everything that shapes a
+chunk's bytes: the chunk size, the codec's byte layout, ``head_dim`` and ``dtype``, the engine's
+description of the primary tier (model, KV dtype, layers per group, tokens per block, blocks per
+chunk, bytes per block, parallel layout, KV layout) and this tier's format version. A blob whose
+length is not what this configuration writes is a miss. ``root_dir`` must belong to the current user
+and not be writable by group or others (it is created 0700 when absent).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -36,22 +44,28 @@ from ..codecs import get as get_codec
 from ..errors import SpecError
 from ..geometry import Geometry
 from ..tiers.file import FileTier
+from .storage_options import budget_bytes, path_option, private_directory
 
 log = logging.getLogger(__name__)
 
 ROW_CODECS = ("rtn", "fp8", "fp16", "bf16", "identity")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ROWS_PER_PAGE = 64
+FORMAT_VERSION = 1  # of a stored chunk's bytes; enters the fingerprint
 
 
 class KVBackendTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, root_dir: str,
-                 codec: str = "rtn:bits=4,group=64", head_dim: int | None = None, dtype: str = "bfloat16",
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, root_dir: str | None = None,
+                 codec: str = "rtn:bits=4,group=64", head_dim: int | None = None, dtype: str | None = None,
                  budget_gb: float = 64.0, n_threads: int = 4, backpressure_detector=None) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
+        self.root_dir = path_option("root_dir", root_dir)
+        budget = budget_bytes(budget_gb)
+        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
+            raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
         self.codec = get_codec(codec)
         if self.codec.spec.name not in ROW_CODECS:
             raise SpecError(f"the vLLM tier needs a per-row codec ({', '.join(ROW_CODECS)}); {codec!r} needs the "
@@ -59,21 +73,42 @@ class KVBackendTier(SecondaryTierManager):
         head_dim = head_dim or _head_dim_from_spec(offloading_spec)
         if not head_dim:
             raise ValueError("set head_dim in the tier config (it could not be read from the offloading spec)")
+        engine_dtype = _kv_dtype_from_spec(offloading_spec)
+        dtype = dtype or engine_dtype or "bfloat16"
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if engine_dtype is not None and engine_dtype != dtype:
+            raise ValueError(f"dtype {dtype!r} is not the engine's KV cache dtype {engine_dtype!r}; the tier reads "
+                             f"rows of {sorted(_DTYPES)} values only")
         self.dtype = _DTYPES[dtype]
         self.geometry = Geometry(1, 1, int(head_dim), self.dtype)
         self.layout = self.codec.layout(self.geometry, _ROWS_PER_PAGE)
         self.chunk_bytes = self.block_size_bytes
         self._primary = torch.from_numpy(np.frombuffer(primary_kv_view, dtype=np.uint8))  # shares the buffer
         self._row_bytes = int(head_dim) * self.geometry.dtype.itemsize
-        self.store = FileTier(os.path.join(root_dir, self.layout.fingerprint), int(budget_gb * 2**30),
-                              self.layout.fingerprint)
+        self.blob_bytes = self._blob_bytes()
+        self.fingerprint = self._fingerprint(offloading_spec)
+        self.directory = os.path.join(self.root_dir, self.fingerprint)
+        self._private_directories()
+        self.store = FileTier(self.directory, budget, self.fingerprint)
         self._pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="kvbackend-vllm")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
         self._inflight: dict[int, Future] = {}
         self._stats = {"chunks_stored": 0, "chunks_loaded": 0, "failed_jobs": 0, "raw_bytes_stored": 0}
+
+    def _fingerprint(self, spec) -> str:
+        """16 hex characters naming everything that shapes a stored chunk's bytes."""
+        facts = {"format": FORMAT_VERSION, "chunk_bytes": self.chunk_bytes, "blob_bytes": self.blob_bytes,
+                 "codec": self.codec.spec_string, "layout": self.layout.fingerprint,
+                 "head_dim": self.geometry.head_dim, "dtype": str(self.dtype), "primary": _primary_facts(spec)}
+        text = json.dumps(facts, sort_keys=True, default=repr)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    def _private_directories(self) -> None:
+        """``root_dir`` and this configuration's directory in it: created 0700 if absent, refused if unsafe."""
+        private_directory(self.root_dir, "root_dir")
+        private_directory(self.directory, "root_dir")
 
     # -- chunk <-> blob -----------------------------------------------------------------------
     @staticmethod
@@ -83,6 +118,12 @@ class KVBackendTier(SecondaryTierManager):
     def _chunk(self, chunk_id: int) -> torch.Tensor:
         start = int(chunk_id) * self.chunk_bytes
         return self._primary[start : start + self.chunk_bytes]
+
+    def _blob_bytes(self) -> int:
+        """Length of every blob `_encode` writes for a chunk of this configuration."""
+        half = self.chunk_bytes // self._row_bytes // 2
+        body = -(-half // _ROWS_PER_PAGE) * self.layout.page_bytes + self.layout.codebook_bytes if half else 0
+        return body + self.chunk_bytes - 2 * half * self._row_bytes
 
     def _encode(self, raw: torch.Tensor) -> torch.Tensor:
         """Rows of head_dim values, split in two halves passed as the codec's K and V, plus a raw tail."""
@@ -114,6 +155,9 @@ class KVBackendTier(SecondaryTierManager):
     # -- jobs ---------------------------------------------------------------------------------
     def _store_job(self, keys: list[OffloadKey], chunk_ids: list[int]) -> bool:
         blobs = [self._encode(self._chunk(cid)) for cid in chunk_ids]
+        if any(b.numel() != self.blob_bytes for b in blobs):  # a blob this tier could never load back
+            raise RuntimeError(f"a chunk encoded to a blob other than the {self.blob_bytes} bytes expected")
+        self._private_directories()  # recreated if it was removed while running
         ok = self.store.put([self._key(k) for k in keys], blobs).result()
         with self._lock:
             self._stats["chunks_stored"] += sum(ok)
@@ -124,10 +168,11 @@ class KVBackendTier(SecondaryTierManager):
         """Loads chunks in order; returns how many loaded before the first failure."""
         for n, (key, cid) in enumerate(zip(keys, chunk_ids)):
             ikey = self._key(key)
-            size = self.store.blob_size(ikey)
-            buffer = torch.empty(size or 0, dtype=torch.uint8)
-            if not size or not self.store.get([ikey], [buffer]).result()[0]:
-                return n  # missing or corrupt: never decoded into the primary tier
+            if self.store.blob_size(ikey) != self.blob_bytes:
+                return n  # missing, or written for another configuration: never decoded into the primary tier
+            buffer = torch.empty(self.blob_bytes, dtype=torch.uint8)
+            if not self.store.get([ikey], [buffer], expected_len=[self.blob_bytes]).result()[0]:
+                return n  # corrupt (or replaced meanwhile): never decoded into the primary tier
             self._decode_into(buffer, self._chunk(cid))
             with self._lock:
                 self._stats["chunks_loaded"] += 1
@@ -162,7 +207,7 @@ class KVBackendTier(SecondaryTierManager):
             self._inflight[job.job_id] = self._pool.submit(run)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return LookupResult.HIT if self.store.contains([self._key(key)]) else LookupResult.MISS
+        return LookupResult.HIT if self.store.blob_size(self._key(key)) == self.blob_bytes else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, store=True)
@@ -211,3 +256,35 @@ def _head_dim_from_spec(spec) -> int | None:
         return int(config.get_head_size()) if config is not None else None
     except Exception:  # a spec without a model config: the caller asks for head_dim explicitly
         return None
+
+
+def _kv_dtype_from_spec(spec) -> str | None:
+    """The engine's KV cache dtype (``"bfloat16"``, ``"fp8_e4m3"``, ...), or None if the spec does not say."""
+    model = getattr(getattr(spec, "config", None), "model", None)
+    dtype = getattr(model, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype else None
+
+
+def _primary_facts(spec) -> dict:
+    """What the engine's offloading config says about the bytes of a primary-tier chunk ({} if it has none).
+
+    Run-specific values (engine id, ranks, budgets) stay out, so a restart finds its chunks again."""
+    config = getattr(spec, "config", None)
+    if config is None:
+        return {}
+    model, cache, parallel = (getattr(config, name, None) for name in ("model", "cache", "parallel"))
+    groups = [{name: getattr(g, name, None) for name in
+               ("tokens_per_block", "layer_names", "group_id", "sliding_window_size_in_chunks")}
+              for g in getattr(config, "groups", None) or ()]
+    return {
+        "groups": groups,
+        "worker_kv_bytes_per_block": getattr(config, "worker_kv_bytes_per_block", None),
+        "model": getattr(model, "name", None), "kv_dtype": getattr(model, "dtype", None),
+        "tokens_per_hash": getattr(cache, "tokens_per_hash", None),
+        "blocks_per_chunk": getattr(cache, "blocks_per_chunk", None),
+        "parallel": {name: getattr(parallel, name, None) for name in
+                     ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size", "is_parallelism_agnostic")},
+        "replicated_layout": getattr(spec, "replicated_layout", getattr(config, "replicated_layout", None)),
+        "canonical_layout": getattr(config, "canonical_layout", None),
+        "kv_cache_layout": getattr(config, "kv_cache_layout", None),
+    }

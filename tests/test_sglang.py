@@ -179,3 +179,116 @@ def test_v1_never_returns_none(tmp_path):
         enable_storage_metrics=False, is_page_first_layout=False, model_name=None, extra_config={"directory": str(tmp_path)}))
     assert backend.batch_get_v1(["x"], torch.arange(16)) == [False]  # no host pool registered yet
     assert backend.batch_set_v1(["x"], torch.arange(16)) == [False]
+
+
+# -- unsafe directories, bad config, namespaces, layouts that changed --------------------------------
+
+
+def storage_config(model_name="test/model", **extra):
+    return hicache.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name=model_name, extra_config=extra)
+
+
+def test_refuses_a_directory_others_can_write_or_do_not_own(tmp_path, monkeypatch):
+    """A page planted in a directory another user controls must never reach the host pool."""
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="directory.*writable"):
+        KVBackendStorage(storage_config(directory=str(shared)))
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(ValueError, match="directory.*symbolic link"):
+        KVBackendStorage(storage_config(directory=str(link)))
+    uid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    with pytest.raises(ValueError, match="directory.*owned"):
+        KVBackendStorage(storage_config(directory=str(mine)))
+    monkeypatch.undo()
+    fresh = tmp_path / "fresh"
+    backend = KVBackendStorage(storage_config(directory=str(fresh)))
+    assert (fresh.stat().st_mode & 0o777) == 0o700 and (os.stat(backend.directory).st_mode & 0o777) == 0o700
+
+
+@pytest.mark.parametrize("option,value", [("budget_gb", float("nan")), ("budget_gb", float("inf")),
+                                          ("budget_gb", "ten"), ("budget_gb", 0), ("budget_gb", -2),
+                                          ("directory", None), ("directory", "")])
+def test_refuses_bad_config(tmp_path, option, value):
+    extra = {"directory": str(tmp_path), option: value}
+    with pytest.raises(ValueError, match=option):
+        KVBackendStorage(storage_config(**extra))
+
+
+def test_model_names_never_share_a_namespace(tmp_path):
+    host = HostPool("layer_first")
+    host.kv_buffer.normal_()
+    backends = {}
+    for name in ("org/m", "org-m"):
+        config = storage_config(name, backend_name="kvbackend", module_path="kvbackend.integration.sglang",
+                                class_name="KVBackendStorage", directory=str(tmp_path), codec="identity")
+        backends[name] = factory.StorageBackendFactory.create_backend("dynamic", config, host)
+        backends[name].register_mem_pool_host(host)
+    assert backends["org/m"].namespace != backends["org-m"].namespace
+    assert backends["org/m"].batch_set_v1(["p"], host_indices([0])) == [True]
+    assert backends["org-m"].batch_exists(["p"]) == 0
+    assert backends["org-m"].batch_get_v1(["p"], host_indices([1])) == [False]
+
+
+def test_directory_removed_while_running_is_recreated(tmp_path):
+    import os
+    import shutil
+
+    host = HostPool("layer_first")
+    host.kv_buffer.normal_()
+    root = tmp_path / "root"
+    backend = make_backend(root, host, "identity")
+    assert backend.batch_set_v1(["a"], host_indices([0])) == [True]
+    shutil.rmtree(root)
+    assert backend.batch_set_v1(["b"], host_indices([1])) == [True]
+    assert (root.stat().st_mode & 0o777) == 0o700 and os.path.isdir(backend.directory)
+    assert backend.batch_get_v1(["b"], host_indices([2])) == [True]
+    assert torch.equal(host.page(2 * 16), host.page(1 * 16))
+    root.chmod(0o777)  # made writable by others meanwhile: nothing more is written there
+    assert backend.batch_set_v1(["c"], host_indices([3])) == [False]
+    assert backend.set("c", host.get_data_page(3 * 16)) is False
+
+
+@pytest.mark.parametrize("codec", ["kivi:bits=4,group=16", "alignpred:error=2x"])
+def test_fingerprint_covers_layers_and_dtype(tmp_path, codec):
+    """Pages stored for one geometry are never offered to another: not even as an existence hit."""
+    host = HostPool("layer_first", layers=3)
+    host.kv_buffer.normal_()
+    assert make_backend(tmp_path, host, codec).batch_set_v1(["p"], host_indices([0])) == [True]
+    for other in (HostPool("layer_first", layers=2), HostPool("layer_first", dtype=torch.float16)):
+        other.kv_buffer.fill_(7.0)
+        backend = make_backend(tmp_path, other, codec)
+        assert backend.batch_exists(["p"]) == 0
+        assert backend.batch_get_v1(["p"], host_indices([1])) == [False]
+        assert torch.all(other.kv_buffer == 7.0)
+
+
+def test_blob_of_the_wrong_length_is_a_miss(tmp_path):
+    host = HostPool("layer_first")
+    backend = make_backend(tmp_path, host, "kivi:bits=4,group=16")
+    good = backend._encode(host.page(0))
+    for i, blob in enumerate([torch.cat([good, good[:32]]), good[:-32]]):
+        assert backend.tier.put([backend._key(f"bad{i}")], [blob]).result() == [True]
+    host.kv_buffer.fill_(7.0)
+    assert backend.batch_get_v1(["bad0", "bad1"], host_indices([1, 2])) == [False, False]
+    assert torch.all(host.kv_buffer == 7.0)
+    assert backend.batch_get(["bad0", "bad1"]) == [None, None]
+
+
+def test_context_parallel_ranks_never_share_a_namespace(tmp_path):
+    """Each attention-CP rank holds its own slice of every page under the same key: separate namespaces."""
+    from dataclasses import replace
+
+    base = storage_config(directory=str(tmp_path))
+    names = {KVBackendStorage(replace(base, attn_cp_rank=r, attn_cp_size=2)).namespace for r in (0, 1)}
+    names |= {KVBackendStorage(replace(base, dp_rank=1)).namespace, KVBackendStorage(base).namespace}
+    assert len(names) == 4

@@ -109,3 +109,142 @@ def test_refuses_codecs_that_need_token_structure(tmp_path):
     with pytest.raises(ValueError, match="head_dim"):
         tiering.SecondaryTierFactory.create_secondary_tier(
             {"type": "KVBackendTier", "module_path": "kvbackend.integration.vllm", "root_dir": str(tmp_path)}, view, None)
+
+
+# -- restarts with another configuration, wrong-length blobs, unsafe directories ----------------------
+
+
+def spec(blocks_per_chunk=1, tokens_per_block=16, kv_dtype="bfloat16", layout="NHD", engine_id="e0"):
+    """A stand-in for the offloading spec vLLM hands a tier: its normalized ``config`` only."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+
+    parallel = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                        data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                        is_parallelism_agnostic=False)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block, ("layers.0.attn", "layers.1.attn"), 0),),
+        worker_kv_bytes_per_block=CHUNK_BYTES // blocks_per_chunk, enable_kv_cache_events=False, extra_config={},
+        engine_id=engine_id, model=OffloadingModelConfig("org/model", kv_dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
+        parallel=parallel, kv_cache_layout=layout)
+    return SimpleNamespace(config=config)
+
+
+def make_tier_with(tmp_path, view, offloading_spec, **extra):
+    config = {"type": "KVBackendTier", "module_path": "kvbackend.integration.vllm", "root_dir": str(tmp_path),
+              "codec": "identity", "head_dim": 64, **extra}
+    return tiering.SecondaryTierFactory.create_secondary_tier(config, view, offloading_spec)
+
+
+def test_restart_with_smaller_chunks_is_a_miss_never_shifted_rows(tmp_path):
+    """Chunks of 256 rows stored, then a restart with 128-row chunks: their row 64 must never be old row 128."""
+    buf, view = primary(chunks=2)
+    tier = make_tier(tmp_path, view, "identity")
+    ks = keys(2)
+    assert run(tier, 1, ks, [0, 1], promotion=False).success
+    tier.shutdown()
+    small = np.full((4, CHUNK_BYTES // 2 - 16), 0x55, dtype=np.uint8)  # 128 rows of 128 bytes plus a tail
+    tier = make_tier(tmp_path, memoryview(small), "identity")
+    assert tier.lookup(ks[0], ReqContext("req")) == LookupResult.MISS
+    result = run(tier, 2, ks, [0, 1], promotion=True)
+    assert not result.success and not result.successful_keys
+    assert np.all(small == 0x55)  # nothing was written into the primary tier
+    tier.shutdown()
+
+
+def test_restart_with_another_primary_layout_is_a_miss(tmp_path):
+    """Same chunk bytes, but another block count per chunk, tokens per block, KV layout or model: a miss."""
+    buf, view = primary(chunks=2)
+    ks = keys(1)
+    tier = make_tier_with(tmp_path, view, spec())
+    assert run(tier, 1, ks, [0], promotion=False).success
+    tier.shutdown()
+    tier = make_tier_with(tmp_path, view, spec(engine_id="e1"))  # the same configuration after a restart: a hit
+    assert tier.lookup(ks[0], ReqContext("req")) == LookupResult.HIT
+    tier.shutdown()
+    for other in (spec(blocks_per_chunk=2), spec(tokens_per_block=32), spec(layout="HND")):
+        tier = make_tier_with(tmp_path, view, other)
+        assert tier.lookup(ks[0], ReqContext("req")) == LookupResult.MISS
+        buf[1] = 0x55
+        assert not run(tier, 2, ks, [1], promotion=True).success
+        assert np.all(buf[1] == 0x55)
+        tier.shutdown()
+
+
+def test_blob_of_the_wrong_length_is_a_miss(tmp_path):
+    buf, view = primary(chunks=2)
+    tier = make_tier(tmp_path, view, "identity")
+    ks = keys(2)
+    longer = torch.from_numpy(np.concatenate([buf[0], buf[0][:128]]))
+    shorter = torch.from_numpy(buf[0][: CHUNK_BYTES - 128].copy())
+    assert tier.store.put([tier._key(ks[0]), tier._key(ks[1])], [longer, shorter]).result() == [True, True]
+    buf[1] = 0x55
+    for k in ks:
+        assert not run(tier, 3, [k], [1], promotion=True).success
+        assert np.all(buf[1] == 0x55)
+    tier.shutdown()
+
+
+def test_refuses_a_kv_dtype_other_than_the_engines(tmp_path):
+    _, view = primary()
+    with pytest.raises(ValueError, match="dtype"):
+        make_tier_with(tmp_path, view, spec(kv_dtype="float16"), dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype"):
+        make_tier_with(tmp_path, view, spec(kv_dtype="fp8_e4m3"))
+    tier = make_tier_with(tmp_path, view, spec(kv_dtype="float16"))  # taken from the engine when not set
+    assert tier.dtype == torch.float16
+    tier.shutdown()
+
+
+@pytest.mark.parametrize("option,value", [("budget_gb", float("nan")), ("budget_gb", float("inf")),
+                                          ("budget_gb", "ten"), ("budget_gb", 0), ("budget_gb", -1.0),
+                                          ("root_dir", None), ("root_dir", "")])
+def test_refuses_bad_config(tmp_path, option, value):
+    _, view = primary()
+    config = {"type": "KVBackendTier", "module_path": "kvbackend.integration.vllm", "root_dir": str(tmp_path),
+              "codec": "identity", "head_dim": 64, option: value}
+    with pytest.raises(ValueError, match=option):
+        tiering.SecondaryTierFactory.create_secondary_tier(config, view, None)
+
+
+def test_refuses_a_root_dir_others_can_write_or_do_not_own(tmp_path, monkeypatch):
+    _, view = primary()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="root_dir.*writable"):
+        make_tier(shared, view)
+    link = tmp_path / "link"
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link.symlink_to(mine)
+    with pytest.raises(ValueError, match="root_dir.*symbolic link"):
+        make_tier(link, view)
+    uid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    with pytest.raises(ValueError, match="root_dir.*owned"):
+        make_tier(mine, view)
+    monkeypatch.undo()
+    fresh = tmp_path / "fresh"
+    tier = make_tier(fresh, view)
+    assert (fresh.stat().st_mode & 0o777) == 0o700
+    assert (os.stat(tier.store.directory).st_mode & 0o777) == 0o700
+    tier.shutdown()
+
+
+def test_root_dir_removed_while_running_is_recreated(tmp_path):
+    import shutil
+
+    buf, view = primary(chunks=4)
+    root = tmp_path / "root"
+    tier = make_tier(root, view, "identity")
+    assert run(tier, 1, keys(1), [0], promotion=False).success
+    shutil.rmtree(root)
+    ks = keys(1, salt=3)
+    assert run(tier, 2, ks, [1], promotion=False).success
+    assert (root.stat().st_mode & 0o777) == 0o700
+    assert run(tier, 3, ks, [2], promotion=True).success and np.array_equal(buf[2], buf[1])
+    tier.shutdown()
