@@ -188,26 +188,33 @@ def test_many_threads_random_operations(tmp_path):
 MIXED = ("qvg", "kivi:bits=2,group=16")  # a per-layer plan: pages and codebooks of two sizes
 
 
-def filled(codec="qvg", packed_pages=16):
+def filled(codec="qvg", packed_pages=16, device="cpu"):
     """A two-layer cache; ``codec`` is one spec, or a tuple of one spec per layer."""
     which = {"layer_codecs": codec} if isinstance(codec, tuple) else {"codec": codec}
     cache = KVCache(Geometry(2, 2, 64, torch.bfloat16),
-                    CacheConfig(**which, page_size=16, chunk_pages=2, dense_pages=32, packed_pages=packed_pages))
+                    CacheConfig(**which, page_size=16, chunk_pages=2, dense_pages=32, packed_pages=packed_pages,
+                                device=device))
     return cache
 
 
 def fill(tiered, tokens, seed=0):
     gen = torch.Generator().manual_seed(seed)
     rid, _ = tiered.add_request(tokens)
+    device = tiered.cache.dense.data.device
     for layer in range(2):
-        tiered.append(rid, layer, torch.randn(len(tokens), 2, 64, generator=gen).bfloat16(),
-                      torch.randn(len(tokens), 2, 64, generator=gen).bfloat16())
+        tiered.append(rid, layer, torch.randn(len(tokens), 2, 64, generator=gen).bfloat16().to(device),
+                      torch.randn(len(tokens), 2, 64, generator=gen).bfloat16().to(device))
     return rid
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("codec", ["qvg", "kivi:bits=2,group=16", MIXED])
-def test_round_trip_device_host_file_host_device(tmp_path, codec):
-    cache = filled(codec)
+def test_round_trip_device_host_file_host_device(tmp_path, codec, device):
+    cache = filled(codec, device=device)
     tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), FileTier(str(tmp_path), 10**8, cache.fingerprint),
                          background=False)
     tokens = list(range(70))
@@ -397,15 +404,17 @@ def test_copy_2d_rows_at_their_pitches():
         copy_2d(dst, 0, 200, src, 0, 123, 40, 7)
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("codec", ["qvg", "rtn:bits=2,group=16", MIXED])
-def test_layered_restore_from_host_is_bit_identical(codec, monkeypatch):
+def test_layered_restore_from_host_is_bit_identical(codec, device, monkeypatch):
     """Host -> device restore range by range (trailers, then each layer) over slots that are not all
-    adjacent: the installed pages equal the exported ones, byte for byte."""
+    adjacent: the installed pages equal the exported ones, byte for byte. On CUDA each layer is
+    installed on a side stream once its copy's event fired, and reads wait for their layer's event."""
     from kvbackend.tiers import prefetch
     from kvbackend.tiers.host import LayeredRead
 
     monkeypatch.setattr(prefetch, "MIN_ROW_BYTES", 1)  # one copy per layer (real pages group small layers)
-    cache = filled(codec)
+    cache = filled(codec, device=device)
     host = HostTier(10**6, cache.blob_bytes)
     host.put([999], [torch.zeros(cache.blob_bytes, dtype=torch.uint8)]).wait()  # takes slot 0
     tiered = TieredCache(cache, host, None, background=False)
