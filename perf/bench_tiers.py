@@ -253,8 +253,12 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     RESULTS["ceiling"] = ceiling = pinned_bandwidth()
-    RESULTS["host_tier"] = [host_tier_throughput(b, c, ceiling) for b, c in ((1179648, 512), (8 * 2**20, 128))]
-    RESULTS["restore"] = [restore_prefix(c) for c in ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64", "qvg", "identity")]
+    quick = os.environ.get("KVB_BENCH_QUICK") == "1"  # `make gpu-test`: smaller transfers, same code paths
+    sizes = ((1179648, 128),) if quick else ((1179648, 512), (8 * 2**20, 128))
+    RESULTS["host_tier"] = [host_tier_throughput(b, c, ceiling) for b, c in sizes]
+    tokens = 8192 if quick else 32768
+    RESULTS["restore"] = [restore_prefix(c, tokens) for c in ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64",
+                                                               "qvg", "identity")]
     raw = next(r for r in RESULTS["restore"] if r["codec"] == "identity")
     for r in RESULTS["restore"]:
         r["speedup_vs_raw_bf16"] = raw["restore_ms"] / r["restore_ms"]

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make gpu-test`: on a CUDA machine, every test (CUDA paths included: kernels, the per-layer restore on a
+# side stream, pools on the device) and then quick passes of the kernel and tier benchmarks. The log's
+# first line names the commit it ran on; the benchmarks' JSON lands beside it.
+#   usage: perf/gpu_test.sh COMMIT LOG
+set -uo pipefail
+commit=${1:?commit}
+log=${2:?log file}
+python=${PYTHON:-python3}
+mkdir -p "$(dirname "$log")"
+results=$(dirname "$log")
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "make gpu-test needs a CUDA device; run it on the GPU machine" >&2
+    exit 2
+fi
+status=0
+{
+    echo "gpu-test commit $commit $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+    "$python" -m pip install -q --no-deps --no-build-isolation -e . || exit 3
+    echo "== pytest (every test; CUDA present, so GPU tests run)"
+    "$python" -m pytest -q -ra -p no:cacheprovider tests || status=1
+    echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel)"
+    KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,checks,decode \
+        --out "$results/gpu-test-bench_kernels.json" || status=1
+    echo "== bench_tiers (quick: 8K-token restores)"
+    KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1
+    echo "gpu-test exit $status"
+    exit $status
+} 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"
