@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo setup bench clean
+.PHONY: test demo setup bench clean wheel-check gpu-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,20 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) wheel-check
+	KVBACKEND_REQUIRE_MODEL=1 $(PY) -m pytest -q
+
+# Install the project as users do: build a wheel, `pip install --no-deps --target` it into a temporary
+# folder and import every module from outside the repository, each from the wheel (not the editable install).
+wheel-check: $(STAMP)
+	$(PY) tests/test_install.py
+
+# On a CUDA machine (no virtualenv: the machine's python3 with torch and triton): every test on CUDA, then
+# quick kernel and tier benchmarks; perf/results/gpu-test.log names the commit on its first line.
+GPU_LOG ?= perf/results/gpu-test.log
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+gpu-test:
+	bash perf/gpu_test.sh "$(COMMIT)" "$(GPU_LOG)"
 
 demo: $(STAMP)
 	$(VENV)/bin/kvbackend demo

@@ -212,7 +212,26 @@ class KVBackendCache(Cache):
     def from_plan(cls, config, plan: Sequence[str], **options) -> "KVBackendCache":
         """A cache that runs a per-layer plan as chosen (e.g. ``kvbackend eval --json``'s ``plan`` for
         an ``auto:...`` codec): each layer's codec and its own ``sink``, ``prerope`` and ``vrot``
-        levers. Other keyword options as for the class."""
+        levers. Other keyword options as for the class.
+
+        Raises:
+            SpecError: ``plan`` is not a non-empty list of codec spec strings (an eval row of a codec
+                other than ``auto:`` has ``plan`` None: give its spec as ``codec=`` instead), or a spec
+                or lever the cache cannot take.
+        """
+        if plan is None:
+            raise SpecError("this row has no plan (plan is None: only auto:... codecs choose per-layer specs); "
+                            "for one codec in every layer use KVBackendCache(config, codec=SPEC)")
+        if isinstance(plan, str):
+            raise SpecError(f"a plan is a list of per-layer codec specs, not one string ({plan!r}); "
+                            f"for one codec in every layer use KVBackendCache(config, codec={plan!r})")
+        if not isinstance(plan, Sequence):
+            raise SpecError(f"a plan is a list of per-layer codec specs, got {type(plan).__name__}")
+        if not plan:
+            raise SpecError("the plan is empty; it needs one codec spec per layer")
+        for i, spec in enumerate(plan):
+            if not isinstance(spec, str):
+                raise SpecError(f"plan[{i}]={spec!r} is not a codec spec string")
         specs, levers = cache_specs(plan)
         return cls(config, specs, layer_levers=levers, **options)
 

@@ -19,6 +19,7 @@ next-token KL, measured on the prefix itself (its first part cached through the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,12 +28,14 @@ from typing import Callable
 import torch
 
 from . import codecs
+from .codecs.qvg import MAX_STAGES
+from .codecs.widths import WIDTHS
 from .errors import SpecError
 from .geometry import Geometry
 from .levers import Levers
 from .reconstruct import reconstruct_sequence
 from .rope import Rotary
-from .spec import build_spec, format_spec, split_spec
+from .spec import Checked, build_spec, format_spec, one_of, ranged, split_spec
 
 
 VARIANTS = ("plain", "clip", "levers", "all")  # same-byte options tried per layer and widths (see _variants)
@@ -48,18 +51,20 @@ def _variants(kind: str, base_name: str) -> list[dict[str, str]]:
 
 
 @dataclass(frozen=True)
-class AutoSpec:
+class AutoSpec(Checked):
     name: str
-    bpv: float = 0.0  # budget: bits per value over every stored byte (0: not set)
-    kl: float = 0.0  # or: budget of next-token KL on the prefix's own tail (0: not set)
-    calib: int = 256  # prefix tokens teacher-forced to measure the KL of a plan
+    bpv: float = ranged(0.0, 0.0, 32.0)  # budget: bits per value over every stored byte (0: not set)
+    kl: float = ranged(0.0, 0.0, 100.0)  # or: budget of next-token KL on the prefix's own tail (0: not set)
+    calib: int = ranged(256, 16, 1 << 20)  # prefix tokens teacher-forced to measure the KL of a plan
     # per layer and widths also try (same bytes): "clip" (clipped steps), "levers" (pre-RoPE keys and
     # Hadamard values each on and off), "all" (both); "plain": the base as given
-    variants: str = "plain"
-    base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"  # codec whose kbits/vbits are chosen (kivi/qvg/quantwm)
-    widths: str = "2-3-4"  # candidate widths, dash-separated
-    stages: str = ""  # candidate residual stages for qvg-family bases, dash-separated (e.g. 1-2); "": the base's
-    queries: int = 128  # last prefix queries scored per layer
+    variants: str = one_of("plain", VARIANTS)
+    # codec whose kbits/vbits are chosen (kivi/qvg/quantwm); its own options separated by ';' in a spec string
+    base: str = "kivi:group=64,sink=4,prerope=true,vrot=hadamard"
+    widths: str = "2-3-4"  # candidate widths (of 2, 3, 4, 8), dash-separated
+    # candidate residual stages (1..16) for qvg-family bases, dash-separated (e.g. 1-2); "": the base's
+    stages: str = ""
+    queries: int = ranged(128, 1, 1 << 20)  # last prefix queries scored per layer
 
 
 def parse_auto(text: str) -> AutoSpec | None:
@@ -67,20 +72,66 @@ def parse_auto(text: str) -> AutoSpec | None:
     name, options = split_spec(text)
     if name != "auto":
         return None
+    fields = {f.name for f in dataclasses.fields(AutoSpec)} - {"name"}
+    if set(options) - fields and "base" in options:  # base=kivi:group=64,sink=4: the base's options became auto's
+        raise SpecError(f"unknown option(s) {', '.join(sorted(set(options) - fields))} for codec 'auto' in {text!r}; "
+                        f"write the base codec's own options with ';' between them, e.g. "
+                        f"base=kivi:group=64;sink=4 (valid auto options: {', '.join(sorted(fields))})")
     if "base" in options:
         options["base"] = options["base"].replace(";", ",")  # a nested spec's commas are written as ';'
     spec = build_spec(AutoSpec, name, options)
-    if (spec.bpv > 0) == (spec.kl > 0) or spec.bpv < 0 or spec.kl < 0:
+    if (spec.bpv > 0) == (spec.kl > 0):
         raise SpecError(f"auto: give exactly one positive budget, bpv=B (bits per value) or kl=K (next-token KL); "
                         f"got {text!r}")
-    if spec.calib < 16:
-        raise SpecError(f"auto: calib={spec.calib} must be >= 16 tokens")
-    if spec.variants not in VARIANTS:
-        raise SpecError(f"auto: variants={spec.variants!r}; valid: {', '.join(VARIANTS)}")
-    if spec.stages and not hasattr(codecs.parse(spec.base), "stages"):
-        raise SpecError(f"auto: stages={spec.stages} needs a base with residual stages (qvg, qvg-pro, quantwm), "
+    if is_auto(spec.base):
+        raise SpecError(f"auto: base={spec.base!r} must be a codec, not another auto: spec")
+    try:
+        base = codecs.parse(spec.base)
+    except SpecError as exc:
+        raise SpecError(f"auto: base={spec.base!r}: {exc}") from None
+    if not (hasattr(base, "kbits") and hasattr(base, "vbits")):
+        raise SpecError(f"auto: base must be a codec with kbits/vbits options (kivi, qvg, qvg-pro, quantwm), "
                         f"got {spec.base!r}")
+    _dash_list("widths", spec.widths, WIDTHS)
+    if spec.stages:
+        if not hasattr(base, "stages"):
+            raise SpecError(f"auto: stages={spec.stages} needs a base with residual stages (qvg, qvg-pro, quantwm), "
+                            f"got {spec.base!r}")
+        _dash_list("stages", spec.stages, range(1, MAX_STAGES + 1))
     return spec
+
+
+def candidate_specs(spec: AutoSpec) -> list[str]:
+    """Every codec spec a plan of ``spec`` may give a layer: the base at each point of the ladders,
+    with each same-byte variant (as `_error_table` builds them), so a caller can check them all
+    against a model's geometry before any calibration runs."""
+    base = codecs.parse(spec.base)
+    name, options = split_spec(spec.base)
+    ladders = _ladders(spec)
+    texts = []
+    for values_of in itertools.product(*(ladder for _, ladder in ladders)):
+        chosen = {key: str(v) for (key, _), v in zip(ladders, values_of)}
+        for variant in _variants(spec.variants, base.name):
+            texts.append(f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, **chosen, **variant}.items()))
+    return texts
+
+
+def is_auto(text: str) -> bool:
+    """Whether ``text`` is an ``auto:...`` spec (without parsing its options)."""
+    return isinstance(text, str) and text.strip().lower().partition(":")[0] == "auto"
+
+
+def _dash_list(option: str, text: str, valid: Sequence[int]) -> list[int]:
+    """The integers of a dash-separated option such as ``widths=2-3-4``, each one of ``valid``."""
+    shown = f"{valid[0]}..{valid[-1]}" if isinstance(valid, range) else ", ".join(map(str, valid))
+    try:
+        values = [int(part) for part in text.split("-")]
+    except ValueError:
+        values = None
+    if not values or any(v not in valid for v in values):
+        raise SpecError(f"auto: option {option}={text!r} must be dash-separated integers, each of {shown} "
+                        f"(e.g. {option}={valid[0]}-{valid[1]})")
+    return values
 
 
 @dataclass

@@ -8,6 +8,22 @@ import sys
 from .errors import KVBackendError
 
 
+def _int_at_least(least: int):
+    """An argparse ``type`` taking integers >= ``least`` (a clear error for anything else)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
 def _cmd_bpv(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -44,15 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bpv = sub.add_parser("bpv", help="measured bits per value of codec presets")
     bpv.add_argument("--codec", action="append", help="codec spec (repeatable); default: the presets")
-    bpv.add_argument("--head-dim", type=int, action="append", default=None)
-    bpv.add_argument("--tokens", type=int, default=2048, help="tokens in the encoded chunk")
-    bpv.add_argument("--heads", type=int, default=8)
+    bpv.add_argument("--head-dim", type=_int_at_least(8), action="append", default=None)
+    bpv.add_argument("--tokens", type=_int_at_least(1), default=2048, help="tokens in the encoded chunk")
+    bpv.add_argument("--heads", type=_int_at_least(1), default=8)
     bpv.set_defaults(func=_cmd_bpv)
 
     demo = sub.add_parser("demo", help="generate with the shipped model through compressed caches")
     demo.add_argument("--codec", action="append", help="codec spec (repeatable)")
     demo.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=24)
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--model-dir", default=None, help="directory holding a GGUF model (default: the shipped one)")
     demo.set_defaults(func=_cmd_demo)
@@ -60,11 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="measure codecs on a real model's KV for a text")
     ev.add_argument("--text", required=True, help="path of a UTF-8 text file")
     ev.add_argument("--codec", action="append", required=True, help="codec spec (repeatable)")
-    ev.add_argument("--tokens", type=int, default=2048, help="tokens of the attention-fidelity pass")
-    ev.add_argument("--prefix", type=int, default=1536, help="tokens cached through the codec")
-    ev.add_argument("--continue", dest="cont", type=int, default=512, help="tokens teacher-forced after the prefix")
-    ev.add_argument("--json", help="write the figures as JSON here")
-    ev.add_argument("--plot", help="write a Pareto plot (PNG) here")
+    ev.add_argument("--tokens", type=_int_at_least(1), default=2048, help="tokens of the attention-fidelity pass")
+    ev.add_argument("--prefix", type=_int_at_least(1), default=1536, help="tokens cached through the codec")
+    ev.add_argument("--continue", dest="cont", type=_int_at_least(2), default=512,
+                    help="tokens teacher-forced after the prefix (at least 2: the first has no scored target)")
+    ev.add_argument("--json", help="write the figures as JSON here (its folder is created before the run)")
+    ev.add_argument("--plot", help="write a Pareto plot (PNG) here (its folder is created before the run)")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--model-dir", default=None)
     ev.add_argument("--calibration", default=None,

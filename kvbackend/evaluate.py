@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from . import codecs
 from .alignpred.spec import is_alignpred, parse_alignpred
+from .errors import SpecError
 from .geometry import Geometry
-from .auto import parse_auto, plan_widths
+from .auto import candidate_specs, parse_auto, plan_widths
+from .levers import hadamard
 from .reconstruct import reconstruct_sequence
 from .rope import rotary_from_config
 
@@ -35,6 +39,17 @@ class EvalSettings:
     page_size: int = 64
     chunk_tokens: int = 2048  # codec chunk length
     device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        """Raise ValueError for numbers no run can use (before any model work)."""
+        # cont >= 2: the first continuation token has no scored target (perplexity of nothing)
+        for name, least in (("tokens", 1), ("prefix", 1), ("cont", 2), ("queries", 1), ("page_size", 1),
+                            ("chunk_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+        if self.queries > self.tokens:
+            raise ValueError(f"queries={self.queries} must be at most tokens={self.tokens}")
 
 
 @dataclass
@@ -200,6 +215,70 @@ def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024):
     return Calibration.fit(k, v)
 
 
+def geometry_from_config(config) -> Geometry:
+    """The KV geometry (float32, as `load_model` loads) of a transformers model config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return Geometry(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim,
+                    torch.float32)
+
+
+def model_geometry(model_dir: str | None = None) -> Geometry:
+    """The KV geometry of the model `load_model` would load, from its config alone (no weights)."""
+    from transformers import AutoConfig
+
+    from .models import locate
+
+    source = locate(model_dir=model_dir)
+    return geometry_from_config(AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file))
+
+
+def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry | None = None) -> bool:
+    """Parse every spec (bounds included); given the model's ``geometry``, also check that each codec,
+    and every candidate of an ``auto:`` plan, can serve it at the eval's page size. Cheap: run it before
+    loading a model. Returns whether an ``alignpred:...,fit=frozen`` spec needs a calibration text.
+
+    Raises:
+        SpecError: the first spec that cannot run, with the reason.
+    """
+    frozen = False
+    for spec in specs:
+        if is_alignpred(spec):
+            frozen |= parse_alignpred(spec).fit == "frozen"
+            continue
+        auto = parse_auto(spec)
+        if auto is not None and auto.kl > 0 and settings.prefix - auto.calib < settings.page_size:
+            raise SpecError(f"{spec}: auto calib={auto.calib} leaves {settings.prefix - auto.calib} prefix tokens "
+                            f"to cache (--prefix {settings.prefix}), fewer than a page of {settings.page_size}; "
+                            f"lower calib or raise --prefix")
+        for text in candidate_specs(auto) if auto is not None else [spec]:
+            codec = codecs.get(text)
+            if geometry is None:
+                continue
+            try:
+                codec.layout(geometry, settings.page_size)
+                if codec.levers.vrot == "hadamard":
+                    hadamard(geometry.head_dim)
+            except SpecError as exc:
+                where = f" (a candidate of the plan: {text})" if auto is not None else ""
+                raise SpecError(f"{spec}{where}: {exc}") from None
+    return frozen
+
+
+def prepare_output(path: str, option: str) -> None:
+    """Create the folder of an output file now, so a bad path fails before the run, not after it."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{option} {path} is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"{option} {path}: cannot create its folder {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"{option} {path}: folder {folder} is not writable")
+
+
 def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None,
              calibration=None) -> list[CodecResult]:
     """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``.
@@ -207,6 +286,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     ``calibration`` serves ``alignpred:…,fit=frozen`` specs; fit it on other data than ``input_ids``.
     """
     s = settings
+    check_specs(specs, s, geometry_from_config(model.config))  # before the model's forward passes
     need = max(s.tokens, s.prefix + s.cont)
     if input_ids.shape[1] < need:
         raise ValueError(f"the text has {input_ids.shape[1]} tokens; --tokens {s.tokens}, --prefix {s.prefix} and "
@@ -333,25 +413,29 @@ def run_eval_cli(args) -> int:
     from .models import load_model
 
     console = Console(width=max(Console().width, 150))
-    frozen = False
-    for spec in args.codec:  # fail fast on a bad spec, before loading anything
-        if is_alignpred(spec):
-            frozen |= parse_alignpred(spec).fit == "frozen"
-        elif parse_auto(spec) is None:
-            codecs.parse(spec)
+    # Everything that can be checked is checked before the model loads: numbers, specs, files.
+    settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
+                            queries=min(128, args.tokens), device=args.device)
+    frozen = check_specs(args.codec, settings)
     if frozen and not args.calibration:
         raise SystemExit("alignpred fit=frozen needs --calibration TEXT (another text than --text)")
+    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+        if path:
+            prepare_output(path, option)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
+    calibration_text = None
+    if frozen:
+        with open(args.calibration, encoding="utf-8") as f:
+            calibration_text = f.read()
+    check_specs(args.codec, settings, model_geometry(args.model_dir))
     with console.status("loading model"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
     ids = tokenizer(text, return_tensors="pt").input_ids
-    settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
-                            queries=min(128, args.tokens), device=args.device)
     calibration = None
     if frozen:
-        with open(args.calibration, encoding="utf-8") as f:
-            calibration = calibration_from_text(model, tokenizer(f.read(), return_tensors="pt").input_ids.to(args.device))
+        calib_ids = tokenizer(calibration_text, return_tensors="pt").input_ids.to(args.device)
+        calibration = calibration_from_text(model, calib_ids)
     with Progress(console=console, transient=True) as progress:
         results = evaluate(model, ids, args.codec, settings, progress, calibration)
     table = Table(title=f"{args.text}: {settings.tokens} tokens, prefix {settings.prefix} + {settings.cont}, "

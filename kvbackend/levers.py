@@ -17,25 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from .errors import SpecError
-from .spec import _convert
+from .spec import Checked, _convert, one_of, ranged
 
 ROTATIONS = ("none", "hadamard")
 
 
 @dataclass(frozen=True)
-class Levers:
-    sink: int = 0  # first tokens of the sequence kept exact (fp16)
+class Levers(Checked):
+    sink: int = ranged(0, 0, 1 << 20)  # first tokens of the sequence kept exact (fp16)
     prerope: bool = False  # quantize keys before RoPE (de-rotate, encode, decode, re-rotate)
-    vrot: str = "none"  # rotation of values before quantization: "none" or "hadamard"
-    psac: int = 0  # rank of the query-subspace key correction (QuantWM's PSAC); 0 = off
-
-    def __post_init__(self) -> None:
-        if self.sink < 0:
-            raise SpecError(f"sink={self.sink} must be >= 0")
-        if self.psac < 0:
-            raise SpecError(f"psac={self.psac} must be >= 0")
-        if self.vrot not in ROTATIONS:
-            raise SpecError(f"vrot={self.vrot!r}; valid: {', '.join(ROTATIONS)}")
+    vrot: str = one_of("none", ROTATIONS)  # rotation of values before quantization: "none" or "hadamard"
+    psac: int = ranged(0, 0, 1024)  # rank of the query-subspace key correction (QuantWM's PSAC); 0 = off
 
     @property
     def active(self) -> bool:

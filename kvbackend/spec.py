@@ -1,13 +1,110 @@
-"""Parsing codec spec strings such as ``"qvg:bits=2,group=64,centroids=16"`` into typed dataclasses."""
+"""Parsing codec spec strings such as ``"qvg:bits=2,group=64,centroids=16"`` into typed dataclasses.
+
+Every option of a spec dataclass declares its valid values (`ranged`, `one_of`); `Checked` dataclasses
+refuse anything else when built, from a string or in Python, with a `SpecError` naming the option,
+its value and the valid range.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, get_type_hints
 
 from .errors import SpecError
 
 T = TypeVar("T")
+
+_BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid values
+
+
+@dataclass(frozen=True)
+class Range:
+    """Valid numbers of an option: ``lo..hi`` inclusive (``lo`` excluded when ``open_lo``)."""
+
+    lo: float
+    hi: float
+    open_lo: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (self.lo < value if self.open_lo else self.lo <= value) and value <= self.hi
+
+    def __str__(self) -> str:
+        lo, hi = _number(self.lo), _number(self.hi)
+        return f"({lo}, {hi}]" if self.open_lo else f"{lo}..{hi}"
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Valid values of an option, listed."""
+
+    values: tuple
+
+    def __contains__(self, value: Any) -> bool:
+        return value in self.values
+
+    def __str__(self) -> str:
+        return ", ".join(str(v) for v in self.values)
+
+
+def ranged(default: Any, lo: float, hi: float, open_lo: bool = False) -> Any:
+    """A spec dataclass field whose value must lie in ``lo..hi`` (see `check_options`)."""
+    return dataclasses.field(default=default, metadata={_BOUND: Range(lo, hi, open_lo)})
+
+
+def one_of(default: Any, values: Sequence) -> Any:
+    """A spec dataclass field whose value must be one of ``values`` (see `check_options`)."""
+    return dataclasses.field(default=default, metadata={_BOUND: Choices(tuple(values))})
+
+
+def bound_of(field: dataclasses.Field) -> Range | Choices | None:
+    """The declared valid values of a spec field (None: any value of its type)."""
+    return field.metadata.get(_BOUND)
+
+
+def check_options(spec: Any) -> None:
+    """Raise `SpecError` for an option of the spec dataclass ``spec`` of the wrong type or outside its
+    declared range or choices, naming the option, its value and the valid values. Called by the spec
+    dataclasses' ``__post_init__`` (`Checked`), so specs built in Python are checked as parsed ones are."""
+    hints = _hints(type(spec))
+    name = f"{spec.name}: " if isinstance(getattr(spec, "name", None), str) else ""
+    for field in dataclasses.fields(spec):
+        if field.name == "name" or not field.init:
+            continue
+        value, kind, bound = getattr(spec, field.name), hints.get(field.name), bound_of(field)
+        valid = f"; valid: {bound}" if bound is not None else ""
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SpecError(f"{name}option {field.name}={value!r} must be an integer{valid}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is float and not (number and math.isfinite(value)):
+            raise SpecError(f"{name}option {field.name}={value!r} must be a finite number{valid}")
+        if kind is bool and not isinstance(value, bool):
+            raise SpecError(f"{name}option {field.name}={value!r} must be true or false")
+        if kind is str and not isinstance(value, str):
+            raise SpecError(f"{name}option {field.name}={value!r} must be a string{valid}")
+        if bound is not None and value not in bound:
+            problem = "is out of range" if isinstance(bound, Range) else "is not supported"
+            raise SpecError(f"{name}option {field.name}={value!r} {problem}; valid: {bound}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+class Checked:
+    """Mixin of a spec dataclass: its options are checked (`check_options`) whenever it is built."""
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -30,7 +127,8 @@ def split_spec(text: str) -> tuple[str, dict[str, str]]:
     return name.strip().lower(), options
 
 
-def _convert(raw: str, kind: Any, key: str, spec_name: str) -> Any:
+def _convert(raw: str, kind: Any, key: str, spec_name: str, valid: Any = None) -> Any:
+    """``raw`` as a ``kind`` value; ``valid`` (the option's range or choices) goes into the error."""
     try:
         if kind is bool:
             low = raw.lower()
@@ -45,16 +143,24 @@ def _convert(raw: str, kind: Any, key: str, spec_name: str) -> Any:
             return float(raw)
         return str(raw)
     except ValueError:
-        raise SpecError(f"option {key}={raw!r} of codec {spec_name!r} is not a valid {kind.__name__}") from None
+        valid = "true, false" if kind is bool else valid
+        raise SpecError(f"option {key}={raw!r} of codec {spec_name!r} is not a valid {kind.__name__}"
+                        f"{_valid_suffix(valid)}") from None
+
+
+def _valid_suffix(valid: Any) -> str:
+    return f"; valid: {valid}" if valid is not None else ""
 
 
 def build_spec(cls: type[T], spec_name: str, options: dict[str, str], defaults: dict[str, Any] | None = None) -> T:
     """Build the dataclass ``cls`` from string options, with typed conversion.
 
     Raises:
-        SpecError: an unknown option (the message lists the valid ones) or a value of the wrong type.
+        SpecError: an unknown option (the message lists the valid ones), a value of the wrong type, or
+            (for `Checked` dataclasses) a value outside the option's range.
     """
     hints = get_type_hints(cls)
+    bounds = {f.name: bound_of(f) for f in dataclasses.fields(cls)}
     fields = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "name"]
     unknown = sorted(set(options) - set(fields))
     if unknown:
@@ -63,7 +169,7 @@ def build_spec(cls: type[T], spec_name: str, options: dict[str, str], defaults: 
         )
     values: dict[str, Any] = dict(defaults or {})
     for key, raw in options.items():
-        values[key] = _convert(raw, hints[key], key, spec_name)
+        values[key] = _convert(raw, hints[key], key, spec_name, bounds[key])
     return cls(name=spec_name, **values)  # type: ignore[call-arg]
 
 

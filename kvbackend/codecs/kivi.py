@@ -12,22 +12,24 @@ from typing import ClassVar
 from ..errors import SpecError
 from ..geometry import Geometry
 from ..layout import PageLayout
-from ..quant import scale_dtype
+from ..quant import SCALE_DTYPES, scale_dtype
+from ..spec import Checked, one_of, ranged
 from .base import Codec, CodecState, FieldSpecs
 from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
                      encode_token_groups, token_group_fields)
 from .rtn import check_bits_group
-from .widths import SplitWidths, check_split_widths
+from .widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
 
 
 @dataclass(frozen=True)
-class KIVISpec(SplitWidths):
+class KIVISpec(SplitWidths, Checked):
     name: str
-    bits: int = 2  # code width of keys and values
-    group: int = 32  # tokens per key group, channels per value group
-    scale: str = "fp16"  # storage dtype of scales and minima
-    kbits: int = 0  # key code width when it differs from `bits` (0: same)
-    vbits: int = 0  # value code width when it differs from `bits` (0: same)
+    bits: int = one_of(2, WIDTHS)  # code width of keys and values
+    # tokens per key group (must divide page_size), channels per value group (must divide head_dim)
+    group: int = ranged(32, 1, MAX_GROUP)
+    scale: str = one_of("fp16", SCALE_DTYPES)  # storage dtype of scales and minima
+    kbits: int = one_of(0, SPLIT_WIDTHS)  # key code width when it differs from `bits` (0: same)
+    vbits: int = one_of(0, SPLIT_WIDTHS)  # value code width when it differs from `bits` (0: same)
     # keys: MSE-optimal Gaussian step instead of min/max (same bytes; see quant.quantize), for 2-bit
     # keys only: at 3-4 bits clipping key outliers raised next-token KL 6x (K4V3 on GPL-3: 0.0046 -> 0.0305)
     kclip: bool = False

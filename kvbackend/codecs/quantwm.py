@@ -31,15 +31,18 @@ from ..errors import SpecError
 from ..geometry import Geometry
 from ..layout import PageLayout
 from ..quant import round_to
+from ..spec import ranged
 from .base import CodecState, FieldSpecs, from_pages, to_pages
 from .qvg import QVGCodec, QVGSpec
 
 
 @dataclass(frozen=True)
 class QuantWMSpec(QVGSpec):
-    candidates: int = 4  # QSAC: centroids tried per key, by query-weighted distance
-    rank: int = 8  # PSAC rank r (0 = off; the `psac=` lever is the post-hoc, sequence-level variant)
-    keep: float = 1.0  # fraction of a page's tokens that get a PSAC row (1 = every token, no index)
+    candidates: int = ranged(4, 1, 256)  # QSAC: centroids tried per key, by query-weighted distance
+    # PSAC rank r, at most head_dim (0 = off; the `psac=` lever is the post-hoc, sequence-level variant)
+    rank: int = ranged(8, 0, 1024)
+    # fraction of a page's tokens that get a PSAC row (1 = every token, no index)
+    keep: float = ranged(1.0, 0.0, 1.0, open_lo=True)
 
     def psac_rows(self, page_size: int) -> int:
         """PSAC rows per page and head."""

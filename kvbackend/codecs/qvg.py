@@ -16,7 +16,8 @@ import torch
 from ..errors import SpecError
 from ..geometry import Geometry
 from ..layout import PageLayout
-from ..quant import scale_dtype
+from ..quant import SCALE_DTYPES, scale_dtype
+from ..spec import Checked, one_of, ranged
 from .base import Codec, CodecState, FieldSpecs, from_pages, to_pages
 from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
                      encode_token_groups, token_group_fields)
@@ -24,26 +25,30 @@ from .kmeans import kmeans, kmeanspp_init, random_init
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
 from .rtn import check_bits_group
-from .widths import SplitWidths, check_split_widths
+from .widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
+
+MAX_STAGES = 16  # residual stages: each stores its assignments per token and its centroids per chunk
+MAX_ITERS = 1000  # Lloyd steps per stage
 
 
 @dataclass(frozen=True)
-class QVGSpec(SplitWidths):
+class QVGSpec(SplitWidths, Checked):
     name: str
-    bits: int = 2  # residual code width
-    group: int = 64  # B: channels per residual scale
-    centroids: int = 16  # C per stage and head (at most 256: assignments are uint8)
-    stages: int = 1  # S: progressive residual stages
-    iters: int = 4  # Lloyd steps per stage (fewer when assignments stop changing)
+    bits: int = one_of(2, WIDTHS)  # residual code width
+    group: int = ranged(64, 1, MAX_GROUP)  # B: channels per residual scale (must divide head_dim)
+    centroids: int = ranged(16, 1, 256)  # C per stage and head (at most 256: assignments are uint8)
+    stages: int = ranged(1, 1, MAX_STAGES)  # S: progressive residual stages
+    iters: int = ranged(4, 0, MAX_ITERS)  # Lloyd steps per stage (fewer when assignments stop changing)
     symmetric: bool = False  # ternary absmax codes, or asymmetric min/max with a zero
-    scale: str = "fp8"  # storage dtype of residual scales and zeros
-    seed: int = 0  # random initialisation of the first chunk's centroids
-    init: str = "kmeans++"  # first chunk's seeding: "kmeans++" or "random" points
-    kchannel: int = 0  # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style)
+    scale: str = one_of("fp8", SCALE_DTYPES)  # storage dtype of residual scales and zeros
+    seed: int = ranged(0, 0, 2**63 - 1)  # random initialisation of the first chunk's centroids
+    init: str = one_of("kmeans++", _INITS)  # first chunk's seeding: "kmeans++" or "random" points
+    # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style; divides page_size)
+    kchannel: int = ranged(0, 0, MAX_GROUP)
     clip: bool = False  # residual steps: MSE-optimal Gaussian step instead of min/max (asymmetric only)
     vcluster: bool = True  # false: values without centroids (plain per-token groups; saves assignments and codebook)
-    kbits: int = 0  # key residual width when it differs from `bits` (0: same)
-    vbits: int = 0  # value residual width when it differs from `bits` (0: same)
+    kbits: int = one_of(0, SPLIT_WIDTHS)  # key residual width when it differs from `bits` (0: same)
+    vbits: int = one_of(0, SPLIT_WIDTHS)  # value residual width when it differs from `bits` (0: same)
 
 
 class QVGCodec(Codec):

@@ -8,18 +8,20 @@ from typing import ClassVar
 from ..errors import SpecError
 from ..geometry import Geometry
 from ..layout import PageLayout
-from ..quant import scale_dtype
+from ..quant import SCALE_DTYPES, scale_dtype
+from ..spec import Checked, one_of, ranged
 from .base import Codec, CodecState, FieldSpecs
 from .groups import decode_token_groups, encode_token_groups, token_group_fields
+from .widths import MAX_GROUP, WIDTHS
 
 
 @dataclass(frozen=True)
-class RTNSpec:
+class RTNSpec(Checked):
     name: str
-    bits: int = 2  # code width: 2, 3, 4 or 8
-    group: int = 64  # channels per scale
+    bits: int = one_of(2, WIDTHS)  # code width: 2, 3, 4 or 8
+    group: int = ranged(64, 1, MAX_GROUP)  # channels per scale (must divide head_dim)
     symmetric: bool = False  # symmetric absmax, or asymmetric min/max with a zero
-    scale: str = "fp16"  # storage dtype of scales and zeros: fp8, fp16, bf16, fp32
+    scale: str = one_of("fp16", SCALE_DTYPES)  # storage dtype of scales and zeros: fp8, fp16, bf16, fp32
 
 
 def check_bits_group(spec, dim: int) -> None:

@@ -1,10 +1,13 @@
-"""Separate key and value code widths: the `kbits=`/`vbits=` options some codec specs take."""
+"""Code widths and group sizes codec specs may take, and separate key and value code widths: the
+`kbits=`/`vbits=` options some codec specs take."""
 
 from __future__ import annotations
 
 from ..errors import SpecError
 
-WIDTHS = (2, 3, 4, 8)
+WIDTHS = (2, 3, 4, 8)  # code widths every codec packs
+SPLIT_WIDTHS = (0, *WIDTHS)  # kbits=/vbits=: 0 means "as bits"
+MAX_GROUP = 1024  # largest group of channels or tokens sharing a scale (head_dim / page_size bound it further)
 
 
 class SplitWidths:
