@@ -69,6 +69,7 @@ def real_kv():
     return k, v
 
 
+@pytest.mark.model
 def test_budget_and_bytes_on_real_kv(real_kv):
     k, v = real_kv
     bpv = {}
@@ -83,6 +84,7 @@ def test_budget_and_bytes_on_real_kv(real_kv):
     assert bpv[1] < 6.0, bpv  # FP8-level error at well under FP8's 8 bits
 
 
+@pytest.mark.model
 def test_frozen_calibration_round_trip_and_mismatch(real_kv):
     k, v = real_kv
     cal = Calibration.fit(k[:, :128], v[:, :128])

@@ -119,6 +119,7 @@ def test_paged_cache_moments_are_causal_per_chunk():
         cache.append(rid, 0, k[:2], v[:2], queries=q[:3])
 
 
+@pytest.mark.model
 def test_transformers_attach_feeds_queries():
     pytest.importorskip("transformers")
     from kvbackend.integration.transformers import KVBackendCache
