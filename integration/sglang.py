@@ -36,12 +36,12 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from ..alignpred.spec import is_alignpred
-from ..codecs import get as get_codec
-from ..codecs.base import EncodedChunk
-from ..geometry import Geometry
-from ..tiers.file import FileTier
-from .storage_options import budget_bytes, path_option, private_directory
+from kvbackend.alignpred.spec import is_alignpred
+from kvbackend.codecs import get as get_codec
+from kvbackend.codecs.base import EncodedChunk
+from kvbackend.geometry import Geometry
+from kvbackend.tiers.file import FileTier
+from kvbackend.integration.storage_options import budget_bytes, path_option, private_directory
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class KVBackendStorage(HiCacheStorage):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.codec_spec = str(extra.get("codec", DEFAULTS["codec"]))
         if is_alignpred(self.codec_spec):
-            from ..alignpred import AlignPredCodec
+            from kvbackend.alignpred import AlignPredCodec
 
             self.persistent = AlignPredCodec(self.codec_spec)  # a bad spec fails here, at start-up
             if self.persistent.spec.fit == "frozen":
@@ -134,8 +134,8 @@ class KVBackendStorage(HiCacheStorage):
         start = time.perf_counter()
         g, lay = self.geometry, self.layout
         if self.persistent is not None:  # raises CorruptStream (a ValueError) on damage: the page is a miss
-            k, v = self.persistent.decode(blob.numpy())
             shape = (g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
+            k, v = self.persistent.decode(blob.numpy(), shape=shape)  # another shape: refused before decoding
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise ValueError(f"a stored page decoded to {tuple(k.shape)}, not {shape}")
             out = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).to(g.dtype)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbackend import CacheConfig, Geometry, InvalidKV, KVCache, SpecError, codecs
-from kvbackend.auto import AutoSpec, parse_auto
+from kvbackend.tools.auto import AutoSpec, parse_auto
 from kvbackend.codecs.qvg import QVGSpec
 
 TEXT = str(Path(__file__).parent / "data" / "sample.txt")
@@ -84,7 +84,6 @@ def test_lever_options_out_of_range(spec, shown):
     assert shown in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the bound proposed for kvbackend/alignpred/spec.py")
 def test_alignpred_relative_budget_is_bounded():
     from kvbackend.alignpred import parse_alignpred
 
@@ -145,8 +144,8 @@ class _Loaded(Exception):
 @pytest.fixture
 def no_model(monkeypatch):
     """Replace the model loader (fails the run) and the config read (the shipped model's geometry)."""
-    import kvbackend.evaluate
-    import kvbackend.models
+    import kvbackend.tools.evaluate
+    import kvbackend.tools.models
 
     calls = []
 
@@ -154,8 +153,8 @@ def no_model(monkeypatch):
         calls.append(args)
         raise _Loaded()
 
-    monkeypatch.setattr(kvbackend.models, "load_model", load_model)
-    monkeypatch.setattr(kvbackend.evaluate, "model_geometry", lambda model_dir=None: SMOLLM2, raising=False)
+    monkeypatch.setattr(kvbackend.tools.models, "load_model", load_model)
+    monkeypatch.setattr(kvbackend.tools.evaluate, "model_geometry", lambda model_dir=None: SMOLLM2, raising=False)
     return calls
 
 
@@ -170,7 +169,7 @@ def _eval(*args: str) -> list[str]:
     ("--prefix", "1e3", "--prefix: must be an integer >= 1, got '1e3'"),
 ])
 def test_eval_numeric_arguments_are_checked_by_the_parser(no_model, capsys, option, value, shown):
-    from kvbackend.cli import main
+    from kvbackend.tools.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(_eval("--codec", "fp8", option, value))
@@ -178,7 +177,7 @@ def test_eval_numeric_arguments_are_checked_by_the_parser(no_model, capsys, opti
 
 
 def test_eval_settings_reject_numbers_no_run_can_use():
-    from kvbackend.evaluate import EvalSettings
+    from kvbackend.tools.evaluate import EvalSettings
 
     with pytest.raises(ValueError, match="prefix=0 must be an integer >= 1"):
         EvalSettings(prefix=0)
@@ -199,7 +198,7 @@ def test_eval_settings_reject_numbers_no_run_can_use():
     ("alignpred:error=0", "error='0'"),
 ])
 def test_eval_specs_are_checked_before_the_model_loads(no_model, capsys, spec, shown):
-    from kvbackend.cli import main
+    from kvbackend.tools.cli import main
 
     assert main(_eval("--codec", "fp8", "--codec", spec)) == 2
     assert shown in capsys.readouterr().err
@@ -207,7 +206,7 @@ def test_eval_specs_are_checked_before_the_model_loads(no_model, capsys, spec, s
 
 
 def test_eval_output_folders_are_made_or_refused_before_the_model_loads(no_model, tmp_path, capsys):
-    from kvbackend.cli import main
+    from kvbackend.tools.cli import main
 
     out = tmp_path / "new" / "folder" / "out.json"
     with pytest.raises(_Loaded):  # every check passed: the run reaches the model
@@ -223,7 +222,7 @@ def test_eval_output_folders_are_made_or_refused_before_the_model_loads(no_model
 
 
 def test_eval_calibration_text_is_read_before_the_model_loads(no_model, tmp_path, capsys):
-    from kvbackend.cli import main
+    from kvbackend.tools.cli import main
 
     missing = tmp_path / "missing.txt"
     assert main(_eval("--codec", "alignpred:error=1x,align=layers,fit=frozen", "--calibration", str(missing))) == 2

@@ -66,7 +66,8 @@ class AlignPredFormat:
     def decode(self, stored: memoryview, out: torch.Tensor) -> None:
         if len(stored) < TRAILER_BYTES:
             raise CorruptStream("stored page group shorter than its trailer")
-        k, v = self.codec.decode(stored[TRAILER_BYTES:])
+        # The page group's own shape: a stream of another shape is a miss, never broadcast into the page.
+        k, v = self.codec.decode(stored[TRAILER_BYTES:], shape=(self.layers, *self.layout.page.fields["k"].shape))
         target = out[: self.blob_bytes]
         kv, vv = self._views(target)
         kv.copy_(torch.from_numpy(k))

@@ -14,8 +14,11 @@ One page group ``[L, T, H, D]`` (every layer of T tokens) is coded per K and per
    the previous token (``prev``).
 4. **Entropy coding** of the residuals with rANS (see :mod:`.entropy`).
 
-The stream carries a crc32c of the whole container and one of the decoded lattice, so a damaged or
-mismatched stream raises :class:`CorruptStream` instead of returning wrong values.
+The stream carries a crc32c of the whole container (checked before anything is parsed), one of the
+decoded lattice, and one of the decoded float32 values together with every header field that shapes
+them (see :mod:`.schema`). Every count, shape and length is checked against the stream and the
+expected group shape before anything is allocated, so a damaged, mismatched or crafted stream
+raises :class:`CorruptStream` (and nothing else) instead of returning wrong values.
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ import numpy as np
 import torch
 
 from . import align as alignment
-from .entropy import ClassCode, class_of, decode_classes, encode_classes, low_bits
+from .entropy import class_of, decode_classes, encode_classes
+from .schema import ALIGN_CODES, MAX_GROUP_VALUES, PREDICT_CODES, KindHeader, StreamHeader, read_header, value_checksum
 from .spec import AlignPredSpec, parse_alignpred
 from .stream import CorruptStream, pack, unpack
 
-_ALIGN_CODES = {"none": 0, "heads": 1, "layers": 2}
-_PREDICT_CODES = {"mean": 0, "prev": 1}
 _MAX_INDEX = 1 << 24  # lattice indices stay far inside int32 (and exact in float32)
 
 
@@ -94,7 +96,8 @@ def _dequant(n: np.ndarray, step: float) -> np.ndarray:
 
 
 def _encode_kind(x: np.ndarray, spec: AlignPredSpec, tag: str,
-                 frozen: np.ndarray | None) -> tuple[dict[str, np.ndarray], KindReport]:
+                 frozen: np.ndarray | None) -> tuple[dict[str, np.ndarray], KindReport, np.ndarray]:
+    """(entries, report, decoded values); the value checksum (``i[2]``) is left for the caller."""
     L, T, H, D = x.shape
     target = spec.error.value * fp8_nrmse(x) if spec.error.relative_to_fp8 else spec.error.value
     if target <= 0.0:  # FP8 is exact on this data: keep a tight absolute budget instead of failing
@@ -132,7 +135,7 @@ def _encode_kind(x: np.ndarray, spec: AlignPredSpec, tag: str,
     codes, words, esc = encode_classes(values, classes)
     arrays = {
         f"{tag}.f": np.array([step, target, err, max_error], np.float64),
-        f"{tag}.i": np.array([cm_off, crc32c.crc32c(n.tobytes())], np.int64),
+        f"{tag}.i": np.array([cm_off, crc32c.crc32c(n.tobytes()), 0], np.int64),
         f"{tag}.cls": np.array([c.cls for c in codes], np.uint8),
         f"{tag}.cnt": np.array([c.count for c in codes], np.uint32),
         f"{tag}.tab": np.stack([c.table for c in codes]),
@@ -142,44 +145,44 @@ def _encode_kind(x: np.ndarray, spec: AlignPredSpec, tag: str,
     }
     if rots:
         arrays[f"{tag}.rot"] = np.stack(rots)
-    return arrays, KindReport(target, err, max_error, step)
+    return arrays, KindReport(target, err, max_error, step), xhat
 
 
-def _decode_kind(a: dict[str, np.ndarray], tag: str, shape: tuple[int, ...], spec_codes: np.ndarray,
-                 frozen: np.ndarray | None) -> np.ndarray:
-    L, T, H, D = shape
-    align = list(_ALIGN_CODES)[int(spec_codes[0])]
-    predict = list(_PREDICT_CODES)[int(spec_codes[1])]
-    blend = float(np.frombuffer(spec_codes[2:6].tobytes(), np.float32)[0])
-    try:
-        step = float(a[f"{tag}.f"][0])
-        cm_off, lattice_crc = (int(v) for v in a[f"{tag}.i"])
-        cls, cnt, tab, lo = a[f"{tag}.cls"], a[f"{tag}.cnt"], a[f"{tag}.tab"], a[f"{tag}.lo"]
-        codes, pos = [], 0
-        for c, count, table in zip(cls, cnt, tab):
-            size = low_bits(int(c)) * ((int(count) + 7) // 8)
-            codes.append(ClassCode(int(c), int(count), table, lo[pos : pos + size]))
-            pos += size
-        values = decode_classes(codes, a[f"{tag}.w"], a[f"{tag}.esc"])
-        C = H * D
-        cmap = values[0].reshape(L, C) + cm_off
-        mu = values[1].reshape(L, H, D) if predict == "mean" else None
-        rows = np.empty((L, C, T), np.int32)
-        for c, v in zip(cls[1 + (mu is not None) :], values[1 + (mu is not None) :]):
-            rows[cmap == int(c)] = v.reshape(-1, T)
-    except (KeyError, ValueError, IndexError) as exc:  # lengths or symbols that do not add up
-        raise CorruptStream(f"AlignPred {tag} section unreadable: {exc}") from None
+def _rows(kind: KindHeader, values: list[np.ndarray], side: int, L: int, C: int, T: int) -> np.ndarray:
+    """Residual rows [L, C, T] from the decoded classes; the class map must name exactly the row classes."""
+    cmap = values[0].astype(np.int64).reshape(L, C) + kind.cm_off
+    present, channels = np.unique(cmap, return_counts=True)
+    row_codes = kind.codes[side:]
+    if present.tolist() != [c.cls for c in row_codes] or (channels * T).tolist() != [c.count for c in row_codes]:
+        raise CorruptStream("AlignPred class map does not match its row classes")
+    rows = np.empty((L, C, T), np.int32)
+    for code, v in zip(row_codes, values[side:]):
+        rows[cmap == code.cls] = v.reshape(-1, T)
+    return rows
+
+
+def _decode_kind(h: StreamHeader, tag: str, frozen: np.ndarray | None) -> np.ndarray:
+    """One kind's float32 values, returned only after both of its checksums held."""
+    L, T, H, D = h.shape
+    kind = h.kinds[tag]
+    mean = h.predict == "mean"
+    values = decode_classes(kind.codes, kind.words, kind.escapes)
+    rows = _rows(kind, values, 1 + mean, L, H * D, T)
+    mu = values[1].reshape(L, H, D) if mean else None
     n = _untokenwise(rows.transpose(0, 2, 1).reshape(L, T, H, D), mu)
-    rots = a.get(f"{tag}.rot")
     blocks = n.transpose(0, 2, 1, 3)  # a view: updates land in n
     if frozen is not None:
         for layer in range(1, L):
             n[layer] += alignment.frozen_prediction(n[layer - 1], frozen[layer - 1])
-    for i, ((la, ha), (lb, hb)) in enumerate([] if frozen is not None else alignment.pairs(align, L, H)):
-        blocks[lb, hb] += alignment.cross_prediction(blocks[la, ha], rots[i], blend)
-    if crc32c.crc32c(np.ascontiguousarray(n).tobytes()) != lattice_crc:
+    for i, ((la, ha), (lb, hb)) in enumerate([] if frozen is not None else alignment.pairs(h.align, L, H)):
+        blocks[lb, hb] += alignment.cross_prediction(blocks[la, ha], kind.rots[i], h.blend)
+    if crc32c.crc32c(np.ascontiguousarray(n).tobytes()) != kind.lattice_crc:
         raise CorruptStream(f"AlignPred {tag} lattice checksum mismatch: the decoded values are not the encoded ones")
-    return _dequant(n, step)
+    with np.errstate(over="ignore", invalid="ignore"):  # a crafted step may overflow: the checksum refuses it
+        xhat = _dequant(n, kind.step)
+    if value_checksum(tag, h.shape, h.spec_codes, h.calibration, kind.floats, xhat) != kind.value_crc:
+        raise CorruptStream(f"AlignPred {tag} value checksum mismatch: a header field differs from the encoded one")
+    return xhat
 
 
 def _as_numpy(x) -> np.ndarray:
@@ -219,36 +222,65 @@ class AlignPredCodec:
         k, v = _as_numpy(k), _as_numpy(v)
         if k.shape != v.shape:
             raise ValueError(f"K {k.shape} and V {v.shape} of a page group must have one shape")
+        if k.size > MAX_GROUP_VALUES:
+            raise ValueError(f"a page group of {k.size} values per kind is above AlignPred's {MAX_GROUP_VALUES}")
         s = self.spec
+        if not 0.0 <= s.blend <= 1.0:
+            raise ValueError(f"blend {s.blend} outside [0, 1]")
         codes = np.zeros(6, np.uint8)
-        codes[0], codes[1] = _ALIGN_CODES[s.align], _PREDICT_CODES[s.predict]
+        codes[0], codes[1] = ALIGN_CODES[s.align], PREDICT_CODES[s.predict]
         codes[2:6] = np.frombuffer(np.float32(s.blend).tobytes(), np.uint8)
         L, _, H, D = k.shape
-        ka, kr = _encode_kind(k, s, "k", self._frozen("k", L, H * D))
-        va, vr = _encode_kind(v, s, "v", self._frozen("v", L, H * D))
+        calibration = self.calibration.fingerprint() if self.calibration else None
+        ka, kr, kx = _encode_kind(k, s, "k", self._frozen("k", L, H * D))
+        va, vr, vx = _encode_kind(v, s, "v", self._frozen("v", L, H * D))
+        for tag, arrays, xhat in (("k", ka, kx), ("v", va, vx)):
+            arrays[f"{tag}.i"][2] = value_checksum(tag, k.shape, codes, calibration, arrays[f"{tag}.f"], xhat)
         self.last_report = (kr, vr)
-        extra = {"cal": np.array([self.calibration.fingerprint()], np.uint32)} if self.calibration else {}
+        extra = {"cal": np.array([calibration], np.uint32)} if self.calibration else {}
         return pack({"shape": np.array(k.shape, np.uint32), "spec": codes, **extra, **ka, **va})
 
-    def decode(self, blob) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) as float32 [L, T, H, D]. Raises :class:`CorruptStream` on any damage, and when the
-        stream was coded with a calibration other than this codec's."""
-        a = unpack(blob)
-        if "shape" not in a or "spec" not in a or a["shape"].size != 4 or a["spec"].size != 6:
-            raise CorruptStream("AlignPred stream lacks its shape or spec entry")
-        shape = tuple(int(s) for s in a["shape"])
-        if a["spec"][0] >= len(_ALIGN_CODES) or a["spec"][1] >= len(_PREDICT_CODES):
-            raise CorruptStream("AlignPred stream names an unknown predictor")
+    def decode(self, blob, shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) as float32 [L, T, H, D].
+
+        ``shape`` is the [L, T, H, D] the caller expects (a stream of another shape is refused);
+        without it a group may hold up to ``MAX_GROUP_VALUES`` values per kind.
+
+        Raises:
+            CorruptStream: on any damage or malformation (and on nothing else), and when the stream
+                was coded with a calibration other than this codec's.
+        """
+        try:
+            return self._decode(unpack(blob), shape)
+        except CorruptStream:
+            raise
+        except Exception as exc:  # a case the explicit checks missed: still a miss, never another error
+            raise CorruptStream(f"AlignPred stream undecodable: {type(exc).__name__}: {exc}") from None
+
+    def _decode(self, a: dict[str, np.ndarray], shape: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
+        h = read_header(a, shape)
         frozen_k = frozen_v = None
-        if "cal" in a:
-            if self.calibration is None or int(a["cal"][0]) != self.calibration.fingerprint():
+        if h.calibration is not None:
+            if self.calibration is None or h.calibration != self.calibration.fingerprint():
                 raise CorruptStream("AlignPred stream was coded with another calibration than this codec's")
-            L, _, H, D = shape
+            L, _, H, D = h.shape
+            if self.calibration.maps["k"].shape != (L - 1, H * D, H * D):
+                raise CorruptStream(f"AlignPred stream shape {h.shape} does not fit this codec's calibration")
             frozen_k, frozen_v = self._frozen("k", L, H * D), self._frozen("v", L, H * D)
-        return (_decode_kind(a, "k", shape, a["spec"], frozen_k), _decode_kind(a, "v", shape, a["spec"], frozen_v))
+        return _decode_kind(h, "k", frozen_k), _decode_kind(h, "v", frozen_v)
 
     @staticmethod
     def max_errors(blob) -> tuple[float, float]:
-        """The stored per-value error bounds of K and V."""
-        a = unpack(blob)
-        return float(a["k.f"][3]), float(a["v.f"][3])
+        """The stored per-value error bounds of K and V (covered by the container checksum;
+        :meth:`decode` also checks them against the values' checksum).
+
+        Raises:
+            CorruptStream: a damaged or malformed stream.
+        """
+        try:
+            h = read_header(unpack(blob), None)
+        except CorruptStream:
+            raise
+        except Exception as exc:
+            raise CorruptStream(f"AlignPred stream unreadable: {type(exc).__name__}: {exc}") from None
+        return float(h.kinds["k"].floats[3]), float(h.kinds["v"].floats[3])

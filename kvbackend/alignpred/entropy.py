@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import constriction
 import numpy as np
 
+from .stream import CorruptStream
+
 COMP_BITS = 4  # bits of one hi component: 16 values, hi in [-7, 7] plus an escape
 GROUP = 2  # hi components per rANS symbol (alphabet 2**(COMP_BITS*GROUP))
 MAX_CLASS = 63
@@ -107,7 +109,11 @@ def encode_classes(values: list[np.ndarray], classes: list[int]) -> tuple[list[C
 
 
 def decode_classes(codes: list[ClassCode], words: np.ndarray, escapes: np.ndarray) -> list[np.ndarray]:
-    """Inverse of :func:`encode_classes`; raises ``ValueError`` when the streams do not add up."""
+    """Inverse of :func:`encode_classes`; raises :class:`CorruptStream` when the streams do not add up.
+
+    The caller has checked the counts against the group's shape (they decide how many symbols are
+    decoded and allocated) and each class's low bits against its count.
+    """
     coder = constriction.stream.stack.AnsCoder(words)
     out, used = [], 0
     _, offset, escape = _consts()
@@ -122,10 +128,10 @@ def decode_classes(codes: list[ClassCode], words: np.ndarray, escapes: np.ndarra
         outside = np.flatnonzero(hi == escape - offset)
         if outside.size:
             if used + outside.size > escapes.size:
-                raise ValueError("escape list shorter than the escaped symbols")
+                raise CorruptStream("AlignPred escape list shorter than the escaped symbols")
             hi[outside] = escapes[used : used + outside.size]
             used += outside.size
         out.append((hi << k) | _unpack_planes(code.lo, k, code.count))
     if used != escapes.size or not coder.is_empty():
-        raise ValueError("rANS stream or escape list longer than the symbols it should hold")
+        raise CorruptStream("AlignPred rANS stream or escape list longer than the symbols it should hold")
     return out

@@ -28,7 +28,7 @@ def reconstruct(codec: AlignPredCodec, k: torch.Tensor, v: torch.Tensor, page_si
         part = slice(start, start + page_size)
         blob = codec.encode(kn[:, part], vn[:, part])
         stored += len(blob)
-        outk[:, part], outv[:, part] = codec.decode(blob)
+        outk[:, part], outv[:, part] = codec.decode(blob, shape=kn[:, part].shape)
         report_k, report_v = codec.last_report  # the bounds the encoder stored in this stream
         bound_k, bound_v = max(bound_k, report_k.max_error), max(bound_v, report_v.max_error)
     return SequenceResult(torch.from_numpy(outk), torch.from_numpy(outv), stored, (bound_k, bound_v))

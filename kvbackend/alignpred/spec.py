@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..errors import SpecError
 from ..spec import split_spec
 
+MAX_RELATIVE = 100.0  # largest budget as a multiple of FP8's NRMSE (FP8's is a few percent: 100x is no bound)
 ALIGNS = ("none", "heads", "layers")
 PREDICTS = ("mean", "prev")
 FITS = ("group", "frozen")
@@ -45,8 +46,9 @@ def parse_error(raw: str) -> ErrorBudget:
         value = float(text[:-1] if relative else text)
     except ValueError:
         raise SpecError(f"error={raw!r}: give an NRMSE (error=0.03) or a multiple of FP8's error (error=2x)") from None
-    if not math.isfinite(value) or value <= 0 or (not relative and value >= 1):
-        raise SpecError(f"error={raw!r}: the budget must be > 0 (and an absolute NRMSE < 1)")
+    if not math.isfinite(value) or value <= 0 or (not relative and value >= 1) or (relative and value > MAX_RELATIVE):
+        raise SpecError(f"error={raw!r}: the budget must be > 0 (an absolute NRMSE < 1, a multiple of FP8's "
+                        f"error at most {MAX_RELATIVE:g}x)")
     return ErrorBudget(value, relative)
 
 

@@ -1,0 +1,400 @@
+"""AlignPred decoder on damaged and crafted streams: a miss (``CorruptStream``) or the exact values.
+
+Mutations either leave the container checksum stale (so it must catch them) or reseal it (so the
+parser, the bounds checks and the value checksums must). Nothing else may come out: no other
+exception, no other values, no large allocation, no abort.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import crc32c
+import numpy as np
+import pytest
+
+from kvbackend.alignpred import AlignPredCodec, Calibration, CorruptStream
+from kvbackend.alignpred.stream import VERSION, pack, unpack
+
+
+def _kv(seed: int, L: int, T: int, H: int, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """KV-like data: per-channel offsets and scales (outlier channels), slow drift over tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        scale = np.exp(rng.normal(0, 1.0, (L, 1, H, D)))
+        offset = rng.normal(0, 2.0, (L, 1, H, D))
+        drift = np.cumsum(rng.normal(0, 0.1, (L, T, H, D)), axis=1)
+        out.append((offset + scale * (rng.normal(0, 1, (L, T, H, D)) + drift)).astype(np.float32))
+    return out[0], out[1]
+
+
+FALLBACK = "undecodable"  # the decoder's catch-all; the explicit checks should leave it nothing to do
+
+
+def _reseal(body: bytes | bytearray) -> bytes:
+    """A container whose trailing crc32c matches ``body`` minus its old checksum."""
+    body = bytes(body[:-4])
+    return body + struct.pack("<I", crc32c.crc32c(body))
+
+
+def _rewrite(blob: bytes, edit) -> bytes:
+    """Unpack, let ``edit`` change the arrays in place, pack again (a valid container checksum)."""
+    arrays = {name: np.array(a) for name, a in unpack(blob).items()}
+    edit(arrays)
+    return pack(arrays)
+
+
+def _entries(blob: bytes) -> list[tuple[str, int, int, int]]:
+    """(name, header start, payload start, payload end) of every entry of a container."""
+    (count,) = struct.unpack_from("<H", blob, 5)
+    pos, out = 7, []
+    sizes = [1, 2, 4, 4, 8, 4, 8, 2]  # item sizes of the container's dtype codes
+    for _ in range(count):
+        start, n = pos, blob[pos]
+        name = blob[pos + 1 : pos + 1 + n].decode()
+        pos += 1 + n
+        code, ndim = blob[pos], blob[pos + 1]
+        shape = struct.unpack_from(f"<{ndim}I", blob, pos + 2)
+        pos += 2 + 4 * ndim
+        size = int(np.prod(shape, dtype=np.int64)) * sizes[code]
+        out.append((name, start, pos, pos + size))
+        pos += size
+    return out
+
+
+def _encoded_groups() -> list[tuple[AlignPredCodec, bytes, np.ndarray, np.ndarray]]:
+    """(codec, stream, decoded K, decoded V) for a few configurations of real page groups."""
+    k, v = _kv(0, 4, 64, 2, 16)
+    cal = Calibration.fit(*_kv(1, 3, 128, 2, 8))
+    cases = [
+        (AlignPredCodec("alignpred:error=1x"), k[:2], v[:2]),
+        (AlignPredCodec("alignpred:error=2x,predict=prev,align=heads"), k[2:, :16, :, :8], v[2:, :16, :, :8]),
+        (AlignPredCodec("alignpred:error=1x,align=layers"), k[:2, 16:48], v[:2, 16:48]),
+        (AlignPredCodec("alignpred:error=1x,align=layers,fit=frozen", cal), *_kv(2, 3, 16, 2, 8)),
+        (AlignPredCodec("alignpred:error=0.01"), np.zeros((2, 16, 1, 8), np.float32), k[:2, :16, :1, :8]),
+    ]
+    out = []
+    for codec, kk, vv in cases:
+        blob = codec.encode(np.ascontiguousarray(kk), np.ascontiguousarray(vv))
+        out.append((codec, blob, *codec.decode(blob)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def streams():
+    return _encoded_groups()
+
+
+def _outcome(codec, stream, k0, v0, what: str) -> str:
+    """'miss' or 'same'; fails the test on other values or another exception."""
+    try:
+        k, v = codec.decode(stream)
+    except CorruptStream as exc:
+        assert FALLBACK not in str(exc), f"{what}: only the catch-all caught it: {exc}"
+        return "miss"
+    except Exception as exc:  # noqa: BLE001 -- the point: nothing but CorruptStream may escape
+        pytest.fail(f"{what}: {type(exc).__name__}: {exc}")
+    assert k.dtype == k0.dtype and k.shape == k0.shape and v.shape == v0.shape, what
+    assert np.array_equal(k, k0) and np.array_equal(v, v0), f"{what}: decoded other values"
+    return "same"
+
+
+# ---- defect: fields outside the value checksums ---------------------------------------------------
+
+
+def _times3(name: str, index: int):
+    def edit(a):
+        a[name][index] *= 3
+
+    return edit
+
+
+def _swap_shape(a):
+    a["shape"][[2, 3]] = a["shape"][[3, 2]]
+
+
+@pytest.mark.parametrize("edit", [_times3("k.f", 0), _times3("v.f", 0), _times3("k.f", 3), _swap_shape],
+                         ids=["k step x3", "v step x3", "k max_error x3", "shape H<->D"])
+def test_value_fields_are_checksummed(edit):
+    """A field edited in a stream whose container checksum was then recomputed is still caught."""
+    codec = AlignPredCodec("alignpred:error=1x")
+    k, v = _kv(3, 2, 8, 2, 4)  # heads <-> head_dim keeps every count and the lattice's bytes
+    blob = _rewrite(codec.encode(k, v), edit)
+    with pytest.raises(CorruptStream):
+        codec.decode(blob)
+
+
+def test_streams_of_another_version_are_misses():
+    codec = AlignPredCodec("alignpred:error=1x")
+    blob = bytearray(codec.encode(*_kv(4, 1, 16, 1, 8)))
+    assert blob[4] >= 2
+    for version in (0, 1, blob[4] + 1):
+        blob[4] = version
+        with pytest.raises(CorruptStream, match="version"):
+            codec.decode(_reseal(blob))
+
+
+# ---- defect: crafted counts, shapes and types -----------------------------------------------------
+
+
+def _set(name: str, value, index=0, dtype=None):
+    def edit(a):
+        if dtype is not None:
+            a[name] = a[name].astype(dtype)
+        a[name][index] = value
+
+    return edit
+
+
+def _replace(name: str, value):
+    def edit(a):
+        a[name] = value
+
+    return edit
+
+
+def _drop(name: str):
+    return lambda a: a.pop(name)
+
+
+CRAFTED = {
+    "count 2^16": _set("k.cnt", 2**16, 2),  # (2^32-1 would abort the process: see the child test below)
+    "count 0": _set("k.cnt", 0, 2),
+    "count of the class map": _set("k.cnt", 7, 0),
+    "counts as float": _replace("k.cnt", np.array([1.5, 2.5])),
+    "class 255": _set("k.cls", 255, 2),
+    "zero table": _set("k.tab", 0, 2),
+    "table of 3 entries": lambda a: a.__setitem__("k.tab", a["k.tab"][:, :3].copy()),
+    "lo one byte short": lambda a: a.__setitem__("k.lo", a["k.lo"][:-1].copy()),
+    "words as int64": lambda a: a.__setitem__("k.w", a["k.w"].astype(np.int64)),
+    "escapes as float": lambda a: a.__setitem__("k.esc", a["k.esc"].astype(np.float32)),
+    "shape with a zero": _set("shape", 0, 1),
+    "shape 2^32-1 tokens": _set("shape", 2**32 - 1, 1),
+    "shape of 3 dims": lambda a: a.__setitem__("shape", a["shape"][:3].copy()),
+    "shape as int64": _replace("shape", np.array([2, 16, 2, 8], np.int64)),
+    "spec predictor 9": _set("spec", 9, 1),
+    "blend nan": lambda a: a.__setitem__("spec", np.concatenate([a["spec"][:2], np.frombuffer(
+        np.float32(np.nan).tobytes(), np.uint8)])),
+    "step nan": _set("k.f", np.nan, 0),
+    "step negative": _set("k.f", -1.0, 0),
+    "step 1e308": _set("k.f", 1e308, 0),
+    "i of 1 entry": lambda a: a.__setitem__("k.i", a["k.i"][:1].copy()),
+    "class-map offset 2^40": _set("k.i", 2**40, 0),
+    "no words": _drop("k.w"),
+    "no rotations": _drop("k.rot"),
+    "rotations of another size": lambda a: a.__setitem__("k.rot", a["k.rot"][:, :2, :2].copy()),
+    "rotations as float64": lambda a: a.__setitem__("k.rot", a["k.rot"].astype(np.float64)),
+    "an unknown entry": _replace("k.x", np.zeros(3, np.uint8)),
+    "calibration fingerprint": _replace("cal", np.array([7], np.uint32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_crafted_streams_raise_corrupt_stream_only(name):
+    codec = AlignPredCodec("alignpred:error=1x,align=heads")
+    blob = codec.encode(*_kv(5, 2, 16, 2, 8))
+    crafted = _rewrite(blob, CRAFTED[name])
+    with pytest.raises(CorruptStream) as info:
+        codec.decode(crafted)
+    assert FALLBACK not in str(info.value)
+
+
+def test_container_overflowing_shape_is_a_miss():
+    """Entries whose shape product overflows int64, with too many axes, or with absurd axes beside a zero."""
+    body = b"KVAP" + struct.pack("<BH", VERSION, 1) + b"\x01a" + struct.pack("<BB4I", 0, 4, 2**16, 2**16, 2**16, 2**16)
+    blob = body + struct.pack("<I", crc32c.crc32c(body))
+    with pytest.raises(CorruptStream):
+        unpack(blob)
+    body = b"KVAP" + struct.pack("<BH", VERSION, 1) + b"\x01a" + struct.pack("<BB", 0, 200) + b"\x00" * 800
+    with pytest.raises(CorruptStream):
+        unpack(body + struct.pack("<I", crc32c.crc32c(body)))
+    body = b"KVAP" + struct.pack("<BH", VERSION, 1) + b"\x01a" + struct.pack("<BB4I", 0, 4, 0, *[2**32 - 1] * 3)
+    with pytest.raises(CorruptStream):  # an empty array with absurd axes beside the zero
+        unpack(body + struct.pack("<I", crc32c.crc32c(body)))
+
+
+_CHILD = textwrap.dedent("""
+    import json, resource, sys, time
+    import numpy as np
+    from kvbackend.alignpred import AlignPredCodec, CorruptStream
+    from kvbackend.alignpred.stream import pack, unpack
+
+    rng = np.random.default_rng(6)
+    k = rng.standard_normal((2, 16, 2, 8)).astype(np.float32)
+    codec = AlignPredCodec("alignpred:error=1x")
+    blob = codec.encode(k, k * 2)
+
+    def crafted(edit):
+        a = {n: np.array(x) for n, x in unpack(blob).items()}
+        edit(a)
+        return pack(a)
+
+    def huge(a, n):
+        a["k.cnt"][2] = n
+
+    def consistent(a, tokens):  # a shape of many tokens with class counts that add up to it
+        a["shape"][1] = tokens
+        for t in "kv":
+            a[t + ".cnt"][2] = 2 * 16 * tokens - int(a[t + ".cnt"][3:].sum())
+
+    cases = {"2^32-1": lambda a: huge(a, 2**32 - 1), "1e8": lambda a: huge(a, 10**8),
+             "huge shape": lambda a: consistent(a, 2**26), "shape at the cap": lambda a: consistent(a, 2**20)}
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {}
+    for name, edit in cases.items():
+        t = time.perf_counter()
+        try:
+            codec.decode(crafted(edit))
+            out[name] = "decoded"
+        except CorruptStream:
+            out[name] = "CorruptStream"
+        except Exception as exc:
+            out[name] = type(exc).__name__
+        out[name + " s"] = time.perf_counter() - t
+    out["rss_growth_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(json.dumps(out))
+""")
+
+
+def test_huge_counts_are_misses_in_bounded_time_and_memory():
+    """Counts/shapes whose checksums pass but whose sizes are absurd: CorruptStream, quickly and
+    without allocating them (in a child process, so an abort fails the test instead of pytest)."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("2^32-1", "1e8", "huge shape", "shape at the cap"):
+        assert out[name] == "CorruptStream", out
+        assert out[name + " s"] < 1.0, out
+    assert out["rss_growth_kib"] < 32 * 1024, out  # no allocation of the claimed sizes
+
+
+# ---- the persistent format: a stream of another shape never lands in the page --------------------
+
+
+@pytest.fixture(scope="module")
+def page_format():
+    torch = pytest.importorskip("torch")
+    from kvbackend import CacheConfig, Geometry, KVCache
+    from kvbackend.tiers.persist import TRAILER_BYTES, AlignPredFormat
+
+    cache = KVCache(Geometry(2, 2, 64, torch.bfloat16),
+                    CacheConfig(codec="bf16", page_size=16, chunk_pages=2, dense_pages=4, packed_pages=4))
+    fmt = AlignPredFormat("alignpred:error=1x", cache.layout)
+    buffer = torch.zeros(fmt.blob_bytes, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(7)
+    k, v = fmt._views(buffer)
+    k.copy_(torch.randn(k.shape, generator=gen))
+    v.copy_(torch.randn(v.shape, generator=gen))
+    buffer[fmt.pages_part :] = torch.arange(TRAILER_BYTES, dtype=torch.uint8) % 251
+    stored = fmt.encode(buffer.numpy().tobytes())
+    out = torch.empty(fmt.blob_bytes, dtype=torch.uint8)
+    fmt.decode(memoryview(stored), out)
+    return fmt, stored, out.clone(), TRAILER_BYTES
+
+
+def test_persist_refuses_a_stream_of_another_shape(page_format):
+    torch = pytest.importorskip("torch")
+    fmt, stored, _, trailer = page_format
+    k, v = fmt.codec.decode(stored[trailer:])
+    out = torch.empty(fmt.blob_bytes, dtype=torch.uint8)
+    for part in (slice(0, 1), slice(0, 8)):  # one token would broadcast into the page; eight would not fit
+        other = stored[:trailer] + fmt.codec.encode(k[:, part], v[:, part])
+        with pytest.raises(CorruptStream):
+            fmt.decode(memoryview(other), out)
+
+
+# ---- the gate: seeded fuzzing ---------------------------------------------------------------------
+
+_SPECIAL = [b"\x00", b"\xff", b"\x01", b"\x80", b"\x00\x00\x00\x00", b"\xff\xff\xff\xff", b"\x00\x00\x00\x80",
+            b"\x00\x00\x00\x40", b"\x01\x00\x00\x00", b"\x00\x00\xf8\x7f", b"\x00\x00\x00\x00\x00\x00\xf8\x7f"]
+
+
+def _mutate(rng: np.random.Generator, blob: bytes, other: bytes) -> tuple[bytes, str]:
+    """One seeded mutation of ``blob``; resealed (valid container checksum) about two times in three."""
+    data = bytearray(blob)
+    entries = _entries(blob)
+    op = int(rng.integers(0, 9))
+    if op == 0:  # bit flips anywhere
+        for _ in range(int(rng.integers(1, 4))):
+            pos = int(rng.integers(0, len(data)))
+            data[pos] ^= 1 << int(rng.integers(0, 8))
+        what = "bit flips"
+    elif op in (1, 2, 3):  # overwrite an entry's header (name, dtype, ndim, shape) or a small array's payload
+        name, start, payload, end = entries[int(rng.integers(0, len(entries)))]
+        small = end - payload <= 64
+        lo, hi = (start, payload) if op == 1 or not small else (payload, end)
+        if hi <= lo:
+            lo, hi = start, payload
+        pos = int(rng.integers(lo, hi))
+        value = _SPECIAL[int(rng.integers(0, len(_SPECIAL)))] if rng.random() < 0.5 else bytes(
+            rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8))
+        data[pos : pos + len(value)] = value
+        data = data[: len(blob)] if len(data) > len(blob) else data
+        what = f"overwrite {name} at {pos}"
+    elif op == 4:  # scale a float64 field (steps, bounds) or an integer count
+        name, _, payload, end = entries[int(rng.integers(0, len(entries)))]
+        if end - payload >= 8 and name.endswith(".f"):
+            pos = payload + 8 * int(rng.integers(0, (end - payload) // 8))
+            (x,) = struct.unpack_from("<d", data, pos)
+            struct.pack_into("<d", data, pos, x * float(rng.choice([3.0, 0.5, -1.0, 1.0 + 2**-40])))
+        elif end - payload >= 4:
+            pos = payload + 4 * int(rng.integers(0, (end - payload) // 4))
+            struct.pack_into("<I", data, pos, int(rng.choice([0, 1, 2**31, 2**32 - 1, 10**8, 3])))
+        what = f"scale {name}"
+    elif op == 5:  # truncation
+        data = data[: int(rng.integers(0, len(data)))]
+        what = "truncate"
+    elif op == 6:  # extension, at the end or inside
+        extra = bytes(rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8))
+        pos = len(data) if rng.random() < 0.5 else int(rng.integers(7, len(data)))
+        data[pos:pos] = extra
+        what = "extend"
+    elif op == 7:  # splice: the head of one stream, the tail of another
+        i, j = int(rng.integers(0, len(blob))), int(rng.integers(0, len(other)))
+        data = bytearray(blob[:i] + other[j:])
+        what = "splice"
+    else:  # delete a run of bytes
+        pos = int(rng.integers(0, len(data)))
+        del data[pos : pos + int(rng.integers(1, 32))]
+        what = "delete"
+    if len(data) >= 4 and rng.random() < 0.67:
+        return _reseal(data), what + " (resealed)"
+    return bytes(data), what
+
+
+def test_fuzz_decoder_is_a_miss_or_exact(streams):
+    rng = np.random.default_rng(20240601)
+    start, seen = time.perf_counter(), {"miss": 0, "same": 0}
+    for it in range(6000):
+        a = int(rng.integers(0, len(streams)))
+        codec, blob, k0, v0 = streams[a]
+        other = streams[int(rng.integers(0, len(streams)))][1]
+        mutated, what = _mutate(rng, blob, other)
+        if mutated == other:  # a splice that rebuilt the other stream whole: valid, with its own values
+            continue
+        seen[_outcome(codec, mutated, k0, v0, f"iteration {it} on stream {a}: {what}")] += 1
+    assert seen["miss"] > 5000, seen  # the mutations do reach the decoder's checks
+    assert time.perf_counter() - start < 15.0
+
+
+def test_fuzz_persistent_format_is_a_miss_or_exact(page_format):
+    torch = pytest.importorskip("torch")
+    fmt, stored, expected, trailer = page_format
+    rng = np.random.default_rng(11)
+    out = torch.empty(fmt.blob_bytes, dtype=torch.uint8)
+    for it in range(600):  # the trailer is outside the stream: the file tier's own checksum covers it
+        mutated, what = _mutate(rng, stored[trailer:], stored[trailer:])
+        try:
+            fmt.decode(memoryview(stored[:trailer] + mutated), out)
+        except CorruptStream as exc:
+            assert FALLBACK not in str(exc), f"iteration {it}: {what}: only the catch-all caught it: {exc}"
+            continue
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"iteration {it}: {what}: {type(exc).__name__}: {exc}")
+        assert torch.equal(out, expected), f"iteration {it}: {what}: other bytes in the page"
