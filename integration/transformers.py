@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..auto import cache_specs
-from ..errors import SpecError
-from ..geometry import CacheConfig, Geometry
-from ..levers import Levers, hadamard
-from ..manager import KVCache
-from ..rope import rotary_from_config
+from kvbackend.errors import SpecError
+from kvbackend.geometry import CacheConfig, Geometry
+from kvbackend.levers import Levers, hadamard
+from kvbackend.manager import KVCache
+from kvbackend.rope import rotary_from_config
+from kvbackend.tools.auto import cache_specs
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ class KVBackendCache(Cache):
         AttentionInterface.register(name, attention)
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(name)
-        from ..codecs import get as get_codec
+        from kvbackend.codecs import get as get_codec
 
         specs = [self.options.codec] if isinstance(self.options.codec, str) else self.options.codec
         self.wants_queries = any(get_codec(spec).uses_queries for spec in specs)

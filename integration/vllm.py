@@ -40,11 +40,11 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ..codecs import get as get_codec
-from ..errors import SpecError
-from ..geometry import Geometry
-from ..tiers.file import FileTier
-from .storage_options import budget_bytes, path_option, private_directory
+from kvbackend.codecs import get as get_codec
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.tiers.file import FileTier
+from kvbackend.integration.storage_options import budget_bytes, path_option, private_directory
 
 log = logging.getLogger(__name__)
 

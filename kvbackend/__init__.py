@@ -1,10 +1,10 @@
 """kvbackend: a compressed, tiered, paged KV-cache backend for LLM and video serving engines."""
 
-from . import codecs
-from .errors import CacheFull, InvalidKV, KVBackendError, SpecError, UnknownRequest
-from .geometry import CacheConfig, Geometry
-from .layout import PageLayout
-from .manager import CacheStats, KVCache
+from kvbackend import codecs
+from kvbackend.errors import CacheFull, InvalidKV, KVBackendError, SpecError, UnknownRequest
+from kvbackend.geometry import CacheConfig, Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.manager import CacheStats, KVCache
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from .errors import CacheFull
+from kvbackend.errors import CacheFull
 
 
 class PageAllocator:

@@ -11,11 +11,11 @@ import importlib.util
 
 import torch
 
-from .attention import decode_attention
-from .batch import BatchPlan
-from .codecs.base import CodecState
-from .errors import SpecError, UnsupportedLayout
-from .layout import PageLayout
+from kvbackend.attention import decode_attention
+from kvbackend.batch import BatchPlan
+from kvbackend.codecs.base import CodecState
+from kvbackend.errors import SpecError, UnsupportedLayout
+from kvbackend.layout import PageLayout
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -46,7 +46,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, codec, layout: PageLayout) -> None:
-        from .scheme import kernel_schemes
+        from kvbackend.scheme import kernel_schemes
 
         self.schemes = kernel_schemes(codec, layout)
 
@@ -54,18 +54,18 @@ class TritonBackend:
         if not codec.kernel_encodes:  # an option the encode kernel does not implement: the reference encodes
             TorchBackend().encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
             return
-        from .kernels.chunk_encoder import encode_chunk
+        from kvbackend.kernels.chunk_encoder import encode_chunk
 
         encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
 
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from .kernels.gather_dequant import gather_dequant
+        from kvbackend.kernels.gather_dequant import gather_dequant
 
         return gather_dequant(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
                               self.schemes, plan, out_dtype=cache.geometry.dtype)
 
     def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
-        from .kernels.paged_decode import paged_decode
+        from kvbackend.kernels.paged_decode import paged_decode
 
         return paged_decode(q.contiguous(), cache.packed.pages[layer], cache.packed.codebooks[layer],
                             cache.dense.data[layer], self.schemes, plan, scale)
@@ -73,7 +73,7 @@ class TritonBackend:
 
 def kernels_can_serve(codec, layout: PageLayout) -> bool:
     """Whether the Triton kernels read this layout (2/4/8-bit codes or floats, power-of-two P and D)."""
-    from .scheme import kernel_schemes
+    from kvbackend.scheme import kernel_schemes
 
     p, d = layout.page_size, layout.geometry.head_dim
     if p & (p - 1) or d & (d - 1):

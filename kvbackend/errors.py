@@ -34,3 +34,8 @@ class UnknownRequest(KVBackendError, KeyError):
 
 class UnsupportedLayout(KVBackendError, ValueError):
     """No kernel reads this codec's page layout (the torch reference still serves it)."""
+
+
+class CorruptStream(KVBackendError, ValueError):
+    """Stored bytes (an AlignPred stream, a persisted page group) that are truncated, damaged or of another
+    format; nothing is decoded from them, and a tier counts them as a miss."""

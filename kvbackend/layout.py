@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .geometry import Geometry
+from kvbackend.geometry import Geometry
 
 ALIGN = 16  # every field starts on a 16-byte boundary, so vector loads stay aligned
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SpecError
-from .spec import Checked, _convert, one_of, ranged
+from kvbackend.errors import SpecError
+from kvbackend.spec import Checked, _convert, one_of, ranged
 
 ROTATIONS = ("none", "hadamard")
 

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import PageLayout
+from kvbackend.layout import PageLayout
 
 VERSION = 2  # of the page-group byte format; enters the cache fingerprint
 _TRAILER = struct.Struct("<QQII16s8x")  # 48 bytes: codebooks stay 16-byte aligned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .codecs.base import CodecState
+from kvbackend.codecs.base import CodecState
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .allocator import PageAllocator
-from .geometry import CacheConfig, Geometry
-from .layout import PageLayout
+from kvbackend.allocator import PageAllocator
+from kvbackend.geometry import CacheConfig, Geometry
+from kvbackend.layout import PageLayout
 
 
 class DensePool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import round_to
+from kvbackend.quant import round_to
 
 
 @dataclass

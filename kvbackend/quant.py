@@ -15,7 +15,7 @@ SCALE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch
 
 
 def scale_dtype(name: str) -> torch.dtype:
-    from .errors import SpecError
+    from kvbackend.errors import SpecError
 
     try:
         return SCALE_DTYPES[name]

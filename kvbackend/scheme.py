@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UnsupportedLayout
-from .layout import PageLayout
+from kvbackend.errors import UnsupportedLayout
+from kvbackend.layout import PageLayout
 
 FLOAT, TOKEN_GROUPS, CHANNEL_GROUPS = 0, 1, 2  # storage modes
 FP8_E4M3, FP16, BF16, FP32 = 0, 1, 2, 3  # element kinds of scales, zeros and float values

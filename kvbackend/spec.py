@@ -1,5 +1,9 @@
 """Parsing codec spec strings such as ``"qvg:bits=2,group=64,centroids=16"`` into typed dataclasses.
 
+The grammar has three families, told apart here alone (`spec_kind`): page codecs (``kvbackend.codecs``),
+``auto:`` plan searches (``kvbackend.tools.auto``, run by the evaluator) and ``alignpred:`` persistent
+formats (``kvbackend.alignpred``). All three share `split_spec` and the option checks below.
+
 Every option of a spec dataclass declares its valid values (`ranged`, `one_of`); `Checked` dataclasses
 refuse anything else when built, from a string or in Python, with a `SpecError` naming the option,
 its value and the valid range.
@@ -8,13 +12,14 @@ its value and the valid range.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_type_hints
 
-from .errors import SpecError
+from kvbackend.errors import SpecError
 
 T = TypeVar("T")
 
@@ -108,6 +113,18 @@ class Checked:
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+class SpecKind(enum.Enum):
+    CODEC = "codec"  # a page codec (kvbackend.codecs.get)
+    AUTO = "auto"  # a per-layer plan search, chosen on a prompt (kvbackend.tools.auto.parse_auto)
+    ALIGNPRED = "alignpred"  # the error-bounded persistent format (kvbackend.alignpred.parse_alignpred)
+
+
+def spec_kind(text: str) -> SpecKind:
+    """The family of the spec grammar ``text`` belongs to, from its name alone (options unparsed)."""
+    name = text.strip().lower().partition(":")[0] if isinstance(text, str) else ""
+    return {"auto": SpecKind.AUTO, "alignpred": SpecKind.ALIGNPRED}.get(name, SpecKind.CODEC)
 
 
 def split_spec(text: str) -> tuple[str, dict[str, str]]:

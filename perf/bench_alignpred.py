@@ -32,10 +32,10 @@ import torch  # noqa: E402
 from kvbackend import codecs  # noqa: E402
 from kvbackend.alignpred import AlignPredCodec, Calibration, fp8_nrmse  # noqa: E402
 from kvbackend.alignpred.stream import unpack  # noqa: E402
-from kvbackend.evaluate import capture_exact  # noqa: E402
+from kvbackend.tools.evaluate import capture_exact  # noqa: E402
 from kvbackend.geometry import Geometry  # noqa: E402
-from kvbackend.models import load_model  # noqa: E402
-from kvbackend.reconstruct import reconstruct_sequence  # noqa: E402
+from kvbackend.tools.models import load_model  # noqa: E402
+from kvbackend.tools.reconstruct import reconstruct_sequence  # noqa: E402
 
 TEXTS = {"legal": "/usr/share/common-licenses/GPL-3", "code": argparse.__file__,
          "technical": "/usr/share/doc/dpkg/spec/triggers.txt"}

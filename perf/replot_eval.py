@@ -6,7 +6,7 @@
 import json
 import sys
 
-from kvbackend.evaluate import CodecResult, pareto_plot
+from kvbackend.tools.evaluate import CodecResult, pareto_plot
 
 
 def main(source: str, target: str) -> None:

@@ -57,8 +57,8 @@ def test_budget_holds_on_every_group(L, T, H, D, error, predict, align, kind, se
 def real_kv():
     """Keys and values of the shipped SmolLM2 model on a shipped text, [L, T, H, D]."""
     torch = pytest.importorskip("torch")
-    from kvbackend.evaluate import capture_exact
-    from kvbackend.models import load_model
+    from kvbackend.tools.evaluate import capture_exact
+    from kvbackend.tools.models import load_model
 
     model, tok = load_model()
     text = open("/usr/share/common-licenses/GPL-3").read()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvbackend import Geometry, SpecError, codecs
-from kvbackend.auto import parse_auto, plan_widths
-from kvbackend.reconstruct import reconstruct_sequence
+from kvbackend.tools.auto import parse_auto, plan_widths
+from kvbackend.tools.reconstruct import reconstruct_sequence
 from kvbackend.rope import Rotary
 
 GEOM = Geometry(3, 2, 64, torch.float32)
@@ -80,7 +80,7 @@ def test_kl_budget_takes_the_shortest_path_prefix_within_budget():
 
 
 def test_clip_variants_never_worse_per_entry_and_same_bytes():
-    from kvbackend.auto import _error_table
+    from kvbackend.tools.auto import _error_table
 
     q, k, v = capture()
     base = "base=kivi:group=32;sink=4;prerope=true;vrot=hadamard"
@@ -125,7 +125,7 @@ def test_auto_plans_widths_of_a_quantwm_base():
     assert all(p.name == "quantwm" and p.rank == 2 for p in parsed)
     assert {(p.key_bits, p.value_bits) for p in parsed} != {(2, 2)}  # the budget bought wider codes somewhere
     # the qvg family spells clipped steps clip=true (kivi's kclip/vclip would raise SpecError here)
-    from kvbackend.auto import _error_table, _ladders
+    from kvbackend.tools.auto import _error_table, _ladders
 
     q, k, v = capture()
     spec = parse_auto(f"auto:bpv=4.6,widths=2-4,variants=clip,base={base.replace(',', ';')}")

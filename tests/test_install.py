@@ -60,7 +60,7 @@ def test_wheel_holds_every_module(tmp_path):
     missing = sorted(path for path in expected if path not in names)
     assert not missing, f"modules missing from the wheel (pyproject's package list): {missing}"
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "kvbackend = kvbackend.cli:main" in wheel.read(entry).decode()  # the console script
+    assert "kvbackend = kvbackend.tools.cli:main" in wheel.read(entry).decode()  # the console script
 
 
 _IMPORT_ALL = """

@@ -5,7 +5,7 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache, SpecError, codecs
 from kvbackend.levers import Levers, hadamard
-from kvbackend.reconstruct import reconstruct_sequence
+from kvbackend.tools.reconstruct import reconstruct_sequence
 from kvbackend.rope import Rotary
 
 GEOM = Geometry(1, 2, 64, torch.float32)

@@ -8,7 +8,7 @@ from kvbackend.codecs.base import CodecState
 from kvbackend.codecs.quantwm import channel_weights, qsac_assign, qsac_score
 from kvbackend.geometry import Geometry
 from kvbackend.psac import query_second_moment
-from kvbackend.reconstruct import reconstruct_layer
+from kvbackend.tools.reconstruct import reconstruct_layer
 
 
 def _keys(t=128, h=2, d=64, seed=0):
@@ -123,7 +123,7 @@ def test_paged_cache_moments_are_causal_per_chunk():
 def test_transformers_attach_feeds_queries():
     pytest.importorskip("transformers")
     from kvbackend.integration.transformers import KVBackendCache
-    from kvbackend.models import load_model
+    from kvbackend.tools.models import load_model
 
     model, tok = load_model()
     ids = tok(open("/usr/share/common-licenses/GPL-3").read(), return_tensors="pt").input_ids[:, :200]

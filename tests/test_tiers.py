@@ -238,6 +238,7 @@ def test_round_trip_device_host_file_host_device(tmp_path, codec, device):
         k, v = tiered.read(rid2, layer)
         assert torch.equal(k, before[layer][0][:64]) and torch.equal(v, before[layer][1][:64])
     assert cache.stats().codebook_slots_used == slots_before  # pages of a chunk share its slot again
+    tiered.flush()  # the warm copy to the host runs behind admission
     assert tiered.host.contains(cache.prefix_keys(tokens)) == 4  # the file hit was copied up to the host
     cache.check()
     tiered.close()
@@ -410,10 +411,10 @@ def test_layered_restore_from_host_is_bit_identical(codec, device, monkeypatch):
     """Host -> device restore range by range (trailers, then each layer) over slots that are not all
     adjacent: the installed pages equal the exported ones, byte for byte. On CUDA each layer is
     installed on a side stream once its copy's event fired, and reads wait for their layer's event."""
-    from kvbackend.tiers import prefetch
+    from kvbackend.tiers import transfer
     from kvbackend.tiers.host import LayeredRead
 
-    monkeypatch.setattr(prefetch, "MIN_ROW_BYTES", 1)  # one copy per layer (real pages group small layers)
+    monkeypatch.setattr(transfer, "MIN_ROW_BYTES", 1)  # one copy per layer (real pages group small layers)
     cache = filled(codec, device=device)
     host = HostTier(10**6, cache.blob_bytes)
     host.put([999], [torch.zeros(cache.blob_bytes, dtype=torch.uint8)]).wait()  # takes slot 0

@@ -20,7 +20,7 @@ PROMPTS = ["The capital of France is", "Write one sentence about the sea. The wa
 
 @pytest.fixture(scope="session")
 def model_and_tokenizer():
-    from kvbackend.models import load_model
+    from kvbackend.tools.models import load_model
 
     return load_model()
 
@@ -102,7 +102,7 @@ SMALL = dict(tokens=320, prefix=256, cont=64, queries=64, chunk_tokens=128)
 
 def test_eval_kl_matches_independent_computation(model_and_tokenizer, sample_ids):
     """fp8 KL from `evaluate` equals a direct computation: cast the exact prefix K/V to fp8 and score."""
-    from kvbackend.evaluate import EvalSettings, evaluate
+    from kvbackend.tools.evaluate import EvalSettings, evaluate
 
     model, _ = model_and_tokenizer
     (result,) = evaluate(model, sample_ids, ["fp8"], EvalSettings(**SMALL))
@@ -127,8 +127,8 @@ QUANTWM = "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=4,clip=true,vcluster
 def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
     from pathlib import Path
 
-    from kvbackend.cli import main
-    from kvbackend.evaluate import COLUMNS
+    from kvbackend.tools.cli import main
+    from kvbackend.tools.evaluate import COLUMNS
 
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
     text = str(Path(__file__).parent / "data" / "sample.txt")
@@ -166,7 +166,7 @@ def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
 
 
 def test_eval_rejects_short_text(model_and_tokenizer, sample_ids):
-    from kvbackend.evaluate import EvalSettings, evaluate
+    from kvbackend.tools.evaluate import EvalSettings, evaluate
 
     model, _ = model_and_tokenizer
     with pytest.raises(ValueError, match="tokens"):
@@ -174,7 +174,7 @@ def test_eval_rejects_short_text(model_and_tokenizer, sample_ids):
 
 
 def test_demo_runs(model_and_tokenizer, capsys):
-    from kvbackend.cli import main
+    from kvbackend.tools.cli import main
 
     assert main(["demo", "--max-new-tokens", "3", "--codec", "kivi:bits=2,group=16", "--prompt", "Hello",
                  "--prompt", "Name three colours."]) == 0
@@ -185,7 +185,7 @@ def test_demo_runs(model_and_tokenizer, capsys):
 def test_eval_cli_bad_input_is_a_message_not_a_traceback(model_and_tokenizer, tmp_path, capsys):
     from pathlib import Path
 
-    from kvbackend.cli import main
+    from kvbackend.tools.cli import main
 
     text = str(Path(__file__).parent / "data" / "sample.txt")
     assert main(["eval", "--text", text, "--codec", "zip:bits=2"]) == 2
@@ -202,7 +202,7 @@ def test_plan_from_eval_runs_in_the_cache(model_and_tokenizer):
     """A per-layer plan with the eval's levers (sink, pre-RoPE keys, rotated values) stores in each
     layer what `kvbackend eval` measured for that layer's spec."""
     from kvbackend import Geometry, codecs
-    from kvbackend.reconstruct import reconstruct_sequence
+    from kvbackend.tools.reconstruct import reconstruct_sequence
     from kvbackend.rope import rotary_from_config
 
     model, tokenizer = model_and_tokenizer

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from ..alignpred.stream import CorruptStream
-from .base import Handle, TierStats, check_pairs, prefix_length
-from .persist import BlobFormat
+from kvbackend.errors import CorruptStream
+from kvbackend.tiers.base import Handle, TierStats, check_pairs, prefix_length
+from kvbackend.tiers.persist import BlobFormat
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Handle, TierStats, check_pairs, prefix_length
-from .copy2d import copy_2d
+from kvbackend.tiers.base import Handle, TierStats, check_pairs, prefix_length
+from kvbackend.tiers.copy2d import copy_2d
 
 DEBUG = os.environ.get("KVBACKEND_DEBUG_TIERS") == "1"
 # Blobs per batch of one put/get: each batch's copies are enqueued before the next batch's bookkeeping,

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from ..alignpred.stream import CorruptStream
-from ..errors import UnsupportedLayout
-from ..layout import PageLayout
-from ..page_group import TRAILER_BYTES  # the page group's trailer is kept verbatim
+from kvbackend.errors import CorruptStream
+from kvbackend.errors import UnsupportedLayout
+from kvbackend.layout import PageLayout
+from kvbackend.page_group import TRAILER_BYTES  # the page group's trailer is kept verbatim
 
 if TYPE_CHECKING:
-    from ..alignpred import Calibration
+    from kvbackend.alignpred import Calibration
 
 
 
@@ -37,7 +37,7 @@ class AlignPredFormat:
     """Page groups of a dense-float cache stored as AlignPred streams (plus the verbatim trailer)."""
 
     def __init__(self, spec: str, layout: PageLayout, calibration: "Calibration | None" = None) -> None:
-        from ..alignpred import AlignPredCodec  # needs the ``codecs`` extra (constriction)
+        from kvbackend.alignpred import AlignPredCodec  # needs the ``codecs`` extra (constriction)
 
         page = layout.page
         fields = page.fields

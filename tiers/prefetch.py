@@ -16,28 +16,19 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from kvbackend.manager import KVCache
 
-from .base import Handle
-from .file import FileTier
-from .host import HostTier
-from .policy import OffloadPolicy
+from kvbackend.tiers.base import Handle
+from kvbackend.tiers.file import FileTier
+from kvbackend.tiers.host import HostTier
+from kvbackend.tiers.policy import OffloadPolicy
+from kvbackend.tiers.transfer import RestoreReport, Transfer
+
+__all__ = ["Prefetch", "RestoreReport", "TieredCache"]
 
 log = logging.getLogger(__name__)
-MIN_ROW_BYTES = 64 * 1024  # a restore copies whole layers in rows of at least this many bytes per page
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    device_hits: int  # prefix pages already on the device
-    restored_from_host: int
-    restored_from_file: int
-    failed: int  # pages found in a lower tier that could not be restored (corrupt, evicted meanwhile)
 
 
 class TieredCache:
@@ -110,107 +101,14 @@ class TieredCache:
     # -- restore ----------------------------------------------------------------------------
     def restore(self, token_ids: Sequence[int], cancel: threading.Event | None = None) -> RestoreReport:
         """Bring the lower-tier part of a prompt's prefix back to the device as cached pages."""
-        token_ids = np.asarray(token_ids, dtype=np.int64)  # converted once for hashing and the hit check
+        transfer = Transfer.locate(self.cache, self.host, self.file, token_ids, self.lock)
+        transfer.stage(self.cache, self.host, self.file, cancel)  # file reads and copies without the lock
+        if transfer.warm is not None:
+            self._track([transfer.warm])
         with self.lock:
-            keys = self.cache.prefix_keys(token_ids)
-            on_device = self.cache.device_prefix(keys)
-        rest = keys[on_device:]
-        sources: list[str] = []  # per key: "device" (already resident further along), "host" or "file"
-        while len(sources) < len(rest):  # bulk prefix look-ups, tier by tier, until no tier has the next key
-            start = len(sources)
-            with self.lock:
-                sources += ["device"] * self.cache.device_prefix(rest[start:])
-            if self.host is not None:
-                sources += ["host"] * self.host.contains(rest[len(sources):])
-            if self.file is not None:
-                sources += ["file"] * self.file.contains(rest[len(sources):])
-            if len(sources) == start:
-                break
-        rest = rest[: len(sources)]
-        size = self.cache.blob_bytes
-        device = self.cache.dense.data.device
-        staged = torch.empty(len(rest), size, dtype=torch.uint8, device=device)  # host blobs land here directly
-        ok = [s == "device" for s in sources]
-        tiers = {"host": self.host, "file": self.file}
-        # stored length of each row's page group: one that disagrees with its trailer is not restored
-        sizes = [None if s == "device" else tiers[s].blob_size(key) for s, key in zip(sources, rest)]
-        host_idx = [i for i, s in enumerate(sources) if s == "host"]
-        file_idx = [i for i, s in enumerate(sources) if s == "file"]
-        layers = self.cache.geometry.num_layers
-        part = sum(self.cache.page_span(layers - 1))  # every layer's page (the last one ends them), then the rest
-        layered = self.host.read_layered([rest[i] for i in host_idx], staged, host_idx) if host_idx else None
-        arrived = []  # per layer, on CUDA: the event after which that layer's host bytes are in `staged`
-        if layered is not None:  # trailers and codebooks first, then the layers, all enqueued now
-            for i, g in zip(host_idx, layered.results):
-                ok[i] = g
-            layered.copy_range(part, size - part)
-            tail = self._record(layered.stream)
-            first = 0
-            while first < layers:  # a few layers per copy: strided rows below ~64 KiB lose DMA bandwidth
-                start, count, nbytes = self.cache.page_span(first)[0], 0, 0
-                while first + count < layers and (count == 0 or nbytes < MIN_ROW_BYTES):
-                    nbytes += self.cache.page_span(first + count)[1]
-                    count += 1
-                layered.copy_range(start, nbytes)
-                arrived += [self._record(layered.stream)] * count
-                first += count
-        elif host_idx:
-            got = self.host.get([rest[i] for i in host_idx], [staged[i] for i in host_idx]).result()
-            for i, g in zip(host_idx, got):
-                ok[i] = g
-        if file_idx and not (cancel is not None and cancel.is_set()):
-            bounce = torch.empty(len(file_idx), size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            got = self.file.get([rest[i] for i in file_idx], list(bounce),  # a blob of another length: a miss
-                                expected_len=[-1 if sizes[i] is None else sizes[i] for i in file_idx]).result()
-            for j, (i, g) in enumerate(zip(file_idx, got)):
-                ok[i] = g
-                if g:
-                    staged[i].copy_(bounce[j], non_blocking=True)
-            if self.host is not None:  # keep a warm copy one tier up
-                good = [j for j, g in enumerate(got) if g]
-                self.host.put([rest[file_idx[j]] for j in good], [bounce[j] for j in good]).wait()
-        usable = next((i for i, g in enumerate(ok) if not g), len(ok))  # a prefix stops at the first hole
-        if cancel is not None and cancel.is_set():
-            usable = 0
-        if layered is not None and layered.stream is not None:
-            torch.cuda.current_stream().wait_event(tail)  # the trailers are read on the host next
-        with self.lock:
-            cache = self.cache
-            resident = [s == "device" for s in sources[:usable]]
-            if layered is None or layered.stream is None:  # bytes all present: install in one go
-                installed = cache.install_pages(rest[:usable], token_ids, staged[:usable], on_device, resident,
-                                                sizes[:usable], hold=keys[:on_device])
-            else:  # each layer installed once it arrived; attention of layer i waits for layer i only
-                plan = cache.plan_install(rest[:usable], token_ids,
-                                          cache.read_trailers(staged, usable, resident, sizes[:usable]), on_device,
-                                          hold=keys[:on_device])
-                index = plan.index(staged.device, cache.packed.device)
-                stream = self._install_stream
-                stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
-                for t in (staged, *index.values()):
-                    t.record_stream(stream)
-                events = []
-                with torch.cuda.stream(stream):
-                    for layer in range(cache.geometry.num_layers):
-                        stream.wait_event(arrived[layer])
-                        cache.copy_install_layer(plan, staged, layer)
-                        events.append(self._record(stream))
-                cache.set_layer_events(events)
-                cache.finish_install(plan)
-                installed = plan.installed
-            if layered is not None:
-                layered.close()
-        from_host = sum(1 for s in sources[:installed] if s == "host")
-        from_file = sum(1 for s in sources[:installed] if s == "file")
-        return RestoreReport(on_device, from_host, from_file, len(rest) - installed)
-
-    @staticmethod
-    def _record(stream):
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+            transfer.cancelled |= cancel is not None and cancel.is_set()
+            installed = transfer.install(self.cache, self._install_stream)
+        return transfer.report(installed)
 
     def prefetch(self, token_ids: Sequence[int], request_id: int | None = None) -> "Prefetch":
         """Start restoring a prompt's prefix in the background. With ``request_id``, freeing that

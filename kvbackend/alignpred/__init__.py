@@ -4,8 +4,8 @@ The codec itself needs the ``codecs`` extra (``constriction``); spec parsing and
 type do not, so the tiers import this package without it.
 """
 
-from .spec import AlignPredSpec, ErrorBudget, is_alignpred, parse_alignpred
-from .stream import CorruptStream
+from kvbackend.alignpred.spec import AlignPredSpec, ErrorBudget, is_alignpred, parse_alignpred
+from kvbackend.alignpred.stream import CorruptStream
 
 _LAZY = {"AlignPredCodec": "codec", "KindReport": "codec", "fp8_nrmse": "codec", "Calibration": "align"}
 

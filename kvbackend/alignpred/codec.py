@@ -30,11 +30,11 @@ import crc32c
 import numpy as np
 import torch
 
-from . import align as alignment
-from .entropy import class_of, decode_classes, encode_classes
-from .schema import ALIGN_CODES, MAX_GROUP_VALUES, PREDICT_CODES, KindHeader, StreamHeader, read_header, value_checksum
-from .spec import AlignPredSpec, parse_alignpred
-from .stream import CorruptStream, pack, unpack
+from kvbackend.alignpred import align as alignment
+from kvbackend.alignpred.entropy import class_of, decode_classes, encode_classes
+from kvbackend.alignpred.schema import ALIGN_CODES, MAX_GROUP_VALUES, PREDICT_CODES, KindHeader, StreamHeader, read_header, value_checksum
+from kvbackend.alignpred.spec import AlignPredSpec, parse_alignpred
+from kvbackend.alignpred.stream import CorruptStream, pack, unpack
 
 _MAX_INDEX = 1 << 24  # lattice indices stay far inside int32 (and exact in float32)
 

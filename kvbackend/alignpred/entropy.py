@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import constriction
 import numpy as np
 
-from .stream import CorruptStream
+from kvbackend.alignpred.stream import CorruptStream
 
 COMP_BITS = 4  # bits of one hi component: 16 values, hi in [-7, 7] plus an escape
 GROUP = 2  # hi components per rANS symbol (alphabet 2**(COMP_BITS*GROUP))

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
-from .align import pairs
-from .entropy import COMP_BITS, MAX_CLASS, ClassCode, low_bits
-from .stream import CorruptStream
+from kvbackend.alignpred.align import pairs
+from kvbackend.alignpred.entropy import COMP_BITS, MAX_CLASS, ClassCode, low_bits
+from kvbackend.alignpred.stream import CorruptStream
 
 ALIGN_CODES = {"none": 0, "heads": 1, "layers": 2}
 PREDICT_CODES = {"mean": 0, "prev": 1}

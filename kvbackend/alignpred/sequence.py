@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import AlignPredCodec
+from kvbackend.alignpred.codec import AlignPredCodec
 
 
 @dataclass

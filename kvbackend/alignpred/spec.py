@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import SpecError
-from ..spec import split_spec
+from kvbackend.errors import SpecError
+from kvbackend.spec import SpecKind, spec_kind, split_spec
 
 MAX_RELATIVE = 100.0  # largest budget as a multiple of FP8's NRMSE (FP8's is a few percent: 100x is no bound)
 ALIGNS = ("none", "heads", "layers")
@@ -81,4 +81,4 @@ def parse_alignpred(text: str) -> AlignPredSpec:
 
 
 def is_alignpred(text: str) -> bool:
-    return isinstance(text, str) and text.strip().lower().partition(":")[0] == "alignpred"
+    return spec_kind(text) is SpecKind.ALIGNPRED

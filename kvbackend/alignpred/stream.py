@@ -18,14 +18,12 @@ import struct
 import crc32c
 import numpy as np
 
+from kvbackend.errors import CorruptStream  # raised here; defined with the other errors
+
 MAGIC = b"KVAP"
 VERSION = 2
 MAX_NDIM = 4
 _DTYPES = [np.dtype(t) for t in ("uint8", "uint16", "uint32", "int32", "int64", "float32", "float64", "float16")]
-
-
-class CorruptStream(ValueError):
-    """An AlignPred stream that is truncated, damaged or of another format; nothing is decoded from it."""
 
 
 def pack(arrays: dict[str, np.ndarray]) -> bytes:

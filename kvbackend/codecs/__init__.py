@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import SpecError
-from ..levers import Levers, split_levers
-from ..spec import build_spec, split_spec
-from .base import Codec, CodecState, EncodedChunk, check_kv
-from .floats import FloatCodec, FloatSpec
-from .kivi import KIVICodec, KIVISpec
-from .quantwm import QuantWMCodec, QuantWMSpec
-from .qvg import QVGCodec, QVGSpec
-from .rtn import RTNCodec, RTNSpec
+from kvbackend.errors import SpecError
+from kvbackend.levers import Levers, split_levers
+from kvbackend.spec import SpecKind, build_spec, spec_kind, split_spec
+from kvbackend.codecs.base import Codec, CodecState, EncodedChunk, check_kv
+from kvbackend.codecs.floats import FloatCodec, FloatSpec
+from kvbackend.codecs.kivi import KIVICodec, KIVISpec
+from kvbackend.codecs.quantwm import QuantWMCodec, QuantWMSpec
+from kvbackend.codecs.qvg import QVGCodec, QVGSpec
+from kvbackend.codecs.rtn import RTNCodec, RTNSpec
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ def parse(text: str) -> Any:
 def _parse_with_levers(text: str) -> tuple[Any, Levers]:
     name, options = split_spec(text)
     entry = _REGISTRY.get(name)
+    if entry is None and spec_kind(text) is not SpecKind.CODEC:
+        raise SpecError(f"{text!r} is an {name}: spec, not a page codec: `kvbackend eval` runs it (auto: plans "
+                        "are chosen on a prompt; alignpred: formats are file-tier formats, tiers.persist)")
     if entry is None:
         raise SpecError(f"unknown codec {name!r}; valid codecs: {', '.join(names())}")
     options, levers = split_levers(options, name)

@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import InvalidKV
-from ..geometry import Geometry
-from ..layout import FieldSet, PageLayout
-from ..levers import Levers
-from ..spec import format_spec
+from kvbackend.errors import InvalidKV
+from kvbackend.geometry import Geometry
+from kvbackend.layout import FieldSet, PageLayout
+from kvbackend.levers import Levers
+from kvbackend.spec import format_spec
 
 FieldSpecs = list[tuple[str, torch.dtype, tuple[int, ...]]]
 

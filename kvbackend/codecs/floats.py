@@ -7,9 +7,9 @@ from typing import ClassVar
 
 import torch
 
-from ..geometry import Geometry
-from ..layout import PageLayout
-from .base import Codec, CodecState, FieldSpecs, from_pages, to_pages
+from kvbackend.geometry import Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.codecs.base import Codec, CodecState, FieldSpecs, from_pages, to_pages
 
 _STORE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import bitpack
-from ..layout import PageLayout
-from ..quant import dequantize, quantize
-from .base import FieldSpecs, from_pages, to_pages
+from kvbackend import bitpack
+from kvbackend.layout import PageLayout
+from kvbackend.quant import dequantize, quantize
+from kvbackend.codecs.base import FieldSpecs, from_pages, to_pages
 
 
 def token_group_fields(prefix: str, page_size: int, heads: int, dim: int, bits: int, group: int,

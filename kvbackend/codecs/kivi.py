@@ -9,16 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import SpecError
-from ..geometry import Geometry
-from ..layout import PageLayout
-from ..quant import SCALE_DTYPES, scale_dtype
-from ..spec import Checked, one_of, ranged
-from .base import Codec, CodecState, FieldSpecs
-from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.quant import SCALE_DTYPES, scale_dtype
+from kvbackend.spec import Checked, one_of, ranged
+from kvbackend.codecs.base import Codec, CodecState, FieldSpecs
+from kvbackend.codecs.groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
                      encode_token_groups, token_group_fields)
-from .rtn import check_bits_group
-from .widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
+from kvbackend.codecs.rtn import check_bits_group
+from kvbackend.codecs.widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
 
 
 @dataclass(frozen=True)

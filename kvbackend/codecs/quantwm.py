@@ -27,13 +27,13 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import SpecError
-from ..geometry import Geometry
-from ..layout import PageLayout
-from ..quant import round_to
-from ..spec import ranged
-from .base import CodecState, FieldSpecs, from_pages, to_pages
-from .qvg import QVGCodec, QVGSpec
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.quant import round_to
+from kvbackend.spec import ranged
+from kvbackend.codecs.base import CodecState, FieldSpecs, from_pages, to_pages
+from kvbackend.codecs.qvg import QVGCodec, QVGSpec
 
 
 @dataclass(frozen=True)

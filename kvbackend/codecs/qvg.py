@@ -13,19 +13,19 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import SpecError
-from ..geometry import Geometry
-from ..layout import PageLayout
-from ..quant import SCALE_DTYPES, scale_dtype
-from ..spec import Checked, one_of, ranged
-from .base import Codec, CodecState, FieldSpecs, from_pages, to_pages
-from .groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.quant import SCALE_DTYPES, scale_dtype
+from kvbackend.spec import Checked, one_of, ranged
+from kvbackend.codecs.base import Codec, CodecState, FieldSpecs, from_pages, to_pages
+from kvbackend.codecs.groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
                      encode_token_groups, token_group_fields)
-from .kmeans import kmeans, kmeanspp_init, random_init
+from kvbackend.codecs.kmeans import kmeans, kmeanspp_init, random_init
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
-from .rtn import check_bits_group
-from .widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
+from kvbackend.codecs.rtn import check_bits_group
+from kvbackend.codecs.widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
 
 MAX_STAGES = 16  # residual stages: each stores its assignments per token and its centroids per chunk
 MAX_ITERS = 1000  # Lloyd steps per stage

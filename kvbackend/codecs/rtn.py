@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import SpecError
-from ..geometry import Geometry
-from ..layout import PageLayout
-from ..quant import SCALE_DTYPES, scale_dtype
-from ..spec import Checked, one_of, ranged
-from .base import Codec, CodecState, FieldSpecs
-from .groups import decode_token_groups, encode_token_groups, token_group_fields
-from .widths import MAX_GROUP, WIDTHS
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.quant import SCALE_DTYPES, scale_dtype
+from kvbackend.spec import Checked, one_of, ranged
+from kvbackend.codecs.base import Codec, CodecState, FieldSpecs
+from kvbackend.codecs.groups import decode_token_groups, encode_token_groups, token_group_fields
+from kvbackend.codecs.widths import MAX_GROUP, WIDTHS
 
 
 @dataclass(frozen=True)

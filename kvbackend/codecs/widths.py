@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..errors import SpecError
+from kvbackend.errors import SpecError
 
 WIDTHS = (2, 3, 4, 8)  # code widths every codec packs
 SPLIT_WIDTHS = (0, *WIDTHS)  # kbits=/vbits=: 0 means "as bits"

@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import codecs
-from .alignpred.spec import is_alignpred, parse_alignpred
-from .errors import SpecError
-from .geometry import Geometry
-from .auto import candidate_specs, parse_auto, plan_widths
-from .levers import hadamard
-from .reconstruct import reconstruct_sequence
-from .rope import rotary_from_config
+from kvbackend import codecs
+from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.levers import hadamard
+from kvbackend.rope import rotary_from_config
+from kvbackend.tools.auto import candidate_specs, parse_auto, plan_widths
+from kvbackend.tools.reconstruct import reconstruct_sequence
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ def _next_token_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Te
 def _alignpred_result(spec: str, calibration,  exact: Capture, s: EvalSettings, model, cont_ids,
                       targets, ref_logits) -> CodecResult:
     """AlignPred codes page groups across every layer, so it is measured on all layers at once."""
-    from .alignpred import AlignPredCodec
-    from .alignpred.sequence import reconstruct as alignpred_reconstruct
+    from kvbackend.alignpred import AlignPredCodec
+    from kvbackend.alignpred.sequence import reconstruct as alignpred_reconstruct
 
     codec = AlignPredCodec(spec, calibration)
     k_all = torch.stack([k.transpose(0, 1) for k in exact.k])  # [L, T, H, D]
@@ -207,7 +207,7 @@ def _prefix_kl(model, exact: Capture, ids: torch.Tensor, s: EvalSettings, calib:
 
 def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024):
     """Frozen AlignPred predictors fitted on the exact KV of another text's first ``tokens`` tokens."""
-    from .alignpred import Calibration
+    from kvbackend.alignpred import Calibration
 
     cap = capture_exact(model, input_ids[:, :tokens])
     k = torch.stack([x.transpose(0, 1) for x in cap.k]).float().cpu().numpy()
@@ -228,7 +228,7 @@ def model_geometry(model_dir: str | None = None) -> Geometry:
     """The KV geometry of the model `load_model` would load, from its config alone (no weights)."""
     from transformers import AutoConfig
 
-    from .models import locate
+    from kvbackend.tools.models import locate
 
     source = locate(model_dir=model_dir)
     return geometry_from_config(AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file))
@@ -410,7 +410,7 @@ def run_eval_cli(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from .models import load_model
+    from kvbackend.tools.models import load_model
 
     console = Console(width=max(Console().width, 150))
     # Everything that can be checked is checked before the model loads: numbers, specs, files.

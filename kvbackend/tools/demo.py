@@ -56,12 +56,12 @@ def run_demo(args) -> int:
     from rich.table import Table
     from transformers import DynamicCache
 
-    from .integration.transformers import KVBackendCache
-    from .models import load_model
+    from kvbackend.integration.transformers import KVBackendCache
+    from kvbackend.tools.models import load_model
 
     console = Console(width=max(Console().width, 140))
     codecs_to_run = args.codec or list(DEFAULT_CODECS)
-    from . import codecs as registry
+    from kvbackend import codecs as registry
 
     for spec in codecs_to_run:
         registry.parse(spec)  # a bad spec fails before the model loads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import KVBackendError
+from kvbackend.errors import KVBackendError
 
 
 def _int_at_least(least: int):
@@ -28,7 +28,7 @@ def _cmd_bpv(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .presets import DEFAULT_SPECS, measure
+    from kvbackend.tools.presets import DEFAULT_SPECS, measure
 
     table = Table(title=f"bits per value from stored bytes ({args.tokens}-token chunk, {args.heads} heads)")
     for col in ("spec", "D", "page bytes", "codebook bytes", "bpv", "K nrmse", "V nrmse"):
@@ -43,13 +43,13 @@ def _cmd_bpv(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from kvbackend.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import run_eval_cli
+    from kvbackend.tools.evaluate import run_eval_cli
 
     return run_eval_cli(args)
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codecs
-from .codecs.base import CodecState
-from .geometry import Geometry
-from .levers import hadamard
-from .psac import correct_keys, query_second_moment
-from .rope import Rotary
+from kvbackend import codecs
+from kvbackend.codecs.base import CodecState
+from kvbackend.geometry import Geometry
+from kvbackend.levers import hadamard
+from kvbackend.psac import correct_keys, query_second_moment
+from kvbackend.rope import Rotary
 
 
 @dataclass

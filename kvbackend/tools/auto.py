@@ -27,15 +27,15 @@ from typing import Callable
 
 import torch
 
-from . import codecs
-from .codecs.qvg import MAX_STAGES
-from .codecs.widths import WIDTHS
-from .errors import SpecError
-from .geometry import Geometry
-from .levers import Levers
-from .reconstruct import reconstruct_sequence
-from .rope import Rotary
-from .spec import Checked, build_spec, format_spec, one_of, ranged, split_spec
+from kvbackend import codecs
+from kvbackend.codecs.qvg import MAX_STAGES
+from kvbackend.codecs.widths import WIDTHS
+from kvbackend.errors import SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.levers import Levers
+from kvbackend.rope import Rotary
+from kvbackend.spec import Checked, SpecKind, build_spec, format_spec, one_of, ranged, spec_kind, split_spec
+from kvbackend.tools.reconstruct import reconstruct_sequence
 
 
 VARIANTS = ("plain", "clip", "levers", "all")  # same-byte options tried per layer and widths (see _variants)
@@ -118,7 +118,7 @@ def candidate_specs(spec: AutoSpec) -> list[str]:
 
 def is_auto(text: str) -> bool:
     """Whether ``text`` is an ``auto:...`` spec (without parsing its options)."""
-    return isinstance(text, str) and text.strip().lower().partition(":")[0] == "auto"
+    return spec_kind(text) is SpecKind.AUTO
 
 
 def _dash_list(option: str, text: str, valid: Sequence[int]) -> list[int]:

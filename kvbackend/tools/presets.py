@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codecs
-from .geometry import Geometry
+from kvbackend import codecs
+from kvbackend.geometry import Geometry
 
 DEFAULT_SPECS = ("fp16", "fp8", "rtn:bits=2,group=64", "rtn:bits=4,group=64", "kivi:bits=2,group=32",
                  "kivi:bits=4,group=32", "qvg", "qvg:symmetric=true", "qvg-pro")

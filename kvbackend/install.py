@@ -1,0 +1,173 @@
+"""Page groups in and out of the packed pool: export a page's bytes for a lower tier, and install
+restored ones as cached pages that admission then hits.
+
+Installing is planned once (`plan`: pages and codebook slots allocated and keyed, nothing copied),
+copied layer by layer (`copy_layer`, on whatever stream the caller runs it) and finished (`finish`:
+the pages become cached). The byte format itself is `kvbackend.page_group`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbackend.hashing import token_bytes
+from kvbackend.page_group import TRAILER_BYTES, PageGroupFormat, Trailer
+from kvbackend.pool import PackedPool
+from kvbackend.prefix_index import PrefixIndex
+
+
+@dataclass
+class InstallPlan:
+    """Restored page groups assigned to device pages (see `KVCache.plan_install`)."""
+
+    installed: int = 0  # how many of the keys (a prefix) are on the device once the copies land
+    pinned: list[int] = field(default_factory=list)  # resident pages held until `finish_install`, so no
+    # allocation of this plan evicts a page it counted as installed
+    rows: list[int] = field(default_factory=list)  # blob row of each new page
+    new_pages: list[int] = field(default_factory=list)  # device pages that receive those rows
+    slot_rows: list[int] = field(default_factory=list)  # blob row carrying each newly opened codebook
+    new_slots: list[int] = field(default_factory=list)  # codebook slots opened
+    _index: dict = field(default_factory=dict, repr=False)  # device index tensors, made once per plan
+
+    def index(self, blobs_device: torch.device, pool_device: torch.device) -> dict[str, torch.Tensor]:
+        """The plan's lists as index tensors. Made on first use, on the current stream: make them
+        before enqueueing per-layer copies on another stream (a pageable upload waits for its stream)."""
+        if not self._index:
+            self._index = {"rows": torch.tensor(self.rows, device=blobs_device),
+                           "pages": torch.tensor(self.new_pages, device=pool_device),
+                           "slot_rows": torch.tensor(self.slot_rows, device=blobs_device),
+                           "slots": torch.tensor(self.new_slots, device=pool_device)}
+        return self._index
+
+
+class PageGroups:
+    """Export and install of page groups for one cache's packed pool."""
+
+    def __init__(self, pool: PackedPool, group: PageGroupFormat, index: PrefixIndex) -> None:
+        self.pool = pool
+        self.group = group  # byte offsets of a page group
+        self.index = index  # restored pages are keyed into it
+
+    def export(self, page: int) -> torch.Tensor:
+        """A copy of one packed page group (uint8, 1-D). Only the chunk's first page carries the
+        chunk's codebook; the others name the chunk and share it again when restored."""
+        slot = self.pool.slot_of_page[page]
+        assert slot is not None, f"packed page {page} is not live"
+        carrier = self.pool.carrier_of_slot[slot] == page and self.group.has_codebooks
+        key = self.pool.allocator.page_hash(page)
+        raw = self.group.pack_trailer(key or 0, self.pool.chunk_of_slot[slot], carrier)  # unhashed: never restored
+        trailer = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.pool.device)
+        parts = [pages[page] for pages in self.pool.pages] + [trailer]
+        if carrier:
+            parts += [books[slot] for books in self.pool.codebooks]
+        return torch.cat(parts)
+
+    def install(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor, first_page: int,
+                      resident: Sequence[bool] | None = None, sizes: Sequence[int | None] | None = None,
+                      hold: Sequence[int] = ()) -> int:
+        """Put restored page groups back on the device as cached pages, so `add_request` hits them.
+
+        ``keys[i]`` is the key of prompt page ``first_page + i`` and row ``blobs[i]`` its exported bytes
+        (rows at least `blob_bytes` long); ``resident[i]`` marks rows that carry no bytes
+        because the page was on the device already. A page joins the resident slot of its chunk, or
+        opens a slot from the codebook it carries; a page whose chunk's codebook is nowhere, or whose
+        bytes are missing, stops the restore there; so does a row that is not a page group of this cache
+        (its trailer names another fingerprint, or its stored length ``sizes[i]``, when given, is not the
+        length its trailer implies). Returns how many of ``keys`` (a prefix) are now on the device.
+        """
+        plan = self.plan(keys, token_ids, self.read_trailers(blobs, len(keys), resident, sizes), first_page,
+                                 hold)
+        for layer in range(len(self.pool.pages)):
+            self.copy_layer(plan, blobs, layer)
+        self.finish(plan)
+        return plan.installed
+
+    def read_trailers(self, blobs: torch.Tensor, count: int, resident: Sequence[bool] | None = None,
+                      sizes: Sequence[int | None] | None = None) -> list[Trailer | None]:
+        """The trailer of each blob row; None for rows marked resident and for rows that are not a page
+        group of this cache (another fingerprint or format version, or a stored length ``sizes[i]``
+        that does not match what the trailer says the group holds): `plan` stops there."""
+        start = self.group.pages_bytes
+        resident = list(resident) if resident is not None else [False] * count
+        heads = blobs[:count, start : start + TRAILER_BYTES].cpu().numpy()  # one transfer for all trailers
+        out: list[Trailer | None] = []
+        for i in range(count):
+            trailer = None if resident[i] else self.group.unpack_trailer(bytes(heads[i]))
+            if trailer is not None and sizes is not None and sizes[i] is not None \
+                    and sizes[i] != self.group.length(trailer.carries_codebook):
+                trailer = None
+            out.append(trailer)
+        return out
+
+    def plan(self, keys: Sequence[int], token_ids: Sequence[int],
+                     trailers: Sequence[Trailer | None], first_page: int, hold: Sequence[int] = ()) -> InstallPlan:
+        """The bookkeeping half of `install`: pages and codebook slots are allocated and hashed
+        now; their bytes must be copied (`copy_layer`) before any kernel reads them, and
+        `finish` then hands the pages to the cache.
+
+        A page joins the slot of its chunk when that slot is resident; the slot is held while the
+        page is allocated, so the allocation's eviction never frees the slot being joined. Resident
+        pages counted as installed are held until `finish_install` for the same reason, and so are the
+        pages of the keys in ``hold`` (the prompt's prefix already on the device, which these pages extend)."""
+        p = self.index.page_size
+        tokens = token_bytes(token_ids)
+        allocator, pool = self.pool.allocator, self.pool
+        plan = InstallPlan()
+        for key in hold:
+            page = allocator.lookup(key)
+            if page is None:
+                return plan  # the prefix these pages extend is gone: nothing to install
+            allocator.incref(page)
+            plan.pinned.append(page)
+        for i, key in enumerate(keys):
+            resident = allocator.lookup(key)
+            if resident is not None:
+                allocator.incref(resident)
+                plan.pinned.append(resident)
+                plan.installed += 1
+                continue
+            trailer = trailers[i]
+            if trailer is None or trailer.key != key:
+                break  # expected on the device but evicted meanwhile, or not this page of this cache
+            slot = pool.slot_of_chunk.get(trailer.chunk_id)
+            opens = slot is None
+            if opens and not (trailer.carries_codebook or not self.group.has_codebooks):
+                break  # the codebook of this page's chunk is neither resident nor carried
+            if not allocator.can_allocate(1) or (opens and not pool.slots.can_allocate(1)):
+                break
+            if not opens:
+                pool.slots.incref(slot)  # held across the allocation below, which may evict its pages
+            (page,) = allocator.allocate(1)
+            if opens:
+                (slot,) = pool.slots.allocate(1)
+                pool.open_slot(slot, trailer.chunk_id, page)
+                plan.new_slots.append(slot)
+                plan.slot_rows.append(i)
+            pool.bind([page], slot)
+            pool.slots.decref(slot)  # the page holds the slot now
+            start = (first_page + i) * p
+            self.index.adopt(page, key, tokens[8 * start : 8 * (start + p)])
+            plan.new_pages.append(page)
+            plan.rows.append(i)
+            plan.installed += 1
+        return plan
+
+    def copy_layer(self, plan: InstallPlan, blobs: torch.Tensor, layer: int) -> None:
+        """Copy one layer of the planned pages (and of the codebooks they open) out of ``blobs``, on
+        the current stream."""
+        if not plan.new_pages:
+            return
+        pool, (start, pb) = self.pool, self.group.page_span(layer)
+        device = pool.device
+        idx = plan.index(blobs.device, device)
+        pool.pages[layer][idx["pages"]] = blobs[idx["rows"], start : start + pb].to(device)
+        start, cb = self.group.book_span(layer)
+        if plan.new_slots and cb:
+            pool.codebooks[layer][idx["slots"]] = blobs[idx["slot_rows"], start : start + cb].to(device)
+
+    def finish(self, plan: InstallPlan) -> None:
+        for page in plan.new_pages + plan.pinned:
+            self.pool.allocator.decref(page)  # unreferenced: cached until a request takes it

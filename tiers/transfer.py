@@ -1,0 +1,185 @@
+"""A restore as an operation: the pages of a prompt's prefix that live below the device, where each one
+comes from, the buffers their bytes land in, and the CUDA work that installs them layer by layer.
+
+`Transfer.locate` finds the pages (under the cache's lock), `stage` issues every read (no lock held:
+file reads and host copies run while the cache serves), and `install` (lock held again) plans the
+pages in the core and copies them in. On CUDA, host bytes arrive on the host tier's side stream, range
+by range: trailers and codebooks first, then a few layers per copy, each followed by an event; every
+layer is installed on the transfer's own stream once its event fired, and its own event tells
+attention of that layer when it may read (`KVCache.set_layer_events`).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvbackend.manager import KVCache
+from kvbackend.tiers.base import Handle
+from kvbackend.tiers.file import FileTier
+from kvbackend.tiers.host import HostTier, LayeredRead
+
+MIN_ROW_BYTES = 64 * 1024  # host copies move whole layers in rows of at least this many bytes per page
+
+
+class Source(enum.Enum):
+    DEVICE = "device"  # resident already (found further along the prefix)
+    HOST = "host"
+    FILE = "file"
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    device_hits: int  # prefix pages already on the device
+    restored_from_host: int
+    restored_from_file: int
+    failed: int  # pages found in a lower tier that could not be restored (corrupt, evicted meanwhile)
+
+
+def _record(stream) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+@dataclass
+class Transfer:
+    token_ids: np.ndarray  # the prompt, int64
+    hold: list[int]  # keys of the prompt's pages already on the device (the prefix the transfer extends)
+    keys: list[int]  # keys of the pages after them that some tier holds, in prompt order
+    sources: list[Source]  # where each of `keys` is
+    sizes: list[int | None]  # each one's stored length in its tier (None: on the device)
+    staged: torch.Tensor | None = None  # [keys, blob_bytes] on the cache's device: the bytes land here
+    ok: list[bool] = field(default_factory=list)  # whether each row's bytes arrived
+    layered: LayeredRead | None = None  # the host tier's range-by-range read, when one is used
+    arrived: list = field(default_factory=list)  # per layer (CUDA): event after its host bytes are staged
+    tail: torch.cuda.Event | None = None  # (CUDA) event after the trailers and codebooks are staged
+    warm: Handle | None = None  # the copy of file rows up to the host tier (never waited on here)
+    cancelled: bool = False
+
+    @property
+    def first_page(self) -> int:
+        return len(self.hold)
+
+    @classmethod
+    def locate(cls, cache: KVCache, host: HostTier | None, file: FileTier | None, token_ids: Sequence[int],
+               lock: threading.RLock) -> "Transfer":
+        """Which tier holds each page after the device prefix: bulk prefix look-ups, tier by tier, until
+        no tier has the next key."""
+        token_ids = np.asarray(token_ids, dtype=np.int64)  # converted once for hashing and the hit check
+        with lock:
+            keys = cache.prefix_keys(token_ids)
+            on_device = cache.device_prefix(keys)
+        rest = keys[on_device:]
+        sources: list[Source] = []
+        tiers = [(Source.HOST, host), (Source.FILE, file)]
+        while len(sources) < len(rest):
+            start = len(sources)
+            with lock:
+                sources += [Source.DEVICE] * cache.device_prefix(rest[start:])
+            for source, tier in tiers:
+                if tier is not None:
+                    sources += [source] * tier.contains(rest[len(sources):])
+            if len(sources) == start:
+                break
+        rest = rest[: len(sources)]
+        by_source = {Source.HOST: host, Source.FILE: file}
+        # the stored length of each row: a page group whose trailer implies another length is not installed
+        sizes = [None if s is Source.DEVICE else by_source[s].blob_size(key) for s, key in zip(sources, rest)]
+        return cls(token_ids, keys[:on_device], rest, sources, sizes)
+
+    def rows(self, source: Source) -> list[int]:
+        return [i for i, s in enumerate(self.sources) if s is source]
+
+    def stage(self, cache: KVCache, host: HostTier | None, file: FileTier | None,
+              cancel: threading.Event | None = None) -> None:
+        """Issue every read into `staged` (host rows on the host tier's stream, file rows through a pinned
+        bounce buffer) and start the warm copy of file rows to the host tier."""
+        size, layers = cache.blob_bytes, cache.geometry.num_layers
+        self.staged = torch.empty(len(self.keys), size, dtype=torch.uint8, device=cache.dense.data.device)
+        self.ok = [s is Source.DEVICE for s in self.sources]
+        host_rows, file_rows = self.rows(Source.HOST), self.rows(Source.FILE)
+        if host_rows:
+            self.layered = host.read_layered([self.keys[i] for i in host_rows], self.staged, host_rows)
+        if self.layered is not None:  # trailers and codebooks first, then the layers, all enqueued now
+            for i, good in zip(host_rows, self.layered.results):
+                self.ok[i] = good
+            part = cache.group.pages_bytes
+            self.layered.copy_range(part, size - part)
+            self.tail = _record(self.layered.stream)
+            first = 0
+            while first < layers:  # a few layers per copy: strided rows below ~64 KiB lose DMA bandwidth
+                start, count, nbytes = cache.page_span(first)[0], 0, 0
+                while first + count < layers and (count == 0 or nbytes < MIN_ROW_BYTES):
+                    nbytes += cache.page_span(first + count)[1]
+                    count += 1
+                self.layered.copy_range(start, nbytes)
+                self.arrived += [_record(self.layered.stream)] * count
+                first += count
+        elif host_rows:
+            got = host.get([self.keys[i] for i in host_rows], [self.staged[i] for i in host_rows]).result()
+            for i, good in zip(host_rows, got):
+                self.ok[i] = good
+        if file_rows and not (cancel is not None and cancel.is_set()):
+            bounce = torch.empty(len(file_rows), size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            expected = [-1 if self.sizes[i] is None else self.sizes[i] for i in file_rows]  # another length: a miss
+            got = file.get([self.keys[i] for i in file_rows], list(bounce), expected_len=expected).result()
+            for j, (i, good) in enumerate(zip(file_rows, got)):
+                self.ok[i] = good
+                if good:
+                    self.staged[i].copy_(bounce[j], non_blocking=True)
+            good = [j for j, g in enumerate(got) if g]
+            if host is not None and good:  # a warm copy one tier up; admission does not wait for it
+                self.warm = host.put([self.keys[file_rows[j]] for j in good],
+                                     [bounce[j, : self.sizes[file_rows[j]]] for j in good])
+        self.cancelled = cancel is not None and cancel.is_set()
+
+    def usable(self) -> int:
+        """How many rows (a prefix) can be installed: up to the first hole; none once cancelled."""
+        if self.cancelled:
+            return 0
+        return next((i for i, good in enumerate(self.ok) if not good), len(self.ok))
+
+    def install(self, cache: KVCache, stream: torch.cuda.Stream | None) -> int:
+        """Plan the usable rows in the core and copy them in; the cache's lock must be held. Returns how
+        many of `keys` (a prefix) are on the device afterwards."""
+        usable = self.usable()
+        resident = [s is Source.DEVICE for s in self.sources[:usable]]
+        staged, layered = self.staged, self.layered
+        try:
+            if layered is None or layered.stream is None:  # bytes all present: install in one go
+                return cache.install_pages(self.keys[:usable], self.token_ids, staged[:usable], self.first_page,
+                                           resident, self.sizes[:usable], hold=self.hold)
+            torch.cuda.current_stream().wait_event(self.tail)  # the trailers are read on the host next
+            groups = cache.groups
+            plan = groups.plan(self.keys[:usable], self.token_ids,
+                               groups.read_trailers(staged, usable, resident, self.sizes[:usable]), self.first_page,
+                               hold=self.hold)
+            index = plan.index(staged.device, cache.packed.device)
+            stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
+            for t in (staged, *index.values()):
+                t.record_stream(stream)
+            events = []
+            with torch.cuda.stream(stream):  # each layer once it arrived; attention of layer i waits for i only
+                for layer in range(cache.geometry.num_layers):
+                    stream.wait_event(self.arrived[layer])
+                    groups.copy_layer(plan, staged, layer)
+                    events.append(_record(stream))
+            cache.set_layer_events(events)
+            groups.finish(plan)
+            return plan.installed
+        finally:
+            if layered is not None:
+                layered.close()
+
+    def report(self, installed: int) -> RestoreReport:
+        done = self.sources[:installed]
+        return RestoreReport(len(self.hold), done.count(Source.HOST), done.count(Source.FILE),
+                             len(self.keys) - installed)
