@@ -10,8 +10,8 @@ from kvbackend.codecs.kmeans import kmeanspp_init, random_init
 from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
-from .encode import encode_into_pages
-from .kmeans import kmeans, kmeans_graphed
+from kvbackend.kernels.encode import encode_into_pages
+from kvbackend.kernels.kmeans import kmeans, kmeans_graphed
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kvbackend.scheme import FLOAT, TensorScheme
 
-from .dequant import pool_views
+from kvbackend.kernels.dequant import pool_views
 
 
 @triton.jit

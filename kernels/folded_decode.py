@@ -32,8 +32,8 @@ import triton.language as tl
 
 from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
-from .decode_split import program_pages
-from .dequant import load_elements, magic_fp16, scale_zero
+from kvbackend.kernels.decode_split import program_pages
+from kvbackend.kernels.dequant import load_elements, magic_fp16, scale_zero
 
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
 VFOLD_DEFAULT = False  # values: scales on the probabilities (True) or on the codes in registers (False, measured faster)

@@ -13,7 +13,7 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
-from .dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
+from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
 
 
 @triton.jit

@@ -18,10 +18,10 @@ import triton.language as tl
 from kvbackend.batch import BatchPlan
 from kvbackend.scheme import TensorScheme
 
-from . import folded_decode, planar_decode
-from .decode_split import program_pages
-from .dequant import dequant_tile, load_dense, pool_views, scheme_constants
-from .gather_dequant import _check, _check_launch
+from kvbackend.kernels import folded_decode, planar_decode
+from kvbackend.kernels.decode_split import program_pages
+from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
+from kvbackend.kernels.gather_dequant import _check, _check_launch
 
 _LOG2E = 1.4426950408889634
 

@@ -29,9 +29,9 @@ import triton.language as tl
 
 from kvbackend.scheme import TOKEN_GROUPS, TensorScheme
 
-from .decode_split import program_pages
-from .dequant import magic_fp16, scale_zero
-from .folded_decode import MIN_PAGES_PER_PROGRAM
+from kvbackend.kernels.decode_split import program_pages
+from kvbackend.kernels.dequant import magic_fp16, scale_zero
+from kvbackend.kernels.folded_decode import MIN_PAGES_PER_PROGRAM
 
 
 @triton.jit
