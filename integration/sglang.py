@@ -39,7 +39,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvbackend.alignpred.spec import is_alignpred
 from kvbackend.codecs import get as get_codec
 from kvbackend.codecs.base import EncodedChunk
+from kvbackend.errors import CorruptStream
 from kvbackend.geometry import Geometry
+from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.storage_options import budget_bytes, path_option, private_directory
 
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 DEFAULTS = {"codec": "kivi:bits=4,group=32", "directory": "/tmp/kvbackend_hicache", "budget_gb": 64.0}
-FORMAT_VERSION = 1  # of a stored page's bytes; enters the fingerprint
+FORMAT_VERSION = 2  # of a stored page's bytes (a page group, kvbackend.page_group); enters the fingerprint
 
 
 class KVBackendStorage(HiCacheStorage):
@@ -93,11 +95,13 @@ class KVBackendStorage(HiCacheStorage):
         else:
             self.layout = self.codec.layout(self.geometry, self.page_size)  # SpecError if the codec cannot serve it
             codec, layout = self.codec.spec_string, self.layout.fingerprint
-            self.blob_bytes = self.geometry.num_layers * (self.layout.page_bytes + self.layout.codebook_bytes)
         g = self.geometry
         facts = {"format": FORMAT_VERSION, "codec": codec, "layout": layout, "layers": g.num_layers,
                  "heads": g.num_kv_heads, "head_dim": g.head_dim, "dtype": str(g.dtype), "page_size": self.page_size}
         fingerprint = hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=8).hexdigest()
+        if self.layout is not None:  # each SGLang page is a one-page chunk: its group always carries its codebooks
+            self.group = PageGroupFormat.of([self.layout] * g.num_layers, fingerprint)
+            self.blob_bytes = self.group.blob_bytes
         self._private_directories()
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
 
@@ -115,22 +119,26 @@ class KVBackendStorage(HiCacheStorage):
         return int.from_bytes(digest, "little") >> 1
 
     # -- page <-> blob ------------------------------------------------------------------------
-    def _encode(self, page: torch.Tensor) -> torch.Tensor:
-        """A [2, L, P, H, D] page -> one blob: each layer's packed page then each layer's codebook."""
+    def _encode(self, page: torch.Tensor, key: int) -> torch.Tensor:
+        """A [2, L, P, H, D] page -> one blob: a page group (`kvbackend.page_group`) of a one-page chunk,
+        its trailer naming ``key`` and this configuration, so a blob filed under another key is a miss."""
         start = time.perf_counter()
         if self.persistent is not None:
             blob = torch.frombuffer(bytearray(self.persistent.encode(page[0], page[1])), dtype=torch.uint8)
         else:
             chunks: list[EncodedChunk] = [self.codec.encode(page[0, layer], page[1, layer], self.layout)
                                           for layer in range(self.geometry.num_layers)]
-            blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [c.codebook.reshape(-1) for c in chunks])
+            carries = self.group.has_codebooks
+            trailer = torch.frombuffer(bytearray(self.group.pack_trailer(key, 0, carries)), dtype=torch.uint8)
+            blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [trailer]
+                             + ([c.codebook.reshape(-1) for c in chunks] if carries else []))
             if blob.numel() != self.blob_bytes:  # a blob this backend could never load back
                 raise RuntimeError(f"a page encoded to {blob.numel()} bytes, not the {self.blob_bytes} expected")
         with self._lock:
             self._stats["encode_s"] += time.perf_counter() - start
         return blob
 
-    def _decode(self, blob: torch.Tensor) -> torch.Tensor:
+    def _decode(self, blob: torch.Tensor, key: int) -> torch.Tensor:
         start = time.perf_counter()
         g, lay = self.geometry, self.layout
         if self.persistent is not None:  # raises CorruptStream (a ValueError) on damage: the page is a miss
@@ -142,11 +150,16 @@ class KVBackendStorage(HiCacheStorage):
             with self._lock:
                 self._stats["decode_s"] += time.perf_counter() - start
             return out
-        pages = blob[: g.num_layers * lay.page_bytes].view(g.num_layers, 1, lay.page_bytes)
-        books = blob[g.num_layers * lay.page_bytes :].view(g.num_layers, lay.codebook_bytes)
+        group = self.group
+        trailer = group.unpack_trailer(bytes(blob[group.pages_bytes : group.books_offset].numpy()))
+        if trailer is None or trailer.key != key or group.length(trailer.carries_codebook) != blob.numel():
+            raise CorruptStream("the stored page group is not this key's page of this configuration")
         out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)
         for layer in range(g.num_layers):
-            k, v = self.codec.decode_pages(lay, pages[layer], books[layer])
+            (start_page, page_bytes), (start_book, book_bytes) = group.page_span(layer), group.book_span(layer)
+            page = blob[start_page : start_page + page_bytes].view(1, page_bytes)
+            book = blob[start_book : start_book + book_bytes]
+            k, v = self.codec.decode_pages(lay, page, book)
             out[0, layer], out[1, layer] = k[: self.page_size], v[: self.page_size]
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
@@ -174,7 +187,7 @@ class KVBackendStorage(HiCacheStorage):
         blobs, ints, ok = [], [], []
         for key, page in zip(keys, pages):
             try:
-                blobs.append(self._encode(page))
+                blobs.append(self._encode(page, self._key(key)))
                 ints.append(self._key(key))
                 ok.append(True)
             except Exception as exc:  # a bad page fails alone, never the I/O thread
@@ -205,12 +218,12 @@ class KVBackendStorage(HiCacheStorage):
         buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
         found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers]).result()  # exact length
         pages: list[Optional[torch.Tensor]] = []
-        for buffer, good in zip(buffers, found):
+        for buffer, good, key in zip(buffers, found, ints):
             if not good or buffer.numel() == 0:
                 pages.append(None)
                 continue
             try:
-                pages.append(self._decode(buffer))
+                pages.append(self._decode(buffer, key))
             except Exception as exc:
                 self._log_once("decode", f"kvbackend storage: decoding a page failed: {exc!r}")
                 pages.append(None)

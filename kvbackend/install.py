@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbackend.hashing import token_bytes
-from kvbackend.page_group import TRAILER_BYTES, PageGroupFormat, Trailer
+from kvbackend.page_group import PageGroupFormat, Trailer
 from kvbackend.pool import PackedPool
 from kvbackend.prefix_index import PrefixIndex
 
@@ -92,7 +92,7 @@ class PageGroups:
         that does not match what the trailer says the group holds): `plan` stops there."""
         start = self.group.pages_bytes
         resident = list(resident) if resident is not None else [False] * count
-        heads = blobs[:count, start : start + TRAILER_BYTES].cpu().numpy()  # one transfer for all trailers
+        heads = blobs[:count, start : self.group.books_offset].cpu().numpy()  # one transfer for all trailers
         out: list[Trailer | None] = []
         for i in range(count):
             trailer = None if resident[i] else self.group.unpack_trailer(bytes(heads[i]))

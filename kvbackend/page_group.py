@@ -42,13 +42,14 @@ class Trailer:
 class PageGroupFormat:
     """Offsets of every part of a page group for one cache (one layout per layer)."""
 
-    fingerprint: str  # the cache's fingerprint (16 hex characters), written into every trailer
+    fingerprint: str | None  # the cache's fingerprint (16 hex characters), written into every trailer; None:
+    # offsets only (a reader that keeps trailers verbatim, such as a persistent format)
     page_offsets: tuple[int, ...]  # layer -> offset of its page; one more entry: where the pages end
     book_offsets: tuple[int, ...]  # layer -> offset of its codebook inside the codebook part; one more: the total
 
     @classmethod
-    def of(cls, layouts: Sequence[PageLayout], fingerprint: str) -> "PageGroupFormat":
-        if len(fingerprint.encode()) != 16:
+    def of(cls, layouts: Sequence[PageLayout], fingerprint: str | None = None) -> "PageGroupFormat":
+        if fingerprint is not None and len(fingerprint.encode()) != 16:
             raise ValueError(f"a cache fingerprint is 16 ASCII characters, got {fingerprint!r}")
         return cls(fingerprint,
                    tuple(itertools.accumulate((lay.page_bytes for lay in layouts), initial=0)),
@@ -87,11 +88,13 @@ class PageGroupFormat:
         return self.books_offset + start, self.book_offsets[layer + 1] - start
 
     def pack_trailer(self, key: int, chunk_id: int, carries_codebook: bool) -> bytes:
+        assert self.fingerprint is not None, "a page-group format of offsets only writes no trailers"
         return _TRAILER.pack(key, chunk_id, _CARRIES if carries_codebook else 0, VERSION, self.fingerprint.encode())
 
     def unpack_trailer(self, raw: bytes) -> Trailer | None:
         """The trailer in ``raw`` (TRAILER_BYTES long), or None when it was written for another cache
         or format: such a page group is a miss."""
+        assert self.fingerprint is not None, "a page-group format of offsets only reads no trailers"
         key, chunk_id, flags, version, fingerprint = _TRAILER.unpack(raw)
         if version != VERSION or fingerprint != self.fingerprint.encode() or flags & ~_CARRIES:
             return None

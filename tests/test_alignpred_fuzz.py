@@ -291,7 +291,7 @@ def page_format():
     k, v = fmt._views(buffer)
     k.copy_(torch.randn(k.shape, generator=gen))
     v.copy_(torch.randn(v.shape, generator=gen))
-    buffer[fmt.pages_part :] = torch.arange(TRAILER_BYTES, dtype=torch.uint8) % 251
+    buffer[fmt.group.pages_bytes :] = torch.arange(TRAILER_BYTES, dtype=torch.uint8) % 251
     stored = fmt.encode(buffer.numpy().tobytes())
     out = torch.empty(fmt.blob_bytes, dtype=torch.uint8)
     fmt.decode(memoryview(stored), out)

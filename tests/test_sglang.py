@@ -275,13 +275,29 @@ def test_fingerprint_covers_layers_and_dtype(tmp_path, codec):
 def test_blob_of_the_wrong_length_is_a_miss(tmp_path):
     host = HostPool("layer_first")
     backend = make_backend(tmp_path, host, "kivi:bits=4,group=16")
-    good = backend._encode(host.page(0))
-    for i, blob in enumerate([torch.cat([good, good[:32]]), good[:-32]]):
+    for i in range(2):
+        good = backend._encode(host.page(0), backend._key(f"bad{i}"))
+        blob = torch.cat([good, good[:32]]) if i == 0 else good[:-32]
         assert backend.tier.put([backend._key(f"bad{i}")], [blob]).result() == [True]
     host.kv_buffer.fill_(7.0)
     assert backend.batch_get_v1(["bad0", "bad1"], host_indices([1, 2])) == [False, False]
     assert torch.all(host.kv_buffer == 7.0)
     assert backend.batch_get(["bad0", "bad1"]) == [None, None]
+
+
+def test_page_filed_under_another_key_is_a_miss(tmp_path):
+    """Every blob is a page group whose trailer names its key: a page stored under another key (a
+    misrouted write, a swapped file entry) is never loaded as that key's page."""
+    host = HostPool("layer_first")
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=4,group=16")
+    assert backend.batch_set_v1(["a"], host_indices([0])) == [True]
+    page = backend._encode(host.page(0), backend._key("a"))
+    assert backend.tier.put([backend._key("b")], [page]).result() == [True]
+    host.kv_buffer[:, :, 16:].fill_(7.0)  # host pages 1.. hold sevens
+    assert backend.batch_get_v1(["b", "a"], host_indices([1, 2])) == [False, True]
+    assert torch.all(host.page(16) == 7.0)  # nothing loaded for "b"
+    assert torch.equal(host.page(32), backend._decode(page, backend._key("a")).to(host.dtype))  # "a" came back
 
 
 def test_context_parallel_ranks_never_share_a_namespace(tmp_path):

@@ -16,7 +16,7 @@ import torch
 from kvbackend.errors import CorruptStream
 from kvbackend.errors import UnsupportedLayout
 from kvbackend.layout import PageLayout
-from kvbackend.page_group import TRAILER_BYTES  # the page group's trailer is kept verbatim
+from kvbackend.page_group import TRAILER_BYTES, PageGroupFormat  # the page group's trailer is kept verbatim
 
 if TYPE_CHECKING:
     from kvbackend.alignpred import Calibration
@@ -48,12 +48,12 @@ class AlignPredFormat:
         self.codec = AlignPredCodec(spec, calibration)
         self.layout = layout
         self.layers = layout.geometry.num_layers
-        self.pages_part = self.layers * page.nbytes
-        self.blob_bytes = self.pages_part + TRAILER_BYTES
+        self.group = PageGroupFormat.of([layout] * self.layers)  # offsets; no codebooks, so no carrier pages
+        self.blob_bytes = self.group.blob_bytes
         self.name = self.codec.spec_string + (f"@{calibration.fingerprint():08x}" if self.codec.calibration else "")
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = buffer[: self.pages_part].view(self.layers, self.layout.page.nbytes)
+        rows = buffer[: self.group.pages_bytes].view(self.layers, self.layout.page.nbytes)
         return self.layout.page.view(rows, "k"), self.layout.page.view(rows, "v")  # [L, P, H, D] each
 
     def encode(self, blob: bytes) -> bytes:
@@ -61,7 +61,7 @@ class AlignPredFormat:
             raise ValueError(f"a page group of this layout is {self.blob_bytes} bytes, got {len(blob)}")
         buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         k, v = self._views(buffer)
-        return bytes(blob[self.pages_part :]) + self.codec.encode(k.float(), v.float())
+        return bytes(blob[self.group.pages_bytes : self.group.books_offset]) + self.codec.encode(k.float(), v.float())
 
     def decode(self, stored: memoryview, out: torch.Tensor) -> None:
         if len(stored) < TRAILER_BYTES:
@@ -72,4 +72,5 @@ class AlignPredFormat:
         kv, vv = self._views(target)
         kv.copy_(torch.from_numpy(k))
         vv.copy_(torch.from_numpy(v))
-        target[self.pages_part :].copy_(torch.from_numpy(np.frombuffer(stored[:TRAILER_BYTES], np.uint8).copy()))
+        trailer = np.frombuffer(stored[:TRAILER_BYTES], np.uint8).copy()
+        target[self.group.pages_bytes : self.group.books_offset].copy_(torch.from_numpy(trailer))
