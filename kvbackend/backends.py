@@ -78,6 +78,8 @@ def kernels_can_serve(codec, layout: PageLayout) -> bool:
     p, d = layout.page_size, layout.geometry.head_dim
     if p & (p - 1) or d & (d - 1):
         return False
+    if codec.levers.active:  # sink fields, pre-RoPE keys and rotated values are read by the torch reference only
+        return False
     try:
         schemes = kernel_schemes(codec, layout)
     except UnsupportedLayout:
@@ -102,5 +104,7 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout):
         raise SpecError("backend 'triton' needs the triton package (pip install 'kvbackend[gpu]')")
     if not kernels_can_serve(codec, layout):
         raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
-                        f"{layout.page_size} and head_dim {layout.geometry.head_dim}")
+                        f"{layout.page_size} and head_dim {layout.geometry.head_dim}"
+                        + (" (levers sink/prerope/vrot are read by the torch reference only: backend='auto' or "
+                           "'torch')" if codec.levers.active else ""))
     return TritonBackend(codec, layout)

@@ -15,8 +15,10 @@ import torch
 from kvbackend import backends, codecs
 from kvbackend.errors import SpecError
 from kvbackend.geometry import CacheConfig, Geometry
+from kvbackend.frames import lever_layout
 from kvbackend.layout import PageLayout
 from kvbackend.page_group import VERSION as PAGE_GROUP_VERSION
+from kvbackend.rope import Rotary
 from kvbackend.spec import SpecKind, spec_kind
 
 
@@ -24,8 +26,8 @@ def build_layers(geometry: Geometry, config: CacheConfig) -> tuple[list, list[Pa
     """(codecs, layouts, backends), one entry per layer.
 
     Raises:
-        SpecError: a spec count other than the layer count, an ``auto:`` plan (chosen on a prompt,
-            not here) or levers that act on whole sequences.
+        SpecError: a spec count other than the layer count, or an ``auto:`` plan (chosen on a prompt,
+            not here).
     """
     specs = config.layer_codecs or (config.codec,) * geometry.num_layers
     if len(specs) != geometry.num_layers:
@@ -38,22 +40,23 @@ def build_layers(geometry: Geometry, config: CacheConfig) -> tuple[list, list[Pa
             raise SpecError(f"{spec!r}: an auto plan is chosen on a prompt by `kvbackend eval` (or "
                             "kvbackend.tools.auto.plan_widths); pass its per-layer specs as CacheConfig(layer_codecs=...)")
         codec = codecs.get(spec)
-        if codec.levers.active:
-            raise SpecError(f"{spec!r}: sink/prerope/vrot act on whole sequences; they are applied by "
-                            "`kvbackend eval` and by KVBackendCache(sink=..., pre_rope=...), not by a KVCache "
-                            "(kvbackend.tools.auto.cache_specs strips them from a plan)")
-        layout = codec.layout(geometry, config.page_size)
+        layout = lever_layout(codec.layout(geometry, config.page_size), codec.levers)
         built[spec] = (codec, layout, backends.choose(config.backend, torch.device(config.device),
                                                       codec, layout))
     return ([built[spec][0] for spec in specs], [built[spec][1] for spec in specs],
             [built[spec][2] for spec in specs])
 
 
-def cache_fingerprint(geometry: Geometry, config: CacheConfig, layouts: list[PageLayout]) -> str:
+def cache_fingerprint(geometry: Geometry, config: CacheConfig, layouts: list[PageLayout],
+                      rotary: Rotary | None = None) -> str:
     """16 hex characters naming everything that shapes an exported page group's bytes: the page-group
-    format version, layers, heads, head size, dtype, page size, chunk pages and every layer's layout
-    (the per-layer plan). Tiers keyed by it never serve one cache's pages to another."""
+    format version, layers, heads, head size, dtype, page size, chunk pages, every layer's layout (the
+    per-layer plan, levers included: they are part of its codec spec) and, for keys stored before
+    RoPE, the RoPE they were de-rotated with. Tiers keyed by it never serve one cache's pages to another."""
     g = geometry
-    text = "|".join([f"pagegroup-v{PAGE_GROUP_VERSION}", f"L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}",
-                     str(g.dtype), f"P{config.page_size}C{config.chunk_pages}", *(lay.fingerprint for lay in layouts)])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    parts = [f"pagegroup-v{PAGE_GROUP_VERSION}", f"L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}", str(g.dtype),
+             f"P{config.page_size}C{config.chunk_pages}", *(lay.fingerprint for lay in layouts)]
+    if rotary is not None:
+        freqs = rotary.inv_freq.float().cpu().numpy().tobytes()
+        parts.append(f"rope:{hashlib.sha256(freqs).hexdigest()[:16]}x{rotary.scaling!r}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

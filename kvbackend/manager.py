@@ -13,12 +13,14 @@ from kvbackend.batch import BatchPlan, plan_batch
 from kvbackend.codecs.base import check_kv
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
+from kvbackend.frames import SINK_FIELDS, LeverFrame
 from kvbackend.install import PageGroups
 from kvbackend.layers import build_layers, cache_fingerprint
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
+from kvbackend.rope import Rotary
 
 
 class KVCache:
@@ -35,14 +37,20 @@ class KVCache:
     recalibration and tiers never mix pages of another plan.
     """
 
-    def __init__(self, geometry: Geometry, config: CacheConfig | None = None) -> None:
+    def __init__(self, geometry: Geometry, config: CacheConfig | None = None, rotary: Rotary | None = None) -> None:
+        """``rotary``: the model's RoPE (`kvbackend.rope.rotary_from_config`), needed by codecs with
+        ``prerope=true``; it then enters the fingerprint."""
         self.geometry = geometry
         self.config = config or CacheConfig()
         self.codecs, self.layouts, self.backends = build_layers(geometry, self.config)
+        self.frames = [LeverFrame(codec.levers, rotary) for codec in self.codecs]  # levers each layer applies
+        for layer, frame in enumerate(self.frames):
+            frame.check(self.config.page_size, f"layer {layer} ({self.codecs[layer].spec_string})")
         self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layouts, self.config)
-        self.fingerprint = cache_fingerprint(geometry, self.config, self.layouts)
+        self.fingerprint = cache_fingerprint(geometry, self.config, self.layouts,
+                                             rotary if any(f.levers.prerope for f in self.frames) else None)
         self.group = PageGroupFormat.of(self.layouts, self.fingerprint)  # the bytes of an exported page
         self.index = PrefixIndex(self.packed.allocator, self.config.page_size, self.config.extra_keys)
         self.groups = PageGroups(self.packed, self.group, self.index)  # export and install of page groups
@@ -144,6 +152,7 @@ class KVCache:
         if queries is not None and self.codecs[layer].uses_queries:
             chunk_tokens = self.config.chunk_tokens
             base = table.lengths[layer]  # position of this call's first token
+            queries = self.frames[layer].queries_to_stored(queries, base)  # the frame its keys are encoded in
             offset = 0  # split at chunk boundaries
             while offset < n:
                 chunk = (base + offset) // chunk_tokens
@@ -177,15 +186,21 @@ class KVCache:
         pool.bind(new_pages, slot)
         pool.slots.decref(slot)  # the pages hold the slot now; drop the allocation's own ref
         page_ids = torch.tensor(new_pages, dtype=torch.int32, device=self.dense.data.device)
-        chunk_index = table.num_packed_tokens // cfg.chunk_tokens
+        first = table.num_packed_tokens  # position of the chunk's first token
+        chunk_index = first // cfg.chunk_tokens
         try:
             for layer in range(self.geometry.num_layers):
                 table.states[layer].close_chunk(chunk_index)
                 kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
                 k = kv[:, 0].reshape(-1, *kv.shape[-2:])
                 v = kv[:, 1].reshape(-1, *kv.shape[-2:])
-                self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], k, v, table.states[layer],
-                                                  pool.pages[layer], page_ids, pool.codebooks[layer][slot])
+                frame, book = self.frames[layer], pool.codebooks[layer][slot]
+                ks, vs = frame.to_stored(k, v, first) if frame.levers.active else (k, v)
+                self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], ks, vs, table.states[layer],
+                                                  pool.pages[layer], page_ids, book)
+                if frame.levers.sink and first == 0:  # the sequence's first tokens, exact, with the chunk
+                    for name, x in zip(SINK_FIELDS, (k, v)):
+                        self.layouts[layer].codebook.view(book, name).copy_(x[: frame.levers.sink])
         except BaseException:
             for page in new_pages:  # the chunk stays dense; its pages (and with them the slot) go back
                 pool.allocator.decref(page)
@@ -217,11 +232,19 @@ class KVCache:
         self._check_layer(layer)
         self.wait_layer(layer)
         keys, values = [self._empty()], [self._empty()]
+        frame, layout, p = self.frames[layer], self.layouts[layer], self.config.page_size
+        position = first_page * p
         for slot, pages in self._runs(table.packed[first_page:]):
-            k, v = self.codecs[layer].decode_pages(self.layouts[layer], self.packed.pages[layer][pages],
-                                                   self.packed.codebooks[layer][slot])
+            book = self.packed.codebooks[layer][slot]
+            k, v = self.codecs[layer].decode_pages(layout, self.packed.pages[layer][pages], book)
+            if frame.levers.active:
+                k, v = frame.from_stored(k, v, position)
+                if frame.levers.sink and position == 0:  # page 0 starts the sequence: its chunk holds the sinks
+                    sink = frame.levers.sink
+                    k[:sink], v[:sink] = layout.codebook.view(book, "sink_k"), layout.codebook.view(book, "sink_v")
             keys.append(k)
             values.append(v)
+            position += len(pages) * p
         return torch.cat(keys), torch.cat(values)
 
     def read_dense(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,8 +98,13 @@ def test_page_groups_move_between_caches_of_one_plan():
 def test_bad_plans_are_refused_clearly():
     with pytest.raises(SpecError, match="2 specs for 3 layers"):
         make(plan=PLAN[:2])
-    with pytest.raises(SpecError, match="sink/prerope/vrot"):
-        make(plan=(PLAN[0], "kivi:bits=2,group=16,sink=4", PLAN[2]))
+    # Levers are served per layer now; what the paged cache cannot serve as given is refused by name.
+    with pytest.raises(SpecError, match="needs the model's RoPE"):
+        make(plan=(PLAN[0], "kivi:bits=2,group=16,prerope=true", PLAN[2]))
+    with pytest.raises(SpecError, match="psac= lever"):
+        make(plan=(PLAN[0], "kivi:bits=2,group=16,psac=4", PLAN[2]))
+    with pytest.raises(SpecError, match="exceeds the page size"):
+        make(plan=(PLAN[0], "kivi:bits=2,group=16,sink=100", PLAN[2]))
     with pytest.raises(SpecError, match="kvbackend eval"):
         make(plan=("auto:bpv=2.6",) * 3)
     with pytest.raises(SpecError, match="unknown codec"):

@@ -75,9 +75,100 @@ def test_mixed_width_kivi_bytes():
     assert chunk.bits_per_value == pytest.approx(4.0)
 
 
-def test_cache_refuses_sequence_levers():
-    with pytest.raises(SpecError, match="sequences"):
-        KVCache(Geometry(1, 2, 64), CacheConfig(codec="kivi:bits=2,sink=4", page_size=32))
+ROTARY = Rotary.default(64, 10000.0)
+LEVERS = "sink=4,prerope=true,vrot=hadamard"
+
+
+def lever_cache(codec, rotary=ROTARY, **kw):
+    cfg = dict(codec=codec, page_size=16, chunk_pages=2, dense_pages=8, packed_pages=8)
+    cfg.update(kw)
+    return KVCache(Geometry(2, 2, 64, torch.float32), CacheConfig(**cfg), rotary=rotary)
+
+
+def fill_levers(cache, n=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, n, 2, 64, generator=gen), torch.randn(2, n, 2, 64, generator=gen)
+    k[..., 0:4] += 20  # outlier channels before RoPE (fast frequencies), as real keys have ...
+    k = ROTARY.rotate(k.transpose(1, 2), torch.arange(n)).transpose(1, 2).contiguous()  # ... then the model's RoPE
+    v[..., 5] *= 30  # one outlier value channel
+    rid, _ = cache.add_request(list(range(n)))
+    for layer in range(2):
+        cache.append(rid, layer, k[layer], v[layer])
+    return rid, k, v
+
+
+def test_paged_cache_serves_levers_through_its_pages():
+    """sink, prerope and vrot in the paged cache: an exact codec reads back what was appended (the frame
+    is orthonormal), a lossy one reads exactly what encoding its stored frame gives, and the first
+    tokens are exact."""
+    exact = lever_cache(f"identity:{LEVERS}")
+    rid, k, v = fill_levers(exact)
+    assert exact.page_table(rid).num_packed_tokens == 32
+    for layer in range(2):
+        rk, rv = exact.read(rid, layer)
+        assert torch.allclose(rk, k[layer], atol=1e-4) and torch.allclose(rv, v[layer], atol=1e-5)
+    lossy = lever_cache(f"kivi:bits=2,group=16,{LEVERS}")
+    rid, k, v = fill_levers(lossy)
+    codec = codecs.get("kivi:bits=2,group=16")
+    positions = torch.arange(32)
+    for layer in range(2):
+        stored_k = ROTARY.derotate(k[layer, :32].transpose(0, 1), positions).transpose(0, 1)
+        stored_v = v[layer, :32] @ hadamard(64)
+        chunk = codec.encode(stored_k, stored_v, codec.layout(lossy.geometry, 16))
+        dk, dv = codec.decode(chunk)
+        want_k = ROTARY.rotate(dk.transpose(0, 1), positions).transpose(0, 1)
+        want_v = dv @ hadamard(64).T
+        want_k[:4], want_v[:4] = k[layer, :4], v[layer, :4]  # the sinks
+        rk, rv = lossy.read_packed(rid, layer)
+        assert torch.allclose(rk, want_k, atol=1e-4) and torch.allclose(rv, want_v, atol=1e-5)
+        assert torch.equal(rk[:4], k[layer, :4]) and torch.equal(rv[:4], v[layer, :4])
+        rk, rv = lossy.read(rid, layer)
+        assert torch.equal(rk[32:], k[layer, 32:])  # the active chunk is stored as appended
+        # the levers pay: pre-RoPE keys and rotated values beat the plain codec on outlier channels
+        plain = codec.decode(codec.encode(k[layer, :32], v[layer, :32], codec.layout(lossy.geometry, 16)))
+        assert (rk[4:32] - k[layer, 4:32]).norm() < (plain[0][4:32] - k[layer, 4:32]).norm()
+    sink_bytes = 2 * 4 * 2 * 64 * 4  # K and V of 4 tokens, float32, per layer
+    assert lossy.layouts[0].codebook_bytes == codec.layout(lossy.geometry, 16).codebook_bytes + sink_bytes
+    # a prefix hit shares the sinks with the pages; a fork too
+    rid2, hit = lossy.add_request(list(range(40)))
+    assert hit == 32 and torch.equal(lossy.read_packed(rid2, 0)[0], lossy.read_packed(rid, 0)[0])
+    lossy.check()
+
+
+def test_levers_enter_the_fingerprint_and_are_refused_where_they_cannot_be_served():
+    plain = lever_cache("kivi:bits=2,group=16")
+    with_levers = lever_cache(f"kivi:bits=2,group=16,{LEVERS}")
+    other_rope = lever_cache(f"kivi:bits=2,group=16,{LEVERS}", rotary=Rotary.default(64, 500000.0))
+    only_vrot = lever_cache("kivi:bits=2,group=16,vrot=hadamard")
+    assert len({c.fingerprint for c in (plain, with_levers, other_rope, only_vrot)}) == 4
+    with pytest.raises(SpecError, match="needs the model's RoPE"):
+        lever_cache("kivi:bits=2,group=16,prerope=true", rotary=None)
+    from kvbackend.backends import choose, kernels_can_serve
+
+    codec = with_levers.codecs[0]
+    assert not kernels_can_serve(codec, with_levers.layouts[0])  # the torch reference serves them
+    pytest.importorskip("triton")
+    with pytest.raises(SpecError, match="torch reference only"):
+        choose("triton", torch.device("cuda"), codec, with_levers.layouts[0])
+
+
+def test_lever_pages_travel_through_tiers():
+    from kvbackend.tiers.host import HostTier
+    from kvbackend.tiers.prefetch import TieredCache
+
+    cache = lever_cache(f"kivi:bits=2,group=16,{LEVERS}", packed_pages=8)
+    tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes, pin=False), None, background=False)
+    rid, k, v = fill_levers(cache, n=33)
+    before = [cache.read(rid, layer) for layer in range(2)]
+    tiered.free(rid)
+    assert tiered.offload(max_pages=100) == 2
+    rid, hit = tiered.add_request(list(range(33)))
+    assert hit == 32
+    for layer in range(2):
+        assert torch.equal(cache.read_packed(rid, layer)[0], before[layer][0][:32])
+        assert torch.equal(cache.read_packed(rid, layer)[1], before[layer][1][:32])
+    cache.check()
+    tiered.close()
 
 
 def test_psac_full_rank_reproduces_keys_up_to_int8_rounding():

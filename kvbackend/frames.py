@@ -1,0 +1,85 @@
+"""The frame packed pages are stored in when a codec's levers are on (`kvbackend.levers`).
+
+- ``prerope=true``: keys are encoded before RoPE (de-rotated at their positions) and rotated again on
+  read, so the codec never sees the rotation's spread of each channel pair;
+- ``vrot=hadamard``: values are encoded after an orthonormal Hadamard rotation (outliers spread over
+  every channel) and rotated back on read;
+- ``sink=S``: the first S tokens of a sequence are kept exact, in the geometry's dtype, in two fields
+  of the codebook slot of the chunk that starts the sequence (``sink_k``, ``sink_v``; counted in the
+  stored bytes like any field), and replace the decoded ones on read.
+
+The dense active chunk is stored exactly as appended; only encoding and decoding cross the frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbackend.errors import SpecError
+from kvbackend.layout import FieldSet, PageLayout
+from kvbackend.levers import Levers, hadamard
+from kvbackend.rope import Rotary
+
+SINK_FIELDS = ("sink_k", "sink_v")
+
+
+def lever_layout(layout: PageLayout, levers: Levers) -> PageLayout:
+    """``layout`` with the sink fields appended to its codebook slot (the codec's own fields keep their
+    offsets, so the codec reads and writes the slot as before)."""
+    if not levers.sink:
+        return layout
+    g = layout.geometry
+    specs = [(f.name, f.dtype, f.shape) for f in layout.codebook.fields.values()]
+    specs += [(name, g.dtype, (levers.sink, g.num_kv_heads, g.head_dim)) for name in SINK_FIELDS]
+    return PageLayout(layout.codec, g, layout.page_size, layout.page, FieldSet(specs))
+
+
+@dataclass(frozen=True)
+class LeverFrame:
+    """One layer's levers with what they need: the model's RoPE for pre-RoPE keys."""
+
+    levers: Levers
+    rotary: Rotary | None = None
+
+    def check(self, page_size: int, where: str) -> None:
+        """Raise SpecError for levers the paged cache cannot serve as given."""
+        if self.levers.prerope and self.rotary is None:
+            raise SpecError(f"{where}: prerope=true stores keys before RoPE and needs the model's RoPE: pass "
+                            "KVCache(..., rotary=kvbackend.rope.rotary_from_config(model.config))")
+        if self.levers.psac:
+            raise SpecError(f"{where}: the psac= lever is applied by `kvbackend eval` only; in the paged cache use "
+                            "quantwm, whose rank= option stores the same correction in its pages")
+        if self.levers.sink > page_size:
+            raise SpecError(f"{where}: sink={self.levers.sink} exceeds the page size {page_size}; the exact sink "
+                            "tokens live in the first page's chunk")
+
+    def _positions(self, first: int, n: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(first, first + n, device=device)
+
+    def to_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32)."""
+        k, v = k.float(), v.float()
+        if self.levers.prerope:
+            k = self.rotary.derotate(k.transpose(0, 1), self._positions(first, k.shape[0], k.device)).transpose(0, 1)
+        if self.levers.vrot == "hadamard":
+            v = v @ hadamard(v.shape[-1]).to(v.device)
+        return k.contiguous(), v.contiguous()
+
+    def from_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of `to_stored`, in ``k``'s dtype."""
+        dtype = k.dtype
+        if self.levers.prerope:
+            k = self.rotary.rotate(k.float().transpose(0, 1),
+                                   self._positions(first, k.shape[0], k.device)).transpose(0, 1)
+        if self.levers.vrot == "hadamard":
+            v = v.float() @ hadamard(v.shape[-1]).to(v.device).T
+        return k.to(dtype), v.to(dtype)
+
+    def queries_to_stored(self, q: torch.Tensor, first: int) -> torch.Tensor:
+        """Queries ``[T, Hq, D]`` in the keys' stored frame (de-rotated at their own positions; exact for
+        the query-key product only at equal positions, as `kvbackend eval` does it)."""
+        if not self.levers.prerope:
+            return q
+        return self.rotary.derotate(q.transpose(0, 1), self._positions(first, q.shape[0], q.device)).transpose(0, 1)
