@@ -4,9 +4,10 @@
   read, so the codec never sees the rotation's spread of each channel pair;
 - ``vrot=hadamard``: values are encoded after an orthonormal Hadamard rotation (outliers spread over
   every channel) and rotated back on read;
-- ``sink=S``: the first S tokens of a sequence are kept exact, in the geometry's dtype, in two fields
-  of the codebook slot of the chunk that starts the sequence (``sink_k``, ``sink_v``; counted in the
-  stored bytes like any field), and replace the decoded ones on read.
+- ``sink=S``: the first S tokens of a sequence are kept at 16 bits (the cache's own dtype for bf16 and
+  fp16 caches, so exactly; fp16 for a float32 cache), in two fields of every chunk's codebook slot
+  (``sink_k``, ``sink_v``, counted in the stored bytes like any field; only the chunk that starts a
+  sequence fills them), and replace the decoded ones on read.
 
 The dense active chunk is stored exactly as appended; only encoding and decoding cross the frame.
 """
@@ -32,7 +33,8 @@ def lever_layout(layout: PageLayout, levers: Levers) -> PageLayout:
         return layout
     g = layout.geometry
     specs = [(f.name, f.dtype, f.shape) for f in layout.codebook.fields.values()]
-    specs += [(name, g.dtype, (levers.sink, g.num_kv_heads, g.head_dim)) for name in SINK_FIELDS]
+    dtype = g.dtype if g.dtype in (torch.bfloat16, torch.float16) else torch.float16
+    specs += [(name, dtype, (levers.sink, g.num_kv_heads, g.head_dim)) for name in SINK_FIELDS]
     return PageLayout(layout.codec, g, layout.page_size, layout.page, FieldSet(specs))
 
 

@@ -241,7 +241,8 @@ class KVCache:
                 k, v = frame.from_stored(k, v, position)
                 if frame.levers.sink and position == 0:  # page 0 starts the sequence: its chunk holds the sinks
                     sink = frame.levers.sink
-                    k[:sink], v[:sink] = layout.codebook.view(book, "sink_k"), layout.codebook.view(book, "sink_v")
+                    k[:sink] = layout.codebook.view(book, "sink_k").to(k.dtype)
+                    v[:sink] = layout.codebook.view(book, "sink_v").to(v.dtype)
             keys.append(k)
             values.append(v)
             position += len(pages) * p

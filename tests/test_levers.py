@@ -106,7 +106,15 @@ def test_paged_cache_serves_levers_through_its_pages():
     assert exact.page_table(rid).num_packed_tokens == 32
     for layer in range(2):
         rk, rv = exact.read(rid, layer)
-        assert torch.allclose(rk, k[layer], atol=1e-4) and torch.allclose(rv, v[layer], atol=1e-5)
+        assert torch.allclose(rk[4:], k[layer, 4:], atol=1e-4) and torch.allclose(rv[4:], v[layer, 4:], atol=1e-5)
+        assert torch.equal(rk[:4], k[layer, :4].half().float()) and torch.equal(rv[:4], v[layer, :4].half().float())
+    half = KVCache(Geometry(1, 2, 64, torch.bfloat16), CacheConfig(codec="kivi:bits=2,group=16,sink=4", page_size=16,
+                                                                  chunk_pages=2, dense_pages=4, packed_pages=4))
+    kb, vb = torch.randn(32, 2, 64).bfloat16() * 50, torch.randn(32, 2, 64).bfloat16()
+    rid = half.add_request(list(range(32)))[0]
+    half.append(rid, 0, kb, vb)
+    rk, rv = half.read_packed(rid, 0)
+    assert torch.equal(rk[:4], kb[:4]) and torch.equal(rv[:4], vb[:4])  # a bf16 cache keeps its sinks exactly
     lossy = lever_cache(f"kivi:bits=2,group=16,{LEVERS}")
     rid, k, v = fill_levers(lossy)
     codec = codecs.get("kivi:bits=2,group=16")
@@ -118,16 +126,17 @@ def test_paged_cache_serves_levers_through_its_pages():
         dk, dv = codec.decode(chunk)
         want_k = ROTARY.rotate(dk.transpose(0, 1), positions).transpose(0, 1)
         want_v = dv @ hadamard(64).T
-        want_k[:4], want_v[:4] = k[layer, :4], v[layer, :4]  # the sinks
+        sink_k, sink_v = k[layer, :4].half().float(), v[layer, :4].half().float()  # a float32 cache: fp16 sinks
+        want_k[:4], want_v[:4] = sink_k, sink_v
         rk, rv = lossy.read_packed(rid, layer)
         assert torch.allclose(rk, want_k, atol=1e-4) and torch.allclose(rv, want_v, atol=1e-5)
-        assert torch.equal(rk[:4], k[layer, :4]) and torch.equal(rv[:4], v[layer, :4])
+        assert torch.equal(rk[:4], sink_k) and torch.equal(rv[:4], sink_v)
         rk, rv = lossy.read(rid, layer)
         assert torch.equal(rk[32:], k[layer, 32:])  # the active chunk is stored as appended
         # the levers pay: pre-RoPE keys and rotated values beat the plain codec on outlier channels
         plain = codec.decode(codec.encode(k[layer, :32], v[layer, :32], codec.layout(lossy.geometry, 16)))
         assert (rk[4:32] - k[layer, 4:32]).norm() < (plain[0][4:32] - k[layer, 4:32]).norm()
-    sink_bytes = 2 * 4 * 2 * 64 * 4  # K and V of 4 tokens, float32, per layer
+    sink_bytes = 2 * 4 * 2 * 64 * 2  # K and V of 4 tokens at 16 bits, per layer
     assert lossy.layouts[0].codebook_bytes == codec.layout(lossy.geometry, 16).codebook_bytes + sink_bytes
     # a prefix hit shares the sinks with the pages; a fork too
     rid2, hit = lossy.add_request(list(range(40)))

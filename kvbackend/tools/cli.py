@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", help="write the figures as JSON here (its folder is created before the run)")
     ev.add_argument("--plot", help="write a Pareto plot (PNG) here (its folder is created before the run)")
     ev.add_argument("--device", default="cpu")
+    ev.add_argument("--path", choices=("paged", "sim", "both"), default="paged",
+                    help="paged: through a KVCache, as an engine serves (default); sim: the sequence-level "
+                         "simulation; both: paged, with the simulation beside it as a cross-check")
     ev.add_argument("--model-dir", default=None)
     ev.add_argument("--calibration", default=None,
                     help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")

@@ -23,9 +23,11 @@ import torch
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
 from kvbackend.errors import SpecError
-from kvbackend.geometry import Geometry
+from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import hadamard
-from kvbackend.rope import rotary_from_config
+from kvbackend.manager import KVCache
+from kvbackend.frames import LeverFrame
+from kvbackend.rope import Rotary, rotary_from_config
 from kvbackend.tools.auto import candidate_specs, parse_auto, plan_widths
 from kvbackend.tools.reconstruct import reconstruct_sequence
 
@@ -39,6 +41,10 @@ class EvalSettings:
     page_size: int = 64
     chunk_tokens: int = 2048  # codec chunk length
     device: str = "cpu"
+    # "paged": K/V go through a KVCache (appends, chunk completions, page reads: what an engine runs);
+    # "sim": the sequence-level simulation (reconstruct_sequence); "both": paged, with the simulation's
+    # figures beside it as a cross-check (one more continuation pass per codec)
+    path: str = "paged"
 
     def __post_init__(self) -> None:
         """Raise ValueError for numbers no run can use (before any model work)."""
@@ -50,6 +56,11 @@ class EvalSettings:
                 raise ValueError(f"{name}={value!r} must be an integer >= {least}")
         if self.queries > self.tokens:
             raise ValueError(f"queries={self.queries} must be at most tokens={self.tokens}")
+        if self.path not in PATHS:
+            raise ValueError(f"path={self.path!r}; valid: {', '.join(PATHS)}")
+
+
+PATHS = ("paged", "sim", "both")
 
 
 @dataclass
@@ -68,6 +79,8 @@ class CodecResult:
     ppl_ref: float
     plan: list[str] | None = None  # per-layer specs chosen by auto:..., else None
     calib_kl: float | None = None  # auto:kl=K: the KL its plan reached on the prefix's own tail
+    path: str = "paged"  # how the figures above were measured (EvalSettings.path)
+    sim: dict | None = None  # path "both": the simulation's bpv, k_nrmse, v_nrmse, kl, top1_agree (a cross-check)
 
 
 @dataclass
@@ -260,6 +273,9 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
                 codec.layout(geometry, settings.page_size)
                 if codec.levers.vrot == "hadamard":
                     hadamard(geometry.head_dim)
+                if settings.path != "sim":  # the levers the paged cache serves (the model's RoPE comes later)
+                    LeverFrame(codec.levers, Rotary.default(geometry.head_dim, 10000.0)).check(
+                        settings.page_size, "--path paged")
             except SpecError as exc:
                 where = f" (a candidate of the plan: {text})" if auto is not None else ""
                 raise SpecError(f"{spec}{where}: {exc}") from None
@@ -320,47 +336,92 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
                                  [v.transpose(0, 1)[: s.prefix] for v in exact.v], geometry, s.page_size,
                                  s.chunk_tokens, rotary, kl_of)
             plan, calib_kl = chosen.specs, chosen.calib_kl
-        layer_codecs = [codecs.get(p) for p in plan] if plan else [codecs.get(spec)] * num_layers
-        codec = layer_codecs[0]
-        err_k = err_v = norm_k = norm_v = 0.0
-        out_err = out_norm = 0.0
-        shifts = 0
-        stored = 0
-        prefix_k, prefix_v = [], []
+        layer_specs = list(plan) if plan else [spec] * num_layers
+        main_path = "sim" if s.path == "sim" else "paged"
+        measured = {}
+        for path in (("paged", "sim") if s.path == "both" else (s.path,)):
+            measured[path] = _measure(path, layer_specs, exact, geometry, s, rotary, model, cont_ids, targets,
+                                      ref_logits, progress, task if path == main_path else None)
+        main = measured[main_path]
+        sim = measured["sim"] if s.path == "both" else None
+        results.append(CodecResult(spec=spec, canonical=codecs.get(layer_specs[0]).spec_string, **main, plan=plan,
+                                   calib_kl=calib_kl, path=s.path,
+                                   sim={k: sim[k] for k in ("bpv", "k_nrmse", "v_nrmse", "kl", "top1_agree")}
+                                   if sim else None))
+    return results
+
+
+def paged_reconstruction(layer_specs: list[str], exact: "Capture", geometry: Geometry, settings: EvalSettings,
+                         tokens: int, rotary) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The first ``tokens`` tokens of every layer appended to a `KVCache` of ``layer_specs`` (with their
+    queries) and read back: (keys [T, H, D] per layer, values, stored bytes). Chunks are as long as the
+    simulation's (``chunk_tokens``, or the whole span when it is shorter), in whole pages; a remainder
+    shorter than a chunk stays dense, as in an engine, and its exact values count at the model's dtype."""
+    p = settings.page_size
+    chunk_pages = max(1, min(settings.chunk_tokens, tokens) // p)
+    pages = -(-tokens // p)
+    config = CacheConfig(layer_codecs=tuple(layer_specs), page_size=p, chunk_pages=chunk_pages,
+                         dense_pages=pages + 1, packed_pages=pages + chunk_pages, device=settings.device)
+    cache = KVCache(geometry, config, rotary=rotary)
+    rid, _ = cache.add_request()
+    for layer in range(geometry.num_layers):
+        k, v = exact.k[layer].transpose(0, 1)[:tokens], exact.v[layer].transpose(0, 1)[:tokens]
+        cache.append(rid, layer, k.contiguous(), v.contiguous(),
+                     queries=exact.q[layer][:, :tokens].transpose(0, 1).contiguous())
+    reads = [cache.read(rid, layer) for layer in range(geometry.num_layers)]
+    stats = cache.stats()
+    dense_tokens = tokens - cache.page_table(rid).num_packed_tokens
+    element = torch.empty((), dtype=geometry.dtype).element_size()
+    stored = stats.packed_bytes + dense_tokens * geometry.num_layers * geometry.values_per_token * element
+    return [r[0] for r in reads], [r[1] for r in reads], stored
+
+
+def _measure(path: str, layer_specs: list[str], exact: "Capture", geometry: Geometry, s: EvalSettings, rotary,
+             model, cont_ids, targets, ref_logits, progress, task) -> dict:
+    """Every figure of one codec (one spec per layer) measured along ``path`` ("paged" or "sim")."""
+    num_layers = geometry.num_layers
+    layer_codecs = [codecs.get(spec) for spec in layer_specs]
+    if path == "paged":
+        pre_k, pre_v, stored = paged_reconstruction(layer_specs, exact, geometry, s, s.prefix, rotary)
+        full_k, full_v = (pre_k, pre_v) if s.tokens == s.prefix else \
+            paged_reconstruction(layer_specs, exact, geometry, s, s.tokens, rotary)[:2]
+    else:
+        pre_k, pre_v, full_k, full_v, stored = [], [], [], [], 0
         for layer in range(num_layers):
             k, v = exact.k[layer].transpose(0, 1), exact.v[layer].transpose(0, 1)  # [T, H, D]
-            codec = layer_codecs[layer]
-            pre = reconstruct_sequence(codec, k[: s.prefix], v[: s.prefix], geometry, s.page_size, s.chunk_tokens,
-                                       rotary, exact.q[layer])
+            pre = reconstruct_sequence(layer_codecs[layer], k[: s.prefix], v[: s.prefix], geometry, s.page_size,
+                                       s.chunk_tokens, rotary, exact.q[layer])
             stored += pre.stored_bytes
-            prefix_k.append(pre.k.transpose(0, 1))
-            prefix_v.append(pre.v.transpose(0, 1))
-            kx, vx = k[: s.prefix].float(), v[: s.prefix].float()
-            err_k += float(((kx - pre.k.float()) ** 2).sum())
-            err_v += float(((vx - pre.v.float()) ** 2).sum())
-            norm_k += float((kx**2).sum())
-            norm_v += float((vx**2).sum())
-            if s.tokens == s.prefix:
-                full = pre
-            else:
-                full = reconstruct_sequence(codec, k[: s.tokens], v[: s.tokens], geometry, s.page_size,
-                                            s.chunk_tokens, rotary, exact.q[layer])
-            e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
-                                             exact.v[layer][:, : s.tokens], full.k.transpose(0, 1),
-                                             full.v.transpose(0, 1), s.queries)
-            out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
-            if progress:
-                progress.advance(task)
-        test_logits = _continuation_logits(model, prefix_k, prefix_v, cont_ids)
-        kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
-        values = s.prefix * num_layers * geometry.values_per_token
-        results.append(CodecResult(
-            spec=spec, canonical=layer_codecs[0].spec_string, bpv=8.0 * stored / values, stored_bytes=stored,
-            k_nrmse=math.sqrt(err_k / norm_k), v_nrmse=math.sqrt(err_v / norm_v),
-            attn_out_err=math.sqrt(out_err / out_norm),
-            top1_shift=shifts / (num_layers * exact.q[0].shape[0] * s.queries),
-            kl=kl, top1_agree=agree, ppl=ppl, ppl_ref=ppl_ref, plan=plan, calib_kl=calib_kl))
-    return results
+            pre_k.append(pre.k)
+            pre_v.append(pre.v)
+            full = pre if s.tokens == s.prefix else reconstruct_sequence(
+                layer_codecs[layer], k[: s.tokens], v[: s.tokens], geometry, s.page_size, s.chunk_tokens, rotary,
+                exact.q[layer])
+            full_k.append(full.k)
+            full_v.append(full.v)
+    err_k = err_v = norm_k = norm_v = out_err = out_norm = 0.0
+    shifts = 0
+    for layer in range(num_layers):
+        kx = exact.k[layer].transpose(0, 1)[: s.prefix].float()
+        vx = exact.v[layer].transpose(0, 1)[: s.prefix].float()
+        err_k += float(((kx - pre_k[layer].float()) ** 2).sum())
+        err_v += float(((vx - pre_v[layer].float()) ** 2).sum())
+        norm_k += float((kx**2).sum())
+        norm_v += float((vx**2).sum())
+        e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
+                                         exact.v[layer][:, : s.tokens], full_k[layer].transpose(0, 1),
+                                         full_v[layer].transpose(0, 1), s.queries)
+        out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
+        if progress and task is not None:
+            progress.advance(task)
+    test_logits = _continuation_logits(model, [k.transpose(0, 1) for k in pre_k], [v.transpose(0, 1) for v in pre_v],
+                                       cont_ids)
+    kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
+    values = s.prefix * num_layers * geometry.values_per_token
+    return dict(bpv=8.0 * stored / values, stored_bytes=stored, k_nrmse=math.sqrt(err_k / norm_k),
+                v_nrmse=math.sqrt(err_v / norm_v), attn_out_err=math.sqrt(out_err / out_norm),
+                top1_shift=shifts / (num_layers * exact.q[0].shape[0] * s.queries), kl=kl, top1_agree=agree,
+                ppl=ppl, ppl_ref=ppl_ref)
 
 
 def write_json(path: str, results: list[CodecResult], meta: dict) -> None:
@@ -415,7 +476,7 @@ def run_eval_cli(args) -> int:
     console = Console(width=max(Console().width, 150))
     # Everything that can be checked is checked before the model loads: numbers, specs, files.
     settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
-                            queries=min(128, args.tokens), device=args.device)
+                            queries=min(128, args.tokens), device=args.device, path=getattr(args, "path", "paged"))
     frozen = check_specs(args.codec, settings)
     if frozen and not args.calibration:
         raise SystemExit("alignpred fit=frozen needs --calibration TEXT (another text than --text)")
