@@ -39,7 +39,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvbackend.alignpred.spec import is_alignpred
 from kvbackend.codecs import get as get_codec
 from kvbackend.codecs.base import EncodedChunk
-from kvbackend.errors import CorruptStream
+from kvbackend.errors import CorruptStream, SpecError
+from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
@@ -66,6 +67,12 @@ class KVBackendStorage(HiCacheStorage):
         else:
             self.persistent = None
             self.codec = get_codec(self.codec_spec)  # a bad spec fails here, at start-up, with the valid options
+            levers = self.codec.levers
+            if levers.sink or levers.prerope or levers.psac:  # never silently dropped
+                raise SpecError(f"{self.codec_spec!r}: SGLang hands storage pages without their positions, so "
+                                "sink=, prerope= and psac= cannot be applied here; vrot=hadamard can (drop the others "
+                                "from the spec)")
+            self.frame = LeverFrame(levers)  # values rotated before encoding when vrot=hadamard
         self.namespace = _namespace(storage_config)  # keys of different models/ranks never collide
         self.root = path_option("directory", extra.get("directory", DEFAULTS["directory"]))
         self.directory = os.path.join(self.root, self.namespace)
@@ -126,8 +133,8 @@ class KVBackendStorage(HiCacheStorage):
         if self.persistent is not None:
             blob = torch.frombuffer(bytearray(self.persistent.encode(page[0], page[1])), dtype=torch.uint8)
         else:
-            chunks: list[EncodedChunk] = [self.codec.encode(page[0, layer], page[1, layer], self.layout)
-                                          for layer in range(self.geometry.num_layers)]
+            chunks: list[EncodedChunk] = [self.codec.encode(*self.frame.to_stored(page[0, layer], page[1, layer], 0),
+                                                            self.layout) for layer in range(self.geometry.num_layers)]
             carries = self.group.has_codebooks
             trailer = torch.frombuffer(bytearray(self.group.pack_trailer(key, 0, carries)), dtype=torch.uint8)
             blob = torch.cat([c.pages.reshape(-1) for c in chunks] + [trailer]
@@ -159,7 +166,7 @@ class KVBackendStorage(HiCacheStorage):
             (start_page, page_bytes), (start_book, book_bytes) = group.page_span(layer), group.book_span(layer)
             page = blob[start_page : start_page + page_bytes].view(1, page_bytes)
             book = blob[start_book : start_book + book_bytes]
-            k, v = self.codec.decode_pages(lay, page, book)
+            k, v = self.frame.from_stored(*self.codec.decode_pages(lay, page, book), 0)
             out[0, layer], out[1, layer] = k[: self.page_size], v[: self.page_size]
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start

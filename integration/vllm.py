@@ -67,6 +67,9 @@ class KVBackendTier(SecondaryTierManager):
         if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
             raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
         self.codec = get_codec(codec)
+        if self.codec.levers.active:  # never silently dropped
+            raise SpecError(f"{codec!r}: the vLLM tier stores opaque rows without positions or a K/V split, so "
+                            "the levers sink=, prerope=, vrot= and psac= cannot be applied; drop them from the spec")
         if self.codec.spec.name not in ROW_CODECS:
             raise SpecError(f"the vLLM tier needs a per-row codec ({', '.join(ROW_CODECS)}); {codec!r} needs the "
                             "token structure of a chunk, which vLLM's primary tier does not expose")

@@ -8,6 +8,7 @@ import torch
 hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 
+from kvbackend.errors import SpecError  # noqa: E402
 from kvbackend.integration.sglang import KVBackendStorage  # noqa: E402
 
 
@@ -308,3 +309,34 @@ def test_context_parallel_ranks_never_share_a_namespace(tmp_path):
     names = {KVBackendStorage(replace(base, attn_cp_rank=r, attn_cp_size=2)).namespace for r in (0, 1)}
     names |= {KVBackendStorage(replace(base, dp_rank=1)).namespace, KVBackendStorage(base).namespace}
     assert len(names) == 4
+
+
+def test_levers_are_applied_or_refused_never_dropped(tmp_path):
+    """Pages reach storage without positions: vrot=hadamard is applied (values rotated before encoding,
+    back after decoding); sink= and prerope= cannot be, and are refused by name rather than ignored."""
+    for spec in ("kivi:bits=2,group=16,sink=4", "kivi:bits=2,group=16,prerope=true", "kivi:bits=2,group=16,psac=4"):
+        with pytest.raises(SpecError, match="without their positions"):
+            make_backend(tmp_path, HostPool("layer_first"), spec)
+    from kvbackend import codecs
+    from kvbackend.levers import hadamard
+
+    host = HostPool("layer_first")
+    host.kv_buffer.normal_()
+    original = host.page(0)
+    got, fingerprints = {}, {}
+    for spec in ("kivi:bits=2,group=16", "kivi:bits=2,group=16,vrot=hadamard"):
+        backend = make_backend(tmp_path / spec.replace(":", "_"), host, spec)
+        assert backend.batch_set_v1(["p"], host_indices([0])) == [True]
+        (page,) = backend.batch_get(["p"])
+        got[spec] = backend._page_from_flat(page)  # [2, L, P, H, D]
+        fingerprints[spec] = backend.tier.fingerprint
+    plain = codecs.get("kivi:bits=2,group=16")
+    layout = plain.layout(make_backend(tmp_path / "x", host).geometry, 16)
+    h = hadamard(64)
+    for layer in range(3):  # what rotating, encoding, decoding and rotating back gives
+        k, v = plain.decode(plain.encode(original[0, layer].float(), original[1, layer].float() @ h, layout))
+        want_v = (v.float() @ h.T).bfloat16()
+        assert torch.equal(got["kivi:bits=2,group=16,vrot=hadamard"][1, layer], want_v)
+        assert torch.equal(got["kivi:bits=2,group=16,vrot=hadamard"][0, layer], k)  # keys untouched
+    assert not torch.equal(got["kivi:bits=2,group=16"][1], got["kivi:bits=2,group=16,vrot=hadamard"][1])
+    assert len(set(fingerprints.values())) == 2

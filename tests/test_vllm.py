@@ -248,3 +248,13 @@ def test_root_dir_removed_while_running_is_recreated(tmp_path):
     assert (root.stat().st_mode & 0o777) == 0o700
     assert run(tier, 3, ks, [2], promotion=True).success and np.array_equal(buf[2], buf[1])
     tier.shutdown()
+
+
+def test_levers_are_refused_never_dropped(tmp_path):
+    """Rows carry no positions and no K/V split: a spec with levers is refused by name, not served without them."""
+    from kvbackend.errors import SpecError
+
+    _, view = primary()
+    for spec in ("rtn:bits=4,group=64,vrot=hadamard", "rtn:bits=4,group=64,sink=4", "fp8:prerope=true"):
+        with pytest.raises(SpecError, match="levers"):
+            make_tier(tmp_path, view, codec=spec)
