@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import struct
 import threading
 import time
 from typing import Any, List, Optional
@@ -131,7 +132,8 @@ class KVBackendStorage(HiCacheStorage):
         its trailer naming ``key`` and this configuration, so a blob filed under another key is a miss."""
         start = time.perf_counter()
         if self.persistent is not None:
-            blob = torch.frombuffer(bytearray(self.persistent.encode(page[0], page[1])), dtype=torch.uint8)
+            stream = struct.pack("<Q", key) + self.persistent.encode(page[0], page[1])  # the key, then the stream
+            blob = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
         else:
             chunks: list[EncodedChunk] = [self.codec.encode(*self.frame.to_stored(page[0, layer], page[1, layer], 0),
                                                             self.layout) for layer in range(self.geometry.num_layers)]
@@ -150,7 +152,9 @@ class KVBackendStorage(HiCacheStorage):
         g, lay = self.geometry, self.layout
         if self.persistent is not None:  # raises CorruptStream (a ValueError) on damage: the page is a miss
             shape = (g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
-            k, v = self.persistent.decode(blob.numpy(), shape=shape)  # another shape: refused before decoding
+            if blob.numel() < 8 or struct.unpack("<Q", bytes(blob[:8].numpy()))[0] != key:
+                raise CorruptStream("the stored stream is not this key's page")
+            k, v = self.persistent.decode(blob[8:].numpy(), shape=shape)  # another shape: refused before decoding
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise ValueError(f"a stored page decoded to {tuple(k.shape)}, not {shape}")
             out = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).to(g.dtype)

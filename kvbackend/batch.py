@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbackend.errors import InvalidKV
+
 PACKED, DENSE = 0, 1  # page kinds
 
 
@@ -33,6 +35,14 @@ class BatchPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
+
+    def check_queries(self, q: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+        """Raise InvalidKV unless ``q`` is one query per planned request, ``[B, Hq, D]`` with GQA heads."""
+        batch = len(self.request_ids)
+        if (not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != batch or q.shape[2] != head_dim
+                or q.shape[1] % num_kv_heads or not q.dtype.is_floating_point):
+            raise InvalidKV(f"decode queries must be float [{batch}, Hq, {head_dim}] with Hq a multiple of "
+                            f"{num_kv_heads}, got {getattr(q, 'shape', q)!r}")
 
     def splits(self, num_kv_heads: int, target_programs: int = 1024) -> tuple[int, int]:
         """(pages per split, number of splits) so the decode grid has about ``target_programs`` programs."""

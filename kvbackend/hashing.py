@@ -8,6 +8,25 @@ import struct
 import numpy as np
 from collections.abc import Sequence
 
+from kvbackend.errors import InvalidKV
+
+_MAX_TOKEN = 2**63  # token ids are hashed as little-endian int64
+
+
+def token_list(token_ids: Sequence[int]) -> list[int]:
+    """``token_ids`` as Python ints, every one checked before any is used (a request's chain of page keys
+    must never record part of a bad list).
+
+    Raises:
+        InvalidKV: an id that is not an integer in 0..2^63-1.
+    """
+    out = []
+    for t in token_ids:
+        if isinstance(t, (bool, float)) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < _MAX_TOKEN:
+            raise InvalidKV(f"token ids must be integers in 0..2^63-1, got {t!r}")
+        out.append(int(t))
+    return out
+
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64 bytes: what page hashes cover and collision checks compare."""

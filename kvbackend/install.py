@@ -55,7 +55,12 @@ class PageGroups:
         """A copy of one packed page group (uint8, 1-D). Only the chunk's first page carries the
         chunk's codebook; the others name the chunk and share it again when restored."""
         slot = self.pool.slot_of_page[page]
-        assert slot is not None, f"packed page {page} is not live"
+        if slot is None:
+            raise ValueError(f"packed page {page} is not live")
+        # The slot's carrier page exports its codebook; a slot whose carrier is gone (evicted while other
+        # pages of the chunk stayed) hands that role to the next page exported, so the codebook survives.
+        if self.pool.carrier_of_slot[slot] is None:
+            self.pool.carrier_of_slot[slot] = page
         carrier = self.pool.carrier_of_slot[slot] == page and self.group.has_codebooks
         key = self.pool.allocator.page_hash(page)
         raw = self.group.pack_trailer(key or 0, self.pool.chunk_of_slot[slot], carrier)  # unhashed: never restored
@@ -78,10 +83,13 @@ class PageGroups:
         (its trailer names another fingerprint, or its stored length ``sizes[i]``, when given, is not the
         length its trailer implies). Returns how many of ``keys`` (a prefix) are now on the device.
         """
-        plan = self.plan(keys, token_ids, self.read_trailers(blobs, len(keys), resident, sizes), first_page,
-                                 hold)
-        for layer in range(len(self.pool.pages)):
-            self.copy_layer(plan, blobs, layer)
+        plan = self.plan(keys, token_ids, self.read_trailers(blobs, len(keys), resident, sizes), first_page, hold)
+        try:
+            for layer in range(len(self.pool.pages)):
+                self.copy_layer(plan, blobs, layer)
+        except BaseException:
+            self.abort(plan)
+            raise
         self.finish(plan)
         return plan.installed
 
@@ -134,7 +142,10 @@ class PageGroups:
                 break  # expected on the device but evicted meanwhile, or not this page of this cache
             slot = pool.slot_of_chunk.get(trailer.chunk_id)
             opens = slot is None
-            if opens and not (trailer.carries_codebook or not self.group.has_codebooks):
+            # the row carrying this chunk's codebook: this page's, or a later page's of the same chunk
+            book_row = next((j for j in range(i, len(keys)) if trailers[j] is not None and trailers[j].key == keys[j]
+                             and trailers[j].chunk_id == trailer.chunk_id and trailers[j].carries_codebook), None)
+            if opens and book_row is None and self.group.has_codebooks:
                 break  # the codebook of this page's chunk is neither resident nor carried
             if not allocator.can_allocate(1) or (opens and not pool.slots.can_allocate(1)):
                 break
@@ -143,9 +154,11 @@ class PageGroups:
             (page,) = allocator.allocate(1)
             if opens:
                 (slot,) = pool.slots.allocate(1)
-                pool.open_slot(slot, trailer.chunk_id, page)
+                pool.open_slot(slot, trailer.chunk_id, page if book_row == i else None)
                 plan.new_slots.append(slot)
-                plan.slot_rows.append(i)
+                plan.slot_rows.append(i if book_row is None else book_row)
+            if trailer.carries_codebook:  # this page carries the codebook when exported again
+                pool.carrier_of_slot[slot] = page
             pool.bind([page], slot)
             pool.slots.decref(slot)  # the page holds the slot now
             start = (first_page + i) * p
@@ -171,3 +184,15 @@ class PageGroups:
     def finish(self, plan: InstallPlan) -> None:
         for page in plan.new_pages + plan.pinned:
             self.pool.allocator.decref(page)  # unreferenced: cached until a request takes it
+
+    def abort(self, plan: InstallPlan) -> None:
+        """Undo a plan whose copies failed: its pages lose their keys and go back free (with the slots
+        they opened); nothing it planned is ever found by a lookup."""
+        allocator = self.pool.allocator
+        for page in plan.new_pages:
+            allocator.decref(page)  # cached under its key for a moment ...
+            allocator.evict_cached(page)  # ... and gone: unkeyed, free, its slot released with it
+        for page in plan.pinned:
+            allocator.decref(page)
+        plan.new_pages, plan.rows, plan.new_slots, plan.slot_rows, plan.pinned = [], [], [], [], []
+        plan.installed = 0

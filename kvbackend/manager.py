@@ -10,13 +10,14 @@ import torch
 
 from kvbackend.accounting import CacheStats, cache_stats, check_cache
 from kvbackend.batch import BatchPlan, plan_batch
-from kvbackend.codecs.base import check_kv
+from kvbackend.codecs.base import prepare_kv
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import SINK_FIELDS, LeverFrame
 from kvbackend.install import PageGroups
 from kvbackend.layers import build_layers, cache_fingerprint
 from kvbackend.page_group import PageGroupFormat
+from kvbackend.hashing import token_list
 from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
@@ -84,11 +85,12 @@ class KVCache:
         At most ``len(token_ids) - 1`` tokens are reported cached, so the engine always computes
         the last prompt token's logits.
         """
-        tokens = [int(t) for t in token_ids]
+        tokens = token_list(token_ids)
         table = PageTable(next(self._ids), self.geometry.num_layers, self.config.page_size, token_ids=tokens)
         table.packed, table.last_hash = self.index.match(tokens)
         table.lengths = [table.num_packed_tokens] * self.geometry.num_layers
         if table.packed:  # warm-start k-means from the reused prefix's last codebook
+            self._settle()
             slot = self.packed.slot_of_page[table.packed[-1]]
             for layer, state in enumerate(table.states):
                 book = self.layouts[layer].codebook
@@ -101,7 +103,7 @@ class KVCache:
 
     def extend_tokens(self, request_id: int, token_ids: Sequence[int]) -> None:
         """Record the ids of generated tokens, so their pages can be hashed and shared later."""
-        self._table(request_id).token_ids.extend(int(t) for t in token_ids)
+        self._table(request_id).token_ids.extend(token_list(token_ids))  # all checked before any is recorded
 
     # -- writing ----------------------------------------------------------------------------
     def append(self, request_id: int, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -122,17 +124,7 @@ class KVCache:
         """
         table = self._table(request_id)
         self._check_layer(layer)
-        check_kv(k, v, self.geometry)
-        if queries is not None:
-            g = self.geometry
-            if (queries.dim() != 3 or queries.shape[0] != k.shape[0] or queries.shape[2] != g.head_dim
-                    or queries.shape[1] % g.num_kv_heads):
-                raise InvalidKV(f"queries must be [{k.shape[0]}, Hq, {g.head_dim}] with Hq a multiple of "
-                                f"{g.num_kv_heads}, got {tuple(queries.shape)}")
-        if k.device != self.dense.data.device:
-            raise InvalidKV(f"k/v on {k.device}, cache on {self.dense.data.device}")
-        if self.config.check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-            raise InvalidKV(f"request {request_id} layer {layer}: K/V contain NaN or Inf; nothing was written")
+        k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite)
         p, n = self.config.page_size, k.shape[0]
         start = table.dense_tokens(layer)
         pages_needed = -(-(start + n) // p) - len(table.dense)
@@ -180,6 +172,7 @@ class KVCache:
 
     def _complete_chunk(self, table: PageTable) -> None:
         cfg, pool = self.config, self.packed
+        self._settle()  # the pages allocated below may have been a restore's, still being copied
         chunk_dense = table.dense[: cfg.chunk_pages]
         new_pages = pool.allocator.allocate(cfg.chunk_pages)  # `_can_pack` said both allocations succeed
         (slot,) = pool.slots.allocate(1)
@@ -231,6 +224,8 @@ class KVCache:
         table = self._table(request_id)
         self._check_layer(layer)
         self.wait_layer(layer)
+        if first_page < 0:
+            raise InvalidKV(f"first_page must be >= 0, got {first_page}")
         keys, values = [self._empty()], [self._empty()]
         frame, layout, p = self.frames[layer], self.layouts[layer], self.config.page_size
         position = first_page * p
@@ -289,6 +284,7 @@ class KVCache:
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
         self._check_layer(layer)
+        plan.check_queries(q, self.geometry.num_kv_heads, self.geometry.head_dim)
         self.wait_layer(layer)
         return self.backends[layer].decode(self, plan, layer, q, scale)
 
@@ -319,6 +315,7 @@ class KVCache:
 
     def export_page(self, page: int) -> torch.Tensor:
         """A copy of one packed page group (uint8, 1-D); see `kvbackend.install.PageGroups.export`."""
+        self._settle()
         return self.groups.export(page)
 
     def evictable_pages(self) -> list[tuple[int, int]]:
@@ -345,6 +342,13 @@ class KVCache:
         events = self._layer_events
         if events is not None:
             torch.cuda.current_stream(self.packed.device).wait_event(events[layer])
+
+    def _settle(self) -> None:
+        """Make the current stream wait for every layer of the last restore (its last event follows all its
+        copies): work other than attention of one layer (exports, chunk encodes into pages a restore may
+        still be filling, codebook reads) must see the restored bytes."""
+        if self._layer_events is not None:
+            self.wait_layer(self.geometry.num_layers - 1)
 
     # -- lifetime ---------------------------------------------------------------------------
     def fork(self, request_id: int) -> int:

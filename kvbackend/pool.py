@@ -55,9 +55,11 @@ class PackedPool:
         slot = self.slot_of_page[page]
         assert slot is not None, f"packed page {page} has no codebook slot"
         self.slot_of_page[page] = None
+        if self.carrier_of_slot[slot] == page:  # the slot lives on without it: the next export carries the codebook
+            self.carrier_of_slot[slot] = None
         self.slots.decref(slot)
 
-    def open_slot(self, slot: int, chunk_id: int, carrier: int) -> None:
+    def open_slot(self, slot: int, chunk_id: int, carrier: int | None) -> None:
         """Record which chunk a freshly allocated slot holds and which page carries its codebook."""
         self.chunk_of_slot[slot] = chunk_id
         self.carrier_of_slot[slot] = carrier

@@ -208,3 +208,148 @@ def test_layer_out_of_range_is_refused_on_every_path():
                  lambda: cache.append(rid, -1, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))):
         with pytest.raises(InvalidKV, match="out of range"):
             call()
+
+
+# Defects found by a second adversarial pass.
+def test_bad_token_ids_change_nothing():
+    cache = make("identity")
+    with pytest.raises(InvalidKV, match="token ids"):
+        cache.add_request([1, 2, 2**63])
+    rid = fill(cache, list(range(5)), seed=8)
+    before = list(cache.page_table(rid).token_ids)
+    for bad in ([11, "12?"], [11, 2**64], [11, 1.5], [True]):
+        with pytest.raises(InvalidKV, match="token ids"):
+            cache.extend_tokens(rid, bad)
+        assert cache.page_table(rid).token_ids == before  # nothing of a bad list is recorded
+    with pytest.raises(InvalidKV, match="first_page"):
+        cache.read_packed(rid, 0, first_page=-1)
+
+
+def test_inputs_are_checked_in_the_cache_dtype_and_detached():
+    half = make("identity", geometry=Geometry(2, 2, 16, torch.float16))
+    rid, _ = half.add_request(list(range(3)))
+    big = torch.full((3, 2, 16), 1e6)  # finite in float32, inf in fp16
+    with pytest.raises(InvalidKV, match="NaN or Inf"):
+        half.append(rid, 0, big, big)
+    assert half.num_tokens(rid) == 0
+    half.check()
+    quantwm = make("quantwm:centroids=4,group=16")
+    rid, _ = quantwm.add_request(list(range(3)))
+    k = torch.randn(3, 2, 16, requires_grad=True)
+    with pytest.raises(InvalidKV, match="queries"):
+        quantwm.append(rid, 0, k, k, queries=torch.full((3, 4, 16), float("nan")))
+    quantwm.append(rid, 0, k * 2, k * 2)  # part of an autograd graph: stored detached
+    assert quantwm.dense.data.grad_fn is None and not quantwm.dense.data.requires_grad
+
+
+def test_a_failed_install_leaves_nothing_keyed(monkeypatch):
+    from kvbackend.install import PageGroups
+
+    cache = make("identity")
+    tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes, pin=False), None, background=False)
+    tokens = list(range(9))
+    rid = fill(cache, tokens, seed=9)
+    expected = packed_reads(cache, rid)
+    tiered.free(rid)
+    assert tiered.offload(max_pages=4) == 2
+    original = PageGroups.copy_layer
+
+    def flaky(self, plan, blobs, layer):
+        if layer == 1 and plan.new_pages:
+            raise RuntimeError("simulated: out of memory while copying a layer")
+        return original(self, plan, blobs, layer)
+
+    monkeypatch.setattr(PageGroups, "copy_layer", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        tiered.add_request(tokens)
+    cache.check()
+    assert cache.device_prefix(cache.prefix_keys(tokens)) == 0  # no page keyed without its bytes
+    monkeypatch.setattr(PageGroups, "copy_layer", original)
+    rid, hit = tiered.add_request(tokens)  # the retry restores for real
+    assert hit == 8
+    assert_same_reads(packed_reads(cache, rid), expected)
+    tiered.close()
+
+
+def test_a_chunks_codebook_survives_its_first_page_moving_down_and_back():
+    """The carrier page goes down while the chunk's slot stays resident, comes back and joins the slot;
+    when every copy below is gone and the chunk is offloaded again, some page group still carries the
+    codebook and the prefix restores."""
+    cache = make(packed_pages=4)
+    host = HostTier(cache.blob_bytes * 8, cache.blob_bytes, pin=False)
+    tiered = TieredCache(cache, host, None, background=False)
+    tokens = list(range(9))
+    rid = fill(cache, tokens, seed=10)
+    expected = packed_reads(cache, rid)
+    tiered.free(rid)
+    tiered.offload(max_pages=2)
+    tiered.flush()
+    assert tiered.restore(tokens).restored_from_host == 2
+    first = cache.packed.allocator.lookup(cache.prefix_keys(tokens)[0])
+    assert cache.evictable_pages()[0][0] == first
+    tiered.offload(max_pages=1)  # the carrier (least recently used) goes down; the second page keeps the slot
+    tiered.flush()
+    assert tiered.restore(tokens).restored_from_host == 1
+    host.evict(10)  # every copy below ages out
+    assert tiered.offload(max_pages=2) == 2
+    tiered.flush()
+    assert tiered.restore(tokens).restored_from_host == 2
+    rid, hit = tiered.add_request(tokens)
+    assert hit == 8
+    assert_same_reads(packed_reads(cache, rid), expected)
+    cache.check()
+    tiered.close()
+
+
+def test_host_tier_checks_every_buffer_before_registering_anything():
+    host = HostTier(10 * 100, 100, pin=False)
+    with pytest.raises(ValueError, match="1-D uint8"):
+        host.put([1, 2, 3], [torch.zeros(50, dtype=torch.uint8), torch.zeros(5, 5), torch.zeros(50, dtype=torch.uint8)])
+    assert host.contains([1]) == 0 and host.stats().blobs == 0
+    host.check()
+    assert host.put([1], [torch.arange(50, dtype=torch.uint8)]).result() == [True]
+    with pytest.raises(ValueError, match="1-D uint8"):
+        host.get([1], [torch.empty(5, 20, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="1-D uint8"):
+        host.get([1], [torch.empty(50)])
+    out = torch.empty(50, dtype=torch.uint8)
+    assert host.get([1], [out]).result() == [True] and torch.equal(out, torch.arange(50, dtype=torch.uint8))
+    assert host.evict(1) == 1  # nothing stuck in a reading state
+    host.check()
+
+
+def test_alignpred_pages_of_large_fp16_values_come_back_finite(tmp_path):
+    pytest.importorskip("constriction")
+    from kvbackend.tiers.persist import AlignPredFormat
+
+    g = Geometry(1, 1, 8, torch.float16)
+    cache = KVCache(g, CacheConfig(codec="identity", page_size=4, chunk_pages=1, dense_pages=4, packed_pages=4))
+    fmt = AlignPredFormat("alignpred:error=0.03", cache.layout)
+    tiered = TieredCache(cache, None, FileTier(str(tmp_path), 1 << 20, cache.fingerprint, fmt=fmt, fsync=False),
+                         background=False)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(4, 1, 8, generator=gen).half()
+    k[:, :, :4] = 65504 * torch.sign(torch.randn(4, 1, 4, generator=gen)).half()  # fp16's largest finite values
+    rid, _ = tiered.add_request([1, 2, 3, 4, 5])
+    tiered.append(rid, 0, k, k)
+    tiered.free(rid)
+    assert tiered.offload(max_pages=10) == 1
+    tiered.flush()
+    rid, hit = tiered.add_request([1, 2, 3, 4, 5])
+    assert hit == 4
+    back = tiered.read(rid, 0)[0]
+    assert torch.isfinite(back).all()
+    assert (back.float() - k.float()).norm() <= 0.03 * k.float().norm() * 1.01
+    tiered.close()
+
+
+def test_decode_refuses_queries_that_do_not_match_the_plan():
+    cache = make("identity")
+    rids = [fill(cache, list(range(5)), seed=s) for s in (11, 12)]
+    plan = cache.plan(rids)
+    for q in (torch.randn(1, 2, 16), torch.randn(3, 2, 16), torch.randn(2, 3, 16), torch.randn(2, 2, 8),
+              torch.randint(0, 5, (2, 2, 16))):
+        with pytest.raises(InvalidKV, match="decode queries"):
+            cache.decode(plan, 0, q)
+    out, lse = cache.decode(plan, 0, torch.randn(2, 4, 16))
+    assert out.shape == (2, 4, 16) and lse.shape == (2, 4)

@@ -286,12 +286,13 @@ def test_blob_of_the_wrong_length_is_a_miss(tmp_path):
     assert backend.batch_get(["bad0", "bad1"]) == [None, None]
 
 
-def test_page_filed_under_another_key_is_a_miss(tmp_path):
-    """Every blob is a page group whose trailer names its key: a page stored under another key (a
-    misrouted write, a swapped file entry) is never loaded as that key's page."""
+@pytest.mark.parametrize("codec", ["kivi:bits=4,group=16", "alignpred:error=1x"])
+def test_page_filed_under_another_key_is_a_miss(tmp_path, codec):
+    """Every blob names its key (a page group's trailer; an AlignPred stream's key header): a page stored
+    under another key (a misrouted write, a swapped file entry) is never loaded as that key's page."""
     host = HostPool("layer_first")
     host.kv_buffer.normal_()
-    backend = make_backend(tmp_path, host, "kivi:bits=4,group=16")
+    backend = make_backend(tmp_path, host, codec)
     assert backend.batch_set_v1(["a"], host_indices([0])) == [True]
     page = backend._encode(host.page(0), backend._key("a"))
     assert backend.tier.put([backend._key("b")], [page]).result() == [True]

@@ -475,3 +475,42 @@ def test_host_batches_keep_results_in_order():
     assert handle.result() == [True] * n + [False] and handle.done()
     assert all(torch.equal(o[: b.numel()], b) for o, b in zip(outs, blobs))
     host.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the race is between CUDA streams")
+def test_offload_right_after_a_layered_restore_exports_the_restored_bytes(tmp_path):
+    """A host restore installs layers on a side stream; an offload soon after must export the bytes
+    that restore copied, not what the pages held before (once seen on an H200: 15-19 of 32 layers of a
+    6144-token prefix came back wrong from the file tier)."""
+    layers, heads, dim, page, chunk, pages = 32, 8, 128, 64, 4, 96
+    geometry = Geometry(layers, heads, dim, torch.bfloat16)
+    config = CacheConfig(codec="identity", page_size=page, chunk_pages=chunk, dense_pages=2 * chunk + 2,
+                         packed_pages=pages, device="cuda")
+    cache = KVCache(geometry, config)
+    host = HostTier(cache.blob_bytes * (pages + 8), cache.blob_bytes)
+    prompt = list(range(pages * page + 1))
+    xs = [torch.randn(pages * page, heads, dim, device="cuda").bfloat16() for _ in range(layers)]
+    rid, _ = cache.add_request(prompt)
+    for start in range(0, pages * page, chunk * page):
+        for layer in range(layers):
+            cache.append(rid, layer, xs[layer][start : start + chunk * page], -xs[layer][start : start + chunk * page])
+    cache.free(rid)
+    first = TieredCache(cache, host, None, background=False)
+    first.offload(max_pages=pages)
+    first.flush()  # the pages live in the host tier only
+    tiered = TieredCache(cache, host, FileTier(str(tmp_path), 1 << 40, cache.fingerprint, fsync=False),
+                         background=False)
+    assert tiered.restore(prompt).restored_from_host == pages
+    tiered.offload(max_pages=pages)  # at once: the restored pages go down again, to the file tier too
+    tiered.flush()
+    restarted = KVCache(geometry, config)  # a restarted engine restores from the file tier alone
+    again = TieredCache(restarted, None, FileTier(str(tmp_path), 1 << 40, restarted.fingerprint, fsync=False),
+                        background=False)
+    rid, hit = again.add_request(prompt)
+    assert hit == pages * page
+    for layer in range(layers):
+        k, v = again.read(rid, layer)
+        assert torch.equal(k, xs[layer]) and torch.equal(v, -xs[layer]), f"layer {layer}"
+    for t in (first, tiered, again):
+        t.close()

@@ -94,6 +94,10 @@ class HostTier:
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
         check_pairs(keys, blobs, "blobs")
+        for key, blob in zip(keys, blobs):  # every blob checked before any entry is registered
+            if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+                raise ValueError(f"blob for key {key} must be 1-D uint8, got {getattr(blob, 'dtype', type(blob))} "
+                                 f"{tuple(getattr(blob, 'shape', ()))}")
         return Handle.combine([self._put_batch(keys[i : i + BATCH], blobs[i : i + BATCH])
                                for i in range(0, max(len(keys), 1), BATCH)])
 
@@ -193,6 +197,10 @@ class HostTier:
 
     def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
         check_pairs(keys, into, "buffers")
+        for out in into:  # a bad buffer must fail here, not in a worker holding an entry in READING
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1:
+                raise ValueError(f"host tier buffers are 1-D uint8 tensors, got {getattr(out, 'dtype', type(out))} "
+                                 f"of shape {tuple(getattr(out, 'shape', ()))}")
         return Handle.combine([self._get_batch(keys[i : i + BATCH], into[i : i + BATCH])
                                for i in range(0, max(len(keys), 1), BATCH)])
 

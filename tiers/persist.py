@@ -70,7 +70,10 @@ class AlignPredFormat:
         k, v = self.codec.decode(stored[TRAILER_BYTES:], shape=(self.layers, *self.layout.page.fields["k"].shape))
         target = out[: self.blob_bytes]
         kv, vv = self._views(target)
-        kv.copy_(torch.from_numpy(k))
-        vv.copy_(torch.from_numpy(v))
+        # The lattice may step a value at the edge of the page dtype's range just past it (65504 -> 65504.5
+        # in fp16 would become inf): clamp to the finite range, which only brings it closer to the original.
+        finite = torch.finfo(kv.dtype)
+        kv.copy_(torch.from_numpy(k).clamp_(finite.min, finite.max))
+        vv.copy_(torch.from_numpy(v).clamp_(finite.min, finite.max))
         trailer = np.frombuffer(stored[:TRAILER_BYTES], np.uint8).copy()
         target[self.group.pages_bytes : self.group.books_offset].copy_(torch.from_numpy(trailer))

@@ -63,6 +63,7 @@ class Transfer:
     tail: torch.cuda.Event | None = None  # (CUDA) event after the trailers and codebooks are staged
     warm: Handle | None = None  # the copy of file rows up to the host tier (never waited on here)
     cancelled: bool = False
+    installed_rows: list[int] = field(default_factory=list)  # rows whose bytes went into new device pages
 
     @property
     def first_page(self) -> int:
@@ -152,34 +153,42 @@ class Transfer:
         many of `keys` (a prefix) are on the device afterwards."""
         usable = self.usable()
         resident = [s is Source.DEVICE for s in self.sources[:usable]]
-        staged, layered = self.staged, self.layered
+        staged, layered, groups = self.staged, self.layered, cache.groups
         try:
-            if layered is None or layered.stream is None:  # bytes all present: install in one go
-                return cache.install_pages(self.keys[:usable], self.token_ids, staged[:usable], self.first_page,
-                                           resident, self.sizes[:usable], hold=self.hold)
-            torch.cuda.current_stream().wait_event(self.tail)  # the trailers are read on the host next
-            groups = cache.groups
+            on_streams = layered is not None and layered.stream is not None
+            if on_streams:
+                torch.cuda.current_stream().wait_event(self.tail)  # the trailers are read on the host next
             plan = groups.plan(self.keys[:usable], self.token_ids,
                                groups.read_trailers(staged, usable, resident, self.sizes[:usable]), self.first_page,
                                hold=self.hold)
-            index = plan.index(staged.device, cache.packed.device)
-            stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
-            for t in (staged, *index.values()):
-                t.record_stream(stream)
-            events = []
-            with torch.cuda.stream(stream):  # each layer once it arrived; attention of layer i waits for i only
-                for layer in range(cache.geometry.num_layers):
-                    stream.wait_event(self.arrived[layer])
-                    groups.copy_layer(plan, staged, layer)
-                    events.append(_record(stream))
-            cache.set_layer_events(events)
+            try:
+                if not on_streams:  # bytes all present: every layer now, on the current stream
+                    for layer in range(cache.geometry.num_layers):
+                        groups.copy_layer(plan, staged, layer)
+                else:  # each layer once it arrived; attention of layer i waits for layer i only
+                    index = plan.index(staged.device, cache.packed.device)
+                    stream.wait_stream(torch.cuda.current_stream())  # rows from the file tier, the index
+                    for t in (staged, *index.values()):
+                        t.record_stream(stream)
+                    events = []
+                    with torch.cuda.stream(stream):
+                        for layer in range(cache.geometry.num_layers):
+                            stream.wait_event(self.arrived[layer])
+                            groups.copy_layer(plan, staged, layer)
+                            events.append(_record(stream))
+                    cache.set_layer_events(events)
+            except BaseException:
+                groups.abort(plan)  # nothing planned is left keyed without its bytes
+                raise
             groups.finish(plan)
+            self.installed_rows = list(plan.rows)
             return plan.installed
         finally:
             if layered is not None:
                 layered.close()
 
     def report(self, installed: int) -> RestoreReport:
-        done = self.sources[:installed]
-        return RestoreReport(len(self.hold), done.count(Source.HOST), done.count(Source.FILE),
+        """What the transfer did: pages found on the device, pages whose bytes came from each tier."""
+        came = [self.sources[i] for i in self.installed_rows]
+        return RestoreReport(len(self.hold), came.count(Source.HOST), came.count(Source.FILE),
                              len(self.keys) - installed)

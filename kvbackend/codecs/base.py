@@ -187,6 +187,33 @@ def check_kv(k: torch.Tensor, v: torch.Tensor, geometry: Geometry) -> None:
         raise InvalidKV(f"k and v are on different devices: {k.device} vs {v.device}")
 
 
+def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, geometry: Geometry,
+               device: torch.device, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """K/V (and queries) ready to store: checked, detached from any autograd graph and in the cache's dtype.
+
+    Raises:
+        InvalidKV: wrong shapes, dtypes or device; with ``check_finite``, NaN or Inf in K/V after the cast
+            to the cache's dtype (a finite float32 value beyond fp16's range counts); NaN or Inf in queries.
+    """
+    check_kv(k, v, geometry)
+    if k.device != device:
+        raise InvalidKV(f"k/v on {k.device}, cache on {device}")
+    if queries is not None:
+        g = geometry
+        if (not isinstance(queries, torch.Tensor) or queries.dim() != 3 or queries.shape[0] != k.shape[0]
+                or queries.shape[2] != g.head_dim or queries.shape[1] % g.num_kv_heads
+                or not queries.dtype.is_floating_point or queries.device != device):
+            raise InvalidKV(f"queries must be float [{k.shape[0]}, Hq, {g.head_dim}] on {device} with Hq a multiple "
+                            f"of {g.num_kv_heads}, got {getattr(queries, 'shape', queries)!r}")
+        queries = queries.detach()
+        if not torch.isfinite(queries).all():
+            raise InvalidKV("queries contain NaN or Inf; nothing was written")
+    k, v = k.detach().to(geometry.dtype), v.detach().to(geometry.dtype)
+    if check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise InvalidKV(f"K/V contain NaN or Inf (in {geometry.dtype}); nothing was written")
+    return k, v, queries
+
+
 def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
     """``[n*P, ...]`` -> ``[n, P, ...]``."""
     return x.reshape(-1, page_size, *x.shape[1:])
