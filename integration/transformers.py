@@ -4,13 +4,20 @@
     model.generate(input_ids, past_key_values=cache)
 
 Each batch row is one kvbackend request. Keys and values go into the request's dense active chunk;
-completed chunks are encoded by the codec; attention reads the reconstruction of the packed
-chunks (decoded once per chunk and kept) followed by the active chunk as stored. The first
-``sink`` tokens can stay exact, and keys can be stored before RoPE.
+completed chunks are encoded by the codec into packed pages and their dense pages are freed. The
+cache holds nothing else: every forward call, each layer's attention reads its K/V from the paged
+`KVCache` (`KVCache.read`: packed pages decoded by the torch reference, then the active chunk as
+stored), and that reconstruction is dropped once attention has used it.
+
+Levers are options of each layer's codec spec, served by the paged cache itself: ``sink=S`` (the
+first S tokens kept at 16 bits in the first chunk's codebook slot; S <= page_size), ``prerope=true``
+(keys encoded before RoPE, rotated again on read) and ``vrot=hadamard`` (values encoded after a
+Hadamard rotation, rotated back on read). The ``sink``, ``pre_rope`` and ``v_rotation`` arguments
+append them to every layer's spec that does not name them already.
 
 A per-layer plan (the one ``kvbackend eval`` prints for ``auto:...``) runs as it is chosen:
-``KVBackendCache.from_plan(model.config, plan)`` takes each layer's codec and the plan's sink,
-pre-RoPE and value-rotation levers, so nothing is calibrated again.
+``KVBackendCache.from_plan(model.config, plan)`` takes each layer's spec, levers included, so
+nothing is calibrated again.
 
 Query-aware codecs (``quantwm``) also need the queries attention used. ``cache.attach(model)``
 installs an attention function that hands each layer's queries to the cache before attending; the
@@ -20,33 +27,98 @@ statistics of its own and earlier queries). Without it such a codec runs on cold
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbackend.errors import SpecError
+from kvbackend import codecs
+from kvbackend.errors import CacheFull, SpecError
+from kvbackend.frames import LeverFrame
 from kvbackend.geometry import CacheConfig, Geometry
-from kvbackend.levers import Levers, hadamard
+from kvbackend.levers import Levers
 from kvbackend.manager import KVCache
-from kvbackend.rope import rotary_from_config
-from kvbackend.tools.auto import cache_specs
+from kvbackend.rope import Rotary, rotary_from_config
+from kvbackend.spec import split_spec
 
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Options of a `KVBackendCache` shared by all its layers (each layer holds its own levers:
-    ``sink``, ``pre_rope``, ``v_rotation``)."""
+    """Options of a `KVBackendCache` shared by all its layers."""
 
-    codec: str | tuple[str, ...] = "qvg"  # codec spec for completed chunks, or one spec per layer
+    codec: str | tuple[str, ...] = "qvg"  # codec spec as given, or one spec per layer
     page_size: int = 64  # tokens per page
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
-    max_tokens: int = 4096  # longest sequence per batch row; sizes the pools
+    max_tokens: int = 4096  # longest sequence per batch row; sizes the packed pool
+    dense_tokens: int | None = None  # tokens per row the dense pool holds; None: max_tokens (any prompt at once)
+
+
+def lever_options(levers: Levers) -> dict[str, str]:
+    """The spec options that turn ``levers`` on (levers left at their defaults are omitted)."""
+    options = {}
+    if levers.sink:
+        options["sink"] = str(levers.sink)
+    if levers.prerope:
+        options["prerope"] = "true"
+    if levers.vrot != "none":
+        options["vrot"] = levers.vrot
+    return options
+
+
+def with_levers(spec: str, levers: Levers) -> str:
+    """``spec`` with the lever options of ``levers`` appended, except those the spec names itself."""
+    _, named = split_spec(spec)  # raises SpecError for a malformed spec
+    extra = [f"{key}={value}" for key, value in lever_options(levers).items() if key not in named]
+    if not extra:
+        return spec
+    text = spec.strip()
+    joiner = ":" if ":" not in text else ("" if text.endswith((":", ",")) else ",")
+    return f"{text}{joiner}{','.join(extra)}"
+
+
+def layer_specs(codec: str | tuple[str, ...], layers: int, levers: Levers,
+                layer_levers: Sequence[Levers] | None = None) -> tuple[list[str], list[codecs.Codec]]:
+    """Every layer's codec spec with its levers, and the parsed codecs.
+
+    ``levers`` fill in the lever options a spec does not name; ``layer_levers`` (one per layer) must
+    agree with any lever option the layer's spec names.
+
+    Raises:
+        SpecError: a spec count other than ``layers``, a bad spec, a ``layer_levers`` entry that
+            contradicts its spec, differing sinks, or the ``psac=`` lever.
+    """
+    specs = [codec] * layers if isinstance(codec, str) else list(codec)
+    if len(specs) != layers:
+        raise SpecError(f"a per-layer plan of {len(specs)} specs for a model of {layers} layers")
+    if layer_levers is not None:
+        per_layer = list(layer_levers)
+        if len(per_layer) != layers:
+            raise SpecError(f"layer_levers has {len(per_layer)} entries for a model of {layers} layers")
+        specs = [with_levers(spec, lever) for spec, lever in zip(specs, per_layer)]
+        parsed = [codecs.get(spec) for spec in specs]
+        for i, (codec_i, lever) in enumerate(zip(parsed, per_layer)):
+            if codec_i.levers != lever:
+                raise SpecError(f"layer {i}: spec {specs[i]!r} names levers {codec_i.levers} but layer_levers "
+                                f"gives {lever}")
+    else:
+        specs = [with_levers(spec, levers) for spec in specs]
+        parsed = [codecs.get(spec) for spec in specs]
+    if any(c.levers.psac for c in parsed):
+        raise SpecError("the psac= lever is applied by `kvbackend eval` only; use quantwm:rank=R")
+    sinks = sorted({c.levers.sink for c in parsed})
+    if len(sinks) > 1:
+        raise SpecError(f"every layer of one cache keeps the same sink; the plan asks for {sinks}")
+    return specs, parsed
 
 
 class KVBackendLayer(CacheLayerMixin):
-    """One attention layer's cache, stored in the shared `KVCache` of its `KVBackendCache`."""
+    """One attention layer's cache, stored in the shared `KVCache` of its `KVBackendCache`.
+
+    It holds no K/V of its own: `update` appends the new tokens to the paged cache and returns what
+    `read` decodes from it for this forward call only.
+    """
 
     is_sliding = False
     is_compileable = False
@@ -55,106 +127,93 @@ class KVBackendLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
-        self.sink, self.pre_rope, self.v_rotation = levers.sink, levers.prerope, levers.vrot
-        self.length = 0  # tokens per row seen by this layer (sink included)
-        self._sink_k: torch.Tensor | None = None  # [B, H, sink, D], exact
-        self._sink_v: torch.Tensor | None = None
-        self._packed_k: list[torch.Tensor] = []  # per row: decoded packed pages [H, n, D] (RoPE applied)
-        self._packed_v: list[torch.Tensor] = []
-        # new tokens waiting for their queries (attach()): (k as stored [B, H, T, D], v, first position)
-        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.levers = levers  # served by the paged cache (they are part of this layer's codec spec)
+        self.length = 0  # tokens per row seen by this layer
+        # This forward call's new tokens, waiting for their queries (attach()): (k [B, H, T, D], v).
+        # Set in `update` and appended by `observe_queries` within the same forward call.
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def sink(self) -> int:
+        return self.levers.sink
+
+    @property
+    def pre_rope(self) -> bool:
+        return self.levers.prerope
+
+    @property
+    def v_rotation(self) -> str:
+        return self.levers.vrot
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.owner._ensure_engine(key_states)
-        batch = key_states.shape[0]
-        empty = key_states.new_zeros(batch, key_states.shape[1], 0, key_states.shape[3])
-        self._sink_k, self._sink_v = empty, empty.clone()
-        self._packed_k = [empty[0]] * batch
-        self._packed_v = [empty[0]] * batch
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store ``[B, H, T, D]`` new keys and values; return every token's K/V of this layer
+        ``[B, H, length, D]`` (a temporary of this forward call)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.flush_pending()  # queries never came (attention ran without the attached function)
-        opts, engine = self.owner.options, self.owner.engine
+        if key_states.shape[0] != len(self.owner.request_ids):
+            raise ValueError(f"layer {self.layer_idx}: a batch of {key_states.shape[0]} rows for a cache of "
+                             f"{len(self.owner.request_ids)} rows")
         t = key_states.shape[2]
-        to_sink = min(max(self.sink - self.length, 0), t)
-        if to_sink:
-            self._sink_k = torch.cat([self._sink_k, key_states[:, :, :to_sink]], dim=2)
-            self._sink_v = torch.cat([self._sink_v, value_states[:, :, :to_sink]], dim=2)
-        k_new, v_new = key_states[:, :, to_sink:], value_states[:, :, to_sink:]
-        first = self.length + to_sink - self.sink  # position of k_new[0] among paged tokens
-        k_seen, v_seen = k_new, v_new
-        if self.pre_rope and k_new.shape[2]:
-            k_new = self.owner.rotary.derotate(k_new, self._positions(first, k_new.shape[2]))
-        v_new = self.rotate_values(v_new)
-        if self.owner.wants_queries and k_new.shape[2]:  # append once attention hands over the queries
-            keys, values = self._gather()
-            self._pending = (k_new, v_new, first)
+        if self.owner.wants_queries and t:  # append once attention hands over the queries
+            keys, values = self.read()
+            self._pending = (key_states, value_states)
             self.length += t
-            return torch.cat([keys, k_seen], dim=2), torch.cat([values, v_seen], dim=2)
-        for row, rid in enumerate(self.owner.request_ids):
-            engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1))
+            return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+        self._append(key_states, value_states)
         self.length += t
-        return self._gather()
+        return self.read()
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                queries: torch.Tensor | None = None) -> None:
+        engine = self.owner.engine
+        p, n = engine.config.page_size, key_states.shape[2]
+        tables = [engine.page_table(rid) for rid in self.owner.request_ids]
+        needed = sum(max(-(-(t.dense_tokens(self.layer_idx) + n) // p) - len(t.dense), 0) for t in tables)
+        if needed > engine.dense.allocator.num_free:  # checked for every row first: no row is left ahead
+            raise CacheFull("dense", needed, engine.dense.allocator.num_free,
+                            hint=f"{n} new tokens per row do not fit the dense pool (dense_tokens="
+                                 f"{self.owner.options.dense_tokens}, max_tokens={self.owner.options.max_tokens}); "
+                                 f"feed long prompts through KVBackendCache.prefill or raise dense_tokens")
+        for row, rid in enumerate(self.owner.request_ids):
+            q = None if queries is None else queries[row].transpose(0, 1)
+            engine.append(rid, self.layer_idx, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1),
+                          queries=q)
 
     def observe_queries(self, query: torch.Tensor) -> None:
         """Append the pending tokens with their queries ``[B, Hq, T, D]`` (post-RoPE, as attention saw
-        them; de-rotated like the keys when keys are stored before RoPE)."""
+        them; the paged cache brings them into the keys' stored frame)."""
         if self._pending is None:
             return
-        k_new, v_new, first = self._pending
-        n = k_new.shape[2]
-        q = query[:, :, -n:]
-        if self.pre_rope:  # approximate frame: each query de-rotated by its own position
-            q = self.owner.rotary.derotate(q, self._positions(first, n))
+        k_new, v_new = self._pending
         self._pending = None
-        for row, rid in enumerate(self.owner.request_ids):
-            self.owner.engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1),
-                                     queries=q[row].transpose(0, 1))
+        self._append(k_new, v_new, queries=query[:, :, -k_new.shape[2]:])
 
     def flush_pending(self) -> None:
+        """Append pending tokens without queries (attention never handed them over)."""
         if self._pending is None:
             return
-        k_new, v_new, _ = self._pending
+        k_new, v_new = self._pending
         self._pending = None
-        for row, rid in enumerate(self.owner.request_ids):
-            self.owner.engine.append(rid, self.layer_idx, k_new[row].transpose(0, 1), v_new[row].transpose(0, 1))
+        self._append(k_new, v_new)
 
-    def _positions(self, first: int, n: int) -> torch.Tensor:
-        # Paged tokens sit after the sink, so their RoPE position is their index plus the sink length.
-        return torch.arange(first, first + n) + self.sink
-
-    def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        engine, opts = self.owner.engine, self.owner.options
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K/V of every row ``[B, H, tokens, D]``, read from the paged cache now (packed
+        pages decoded, levers undone, then the active chunk as stored). Nothing of it is kept."""
+        engine = self.owner.engine
         keys, values = [], []
-        for row, rid in enumerate(self.owner.request_ids):
-            have = self._packed_k[row].shape[1] // opts.page_size
-            pk, pv = engine.read_packed(rid, self.layer_idx, first_page=have)
-            if pk.shape[0]:
-                pk = pk.transpose(0, 1)
-                if self.pre_rope:
-                    pk = self.owner.rotary.rotate(pk, self._positions(have * opts.page_size, pk.shape[1]))
-                self._packed_k[row] = torch.cat([self._packed_k[row], pk], dim=1)
-                pv = self.rotate_values(pv.transpose(0, 1), back=True)
-                self._packed_v[row] = torch.cat([self._packed_v[row], pv], dim=1)
-            dk, dv = engine.read_dense(rid, self.layer_idx)
-            dk = dk.transpose(0, 1)
-            if self.pre_rope and dk.shape[1]:
-                dk = self.owner.rotary.rotate(dk, self._positions(self._packed_k[row].shape[1], dk.shape[1]))
-            keys.append(torch.cat([self._packed_k[row], dk], dim=1))
-            values.append(torch.cat([self._packed_v[row], self.rotate_values(dv.transpose(0, 1), back=True)], dim=1))
-        return torch.cat([self._sink_k, torch.stack(keys)], dim=2), torch.cat([self._sink_v, torch.stack(values)], dim=2)
+        for rid in self.owner.request_ids:
+            k, v = engine.read(rid, self.layer_idx)
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        return torch.stack(keys), torch.stack(values)
 
-    def rotate_values(self, v: torch.Tensor, back: bool = False) -> torch.Tensor:
-        """Values ``[..., D]`` into the stored frame (or ``back`` out of it): an orthonormal Hadamard
-        rotation when this layer's ``v_rotation`` is "hadamard" (computed in float32), else unchanged."""
-        if self.v_rotation == "none" or not v.numel():
-            return v
-        h = hadamard(v.shape[-1]).to(v.device)
-        return (v.float() @ (h.T if back else h)).to(v.dtype)
+    _gather = read  # the name earlier versions used
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -169,12 +228,6 @@ class KVBackendLayer(CacheLayerMixin):
         self._pending = None
         self.length = 0
         self.is_initialized = False
-        self._sink_k = self._sink_v = None
-        self._packed_k, self._packed_v = [], []
-
-    def stored_bytes(self) -> int:
-        """Bytes of the exact sink tokens kept by this layer."""
-        return 0 if self._sink_k is None else self._sink_k.nbytes + self._sink_v.nbytes
 
 
 class KVBackendCache(Cache):
@@ -182,36 +235,46 @@ class KVBackendCache(Cache):
 
     def __init__(self, config, codec: str | Sequence[str] = "qvg", *, page_size: int = 64, chunk_pages: int = 32,
                  sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none",
-                 layer_levers: Sequence[Levers] | None = None) -> None:
-        """``sink`` (first tokens of every row kept exact, outside the pages), ``pre_rope`` (keys stored
-        before RoPE, rotated again on read) and ``v_rotation`` ("hadamard": values stored rotated,
-        rotated back on read) apply to every layer, unless ``layer_levers`` (one `Levers` per layer,
-        as `from_plan` passes them) gives each layer its own."""
+                 layer_levers: Sequence[Levers] | None = None, dense_tokens: int | None = None) -> None:
+        """``sink`` (first tokens of every row kept at 16 bits; at most ``page_size``), ``pre_rope``
+        (keys stored before RoPE, rotated again on read) and ``v_rotation`` ("hadamard": values stored
+        rotated, rotated back on read) are appended to every layer's codec spec that does not name
+        them, unless ``layer_levers`` (one `Levers` per layer) gives each layer its own.
+
+        Memory: the packed pool holds ``max_tokens`` per row, compressed. The dense pool holds
+        ``dense_tokens`` per row at the model's dtype (default ``max_tokens``, so a prompt of any
+        length can be passed in one forward call: a chunk is packed only once every layer has it).
+        For the codec's saving, give ``dense_tokens`` of two chunks and feed long prompts through
+        `prefill`, which runs them chunk by chunk.
+
+        Raises:
+            SpecError: a bad spec or lever, a per-layer plan of the wrong length, differing sinks, a
+                sink longer than a page, or ``psac=``.
+        """
         codec = codec if isinstance(codec, str) else tuple(codec)
-        self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens)
+        for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages), ("max_tokens", max_tokens),
+                            ("dense_tokens", 1 if dense_tokens is None else dense_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens, dense_tokens)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = text_config.num_hidden_layers
-        if isinstance(codec, tuple) and len(codec) != layers:
-            raise SpecError(f"a per-layer plan of {len(codec)} specs for a model of {layers} layers")
-        levers = list(layer_levers) if layer_levers is not None else [Levers(sink, pre_rope, v_rotation)] * layers
-        if len(levers) != layers:
-            raise SpecError(f"layer_levers has {len(levers)} entries for a model of {layers} layers")
-        if len({lever.sink for lever in levers}) > 1:  # the engine's requests hold one token count in all layers
-            raise SpecError(f"every layer of one cache keeps the same sink; the plan asks for "
-                            f"{sorted({lever.sink for lever in levers})}")
-        if any(lever.psac for lever in levers):
-            raise SpecError("the psac= lever is applied by `kvbackend eval` only; use quantwm:rank=R")
+        levers = Levers(sink, pre_rope, v_rotation)  # raises SpecError for a bad lever value
+        self.layer_specs, parsed = layer_specs(codec, layers, levers, layer_levers)
         self.model_config = text_config
-        self.rotary = rotary_from_config(text_config) if any(lever.prerope for lever in levers) else None
+        needs_rope = any(c.levers.prerope for c in parsed)
+        self.rotary: Rotary | None = rotary_from_config(text_config) if needs_rope else None
+        for i, c in enumerate(parsed):  # what the paged cache would refuse, refused now
+            LeverFrame(c.levers, self.rotary).check(page_size, f"layer {i} ({self.layer_specs[i]})")
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
-        super().__init__(layers=[KVBackendLayer(self, i, lever) for i, lever in enumerate(levers)])
+        super().__init__(layers=[KVBackendLayer(self, i, c.levers) for i, c in enumerate(parsed)])
 
     @classmethod
     def from_plan(cls, config, plan: Sequence[str], **options) -> "KVBackendCache":
         """A cache that runs a per-layer plan as chosen (e.g. ``kvbackend eval --json``'s ``plan`` for
-        an ``auto:...`` codec): each layer's codec and its own ``sink``, ``prerope`` and ``vrot``
+        an ``auto:...`` codec): each layer's codec with its own ``sink``, ``prerope`` and ``vrot``
         levers. Other keyword options as for the class.
 
         Raises:
@@ -232,8 +295,32 @@ class KVBackendCache(Cache):
         for i, spec in enumerate(plan):
             if not isinstance(spec, str):
                 raise SpecError(f"plan[{i}]={spec!r} is not a codec spec string")
-        specs, levers = cache_specs(plan)
-        return cls(config, specs, layer_levers=levers, **options)
+        return cls(config, tuple(plan), **options)
+
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **model_kwargs):
+        """Run ``model`` over ``input_ids [B, T]`` chunk by chunk (pieces that end on this cache's chunk
+        boundaries), so every chunk is packed before the next is read and the dense pool needs only
+        about two chunks per row (``dense_tokens``). Returns the model's output for the last piece
+        (its logits cover that piece's tokens only). ``attention_mask`` covers every token of the
+        cache, earlier ones included, as in one call.
+
+        Raises:
+            ValueError: ``input_ids`` is not a non-empty [B, T] tensor of token ids.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError("input_ids must be a [batch, tokens] tensor with at least one token")
+        chunk = self.options.page_size * self.options.chunk_pages
+        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        start, total, output = 0, input_ids.shape[1], None
+        while start < total:
+            end = min(start + chunk - self.get_seq_length() % chunk, total)
+            kwargs = dict(model_kwargs, use_cache=True, **{keyword: self})
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask[:, : self.get_seq_length() + end - start]
+            output = model(input_ids[:, start:end], **kwargs)
+            start = end
+        return output
 
     def attach(self, model) -> str:
         """Route ``model``'s attention through a function that hands queries to this cache first
@@ -251,51 +338,53 @@ class KVBackendCache(Cache):
         AttentionInterface.register(name, attention)
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(name)
-        from kvbackend.codecs import get as get_codec
-
-        specs = [self.options.codec] if isinstance(self.options.codec, str) else self.options.codec
-        self.wants_queries = any(get_codec(spec).uses_queries for spec in specs)
+        self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         return name
 
     def detach(self, model) -> None:
+        self._flush()
+        self.wants_queries = False
+        model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
+
+    def _flush(self) -> None:
         for layer in self.layers:
             if layer.is_initialized:
                 layer.flush_pending()
-        self.wants_queries = False
-        model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
 
     def _ensure_engine(self, key_states: torch.Tensor) -> None:
         if self.engine is not None:
             return
-        cfg, opts = self.model_config, self.options
+        opts = self.options
         batch, heads, _, head_dim = key_states.shape
         pages_per_row = -(-opts.max_tokens // opts.page_size) + 1
-        geometry = Geometry(cfg.num_hidden_layers, heads, head_dim, key_states.dtype)
-        which = {"codec": opts.codec} if isinstance(opts.codec, str) else {"layer_codecs": opts.codec}
+        dense_per_row = pages_per_row if opts.dense_tokens is None else -(-opts.dense_tokens // opts.page_size) + 1
+        geometry = Geometry(self.model_config.num_hidden_layers, heads, head_dim, key_states.dtype)
+        specs = self.layer_specs
+        which = {"codec": specs[0]} if len(set(specs)) == 1 else {"layer_codecs": tuple(specs)}
         config = CacheConfig(**which, page_size=opts.page_size, chunk_pages=opts.chunk_pages,
-                             dense_pages=batch * pages_per_row, packed_pages=batch * pages_per_row,
+                             dense_pages=batch * dense_per_row, packed_pages=batch * pages_per_row,
                              device=str(key_states.device))
-        self.engine = KVCache(geometry, config)
+        self.engine = KVCache(geometry, config, rotary=self.rotary)
         self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
+
+    def reset(self) -> None:
+        """Forget every token: the rows' requests are freed and the next forward call starts afresh."""
+        if self.engine is not None:
+            for rid in self.request_ids:
+                self.engine.free(rid)
+        self.engine, self.request_ids = None, []
+        super().reset()
 
     # -- batch reshuffles (beam search and friends) ---------------------------------------------
     def _reselect(self, rows: list[int]) -> None:
         """Make batch row i a copy of old row ``rows[i]``: packed pages are shared, active chunks copied."""
         if self.engine is None:
             return
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.flush_pending()
+        self._flush()
         old = self.request_ids
         self.request_ids = [self.engine.fork(old[r]) for r in rows]
         for rid in old:
             self.engine.free(rid)
-        for layer in self.layers:
-            if layer.is_initialized:
-                index = torch.tensor(rows, device=layer._sink_k.device)
-                layer._sink_k, layer._sink_v = layer._sink_k[index], layer._sink_v[index]
-                layer._packed_k = [layer._packed_k[r] for r in rows]
-                layer._packed_v = [layer._packed_v[r] for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._reselect([int(i) for i in beam_idx.tolist()])
@@ -311,19 +400,21 @@ class KVBackendCache(Cache):
                          "assisted or speculative decoding that rolls back the cache is not supported")
 
     def kv_bytes(self) -> dict[str, int]:
-        """Bytes held: ``stored`` (packed pages + codebooks + dense active pages + exact sinks), and
-        ``exact`` (the same tokens as uncompressed tensors of the model's dtype)."""
+        """Bytes held, measured from the paged cache: ``stored`` = ``packed`` (packed pages and codebook
+        slots in use, sink fields included) + ``dense`` (the tokens held in dense pages: active chunks
+        and chunks waiting for packed room, at the model's dtype); ``exact`` = what a `DynamicCache`
+        holds for the same tokens. ``dense_pages``: the dense pages in use, whole (a page is the
+        dense pool's unit of allocation, so ``dense <= dense_pages``)."""
         if self.engine is None:
-            return {"stored": 0, "exact": 0, "packed": 0, "dense": 0, "sink": 0}
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.flush_pending()
+            return {"stored": 0, "exact": 0, "packed": 0, "dense": 0, "dense_pages": 0}
+        self._flush()
         stats = self.engine.stats()
         g = self.engine.geometry
-        sink = sum(layer.stored_bytes() for layer in self.layers)
         element = torch.empty((), dtype=g.dtype).element_size()
-        tokens = sum(layer.length for layer in self.layers) * len(self.request_ids)
-        dense_used = sum(self.engine.page_table(rid).dense_tokens(0) for rid in self.request_ids)
-        dense = dense_used * g.num_layers * g.values_per_token * element  # tokens, not whole pages
-        return {"stored": stats.packed_bytes + dense + sink, "exact": tokens * g.values_per_token * element,
-                "packed": stats.packed_bytes, "dense": dense, "sink": sink}
+        per_token = g.values_per_token * element  # one layer's K and V of one token
+        exact = sum(layer.length for layer in self.layers) * len(self.request_ids) * per_token
+        dense_tokens = sum(self.engine.page_table(rid).dense_tokens(layer)
+                           for rid in self.request_ids for layer in range(g.num_layers))
+        dense = dense_tokens * per_token
+        return {"stored": stats.packed_bytes + dense, "exact": exact, "packed": stats.packed_bytes,
+                "dense": dense, "dense_pages": stats.dense_bytes}

@@ -18,8 +18,9 @@ class InvalidKV(KVBackendError, ValueError):
 class CacheFull(KVBackendError, RuntimeError):
     """The page pool cannot satisfy an allocation; nothing was allocated."""
 
-    def __init__(self, kind: str, requested: int, free: int) -> None:
-        super().__init__(f"{kind} pool is full: requested {requested} pages, {free} free or evictable")
+    def __init__(self, kind: str, requested: int, free: int, hint: str = "") -> None:
+        message = f"{kind} pool is full: requested {requested} pages, {free} free or evictable"
+        super().__init__(f"{message}: {hint}" if hint else message)
         self.kind = kind
         self.requested = requested
         self.free = free
