@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-test`: on a CUDA machine, every test (CUDA paths included: kernels, the per-layer restore on a
-# side stream, pools on the device) and then quick passes of the kernel and tier benchmarks. The log's
+# side stream, pools on the device) and then quick passes of the kernel, tier and memory benchmarks. The log's
 # first line names the commit it ran on; the benchmarks' JSON lands beside it.
 #   usage: perf/gpu_test.sh COMMIT LOG
 set -uo pipefail
@@ -26,6 +26,9 @@ status=0
         --out "$results/gpu-test-bench_kernels.json" || status=1
     echo "== bench_tiers (quick: 8K-token restores)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1
+    echo "== bench_memory (transformers: a 16K-token generation, Llama-8B shape with random weights)"
+    timeout 240 "$python" perf/bench_memory.py --steps 16 --budget-s 150 \
+        --out "$results/gpu-test-bench_memory.json" || status=1
     echo "gpu-test exit $status"
     exit $status
 } 2>&1 | tee "$log"
