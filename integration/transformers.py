@@ -28,6 +28,7 @@ statistics of its own and earlier queries). Without it such a codec runs on cold
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,14 +42,14 @@ from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import Levers
 from kvbackend.manager import KVCache
 from kvbackend.rope import Rotary, rotary_from_config
-from kvbackend.spec import split_spec
+from kvbackend.spec import RECOMMENDED_SPEC, split_spec
 
 
 @dataclass(frozen=True)
 class CacheOptions:
     """Options of a `KVBackendCache` shared by all its layers."""
 
-    codec: str | tuple[str, ...] = "qvg"  # codec spec as given, or one spec per layer
+    codec: str | tuple[str, ...] = RECOMMENDED_SPEC  # codec spec as given, or one spec per layer
     page_size: int = 64  # tokens per page
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
     max_tokens: int = 4096  # longest sequence per batch row; sizes the packed pool
@@ -160,6 +161,11 @@ class KVBackendLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: a batch of {key_states.shape[0]} rows for a cache of "
                              f"{len(self.owner.request_ids)} rows")
         t = key_states.shape[2]
+        if self.owner.query_aware and not self.owner.wants_queries and not self.owner.warned:
+            self.owner.warned = True
+            warnings.warn("this cache's codec reads the queries attention used (quantwm); call cache.attach(model) "
+                          "before generating, or chunks are encoded without query statistics (lower quality)",
+                          UserWarning, stacklevel=2)
         if self.owner.wants_queries and t:  # append once attention hands over the queries
             keys, values = self.read()
             self._pending = (key_states, value_states)
@@ -233,7 +239,7 @@ class KVBackendLayer(CacheLayerMixin):
 class KVBackendCache(Cache):
     """A transformers `Cache` backed by kvbackend's paged, compressed storage."""
 
-    def __init__(self, config, codec: str | Sequence[str] = "qvg", *, page_size: int = 64, chunk_pages: int = 32,
+    def __init__(self, config, codec: str | Sequence[str] = RECOMMENDED_SPEC, *, page_size: int = 64, chunk_pages: int = 32,
                  sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none",
                  layer_levers: Sequence[Levers] | None = None, dense_tokens: int | None = None) -> None:
         """``sink`` (first tokens of every row kept at 16 bits; at most ``page_size``), ``pre_rope``
@@ -269,6 +275,8 @@ class KVBackendCache(Cache):
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
+        self.query_aware = any(c.uses_queries for c in parsed)
+        self.warned = False  # the missing attach() is reported once per cache
         super().__init__(layers=[KVBackendLayer(self, i, c.levers) for i, c in enumerate(parsed)])
 
     @classmethod
@@ -328,6 +336,7 @@ class KVBackendCache(Cache):
         registered; ``detach(model)`` restores the previous implementation."""
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         def attention(module, query, key, value, attention_mask, **kwargs):
             layer = self.layers[module.layer_idx]
@@ -336,6 +345,9 @@ class KVBackendCache(Cache):
 
         name = f"kvbackend_{id(self):x}"
         AttentionInterface.register(name, attention)
+        # and SDPA's mask under the same name: without one, transformers builds no mask at all (no
+        # padding mask, and a multi-token call after cached tokens would be causal from the wrong corner)
+        AttentionMaskInterface.register(name, sdpa_mask)
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(name)
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)

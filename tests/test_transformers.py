@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from kvbackend.integration.transformers import KVBackendCache  # noqa: E402
+from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write one sentence about the sea. The waves of the ocean are",
            "def fibonacci(n):"]
@@ -206,6 +207,31 @@ def test_demo_runs(model_and_tokenizer, capsys):
                  "--prompt", "Name three colours."]) == 0
     out = capsys.readouterr().out
     assert "kivi:bits=2,group=16" in out and "compression" in out and "exact (DynamicCache)" in out
+    assert "agree" in out and "KL(exact || cache)" in out and "shorter than a chunk" in out  # short prompts: told nothing is packed
+
+
+def test_demo_measures_agreement_through_packed_pages(model_and_tokenizer):
+    """The demo's figures: with 64-token chunks a 200-token prompt packs 3 chunks; the lossless codec
+    agrees on every token with KL 0, a 2-bit codec holds fewer bytes and agrees less than fully."""
+    from kvbackend.tools.demo import DEFAULT_CODECS, _encode_prompts, agreement, default_prompt, demo_runs
+    from kvbackend.spec import RECOMMENDED_SPEC
+
+    model, tokenizer = model_and_tokenizer
+    assert DEFAULT_CODECS[0] == RECOMMENDED_SPEC and len(DEFAULT_CODECS) <= 3  # the recipe, two references
+    document = default_prompt(tokenizer)
+    assert len(tokenizer(document).input_ids) > 2048  # the default prompt fills a 2048-token chunk
+    prompt = tokenizer.decode(tokenizer(document).input_ids[:200])
+    batch = _encode_prompts(tokenizer, [prompt])
+    runs = demo_runs(model, batch, ["identity", "kivi:bits=2,group=16"], max_new_tokens=4, chunk_pages=1)
+    exact, lossless, kivi = runs
+    assert [r.codec for r in runs] == ["exact (DynamicCache)", "identity", "kivi:bits=2,group=16"]
+    tokens = batch["input_ids"].shape[1] + 4
+    assert lossless.packed_tokens == kivi.packed_tokens == tokens // 64 * 64 >= 192
+    fit = agreement(lossless, exact)
+    assert fit.top1 == 1.0 and abs(fit.kl) < 1e-4 and fit.leading_equal == [4]
+    assert torch.equal(lossless.tokens, exact.tokens)
+    fit = agreement(kivi, exact)
+    assert kivi.stored_bytes < exact.exact_bytes / 2 and 0 < fit.kl < 1.0 and fit.top1 >= 0.5
 
 
 def test_eval_cli_bad_input_is_a_message_not_a_traceback(model_and_tokenizer, tmp_path, capsys):
@@ -357,6 +383,31 @@ def test_cache_holds_pages_not_reconstructions(model_and_tokenizer, sample_ids):
     assert held_report["stored"] == held_report["packed"] + held_report["dense"] < exact / (ratio / 2)
 
 
+def test_default_is_the_recommended_spec_and_asks_for_attach(model_and_tokenizer, sample_ids):
+    """A cache built with no codec serves the recommended spec; its query-aware keys warn once when
+    the queries were never attached, and not at all once attach() hands them over."""
+    import warnings
+
+    model, _ = model_and_tokenizer
+    ids = sample_ids[:, :70]
+    cache = KVBackendCache(model.config, page_size=64, chunk_pages=1)  # kchannel=64 needs 64-token pages
+    assert cache.options.codec == RECOMMENDED_SPEC and cache.query_aware
+    with pytest.warns(UserWarning, match="attach") as caught, torch.no_grad():
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
+    assert sum("attach" in str(w.message) for w in caught) == 1
+    attached = KVBackendCache(model.config, page_size=64, chunk_pages=1)
+    attached.attach(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            with torch.no_grad():
+                model(ids, cache=attached)
+    finally:
+        attached.detach(model)
+    assert attached.engine.stats().packed_tokens == 64
+
+
 def test_levers_go_into_every_layer_spec(model_and_tokenizer):
     """sink / pre_rope / v_rotation become lever options of each layer's spec (unless the spec names
     them); from_plan passes the plan's specs, levers included; what the paged cache refuses is refused
@@ -371,7 +422,10 @@ def test_levers_go_into_every_layer_spec(model_and_tokenizer):
     named = KVBackendCache(model.config, codec="kivi:prerope=false,sink=2", sink=4, pre_rope=True)
     assert named.layer_specs[0] == "kivi:prerope=false,sink=2" and named.layers[0].sink == 2
     assert KVBackendCache(model.config, codec="identity", sink=3).layer_specs[0] == "identity:sink=3"
-    assert KVBackendCache(model.config, codec="fp8").layer_specs[0] == "fp8" and KVBackendCache(model.config).rotary is None
+    assert KVBackendCache(model.config, codec="fp8").layer_specs[0] == "fp8"
+    assert KVBackendCache(model.config, codec="fp8").rotary is None  # no lever needs RoPE
+    default = KVBackendCache(model.config)  # the recommended spec, pre-RoPE keys included
+    assert default.layer_specs == [RECOMMENDED_SPEC] * layers and default.rotary is not None
     plan = [f"kivi:bits=2,prerope={i % 2 == 0}" for i in range(layers)]
     assert KVBackendCache.from_plan(model.config, plan).layer_specs == plan
     with pytest.raises(SpecError, match="exceeds the page size"):

@@ -67,3 +67,30 @@ def test_packed_cache_holds_less_and_stays_close(model):
     assert report["exact"] == exact_bytes and report["dense"] == 0
     assert report["packed"] * 8 < exact_bytes  # 3 bits per value against 32
     assert held < exact_bytes / 3  # whole pools: packed sized for max_tokens, dense for 3 of 16 pages
+
+
+def test_attached_attention_keeps_the_masks(model):
+    """attach() routes attention through the cache: multi-token calls after cached tokens (chunked
+    prefill, teacher forcing) and left-padded rows must get the same causal and padding masks as the
+    model's own SDPA (a regression: without a registered mask function they got none)."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (2, 90), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # row 1 is left-padded
+    cache = KVBackendCache(model.config, codec="identity", page_size=16, chunk_pages=2, max_tokens=128)
+    cache.attach(model)
+    try:
+        with torch.no_grad():
+            got = torch.cat([_forward_masked(model, ids[:, :40], mask[:, :40], cache),
+                             _forward_masked(model, ids[:, 40:], mask, cache)], dim=1)
+    finally:
+        cache.detach(model)
+    with torch.no_grad():
+        want = _forward_masked(model, ids, mask, DynamicCache(config=model.config))
+    assert torch.allclose(got[0], want[0], atol=1e-4)
+    assert torch.allclose(got[1, 7:], want[1, 7:], atol=1e-4)  # padded positions' logits are not defined
+
+
+def _forward_masked(model, ids, mask, cache):
+    keyword = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    return model(ids, attention_mask=mask, use_cache=True, **{keyword: cache}).logits

@@ -65,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     bpv.add_argument("--heads", type=_int_at_least(1), default=8)
     bpv.set_defaults(func=_cmd_bpv)
 
-    demo = sub.add_parser("demo", help="generate with the shipped model through compressed caches")
+    demo = sub.add_parser("demo", help="the recommended spec and two reference points, serving the shipped model")
     demo.add_argument("--codec", action="append", help="codec spec (repeatable)")
     demo.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=24)
+    demo.add_argument("--chunk-pages", type=_int_at_least(1), default=32,
+                      help="64-token pages per chunk (default 32: 2048 tokens, as measured)")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--model-dir", default=None, help="directory holding a GGUF model (default: the shipped one)")
     demo.set_defaults(func=_cmd_demo)
