@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbackend import codecs
+from kvbackend.codecs.base import prepare_kv
 from kvbackend.errors import CacheFull, SpecError
 from kvbackend.frames import LeverFrame
 from kvbackend.geometry import CacheConfig, Geometry
@@ -157,35 +158,55 @@ class KVBackendLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.flush_pending()  # queries never came (attention ran without the attached function)
-        if key_states.shape[0] != len(self.owner.request_ids):
+        owner = self.owner
+        if self.layer_idx == 0 and len({layer.length for layer in owner.layers}) > 1:
+            raise RuntimeError("an earlier forward call failed after some layers had stored its tokens; the layers "
+                               "now hold different lengths. Call cache.reset() and run the sequence again")
+        if key_states.shape[0] != len(owner.request_ids):
             raise ValueError(f"layer {self.layer_idx}: a batch of {key_states.shape[0]} rows for a cache of "
-                             f"{len(self.owner.request_ids)} rows")
+                             f"{len(owner.request_ids)} rows")
         t = key_states.shape[2]
-        if self.owner.query_aware and not self.owner.wants_queries and not self.owner.warned:
-            self.owner.warned = True
+        if owner.query_aware and not owner.wants_queries and not owner.warned:
+            owner.warned = True
             warnings.warn("this cache's codec reads the queries attention used (quantwm); call cache.attach(model) "
                           "before generating, or chunks are encoded without query statistics (lower quality)",
                           UserWarning, stacklevel=2)
-        if self.owner.wants_queries and t:  # append once attention hands over the queries
-            keys, values = self.read()
-            self._pending = (key_states, value_states)
+        # This call's tokens are attended as given (in every layer alike, whether or not a chunk completes
+        # with them); the cache serves them from its pages in later calls.
+        keys, values = self.read()
+        if t:
+            self._check(key_states, value_states)  # raises before anything is stored or counted
+            if owner.wants_queries:
+                self._pending = (key_states, value_states)  # appended once attention hands over the queries
+            else:
+                self._append(key_states, value_states)
             self.length += t
-            return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
-        self._append(key_states, value_states)
-        self.length += t
-        return self.read()
+        return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               queries: torch.Tensor | None = None) -> None:
+        """Raise before any row is written: K/V (and queries) of every row valid, dense room for every row."""
+        engine, options = self.owner.engine, self.owner.options
+        b, h, n, d = key_states.shape
+        flat = lambda x: x.transpose(1, 2).reshape(b * n, x.shape[1], d)  # noqa: E731 - [B*T, H, D]
+        prepare_kv(flat(key_states), flat(value_states), None if queries is None else flat(queries),
+                   engine.geometry, engine.dense.data.device, engine.config.check_finite)
+        p = engine.config.page_size
+        tables = [engine.page_table(rid) for rid in self.owner.request_ids]
+        needed = sum(max(-(-(t.dense_tokens(self.layer_idx) + n) // p) - len(t.dense), 0) for t in tables)
+        if needed > engine.dense.allocator.num_free:
+            if self.length + n > options.max_tokens:
+                hint = (f"the rows would hold {self.length + n} tokens, over max_tokens={options.max_tokens}: "
+                        f"build the cache with a larger max_tokens")
+            else:
+                hint = (f"{n} new tokens per row do not fit the dense pool (dense_tokens={options.dense_tokens}); "
+                        f"feed long prompts through KVBackendCache.prefill or raise dense_tokens")
+            raise CacheFull("dense", needed, engine.dense.allocator.num_free, hint=hint)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
                 queries: torch.Tensor | None = None) -> None:
+        self._check(key_states, value_states, queries)  # every row first: no row is left ahead of another
         engine = self.owner.engine
-        p, n = engine.config.page_size, key_states.shape[2]
-        tables = [engine.page_table(rid) for rid in self.owner.request_ids]
-        needed = sum(max(-(-(t.dense_tokens(self.layer_idx) + n) // p) - len(t.dense), 0) for t in tables)
-        if needed > engine.dense.allocator.num_free:  # checked for every row first: no row is left ahead
-            raise CacheFull("dense", needed, engine.dense.allocator.num_free,
-                            hint=f"{n} new tokens per row do not fit the dense pool (dense_tokens="
-                                 f"{self.owner.options.dense_tokens}, max_tokens={self.owner.options.max_tokens}); "
-                                 f"feed long prompts through KVBackendCache.prefill or raise dense_tokens")
         for row, rid in enumerate(self.owner.request_ids):
             q = None if queries is None else queries[row].transpose(0, 1)
             engine.append(rid, self.layer_idx, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1),
@@ -198,7 +219,11 @@ class KVBackendLayer(CacheLayerMixin):
             return
         k_new, v_new = self._pending
         self._pending = None
-        self._append(k_new, v_new, queries=query[:, :, -k_new.shape[2]:])
+        try:
+            self._append(k_new, v_new, queries=query[:, :, -k_new.shape[2]:])
+        except Exception:
+            self.length -= k_new.shape[2]  # counted in update, never stored
+            raise
 
     def flush_pending(self) -> None:
         """Append pending tokens without queries (attention never handed them over)."""
@@ -206,7 +231,11 @@ class KVBackendLayer(CacheLayerMixin):
             return
         k_new, v_new = self._pending
         self._pending = None
-        self._append(k_new, v_new)
+        try:
+            self._append(k_new, v_new)
+        except Exception:
+            self.length -= k_new.shape[2]
+            raise
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K/V of every row ``[B, H, tokens, D]``, read from the paged cache now (packed
@@ -262,6 +291,9 @@ class KVBackendCache(Cache):
                             ("dense_tokens", 1 if dense_tokens is None else dense_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if dense_tokens is not None and dense_tokens < page_size * chunk_pages:
+            raise ValueError(f"dense_tokens={dense_tokens} is below one chunk ({page_size * chunk_pages} tokens): the "
+                             f"dense pool must hold a row's active chunk until it is packed")
         self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens, dense_tokens)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = text_config.num_hidden_layers
@@ -270,8 +302,12 @@ class KVBackendCache(Cache):
         self.model_config = text_config
         needs_rope = any(c.levers.prerope for c in parsed)
         self.rotary: Rotary | None = rotary_from_config(text_config) if needs_rope else None
+        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        shape = Geometry(layers, heads, head_dim, torch.float32)
         for i, c in enumerate(parsed):  # what the paged cache would refuse, refused now
             LeverFrame(c.levers, self.rotary).check(page_size, f"layer {i} ({self.layer_specs[i]})")
+            c.layout(shape, page_size)  # SpecError: a group or channel option that does not fit the pages
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
@@ -309,15 +345,19 @@ class KVBackendCache(Cache):
                 **model_kwargs):
         """Run ``model`` over ``input_ids [B, T]`` chunk by chunk (pieces that end on this cache's chunk
         boundaries), so every chunk is packed before the next is read and the dense pool needs only
-        about two chunks per row (``dense_tokens``). Returns the model's output for the last piece
+        one chunk per row (``dense_tokens``). Returns the model's output for the last piece
         (its logits cover that piece's tokens only). ``attention_mask`` covers every token of the
-        cache, earlier ones included, as in one call.
+        cache, earlier ones included, as in one call; ``position_ids``, if given, the prompt's tokens.
 
         Raises:
-            ValueError: ``input_ids`` is not a non-empty [B, T] tensor of token ids.
+            ValueError: ``input_ids`` is not a non-empty [B, T] tensor of token ids; inputs_embeds or cache_position.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a [batch, tokens] tensor with at least one token")
+        for name in ("inputs_embeds", "cache_position"):
+            if name in model_kwargs:
+                raise ValueError(f"prefill takes input_ids (and position_ids) only, not {name}")
+        positions = model_kwargs.pop("position_ids", None)
         chunk = self.options.page_size * self.options.chunk_pages
         keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         start, total, output = 0, input_ids.shape[1], None
@@ -326,6 +366,8 @@ class KVBackendCache(Cache):
             kwargs = dict(model_kwargs, use_cache=True, **{keyword: self})
             if attention_mask is not None:
                 kwargs["attention_mask"] = attention_mask[:, : self.get_seq_length() + end - start]
+            if positions is not None:
+                kwargs["position_ids"] = positions[..., start:end]
             output = model(input_ids[:, start:end], **kwargs)
             start = end
         return output
@@ -343,20 +385,30 @@ class KVBackendCache(Cache):
             layer.observe_queries(query)
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
+        attached = getattr(model, "_kvbackend_cache", None)
+        if attached is not None and attached is not self:
+            raise ValueError("another KVBackendCache is attached to this model (its attention hands queries to that "
+                             "cache alone): detach it first")
         name = f"kvbackend_{id(self):x}"
         AttentionInterface.register(name, attention)
         # and SDPA's mask under the same name: without one, transformers builds no mask at all (no
         # padding mask, and a multi-token call after cached tokens would be causal from the wrong corner)
         AttentionMaskInterface.register(name, sdpa_mask)
-        self._previous_attn = model.config._attn_implementation
+        if attached is None:
+            self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(name)
+        model._kvbackend_cache = self
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         return name
 
     def detach(self, model) -> None:
+        """Restore the attention ``model`` had before `attach` (pending tokens are stored first)."""
+        if getattr(model, "_kvbackend_cache", None) is not self:
+            raise ValueError("this KVBackendCache is not attached to this model")
         self._flush()
         self.wants_queries = False
         model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
+        del model._kvbackend_cache
 
     def _flush(self) -> None:
         for layer in self.layers:
@@ -393,10 +445,23 @@ class KVBackendCache(Cache):
         if self.engine is None:
             return
         self._flush()
-        old = self.request_ids
-        self.request_ids = [self.engine.fork(old[r]) for r in rows]
-        for rid in old:
-            self.engine.free(rid)
+        old, engine = self.request_ids, self.engine
+        first = {}  # old row -> the new row that takes its request as it is; later copies fork it
+        for i, r in enumerate(rows):
+            first.setdefault(r, i)
+        copies = [r for i, r in enumerate(rows) if first[r] != i]
+        dropped = [old[r] for r in range(len(old)) if r not in first]
+        # Every row holds as many dense pages (same tokens, chunks packed together), and a dropped row's
+        # pages come back before any copy is made: checked whole, so nothing changes when it fails.
+        pages = max((len(engine.page_table(rid).dense) for rid in old), default=0)
+        free = engine.dense.allocator.num_free + pages * len(dropped)
+        if pages * len(copies) > free:
+            raise CacheFull("dense", pages * len(copies), free,
+                            hint=f"{len(copies)} copies of rows' active chunks for a batch of {len(rows)}; build "
+                                 f"the cache with a larger dense_tokens (or max_tokens) for this batch")
+        for rid in dropped:
+            engine.free(rid)
+        self.request_ids = [old[r] if first[r] == i else engine.fork(old[r]) for i, r in enumerate(rows)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._reselect([int(i) for i in beam_idx.tolist()])

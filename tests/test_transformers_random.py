@@ -94,3 +94,148 @@ def test_attached_attention_keeps_the_masks(model):
 def _forward_masked(model, ids, mask, cache):
     keyword = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
     return model(ids, attention_mask=mask, use_cache=True, **{keyword: cache}).logits
+
+
+def _lengths(cache):
+    """(each layer's count, the paged cache's per-row per-layer lengths)."""
+    return [layer.length for layer in cache.layers], [cache.engine.page_table(rid).lengths for rid in cache.request_ids]
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_bad_row_or_a_full_pool_writes_and_counts_nothing(model, attached):
+    """NaN in one row's K/V, or more tokens than the dense pool holds: a clear error, no row written,
+    no layer counting what was not stored, and the next call exact (attached or not)."""
+    from kvbackend.errors import CacheFull, InvalidKV
+
+    torch.manual_seed(4)
+    ids = torch.randint(0, 256, (2, 40), device=DEVICE)
+    cache = KVBackendCache(model.config, codec="identity", page_size=8, chunk_pages=1, max_tokens=64, dense_tokens=16)
+    exact = DynamicCache(config=model.config)
+    embed = model.get_input_embeddings()
+    if attached:
+        cache.attach(model)
+    try:
+        with torch.no_grad():
+            _forward(model, ids[:, :8], cache)
+            _forward(model, ids[:, :8], exact)
+            bad = embed(ids[:, 8:11]).clone()
+            bad[1, 1, 0] = float("nan")  # row 1 only
+            with pytest.raises(InvalidKV, match="nothing was written"):
+                model(inputs_embeds=bad, cache=cache, use_cache=True)
+            assert _lengths(cache) == ([8, 8], [[8, 8], [8, 8]])
+            with pytest.raises(CacheFull, match="prefill"):
+                _forward(model, ids[:, 8:40], cache)  # 32 tokens over a 16-token dense pool
+            assert _lengths(cache) == ([8, 8], [[8, 8], [8, 8]])
+            got = _forward(model, ids[:, 8:12], cache).logits
+            want = _forward(model, ids[:, 8:12], exact).logits
+    finally:
+        if attached:
+            cache.detach(model)
+    assert torch.allclose(got, want, atol=1e-4)
+    cache.engine.check()
+
+
+def test_a_forward_that_failed_between_layers_is_refused_until_reset(model, monkeypatch):
+    """When a later layer fails after earlier ones stored a call's tokens, the cache says so at the next
+    call instead of attending with mismatched lengths; reset() makes it usable again."""
+    from kvbackend.integration.transformers import KVBackendLayer
+
+    ids = torch.randint(0, 256, (1, 12), device=DEVICE)
+    cache = KVBackendCache(model.config, codec="identity", page_size=8, chunk_pages=1, max_tokens=64)
+    original = KVBackendLayer._append
+
+    def failing(self, *args, **kwargs):
+        if self.layer_idx == 1:
+            raise OSError("simulated failure in layer 1")
+        return original(self, *args, **kwargs)
+
+    with torch.no_grad():
+        _forward(model, ids[:, :4], cache)
+        monkeypatch.setattr(KVBackendLayer, "_append", failing)
+        with pytest.raises(OSError):
+            _forward(model, ids[:, 4:8], cache)
+        monkeypatch.setattr(KVBackendLayer, "_append", original)
+        with pytest.raises(RuntimeError, match="reset"):
+            _forward(model, ids[:, 4:8], cache)
+        cache.reset()
+        got = _forward(model, ids, cache).logits
+        want = _forward(model, ids, DynamicCache(config=model.config)).logits
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_beam_reorders_fit_one_chunk_per_row_and_fail_whole(model):
+    """Reordering rows reuses each surviving row's request and frees dropped rows before copying, so a
+    dense pool of one chunk per row serves beam search for any number of steps; a reshuffle that cannot
+    fit raises CacheFull before changing anything (no orphan requests)."""
+    from kvbackend.errors import CacheFull
+
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (3, 16), device=DEVICE)
+    cache = KVBackendCache(model.config, codec="identity", page_size=4, chunk_pages=4, max_tokens=64, dense_tokens=16)
+    exact = DynamicCache(config=model.config)
+    order = torch.tensor([0, 0, 1], device=DEVICE)
+    with torch.no_grad():
+        cache.prefill(model, ids)
+        _forward(model, ids, exact)
+        token = ids[:, :1]
+        for _ in range(31):  # crosses chunk boundaries with copied active chunks; ends 15 tokens into one
+            got = _forward(model, token, cache).logits[:, -1]
+            want = _forward(model, token, exact).logits[:, -1]
+            assert torch.allclose(got, want, atol=1e-4)
+            cache.reorder_cache(order)
+            exact.reorder_cache(order)
+            token = want.argmax(-1, keepdim=True)[order]
+        before = (list(cache.request_ids), cache.engine.dense.allocator.num_free)
+        with pytest.raises(CacheFull, match="dense_tokens"):
+            cache.batch_repeat_interleave(3)  # 9 rows' active chunks in a pool sized for 3
+        assert (list(cache.request_ids), cache.engine.dense.allocator.num_free) == before
+        assert len(cache.engine.request_ids) == 3
+    cache.engine.check()
+
+
+def test_options_and_attach_misuse_are_refused_up_front(model):
+    """Bad options fail in the constructor (not at the first forward); prefill slices position_ids;
+    a second cache cannot attach to a model another cache holds, and detach checks it is attached."""
+    from kvbackend.errors import SpecError
+
+    with pytest.raises(ValueError, match="below one chunk"):
+        KVBackendCache(model.config, codec="identity", page_size=4, chunk_pages=4, dense_tokens=8)
+    with pytest.raises(SpecError, match="page_size=4"):
+        KVBackendCache(model.config, codec="kivi:bits=2,group=16", page_size=4)
+    with pytest.raises(SpecError, match="head_dim=32"):
+        KVBackendCache(model.config, codec="quantwm")  # group 64 over 32 channels
+    ids = torch.randint(0, 256, (1, 20), device=DEVICE)
+    positions = torch.arange(20, device=DEVICE)[None] + 3  # shifted positions, as a caller may pass
+    cache = KVBackendCache(model.config, codec="identity", page_size=4, chunk_pages=2, dense_tokens=8)
+    with torch.no_grad():
+        got = cache.prefill(model, ids, position_ids=positions).logits[:, -1]
+        want = model(ids, position_ids=positions).logits[:, -1]
+    assert torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        cache.prefill(model, ids, inputs_embeds=None)
+    first, second = (KVBackendCache(model.config, codec="identity") for _ in range(2))
+    previous = model.config._attn_implementation
+    first.attach(model)
+    try:
+        with pytest.raises(ValueError, match="detach it first"):
+            second.attach(model)
+        with pytest.raises(ValueError, match="not attached"):
+            second.detach(model)
+    finally:
+        first.detach(model)
+    assert model.config._attn_implementation == previous
+
+
+def test_every_layer_attends_the_calls_own_tokens_as_given(model):
+    """A chunk that completes with this call's tokens is packed once the last layer stores them; every
+    layer still attends those tokens as given (not the last layer lossy and the others exact)."""
+    cache = KVBackendCache(model.config, codec="kivi:bits=2,group=8", page_size=8, chunk_pages=1, max_tokens=32)
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(1, 2, 8, 32, generator=g).to(DEVICE)
+    v = torch.randn(1, 2, 8, 32, generator=g).to(DEVICE)
+    for layer in cache.layers:
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys, k) and torch.equal(values, v)
+    assert cache.engine.stats().packed_tokens == 8  # the chunk was packed by the last layer
+    stored, _ = cache.layers[0].read()
+    assert not torch.equal(stored, k) and float((stored - k).norm() / k.norm()) < 0.5  # later calls read pages

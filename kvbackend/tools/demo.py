@@ -109,18 +109,22 @@ def demo_runs(model, batch, codecs_to_run, max_new_tokens: int, chunk_pages: int
     runs = [DemoRun("exact (DynamicCache)", tokens, seconds, exact_bytes, exact_bytes, 0, logits)]
     advance()
     for spec in codecs_to_run:
-        caches = [KVBackendCache(model.config, codec=spec, page_size=PAGE_SIZE, chunk_pages=chunk_pages,
-                                 max_tokens=max_tokens) for _ in range(2)]
-        for cache in caches:
-            cache.attach(model)  # query-aware codecs read the queries; harmless for the others
+        make = lambda: KVBackendCache(model.config, codec=spec, page_size=PAGE_SIZE,  # noqa: E731
+                                      chunk_pages=chunk_pages, max_tokens=max_tokens)
+        cache = make()
+        cache.attach(model)  # query-aware codecs read the queries; harmless for the others
         try:
-            tokens, seconds = _generate(model, batch, caches[0], max_new_tokens)
-            held, packed = caches[0].kv_bytes(), caches[0].engine.stats().packed_tokens
-            advance()
-            logits = _teacher_forced(model, batch, caches[1], runs[0].tokens)
+            tokens, seconds = _generate(model, batch, cache, max_new_tokens)
         finally:
-            for cache in caches:
-                cache.detach(model)
+            cache.detach(model)
+        held, packed = cache.kv_bytes(), cache.engine.stats().packed_tokens
+        advance()
+        forced = make()
+        forced.attach(model)
+        try:
+            logits = _teacher_forced(model, batch, forced, runs[0].tokens)
+        finally:
+            forced.detach(model)
         runs.append(DemoRun(spec, tokens, seconds, held["stored"], held["exact"], packed, logits))
         advance()
     return runs
