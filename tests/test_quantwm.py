@@ -144,7 +144,7 @@ def test_transformers_attach_feeds_queries():
     cache.detach(model)
     assert model.config._attn_implementation != name
     plain = KVBackendCache(model.config, codec="quantwm", page_size=16, chunk_pages=4, max_tokens=256)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match="attach"):  # no queries: the user is told
         model(ids, cache=plain)
     assert all(s.query_moment is None for s in plain.engine.page_table(plain.request_ids[0]).states)
 
