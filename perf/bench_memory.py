@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from kvbackend.tools.models import cache_argument
+
 CHUNK = 2048
 RECIPE = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,"
           "prerope=true")
@@ -38,12 +40,6 @@ def llama_config(tiny: bool, tokens: int):
     return LlamaConfig(**shape, max_position_embeddings=2 * tokens, rope_theta=500000.0, tie_word_embeddings=False)
 
 
-def cache_keyword(model) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def held_bytes(cache) -> int:
     """Bytes of every tensor the cache keeps (CPU fallback for the allocator's figure)."""
     if hasattr(cache, "engine"):
@@ -55,7 +51,6 @@ def held_bytes(cache) -> int:
 
 def run_one(model, name: str, make_cache, ids: torch.Tensor, steps: int, device: str) -> dict:
     cuda = device == "cuda"
-    keyword = cache_keyword(model)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -68,7 +63,8 @@ def run_one(model, name: str, make_cache, ids: torch.Tensor, steps: int, device:
             out = cache.prefill(model, ids, logits_to_keep=1)
         else:
             for start in range(0, ids.shape[1], CHUNK):
-                out = model(ids[:, start:start + CHUNK], use_cache=True, logits_to_keep=1, **{keyword: cache})
+                out = model(ids[:, start:start + CHUNK], use_cache=True, logits_to_keep=1,
+                            **cache_argument(model, cache))
         if cuda:
             torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
@@ -78,7 +74,7 @@ def run_one(model, name: str, make_cache, ids: torch.Tensor, steps: int, device:
         token = out.logits[:, -1:].argmax(-1)
         t1 = time.perf_counter()
         for _ in range(steps):
-            out = model(token, use_cache=True, **{keyword: cache})
+            out = model(token, use_cache=True, **cache_argument(model, cache))
             token = out.logits[:, -1:].argmax(-1)
         if cuda:
             torch.cuda.synchronize()

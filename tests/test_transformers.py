@@ -200,6 +200,18 @@ def test_eval_rejects_short_text(model_and_tokenizer, sample_ids):
         evaluate(model, sample_ids[:, :100], ["fp8"], EvalSettings(**SMALL))
 
 
+def test_the_model_takes_the_cache_argument_these_tests_pass(model_and_tokenizer):
+    """These tests pass caches as ``cache=``; a transformers that names it ``past_key_values`` would
+    quietly build its own cache and let them test nothing, so that is a failure here."""
+    import inspect
+
+    from kvbackend.tools.models import cache_argument
+
+    model, _ = model_and_tokenizer
+    assert "cache" in inspect.signature(model.forward).parameters
+    assert list(cache_argument(model, None)) == ["cache"]
+
+
 def test_demo_runs(model_and_tokenizer, capsys):
     from kvbackend.tools.cli import main
 

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvbackend.integration.transformers import KVBackendCache  # noqa: E402
+from kvbackend.tools.models import cache_argument  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,8 +24,7 @@ def model():
 
 
 def _forward(model, ids, cache):
-    keyword = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
-    return model(ids, use_cache=True, **{keyword: cache})
+    return model(ids, use_cache=True, **cache_argument(model, cache))
 
 
 def test_identity_cache_matches_dynamic_on_the_device(model):
@@ -92,8 +92,7 @@ def test_attached_attention_keeps_the_masks(model):
 
 
 def _forward_masked(model, ids, mask, cache):
-    keyword = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
-    return model(ids, attention_mask=mask, use_cache=True, **{keyword: cache}).logits
+    return model(ids, attention_mask=mask, use_cache=True, **cache_argument(model, cache)).logits
 
 
 def _lengths(cache):
@@ -121,7 +120,7 @@ def test_a_bad_row_or_a_full_pool_writes_and_counts_nothing(model, attached):
             bad = embed(ids[:, 8:11]).clone()
             bad[1, 1, 0] = float("nan")  # row 1 only
             with pytest.raises(InvalidKV, match="nothing was written"):
-                model(inputs_embeds=bad, cache=cache, use_cache=True)
+                model(inputs_embeds=bad, use_cache=True, **cache_argument(model, cache))
             assert _lengths(cache) == ([8, 8], [[8, 8], [8, 8]])
             with pytest.raises(CacheFull, match="prefill"):
                 _forward(model, ids[:, 8:40], cache)  # 32 tokens over a 16-token dense pool

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.tools.models import cache_argument
 
 # The recommended spec and at most two reference points: KIVI-2 (the usual 2-bit baseline) and FP8.
 DEFAULT_CODECS = (RECOMMENDED_SPEC, "kivi:bits=2,group=32", "fp8")
@@ -61,7 +62,7 @@ def _generate(model, batch, cache, max_new_tokens: int) -> tuple[torch.Tensor, f
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                             cache=cache, pad_token_id=model.config.pad_token_id)
+                             pad_token_id=model.config.pad_token_id, **cache_argument(model, cache))
     return out[:, batch["input_ids"].shape[1] :], time.perf_counter() - start
 
 
@@ -69,11 +70,12 @@ def _teacher_forced(model, batch, cache, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, new, V] of each next token, the prompt and ``tokens[:, :-1]`` fed through ``cache``."""
     mask = batch["attention_mask"]
     with torch.no_grad():
-        first = model(batch["input_ids"], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1:]
+        first = model(batch["input_ids"], attention_mask=mask, use_cache=True,
+                      **cache_argument(model, cache)).logits[:, -1:]
         if tokens.shape[1] == 1:
             return first.float()
         mask = torch.cat([mask, torch.ones_like(tokens[:, :-1])], dim=1)
-        rest = model(tokens[:, :-1], attention_mask=mask, cache=cache, use_cache=True).logits
+        rest = model(tokens[:, :-1], attention_mask=mask, use_cache=True, **cache_argument(model, cache)).logits
     return torch.cat([first, rest], dim=1).float()
 
 

@@ -23,6 +23,7 @@ import torch
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
 from kvbackend.errors import SpecError
+from kvbackend.tools.models import cache_argument
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import hadamard
 from kvbackend.manager import KVCache
@@ -145,7 +146,7 @@ def _continuation_logits(model, prefix_k: list[torch.Tensor], prefix_v: list[tor
     for layer, (k, v) in enumerate(zip(prefix_k, prefix_v)):
         cache.update(k[None], v[None], layer)
     with torch.no_grad():
-        return model(cont_ids, cache=cache).logits[0].float()
+        return model(cont_ids, **cache_argument(model, cache)).logits[0].float()
 
 
 def _next_token_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float, float]:

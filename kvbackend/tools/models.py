@@ -54,3 +54,13 @@ def load_model(name: str = "SmolLM2-135M-Instruct", model_dir: str | None = None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def cache_argument(model, cache) -> dict:
+    """``{name: cache}`` for ``model(...)`` / ``model.generate(...)``: transformers calls the cache
+    argument ``cache`` since 5.2x and ``past_key_values`` before. A wrong name is not an error there:
+    the model quietly builds a cache of its own, so every caller asks here."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
