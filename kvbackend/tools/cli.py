@@ -1,4 +1,4 @@
-"""The ``kvbackend`` command: ``demo``, ``eval``, ``bpv``."""
+"""The ``kvbackend`` command: ``demo``, ``eval``, ``probe``, ``bpv``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from kvbackend.tools.probe import run_probe_cli
+
+    return run_probe_cli(args)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from kvbackend.tools.evaluate import run_eval_cli
 
@@ -92,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--calibration", default=None,
                     help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")
     ev.set_defaults(func=_cmd_eval)
+
+    pr = sub.add_parser("probe", help="far-away recall: passcodes planted before a long text, asked at its end")
+    pr.add_argument("--text", required=True, help="filler text (UTF-8 file) placed between the facts and the questions")
+    pr.add_argument("--codec", action="append", required=True, help="codec spec (repeatable)")
+    pr.add_argument("--prefix", type=_int_at_least(1), default=6144, help="tokens of filler text")
+    pr.add_argument("--questions", type=_int_at_least(1), default=4, help="passcodes planted and asked (rows)")
+    pr.add_argument("--chunk-pages", type=_int_at_least(1), default=32, help="64-token pages per chunk")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--json", help="write the answers and scores as JSON here")
+    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--model-dir", default=None)
+    pr.set_defaults(func=_cmd_probe)
     return parser
 
 

@@ -1,0 +1,143 @@
+"""`kvbackend probe`: far-away recall through a compressed cache.
+
+Passcodes of a few people are planted at the start of a long context (then ``--prefix`` tokens of a
+filler text); at the end each row asks for one of them. The model answers greedily with the exact
+cache and with each codec through a `KVBackendCache` (the paged cache, chunks packed as an engine
+packs them). A codec that breaks long-range recall answers differently from the exact cache even where
+short-prefix KL looks fine, so the score is agreement with the exact run's answers; whether those
+answers are right is reported beside it (a small model misses some with the exact cache too).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+
+NAMES = ("Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ines", "Jonas",
+         "Kalani", "Lucia", "Mateo", "Noor", "Oskar", "Priya")
+ANSWER_TOKENS = 6  # greedy tokens read for an answer (4 digits and some slack)
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    name: str
+    truth: str  # the planted passcode
+    prompt: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    cache: str
+    answers: list[str]  # the digits each row answered ("" when none)
+    agree: float  # share of rows answering as the exact cache did (1.0 for the exact cache)
+    correct: float  # share of rows answering the planted passcode
+    packed_tokens: int  # per row: tokens held in packed pages
+
+
+def probe_rows(tokenizer, filler: str, prefix_tokens: int, questions: int, seed: int = 0) -> list[ProbeRow]:
+    """``questions`` prompts sharing one context: passcodes of ``questions`` people, then ``prefix_tokens``
+    tokens of ``filler``, then a question about one of them (each row asks about another person).
+
+    Raises:
+        ValueError: ``questions`` outside 1..len(NAMES), or a filler shorter than ``prefix_tokens`` tokens.
+    """
+    if not 1 <= questions <= len(NAMES):
+        raise ValueError(f"questions must be in 1..{len(NAMES)}, got {questions}")
+    ids = tokenizer(filler).input_ids
+    if len(ids) < prefix_tokens:
+        raise ValueError(f"the filler text has {len(ids)} tokens, fewer than --prefix {prefix_tokens}")
+    rng = random.Random(seed)
+    names = rng.sample(NAMES, questions)
+    codes = [f"{rng.randrange(1000, 10000)}" for _ in names]
+    facts = "".join(f"Remember: the passcode of {name} is {code}.\n" for name, code in zip(names, codes))
+    context = facts + "\n" + tokenizer.decode(ids[:prefix_tokens]) + "\n\n"
+    order = list(range(questions))
+    rng.shuffle(order)
+    return [ProbeRow(names[i], codes[i], context + f"Question: what is the passcode of {names[i]}? "
+                                               f"Answer: the passcode of {names[i]} is") for i in order]
+
+
+def _answer(text: str) -> str:
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else ""
+
+
+def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_pages: int = 32,
+              progress=None) -> list[ProbeResult]:
+    """The exact cache's answers first, then each codec's (through `KVBackendCache`, attached)."""
+    from transformers import DynamicCache
+
+    from kvbackend.integration.transformers import KVBackendCache
+    from kvbackend.tools.models import cache_argument
+
+    tokenizer.padding_side = "left"
+    batch = tokenizer([row.prompt for row in rows], return_tensors="pt", padding=True).to(model.device)
+    length = batch["input_ids"].shape[1]
+    truths = [row.truth for row in rows]
+    advance = (lambda: None) if progress is None else progress
+
+    def answers(cache) -> list[str]:
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=ANSWER_TOKENS, do_sample=False,
+                                 pad_token_id=model.config.pad_token_id, **cache_argument(model, cache))
+        return [_answer(tokenizer.decode(row[length:], skip_special_tokens=True)) for row in out]
+
+    def score(name: str, got: list[str], exact: list[str], packed: int) -> ProbeResult:
+        agree = sum(a == b for a, b in zip(got, exact)) / len(rows)
+        correct = sum(a == t for a, t in zip(got, truths)) / len(rows)
+        return ProbeResult(name, got, agree, correct, packed)
+
+    exact = answers(DynamicCache(config=model.config))
+    advance()
+    results = [score("exact (DynamicCache)", exact, exact, 0)]
+    for spec in codecs:
+        cache = KVBackendCache(model.config, codec=spec, chunk_pages=chunk_pages, max_tokens=length + 2 * 64)
+        cache.attach(model)
+        try:
+            got = answers(cache)
+        finally:
+            cache.detach(model)
+        results.append(score(spec, got, exact, cache.engine.stats().packed_tokens // len(rows)))
+        advance()
+    return results
+
+
+def run_probe_cli(args) -> int:
+    import json
+    import os
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from kvbackend import codecs as registry
+    from kvbackend.tools.models import load_model
+
+    for spec in args.codec:
+        registry.parse(spec)  # a bad spec fails before the model loads
+    with open(args.text, encoding="utf-8") as f:
+        filler = f.read()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    console = Console(width=max(Console().width, 120))
+    with console.status("loading SmolLM2-135M-Instruct from its GGUF file"):
+        model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
+    rows = probe_rows(tokenizer, filler, args.prefix, args.questions, args.seed)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("answering", total=len(args.codec) + 1)
+        results = run_probe(model, tokenizer, rows, args.codec, args.chunk_pages, lambda: progress.advance(task))
+    table = Table(title=f"recall of {len(rows)} passcodes planted before {args.prefix} tokens of {args.text}")
+    for col in ("cache", "packed tokens", "agree with exact", "correct", "answers"):
+        table.add_column(col, justify="left" if col in ("cache", "answers") else "right")
+    for r in results:
+        table.add_row(r.cache, f"{r.packed_tokens:,}", f"{r.agree:.0%}", f"{r.correct:.0%}", " ".join(a or "-" for a in r.answers))
+    console.print(table)
+    console.print("planted: " + " ".join(f"{row.name}={row.truth}" for row in rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"text": args.text, "prefix": args.prefix, "questions": len(rows), "seed": args.seed,
+                       "truth": [row.truth for row in rows], "results": [r.__dict__ for r in results]}, f, indent=1)
+    return 0

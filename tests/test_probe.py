@@ -1,0 +1,46 @@
+"""`kvbackend probe` (far-away recall) on the shipped SmolLM2 model (marked `model`; runs in `make test`)."""
+
+import pytest
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.model
+
+from kvbackend.tools.probe import probe_rows, run_probe  # noqa: E402
+
+FILLER = ("The licensee may copy and distribute the program's source code as received, in any medium, provided "
+          "that each copy carries an appropriate copyright notice and a disclaimer of warranty. ") * 40
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    from kvbackend.tools.models import load_model
+
+    return load_model()
+
+
+def test_rows_plant_every_passcode_once_and_ask_each(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    rows = probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=3, seed=1)
+    assert len({row.name for row in rows}) == 3 and len({row.prompt.split("Question:")[0] for row in rows}) == 1
+    context = rows[0].prompt.split("Question:")[0]
+    for row in rows:
+        assert f"the passcode of {row.name} is {row.truth}." in context  # planted before the filler
+        assert row.prompt.endswith(f"Answer: the passcode of {row.name} is")
+        assert context.index(row.truth) < 200  # early: the filler comes after every fact
+    assert rows == probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=3, seed=1)  # seeded
+    with pytest.raises(ValueError, match="fewer than --prefix"):
+        probe_rows(tokenizer, FILLER, prefix_tokens=10**6, questions=3)
+    with pytest.raises(ValueError, match="questions"):
+        probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=0)
+
+
+def test_lossless_cache_recalls_as_the_exact_one_through_packed_pages(model_and_tokenizer):
+    """With 64-token chunks the planted facts sit in packed pages; the identity codec answers every
+    row as the exact cache does, and a 2-bit codec is scored on the same rows."""
+    model, tokenizer = model_and_tokenizer
+    rows = probe_rows(tokenizer, FILLER, prefix_tokens=200, questions=2, seed=0)
+    exact, lossless, kivi = run_probe(model, tokenizer, rows, ["identity", "kivi:bits=2,group=32"], chunk_pages=1)
+    assert exact.agree == 1.0 and lossless.answers == exact.answers and lossless.agree == 1.0
+    assert lossless.correct == exact.correct and all(a.isdigit() for a in exact.answers)
+    assert lossless.packed_tokens >= 192 and kivi.packed_tokens == lossless.packed_tokens
+    assert 0.0 <= kivi.agree <= 1.0 and len(kivi.answers) == 2
