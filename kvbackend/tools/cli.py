@@ -60,6 +60,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return run_eval_cli(args)
 
 
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--model-dir``, shared by the commands that load the model."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-dir", default=None, help="directory holding a GGUF model (default: the shipped one)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbackend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,8 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=24)
     demo.add_argument("--chunk-pages", type=_int_at_least(1), default=32,
                       help="64-token pages per chunk (default 32: 2048 tokens, as measured)")
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument("--model-dir", default=None, help="directory holding a GGUF model (default: the shipped one)")
+    _model_options(demo)
     demo.set_defaults(func=_cmd_demo)
 
     ev = sub.add_parser("eval", help="measure codecs on a real model's KV for a text")
@@ -90,11 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens teacher-forced after the prefix (at least 2: the first has no scored target)")
     ev.add_argument("--json", help="write the figures as JSON here (its folder is created before the run)")
     ev.add_argument("--plot", help="write a Pareto plot (PNG) here (its folder is created before the run)")
-    ev.add_argument("--device", default="cpu")
     ev.add_argument("--path", choices=("paged", "sim", "both"), default="paged",
                     help="paged: through a KVCache, as an engine serves (default); sim: the sequence-level "
                          "simulation; both: paged, with the simulation beside it as a cross-check")
-    ev.add_argument("--model-dir", default=None)
+    _model_options(ev)
     ev.add_argument("--calibration", default=None,
                     help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")
     ev.set_defaults(func=_cmd_eval)
@@ -107,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--chunk-pages", type=_int_at_least(1), default=32, help="64-token pages per chunk")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--json", help="write the answers and scores as JSON here")
-    pr.add_argument("--device", default="cpu")
-    pr.add_argument("--model-dir", default=None)
+    _model_options(pr)
     pr.set_defaults(func=_cmd_probe)
     return parser
 
