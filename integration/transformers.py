@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbackend import codecs
+from kvbackend.backends import BACKENDS
 from kvbackend.codecs.base import prepare_kv
 from kvbackend.errors import CacheFull, SpecError
 from kvbackend.frames import LeverFrame
@@ -55,6 +56,7 @@ class CacheOptions:
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
     max_tokens: int = 4096  # longest sequence per batch row; sizes the packed pool
     dense_tokens: int | None = None  # tokens per row the dense pool holds; None: max_tokens (any prompt at once)
+    backend: str = "auto"  # the paged cache's backend: "auto" (Triton kernels on CUDA), "torch" or "triton"
 
 
 def lever_options(levers: Levers) -> dict[str, str]:
@@ -134,6 +136,9 @@ class KVBackendLayer(CacheLayerMixin):
         # This forward call's new tokens, waiting for their queries (attach()): (k [B, H, T, D], v).
         # Set in `update` and appended by `observe_queries` within the same forward call.
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A one-token step whose attention the attached function runs on the pages (`attend_paged`):
+        # `update` returned only the new token, nothing was decoded to dense K/V.
+        self._paged_step = False
 
     @property
     def sink(self) -> int:
@@ -171,9 +176,12 @@ class KVBackendLayer(CacheLayerMixin):
             warnings.warn("this cache's codec reads the queries attention used (quantwm); call cache.attach(model) "
                           "before generating, or chunks are encoded without query statistics (lower quality)",
                           UserWarning, stacklevel=2)
-        # This call's tokens are attended as given (in every layer alike, whether or not a chunk completes
-        # with them); the cache serves them from its pages in later calls.
-        keys, values = self.read()
+        # A decode step of an attached cache whose pages the kernels read: attention runs on the pages
+        # (`attend_paged`), so no dense K/V of the sequence is ever made.
+        paged = t == 1 and owner.attached and owner.engine.backends[self.layer_idx].name == "triton"
+        # Otherwise this call's tokens are attended as given (in every layer alike, whether or not a chunk
+        # completes with them); the cache serves them from its pages in later calls.
+        keys, values = (None, None) if paged else self.read()
         if t:
             self._check(key_states, value_states)  # raises before anything is stored or counted
             if owner.wants_queries:
@@ -181,7 +189,29 @@ class KVBackendLayer(CacheLayerMixin):
             else:
                 self._append(key_states, value_states)
             self.length += t
+        self._paged_step = paged
+        if paged:
+            return key_states, value_states
         return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
+
+    def attend_paged(self, module, query: torch.Tensor, attention_mask, fallback, **kwargs) -> torch.Tensor:
+        """Attention output ``[B, 1, Hq, D]`` of a one-token step that `update` left on the pages: the
+        new token is stored (with its query), then the paged decode kernel attends to every stored
+        token. A mask that hides any token (padding), dropout, soft-capping or a sliding window go
+        through ``fallback`` (the model's SDPA) on K/V read from the pages instead."""
+        self._paged_step = False
+        self.observe_queries(query)  # stores the new token (no-op if `update` already did)
+        engine, rows = self.owner.engine, self.owner.request_ids
+        plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None
+                 and kwargs.get("sliding_window") is None and query.shape[2] == 1)
+        if plain and attention_mask is not None:
+            plain = attention_mask.dtype == torch.bool and bool(attention_mask.all())
+        if not plain:
+            keys, values = self.read()
+            return fallback(module, query, keys, values, attention_mask, **kwargs)[0]
+        plan = engine.plan(rows, self.layer_idx)
+        out, _ = engine.decode(plan, self.layer_idx, query[:, :, 0].contiguous(), scale=kwargs.get("scaling"))
+        return out.unsqueeze(1)
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor,
                queries: torch.Tensor | None = None) -> None:
@@ -261,6 +291,7 @@ class KVBackendLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._pending = None
+        self._paged_step = False
         self.length = 0
         self.is_initialized = False
 
@@ -270,7 +301,8 @@ class KVBackendCache(Cache):
 
     def __init__(self, config, codec: str | Sequence[str] = RECOMMENDED_SPEC, *, page_size: int = 64, chunk_pages: int = 32,
                  sink: int = 0, pre_rope: bool = False, max_tokens: int = 4096, v_rotation: str = "none",
-                 layer_levers: Sequence[Levers] | None = None, dense_tokens: int | None = None) -> None:
+                 layer_levers: Sequence[Levers] | None = None, dense_tokens: int | None = None,
+                 backend: str = "auto") -> None:
         """``sink`` (first tokens of every row kept at 16 bits; at most ``page_size``), ``pre_rope``
         (keys stored before RoPE, rotated again on read) and ``v_rotation`` ("hadamard": values stored
         rotated, rotated back on read) are appended to every layer's codec spec that does not name
@@ -281,6 +313,11 @@ class KVBackendCache(Cache):
         length can be passed in one forward call: a chunk is packed only once every layer has it).
         For the codec's saving, give ``dense_tokens`` of two chunks and feed long prompts through
         `prefill`, which runs them chunk by chunk.
+
+        Attention: with `attach` and the Triton kernels (``backend`` "auto" on CUDA, or "triton"),
+        one-token decode steps attend on the pages through the fused paged decode kernel; other
+        calls (prompts, masks that hide tokens) read the pages into temporary K/V for the model's
+        attention.
 
         Raises:
             SpecError: a bad spec or lever, a per-layer plan of the wrong length, differing sinks, a
@@ -294,7 +331,9 @@ class KVBackendCache(Cache):
         if dense_tokens is not None and dense_tokens < page_size * chunk_pages:
             raise ValueError(f"dense_tokens={dense_tokens} is below one chunk ({page_size * chunk_pages} tokens): the "
                              f"dense pool must hold a row's active chunk until it is packed")
-        self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens, dense_tokens)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens, dense_tokens, backend)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = text_config.num_hidden_layers
         levers = Levers(sink, pre_rope, v_rotation)  # raises SpecError for a bad lever value
@@ -311,6 +350,7 @@ class KVBackendCache(Cache):
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
+        self.attached = False  # attach() routes attention through this cache (paged decode steps)
         self.query_aware = any(c.uses_queries for c in parsed)
         self.warned = False  # the missing attach() is reported once per cache
         super().__init__(layers=[KVBackendLayer(self, i, c.levers) for i, c in enumerate(parsed)])
@@ -382,6 +422,8 @@ class KVBackendCache(Cache):
 
         def attention(module, query, key, value, attention_mask, **kwargs):
             layer = self.layers[module.layer_idx]
+            if layer._paged_step:
+                return layer.attend_paged(module, query, attention_mask, sdpa_attention_forward, **kwargs), None
             layer.observe_queries(query)
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -399,6 +441,7 @@ class KVBackendCache(Cache):
         model.set_attn_implementation(name)
         model._kvbackend_cache = self
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
+        self.attached = True
         return name
 
     def detach(self, model) -> None:
@@ -407,6 +450,7 @@ class KVBackendCache(Cache):
             raise ValueError("this KVBackendCache is not attached to this model")
         self._flush()
         self.wants_queries = False
+        self.attached = False
         model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
         del model._kvbackend_cache
 
@@ -427,7 +471,7 @@ class KVBackendCache(Cache):
         which = {"codec": specs[0]} if len(set(specs)) == 1 else {"layer_codecs": tuple(specs)}
         config = CacheConfig(**which, page_size=opts.page_size, chunk_pages=opts.chunk_pages,
                              dense_pages=batch * dense_per_row, packed_pages=batch * pages_per_row,
-                             device=str(key_states.device))
+                             device=str(key_states.device), backend=opts.backend)
         self.engine = KVCache(geometry, config, rotary=self.rotary)
         self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
 

@@ -24,8 +24,11 @@ def encode_chunk(codec, layout: PageLayout, k: torch.Tensor, v: torch.Tensor, st
         pages: one layer's packed pool [num_pages, page_bytes], written in place.
         page_ids: int32 [N / P] destination pages.
         codebook: the chunk's codebook slot [codebook_bytes] of this layer, written in place.
+
+    ``k, v`` arrive in the levers' stored frame and the caller writes the sink fields, so the codec's
+    own fields are all this writes (PSAC codecs encode on the reference).
     """
-    schemes = kernel_schemes(codec, layout)
+    schemes = kernel_schemes(codec, layout, levers_read=True)
     quantized = []
     for prefix, x, scheme in (("k", k, schemes[0]), ("v", v, schemes[1])):
         if scheme.mode == FLOAT:

@@ -1,7 +1,8 @@
 """Gather-dequant: packed and dense pages of a batch -> contiguous K/V per request, for any attention.
 
 One program per (work page, KV head) reconstructs the page's tokens and writes them at the
-request's rows (cu_seqlens layout). Pre-RoPE keys can be rotated on the way out.
+request's rows (cu_seqlens layout). Packed pages leave in the original frame: PSAC rows added,
+pre-RoPE keys rotated, rotated values rotated back and sink tokens written over (`kernels/levers.py`).
 """
 
 from __future__ import annotations
@@ -11,31 +12,30 @@ import triton
 import triton.language as tl
 
 from kvbackend.batch import BatchPlan
-from kvbackend.scheme import TensorScheme
+from kvbackend.rope import Rotary
+from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
-
-
-@triton.jit
-def _rope(x, cos, sin, P: tl.constexpr, D: tl.constexpr):
-    """Half-split RoPE on a [P, D] tile; cos/sin are [P, D/2]."""
-    halves = tl.permute(tl.reshape(x, (P, 2, D // 2)), (0, 2, 1))
-    x1, x2 = tl.split(halves)
-    joined = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-    return tl.reshape(tl.permute(joined, (0, 2, 1)), (P, D))
+from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_constants, lever_tables,
+                                      load_hadamard, page_rotation, psac_fix, rope_tables, rotate_halves, sink_tile)
 
 
 @triton.jit
 def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds, valid, rows, positions,
-                           cos_table, sin_table, k_out, v_out,
+                           local_cos, local_sin, base_cos, base_sin, hadamard_ptr, k_out, v_out,
                            PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
-                           D: tl.constexpr, ROPE: tl.constexpr, UNPACK: tl.constexpr,
+                           D: tl.constexpr, UNPACK: tl.constexpr,
                            K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
                            K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
                            K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
                            V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                            V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
-                           V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr):
+                           V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr,
+                           SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
+                           SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, VROT: tl.constexpr,
+                           PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
+                           PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
+                           PSAC_BASIS: tl.constexpr):
     w = tl.program_id(0)
     h = tl.program_id(1)
     page = tl.load(page_ids + w).to(tl.int64)
@@ -43,6 +43,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
     kind = tl.load(kinds + w)
     n = tl.load(valid + w)
     row = tl.load(rows + w).to(tl.int64)
+    t = tl.arange(0, P)
+    d = tl.arange(0, D)
     if kind == 0:
         k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
                          K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK,
@@ -50,17 +52,27 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                          V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK,
                          UNPACK)
+        # Packed pages are stored in the levers' frame (`kvbackend.frames`); dense pages as appended.
+        if PSAC_R:
+            k += psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, PSAC_R, PSAC_N, PSAC_NP,
+                          PSAC_SPARSE, PSAC_CODES, PSAC_SCALE, PSAC_TOKEN, PSAC_BASIS)
+        if ROPE:  # R(p0 + t) = R(p0) R(t)
+            cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
+            cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)
+            lo, hi = halves(k, P, D)
+            lo, hi = rotate_halves(lo, hi, cos_t, sin_t)
+            lo, hi = rotate_halves(lo, hi, cos_0[None, :], sin_0[None, :])
+            k = join_halves(lo, hi, P, D)
+        if VROT:
+            v = hadamard_apply(v, load_hadamard(hadamard_ptr, D), D)
+        if SINK:
+            if tl.load(positions + w) == 0:  # the sequence's first page: its first tokens are exact
+                first = (t < SINK)[:, None]
+                k = tl.where(first, sink_tile(book_i16, slot, h, SINK_K, BOOK_BYTES, H, D, SINK, P, SINK_KIND), k)
+                v = tl.where(first, sink_tile(book_i16, slot, h, SINK_V, BOOK_BYTES, H, D, SINK, P, SINK_KIND), v)
     else:
         k = load_dense(dense, page, h, 0, H, P, D).to(tl.float32)
         v = load_dense(dense, page, h, 1, H, P, D).to(tl.float32)
-    t = tl.arange(0, P)
-    d = tl.arange(0, D)
-    if ROPE:
-        position = tl.load(positions + w) + t
-        half = tl.arange(0, D // 2)
-        cos = tl.load(cos_table + position[:, None] * (D // 2) + half[None, :])
-        sin = tl.load(sin_table + position[:, None] * (D // 2) + half[None, :])
-        k = _rope(k, cos, sin, P, D)
     out = ((row + t[:, None]) * H + h) * D + d[None, :]
     mask = t[:, None] < n
     tl.store(k_out + out, k.to(k_out.dtype.element_ty), mask=mask)
@@ -95,16 +107,18 @@ def default_warps(k: TensorScheme, v: TensorScheme) -> int:
 
 
 def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, schemes: tuple[TensorScheme, TensorScheme],
-                   plan: BatchPlan, out_dtype: torch.dtype = torch.bfloat16, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   plan: BatchPlan, out_dtype: torch.dtype = torch.bfloat16,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None,
-                   unpack: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   unpack: int = 0, levers: LeverScheme | None = None,
+                   rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstruct every token of the planned requests, ``[total_tokens, H, D]`` each for K and V.
 
     Args:
         pages: one layer's packed pages ``[num_pages, page_bytes]`` (uint8).
         codebooks: one layer's codebook slots ``[num_slots, codebook_bytes]`` (uint8).
         dense: one layer's dense pages ``[num_pages, 2, P, H, D]``.
-        rope: optional (cos, sin) tables ``[max_position, D/2]`` float32 to rotate pre-RoPE keys.
+        levers: the layer's levers and PSAC rows (`kvbackend.scheme.lever_scheme`), None for none.
+        rotary: the model's RoPE, for pre-RoPE keys.
         out: optional caller buffers to write into.
         num_warps, unpack: launch configuration (``unpack`` as in `dequant_tile`: 0 loads packed words
             once and broadcasts them, 1 has each element load its own word, 2/3 those with codes made
@@ -125,12 +139,13 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
     work = plan.page_ids.numel()
     if work == 0:
         return k_out, v_out
-    cos, sin = rope if rope is not None else (k_out, k_out)  # unused when ROPE is off
+    tables = lever_tables(levers or LeverScheme(), rotary, p, d, plan.max_pages, pages.device)
+    ropes = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard) if tables else (k_out,) * 5
     k_scheme, v_scheme = schemes
     num_warps = num_warps or default_warps(k_scheme, v_scheme)
     _gather_dequant_kernel[(work, h)](
         u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.kinds, plan.valid, plan.rows, plan.positions,
-        cos, sin, k_out, v_out, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
-        ROPE=rope is not None, UNPACK=unpack, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme),
+        *ropes, k_out, v_out, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
+        UNPACK=unpack, **scheme_constants("K", k_scheme), **scheme_constants("V", v_scheme), **lever_constants(levers),
         num_warps=num_warps)
     return k_out, v_out

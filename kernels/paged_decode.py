@@ -3,7 +3,8 @@
 Grid (request, KV head, split): each program walks its share of the request's pages, dequantizes
 K and V in registers, and keeps an online softmax for the GQA group of query heads (padded to 16
 rows so `tl.dot` runs on tensor cores). A second kernel merges the splits. No BF16 K/V is ever
-written to memory.
+written to memory. The plain kernel also reads a layer's levers and PSAC rows (`kernels/levers.py`):
+PSAC rows and pre-RoPE keys per page, rotated values once per program, sink tokens in the merge.
 """
 
 from __future__ import annotations
@@ -16,33 +17,45 @@ import triton
 import triton.language as tl
 
 from kvbackend.batch import BatchPlan
-from kvbackend.scheme import TensorScheme
+from kvbackend.rope import Rotary
+from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels import folded_decode, planar_decode
 from kvbackend.kernels.decode_split import program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
+from kvbackend.kernels.levers import (halves, hadamard_apply, lever_constants, lever_tables, load_hadamard,
+                                      page_rotation, psac_fix, rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend(q_tile, k, v, n, m_i, l_i, acc, scale_log2, P: tl.constexpr):
-    """One page of online softmax: scores in log2 units, masked past the page's ``n`` tokens."""
+def _softmax_step(scores, v, n, m_i, l_i, acc, P: tl.constexpr):
+    """One page of online softmax over scores [ROWS, P] (log2 units), masked past the page's ``n``
+    tokens. A fully masked block (sinks may mask a whole page) leaves the state as it was."""
     t = tl.arange(0, P)
-    scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2  # [ROWS, P]
     scores = tl.where(t[None, :] < n, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
     return m_new, l_i, acc
 
 
 @triton.jit
+def _attend(q_tile, k, v, n, m_i, l_i, acc, scale_log2, P: tl.constexpr):
+    """One page of online softmax: scores in log2 units, masked past the page's ``n`` tokens."""
+    scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2  # [ROWS, P]
+    return _softmax_step(scores, v, n, m_i, l_i, acc, P)
+
+
+@triton.jit
 def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, valid,
                          req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
+                         local_cos, local_sin, base_cos, base_sin, hadamard_ptr,
                          PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                          D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, UNPACK: tl.constexpr,
                          PAIR: tl.constexpr,
@@ -51,13 +64,26 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
                          V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                          V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
-                         V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr):
+                         V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr,
+                         SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
+                         SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, VROT: tl.constexpr,
+                         PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
+                         PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
+                         PSAC_BASIS: tl.constexpr):
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     i = tl.arange(0, ROWS)
     d = tl.arange(0, D)
+    t = tl.arange(0, P)
     heads = h * GROUP + i
     q_rows = (r * (H * GROUP) + heads) * D
     q_tile = tl.load(q + q_rows[:, None] + d[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float16)
+    LEVERS: tl.constexpr = ROPE or PSAC_R > 0 or SINK > 0
+    XT: tl.constexpr = tl.float32 if ROPE or PSAC_R > 0 else tl.float16
+    if ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t)
+        half = tl.arange(0, D // 2)
+        q_lo = tl.load(q + q_rows[:, None] + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
+        q_hi = tl.load(q + q_rows[:, None] + D // 2 + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
+        cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
@@ -65,29 +91,59 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     # PAIR: two packed pages per iteration, both pages' loads issued before either is used (more
     # memory requests in flight per program); a missing second page repeats the first, fully masked.
     end_packed = tl.minimum(last, packed)
-    for j in range(first, end_packed, 1 + PAIR):
-        page = tl.load(page_ids + start + j).to(tl.int64)
-        slot = tl.load(slots + start + j).to(tl.int64)
-        if PAIR:
-            j2 = tl.minimum(j + 1, end_packed - 1)
-            page2 = tl.load(page_ids + start + j2).to(tl.int64)
-            slot2 = tl.load(slots + start + j2).to(tl.int64)
-        k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
-                         K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C, K_BOOK,
-                         UNPACK, tl.float16)
-        v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
-                         V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C, V_BOOK,
-                         UNPACK, tl.float16)
-        if PAIR:
-            k2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
-                              K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C,
-                              K_BOOK, UNPACK, tl.float16)
-            v2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
-                              V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
-                              V_BOOK, UNPACK, tl.float16)
-        m_i, l_i, acc = _attend(q_tile, k, v, P, m_i, l_i, acc, scale_log2, P)
-        if PAIR:  # after a full page m_i is finite, so a fully masked second page changes nothing
-            m_i, l_i, acc = _attend(q_tile, k2, v2, tl.where(j + 1 < end_packed, P, 0), m_i, l_i, acc, scale_log2, P)
+    if LEVERS:  # one page per iteration, in the levers' frame (`kernels/levers.py`)
+        for j in range(first, end_packed):
+            page = tl.load(page_ids + start + j).to(tl.int64)
+            slot = tl.load(slots + start + j).to(tl.int64)
+            k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
+                             K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C,
+                             K_BOOK, UNPACK, XT)
+            v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
+                             V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
+                             V_BOOK, UNPACK, tl.float16)
+            if PSAC_R:
+                k += psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, PSAC_R, PSAC_N,
+                              PSAC_NP, PSAC_SPARSE, PSAC_CODES, PSAC_SCALE, PSAC_TOKEN, PSAC_BASIS)
+            if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)
+                cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
+                qb_lo = q_lo * cos_0[None, :] + q_hi * sin_0[None, :]
+                qb_hi = q_hi * cos_0[None, :] - q_lo * sin_0[None, :]
+                k_lo, k_hi = halves(k, P, D)
+                k_lo, k_hi = rotate_halves(k_lo, k_hi, cos_t, sin_t)
+                scores = (tl.dot(qb_lo.to(tl.float16), tl.trans(k_lo.to(tl.float16)))
+                          + tl.dot(qb_hi.to(tl.float16), tl.trans(k_hi.to(tl.float16)))) * scale_log2
+            else:
+                scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2
+            if SINK:  # the merge kernel attends to the exact sink tokens
+                scores = tl.where((j == 0) & (t[None, :] < SINK), float("-inf"), scores)
+            m_i, l_i, acc = _softmax_step(scores, v, P, m_i, l_i, acc, P)
+    else:
+        for j in range(first, end_packed, 1 + PAIR):
+            page = tl.load(page_ids + start + j).to(tl.int64)
+            slot = tl.load(slots + start + j).to(tl.int64)
+            if PAIR:
+                j2 = tl.minimum(j + 1, end_packed - 1)
+                page2 = tl.load(page_ids + start + j2).to(tl.int64)
+                slot2 = tl.load(slots + start + j2).to(tl.int64)
+            k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
+                             K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C,
+                             K_BOOK, UNPACK, tl.float16)
+            v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
+                             V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
+                             V_BOOK, UNPACK, tl.float16)
+            if PAIR:
+                k2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
+                                  K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN,
+                                  K_STAGES, K_C, K_BOOK, UNPACK, tl.float16)
+                v2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE,
+                                  V_BITS, V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN,
+                                  V_STAGES, V_C, V_BOOK, UNPACK, tl.float16)
+            m_i, l_i, acc = _attend(q_tile, k, v, P, m_i, l_i, acc, scale_log2, P)
+            if PAIR:  # after a full page m_i is finite, so a fully masked second page changes nothing
+                m_i, l_i, acc = _attend(q_tile, k2, v2, tl.where(j + 1 < end_packed, P, 0), m_i, l_i, acc, scale_log2, P)
+    if VROT:  # packed values were summed in the rotated frame: rotate back once, before the dense pages
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        acc = hadamard_apply(acc / l_safe[:, None], load_hadamard(hadamard_ptr, D), D) * l_safe[:, None]
     for j in range(tl.maximum(first, packed), last):
         page = tl.load(page_ids + start + j).to(tl.int64)
         n = tl.load(valid + start + j)
@@ -102,7 +158,10 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
 
 
 @triton.jit
-def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, q, book_i16, slots, req_start, req_packed, scale_log2,
+                  D: tl.constexpr, SPLITS: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
+                  BOOK_BYTES: tl.constexpr, SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr,
+                  SINK_KIND: tl.constexpr, SINK_ROWS: tl.constexpr):
     row = tl.program_id(0)  # one (request, query head)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -110,11 +169,26 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, D: tl.constexpr,
     m = tl.load(m_part + row * num_splits + s, mask=live, other=float("-inf"))
     l_s = tl.load(l_part + row * num_splits + s, mask=live, other=0.0)
     m_max = tl.max(m, 0)
+    if SINK:  # the exact sink tokens of a request whose first page is packed (the kernels masked them)
+        r = row // (H * GROUP)
+        h = (row % (H * GROUP)) // GROUP
+        has = tl.load(req_packed + r) > 0
+        slot = tl.load(slots + tl.load(req_start + r)).to(tl.int64)
+        sk = sink_tile(book_i16, slot, h, SINK_K, BOOK_BYTES, H, D, SINK, SINK_ROWS, SINK_KIND)
+        sv = sink_tile(book_i16, slot, h, SINK_V, BOOK_BYTES, H, D, SINK, SINK_ROWS, SINK_KIND)
+        qv = tl.load(q + row * D + d).to(tl.float32)
+        ts = tl.arange(0, SINK_ROWS)
+        sink_scores = tl.where(has & (ts < SINK), tl.sum(sk * qv[None, :], 1) * scale_log2, float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(sink_scores, 0))
     weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     total = tl.sum(weight * l_s, 0)
     o = tl.load(o_part + (row * num_splits + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-    result = tl.sum(o * weight[:, None], 0) / total
-    tl.store(out + row * D + d, result.to(out.dtype.element_ty))
+    o_sum = tl.sum(o * weight[:, None], 0)
+    if SINK:
+        p_sink = tl.where(sink_scores > float("-inf"), tl.exp2(sink_scores - m_max), 0.0)
+        total += tl.sum(p_sink, 0)
+        o_sum += tl.sum(sv * p_sink[:, None], 0)
+    tl.store(out + row * D + d, (o_sum / total).to(out.dtype.element_ty))
     tl.store(lse + row, (m_max + tl.log2(total)) / 1.4426950408889634)
 
 
@@ -122,7 +196,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
                  target_programs: int = 1024, num_warps: int = 4, num_stages: int | None = None,
                  unpack: int = 0, pair: int = 0, fold: bool | None = None,
-                 fold_options: dict | None = None, planar: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 fold_options: dict | None = None, planar: bool | None = None, levers: LeverScheme | None = None,
+                 rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
@@ -144,6 +219,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             planes (`planar_decode`); None = where `planar_decode.preferred` says so, unless ``fold``
             is given (then the plain or folded kernel, as ``fold`` says). True takes precedence over
             ``fold``.
+        levers: the layer's levers and PSAC rows (`kvbackend.scheme.lever_scheme`); only the plain
+            kernel reads them, so with any lever on, ``fold``/``planar`` must not be True.
+        rotary: the model's RoPE, for pre-RoPE keys.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -166,6 +244,11 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     l_part = torch.empty_like(m_part)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
+    levers = levers if levers is not None and levers.active else None
+    if levers is not None:
+        if planar or fold:
+            raise ValueError("levers and PSAC rows are read by the plain decode kernel only: fold=False, planar=False")
+        planar, fold = False, False
     if planar is None:
         planar = fold is None and planar_decode.preferred(k_scheme, v_scheme, p, d, per_split)
     elif planar and not planar_decode.supports(k_scheme, v_scheme, p, d):
@@ -188,11 +271,17 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                              pages=1 + pair, **{"asm": q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
                                                 **(fold_options or {})})  # no PTX in the interpreter
     else:
+        tables = lever_tables(levers or LeverScheme(), rotary, p, d, plan.max_pages, q.device)
+        ropes = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard) if tables else (q,) * 5
         _paged_decode_kernel[(b, h, splits)](
             q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
-            plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits, UNPACK=unpack,
-            PAIR=pair, **constants, num_warps=num_warps, num_stages=num_stages)
+            plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits, *ropes, UNPACK=unpack,
+            PAIR=pair if levers is None else 0, **constants, **lever_constants(levers), num_warps=num_warps,
+            num_stages=num_stages)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, D=d, SPLITS=triton.next_power_of_2(splits))
+    sinks = {n: v for n, v in lever_constants(levers).items() if n.startswith("SINK")}
+    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, q, book_i16, plan.slots, plan.req_start,
+                             plan.req_packed, scale * _LOG2E, D=d, SPLITS=triton.next_power_of_2(splits), H=h,
+                             GROUP=group, BOOK_BYTES=max(codebooks.shape[-1], 0), **sinks)
     return out, lse

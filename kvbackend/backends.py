@@ -46,9 +46,10 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, codec, layout: PageLayout) -> None:
-        from kvbackend.scheme import kernel_schemes
+        from kvbackend.scheme import kernel_schemes, lever_scheme
 
-        self.schemes = kernel_schemes(codec, layout)
+        self.schemes = kernel_schemes(codec, layout, levers_read=True)
+        self.levers = lever_scheme(codec, layout)
 
     def encode_chunk(self, codec, layout: PageLayout, k, v, state: CodecState, pages, page_ids, codebook) -> None:
         if not codec.kernel_encodes:  # an option the encode kernel does not implement: the reference encodes
@@ -62,26 +63,28 @@ class TritonBackend:
         from kvbackend.kernels.gather_dequant import gather_dequant
 
         return gather_dequant(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
-                              self.schemes, plan, out_dtype=cache.geometry.dtype)
+                              self.schemes, plan, out_dtype=cache.geometry.dtype, levers=self.levers,
+                              rotary=cache.frames[layer].rotary)
 
     def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         from kvbackend.kernels.paged_decode import paged_decode
 
         return paged_decode(q.contiguous(), cache.packed.pages[layer], cache.packed.codebooks[layer],
-                            cache.dense.data[layer], self.schemes, plan, scale)
+                            cache.dense.data[layer], self.schemes, plan, scale, levers=self.levers,
+                            rotary=cache.frames[layer].rotary)
 
 
 def kernels_can_serve(codec, layout: PageLayout) -> bool:
-    """Whether the Triton kernels read this layout (2/4/8-bit codes or floats, power-of-two P and D)."""
-    from kvbackend.scheme import kernel_schemes
+    """Whether the Triton kernels read this layout (2/4/8-bit codes or floats, power-of-two P and D,
+    levers and PSAC rows as `kvbackend.scheme.lever_scheme` accepts them)."""
+    from kvbackend.scheme import kernel_schemes, lever_scheme
 
     p, d = layout.page_size, layout.geometry.head_dim
-    if p & (p - 1) or d & (d - 1):
-        return False
-    if codec.levers.active:  # sink fields, pre-RoPE keys and rotated values are read by the torch reference only
+    if p & (p - 1) or d & (d - 1) or p < 16 or d < 16:
         return False
     try:
-        schemes = kernel_schemes(codec, layout)
+        schemes = kernel_schemes(codec, layout, levers_read=True)
+        lever_scheme(codec, layout)
     except UnsupportedLayout:
         return False
     return all(s.supported_by_kernels() for s in schemes)
@@ -104,7 +107,5 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout):
         raise SpecError("backend 'triton' needs the triton package (pip install 'kvbackend[gpu]')")
     if not kernels_can_serve(codec, layout):
         raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
-                        f"{layout.page_size} and head_dim {layout.geometry.head_dim}"
-                        + (" (levers sink/prerope/vrot are read by the torch reference only: backend='auto' or "
-                           "'torch')" if codec.levers.active else ""))
+                        f"{layout.page_size} and head_dim {layout.geometry.head_dim}: use backend='auto' or 'torch'")
     return TritonBackend(codec, layout)

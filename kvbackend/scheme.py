@@ -44,16 +44,77 @@ def kind_of(dtype: torch.dtype) -> int:
     return _KINDS[dtype]
 
 
-def kernel_schemes(codec, layout: PageLayout) -> tuple[TensorScheme, TensorScheme]:
+@dataclass(frozen=True)
+class LeverScheme:
+    """What a kernel needs of a layer's levers (`kvbackend.levers`) and PSAC rows; offsets in bytes.
+
+    Sinks live in the codebook slot of the chunk that starts a sequence (``[sink, H, D]`` in the
+    cache's 16-bit dtype, the original frame); PSAC rows in the page (``[rows, H, rank]`` int8 codes,
+    ``[rows, H]`` fp16 scales and, for sparse rows, ``[rows, H]`` uint8 token indices) and the basis in
+    the codebook slot (``[H, D, rank]`` bf16)."""
+
+    sink: int = 0  # exact first tokens of a sequence (0 = none)
+    sink_k: int = NONE
+    sink_v: int = NONE
+    sink_kind: int = FP16  # FP16 or BF16
+    prerope: bool = False  # keys of packed pages are stored before RoPE
+    vrot: bool = False  # values of packed pages are stored Hadamard-rotated
+    psac_rank: int = 0  # 0 = no PSAC rows
+    psac_rows: int = 0  # rows per page and head (= page_size for dense rows)
+    psac_codes: int = NONE
+    psac_scale: int = NONE
+    psac_token: int = NONE  # NONE: row i corrects token i
+    psac_basis: int = NONE
+
+    @property
+    def active(self) -> bool:
+        return self != LeverScheme()
+
+
+MAX_KERNEL_PSAC_RANK = 16  # the kernels pad the rank to one 16-wide tensor-core operand
+
+
+def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
+    """The levers and PSAC fields of ``codec`` on ``layout`` (a `kvbackend.frames.lever_layout`).
+
+    Raises:
+        UnsupportedLayout: for a lever no kernel reads (the sequence-level ``psac=`` lever, a PSAC rank
+            above `MAX_KERNEL_PSAC_RANK`, or a rotation other than Hadamard).
+    """
+    levers, page, book = codec.levers, layout.page.fields, layout.codebook.fields
+    if levers.psac:
+        raise UnsupportedLayout("the sequence-level psac= lever is applied by `kvbackend eval` only")
+    if levers.vrot not in ("none", "hadamard"):
+        raise UnsupportedLayout(f"no kernel undoes the value rotation {levers.vrot!r}")
+    fields = {}
+    if levers.sink:
+        sink_k = book["sink_k"]
+        fields.update(sink=levers.sink, sink_k=sink_k.offset, sink_v=book["sink_v"].offset, sink_kind=kind_of(sink_k.dtype))
+    if "k_psac" in page:
+        rows, _, rank = page["k_psac"].shape
+        if rank > MAX_KERNEL_PSAC_RANK:
+            raise UnsupportedLayout(f"the kernels add PSAC rows of rank <= {MAX_KERNEL_PSAC_RANK}, got {rank}")
+        token = page.get("k_psac_token")
+        fields.update(psac_rank=rank, psac_rows=rows, psac_codes=page["k_psac"].offset,
+                      psac_scale=page["k_psac_scale"].offset, psac_token=token.offset if token is not None else NONE,
+                      psac_basis=book["k_psac_basis"].offset)
+    return LeverScheme(prerope=levers.prerope, vrot=levers.vrot == "hadamard", **fields)
+
+
+def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tuple[TensorScheme, TensorScheme]:
     """(K scheme, V scheme) for ``codec`` on ``layout``.
+
+    ``levers_read``: the caller passes `lever_scheme` to the kernels too. Without it a layout with
+    levers or PSAC rows is refused, so no caller can read such pages while ignoring what they carry.
 
     Raises:
         UnsupportedLayout: for a codec whose fields no kernel reads (the torch reference still works).
     """
     spec = codec.spec
     page, book = layout.page.fields, layout.codebook.fields
-    if "k_psac" in page:
-        raise UnsupportedLayout(f"no kernel adds PSAC corrections yet ({codec.spec_string!r}); the torch reference serves it")
+    if not levers_read and ("k_psac" in page or codec.levers.active):
+        raise UnsupportedLayout(f"{codec.spec_string!r} has levers or PSAC rows: pass levers_read=True and "
+                                "the kernels `levers=lever_scheme(codec, layout)`")
     out = []
     for prefix in ("k", "v"):
         if prefix in page:  # identity / fp16 / bf16 / fp8: plain values

@@ -9,7 +9,10 @@ Sections (each guarded, so one failure still leaves the others' figures):
    launched one by one and, both sides alike, replayed from CUDA graphs (no host launch overhead);
 4. gather: gather_dequant alone (GB/s) and gather_dequant + SDPA;
 5. encode: k-means (warm-started) + pack of a 4096-token chunk, GB/s of BF16 input;
-6. xformers: xformers' triton_splitk decode on BF16 K/V and in its int4 mode (one fp16 scale and
+6. levers: the recommended recipe's layout (quantwm keys per channel with centroids, PSAC rows, sinks,
+   pre-RoPE keys, Hadamard-rotated values) at B=8, L=32K, beside the same layout without PSAC and
+   levers (its best kernel, and the plain kernel that reads levers) and SDPA BF16;
+7. xformers: xformers' triton_splitk decode on BF16 K/V and in its int4 mode (one fp16 scale and
    shift per 128-channel row), at the decode shapes, beside SDPA (needs xformers importable; its
    Python files suffice, e.g. a wheel unpacked without its .so files on PYTHONPATH).
 Timing: triton.testing.do_bench medians, inputs rotated so the working set exceeds L2.
@@ -36,7 +39,10 @@ from kvbackend.kernels import folded_decode, planar_decode
 from kvbackend.kernels.encode import encode_into_pages
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
-from kvbackend.scheme import kernel_schemes
+from kvbackend.frames import lever_layout
+from kvbackend.rope import Rotary
+from kvbackend.scheme import kernel_schemes, lever_scheme
+from kvbackend.spec import RECOMMENDED_SPEC
 
 import os
 import sys
@@ -441,10 +447,96 @@ def encode(decode_step_us):
     return rows
 
 
+LEVER_VARIANTS = (  # (name, spec): the recipe, then the same layout with parts of it off
+    ("recipe", RECOMMENDED_SPEC),
+    ("recipe, no levers", RECOMMENDED_SPEC.replace(",sink=4,vrot=hadamard,prerope=true", "")),
+    ("recipe, no levers, no PSAC", RECOMMENDED_SPEC.replace(",sink=4,vrot=hadamard,prerope=true", "").replace(
+        "rank=4", "rank=0")),
+)
+
+
+@section("levers")
+def levers(copy_bw):
+    """The recipe's layout with its levers and PSAC rows against the same layout without them."""
+    rows = []
+    hq, heads, dim, p = 32, 8, 128, 64
+    rotary = Rotary.default(dim, 500000.0)
+    shapes = ((8, 32768),) if QUICK else ((8, 32768), (1, 32768), (8, 131072))
+    for batch, length in shapes:
+        sdpa_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1)
+        sdpa_graph_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1, graphs=True)
+        for name, spec in LEVER_VARIANTS:
+            codec = codecs.get(spec)
+            layout = lever_layout(codec.layout(Geometry(1, heads, dim, torch.bfloat16), p), codec.levers)
+            k = torch.randn(4096, heads, dim, device=DEV).bfloat16()
+            v = torch.randn(4096, heads, dim, device=DEV).bfloat16()
+            qs_cal = torch.randn(hq, 4096, dim, device=DEV)
+            from kvbackend.psac import query_second_moment
+
+            chunk = codec.encode(k, v, layout, CodecState(query_moment=query_second_moment(qs_cal, heads)))
+            schemes = kernel_schemes(codec, layout, levers_read=True)
+            lv = lever_scheme(codec, layout)
+            packed_per_req = length // p - 1
+            per_rot = batch * packed_per_req * layout.page_bytes
+            rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
+            total_pages = rotations * batch * packed_per_req
+            pages = chunk.pages.repeat(-(-total_pages // chunk.pages.shape[0]), 1)[:total_pages].contiguous()
+            books = chunk.codebook.reshape(1, -1).contiguous()
+            dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
+            plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
+            qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
+            kernels = [0] if lv.active else [0] + [k for k, mod in ((1, folded_decode), (2, planar_decode))
+                                                   if mod.supports(*schemes, p, dim)]
+            configs = [(kern, u, w, st) for kern in kernels for u in ((0, 1) if kern == 0 else (0,))
+                       for w in (4, 8) for st in (1, 2)]
+            if QUICK:
+                configs = list({c[0]: c for c in reversed(configs)}.values())
+            best = {}
+            for config in configs:
+                kern, unpack, warps, stages = config
+
+                def call(j, kern=kern, unpack=unpack, warps=warps, stages=stages):
+                    return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
+                                        num_stages=stages, unpack=unpack, fold=kern == 1, planar=kern == 2,
+                                        levers=lv, rotary=rotary)
+
+                try:
+                    ms = rotating_time([lambda j=j: call(j) for j in range(rotations)])
+                except Exception as exc:
+                    print(f"  levers {name} {config}: {type(exc).__name__}: {exc}"[:300])
+                    continue
+                if kern not in best or ms < best[kern][0]:
+                    best[kern] = (ms, config, call)
+            ms, config, call = min(best.values(), key=lambda x: x[0])
+            graph_ms = graph_time([lambda j=j: call(j) for j in range(rotations)])
+            bytes_read = batch * (packed_per_req * layout.page_bytes + math.ceil(length / 4096) * layout.codebook_bytes
+                                  + 2 * p * heads * dim * 2)
+            row = {"variant": name, "codec": spec, "B": batch, "L": length, "ours_us": ms * 1e3,
+                   "ours_graph_us": graph_ms * 1e3, "sdpa_us": sdpa_ms * 1e3, "sdpa_graph_us": sdpa_graph_ms * 1e3,
+                   "speedup_vs_sdpa_graph": sdpa_graph_ms / graph_ms, "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100,
+                   "best_us_per_kernel": {("plain", "folded", "planar")[k]: v[0] * 1e3 for k, v in best.items()},
+                   "config_kernel_unpack_warps_stages": list(config), "page_bytes": layout.page_bytes}
+            rows.append(row)
+            print(f"levers {name:28s} B={batch} L={length}: {row['ours_us']:7.1f} us (graphs {row['ours_graph_us']:7.1f}), "
+                  f"per kernel {row['best_us_per_kernel']}, SDPA graphs {row['sdpa_graph_us']:.1f} us", flush=True)
+            pages = dense = plans = qs = None
+            torch.cuda.empty_cache()
+        by = {r["variant"]: r for r in rows if r["B"] == batch and r["L"] == length}
+        if len(by) == len(LEVER_VARIANTS):
+            base = by["recipe, no levers, no PSAC"]
+            for r in by.values():
+                r["cost_vs_no_levers_no_psac"] = r["ours_graph_us"] / base["ours_graph_us"] - 1
+                r["cost_vs_same_kernel_no_levers"] = r["ours_us"] / (base["best_us_per_kernel"]["plain"]) - 1
+            print(f"levers B={batch} L={length}: recipe costs {by['recipe']['cost_vs_no_levers_no_psac'] * 100:+.1f}% "
+                  "against its layout without levers and PSAC (best kernel each, graphs), "
+                  f"{by['recipe']['cost_vs_same_kernel_no_levers'] * 100:+.1f}% against the plain kernel without them", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="ceiling,checks,decode,gather,encode,xformers")
+    parser.add_argument("--only", default="ceiling,checks,decode,levers,gather,encode,xformers")
     args = parser.parse_args()
     wanted = args.only.split(",")
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__}
@@ -458,6 +550,8 @@ def main():
         checks()
     if "decode" in wanted:
         decode(copy_bw)
+    if "levers" in wanted:
+        levers(copy_bw)
     if "gather" in wanted:
         gather(copy_bw)
     step = None

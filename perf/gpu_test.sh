@@ -21,8 +21,8 @@ status=0
     "$python" -m pip install -q --no-deps --no-build-isolation -e . || exit 3
     echo "== pytest (every test; CUDA present, so GPU tests run)"
     "$python" -m pytest -q -ra -p no:cacheprovider tests || status=1
-    echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel)"
-    KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,checks,decode \
+    echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers)"
+    KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,checks,decode,levers \
         --out "$results/gpu-test-bench_kernels.json" || status=1
     echo "== bench_tiers (quick: 8K-token restores)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from kvbackend.rope import Rotary
 from kvbackend.scheme import kernel_schemes
 from kernel_cases import filled_cache
 
@@ -65,23 +64,6 @@ def test_unpack_variants_are_bit_identical(codec):
         k, v = gather_dequant(*args, unpack=unpack, num_warps=warps)
         assert torch.equal(k.view(torch.int16), base_k.view(torch.int16)), (unpack, warps)
         assert torch.equal(v.view(torch.int16), base_v.view(torch.int16)), (unpack, warps)
-
-
-def test_rope_on_read():
-    from kvbackend.kernels.gather_dequant import gather_dequant
-
-    cache, ids = filled_cache("kivi:bits=4,group=16", 64, 16, [37, 20], dtype=torch.float32)
-    rotary = Rotary.default(64, 10000.0)
-    positions = torch.arange(64).float()
-    freqs = positions[:, None] * rotary.inv_freq[None]
-    device = cache.dense.data.device
-    plan = cache.plan(ids, 0)
-    k, _ = gather_dequant(cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
-                          kernel_schemes(cache.codec, cache.layout), plan, out_dtype=torch.float32,
-                          rope=(freqs.cos().to(device), freqs.sin().to(device)))
-    expected = torch.cat([rotary.rotate(cache.read(rid, 0)[0].transpose(0, 1), torch.arange(n)).transpose(0, 1)
-                          for rid, n in zip(ids, [37, 20])])
-    assert torch.allclose(k, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_backend_gather_through_cache():

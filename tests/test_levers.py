@@ -152,13 +152,20 @@ def test_levers_enter_the_fingerprint_and_are_refused_where_they_cannot_be_serve
     assert len({c.fingerprint for c in (plain, with_levers, other_rope, only_vrot)}) == 4
     with pytest.raises(SpecError, match="needs the model's RoPE"):
         lever_cache("kivi:bits=2,group=16,prerope=true", rotary=None)
-    from kvbackend.backends import choose, kernels_can_serve
+    from kvbackend.backends import kernels_can_serve
+    from kvbackend.errors import UnsupportedLayout
+    from kvbackend.scheme import kernel_schemes, lever_scheme
 
     codec = with_levers.codecs[0]
-    assert not kernels_can_serve(codec, with_levers.layouts[0])  # the torch reference serves them
-    pytest.importorskip("triton")
-    with pytest.raises(SpecError, match="torch reference only"):
-        choose("triton", torch.device("cuda"), codec, with_levers.layouts[0])
+    assert kernels_can_serve(codec, with_levers.layouts[0])  # the kernels read sinks, pre-RoPE keys, rotated values
+    lv = lever_scheme(codec, with_levers.layouts[0])
+    assert (lv.sink, lv.prerope, lv.vrot, lv.psac_rank) == (4, True, True, 0)
+    # a caller that does not pass the levers to the kernels cannot get schemes for these pages
+    with pytest.raises(UnsupportedLayout, match="levers_read"):
+        kernel_schemes(codec, with_levers.layouts[0])
+    # the sequence-level psac= lever is refused by the cache itself, with the option to use
+    with pytest.raises(SpecError, match="rank= option"):
+        lever_cache("kivi:bits=2,group=16,psac=4")
 
 
 def test_lever_pages_travel_through_tiers():

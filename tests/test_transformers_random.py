@@ -238,3 +238,57 @@ def test_every_layer_attends_the_calls_own_tokens_as_given(model):
     assert cache.engine.stats().packed_tokens == 8  # the chunk was packed by the last layer
     stored, _ = cache.layers[0].read()
     assert not torch.equal(stored, k) and float((stored - k).norm() / k.norm()) < 0.5  # later calls read pages
+
+
+LEVERED = "quantwm:group=32,kchannel=16,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true"
+
+
+@pytest.mark.parametrize("codec", ["identity", LEVERED])
+def test_attached_decode_steps_attend_on_the_pages(model, codec, monkeypatch):
+    """With attach() and the Triton backend, one-token steps run the paged decode kernel on the pages
+    (no dense read of the sequence) and give the logits of the reference path; a padded batch falls
+    back to reading the pages for the model's SDPA, with its mask."""
+    from kvbackend.integration.transformers import KVBackendLayer
+
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (2, 70), device=DEVICE)
+    options = dict(codec=codec, page_size=16, chunk_pages=2, max_tokens=128, dense_tokens=32)
+    paged = KVBackendCache(model.config, backend="triton", **options)
+    reference = KVBackendCache(model.config, backend="torch", **options)
+    reads = []
+    real_read = KVBackendLayer.read
+    monkeypatch.setattr(KVBackendLayer, "read", lambda self: reads.append(self.layer_idx) or real_read(self))
+    for cache in (paged, reference):
+        cache.attach(model)
+        try:
+            with torch.no_grad():
+                cache.prefill(model, ids)
+                reads.clear()
+                logits = []
+                token = ids[:, -1:]
+                for _ in range(12):  # crosses the chunk boundary at 96 tokens
+                    out = _forward(model, token, cache).logits[:, -1]
+                    logits.append(out)
+                    token = out.argmax(-1, keepdim=True) if cache is paged else steps[len(logits) - 1]
+        finally:
+            cache.detach(model)
+        if cache is paged:
+            assert reads == [] and paged.engine.backends[0].name == "triton"  # no dense read in decode steps
+            got, steps = logits, [x.argmax(-1, keepdim=True) for x in logits]
+        else:
+            want = logits
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max()) < 2e-2 * float(w.abs().max())
+    # a left-padded batch: the mask hides tokens, so the step reads the pages for SDPA instead
+    mask = torch.ones(2, 71, dtype=torch.long, device=DEVICE)
+    mask[1, :5] = 0
+    padded = KVBackendCache(model.config, backend="triton", **dict(options, dense_tokens=None))
+    padded.attach(model)
+    try:
+        with torch.no_grad():
+            model(ids, attention_mask=mask[:, :70], use_cache=True, **cache_argument(model, padded))
+            reads.clear()
+            model(ids[:, -1:], attention_mask=mask, use_cache=True, **cache_argument(model, padded))
+    finally:
+        padded.detach(model)
+    assert sorted(reads) == [0, 1]

@@ -1,0 +1,183 @@
+"""What the kernels do for a layer's levers and PSAC rows (`kvbackend.scheme.LeverScheme`).
+
+- PSAC: each packed page adds its rows' correction ``(codes * scale) @ basis^T`` to the keys, in the
+  stored frame, before anything else: one-hot ``[P, rows]`` x coefficients ``[rows, rank]`` and then
+  x ``basis^T [rank, D]``, both on tensor cores (rank and rows padded to 16).
+- Pre-RoPE keys: a key at position ``p0 + t`` (``p0`` the page's first position) is rotated by
+  ``R(p0 + t) = R(p0) R(t)``. ``R(t)`` uses one ``[P, D/2]`` table the program loads once; ``R(p0)``
+  is one ``[D/2]`` row per page. Decode moves ``R(p0)`` onto the query (``q . R(p0) x = R(p0)^T q . x``),
+  so a page costs one rotation of its keys by the loop-invariant table.
+- Hadamard-rotated values: decode accumulates packed pages' values in the stored frame and rotates
+  the accumulator back once per program (``acc @ H``; H is symmetric), gather rotates each page.
+  The ±1 matrix is exact in fp16; the operand is split into two fp16 halves, so the product keeps
+  about 22 bits, and ``1/sqrt(D)`` is applied in float32.
+- Sinks: decode masks the first ``sink`` tokens of a request's first packed page and the merge
+  kernel attends to the exact sink tokens in the codebook slot; gather writes them over the page.
+
+`lever_tables` builds the constant tables on the device once per (RoPE, page size, head size).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbackend.rope import Rotary
+from kvbackend.scheme import LeverScheme, NONE
+from kvbackend.levers import hadamard
+
+
+@dataclass(frozen=True)
+class LeverTables:
+    """Device tables of the lever paths (float32 RoPE tables with the RoPE's scaling in the local one)."""
+
+    local_cos: torch.Tensor  # [P, D/2] cos(t * theta) * scaling
+    local_sin: torch.Tensor  # [P, D/2]
+    base_cos: torch.Tensor  # [pages, D/2] cos(j * P * theta)
+    base_sin: torch.Tensor  # [pages, D/2]
+    hadamard: torch.Tensor  # [D, D] fp16, entries +-1
+
+    @property
+    def pages(self) -> int:
+        return self.base_cos.shape[0]
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(inv_freq: tuple, scaling: float, page_size: int, head_dim: int, pages: int, device: str) -> LeverTables:
+    theta = torch.tensor(inv_freq, dtype=torch.float64)
+    t = torch.arange(page_size, dtype=torch.float64)[:, None] * theta[None, :]
+    base = torch.arange(pages, dtype=torch.float64)[:, None] * page_size * theta[None, :]
+    h = (hadamard(head_dim).double() * math.sqrt(head_dim)).round()
+    dev = torch.device(device)
+
+    def f32(x):
+        return x.to(torch.float32).to(dev).contiguous()
+
+    return LeverTables(f32(t.cos() * scaling), f32(t.sin() * scaling), f32(base.cos()), f32(base.sin()),
+                       h.to(torch.float16).to(dev).contiguous())
+
+
+def lever_tables(levers: LeverScheme, rotary: Rotary | None, page_size: int, head_dim: int, pages: int,
+                 device: torch.device) -> LeverTables | None:
+    """The tables ``levers`` need for requests of up to ``pages`` pages (None when none are needed).
+
+    Raises:
+        ValueError: pre-RoPE keys without the model's RoPE, or a RoPE of another head size.
+    """
+    if not (levers.prerope or levers.vrot):
+        return None
+    inv_freq, scaling = (1.0,) * (head_dim // 2), 1.0
+    if levers.prerope:
+        if rotary is None:
+            raise ValueError("keys stored before RoPE need the model's RoPE (rotary=...) to be read")
+        if rotary.inv_freq.numel() != head_dim // 2:
+            raise ValueError(f"the RoPE has {rotary.inv_freq.numel()} frequencies, head_dim {head_dim} needs {head_dim // 2}")
+        inv_freq, scaling = tuple(rotary.inv_freq.double().tolist()), float(rotary.scaling)
+    rounded = max(64, triton.next_power_of_2(max(pages, 1)))  # few distinct sizes, so the cache hits
+    return _tables(inv_freq, scaling, page_size, head_dim, rounded, str(device))
+
+
+def lever_constants(levers: LeverScheme | None) -> dict:
+    """Keyword constants of the kernels' lever paths (all off for None)."""
+    lv = levers or LeverScheme()
+    rows = lv.psac_rows
+    return {
+        "SINK": lv.sink, "SINK_K": max(lv.sink_k, 0), "SINK_V": max(lv.sink_v, 0), "SINK_KIND": lv.sink_kind,
+        "SINK_ROWS": triton.next_power_of_2(max(lv.sink, 1)), "ROPE": lv.prerope, "VROT": lv.vrot,
+        "PSAC_R": lv.psac_rank, "PSAC_N": rows, "PSAC_NP": max(16, triton.next_power_of_2(max(rows, 1))),
+        "PSAC_SPARSE": lv.psac_token != NONE, "PSAC_CODES": max(lv.psac_codes, 0),
+        "PSAC_SCALE": max(lv.psac_scale, 0), "PSAC_TOKEN": max(lv.psac_token, 0), "PSAC_BASIS": max(lv.psac_basis, 0),
+    }
+
+
+@triton.jit
+def psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
+             H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+             NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
+             TOKEN: tl.constexpr, BASIS: tl.constexpr):
+    """PSAC correction [P, D] float32 of head ``h`` of packed page ``page`` (slot ``slot``)."""
+    i = tl.arange(0, NP)
+    r = tl.arange(0, 16)
+    d = tl.arange(0, D)
+    t = tl.arange(0, P)
+    live = i < N
+    codes = tl.load(u8 + page * PAGE_BYTES + CODES + (i[:, None] * H + h) * R + r[None, :],
+                    mask=live[:, None] & (r[None, :] < R), other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    scale = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALE // 2 + i * H + h, mask=live, other=0)
+    coef = codes * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]  # [NP, 16]
+    if SPARSE:
+        token = tl.load(u8 + page * PAGE_BYTES + TOKEN + i * H + h, mask=live, other=0).to(tl.int32)
+        token = tl.where(live, token, -1)
+        onehot = (t[:, None] == token[None, :]).to(tl.float16)  # [P, NP]
+        coef = tl.dot(onehot, coef.to(tl.float16))  # [P, 16]: each token's row (zeros where it has none)
+    basis_t = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BASIS // 2 + (h * D + d[None, :]) * R + r[:, None],
+                      mask=r[:, None] < R, other=0)  # [16, D] = basis^T, bf16 bits
+    return tl.dot(coef.to(tl.float16), basis_t.to(tl.bfloat16, bitcast=True).to(tl.float16))
+
+
+@triton.jit
+def halves(x, P: tl.constexpr, D: tl.constexpr):
+    """Channels [0, D/2) and [D/2, D) of a [P, D] tile (RoPE's pairs)."""
+    return tl.split(tl.permute(tl.reshape(x, (P, 2, D // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def rotate_halves(lo, hi, cos, sin):
+    """RoPE of the pair halves (``x1 cos - x2 sin``, ``x2 cos + x1 sin``); cos/sin broadcast."""
+    return lo * cos - hi * sin, hi * cos + lo * sin
+
+
+@triton.jit
+def join_halves(lo, hi, P: tl.constexpr, D: tl.constexpr):
+    """Inverse of `halves`."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (P, D))
+
+
+@triton.jit
+def rope_tables(local_cos, local_sin, P: tl.constexpr, D: tl.constexpr):
+    """The loop-invariant R(t) tables [P, D/2] (scaling included)."""
+    t = tl.arange(0, P)
+    half = tl.arange(0, D // 2)
+    at = t[:, None] * (D // 2) + half[None, :]
+    return tl.load(local_cos + at), tl.load(local_sin + at)
+
+
+@triton.jit
+def page_rotation(base_cos, base_sin, j, D: tl.constexpr):
+    """cos/sin [D/2] of R(p0) for the request's page ``j`` (p0 = j * P)."""
+    half = tl.arange(0, D // 2)
+    return tl.load(base_cos + j * (D // 2) + half), tl.load(base_sin + j * (D // 2) + half)
+
+
+@triton.jit
+def hadamard_apply(x, hmat, D: tl.constexpr):
+    """``x @ H / sqrt(D)`` for a float32 [M, D] tile and the ±1 fp16 ``hmat`` [D, D]: x is split into
+    two fp16 parts (about 22 bits kept) whose products are exact in float32 accumulation."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return (tl.dot(hi, hmat) + tl.dot(lo, hmat)) * (1.0 / tl.sqrt(D * 1.0))
+
+
+@triton.jit
+def load_hadamard(hadamard_ptr, D: tl.constexpr):
+    d = tl.arange(0, D)
+    return tl.load(hadamard_ptr + d[:, None] * D + d[None, :])
+
+
+@triton.jit
+def sink_tile(book_i16, slot, h, FIELD: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr,
+              D: tl.constexpr, SINK: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr):
+    """The exact sink tokens ``[ROWS, D]`` float32 of head ``h`` (rows past SINK are zero)."""
+    t = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    at = slot * (BOOK_BYTES // 2) + FIELD // 2 + (t[:, None] * H + h) * D + d[None, :]
+    x = tl.load(book_i16 + at, mask=(t < SINK)[:, None], other=0)
+    if KIND == 1:
+        return x.to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return x.to(tl.bfloat16, bitcast=True).to(tl.float32)

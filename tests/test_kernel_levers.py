@@ -1,0 +1,117 @@
+"""The kernels read a layer's levers and PSAC rows: decode and gather through the Triton backend
+against the torch reference on the same pages (odd lengths, GQA, splits that isolate the sink page)."""
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.attention import decode_attention
+from kvbackend.rope import Rotary
+from kvbackend.scheme import kernel_schemes, lever_scheme
+from kernel_cases import DEVICE
+
+triton = pytest.importorskip("triton")
+
+ROTARY = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), scaling=1.25)
+RECIPE = "quantwm:kchannel=16,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true"
+CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
+    (RECIPE, 16, [45, 70, 3], 4, 64),  # the recommended recipe's levers; 64 programs: one page per split
+    (RECIPE, 16, [97], 1, 2),
+    ("kivi:bits=2,group=16,sink=3", 16, [40, 33], 3, 16),
+    ("kivi:bits=2,group=16,sink=16", 16, [50, 16], 2, 64),  # the sinks fill page 0: a split of it is all masked
+    ("kivi:bits=4,group=16,prerope=true", 16, [80], 2, 4),
+    ("rtn:bits=2,group=32,vrot=hadamard", 32, [150, 65], 4, 8),
+    ("quantwm:rank=4,centroids=4,vbits=2", 16, [60], 2, 8),  # a PSAC row per token, no index
+    ("quantwm:rank=16,keep=0.5,centroids=4,sink=2", 16, [70, 40], 1, 16),  # sparse rows, full kernel rank
+    ("identity:sink=5,prerope=true,vrot=hadamard", 16, [90], 2, 8),  # frame round trip only
+]
+
+
+def lever_cache(codec, page_size, lengths, ratio, backend, seed=0):
+    """One request per length, keys post-RoPE with outlier channels, queries fed (for PSAC)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, d = 2, 64
+    cache = KVCache(Geometry(2, heads, d, torch.bfloat16),
+                    CacheConfig(codec=codec, page_size=page_size, chunk_pages=2, dense_pages=64, packed_pages=64,
+                                device=DEVICE, backend=backend), rotary=ROTARY)
+    ids = []
+    for n in lengths:
+        rid, _ = cache.add_request()
+        for layer in range(2):
+            k = torch.randn(heads, n, d, generator=gen)
+            k[..., :4] += 6
+            k = ROTARY.rotate(k, torch.arange(n)).transpose(0, 1)
+            v = torch.randn(n, heads, d, generator=gen)
+            v[..., 3] *= 8
+            q = torch.randn(n, heads * ratio, d, generator=gen)
+            cache.append(rid, layer, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE), queries=q.bfloat16().to(DEVICE))
+        ids.append(rid)
+    return cache, ids
+
+
+@pytest.mark.parametrize("codec,page_size,lengths,ratio,programs", CASES)
+def test_decode_and_gather_read_levers_like_the_reference(codec, page_size, lengths, ratio, programs):
+    from kvbackend.kernels.gather_dequant import gather_dequant
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = lever_cache(codec, page_size, lengths, ratio, "triton")
+    assert cache.backends[0].name == "triton" and cache.backends[0].levers.active
+    layer = 1
+    plan = cache.plan(ids, layer)
+    reads = [cache.read(rid, layer) for rid in ids]  # the torch reference: decode_pages + the frame
+    q = torch.randn(len(ids), 2 * ratio, 64, device=DEVICE).bfloat16()
+    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+    args = (cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+            kernel_schemes(cache.codecs[layer], cache.layouts[layer], levers_read=True), plan)
+    levers = lever_scheme(cache.codecs[layer], cache.layouts[layer])
+    out, lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=ROTARY)
+    assert torch.isfinite(out.float()).all()
+    assert float((out.float() - want).norm() / want.norm()) < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2)
+    k, v = gather_dequant(*args, out_dtype=torch.float32, levers=levers, rotary=ROTARY)
+    rk, rv = torch.cat([r[0] for r in reads]).float(), torch.cat([r[1] for r in reads]).float()
+    assert float((k - rk).abs().max()) <= 2e-2 * float(rk.abs().max())
+    assert float((v - rv).abs().max()) <= 1e-2 * float(rv.abs().max())  # the reference is rounded to bf16
+    # the sinks are the appended tokens, bit for bit (requests whose first page is packed)
+    if levers.sink:
+        first = plan.cu_seqlens[:-1].long()
+        for rid, row in zip(ids, first.tolist()):
+            if cache.page_table(rid).packed:
+                assert torch.equal(k[row: row + levers.sink].bfloat16(), reads[ids.index(rid)][0][: levers.sink])
+    # the backend path (its own split count) gives the same
+    out2, _ = cache.decode(plan, layer, q)
+    assert float((out2.float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_a_lever_the_kernels_ignore_would_change_the_output():
+    """Without the lever scheme the same pages decode to something else: each lever path does work."""
+    from kvbackend.kernels.paged_decode import paged_decode
+    from kvbackend.scheme import LeverScheme
+    import dataclasses
+
+    cache, ids = lever_cache(RECIPE, 16, [70], 2, "triton")
+    plan = cache.plan(ids, 0)
+    q = torch.randn(1, 4, 64, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True), plan)
+    levers = lever_scheme(cache.codecs[0], cache.layouts[0])
+    full, _ = paged_decode(q, *args, levers=levers, rotary=ROTARY)
+    for off in (dict(sink=0), dict(prerope=False), dict(vrot=False), dict(psac_rank=0)):
+        partial = dataclasses.replace(levers, **off)
+        out, _ = paged_decode(q, *args, levers=partial if partial.active else LeverScheme(), rotary=ROTARY)
+        assert float((out.float() - full.float()).norm() / full.float().norm()) > 1e-3, off  # same kernel, same splits
+
+
+def test_levers_are_refused_by_the_other_decode_kernels_and_need_the_rope():
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = lever_cache(RECIPE, 16, [40], 1, "torch")
+    plan = cache.plan(ids, 0)
+    q = torch.randn(1, 2, 64, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True), plan)
+    levers = lever_scheme(cache.codecs[0], cache.layouts[0])
+    with pytest.raises(ValueError, match="plain decode kernel"):
+        paged_decode(q, *args, levers=levers, rotary=ROTARY, fold=True)
+    with pytest.raises(ValueError, match="RoPE"):
+        paged_decode(q, *args, levers=levers, rotary=None)
