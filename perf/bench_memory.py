@@ -58,6 +58,16 @@ def run_one(model, name: str, make_cache, ids: torch.Tensor, steps: int, device:
         base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     cache = make_cache()
+    if hasattr(cache, "attach"):  # queries for quantwm; decode steps attend on the pages (paged decode on CUDA)
+        cache.attach(model)
+    try:
+        return _run(model, name, cache, ids, steps, cuda, base if cuda else 0, t0)
+    finally:
+        if hasattr(cache, "detach"):
+            cache.detach(model)
+
+
+def _run(model, name, cache, ids, steps, cuda, base, t0) -> dict:
     with torch.no_grad():
         if hasattr(cache, "prefill"):
             out = cache.prefill(model, ids, logits_to_keep=1)
@@ -94,7 +104,8 @@ def run_one(model, name: str, make_cache, ids: torch.Tensor, steps: int, device:
         row.update({f"report_{k}": v for k, v in report.items()})
         # the packed part against the same tokens at the model's dtype: the codec's own ratio, measured
         row["codec_ratio"] = (report["exact"] - report["dense"]) / report["packed"] if report["packed"] else None
-    del cache
+        row["decode_path"] = ("paged decode kernel" if cache.engine.backends[0].name == "triton" and cache.attached
+                              else "pages read for SDPA")
     return row
 
 
