@@ -94,7 +94,8 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                  MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
                  KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
                  ZEROS: tl.constexpr, ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr,
-                 UNPACK: tl.constexpr = 0, XT: tl.constexpr = tl.float32):
+                 UNPACK: tl.constexpr = 0, XT: tl.constexpr = tl.float32, C0: tl.constexpr = 0,
+                 W: tl.constexpr = 0):
     """[P, D] in XT (float32, or float16 for attention operands): head ``h`` of packed page ``page``
     (int64), reconstructed.
 
@@ -104,9 +105,11 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
     conversion (a quarter-rate instruction on NVIDIA GPUs); UNPACK 3 is UNPACK 0 with that conversion.
 
     ESIZE is the byte size of KIND's elements (passed in: Triton 3.6 cannot divide by a constexpr
-    returned from a jit function)."""
+    returned from a jit function). ``C0``/``W``: only channels ``C0 .. C0 + W - 1`` ([P, W]; W 0 = all
+    D), for plain floats and UNPACK 1 and 2 (RoPE's halves)."""
+    WD: tl.constexpr = D if W == 0 else W
     t = tl.arange(0, P)
-    d = tl.arange(0, D)
+    d = C0 + tl.arange(0, WD)
     base = page * (PAGE_BYTES // ESIZE)
     if MODE == 0:  # plain floats [P, H, D]
         x = load_elements(u8, i16, i32, base + CODES // ESIZE, (t[:, None] * H + h) * D + d[None, :], KIND).to(XT)
@@ -132,6 +135,7 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
         else:
             x = codes * scale + load_elements(u8, i16, i32, base + ZEROS // ESIZE, where, KIND).to(XT)
     else:
+        tl.static_assert(WD == D, "a channel window needs UNPACK 1 or 2")
         codes = unpack_codes(i32, page * (PAGE_BYTES // 4) + CODES // 4, t * H + h, H, P, D, BITS)
         if UNPACK == 3:
             codes = mantissa_f32(codes).to(XT)

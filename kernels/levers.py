@@ -96,28 +96,46 @@ def lever_constants(levers: LeverScheme | None) -> dict:
 
 
 @triton.jit
-def psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
-             H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
-             NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
-             TOKEN: tl.constexpr, BASIS: tl.constexpr):
-    """PSAC correction [P, D] float32 of head ``h`` of packed page ``page`` (slot ``slot``)."""
+def psac_rows(u8, i16, page, h, PAGE_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+              N: tl.constexpr, NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
+              TOKEN: tl.constexpr):
+    """Each token's PSAC coefficients ``codes * scale`` [P, 16] fp16 (rank padded with zeros; zeros for
+    tokens without a row) of head ``h`` of packed page ``page``."""
     i = tl.arange(0, NP)
     r = tl.arange(0, 16)
-    d = tl.arange(0, D)
     t = tl.arange(0, P)
     live = i < N
     codes = tl.load(u8 + page * PAGE_BYTES + CODES + (i[:, None] * H + h) * R + r[None, :],
                     mask=live[:, None] & (r[None, :] < R), other=0).to(tl.int8, bitcast=True).to(tl.float32)
     scale = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALE // 2 + i * H + h, mask=live, other=0)
-    coef = codes * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]  # [NP, 16]
+    coef = (codes * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]).to(tl.float16)  # [NP, 16]
     if SPARSE:
         token = tl.load(u8 + page * PAGE_BYTES + TOKEN + i * H + h, mask=live, other=0).to(tl.int32)
         token = tl.where(live, token, -1)
         onehot = (t[:, None] == token[None, :]).to(tl.float16)  # [P, NP]
-        coef = tl.dot(onehot, coef.to(tl.float16))  # [P, 16]: each token's row (zeros where it has none)
+        coef = tl.dot(onehot, coef).to(tl.float16)  # [P, 16]: a one-hot pick, exact
+    return coef
+
+
+@triton.jit
+def psac_basis(book_i16, slot, h, BOOK_BYTES: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BASIS: tl.constexpr,
+               C0: tl.constexpr, W: tl.constexpr):
+    """Channels ``C0 .. C0 + W - 1`` of the slot's PSAC basis, transposed: [16, W] fp16 (rank padded)."""
+    r = tl.arange(0, 16)
+    d = C0 + tl.arange(0, W)
     basis_t = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BASIS // 2 + (h * D + d[None, :]) * R + r[:, None],
-                      mask=r[:, None] < R, other=0)  # [16, D] = basis^T, bf16 bits
-    return tl.dot(coef.to(tl.float16), basis_t.to(tl.bfloat16, bitcast=True).to(tl.float16))
+                      mask=r[:, None] < R, other=0)
+    return basis_t.to(tl.bfloat16, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
+             H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+             NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
+             TOKEN: tl.constexpr, BASIS: tl.constexpr):
+    """PSAC correction [P, D] float32 of head ``h`` of packed page ``page`` (slot ``slot``)."""
+    coef = psac_rows(u8, i16, page, h, PAGE_BYTES, H, P, R, N, NP, SPARSE, CODES, SCALE, TOKEN)
+    return tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, R, BASIS, 0, D))
 
 
 @triton.jit

@@ -24,8 +24,8 @@ from kvbackend.kernels import folded_decode, planar_decode
 from kvbackend.kernels.decode_split import program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
-from kvbackend.kernels.levers import (halves, hadamard_apply, lever_constants, lever_tables, load_hadamard,
-                                      page_rotation, psac_fix, rope_tables, rotate_halves, sink_tile)
+from kvbackend.kernels.levers import (hadamard_apply, lever_constants, lever_tables, load_hadamard, page_rotation,
+                                      psac_basis, psac_rows, rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
 
@@ -78,12 +78,12 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     q_rows = (r * (H * GROUP) + heads) * D
     q_tile = tl.load(q + q_rows[:, None] + d[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float16)
     LEVERS: tl.constexpr = ROPE or PSAC_R > 0 or SINK > 0
-    XT: tl.constexpr = tl.float32 if ROPE or PSAC_R > 0 else tl.float16
-    if ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t)
+    if ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t) (fp16)
         half = tl.arange(0, D // 2)
         q_lo = tl.load(q + q_rows[:, None] + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
         q_hi = tl.load(q + q_rows[:, None] + D // 2 + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
         cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
+        cos_t, sin_t = cos_t.to(tl.float16), sin_t.to(tl.float16)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
@@ -95,25 +95,36 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
         for j in range(first, end_packed):
             page = tl.load(page_ids + start + j).to(tl.int64)
             slot = tl.load(slots + start + j).to(tl.int64)
-            k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
-                             K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C,
-                             K_BOOK, UNPACK, XT)
             v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                              V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
                              V_BOOK, UNPACK, tl.float16)
             if PSAC_R:
-                k += psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, PSAC_R, PSAC_N,
-                              PSAC_NP, PSAC_SPARSE, PSAC_CODES, PSAC_SCALE, PSAC_TOKEN, PSAC_BASIS)
-            if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)
+                coef = psac_rows(u8, i16, page, h, PAGE_BYTES, H, P, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
+                                 PSAC_SCALE, PSAC_TOKEN)
+            if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k), keys dequantized as RoPE's two halves
+                k_lo = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
+                                    K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN,
+                                    K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, 0, D // 2)
+                k_hi = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
+                                    K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN,
+                                    K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, D // 2, D // 2)
+                if PSAC_R:
+                    k_lo += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0,
+                                                    D // 2)).to(tl.float16)
+                    k_hi += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, D // 2,
+                                                    D // 2)).to(tl.float16)
                 cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
-                qb_lo = q_lo * cos_0[None, :] + q_hi * sin_0[None, :]
-                qb_hi = q_hi * cos_0[None, :] - q_lo * sin_0[None, :]
-                k_lo, k_hi = halves(k, P, D)
+                qb_lo = (q_lo * cos_0[None, :] + q_hi * sin_0[None, :]).to(tl.float16)
+                qb_hi = (q_hi * cos_0[None, :] - q_lo * sin_0[None, :]).to(tl.float16)
                 k_lo, k_hi = rotate_halves(k_lo, k_hi, cos_t, sin_t)
-                scores = (tl.dot(qb_lo.to(tl.float16), tl.trans(k_lo.to(tl.float16)))
-                          + tl.dot(qb_hi.to(tl.float16), tl.trans(k_hi.to(tl.float16)))) * scale_log2
+                scores = (tl.dot(qb_lo, tl.trans(k_lo)) + tl.dot(qb_hi, tl.trans(k_hi))) * scale_log2
             else:
-                scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2
+                k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
+                                 K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES,
+                                 K_C, K_BOOK, UNPACK, tl.float16)
+                if PSAC_R:
+                    k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0, D)).to(tl.float16)
+                scores = tl.dot(q_tile, tl.trans(k)) * scale_log2
             if SINK:  # the merge kernel attends to the exact sink tokens
                 scores = tl.where((j == 0) & (t[None, :] < SINK), float("-inf"), scores)
             m_i, l_i, acc = _softmax_step(scores, v, P, m_i, l_i, acc, P)
@@ -249,6 +260,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         if planar or fold:
             raise ValueError("levers and PSAC rows are read by the plain decode kernel only: fold=False, planar=False")
         planar, fold = False, False
+        if levers.prerope:  # RoPE's halves are read as channel windows, which UNPACK 0 and 3 do not take
+            unpack = {0: 1, 3: 2}.get(unpack, unpack)
     if planar is None:
         planar = fold is None and planar_decode.preferred(k_scheme, v_scheme, p, d, per_split)
     elif planar and not planar_decode.supports(k_scheme, v_scheme, p, d):
