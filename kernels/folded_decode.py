@@ -34,6 +34,7 @@ from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
 from kvbackend.kernels.decode_split import program_pages
 from kvbackend.kernels.dequant import load_elements, magic_fp16, scale_zero
+from kvbackend.kernels.levers import hadamard_apply, lever_constants as levers_off, page_rotation, psac_basis, psac_rows, rotate_halves
 
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
 VFOLD_DEFAULT = False  # values: scales on the probabilities (True) or on the codes in registers (False, measured faster)
@@ -162,6 +163,66 @@ def _value_group(u8, i16, i32, page, rows, p, acc, zacc, g, PAGE_BYTES: tl.const
 
 
 @triton.jit
+def _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, C0: tl.constexpr, W: tl.constexpr,
+                  PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, ASM: tl.constexpr, H: tl.constexpr,
+                  D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, KIND: tl.constexpr,
+                  ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
+                  STAGES: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BOOK: tl.constexpr, ASSIGN: tl.constexpr,
+                  P: tl.constexpr, PSAC_R: tl.constexpr, PSAC_BASIS: tl.constexpr):
+    """Channels C0..C0+W-1 of per-channel-group keys [BT, W] fp16, rebuilt in the stored frame: codes
+    times the channel's step plus its zero, every centroid stage, and the PSAC rows (``coef``), for
+    levers that act on whole keys (pre-RoPE rotation)."""
+    codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + CODES + rows[:, None] * (D * BITS // 8) + C0 * BITS // 8
+                                + tl.arange(0, W * BITS // 8)[None, :]), BITS, ASM)  # [BT, W]
+    ks, kz = scale_zero(u8, i16, i32, page, (blk * H + h) * D + C0 + tl.arange(0, W), PAGE_BYTES, BITS, SYMMETRIC,
+                        KIND, ESIZE, SCALES, ZEROS)
+    k = codes * ks.to(tl.float16)[None, :] + kz.to(tl.float16)[None, :]
+    for stage in tl.static_range(STAGES):
+        onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, ASSIGN, H, P, CP)
+        k += tl.dot(onehot, _centroid_cols(book_i16, slot, h, stage, C0 // W, BOOK_BYTES, BOOK, H, C, CP, W, D)).to(
+            tl.float16)
+    if PSAC_R:
+        k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, C0, W)).to(tl.float16)
+    return k
+
+
+@triton.jit
+def _rotate_back(a0, a1, a2, a3, z0, z1, z2, z3, l_acc, hadamard_ptr, VNG: tl.constexpr, VG: tl.constexpr,
+                 D: tl.constexpr):
+    """Value accumulators (channel groups of VG) summed in the Hadamard-rotated frame, rotated back:
+    group g' = sum_g (a_g + z_g) @ H[g, g'] (blocks of the ±1 matrix; `hadamard_apply` per block),
+    on the normalised sums (fp16 range), zeros folded in."""
+    l_i = tl.sum(l_acc, 1)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]
+    x0 = (a0 + z0[:, None]) / l_safe
+    x1 = (a1 + z1[:, None]) / l_safe
+    x2 = (a2 + z2[:, None]) / l_safe
+    x3 = (a3 + z3[:, None]) / l_safe
+    vi = tl.arange(0, VG)
+    out0 = tl.zeros_like(a0)
+    out1 = tl.zeros_like(a0)
+    out2 = tl.zeros_like(a0)
+    out3 = tl.zeros_like(a0)
+    for g in tl.static_range(VNG):
+        xg = x0
+        if g == 1:
+            xg = x1
+        if g == 2:
+            xg = x2
+        if g == 3:
+            xg = x3
+        rows = (g * VG + vi)[:, None] * D
+        out0 += hadamard_apply(xg, tl.load(hadamard_ptr + rows + vi[None, :]), D)
+        if VNG > 1:
+            out1 += hadamard_apply(xg, tl.load(hadamard_ptr + rows + VG + vi[None, :]), D)
+        if VNG > 2:
+            out2 += hadamard_apply(xg, tl.load(hadamard_ptr + rows + 2 * VG + vi[None, :]), D)
+            out3 += hadamard_apply(xg, tl.load(hadamard_ptr + rows + 3 * VG + vi[None, :]), D)
+    zero = tl.zeros_like(z0)
+    return out0 * l_safe, out1 * l_safe, out2 * l_safe, out3 * l_safe, zero, zero, zero, zero
+
+
+@triton.jit
 def _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3):
     """Move the online softmax's reference maximum from m_i to m_new: every accumulator times 2^(m_i - m_new)."""
     alpha = tl.exp2(m_i - m_new)
@@ -172,6 +233,7 @@ def _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3):
 @triton.jit
 def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, valid,
                           req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
+                          local_cos, local_sin, base_cos, base_sin, hadamard_ptr,
                           PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                           D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr,
                           LAZY: tl.constexpr, PAGES: tl.constexpr, VFOLD: tl.constexpr,
@@ -182,8 +244,17 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                           V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                           V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
-                          V_BOOK: tl.constexpr):
+                          V_BOOK: tl.constexpr,
+                          SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
+                          SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, VROT: tl.constexpr,
+                          PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
+                          PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
+                          PSAC_BASIS: tl.constexpr):
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
+    # Levers (`kernels/levers.py`; `supports_levers`): per-channel keys are rebuilt explicitly when
+    # they carry PSAC rows or must be rotated (pre-RoPE), in RoPE's two halves; sinks are masked here
+    # and attended in the merge; rotated values are rotated back once, after the packed pages.
+    EXPLICIT: tl.constexpr = ROPE or PSAC_R > 0
 
     # Channel groups are unrolled (at most 4 for keys and 4 for values: `supports` checks), each a
     # 2-D product of its own, so no reduction ever crosses warps. Keys per-token: KNG groups of KG
@@ -219,6 +290,17 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
         q2_sum = tl.sum(q2.to(tl.float32), 1)
         q3 = _load_q(q, q_rows, live, 3 * KG, scale_log2, KG)
         q3_sum = tl.sum(q3.to(tl.float32), 1)
+    HALF: tl.constexpr = D // 2
+    if EXPLICIT:
+        q_lo = _load_q(q, q_rows, live, 0, scale_log2, HALF)
+        q_hi = _load_q(q, q_rows, live, HALF, scale_log2, HALF)
+    if ROPE:
+        q_lo32 = q_lo.to(tl.float32)
+        q_hi32 = q_hi.to(tl.float32)
+        half = tl.arange(0, HALF)
+        t_all = tl.arange(0, BT)
+        cos_t = tl.load(local_cos + t_all[:, None] * HALF + half[None, :]).to(tl.float16)  # block 0's R(t)
+        sin_t = tl.load(local_sin + t_all[:, None] * HALF + half[None, :]).to(tl.float16)
 
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_acc = tl.zeros((ROWS, BT), tl.float32)  # softmax denominators per column: summed once at the end
@@ -259,6 +341,30 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                                          K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
                     scores += _key_group(u8, i16, i32, page_t, rows, q3, q3_sum, 3, PAGE_BYTES, ASM, KNG, KG, D, K_BITS,
                                          K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS)
+            elif EXPLICIT:
+                coef = q_lo  # unused without PSAC rows
+                if PSAC_R:
+                    coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE,
+                                     PSAC_CODES, PSAC_SCALE, PSAC_TOKEN)
+                k_lo = _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, 0, HALF, PAGE_BYTES,
+                                     BOOK_BYTES, ASM, H, D, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES,
+                                     K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS)
+                k_hi = _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, HALF, HALF, PAGE_BYTES,
+                                     BOOK_BYTES, ASM, H, D, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES,
+                                     K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS)
+                if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)
+                    cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
+                    qb_lo = (q_lo32 * cos_0[None, :] + q_hi32 * sin_0[None, :]).to(tl.float16)
+                    qb_hi = (q_hi32 * cos_0[None, :] - q_lo32 * sin_0[None, :]).to(tl.float16)
+                    if blk == 0:
+                        c_t, s_t = cos_t, sin_t
+                    else:
+                        c_t = tl.load(local_cos + t[:, None] * HALF + half[None, :]).to(tl.float16)
+                        s_t = tl.load(local_sin + t[:, None] * HALF + half[None, :]).to(tl.float16)
+                    k_lo, k_hi = rotate_halves(k_lo, k_hi, c_t, s_t)
+                    scores = tl.dot(qb_lo, tl.trans(k_lo)) + tl.dot(qb_hi, tl.trans(k_hi))
+                else:
+                    scores = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
             else:
                 codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + K_CODES + rows[:, None] * K_ROW
                                             + tl.arange(0, K_ROW)[None, :]), K_BITS, ASM)  # [BT, D]
@@ -266,15 +372,19 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                                      K_ESIZE, K_SCALES, K_ZEROS)
                 scores = tl.dot((q_f32 * ks[None, :]).to(tl.float16), tl.trans(codes))
                 scores += tl.sum(q_f32 * kz[None, :], 1)[:, None]
-            for stage in tl.static_range(K_STAGES):
+            for stage in tl.static_range(0 if EXPLICIT and K_MODE == _CHANNEL_GROUPS else K_STAGES):
                 cents = _centroids(book_i16, slot, h, stage, BOOK_BYTES, K_BOOK, H, K_C, KCP, D)
                 q_c = tl.dot(q_f16, tl.trans(cents))  # [ROWS, KCP]
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, K_ASSIGN, H, P, KCP)
                 scores += tl.dot(q_c.to(tl.float16), tl.trans(onehot))
             if PAGES == 2:
                 scores = tl.where(present[None, :], scores, float("-inf"))
+            if SINK:  # the merge kernel attends to the exact sink tokens
+                scores = tl.where((j == 0) & (t[None, :] < SINK), float("-inf"), scores)
             # ---- online softmax (LAZY: rescale only when a row's maximum grows by more than 2^8)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
+            if SINK:  # a block of sinks only: a finite floor keeps 2^(-inf - -inf) out
+                m_new = tl.maximum(m_new, -1e30)
             if LAZY:
                 if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
                     m_i, l_acc, a0, a1, a2, a3, z0, z1, z2, z3 = _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3)
@@ -303,6 +413,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                     a2 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 2, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a2)
                     a3 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 3, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a3)
 
+    if VROT:
+        a0, a1, a2, a3, z0, z1, z2, z3 = _rotate_back(a0, a1, a2, a3, z0, z1, z2, z3, l_acc, hadamard_ptr, VNG, VG, D)
     # Dense (BF16) pages: the request's active tail.
     t = tl.arange(0, P)
     vj = tl.arange(0, VG)
@@ -369,15 +481,28 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, p
     return supports(k, v, page_size, head_dim) and pages_per_program >= MIN_PAGES_PER_PROGRAM
 
 
+def supports_levers(k: TensorScheme, levers) -> bool:
+    """Whether the folded kernel reads these levers (with `supports` for the layout): sinks and rotated
+    values with any keys; pre-RoPE keys and PSAC rows with per-channel keys (rebuilt in RoPE's halves)."""
+    if levers is None or not levers.active:
+        return True
+    return k.mode == CHANNEL_GROUPS or not (levers.prerope or levers.psac_rank)
+
+
 def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, per_split, splits, grid,
            constants: dict, asm: bool, num_warps: int, num_stages: int, lazy: bool = False, pages: int = 1,
-           vfold: bool = VFOLD_DEFAULT) -> None:
+           vfold: bool = VFOLD_DEFAULT, tables: tuple = None, lever_constants: dict | None = None) -> None:
     """Launch the folded kernel (arguments as prepared by `paged_decode`). ``pages=2`` takes two packed
-    pages per softmax block (per-token-group keys without centroids only; else one)."""
+    pages per softmax block (per-token-group keys without centroids only; else one). ``tables`` and
+    ``lever_constants``: the levers' tables and constants (`kernels/levers.py`), all off by default."""
     if constants["K_MODE"] != TOKEN_GROUPS or constants["K_STAGES"] or constants["V_STAGES"]:
         pages = 1
+    lever_constants = lever_constants if lever_constants is not None else levers_off(None)
+    if lever_constants.get("SINK") or lever_constants.get("ROPE") or lever_constants.get("PSAC_R"):
+        pages = 1  # the lever paths walk one page per block
     u8, i16, i32 = views
     _folded_decode_kernel[grid](
         q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
-        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, ASM=asm, LAZY=lazy,
-        PAGES=pages, VFOLD=vfold, **constants, num_warps=num_warps, num_stages=num_stages)
+        plan.req_start, plan.req_pages, plan.req_packed, scale_log2, per_split, splits, *(tables or (q,) * 5),
+        ASM=asm, LAZY=lazy, PAGES=pages, VFOLD=vfold, **constants, **lever_constants, num_warps=num_warps,
+        num_stages=num_stages)

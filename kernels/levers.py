@@ -96,24 +96,26 @@ def lever_constants(levers: LeverScheme | None) -> dict:
 
 
 @triton.jit
-def psac_rows(u8, i16, page, h, PAGE_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-              N: tl.constexpr, NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
-              TOKEN: tl.constexpr):
-    """Each token's PSAC coefficients ``codes * scale`` [P, 16] fp16 (rank padded with zeros; zeros for
-    tokens without a row) of head ``h`` of packed page ``page``."""
-    i = tl.arange(0, NP)
+def psac_rows(u8, i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+              NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr, TOKEN: tl.constexpr):
+    """The PSAC coefficients ``codes * scale`` [BT, 16] fp16 of tokens ``t`` [BT] (rank padded with
+    zeros; zeros for tokens without a row) of head ``h`` of packed page ``page``."""
     r = tl.arange(0, 16)
-    t = tl.arange(0, P)
-    live = i < N
+    if SPARSE:
+        i = tl.arange(0, NP)
+        live = i < N
+    else:  # row i corrects token i
+        i = t
+        live = t >= 0
     codes = tl.load(u8 + page * PAGE_BYTES + CODES + (i[:, None] * H + h) * R + r[None, :],
                     mask=live[:, None] & (r[None, :] < R), other=0).to(tl.int8, bitcast=True).to(tl.float32)
     scale = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALE // 2 + i * H + h, mask=live, other=0)
-    coef = (codes * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]).to(tl.float16)  # [NP, 16]
+    coef = (codes * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]).to(tl.float16)
     if SPARSE:
         token = tl.load(u8 + page * PAGE_BYTES + TOKEN + i * H + h, mask=live, other=0).to(tl.int32)
         token = tl.where(live, token, -1)
-        onehot = (t[:, None] == token[None, :]).to(tl.float16)  # [P, NP]
-        coef = tl.dot(onehot, coef).to(tl.float16)  # [P, 16]: a one-hot pick, exact
+        onehot = (t[:, None] == token[None, :]).to(tl.float16)  # [BT, NP]
+        coef = tl.dot(onehot, coef).to(tl.float16)  # [BT, 16]: a one-hot pick, exact
     return coef
 
 
@@ -134,7 +136,7 @@ def psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES: tl.constexpr, BOOK_BY
              NP: tl.constexpr, SPARSE: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
              TOKEN: tl.constexpr, BASIS: tl.constexpr):
     """PSAC correction [P, D] float32 of head ``h`` of packed page ``page`` (slot ``slot``)."""
-    coef = psac_rows(u8, i16, page, h, PAGE_BYTES, H, P, R, N, NP, SPARSE, CODES, SCALE, TOKEN)
+    coef = psac_rows(u8, i16, page, h, tl.arange(0, P), PAGE_BYTES, H, R, N, NP, SPARSE, CODES, SCALE, TOKEN)
     return tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, R, BASIS, 0, D))
 
 

@@ -99,7 +99,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                              V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
                              V_BOOK, UNPACK, tl.float16)
             if PSAC_R:
-                coef = psac_rows(u8, i16, page, h, PAGE_BYTES, H, P, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
+                coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
                                  PSAC_SCALE, PSAC_TOKEN)
             if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k), keys dequantized as RoPE's two halves
                 k_lo = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
@@ -256,10 +256,16 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
     levers = levers if levers is not None and levers.active else None
-    if levers is not None:
-        if planar or fold:
-            raise ValueError("levers and PSAC rows are read by the plain decode kernel only: fold=False, planar=False")
-        planar, fold = False, False
+    if levers is not None:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
+        if planar:
+            raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")
+        folds = folded_decode.supports(k_scheme, v_scheme, p, d) and folded_decode.supports_levers(k_scheme, levers)
+        if fold and not folds:
+            raise ValueError(f"the folded decode kernel does not read these levers on this layout ({levers}); "
+                             "the plain kernel does (fold=False)")
+        planar = False
+        if fold is None:
+            fold = folds and per_split >= folded_decode.MIN_PAGES_PER_PROGRAM
         if levers.prerope:  # RoPE's halves are read as channel windows, which UNPACK 0 and 3 do not take
             unpack = {0: 1, 3: 2}.get(unpack, unpack)
     if planar is None:
@@ -275,17 +281,18 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                      **scheme_constants("V", v_scheme))
     if num_stages is None:
         num_stages = 1 if planar else 2
+    tables = lever_tables(levers or LeverScheme(), rotary, p, d, plan.max_pages, q.device)
+    ropes = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard) if tables else (q,) * 5
     if planar:
         planar_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), dense, plan, scale * _LOG2E, per_split, splits,
                              (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages)
     elif fold:
         folded_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), book_i16, dense, plan, scale * _LOG2E,
                              per_split, splits, (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages,
-                             pages=1 + pair, **{"asm": q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                                **(fold_options or {})})  # no PTX in the interpreter
+                             pages=1 + pair, tables=ropes, lever_constants=lever_constants(levers),
+                             **{"asm": q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                **(fold_options or {})})  # no PTX in the interpreter
     else:
-        tables = lever_tables(levers or LeverScheme(), rotary, p, d, plan.max_pages, q.device)
-        ropes = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard) if tables else (q,) * 5
         _paged_decode_kernel[(b, h, splits)](
             q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, plan.page_ids, plan.slots, plan.valid,
             plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E, per_split, splits, *ropes, UNPACK=unpack,

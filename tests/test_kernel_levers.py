@@ -64,10 +64,15 @@ def test_decode_and_gather_read_levers_like_the_reference(codec, page_size, leng
     args = (cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
             kernel_schemes(cache.codecs[layer], cache.layouts[layer], levers_read=True), plan)
     levers = lever_scheme(cache.codecs[layer], cache.layouts[layer])
-    out, lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=ROTARY)
-    assert torch.isfinite(out.float()).all()
-    assert float((out.float() - want).norm() / want.norm()) < 1e-2
-    assert torch.allclose(lse, want_lse, atol=2e-2)
+    from kvbackend.kernels import folded_decode
+
+    folds = [False] + ([True] if folded_decode.supports(*args[3], page_size, 64)
+                       and folded_decode.supports_levers(args[3][0], levers) else [])
+    for fold in folds:
+        out, lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=ROTARY, fold=fold)
+        assert torch.isfinite(out.float()).all(), fold
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2, fold
+        assert torch.allclose(lse, want_lse, atol=2e-2), fold
     k, v = gather_dequant(*args, out_dtype=torch.float32, levers=levers, rotary=ROTARY)
     rk, rv = torch.cat([r[0] for r in reads]).float(), torch.cat([r[1] for r in reads]).float()
     assert float((k - rk).abs().max()) <= 2e-2 * float(rk.abs().max())
@@ -111,7 +116,12 @@ def test_levers_are_refused_by_the_other_decode_kernels_and_need_the_rope():
     args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
             kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True), plan)
     levers = lever_scheme(cache.codecs[0], cache.layouts[0])
-    with pytest.raises(ValueError, match="plain decode kernel"):
-        paged_decode(q, *args, levers=levers, rotary=ROTARY, fold=True)
+    with pytest.raises(ValueError, match="not the planar one"):
+        paged_decode(q, *args, levers=levers, rotary=ROTARY, planar=True)
+    rtn, rids = lever_cache("rtn:bits=2,group=32,prerope=true", 16, [40], 1, "torch")  # per-token key groups
+    rtn_args = (rtn.packed.pages[0], rtn.packed.codebooks[0], rtn.dense.data[0],
+                kernel_schemes(rtn.codecs[0], rtn.layouts[0], levers_read=True), rtn.plan(rids, 0))
+    with pytest.raises(ValueError, match="folded decode kernel does not read"):
+        paged_decode(q, *rtn_args, levers=lever_scheme(rtn.codecs[0], rtn.layouts[0]), rotary=ROTARY, fold=True)
     with pytest.raises(ValueError, match="RoPE"):
         paged_decode(q, *args, levers=levers, rotary=None)
