@@ -264,8 +264,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             raise ValueError(f"the folded decode kernel does not read these levers on this layout ({levers}); "
                              "the plain kernel does (fold=False)")
         planar = False
-        if fold is None:
-            fold = folds and per_split >= folded_decode.MIN_PAGES_PER_PROGRAM
+        if fold is None:  # keys rebuilt for PSAC rows or RoPE measured slower in the folded kernel (NOTES, levers v3)
+            fold = (folds and per_split >= folded_decode.MIN_PAGES_PER_PROGRAM
+                    and not (levers.prerope or levers.psac_rank))
         if levers.prerope:  # RoPE's halves are read as channel windows, which UNPACK 0 and 3 do not take
             unpack = {0: 1, 3: 2}.get(unpack, unpack)
     if planar is None:
