@@ -11,10 +11,18 @@ connector, for example:
          "root_dir": "/var/cache/kvbackend-vllm", "codec": "rtn:bits=4,group=64",
          "head_dim": 128, "dtype": "bfloat16", "budget_gb": 200}]}}'
 
-A primary-tier chunk is opaque bytes whose layout depends on the attention backend, but every vLLM
-KV layout keeps ``head_dim`` values of one token and head contiguous. The tier therefore accepts only
-codecs that quantize each such row on its own (``rtn``, ``fp8``, ``fp16``, ``bf16``, ``identity``);
-per-channel or clustering codecs need the token structure and are refused.
+Two modes:
+- rows: codecs that quantize each ``head_dim`` row on its own (``rtn``, ``fp8``, ``fp16``, ``bf16``,
+  ``identity``). Every vLLM KV layout keeps a token's head row contiguous, so a chunk needs no more
+  description than ``head_dim``.
+- blocks: codecs over groups of tokens (``kivi``'s per-channel keys, ``qvg``, ``quantwm`` without PSAC
+  rows) and the ``vrot=hadamard`` lever. The tier reads the chunk's token structure from the engine's
+  offloading config (`integration/vllm_layout.py`: LBHNC/LBNHC layouts, one KV-cache group, no
+  context parallelism, pages that are plain K/V) and needs ``kv_heads`` (per worker) in the tier
+  config; each worker's layers are encoded as ``[tokens, kv_heads, head_dim]`` K and V in pages of
+  ``page_tokens`` tokens. Layouts it cannot read are refused with the reason, never guessed.
+Levers that need token positions (``sink=``, ``prerope=``) or queries (``psac=``, ``quantwm``'s
+``rank=``) are refused: an offloading tier sees neither.
 
 Stored chunks live under ``root_dir/<fingerprint>``. The fingerprint covers everything that shapes a
 chunk's bytes: the chunk size, the codec's byte layout, ``head_dim`` and ``dtype``, the engine's
@@ -43,15 +51,17 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvbackend.codecs import get as get_codec
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
+from kvbackend.levers import hadamard
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.storage_options import budget_bytes, path_option, private_directory
+from kvbackend.integration.vllm_layout import BlockLayout, block_layout
 
 log = logging.getLogger(__name__)
 
 ROW_CODECS = ("rtn", "fp8", "fp16", "bf16", "identity")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ROWS_PER_PAGE = 64
-FORMAT_VERSION = 1  # of a stored chunk's bytes; enters the fingerprint
+FORMAT_VERSION = 2  # of a stored chunk's bytes; enters the fingerprint (2: the blocks mode)
 
 
 class KVBackendTier(SecondaryTierManager):
@@ -59,7 +69,8 @@ class KVBackendTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, root_dir: str | None = None,
                  codec: str = "rtn:bits=4,group=64", head_dim: int | None = None, dtype: str | None = None,
-                 budget_gb: float = 64.0, n_threads: int = 4, backpressure_detector=None) -> None:
+                 budget_gb: float = 64.0, n_threads: int = 4, kv_heads: int | None = None, page_tokens: int = 64,
+                 backpressure_detector=None) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         self.root_dir = path_option("root_dir", root_dir)
@@ -67,12 +78,16 @@ class KVBackendTier(SecondaryTierManager):
         if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
             raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
         self.codec = get_codec(codec)
-        if self.codec.levers.active:  # never silently dropped
-            raise SpecError(f"{codec!r}: the vLLM tier stores opaque rows without positions or a K/V split, so "
-                            "the levers sink=, prerope=, vrot= and psac= cannot be applied; drop them from the spec")
-        if self.codec.spec.name not in ROW_CODECS:
-            raise SpecError(f"the vLLM tier needs a per-row codec ({', '.join(ROW_CODECS)}); {codec!r} needs the "
-                            "token structure of a chunk, which vLLM's primary tier does not expose")
+        levers = self.codec.levers
+        if levers.sink or levers.prerope or levers.psac:  # never silently dropped
+            raise SpecError(f"{codec!r}: an offloading tier sees no token positions or queries, so the levers sink=, "
+                            "prerope= and psac= cannot be applied; drop them from the spec")
+        if getattr(self.codec.spec, "rank", 0):
+            raise SpecError(f"{codec!r}: PSAC rows are fitted to queries, which an offloading tier never sees; "
+                            "use rank=0")
+        self.rows_mode = self.codec.spec.name in ROW_CODECS and not levers.active
+        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or not 1 <= page_tokens <= 256:
+            raise ValueError(f"page_tokens must be an int in 1..256, got {page_tokens!r}")
         head_dim = head_dim or _head_dim_from_spec(offloading_spec)
         if not head_dim:
             raise ValueError("set head_dim in the tier config (it could not be read from the offloading spec)")
@@ -84,9 +99,15 @@ class KVBackendTier(SecondaryTierManager):
             raise ValueError(f"dtype {dtype!r} is not the engine's KV cache dtype {engine_dtype!r}; the tier reads "
                              f"rows of {sorted(_DTYPES)} values only")
         self.dtype = _DTYPES[dtype]
-        self.geometry = Geometry(1, 1, int(head_dim), self.dtype)
-        self.layout = self.codec.layout(self.geometry, _ROWS_PER_PAGE)
         self.chunk_bytes = self.block_size_bytes
+        self.block: BlockLayout | None = None
+        if self.rows_mode:
+            self.geometry = Geometry(1, 1, int(head_dim), self.dtype)
+            self.layout = self.codec.layout(self.geometry, _ROWS_PER_PAGE)
+        else:  # a codec over groups of tokens (or with vrot=): the chunk's K/V structure, or a clear refusal
+            self.block = block_layout(offloading_spec, int(head_dim), kv_heads, self.dtype.itemsize, self.chunk_bytes)
+            self.geometry = Geometry(1, self.block.kv_heads, int(head_dim), self.dtype)
+            self.layout = self.codec.layout(self.geometry, page_tokens)
         self._primary = torch.from_numpy(np.frombuffer(primary_kv_view, dtype=np.uint8))  # shares the buffer
         self._row_bytes = int(head_dim) * self.geometry.dtype.itemsize
         self.blob_bytes = self._blob_bytes()
@@ -104,6 +125,7 @@ class KVBackendTier(SecondaryTierManager):
         """16 hex characters naming everything that shapes a stored chunk's bytes."""
         facts = {"format": FORMAT_VERSION, "chunk_bytes": self.chunk_bytes, "blob_bytes": self.blob_bytes,
                  "codec": self.codec.spec_string, "layout": self.layout.fingerprint,
+                 "blocks": self.block.facts() if self.block else None,
                  "head_dim": self.geometry.head_dim, "dtype": str(self.dtype), "primary": _primary_facts(spec)}
         text = json.dumps(facts, sort_keys=True, default=repr)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
@@ -124,12 +146,19 @@ class KVBackendTier(SecondaryTierManager):
 
     def _blob_bytes(self) -> int:
         """Length of every blob `_encode` writes for a chunk of this configuration."""
+        if self.block is not None:
+            pages = -(-self.block.tokens // self.layout.page_size)
+            per_layer = pages * self.layout.page_bytes + self.layout.codebook_bytes
+            return self.block.workers * self.block.layers * per_layer + self.chunk_bytes - self.block.used_bytes
         half = self.chunk_bytes // self._row_bytes // 2
         body = -(-half // _ROWS_PER_PAGE) * self.layout.page_bytes + self.layout.codebook_bytes if half else 0
         return body + self.chunk_bytes - 2 * half * self._row_bytes
 
     def _encode(self, raw: torch.Tensor) -> torch.Tensor:
-        """Rows of head_dim values, split in two halves passed as the codec's K and V, plus a raw tail."""
+        """Rows of head_dim values, split in two halves passed as the codec's K and V, plus a raw tail (rows
+        mode); or every worker's and layer's K and V, then the chunk's padding (blocks mode)."""
+        if self.block is not None:
+            return self._encode_blocks(raw)
         rows = raw.numel() // self._row_bytes
         half = rows // 2
         values = raw[: 2 * half * self._row_bytes].view(self.dtype).view(2, half, 1, -1)
@@ -140,7 +169,42 @@ class KVBackendTier(SecondaryTierManager):
             parts += [chunk.pages.reshape(-1), chunk.codebook.reshape(-1)]
         return torch.cat(parts + [tail.clone()])
 
+    def _encode_blocks(self, raw: torch.Tensor) -> torch.Tensor:
+        block, parts = self.block, []
+        kv = block.kv(raw, self.dtype)
+        rotate = self.codec.levers.vrot == "hadamard"
+        for w in range(block.workers):
+            for layer in range(block.layers):
+                k = kv[w, layer, 0].flatten(0, 1)  # [tokens, kv_heads, head_dim] (a copy)
+                v = kv[w, layer, 1].flatten(0, 1)
+                if rotate:  # the stored frame of `kvbackend.frames`: values times the Hadamard matrix
+                    v = v.float() @ hadamard(block.head_dim)
+                chunk = self.codec.encode(k, v, self.layout)
+                parts += [chunk.pages.reshape(-1), chunk.codebook.reshape(-1)]
+        return torch.cat(parts + [raw[block.used_bytes :].clone()])
+
+    def _decode_blocks(self, blob: torch.Tensor, out: torch.Tensor) -> None:
+        block, layout = self.block, self.layout
+        pages = -(-block.tokens // layout.page_size)
+        size = pages * layout.page_bytes
+        kv = block.kv(out, self.dtype)
+        shape = (block.blocks, block.tokens_per_block, block.kv_heads, block.head_dim)
+        at = 0
+        for w in range(block.workers):
+            for layer in range(block.layers):
+                k, v = self.codec.decode_pages(layout, blob[at : at + size].view(pages, -1),
+                                               blob[at + size : at + size + layout.codebook_bytes])
+                at += size + layout.codebook_bytes
+                if self.codec.levers.vrot == "hadamard":
+                    v = v.float() @ hadamard(block.head_dim).T
+                kv[w, layer, 0].copy_(k[: block.tokens].reshape(shape))
+                kv[w, layer, 1].copy_(v[: block.tokens].reshape(shape))
+        out[block.used_bytes :].copy_(blob[at:])
+
     def _decode_into(self, blob: torch.Tensor, out: torch.Tensor) -> None:
+        if self.block is not None:
+            self._decode_blocks(blob, out)
+            return
         rows = out.numel() // self._row_bytes
         half = rows // 2
         body = 2 * half * self._row_bytes

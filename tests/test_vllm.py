@@ -104,8 +104,10 @@ def test_refuses_codecs_that_need_token_structure(tmp_path):
     from kvbackend import SpecError
 
     _, view = primary()
-    with pytest.raises(SpecError, match="per-row codec"):
+    with pytest.raises(ValueError, match="offloading config"):  # no spec: no token structure to read
         make_tier(tmp_path, view, "kivi:bits=2,group=32")
+    with pytest.raises(SpecError, match="rank=0"):
+        make_tier(tmp_path, view, "quantwm:rank=4")
     with pytest.raises(ValueError, match="head_dim"):
         tiering.SecondaryTierFactory.create_secondary_tier(
             {"type": "KVBackendTier", "module_path": "kvbackend.integration.vllm", "root_dir": str(tmp_path)}, view, None)
@@ -255,6 +257,114 @@ def test_levers_are_refused_never_dropped(tmp_path):
     from kvbackend.errors import SpecError
 
     _, view = primary()
-    for spec in ("rtn:bits=4,group=64,vrot=hadamard", "rtn:bits=4,group=64,sink=4", "fp8:prerope=true"):
+    for spec in ("rtn:bits=4,group=64,sink=4", "fp8:prerope=true", "kivi:bits=2,group=32,sink=4"):
         with pytest.raises(SpecError, match="levers"):
             make_tier(tmp_path, view, codec=spec)
+    with pytest.raises(ValueError, match="offloading config"):  # vrot needs K and V apart: the blocks mode
+        make_tier(tmp_path, view, codec="rtn:bits=4,group=64,vrot=hadamard")
+
+
+# -- the blocks mode: codecs over groups of tokens read the chunk's K/V structure ------------------------
+
+LAYERS, HEADS, TPB, BPC, HD = 2, 2, 16, 4, 64
+PAGE = HEADS * TPB * 2 * HD * 2
+BLOCK_CHUNK = LAYERS * BPC * PAGE + 96  # the engine's K/V, then padding
+
+
+def block_spec(layout="HND", per_block=LAYERS * PAGE, dcp=1, layers=LAYERS):
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+
+    parallel = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=dcp,
+                                        data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                        is_parallelism_agnostic=False)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(TPB, tuple(f"layers.{i}.attn" for i in range(layers)), 0),),
+        worker_kv_bytes_per_block=per_block, enable_kv_cache_events=False, extra_config={}, engine_id="e0",
+        model=OffloadingModelConfig("org/model", "bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=TPB, blocks_per_chunk=BPC), parallel=parallel,
+        kv_cache_layout=layout)
+    return SimpleNamespace(config=config)
+
+
+def block_primary(layout, chunks=4, seed=0):
+    """Chunks whose K has strong per-channel offsets (what per-channel key steps are for), written through
+    the engine's page order; returns (buffer, view, K, V) with K/V [chunks, layers, tokens, heads, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = np.zeros((chunks, BLOCK_CHUNK), dtype=np.uint8)
+    k = (torch.randn(chunks, LAYERS, BPC * TPB, HEADS, HD, generator=gen)
+         + 8 * torch.randn(1, LAYERS, 1, HEADS, HD, generator=gen)).bfloat16()
+    v = torch.randn(chunks, LAYERS, BPC * TPB, HEADS, HD, generator=gen).bfloat16()
+    cells = torch.stack([k, v], dim=-2).view(chunks, LAYERS, BPC, TPB, HEADS, 2, HD)  # [c, L, block, tok, head, 2, D]
+    if layout == "HND":
+        cells = cells.permute(0, 1, 2, 4, 3, 5, 6)  # [c, L, block, head, tok, 2, D]
+    flat = cells.contiguous().view(chunks, -1).view(torch.uint8)
+    buf[:, : flat.shape[1]] = flat.numpy()
+    buf[:, flat.shape[1]:] = 7  # padding, carried raw
+    return buf, memoryview(buf), k, v
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD", "LBHNC"])
+def test_blocks_mode_encodes_each_layers_tokens_exactly_as_the_codec_would(tmp_path, layout):
+    """kivi-2 (per-channel keys over token groups) through the tier gives, bit for bit, what the codec
+    gives on each layer's [tokens, heads, head_dim] K and V: the chunk's structure is read right."""
+    from kvbackend import Geometry, codecs
+
+    buf, view, k, v = block_primary("HND" if layout == "LBHNC" else layout)
+    tier = make_tier_with(tmp_path, view, block_spec(layout), codec="kivi:bits=2,group=32", kv_heads=HEADS,
+                          page_tokens=32)
+    assert tier.block is not None and tier.block.layers == LAYERS and tier.block.tokens == BPC * TPB
+    original = buf.copy()
+    ks = keys(2)
+    assert run(tier, 1, ks, [0, 1], promotion=False).success
+    buf[2:] = 0
+    assert run(tier, 2, ks, [2, 3], promotion=True).success
+    codec = codecs.get("kivi:bits=2,group=32")
+    layout_ = codec.layout(Geometry(1, HEADS, HD, torch.bfloat16), 32)
+    got = tier.block.kv(torch.from_numpy(buf[2]), torch.bfloat16)
+    for layer in range(LAYERS):
+        chunk = codec.encode(k[0, layer], v[0, layer], layout_)
+        wk, wv = codec.decode_pages(layout_, chunk.pages, chunk.codebook)
+        assert torch.equal(got[0, layer, 0].flatten(0, 1), wk[: BPC * TPB].bfloat16())
+        assert torch.equal(got[0, layer, 1].flatten(0, 1), wv[: BPC * TPB].bfloat16())
+    assert np.array_equal(buf[2, LAYERS * BPC * PAGE:], original[0, LAYERS * BPC * PAGE:])  # padding exact
+    # per-channel key steps suit keys with channel offsets: half the error of per-token rows (rtn-2)
+    err = float((got[0, :, 0].float() - k[0].view(LAYERS, BPC, TPB, HEADS, HD).float()).norm() / k[0].float().norm())
+    rtn = codecs.get("rtn:bits=2,group=64")
+    rtn_layout = rtn.layout(Geometry(1, HEADS, HD, torch.bfloat16), 32)
+    rows = [rtn.decode_pages(rtn_layout, *(lambda c: (c.pages, c.codebook))(rtn.encode(k[0, i], k[0, i], rtn_layout)))[0]
+            for i in range(LAYERS)]
+    rtn_err = float((torch.stack(rows).float() - k[0].float()).norm() / k[0].float().norm())
+    assert err < 0.5 * rtn_err, (err, rtn_err)
+    assert tier.get_stats()["compression_ratio"] > 4
+    tier.shutdown()
+
+
+def test_blocks_mode_value_rotation_round_trips(tmp_path):
+    buf, view, k, v = block_primary("NHD")
+    tier = make_tier_with(tmp_path, view, block_spec("NHD"), codec="kivi:bits=4,group=32,vrot=hadamard",
+                          kv_heads=HEADS, page_tokens=64)
+    original = buf.copy()
+    assert run(tier, 1, keys(1), [0], promotion=False).success
+    buf[1] = 0
+    assert run(tier, 2, keys(1), [1], promotion=True).success
+    got = tier.block.kv(torch.from_numpy(buf[1]), torch.bfloat16)[0, :, 1].float()
+    want = tier.block.kv(torch.from_numpy(original[0]), torch.bfloat16)[0, :, 1].float()
+    assert float((got - want).norm() / want.norm()) < 0.12  # 4-bit values, rotated back
+    tier.shutdown()
+
+
+@pytest.mark.parametrize("spec_kw,extra,match", [
+    (dict(), dict(), "kv_heads"),
+    (dict(), dict(kv_heads=3), "whole number of K/V pages"),
+    (dict(layout="BLHNC"), dict(kv_heads=HEADS), "kv_cache_layout"),
+    (dict(dcp=2), dict(kv_heads=HEADS), "dcp_size"),
+    (dict(layers=3), dict(kv_heads=HEADS), "group names"),
+    (dict(), dict(kv_heads=HEADS, page_tokens=0), "page_tokens"),
+])
+def test_blocks_mode_refuses_chunks_it_cannot_read(tmp_path, spec_kw, extra, match):
+    _, view, _, _ = block_primary("HND")
+    with pytest.raises(ValueError, match=match):
+        make_tier_with(tmp_path, view, block_spec(**spec_kw), codec="kivi:bits=2,group=32", **extra)
