@@ -187,7 +187,7 @@ class KVBackendLayer(CacheLayerMixin):
             if owner.wants_queries:
                 self._pending = (key_states, value_states)  # appended once attention hands over the queries
             else:
-                self._append(key_states, value_states)
+                self._append(key_states, value_states, checked=True)
             self.length += t
         self._paged_step = paged
         if paged:
@@ -234,8 +234,9 @@ class KVBackendLayer(CacheLayerMixin):
             raise CacheFull("dense", needed, engine.dense.allocator.num_free, hint=hint)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                queries: torch.Tensor | None = None) -> None:
-        self._check(key_states, value_states, queries)  # every row first: no row is left ahead of another
+                queries: torch.Tensor | None = None, checked: bool = False) -> None:
+        if not checked:  # every row first: no row is left ahead of another
+            self._check(key_states, value_states, queries)
         engine = self.owner.engine
         for row, rid in enumerate(self.owner.request_ids):
             q = None if queries is None else queries[row].transpose(0, 1)
@@ -277,8 +278,6 @@ class KVBackendLayer(CacheLayerMixin):
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
-
-    _gather = read  # the name earlier versions used
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0

@@ -71,6 +71,10 @@ class LeverScheme:
         return self != LeverScheme()
 
 
+# Every field some kernel reads; a layout with any other field is refused by `kernel_schemes`.
+PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token"}
+                             | {f"{x}_{n}" for x in "kv" for n in ("codes", "scales", "zeros", "assign")})
+BOOK_FIELDS_READ = frozenset({"k_centroids", "v_centroids", "k_psac_basis", "sink_k", "sink_v"})
 MAX_KERNEL_PSAC_RANK = 16  # the kernels pad the rank to one 16-wide tensor-core operand
 
 
@@ -112,6 +116,10 @@ def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tupl
     """
     spec = codec.spec
     page, book = layout.page.fields, layout.codebook.fields
+    unread = sorted(set(page) - PAGE_FIELDS_READ) + sorted(set(book) - BOOK_FIELDS_READ)
+    if unread:  # a field no kernel reads would be ignored, and its pages served wrong
+        raise UnsupportedLayout(f"no kernel reads the fields {', '.join(unread)} of {codec.spec_string!r}; "
+                                "the torch reference serves it")
     if not levers_read and ("k_psac" in page or codec.levers.active):
         raise UnsupportedLayout(f"{codec.spec_string!r} has levers or PSAC rows: pass levers_read=True and "
                                 "the kernels `levers=lever_scheme(codec, layout)`")

@@ -125,3 +125,19 @@ def test_levers_are_refused_by_the_other_decode_kernels_and_need_the_rope():
         paged_decode(q, *rtn_args, levers=lever_scheme(rtn.codecs[0], rtn.layouts[0]), rotary=ROTARY, fold=True)
     with pytest.raises(ValueError, match="RoPE"):
         paged_decode(q, *args, levers=levers, rotary=None)
+
+
+def test_a_field_no_kernel_reads_is_refused_not_ignored():
+    """A layout with a field the kernels do not know (a future codec option) must not reach them."""
+    from kvbackend import codecs
+    from kvbackend.backends import kernels_can_serve
+    from kvbackend.errors import UnsupportedLayout
+    from kvbackend.layout import FieldSet, PageLayout
+
+    codec = codecs.get("kivi:bits=2,group=16")
+    layout = codec.layout(Geometry(1, 2, 64, torch.bfloat16), 16)
+    specs = [(f.name, f.dtype, f.shape) for f in layout.page.fields.values()] + [("k_outliers", torch.float16, (2, 2))]
+    extended = PageLayout(layout.codec, layout.geometry, 16, FieldSet(specs), layout.codebook)
+    assert kernels_can_serve(codec, layout) and not kernels_can_serve(codec, extended)
+    with pytest.raises(UnsupportedLayout, match="k_outliers"):
+        kernel_schemes(codec, extended)
