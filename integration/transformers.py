@@ -139,6 +139,10 @@ class KVBackendLayer(CacheLayerMixin):
         # A one-token step whose attention the attached function runs on the pages (`attend_paged`):
         # `update` returned only the new token, nothing was decoded to dense K/V.
         self._paged_step = False
+        # The attached attention function has run for this layer: the model's attention goes through
+        # transformers' AttentionInterface (models that compute attention themselves never call it,
+        # and must get every token's K/V from `update`).
+        self.attention_seen = False
 
     @property
     def sink(self) -> int:
@@ -176,16 +180,18 @@ class KVBackendLayer(CacheLayerMixin):
             warnings.warn("this cache's codec reads the queries attention used (quantwm); call cache.attach(model) "
                           "before generating, or chunks are encoded without query statistics (lower quality)",
                           UserWarning, stacklevel=2)
-        # A decode step of an attached cache whose pages the kernels read: attention runs on the pages
-        # (`attend_paged`), so no dense K/V of the sequence is ever made.
-        paged = t == 1 and owner.attached and owner.engine.backends[self.layer_idx].name == "triton"
-        # Otherwise this call's tokens are attended as given (in every layer alike, whether or not a chunk
-        # completes with them); the cache serves them from its pages in later calls.
+        # A decode step of an attached cache whose pages the kernels read, on a model whose attention
+        # calls the attached function: attention runs on the pages (`attend_paged`), so no dense K/V of
+        # the sequence is ever made.
+        paged = (t == 1 and owner.attached and self.attention_seen
+                 and owner.engine.backends[self.layer_idx].name == "triton")
+        # This call's tokens are attended as given (in every layer alike, whether or not a chunk completes
+        # with them); the cache serves them from its pages in later calls.
         keys, values = (None, None) if paged else self.read()
         if t:
             self._check(key_states, value_states)  # raises before anything is stored or counted
-            if owner.wants_queries:
-                self._pending = (key_states, value_states)  # appended once attention hands over the queries
+            if owner.wants_queries or paged:
+                self._pending = (key_states, value_states)  # appended once attention has run
             else:
                 self._append(key_states, value_states, checked=True)
             self.length += t
@@ -195,12 +201,29 @@ class KVBackendLayer(CacheLayerMixin):
         return torch.cat([keys, key_states], dim=2), torch.cat([values, value_states], dim=2)
 
     def attend_paged(self, module, query: torch.Tensor, attention_mask, fallback, **kwargs) -> torch.Tensor:
-        """Attention output ``[B, 1, Hq, D]`` of a one-token step that `update` left on the pages: the
-        new token is stored (with its query), then the paged decode kernel attends to every stored
-        token. A mask that hides any token (padding), dropout, soft-capping or a sliding window go
-        through ``fallback`` (the model's SDPA) on K/V read from the pages instead."""
+        """Attention output ``[B, 1, Hq, D]`` of a one-token step that `update` left on the pages.
+
+        As on the read path, the tokens stored before this call are attended as stored and the new
+        token as given: the paged decode kernel attends to the stored tokens, the new token joins
+        through the log-sum-exp, and only then is it stored (with its query). So a step whose token
+        completes a chunk attends that chunk as the other layers do. A mask that hides any token
+        (padding), dropout, soft-capping or a sliding window go through ``fallback`` (the model's
+        SDPA) on K/V read from the pages instead."""
         self._paged_step = False
-        self.observe_queries(query)  # stores the new token (no-op if `update` already did)
+        k_new, v_new = self._pending
+        try:
+            out = self._attend_stored_and_new(module, query, k_new, v_new, attention_mask, fallback, **kwargs)
+        except BaseException:
+            self._pending = None  # counted in update, never stored
+            self.length -= k_new.shape[2]
+            raise
+        if self.owner.wants_queries:
+            self.observe_queries(query)
+        else:
+            self.flush_pending()
+        return out
+
+    def _attend_stored_and_new(self, module, query, k_new, v_new, attention_mask, fallback, **kwargs):
         engine, rows = self.owner.engine, self.owner.request_ids
         plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None
                  and kwargs.get("sliding_window") is None and query.shape[2] == 1)
@@ -208,10 +231,23 @@ class KVBackendLayer(CacheLayerMixin):
             plain = attention_mask.dtype == torch.bool and bool(attention_mask.all())
         if not plain:
             keys, values = self.read()
-            return fallback(module, query, keys, values, attention_mask, **kwargs)[0]
-        plan = engine.plan(rows, self.layer_idx)
-        out, _ = engine.decode(plan, self.layer_idx, query[:, :, 0].contiguous(), scale=kwargs.get("scaling"))
-        return out.unsqueeze(1)
+            return fallback(module, query, torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2),
+                            attention_mask, **kwargs)[0]
+        b, hq, _, d = query.shape
+        group = hq // k_new.shape[1]
+        scale = kwargs.get("scaling") or d ** -0.5
+        q = query[:, :, 0].float()  # [B, Hq, D]
+        k1 = k_new[:, :, 0].float().repeat_interleave(group, dim=1)  # the new token, per query head
+        v1 = v_new[:, :, 0].float().repeat_interleave(group, dim=1)
+        s_new = (q * k1).sum(-1) * scale  # [B, Hq]
+        if self.length == 1:  # nothing stored before this token
+            return v1.to(query.dtype).unsqueeze(1)
+        out, lse = engine.decode(engine.plan(rows, self.layer_idx), self.layer_idx, query[:, :, 0].contiguous(),
+                                 scale=scale)
+        m = torch.maximum(lse, s_new)
+        w_old, w_new = (lse - m).exp(), (s_new - m).exp()
+        merged = (out.float() * w_old[..., None] + v1 * w_new[..., None]) / (w_old + w_new)[..., None]
+        return merged.to(query.dtype).unsqueeze(1)
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor,
                queries: torch.Tensor | None = None) -> None:
@@ -421,6 +457,7 @@ class KVBackendCache(Cache):
 
         def attention(module, query, key, value, attention_mask, **kwargs):
             layer = self.layers[module.layer_idx]
+            layer.attention_seen = True
             if layer._paged_step:
                 return layer.attend_paged(module, query, attention_mask, sdpa_attention_forward, **kwargs), None
             layer.observe_queries(query)
@@ -441,6 +478,8 @@ class KVBackendCache(Cache):
         model._kvbackend_cache = self
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         self.attached = True
+        for layer in self.layers:  # decode steps go on the pages once this model's attention is seen to call it
+            layer.attention_seen = False
         return name
 
     def detach(self, model) -> None:

@@ -49,6 +49,13 @@ def lever_cache(codec, page_size, lengths, ratio, backend, seed=0):
     return cache, ids
 
 
+def kernel_inputs(cache, ids, layer=0):
+    """(positional arguments of the kernels after ``q``, the layer's lever scheme)."""
+    args = (cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+            kernel_schemes(cache.codecs[layer], cache.layouts[layer], levers_read=True), cache.plan(ids, layer))
+    return args, lever_scheme(cache.codecs[layer], cache.layouts[layer])
+
+
 @pytest.mark.parametrize("codec,page_size,lengths,ratio,programs", CASES)
 def test_decode_and_gather_read_levers_like_the_reference(codec, page_size, lengths, ratio, programs):
     from kvbackend.kernels.gather_dequant import gather_dequant
@@ -57,13 +64,11 @@ def test_decode_and_gather_read_levers_like_the_reference(codec, page_size, leng
     cache, ids = lever_cache(codec, page_size, lengths, ratio, "triton")
     assert cache.backends[0].name == "triton" and cache.backends[0].levers.active
     layer = 1
-    plan = cache.plan(ids, layer)
     reads = [cache.read(rid, layer) for rid in ids]  # the torch reference: decode_pages + the frame
     q = torch.randn(len(ids), 2 * ratio, 64, device=DEVICE).bfloat16()
     want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
-    args = (cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
-            kernel_schemes(cache.codecs[layer], cache.layouts[layer], levers_read=True), plan)
-    levers = lever_scheme(cache.codecs[layer], cache.layouts[layer])
+    args, levers = kernel_inputs(cache, ids, layer)
+    plan = args[-1]
     from kvbackend.kernels import folded_decode
 
     folds = [False] + ([True] if folded_decode.supports(*args[3], page_size, 64)
@@ -95,11 +100,8 @@ def test_a_lever_the_kernels_ignore_would_change_the_output():
     import dataclasses
 
     cache, ids = lever_cache(RECIPE, 16, [70], 2, "triton")
-    plan = cache.plan(ids, 0)
     q = torch.randn(1, 4, 64, device=DEVICE).bfloat16()
-    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
-            kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True), plan)
-    levers = lever_scheme(cache.codecs[0], cache.layouts[0])
+    args, levers = kernel_inputs(cache, ids)
     full, _ = paged_decode(q, *args, levers=levers, rotary=ROTARY)
     for off in (dict(sink=0), dict(prerope=False), dict(vrot=False), dict(psac_rank=0)):
         partial = dataclasses.replace(levers, **off)
@@ -110,19 +112,13 @@ def test_a_lever_the_kernels_ignore_would_change_the_output():
 def test_levers_are_refused_by_the_other_decode_kernels_and_need_the_rope():
     from kvbackend.kernels.paged_decode import paged_decode
 
-    cache, ids = lever_cache(RECIPE, 16, [40], 1, "torch")
-    plan = cache.plan(ids, 0)
     q = torch.randn(1, 2, 64, device=DEVICE).bfloat16()
-    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
-            kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True), plan)
-    levers = lever_scheme(cache.codecs[0], cache.layouts[0])
+    args, levers = kernel_inputs(*lever_cache(RECIPE, 16, [40], 1, "torch"))
     with pytest.raises(ValueError, match="not the planar one"):
         paged_decode(q, *args, levers=levers, rotary=ROTARY, planar=True)
-    rtn, rids = lever_cache("rtn:bits=2,group=32,prerope=true", 16, [40], 1, "torch")  # per-token key groups
-    rtn_args = (rtn.packed.pages[0], rtn.packed.codebooks[0], rtn.dense.data[0],
-                kernel_schemes(rtn.codecs[0], rtn.layouts[0], levers_read=True), rtn.plan(rids, 0))
-    with pytest.raises(ValueError, match="folded decode kernel does not read"):
-        paged_decode(q, *rtn_args, levers=lever_scheme(rtn.codecs[0], rtn.layouts[0]), rotary=ROTARY, fold=True)
+    args, levers = kernel_inputs(*lever_cache("rtn:bits=2,group=32,prerope=true", 16, [40], 1, "torch"))
+    with pytest.raises(ValueError, match="folded decode kernel does not read"):  # per-token key groups
+        paged_decode(q, *args, levers=levers, rotary=ROTARY, fold=True)
     with pytest.raises(ValueError, match="RoPE"):
         paged_decode(q, *args, levers=levers, rotary=None)
 

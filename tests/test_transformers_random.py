@@ -251,7 +251,7 @@ def test_attached_decode_steps_attend_on_the_pages(model, codec, monkeypatch):
     from kvbackend.integration.transformers import KVBackendLayer
 
     torch.manual_seed(5)
-    ids = torch.randint(0, 256, (2, 70), device=DEVICE)
+    ids = torch.randint(0, 256, (2, 88), device=DEVICE)
     options = dict(codec=codec, page_size=16, chunk_pages=2, max_tokens=128, dense_tokens=32)
     paged = KVBackendCache(model.config, backend="triton", **options)
     reference = KVBackendCache(model.config, backend="torch", **options)
@@ -266,7 +266,7 @@ def test_attached_decode_steps_attend_on_the_pages(model, codec, monkeypatch):
                 reads.clear()
                 logits = []
                 token = ids[:, -1:]
-                for _ in range(12):  # crosses the chunk boundary at 96 tokens
+                for _ in range(12):  # 88 + 12 tokens: a step completes the chunk ending at 96
                     out = _forward(model, token, cache).logits[:, -1]
                     logits.append(out)
                     token = out.argmax(-1, keepdim=True) if cache is paged else steps[len(logits) - 1]
@@ -280,15 +280,67 @@ def test_attached_decode_steps_attend_on_the_pages(model, codec, monkeypatch):
     for g, w in zip(got, want):
         assert float((g - w).abs().max()) < 2e-2 * float(w.abs().max())
     # a left-padded batch: the mask hides tokens, so the step reads the pages for SDPA instead
-    mask = torch.ones(2, 71, dtype=torch.long, device=DEVICE)
+    mask = torch.ones(2, 89, dtype=torch.long, device=DEVICE)
     mask[1, :5] = 0
     padded = KVBackendCache(model.config, backend="triton", **dict(options, dense_tokens=None))
     padded.attach(model)
     try:
         with torch.no_grad():
-            model(ids, attention_mask=mask[:, :70], use_cache=True, **cache_argument(model, padded))
+            model(ids, attention_mask=mask[:, :88], use_cache=True, **cache_argument(model, padded))
             reads.clear()
             model(ids[:, -1:], attention_mask=mask, use_cache=True, **cache_argument(model, padded))
     finally:
         padded.detach(model)
     assert sorted(reads) == [0, 1]
+
+
+def test_a_paged_step_that_completes_a_chunk_attends_it_like_the_other_layers(model):
+    """The token that completes a chunk is stored by the last layer; every layer of that step must still
+    attend the chunk as stored before the step (exact, still dense) and the new token as given, as the
+    read path does. Storing first and attending after gave the last layer the packed chunk (a regression)."""
+    torch.manual_seed(6)
+    ids = torch.randint(0, 256, (2, 20), device=DEVICE)
+    logits = {}
+    for backend in ("triton", "torch"):
+        cache = KVBackendCache(model.config, codec="kivi:bits=2,group=16", page_size=16, chunk_pages=1, max_tokens=64,
+                               backend=backend)
+        cache.attach(model)
+        try:
+            with torch.no_grad():
+                _forward(model, ids[:, :15], cache)  # one token short of a chunk
+                logits[backend] = [_forward(model, ids[:, 15 + i:16 + i], cache).logits[:, -1] for i in range(3)]
+        finally:
+            cache.detach(model)
+        assert cache.engine.stats().packed_tokens == 2 * 16  # step 0 completed the chunk
+    scale = float(logits["torch"][0].abs().max())
+    for got, want in zip(logits["triton"], logits["torch"]):
+        assert float((got - want).abs().max()) < 2e-2 * scale
+
+
+def test_a_model_that_does_not_call_the_attached_attention_gets_every_token():
+    """Models that compute attention themselves (here ImageGPT) never call the attached function:
+    their decode steps must not go on the pages, or they attend to the new token alone."""
+    from transformers import ImageGPTConfig, ImageGPTForCausalImageModeling
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        gpt = ImageGPTForCausalImageModeling(ImageGPTConfig(n_embd=128, n_head=4, n_layer=2, vocab_size=257,
+                                                            n_positions=256)).float().eval()
+    ids = torch.randint(0, 256, (1, 20), device=DEVICE)
+
+    def steps(cache):
+        with torch.no_grad():
+            gpt(ids[:, :18], use_cache=True, **cache_argument(gpt, cache))
+            return [gpt(ids[:, 18 + i:19 + i], use_cache=True, **cache_argument(gpt, cache)).logits[:, -1]
+                    for i in range(2)]
+
+    want = steps(DynamicCache(config=gpt.config))
+    cache = KVBackendCache(gpt.config, codec="identity", page_size=16, chunk_pages=2, max_tokens=64, backend="triton")
+    cache.attach(gpt)
+    try:
+        got = steps(cache)
+    finally:
+        cache.detach(gpt)
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max()) < 1e-3 * float(w.abs().max())
+    assert not any(layer.attention_seen for layer in cache.layers)

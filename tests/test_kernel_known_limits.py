@@ -1,0 +1,84 @@
+"""Known limits of the kernels, kept as strict expected failures so that they stay visible and a fix
+flips them (then drop the mark). Each compares the Triton backend with the torch reference
+(`KVCache.read` + `decode_attention`), which decodes in float32.
+
+The kernels' tensor-core operands are fp16, so a stored-frame value above 65504 overflows where the
+reference does not:
+- ``vrot=hadamard`` concentrates a same-sign value vector into one channel (``sum(v) / sqrt(D)``), so
+  values above about 65504 / sqrt(D) overflow (decode and gather);
+- ``prerope=true`` keeps each RoPE pair's norm, not each channel, so keys above about 65504 / sqrt(2)
+  can overflow in decode;
+- per-channel keys (KIVI) form ``code * scale`` before adding the zero, so a channel spanning more than
+  65504 overflows in decode (also without levers).
+"""
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.attention import decode_attention
+from kvbackend.rope import Rotary
+from kernel_cases import DEVICE
+
+pytest.importorskip("triton")
+
+ROTARY = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)))
+FP16_OPERANDS = "the kernels' fp16 operands overflow where the float32 reference does not (see the module docstring)"
+
+
+def _decode_error(codec, k, v, scale_q=1.0):
+    cache = KVCache(Geometry(1, 2, 64, torch.bfloat16),
+                    CacheConfig(codec=codec, page_size=16, chunk_pages=2, dense_pages=16, packed_pages=16,
+                                device=DEVICE, backend="triton"), rotary=ROTARY)
+    rid, _ = cache.add_request()
+    cache.append(rid, 0, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE))
+    rk, rv = cache.read(rid, 0)
+    assert torch.isfinite(rk.float()).all() and torch.isfinite(rv.float()).all()
+    q = (torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1)) * scale_q).bfloat16().to(DEVICE)
+    want, _ = decode_attention(q, [rk], [rv])
+    out, _ = cache.decode(cache.plan([rid], 0), 0, q)
+    return float((out.float() - want).norm() / want.norm())
+
+
+def _data(n=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
+
+
+@pytest.mark.parametrize("codec", [
+    "rtn:bits=4,group=32",  # control: the same values without the rotation decode fine
+    pytest.param("rtn:bits=4,group=32,vrot=hadamard", marks=pytest.mark.xfail(strict=True, reason=FP16_OPERANDS)),
+])
+def test_large_values_with_rotated_values(codec):
+    k, v = _data()
+    v = 12000.0 + 100.0 * v  # finite in fp16; (v @ H)[0] is about 96000
+    assert _decode_error(codec, k, v) < 1e-2
+
+
+@pytest.mark.parametrize("codec", [
+    "rtn:bits=8,group=32",
+    pytest.param("rtn:bits=8,group=32,prerope=true", marks=pytest.mark.xfail(strict=True, reason=FP16_OPERANDS)),
+])
+def test_large_rope_pair_with_pre_rope_keys(codec):
+    k, v = _data()
+    k = k * 0.01
+    k[:, :, 0] = 50000.0  # one RoPE pair (0, 32) of norm 70711
+    k[:, :, 32] = 50000.0
+    assert _decode_error(codec, k, v, scale_q=1e-4) < 1e-2
+
+
+@pytest.mark.xfail(strict=True, reason=FP16_OPERANDS)
+def test_per_channel_keys_spanning_more_than_fp16():
+    k, v = _data()
+    k[:, :, 0] = 40000.0 * torch.where(torch.arange(40) % 2 == 0, 1.0, -1.0)[:, None]
+    assert _decode_error("kivi:bits=8,group=16", k, v, scale_q=1e-4) < 1e-2
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason="lever_scheme raises KeyError (not UnsupportedLayout) for a "
+                   "sink codec's own layout without frames.lever_layout's sink fields")
+def test_kernels_can_serve_answers_for_a_layout_without_sink_fields():
+    from kvbackend import codecs
+    from kvbackend.backends import kernels_can_serve
+
+    codec = codecs.get("kivi:bits=2,group=16,sink=4")
+    assert kernels_can_serve(codec, codec.layout(Geometry(1, 2, 64, torch.bfloat16), 16)) is False
