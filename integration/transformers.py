@@ -306,14 +306,24 @@ class KVBackendLayer(CacheLayerMixin):
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K/V of every row ``[B, H, tokens, D]``, read from the paged cache now (packed
-        pages decoded, levers undone, then the active chunk as stored). Nothing of it is kept."""
-        engine = self.owner.engine
+        pages decoded, levers undone, then the active chunk as stored; with the Triton backend in one
+        `gather_dequant` launch for all rows). Nothing of it is kept."""
+        engine, rows = self.owner.engine, self.owner.request_ids
+        if engine.backends[self.layer_idx].name == "triton" and self.length_stored():
+            k, v = engine.gather(engine.plan(rows, self.layer_idx), self.layer_idx)  # [B * T, H, D], rows in order
+            shape = (len(rows), -1, *k.shape[1:])
+            return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
         keys, values = [], []
         for rid in self.owner.request_ids:
             k, v = engine.read(rid, self.layer_idx)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
+
+    def length_stored(self) -> int:
+        """Tokens per row the paged cache holds for this layer (every row holds the same)."""
+        rows = self.owner.request_ids
+        return self.owner.engine.page_table(rows[0]).lengths[self.layer_idx] if rows else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0

@@ -92,6 +92,9 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
         raise UnsupportedLayout(f"no kernel undoes the value rotation {levers.vrot!r}")
     fields = {}
     if levers.sink:
+        if "sink_k" not in book or "sink_v" not in book:
+            raise UnsupportedLayout(f"{codec.spec_string!r}: the layout has no sink fields (build it with "
+                                    "kvbackend.frames.lever_layout)")
         sink_k = book["sink_k"]
         fields.update(sink=levers.sink, sink_k=sink_k.offset, sink_v=book["sink_v"].offset, sink_kind=kind_of(sink_k.dtype))
     if "k_psac" in page:

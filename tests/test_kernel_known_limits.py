@@ -72,13 +72,3 @@ def test_per_channel_keys_spanning_more_than_fp16():
     k, v = _data()
     k[:, :, 0] = 40000.0 * torch.where(torch.arange(40) % 2 == 0, 1.0, -1.0)[:, None]
     assert _decode_error("kivi:bits=8,group=16", k, v, scale_q=1e-4) < 1e-2
-
-
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="lever_scheme raises KeyError (not UnsupportedLayout) for a "
-                   "sink codec's own layout without frames.lever_layout's sink fields")
-def test_kernels_can_serve_answers_for_a_layout_without_sink_fields():
-    from kvbackend import codecs
-    from kvbackend.backends import kernels_can_serve
-
-    codec = codecs.get("kivi:bits=2,group=16,sink=4")
-    assert kernels_can_serve(codec, codec.layout(Geometry(1, 2, 64, torch.bfloat16), 16)) is False

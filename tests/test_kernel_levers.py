@@ -137,3 +137,17 @@ def test_a_field_no_kernel_reads_is_refused_not_ignored():
     assert kernels_can_serve(codec, layout) and not kernels_can_serve(codec, extended)
     with pytest.raises(UnsupportedLayout, match="k_outliers"):
         kernel_schemes(codec, extended)
+
+
+def test_a_sink_codec_on_a_layout_without_sink_fields_is_refused_clearly():
+    """`lever_scheme` on a codec's own layout (not `frames.lever_layout`): UnsupportedLayout, and
+    `kernels_can_serve` answers False instead of raising."""
+    from kvbackend import codecs
+    from kvbackend.backends import kernels_can_serve
+    from kvbackend.errors import UnsupportedLayout
+
+    codec = codecs.get("kivi:bits=2,group=16,sink=4")
+    layout = codec.layout(Geometry(1, 2, 64, torch.bfloat16), 16)
+    with pytest.raises(UnsupportedLayout, match="lever_layout"):
+        lever_scheme(codec, layout)
+    assert kernels_can_serve(codec, layout) is False

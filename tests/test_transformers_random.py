@@ -344,3 +344,26 @@ def test_a_model_that_does_not_call_the_attached_attention_gets_every_token():
     for g, w in zip(got, want):
         assert float((g - w).abs().max()) < 1e-3 * float(w.abs().max())
     assert not any(layer.attention_seen for layer in cache.layers)
+
+
+def test_reads_for_the_models_attention_use_the_gather_kernel_and_match_the_reference(model, monkeypatch):
+    """With the Triton backend, a layer's read (prompts after cached tokens, padded steps) is one
+    gather_dequant launch for every row; it gives what the reference decodes."""
+    from kvbackend.backends import TorchBackend, TritonBackend
+
+    torch.manual_seed(7)
+    ids = torch.randint(0, 256, (2, 50), device=DEVICE)
+    cache = KVBackendCache(model.config, codec=LEVERED, page_size=16, chunk_pages=2, max_tokens=64, backend="triton")
+    with torch.no_grad():
+        _forward(model, ids, cache)
+    calls = []
+    real = TritonBackend.gather
+    monkeypatch.setattr(TritonBackend, "gather", lambda self, *a: calls.append(a[-1]) or real(self, *a))
+    for layer in cache.layers:
+        k, v = layer.read()
+        plan = cache.engine.plan(cache.request_ids, layer.layer_idx)
+        rk, rv = TorchBackend().gather(cache.engine, plan, layer.layer_idx)
+        assert k.shape == (2, 2, 50, 32)
+        assert torch.allclose(k.transpose(1, 2).reshape(-1, 2, 32), rk, rtol=2**-7, atol=1e-3)
+        assert torch.allclose(v.transpose(1, 2).reshape(-1, 2, 32), rv, rtol=2**-7, atol=1e-3)
+    assert calls == [0, 1]
