@@ -9,7 +9,8 @@ reference does not:
 - ``prerope=true`` keeps each RoPE pair's norm, not each channel, so keys above about 65504 / sqrt(2)
   can overflow in decode;
 - per-channel keys (KIVI) form ``code * scale`` before adding the zero, so a channel spanning more than
-  65504 overflows in decode (also without levers).
+  65504 overflows in decode (also without levers) in Triton's interpreter; the H200 build passes this
+  case (the compiler fuses the multiply-add).
 """
 
 import pytest
@@ -67,7 +68,8 @@ def test_large_rope_pair_with_pre_rope_keys(codec):
     assert _decode_error(codec, k, v, scale_q=1e-4) < 1e-2
 
 
-@pytest.mark.xfail(strict=True, reason=FP16_OPERANDS)
+@pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
+                   reason=FP16_OPERANDS + " (in the interpreter; the H200 build passes: measured 2026-12-01)")
 def test_per_channel_keys_spanning_more_than_fp16():
     k, v = _data()
     k[:, :, 0] = 40000.0 * torch.where(torch.arange(40) % 2 == 0, 1.0, -1.0)[:, None]

@@ -322,10 +322,9 @@ def test_a_model_that_does_not_call_the_attached_attention_gets_every_token():
     their decode steps must not go on the pages, or they attend to the new token alone."""
     from transformers import ImageGPTConfig, ImageGPTForCausalImageModeling
 
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        gpt = ImageGPTForCausalImageModeling(ImageGPTConfig(n_embd=128, n_head=4, n_layer=2, vocab_size=257,
-                                                            n_positions=256)).float().eval()
+    torch.manual_seed(0)  # built on the CPU and moved (ImageGPT keeps a CPU buffer when built under a CUDA device)
+    gpt = ImageGPTForCausalImageModeling(ImageGPTConfig(n_embd=128, n_head=4, n_layer=2, vocab_size=257,
+                                                        n_positions=256)).float().eval().to(DEVICE)
     ids = torch.randint(0, 256, (1, 20), device=DEVICE)
 
     def steps(cache):
