@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -38,6 +39,25 @@ def llama_config(tiny: bool, tokens: int):
         shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, num_hidden_layers=32, vocab_size=32000)
     return LlamaConfig(**shape, max_position_embeddings=2 * tokens, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def compiled_kernels() -> int:
+    """How many compiled variants kvbackend's Triton kernels hold (0 without Triton)."""
+    try:
+        import importlib
+        import pkgutil
+
+        import triton
+        import kvbackend.kernels as package
+    except ImportError:
+        return 0
+    count = 0
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"kvbackend.kernels.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, triton.runtime.jit.JITFunction):
+                count += sum(len(caches[0]) for caches in value.device_caches.values())
+    return count
 
 
 def held_bytes(cache) -> int:
@@ -86,15 +106,23 @@ def _run(model, name, cache, ids, steps, cuda, base, t0) -> dict:
         token = out.logits[:, -1:].argmax(-1)
         if cuda:
             torch.cuda.synchronize()
+        compiled = compiled_kernels()
         t1 = time.perf_counter()
+        step_ms = []
         for _ in range(steps):
+            t_step = time.perf_counter()
             out = model(token, use_cache=True, **cache_argument(model, cache))
-            token = out.logits[:, -1:].argmax(-1)
-        if cuda:
-            torch.cuda.synchronize()
+            token = out.logits[:, -1:].argmax(-1)  # a device-to-host read per step in effect: each step ends here
+            if cuda:
+                torch.cuda.synchronize()
+            step_ms.append((time.perf_counter() - t_step) * 1e3)
         decode_s = time.perf_counter() - t1
     row = {"cache": name, "tokens": ids.shape[1] + steps + 1, "prefill_s": prefill_s,
-           "decode_ms_per_step": decode_s / max(steps, 1) * 1e3}
+           "decode_ms_per_step": decode_s / max(steps, 1) * 1e3,
+           "decode_ms_median": statistics.median(step_ms) if step_ms else None,
+           "decode_ms_max": max(step_ms, default=None),
+           # Triton compilations during the timed steps: a step that compiles is seconds, not milliseconds
+           "kernel_compiles_during_steps": compiled_kernels() - compiled}
     del out, token
     if cuda:
         torch.cuda.synchronize()
@@ -168,7 +196,8 @@ def main() -> None:
         row["kv_held_vs_dynamic"] = exact / row["kv_held"] if row["kv_held"] else None
         print(f"{row['cache']:45s} held {row['kv_held'] / 2**20:9.1f} MiB ({row['kv_held_vs_dynamic']:.2f}x smaller)"
               + (f", decode peak {row['decode_peak'] / 2**20:9.1f} MiB" if "decode_peak" in row else "")
-              + f", {row['decode_ms_per_step']:.1f} ms/step", flush=True)
+              + f", {row['decode_ms_per_step']:.1f} ms/step (median {row['decode_ms_median']:.1f}, max "
+              f"{row['decode_ms_max']:.1f}, {row['kernel_compiles_during_steps']} kernel compilations)", flush=True)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
               "config": {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                           "num_key_value_heads", "head_dim")},
