@@ -234,12 +234,11 @@ class KVBackendLayer(CacheLayerMixin):
             return fallback(module, query, torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2),
                             attention_mask, **kwargs)[0]
         b, hq, _, d = query.shape
-        group = hq // k_new.shape[1]
+        h = k_new.shape[1]
         scale = kwargs.get("scaling") or d ** -0.5
-        q = query[:, :, 0].float()  # [B, Hq, D]
-        k1 = k_new[:, :, 0].float().repeat_interleave(group, dim=1)  # the new token, per query head
-        v1 = v_new[:, :, 0].float().repeat_interleave(group, dim=1)
-        s_new = (q * k1).sum(-1) * scale  # [B, Hq]
+        # the new token's score and value per query head (query head i reads KV head i // group), broadcast
+        s_new = (query[:, :, 0].float().view(b, h, hq // h, d) * k_new.float()).sum(-1).view(b, hq) * scale
+        v1 = v_new.float().expand(b, h, hq // h, d).reshape(b, hq, d)
         if self.length == 1:  # nothing stored before this token
             return v1.to(query.dtype).unsqueeze(1)
         out, lse = engine.decode(engine.plan(rows, self.layer_idx), self.layer_idx, query[:, :, 0].contiguous(),
