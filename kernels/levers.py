@@ -42,10 +42,6 @@ class LeverTables:
     base_sin: torch.Tensor  # [pages, D/2]
     hadamard: torch.Tensor  # [D, D] fp16, entries +-1
 
-    @property
-    def pages(self) -> int:
-        return self.base_cos.shape[0]
-
 
 @functools.lru_cache(maxsize=32)
 def _tables(inv_freq: tuple, scaling: float, page_size: int, head_dim: int, pages: int, device: str) -> LeverTables:
