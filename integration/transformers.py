@@ -220,7 +220,7 @@ class KVBackendLayer(CacheLayerMixin):
         if self.owner.wants_queries:
             self.observe_queries(query)
         else:
-            self.flush_pending()
+            self.flush_pending(checked=True)  # `update` checked these K/V and their room in this call
         return out
 
     def _attend_stored_and_new(self, module, query, k_new, v_new, attention_mask, fallback, **kwargs):
@@ -291,14 +291,15 @@ class KVBackendLayer(CacheLayerMixin):
             self.length -= k_new.shape[2]  # counted in update, never stored
             raise
 
-    def flush_pending(self) -> None:
-        """Append pending tokens without queries (attention never handed them over)."""
+    def flush_pending(self, checked: bool = False) -> None:
+        """Append pending tokens without queries (attention never handed them over, or the codec reads
+        none). ``checked``: `update` validated them and the room for them in this call."""
         if self._pending is None:
             return
         k_new, v_new = self._pending
         self._pending = None
         try:
-            self._append(k_new, v_new)
+            self._append(k_new, v_new, checked=checked)
         except Exception:
             self.length -= k_new.shape[2]
             raise
