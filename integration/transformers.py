@@ -237,7 +237,7 @@ class KVBackendLayer(CacheLayerMixin):
         h = k_new.shape[1]
         scale = kwargs.get("scaling") or d ** -0.5
         # the new token's score and value per query head (query head i reads KV head i // group), broadcast
-        s_new = (query[:, :, 0].float().view(b, h, hq // h, d) * k_new.float()).sum(-1).view(b, hq) * scale
+        s_new = (query[:, :, 0].float().reshape(b, h, hq // h, d) * k_new.float()).sum(-1).reshape(b, hq) * scale
         v1 = v_new.float().expand(b, h, hq // h, d).reshape(b, hq, d)
         if self.length == 1:  # nothing stored before this token
             return v1.to(query.dtype).unsqueeze(1)
