@@ -16,7 +16,7 @@ from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
-from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_constants, lever_tables,
+from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants,
                                       load_hadamard, page_rotation, psac_fix, rope_tables, rotate_halves, sink_tile)
 
 
@@ -139,8 +139,7 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
     work = plan.page_ids.numel()
     if work == 0:
         return k_out, v_out
-    tables = lever_tables(levers or LeverScheme(), rotary, p, d, plan.max_pages, pages.device)
-    ropes = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard) if tables else (k_out,) * 5
+    ropes = lever_args(levers, rotary, p, d, plan.max_pages, k_out)
     k_scheme, v_scheme = schemes
     num_warps = num_warps or default_warps(k_scheme, v_scheme)
     _gather_dequant_kernel[(work, h)](

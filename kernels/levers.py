@@ -78,6 +78,15 @@ def lever_tables(levers: LeverScheme, rotary: Rotary | None, page_size: int, hea
     return _tables(inv_freq, scaling, page_size, head_dim, rounded, str(device))
 
 
+def lever_args(levers: LeverScheme | None, rotary: Rotary | None, page_size: int, head_dim: int, pages: int,
+               unused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The five table arguments of a kernel's lever paths (``unused`` in their place when no lever needs them)."""
+    tables = lever_tables(levers or LeverScheme(), rotary, page_size, head_dim, pages, unused.device)
+    if tables is None:
+        return (unused,) * 5
+    return tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard
+
+
 def lever_constants(levers: LeverScheme | None) -> dict:
     """Keyword constants of the kernels' lever paths (all off for None)."""
     lv = levers or LeverScheme()

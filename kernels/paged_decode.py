@@ -24,7 +24,7 @@ from kvbackend.kernels import folded_decode, planar_decode
 from kvbackend.kernels.decode_split import program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
-from kvbackend.kernels.levers import (hadamard_apply, lever_constants, lever_tables, load_hadamard, page_rotation,
+from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, load_hadamard, page_rotation,
                                       psac_basis, psac_rows, rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
@@ -282,8 +282,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                      **scheme_constants("V", v_scheme))
     if num_stages is None:
         num_stages = 1 if planar else 2
-    tables = lever_tables(levers or LeverScheme(), rotary, p, d, plan.max_pages, q.device)
-    ropes = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard) if tables else (q,) * 5
+    ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
     if planar:
         planar_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), dense, plan, scale * _LOG2E, per_split, splits,
                              (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages)
