@@ -69,9 +69,9 @@ class KVBackendStorage(HiCacheStorage):
             self.persistent = None
             self.codec = get_codec(self.codec_spec)  # a bad spec fails here, at start-up, with the valid options
             levers = self.codec.levers
-            if levers.sink or levers.prerope or levers.psac:  # never silently dropped
+            if levers.sink or levers.rope or levers.psac:  # never silently dropped
                 raise SpecError(f"{self.codec_spec!r}: SGLang hands storage pages without their positions, so "
-                                "sink=, prerope= and psac= cannot be applied here; vrot=hadamard can (drop the others "
+                                "sink=, prerope=, pagerope= and psac= cannot be applied here; vrot=hadamard can (drop the others "
                                 "from the spec)")
             self.frame = LeverFrame(levers)  # values rotated before encoding when vrot=hadamard
         self.namespace = _namespace(storage_config)  # keys of different models/ranks never collide

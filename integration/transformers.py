@@ -66,6 +66,8 @@ def lever_options(levers: Levers) -> dict[str, str]:
         options["sink"] = str(levers.sink)
     if levers.prerope:
         options["prerope"] = "true"
+    if levers.pagerope:
+        options["pagerope"] = "true"
     if levers.vrot != "none":
         options["vrot"] = levers.vrot
     return options
@@ -384,13 +386,13 @@ class KVBackendCache(Cache):
         levers = Levers(sink, pre_rope, v_rotation)  # raises SpecError for a bad lever value
         self.layer_specs, parsed = layer_specs(codec, layers, levers, layer_levers)
         self.model_config = text_config
-        needs_rope = any(c.levers.prerope for c in parsed)
+        needs_rope = any(c.levers.rope for c in parsed)
         self.rotary: Rotary | None = rotary_from_config(text_config) if needs_rope else None
         heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         shape = Geometry(layers, heads, head_dim, torch.float32)
         for i, c in enumerate(parsed):  # what the paged cache would refuse, refused now
-            LeverFrame(c.levers, self.rotary).check(page_size, f"layer {i} ({self.layer_specs[i]})")
+            LeverFrame(c.levers, self.rotary, page_size).check(page_size, f"layer {i} ({self.layer_specs[i]})")
             c.layout(shape, page_size)  # SpecError: a group or channel option that does not fit the pages
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []

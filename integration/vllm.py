@@ -79,9 +79,9 @@ class KVBackendTier(SecondaryTierManager):
             raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
         self.codec = get_codec(codec)
         levers = self.codec.levers
-        if levers.sink or levers.prerope or levers.psac:  # never silently dropped
+        if levers.sink or levers.rope or levers.psac:  # never silently dropped
             raise SpecError(f"{codec!r}: an offloading tier sees no token positions or queries, so the levers sink=, "
-                            "prerope= and psac= cannot be applied; drop them from the spec")
+                            "prerope=, pagerope= and psac= cannot be applied; drop them from the spec")
         if getattr(self.codec.spec, "rank", 0):
             raise SpecError(f"{codec!r}: PSAC rows are fitted to queries, which an offloading tier never sees; "
                             "use rank=0")

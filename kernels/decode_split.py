@@ -20,3 +20,9 @@ def program_pages(req_start, req_pages, req_packed, pages_per_split):
     first = s * pages_per_split
     last = tl.minimum(first + pages_per_split, count)
     return r, h, s, start, first, last, packed
+
+
+# Launch arguments that change as requests grow: Triton would otherwise specialise a kernel on each
+# (equal to 1, divisible by 16) and compile a new variant in the middle of a generation (seconds,
+# measured on the H200 in `perf/bench_memory.py`'s decode steps).
+VARYING = ("pages_per_split", "num_splits")

@@ -32,9 +32,10 @@ import triton.language as tl
 
 from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
-from kvbackend.kernels.decode_split import program_pages
+from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import load_elements, magic_fp16, scale_zero
-from kvbackend.kernels.levers import hadamard_apply, lever_constants as levers_off, page_rotation, psac_basis, psac_rows, rotate_halves
+from kvbackend.kernels.levers import (hadamard_apply, lever_constants as levers_off, page_rotation, psac_basis,
+                                      psac_rows, query_to_page, rotate_halves)
 
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
 VFOLD_DEFAULT = False  # values: scales on the probabilities (True) or on the codes in registers (False, measured faster)
@@ -230,7 +231,7 @@ def _rescale(m_i, m_new, l_acc, a0, a1, a2, a3, z0, z1, z2, z3):
             a3 * alpha[:, None], z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, valid,
                           req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
                           local_cos, local_sin, base_cos, base_sin, hadamard_ptr,
@@ -246,15 +247,16 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
                           V_BOOK: tl.constexpr,
                           SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
-                          SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, VROT: tl.constexpr,
+                          SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                           PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                           PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
                           PSAC_BASIS: tl.constexpr):
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     # Levers (`kernels/levers.py`; `supports_levers`): per-channel keys are rebuilt explicitly when
-    # they carry PSAC rows or must be rotated (pre-RoPE), in RoPE's two halves; sinks are masked here
+    # each key must be rotated (pre-RoPE), in RoPE's two halves; page-relative keys take the query
+    # rotated once per page; PSAC rows add (q . basis) . coefficients per token; sinks are masked here
     # and attended in the merge; rotated values are rotated back once, after the packed pages.
-    EXPLICIT: tl.constexpr = ROPE or PSAC_R > 0
+    EXPLICIT: tl.constexpr = ROPE
 
     # Channel groups are unrolled (at most 4 for keys and 4 for values: `supports` checks), each a
     # 2-D product of its own, so no reduction ever crosses warps. Keys per-token: KNG groups of KG
@@ -291,12 +293,12 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
         q3 = _load_q(q, q_rows, live, 3 * KG, scale_log2, KG)
         q3_sum = tl.sum(q3.to(tl.float32), 1)
     HALF: tl.constexpr = D // 2
-    if EXPLICIT:
+    if ROPE or PAGE_ROPE:
         q_lo = _load_q(q, q_rows, live, 0, scale_log2, HALF)
         q_hi = _load_q(q, q_rows, live, HALF, scale_log2, HALF)
-    if ROPE:
         q_lo32 = q_lo.to(tl.float32)
         q_hi32 = q_hi.to(tl.float32)
+    if ROPE:
         half = tl.arange(0, HALF)
         t_all = tl.arange(0, BT)
         cos_t = tl.load(local_cos + t_all[:, None] * HALF + half[None, :]).to(tl.float16)  # block 0's R(t)
@@ -318,6 +320,13 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
     for j in range(first, end_packed, PAGES):
         page = tl.load(page_ids + start + j).to(tl.int64)
         slot = tl.load(slots + start + j).to(tl.int64)
+        q_page32 = q_f32  # the query in the page's stored frame
+        if PAGE_ROPE:
+            q_page32 = query_to_page(q_lo32, q_hi32, base_cos, base_sin, j, ROWS, D)
+        q_page16 = q_page32.to(tl.float16)
+        if PSAC_R and not EXPLICIT:  # (q . basis) [ROWS, 16], once per page
+            q_basis = tl.dot(q_page16, tl.trans(psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0,
+                                                           D))).to(tl.float16)
         for blk in tl.static_range(BLOCKS):
             if PAGES == 2:  # two pages in one block; a missing second page repeats the first, masked
                 page2 = tl.load(page_ids + start + tl.minimum(j + 1, end_packed - 1)).to(tl.int64)
@@ -370,13 +379,17 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                                             + tl.arange(0, K_ROW)[None, :]), K_BITS, ASM)  # [BT, D]
                 ks, kz = scale_zero(u8, i16, i32, page, (blk * H + h) * D + d, PAGE_BYTES, K_BITS, K_SYMMETRIC, K_KIND,
                                      K_ESIZE, K_SCALES, K_ZEROS)
-                scores = tl.dot((q_f32 * ks[None, :]).to(tl.float16), tl.trans(codes))
-                scores += tl.sum(q_f32 * kz[None, :], 1)[:, None]
+                scores = tl.dot((q_page32 * ks[None, :]).to(tl.float16), tl.trans(codes))
+                scores += tl.sum(q_page32 * kz[None, :], 1)[:, None]
             for stage in tl.static_range(0 if EXPLICIT and K_MODE == _CHANNEL_GROUPS else K_STAGES):
                 cents = _centroids(book_i16, slot, h, stage, BOOK_BYTES, K_BOOK, H, K_C, KCP, D)
-                q_c = tl.dot(q_f16, tl.trans(cents))  # [ROWS, KCP]
+                q_c = tl.dot(q_page16, tl.trans(cents))  # [ROWS, KCP]
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, K_ASSIGN, H, P, KCP)
                 scores += tl.dot(q_c.to(tl.float16), tl.trans(onehot))
+            if PSAC_R and not EXPLICIT:  # the PSAC rows' score correction (q . basis) . coefficients
+                coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
+                                 PSAC_SCALE, PSAC_TOKEN)
+                scores += tl.dot(q_basis, tl.trans(coef))
             if PAGES == 2:
                 scores = tl.where(present[None, :], scores, float("-inf"))
             if SINK:  # the merge kernel attends to the exact sink tokens
@@ -482,11 +495,12 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, p
 
 
 def supports_levers(k: TensorScheme, levers) -> bool:
-    """Whether the folded kernel reads these levers (with `supports` for the layout): sinks and rotated
-    values with any keys; pre-RoPE keys and PSAC rows with per-channel keys (rebuilt in RoPE's halves)."""
+    """Whether the folded kernel reads these levers (with `supports` for the layout): sinks, rotated
+    values and PSAC rows with any keys; pre-RoPE keys (rebuilt in RoPE's halves) and page-relative keys
+    (the query rotated per page) with per-channel keys."""
     if levers is None or not levers.active:
         return True
-    return k.mode == CHANNEL_GROUPS or not (levers.prerope or levers.psac_rank)
+    return k.mode == CHANNEL_GROUPS or not (levers.prerope or levers.pagerope)
 
 
 def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, per_split, splits, grid,
@@ -498,7 +512,7 @@ def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, 
     if constants["K_MODE"] != TOKEN_GROUPS or constants["K_STAGES"] or constants["V_STAGES"]:
         pages = 1
     lever_constants = lever_constants if lever_constants is not None else levers_off(None)
-    if lever_constants.get("SINK") or lever_constants.get("ROPE") or lever_constants.get("PSAC_R"):
+    if any(lever_constants.get(name) for name in ("SINK", "ROPE", "PAGE_ROPE", "PSAC_R")):
         pages = 1  # the lever paths walk one page per block
     u8, i16, i32 = views
     _folded_decode_kernel[grid](

@@ -2,7 +2,7 @@
 
 One program per (work page, KV head) reconstructs the page's tokens and writes them at the
 request's rows (cu_seqlens layout). Packed pages leave in the original frame: PSAC rows added,
-pre-RoPE keys rotated, rotated values rotated back and sink tokens written over (`kernels/levers.py`).
+pre-RoPE and page-relative keys rotated, rotated values rotated back and sink tokens written over (`kernels/levers.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
                            V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
                            V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr,
                            SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
-                           SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, VROT: tl.constexpr,
+                           SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                            PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                            PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
                            PSAC_BASIS: tl.constexpr):
@@ -63,6 +63,10 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
             lo, hi = rotate_halves(lo, hi, cos_t, sin_t)
             lo, hi = rotate_halves(lo, hi, cos_0[None, :], sin_0[None, :])
             k = join_halves(lo, hi, P, D)
+        if PAGE_ROPE:  # stored as R(t) k: R(p0) remains (the RoPE's scaling is in the base table)
+            cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)
+            lo, hi = halves(k, P, D)
+            k = join_halves(*rotate_halves(lo, hi, cos_0[None, :], sin_0[None, :]), P, D)
         if VROT:
             v = hadamard_apply(v, load_hadamard(hadamard_ptr, D), D)
         if SINK:

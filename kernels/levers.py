@@ -7,6 +7,9 @@
   ``R(p0 + t) = R(p0) R(t)``. ``R(t)`` uses one ``[P, D/2]`` table the program loads once; ``R(p0)``
   is one ``[D/2]`` row per page. Decode moves ``R(p0)`` onto the query (``q . R(p0) x = R(p0)^T q . x``),
   so a page costs one rotation of its keys by the loop-invariant table.
+- Page-relative keys (``pagerope``): keys are stored as ``R(t) k``, so only ``R(p0)`` remains; decode
+  rotates the query once per page (``R(p0)^T q``, the RoPE's scaling folded into the ``base`` tables)
+  and reads the keys as stored; gather rotates each page by ``R(p0)``.
 - Hadamard-rotated values: decode accumulates packed pages' values in the stored frame and rotates
   the accumulator back once per program (``acc @ H``; H is symmetric), gather rotates each page.
   The ±1 matrix is exact in fp16; the operand is split into two fp16 halves, so the product keeps
@@ -38,13 +41,14 @@ class LeverTables:
 
     local_cos: torch.Tensor  # [P, D/2] cos(t * theta) * scaling
     local_sin: torch.Tensor  # [P, D/2]
-    base_cos: torch.Tensor  # [pages, D/2] cos(j * P * theta)
+    base_cos: torch.Tensor  # [pages, D/2] cos(j * P * theta) (times the scaling for page-relative keys)
     base_sin: torch.Tensor  # [pages, D/2]
     hadamard: torch.Tensor  # [D, D] fp16, entries +-1
 
 
 @functools.lru_cache(maxsize=32)
-def _tables(inv_freq: tuple, scaling: float, page_size: int, head_dim: int, pages: int, device: str) -> LeverTables:
+def _tables(inv_freq: tuple, scaling: float, page_size: int, head_dim: int, pages: int, device: str,
+            page_relative: bool) -> LeverTables:
     theta = torch.tensor(inv_freq, dtype=torch.float64)
     t = torch.arange(page_size, dtype=torch.float64)[:, None] * theta[None, :]
     base = torch.arange(pages, dtype=torch.float64)[:, None] * page_size * theta[None, :]
@@ -54,8 +58,9 @@ def _tables(inv_freq: tuple, scaling: float, page_size: int, head_dim: int, page
     def f32(x):
         return x.to(torch.float32).to(dev).contiguous()
 
-    return LeverTables(f32(t.cos() * scaling), f32(t.sin() * scaling), f32(base.cos()), f32(base.sin()),
-                       h.to(torch.float16).to(dev).contiguous())
+    base_scale = scaling if page_relative else 1.0
+    return LeverTables(f32(t.cos() * scaling), f32(t.sin() * scaling), f32(base.cos() * base_scale),
+                       f32(base.sin() * base_scale), h.to(torch.float16).to(dev).contiguous())
 
 
 def lever_tables(levers: LeverScheme, rotary: Rotary | None, page_size: int, head_dim: int, pages: int,
@@ -65,17 +70,17 @@ def lever_tables(levers: LeverScheme, rotary: Rotary | None, page_size: int, hea
     Raises:
         ValueError: pre-RoPE keys without the model's RoPE, or a RoPE of another head size.
     """
-    if not (levers.prerope or levers.vrot):
+    if not (levers.prerope or levers.pagerope or levers.vrot):
         return None
     inv_freq, scaling = (1.0,) * (head_dim // 2), 1.0
-    if levers.prerope:
+    if levers.prerope or levers.pagerope:
         if rotary is None:
             raise ValueError("keys stored before RoPE need the model's RoPE (rotary=...) to be read")
         if rotary.inv_freq.numel() != head_dim // 2:
             raise ValueError(f"the RoPE has {rotary.inv_freq.numel()} frequencies, head_dim {head_dim} needs {head_dim // 2}")
         inv_freq, scaling = tuple(rotary.inv_freq.double().tolist()), float(rotary.scaling)
     rounded = max(64, triton.next_power_of_2(max(pages, 1)))  # few distinct sizes, so the cache hits
-    return _tables(inv_freq, scaling, page_size, head_dim, rounded, str(device))
+    return _tables(inv_freq, scaling, page_size, head_dim, rounded, str(device), levers.pagerope)
 
 
 def lever_args(levers: LeverScheme | None, rotary: Rotary | None, page_size: int, head_dim: int, pages: int,
@@ -93,7 +98,8 @@ def lever_constants(levers: LeverScheme | None) -> dict:
     rows = lv.psac_rows
     return {
         "SINK": lv.sink, "SINK_K": max(lv.sink_k, 0), "SINK_V": max(lv.sink_v, 0), "SINK_KIND": lv.sink_kind,
-        "SINK_ROWS": triton.next_power_of_2(max(lv.sink, 1)), "ROPE": lv.prerope, "VROT": lv.vrot,
+        "SINK_ROWS": triton.next_power_of_2(max(lv.sink, 1)), "ROPE": lv.prerope, "PAGE_ROPE": lv.pagerope,
+        "VROT": lv.vrot,
         "PSAC_R": lv.psac_rank, "PSAC_N": rows, "PSAC_NP": max(16, triton.next_power_of_2(max(rows, 1))),
         "PSAC_SPARSE": lv.psac_token != NONE, "PSAC_CODES": max(lv.psac_codes, 0),
         "PSAC_SCALE": max(lv.psac_scale, 0), "PSAC_TOKEN": max(lv.psac_token, 0), "PSAC_BASIS": max(lv.psac_basis, 0),
@@ -177,6 +183,15 @@ def page_rotation(base_cos, base_sin, j, D: tl.constexpr):
     """cos/sin [D/2] of R(p0) for the request's page ``j`` (p0 = j * P)."""
     half = tl.arange(0, D // 2)
     return tl.load(base_cos + j * (D // 2) + half), tl.load(base_sin + j * (D // 2) + half)
+
+
+@triton.jit
+def query_to_page(q_lo, q_hi, base_cos, base_sin, j, ROWS: tl.constexpr, D: tl.constexpr):
+    """``R(p0)^T q`` [ROWS, D] float32 for the request's page ``j``, from the query's float32 halves."""
+    cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
+    lo = q_lo * cos_0[None, :] + q_hi * sin_0[None, :]
+    hi = q_hi * cos_0[None, :] - q_lo * sin_0[None, :]
+    return join_halves(lo, hi, ROWS, D)
 
 
 @triton.jit

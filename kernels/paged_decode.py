@@ -4,7 +4,7 @@ Grid (request, KV head, split): each program walks its share of the request's pa
 K and V in registers, and keeps an online softmax for the GQA group of query heads (padded to 16
 rows so `tl.dot` runs on tensor cores). A second kernel merges the splits. No BF16 K/V is ever
 written to memory. The plain kernel also reads a layer's levers and PSAC rows (`kernels/levers.py`):
-PSAC rows and pre-RoPE keys per page, rotated values once per program, sink tokens in the merge.
+PSAC rows, pre-RoPE and page-relative keys per page, rotated values once per program, sink tokens in the merge.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels import folded_decode, planar_decode
-from kvbackend.kernels.decode_split import program_pages
+from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
 from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, load_hadamard, page_rotation,
-                                      psac_basis, psac_rows, rope_tables, rotate_halves, sink_tile)
+                                      psac_basis, psac_rows, query_to_page, rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
+MERGE_SPLITS = 128  # the merge kernel reads at least this many splits (masked), so it rarely recompiles as requests grow
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def _attend(q_tile, k, v, n, m_i, l_i, acc, scale_log2, P: tl.constexpr):
     return _softmax_step(scores, v, n, m_i, l_i, acc, P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, page_ids, slots, valid,
                          req_start, req_pages, req_packed, scale_log2, pages_per_split, num_splits,
                          local_cos, local_sin, base_cos, base_sin, hadamard_ptr,
@@ -66,7 +67,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
                          V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr,
                          SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
-                         SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, VROT: tl.constexpr,
+                         SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                          PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                          PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
                          PSAC_BASIS: tl.constexpr):
@@ -77,11 +78,12 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     heads = h * GROUP + i
     q_rows = (r * (H * GROUP) + heads) * D
     q_tile = tl.load(q + q_rows[:, None] + d[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float16)
-    LEVERS: tl.constexpr = ROPE or PSAC_R > 0 or SINK > 0
-    if ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t) (fp16)
+    LEVERS: tl.constexpr = ROPE or PAGE_ROPE or PSAC_R > 0 or SINK > 0
+    if ROPE or PAGE_ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t) (fp16)
         half = tl.arange(0, D // 2)
         q_lo = tl.load(q + q_rows[:, None] + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
         q_hi = tl.load(q + q_rows[:, None] + D // 2 + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
+    if ROPE:
         cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
         cos_t, sin_t = cos_t.to(tl.float16), sin_t.to(tl.float16)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
@@ -124,7 +126,11 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                                  K_C, K_BOOK, UNPACK, tl.float16)
                 if PSAC_R:
                     k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0, D)).to(tl.float16)
-                scores = tl.dot(q_tile, tl.trans(k)) * scale_log2
+                if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored: one query rotation per page
+                    q_page = query_to_page(q_lo, q_hi, base_cos, base_sin, j, ROWS, D).to(tl.float16)
+                    scores = tl.dot(q_page, tl.trans(k)) * scale_log2
+                else:
+                    scores = tl.dot(q_tile, tl.trans(k)) * scale_log2
             if SINK:  # the merge kernel attends to the exact sink tokens
                 scores = tl.where((j == 0) & (t[None, :] < SINK), float("-inf"), scores)
             m_i, l_i, acc = _softmax_step(scores, v, P, m_i, l_i, acc, P)
@@ -168,7 +174,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     tl.store(o_part + part[:, None] * D + d[None, :], acc, mask=mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))
 def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, q, book_i16, slots, req_start, req_packed, scale_log2,
                   D: tl.constexpr, SPLITS: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
                   BOOK_BYTES: tl.constexpr, SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr,
@@ -264,9 +270,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             raise ValueError(f"the folded decode kernel does not read these levers on this layout ({levers}); "
                              "the plain kernel does (fold=False)")
         planar = False
-        if fold is None:  # keys rebuilt for PSAC rows or RoPE measured slower in the folded kernel (NOTES, levers v3)
-            fold = (folds and per_split >= folded_decode.MIN_PAGES_PER_PROGRAM
-                    and not (levers.prerope or levers.psac_rank))
+        if fold is None:  # keys rebuilt for per-token RoPE measured slower in the folded kernel (NOTES, levers v3)
+            fold = folds and per_split >= folded_decode.MIN_PAGES_PER_PROGRAM and not levers.prerope
         if levers.prerope:  # RoPE's halves are read as channel windows, which UNPACK 0 and 3 do not take
             unpack = {0: 1, 3: 2}.get(unpack, unpack)
     if planar is None:
@@ -302,6 +307,6 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     sinks = {n: v for n, v in lever_constants(levers).items() if n.startswith("SINK")}
     _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, q, book_i16, plan.slots, plan.req_start,
-                             plan.req_packed, scale * _LOG2E, D=d, SPLITS=triton.next_power_of_2(splits), H=h,
+                             plan.req_packed, scale * _LOG2E, D=d, SPLITS=max(MERGE_SPLITS, triton.next_power_of_2(splits)), H=h,
                              GROUP=group, BOOK_BYTES=max(codebooks.shape[-1], 0), **sinks)
     return out, lse

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kvbackend.scheme import TOKEN_GROUPS, TensorScheme
 
-from kvbackend.kernels.decode_split import program_pages
+from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import magic_fp16, scale_zero
 from kvbackend.kernels.folded_decode import MIN_PAGES_PER_PROGRAM
 
@@ -141,7 +141,7 @@ def _page_data(u8, i16, i32, page_ids, at, h, PAGE_BYTES: tl.constexpr, H: tl.co
     return kb0, ks0, kz0, vb0, vs0, vz0, kb1, ks1, kz1, vb1, vs1, vz1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _planar_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, dense, page_ids, valid, req_start, req_pages,
                           req_packed, scale_log2, pages_per_split, num_splits,
                           PAGE_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,

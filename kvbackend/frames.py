@@ -2,6 +2,10 @@
 
 - ``prerope=true``: keys are encoded before RoPE (de-rotated at their positions) and rotated again on
   read, so the codec never sees the rotation's spread of each channel pair;
+- ``pagerope=true``: keys are encoded de-rotated by the first position of their page only (a key at
+  ``p0 + t`` is stored as ``R(t) k`` before RoPE): a channel turns by at most a page's worth of its
+  frequency, so slow channels keep their pre-RoPE statistics, and readers rotate the query by
+  ``R(p0)`` once per page instead of rotating every key;
 - ``vrot=hadamard``: values are encoded after an orthonormal Hadamard rotation (outliers spread over
   every channel) and rotated back on read;
 - ``sink=S``: the first S tokens of a sequence are kept at 16 bits (the cache's own dtype for bf16 and
@@ -26,6 +30,16 @@ from kvbackend.rope import Rotary
 SINK_FIELDS = ("sink_k", "sink_v")
 
 
+def rope_positions(levers: Levers, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The positions keys at ``positions`` are de-rotated by: their own (``prerope``) or their page's
+    first (``pagerope``)."""
+    if levers.pagerope:
+        if page_size <= 0:
+            raise ValueError("pagerope=true needs the page size")
+        return positions - positions % page_size
+    return positions
+
+
 def lever_layout(layout: PageLayout, levers: Levers) -> PageLayout:
     """``layout`` with the sink fields appended to its codebook slot (the codec's own fields keep their
     offsets, so the codec reads and writes the slot as before)."""
@@ -44,11 +58,13 @@ class LeverFrame:
 
     levers: Levers
     rotary: Rotary | None = None
+    page_size: int = 0  # tokens per page (needed by pagerope=true)
 
     def check(self, page_size: int, where: str) -> None:
         """Raise SpecError for levers the paged cache cannot serve as given."""
-        if self.levers.prerope and self.rotary is None:
-            raise SpecError(f"{where}: prerope=true stores keys before RoPE and needs the model's RoPE: pass "
+        if self.levers.rope and self.rotary is None:
+            name = "prerope" if self.levers.prerope else "pagerope"
+            raise SpecError(f"{where}: {name}=true stores keys before RoPE and needs the model's RoPE: pass "
                             "KVCache(..., rotary=kvbackend.rope.rotary_from_config(model.config))")
         if self.levers.psac:
             raise SpecError(f"{where}: the psac= lever is applied by `kvbackend eval` only; in the paged cache use "
@@ -58,12 +74,13 @@ class LeverFrame:
                             "tokens live in the first page's chunk")
 
     def _positions(self, first: int, n: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(first, first + n, device=device)
+        """The positions keys of tokens ``first..first+n-1`` are de-rotated by in the stored frame."""
+        return rope_positions(self.levers, torch.arange(first, first + n, device=device), self.page_size)
 
     def to_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32)."""
         k, v = k.float(), v.float()
-        if self.levers.prerope:
+        if self.levers.rope:
             k = self.rotary.derotate(k.transpose(0, 1), self._positions(first, k.shape[0], k.device)).transpose(0, 1)
         if self.levers.vrot == "hadamard":
             v = v @ hadamard(v.shape[-1]).to(v.device)
@@ -72,7 +89,7 @@ class LeverFrame:
     def from_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of `to_stored`, in ``k``'s dtype."""
         dtype = k.dtype
-        if self.levers.prerope:
+        if self.levers.rope:
             k = self.rotary.rotate(k.float().transpose(0, 1),
                                    self._positions(first, k.shape[0], k.device)).transpose(0, 1)
         if self.levers.vrot == "hadamard":
@@ -80,8 +97,8 @@ class LeverFrame:
         return k.to(dtype), v.to(dtype)
 
     def queries_to_stored(self, q: torch.Tensor, first: int) -> torch.Tensor:
-        """Queries ``[T, Hq, D]`` in the keys' stored frame (de-rotated at their own positions; exact for
-        the query-key product only at equal positions, as `kvbackend eval` does it)."""
-        if not self.levers.prerope:
+        """Queries ``[T, Hq, D]`` in the keys' stored frame (de-rotated as a key at their own position
+        would be; exact for the query-key product only within that page, as `kvbackend eval` does it)."""
+        if not self.levers.rope:
             return q
         return self.rotary.derotate(q.transpose(0, 1), self._positions(first, q.shape[0], q.device)).transpose(0, 1)

@@ -28,10 +28,24 @@ class Levers(Checked):
     prerope: bool = False  # quantize keys before RoPE (de-rotate, encode, decode, re-rotate)
     vrot: str = one_of("none", ROTATIONS)  # rotation of values before quantization: "none" or "hadamard"
     psac: int = ranged(0, 0, 1024)  # rank of the query-subspace key correction (QuantWM's PSAC); 0 = off
+    # keys stored relative to their page's first position p0 (de-rotated by R(p0) only): within a page
+    # a channel turns by at most P steps of its frequency, so slow channels keep their pre-RoPE
+    # statistics, and a reader rotates the query once per page instead of every key
+    pagerope: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prerope and self.pagerope:
+            raise SpecError("prerope=true and pagerope=true are two frames for the keys: pick one")
 
     @property
     def active(self) -> bool:
         return self != Levers()
+
+    @property
+    def rope(self) -> bool:
+        """Keys are stored in a frame other than the model's (either RoPE lever): reading needs the RoPE."""
+        return self.prerope or self.pagerope
 
     def suffix(self) -> str:
         parts = []
@@ -43,10 +57,12 @@ class Levers(Checked):
             parts.append(f"vrot={self.vrot}")
         if self.psac:
             parts.append(f"psac={self.psac}")
+        if self.pagerope:
+            parts.append("pagerope=true")
         return ",".join(parts)
 
 
-_TYPES = {"sink": int, "prerope": bool, "vrot": str, "psac": int}
+_TYPES = {"sink": int, "prerope": bool, "vrot": str, "psac": int, "pagerope": bool}
 
 
 def split_levers(options: dict[str, str], spec_name: str) -> tuple[dict[str, str], Levers]:

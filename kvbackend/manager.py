@@ -40,18 +40,18 @@ class KVCache:
 
     def __init__(self, geometry: Geometry, config: CacheConfig | None = None, rotary: Rotary | None = None) -> None:
         """``rotary``: the model's RoPE (`kvbackend.rope.rotary_from_config`), needed by codecs with
-        ``prerope=true``; it then enters the fingerprint."""
+        ``prerope=true`` or ``pagerope=true``; it then enters the fingerprint."""
         self.geometry = geometry
         self.config = config or CacheConfig()
         self.codecs, self.layouts, self.backends = build_layers(geometry, self.config)
-        self.frames = [LeverFrame(codec.levers, rotary) for codec in self.codecs]  # levers each layer applies
+        self.frames = [LeverFrame(codec.levers, rotary, self.config.page_size) for codec in self.codecs]  # levers each layer applies
         for layer, frame in enumerate(self.frames):
             frame.check(self.config.page_size, f"layer {layer} ({self.codecs[layer].spec_string})")
         self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layouts, self.config)
         self.fingerprint = cache_fingerprint(geometry, self.config, self.layouts,
-                                             rotary if any(f.levers.prerope for f in self.frames) else None)
+                                             rotary if any(f.levers.rope for f in self.frames) else None)
         self.group = PageGroupFormat.of(self.layouts, self.fingerprint)  # the bytes of an exported page
         self.index = PrefixIndex(self.packed.allocator, self.config.page_size, self.config.extra_keys)
         self.groups = PageGroups(self.packed, self.group, self.index)  # export and install of page groups

@@ -58,6 +58,7 @@ class LeverScheme:
     sink_v: int = NONE
     sink_kind: int = FP16  # FP16 or BF16
     prerope: bool = False  # keys of packed pages are stored before RoPE
+    pagerope: bool = False  # keys of packed pages are stored de-rotated by their page's first position
     vrot: bool = False  # values of packed pages are stored Hadamard-rotated
     psac_rank: int = 0  # 0 = no PSAC rows
     psac_rows: int = 0  # rows per page and head (= page_size for dense rows)
@@ -105,7 +106,7 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
         fields.update(psac_rank=rank, psac_rows=rows, psac_codes=page["k_psac"].offset,
                       psac_scale=page["k_psac_scale"].offset, psac_token=token.offset if token is not None else NONE,
                       psac_basis=book["k_psac_basis"].offset)
-    return LeverScheme(prerope=levers.prerope, vrot=levers.vrot == "hadamard", **fields)
+    return LeverScheme(prerope=levers.prerope, pagerope=levers.pagerope, vrot=levers.vrot == "hadamard", **fields)
 
 
 def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tuple[TensorScheme, TensorScheme]:

@@ -447,12 +447,21 @@ def encode(decode_step_us):
     return rows
 
 
-LEVER_VARIANTS = (  # (name, spec): the recipe, then the same layout with parts of it off
+def _without_levers(spec: str) -> str:
+    return ",".join(part for part in spec.split(",") if part.partition("=")[0] not in ("sink", "vrot", "prerope", "pagerope"))
+
+
+_OTHER_ROPE = (RECOMMENDED_SPEC.replace("pagerope=true", "prerope=true") if "pagerope=true" in RECOMMENDED_SPEC
+               else RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"))
+LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame for keys, the layout with parts off
     ("recipe", RECOMMENDED_SPEC),
-    ("recipe, no levers", RECOMMENDED_SPEC.replace(",sink=4,vrot=hadamard,prerope=true", "")),
-    ("recipe, no levers, no PSAC", RECOMMENDED_SPEC.replace(",sink=4,vrot=hadamard,prerope=true", "").replace(
-        "rank=4", "rank=0")),
+    ("recipe, " + ("pre-RoPE keys" if "prerope=true" in _OTHER_ROPE else "page-relative keys"), _OTHER_ROPE),
+    ("recipe, no levers", _without_levers(RECOMMENDED_SPEC)),
+    ("recipe, no levers, no PSAC", _without_levers(RECOMMENDED_SPEC).replace("rank=4", "rank=0")),
 )
+
+
+LEVER_SHAPES = ((8, 32768), (1, 32768), (8, 131072))
 
 
 @section("levers")
@@ -461,7 +470,7 @@ def levers(copy_bw):
     rows = []
     hq, heads, dim, p = 32, 8, 128, 64
     rotary = Rotary.default(dim, 500000.0)
-    shapes = ((8, 32768),) if QUICK else ((8, 32768), (1, 32768), (8, 131072))
+    shapes = LEVER_SHAPES
     for batch, length in shapes:
         sdpa_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1)
         sdpa_graph_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1, graphs=True)
@@ -529,10 +538,12 @@ def levers(copy_bw):
                 r["cost_vs_plain_kernel_no_levers"] = r["ours_us"] / base["best_us_per_kernel"]["plain"] - 1
                 if "folded" in r["best_us_per_kernel"] and "folded" in base["best_us_per_kernel"]:
                     r["cost_folded_vs_folded"] = r["best_us_per_kernel"]["folded"] / base["best_us_per_kernel"]["folded"] - 1
-            print(f"levers B={batch} L={length}: recipe costs {by['recipe']['cost_vs_no_levers_no_psac'] * 100:+.1f}% "
-                  "against its layout without levers and PSAC (best kernel each, graphs), "
-                  f"{by['recipe']['cost_vs_plain_kernel_no_levers'] * 100:+.1f}% against the plain kernel without them, "
-                  f"folded against folded {by['recipe'].get('cost_folded_vs_folded', float('nan')) * 100:+.1f}%", flush=True)
+            for variant in LEVER_VARIANTS[:2]:
+                r = by[variant[0]]
+                print(f"levers B={batch} L={length}: {variant[0]} costs {r['cost_vs_no_levers_no_psac'] * 100:+.1f}% "
+                      "against its layout without levers and PSAC (best kernel each, graphs), "
+                      f"{r['cost_vs_plain_kernel_no_levers'] * 100:+.1f}% against the plain kernel without them, "
+                      f"folded against folded {r.get('cost_folded_vs_folded', float('nan')) * 100:+.1f}%", flush=True)
     return rows
 
 
@@ -540,7 +551,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="ceiling,checks,decode,levers,gather,encode,xformers")
+    parser.add_argument("--lever-shapes", default="8x32768" if QUICK else "8x32768,1x32768,8x131072",
+                        help="B x L of the levers section, comma-separated")
     args = parser.parse_args()
+    global LEVER_SHAPES
+    LEVER_SHAPES = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.lever_shapes.split(","))
     wanted = args.only.split(",")
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__}
     if DEV == "cuda":

@@ -24,9 +24,10 @@ import torch
 
 from kvbackend.tools.models import cache_argument
 
+from kvbackend.spec import RECOMMENDED_SPEC
+
 CHUNK = 2048
-RECIPE = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,"
-          "prerope=true")
+RECIPE = RECOMMENDED_SPEC
 
 
 def llama_config(tiny: bool, tokens: int):

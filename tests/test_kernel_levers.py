@@ -14,6 +14,8 @@ triton = pytest.importorskip("triton")
 
 ROTARY = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), scaling=1.25)
 RECIPE = "quantwm:kchannel=16,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true"
+PAGE_RECIPE = ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,"
+               "pagerope=true")
 CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     (RECIPE, 16, [45, 70, 3], 4, 64),  # the recommended recipe's levers; 64 programs: one page per split
     (RECIPE, 16, [97], 1, 2),
@@ -24,6 +26,12 @@ CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     ("quantwm:rank=4,centroids=4,vbits=2", 16, [60], 2, 8),  # a PSAC row per token, no index
     ("quantwm:rank=16,keep=0.5,centroids=4,sink=2", 16, [70, 40], 1, 16),  # sparse rows, full kernel rank
     ("identity:sink=5,prerope=true,vrot=hadamard", 16, [90], 2, 8),  # frame round trip only
+    # page-relative keys: the recipe on 32-token pages, so the folded kernel reads them too
+    (PAGE_RECIPE, 32, [75, 130, 5], 4, 16),
+    ("kivi:bits=2,group=32,pagerope=true", 32, [100], 2, 4),
+    ("rtn:bits=2,group=32,pagerope=true", 16, [70], 2, 8),  # per-token key groups: the plain kernel only
+    ("quantwm:rank=4,keep=0.5,centroids=4", 32, [90, 40], 2, 8),  # PSAC rows with per-token key groups, folded
+    ("identity:sink=5,pagerope=true,vrot=hadamard", 16, [90], 2, 8),
 ]
 
 
@@ -93,19 +101,22 @@ def test_decode_and_gather_read_levers_like_the_reference(codec, page_size, leng
     assert float((out2.float() - want).norm() / want.norm()) < 1e-2
 
 
-def test_a_lever_the_kernels_ignore_would_change_the_output():
+@pytest.mark.parametrize("codec,page_size,rope,fold", [(RECIPE, 16, "prerope", False),
+                                                       (PAGE_RECIPE, 32, "pagerope", False),
+                                                       (PAGE_RECIPE, 32, "pagerope", True)])
+def test_a_lever_the_kernels_ignore_would_change_the_output(codec, page_size, rope, fold):
     """Without the lever scheme the same pages decode to something else: each lever path does work."""
     from kvbackend.kernels.paged_decode import paged_decode
     from kvbackend.scheme import LeverScheme
     import dataclasses
 
-    cache, ids = lever_cache(RECIPE, 16, [70], 2, "triton")
+    cache, ids = lever_cache(codec, page_size, [140], 2, "triton")
     q = torch.randn(1, 4, 64, device=DEVICE).bfloat16()
     args, levers = kernel_inputs(cache, ids)
-    full, _ = paged_decode(q, *args, levers=levers, rotary=ROTARY)
-    for off in (dict(sink=0), dict(prerope=False), dict(vrot=False), dict(psac_rank=0)):
+    full, _ = paged_decode(q, *args, levers=levers, rotary=ROTARY, fold=fold)
+    for off in (dict(sink=0), {rope: False}, dict(vrot=False), dict(psac_rank=0)):
         partial = dataclasses.replace(levers, **off)
-        out, _ = paged_decode(q, *args, levers=partial if partial.active else LeverScheme(), rotary=ROTARY)
+        out, _ = paged_decode(q, *args, levers=partial if partial.active else LeverScheme(), rotary=ROTARY, fold=fold)
         assert float((out.float() - full.float()).norm() / full.float().norm()) > 1e-3, off  # same kernel, same splits
 
 

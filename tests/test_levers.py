@@ -220,3 +220,34 @@ def test_psac_lowers_query_weighted_error_and_is_causal():
     assert not torch.equal(again.k[32:], psac.k[32:])
     with pytest.raises(ValueError, match="queries"):
         reconstruct_sequence(codecs.get("kivi:bits=2,group=16,psac=4"), k, v, geometry, 16, 32)
+
+
+def test_page_relative_keys_are_stored_rotated_by_their_offset_in_the_page():
+    """pagerope=true: a key at p0 + t is encoded as R(t) k (its pre-RoPE value rotated by its offset in
+    the page), read back at its position, and the simulation of `kvbackend eval` uses the same frame."""
+    with pytest.raises(SpecError, match="pick one"):
+        codecs.get("kivi:bits=2,prerope=true,pagerope=true")
+    codec = codecs.get("kivi:bits=2,group=16,sink=4,pagerope=true")
+    assert codec.levers == Levers(sink=4, pagerope=True) and codecs.get(codec.spec_string).levers == codec.levers
+    with pytest.raises(SpecError, match="pagerope=true stores keys before RoPE"):
+        lever_cache("kivi:bits=2,group=16,pagerope=true", rotary=None)
+    exact = lever_cache("identity:pagerope=true")
+    rid, k, v = fill_levers(exact)
+    for layer in range(2):
+        assert torch.allclose(exact.read(rid, layer)[0], k[layer], atol=1e-4)  # the frame is orthonormal
+    lossy = lever_cache("kivi:bits=2,group=16,pagerope=true")
+    rid, k, v = fill_levers(lossy)
+    plain = codecs.get("kivi:bits=2,group=16")
+    starts = torch.arange(32) // 16 * 16  # each token's page start
+    for layer in range(2):
+        stored = ROTARY.derotate(k[layer, :32].transpose(0, 1), starts).transpose(0, 1)
+        pre = ROTARY.derotate(k[layer, :32].transpose(0, 1), torch.arange(32)).transpose(0, 1)
+        assert torch.allclose(stored, ROTARY.rotate(pre.transpose(0, 1), torch.arange(32) % 16).transpose(0, 1),
+                              atol=1e-3)  # R(p0)^T R(p0 + t) k = R(t) k
+        dk, _ = plain.decode(plain.encode(stored, v[layer, :32], plain.layout(lossy.geometry, 16)))
+        want = ROTARY.rotate(dk.transpose(0, 1), starts).transpose(0, 1)
+        assert torch.allclose(lossy.read_packed(rid, layer)[0], want, atol=1e-4)
+        sim = reconstruct_sequence(lossy.codecs[layer], k[layer, :32], v[layer, :32], lossy.geometry, 16, 32, ROTARY)
+        assert torch.allclose(sim.k, want, atol=1e-4)
+    other = lever_cache("kivi:bits=2,group=16,prerope=true")
+    assert other.fingerprint != lossy.fingerprint

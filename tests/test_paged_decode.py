@@ -243,3 +243,32 @@ def test_planar_kernel_support():
     with pytest.raises(ValueError, match="planar decode kernel does not read"):
         paged_decode(torch.randn(1, 4, 64, device=DEVICE).bfloat16(), cache.packed.pages[0], cache.packed.codebooks[0],
                      cache.dense.data[0], kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0), planar=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled variants exist on the GPU only (the interpreter compiles nothing)")
+def test_a_growing_request_does_not_recompile_the_decode_kernels():
+    """Split counts move as a request grows (32 splits of one page, then 17 and 18 of two): the kernels
+    are not specialised on them, so a generation never stops for a compilation."""
+    from kvbackend.kernels import paged_decode as module
+
+    cache, ids = filled_cache("kivi:bits=2,group=16", 64, 16, [16 * 32])
+    q = torch.randn(1, 4, 64, device=DEVICE).bfloat16()
+    kernels = (module._paged_decode_kernel, module._merge_kernel)
+
+    def variants():
+        return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
+
+    splits = []
+    for extra in (0, 1, 40):
+        if extra:
+            kv = torch.randn(extra, 2, 64, device=DEVICE).bfloat16()
+            for layer in range(2):
+                cache.append(ids[0], layer, kv, kv)
+        plan = cache.plan(ids, 0)
+        splits.append(plan.splits(2, 64))
+        out, lse = module.paged_decode(q, cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+                                       kernel_schemes(cache.codec, cache.layout), plan, target_programs=64, fold=False)
+        assert_matches_reference(cache, ids, 0, q, out, lse)
+        if extra == 0:
+            before = variants()
+    assert len(set(splits)) == 3 and variants() == before, splits

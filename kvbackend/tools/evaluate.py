@@ -275,7 +275,7 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
                 if codec.levers.vrot == "hadamard":
                     hadamard(geometry.head_dim)
                 if settings.path != "sim":  # the levers the paged cache serves (the model's RoPE comes later)
-                    LeverFrame(codec.levers, Rotary.default(geometry.head_dim, 10000.0)).check(
+                    LeverFrame(codec.levers, Rotary.default(geometry.head_dim, 10000.0), settings.page_size).check(
                         settings.page_size, "--path paged")
             except SpecError as exc:
                 where = f" (a candidate of the plan: {text})" if auto is not None else ""

@@ -12,6 +12,7 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.codecs.base import CodecState
+from kvbackend.frames import rope_positions
 from kvbackend.geometry import Geometry
 from kvbackend.levers import hadamard
 from kvbackend.psac import correct_keys, query_second_moment
@@ -64,24 +65,24 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
     keys, values = [head_k.to(k.dtype)], [head_v.to(v.dtype)]
     if sink < k.shape[0]:
         rest_k, rest_v = k[sink:], v[sink:]
-        positions = torch.arange(sink, k.shape[0])
-        if levers.prerope:
+        positions = rope_positions(levers, torch.arange(sink, k.shape[0]), page_size)
+        if levers.rope:
             if rotary is None:
-                raise ValueError("prerope=true needs the model's RoPE (pass rotary)")
+                raise ValueError("prerope=true and pagerope=true need the model's RoPE (pass rotary)")
             rest_k = rotary.derotate(rest_k.transpose(0, 1), positions).transpose(0, 1)
         if levers.vrot == "hadamard":
             rest_v = rest_v.float() @ hadamard(rest_v.shape[-1]).to(rest_v.device)
         frame_queries = None
         if codec.uses_queries and queries is not None:  # the queries of the same tokens, in the keys' frame
             frame_queries = queries[:, sink : k.shape[0]]
-            if levers.prerope:  # approximate: q.k depends on relative rotation; de-rotated by own position
+            if levers.rope:  # approximate: q.k depends on relative rotation; de-rotated as a key there would be
                 frame_queries = rotary.derotate(frame_queries, positions[: frame_queries.shape[1]])
         rec = reconstruct_layer(codec, rest_k.contiguous(), rest_v.contiguous(), geometry, page_size, chunk_tokens,
                                 queries=frame_queries)
         kh, vh = rec.k, rec.v
         if levers.vrot == "hadamard":
             vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)
-        if levers.prerope:
+        if levers.rope:
             kh = rotary.rotate(kh.transpose(0, 1), positions).transpose(0, 1)
         if levers.psac:
             if queries is None:
