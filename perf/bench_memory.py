@@ -22,9 +22,8 @@ import time
 
 import torch
 
-from kvbackend.tools.models import cache_argument
-
 from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.tools.models import cache_argument
 
 CHUNK = 2048
 RECIPE = RECOMMENDED_SPEC
