@@ -186,12 +186,38 @@ def page_rotation(base_cos, base_sin, j, D: tl.constexpr):
 
 
 @triton.jit
-def query_to_page(q_lo, q_hi, base_cos, base_sin, j, ROWS: tl.constexpr, D: tl.constexpr):
-    """``R(p0)^T q`` [ROWS, D] float32 for the request's page ``j``, from the query's float32 halves."""
-    cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
-    lo = q_lo * cos_0[None, :] + q_hi * sin_0[None, :]
-    hi = q_hi * cos_0[None, :] - q_lo * sin_0[None, :]
-    return join_halves(lo, hi, ROWS, D)
+def query_and_partner(q, q_rows, live, D: tl.constexpr):
+    """The query rows [ROWS, D] float32 and their RoPE partners ``[q_hi, -q_lo]``, for `query_to_page`."""
+    d = tl.arange(0, D)
+    x = tl.load(q + q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(q + q_rows[:, None] + ((d + D // 2) % D)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    return x, tl.where(d[None, :] < D // 2, partner, -partner)
+
+
+@triton.jit
+def query_to_page(x, partner, base_cos, base_sin, j, D: tl.constexpr):
+    """``R(p0)^T q`` [ROWS, D] float32 for the request's page ``j``: ``q cos + partner sin`` channel-wise
+    (`query_and_partner`), with no reshaping of the tile."""
+    at = j * (D // 2) + tl.arange(0, D) % (D // 2)
+    return x * tl.load(base_cos + at)[None, :] + partner * tl.load(base_sin + at)[None, :]
+
+
+@triton.jit
+def psac_sparse_scores(scores, q_basis, u8, i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr,
+                       R: tl.constexpr, N: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
+                       TOKEN: tl.constexpr):
+    """``scores`` [ROWS, BT] plus the score correction of a page's N sparse PSAC rows, one row at a time
+    on the CUDA cores (``q_basis`` [ROWS, 16] float32 is ``q . basis``; N is a handful, so no one-hot
+    tensor-core products)."""
+    r = tl.arange(0, 16)
+    for i in tl.static_range(N):
+        token = tl.load(u8 + page * PAGE_BYTES + TOKEN + i * H + h).to(tl.int32)
+        codes = tl.load(u8 + page * PAGE_BYTES + CODES + (i * H + h) * R + r, mask=r < R,
+                        other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        scale = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALE // 2 + i * H + h).to(tl.float16, bitcast=True)
+        correction = tl.sum(q_basis * (codes * scale.to(tl.float32))[None, :], 1)  # [ROWS]
+        scores += tl.where(t[None, :] == token, correction[:, None], 0.0)
+    return scores
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
 from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, load_hadamard, page_rotation,
-                                      psac_basis, psac_rows, query_to_page, rope_tables, rotate_halves, sink_tile)
+                                      psac_basis, psac_rows, query_and_partner, query_to_page, rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
 MERGE_SPLITS = 128  # the merge kernel reads at least this many splits (masked), so it rarely recompiles as requests grow
@@ -79,7 +79,9 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     q_rows = (r * (H * GROUP) + heads) * D
     q_tile = tl.load(q + q_rows[:, None] + d[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float16)
     LEVERS: tl.constexpr = ROPE or PAGE_ROPE or PSAC_R > 0 or SINK > 0
-    if ROPE or PAGE_ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t) (fp16)
+    if PAGE_ROPE:  # the query and its RoPE partners, rotated by R(p0)^T once per page
+        q_x, q_partner = query_and_partner(q, q_rows, i < GROUP, D)
+    if ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t) (fp16)
         half = tl.arange(0, D // 2)
         q_lo = tl.load(q + q_rows[:, None] + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
         q_hi = tl.load(q + q_rows[:, None] + D // 2 + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
@@ -127,7 +129,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                 if PSAC_R:
                     k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0, D)).to(tl.float16)
                 if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored: one query rotation per page
-                    q_page = query_to_page(q_lo, q_hi, base_cos, base_sin, j, ROWS, D).to(tl.float16)
+                    q_page = query_to_page(q_x, q_partner, base_cos, base_sin, j, D).to(tl.float16)
                     scores = tl.dot(q_page, tl.trans(k)) * scale_log2
                 else:
                     scores = tl.dot(q_tile, tl.trans(k)) * scale_log2

@@ -28,9 +28,11 @@ _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid 
 # The spec measured best at about 2.6 bits per value through the paged cache on three texts
 # (perf/NOTES.md, eval12): quantwm keys (per-channel steps over 64-token groups, 32 QSAC centroids, a
 # rank-4 PSAC correction), clipped steps, 4 sink tokens kept at 16 bits, Hadamard-rotated values, keys
-# stored before RoPE. The default of `KVBackendCache` and `kvbackend demo`.
+# stored relative to their page's first position (as good as pre-RoPE keys on the three texts, and
+# read with one query rotation per page: NOTES, page-relative keys). The default of `KVBackendCache`
+# and `kvbackend demo`.
 RECOMMENDED_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
-                    "vrot=hadamard,prerope=true")
+                    "vrot=hadamard,pagerope=true")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ Sections (each guarded, so one failure still leaves the others' figures):
 4. gather: gather_dequant alone (GB/s) and gather_dequant + SDPA;
 5. encode: k-means (warm-started) + pack of a 4096-token chunk, GB/s of BF16 input;
 6. levers: the recommended recipe's layout (quantwm keys per channel with centroids, PSAC rows, sinks,
-   pre-RoPE keys, Hadamard-rotated values) at B=8, L=32K, beside the same layout without PSAC and
-   levers (its best kernel, and the plain kernel that reads levers) and SDPA BF16;
+   page-relative keys, Hadamard-rotated values), the recipe with pre-RoPE keys instead, and the same
+   layout without PSAC, without levers and without both (its best kernel, and the plain kernel that
+   reads levers) beside SDPA BF16 (`--lever-shapes`);
 7. xformers: xformers' triton_splitk decode on BF16 K/V and in its int4 mode (one fp16 scale and
    shift per 128-channel row), at the decode shapes, beside SDPA (needs xformers importable; its
    Python files suffice, e.g. a wheel unpacked without its .so files on PYTHONPATH).
@@ -456,6 +457,7 @@ _OTHER_ROPE = (RECOMMENDED_SPEC.replace("pagerope=true", "prerope=true") if "pag
 LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame for keys, the layout with parts off
     ("recipe", RECOMMENDED_SPEC),
     ("recipe, " + ("pre-RoPE keys" if "prerope=true" in _OTHER_ROPE else "page-relative keys"), _OTHER_ROPE),
+    ("recipe without PSAC", RECOMMENDED_SPEC.replace("rank=4", "rank=0")),
     ("recipe, no levers", _without_levers(RECOMMENDED_SPEC)),
     ("recipe, no levers, no PSAC", _without_levers(RECOMMENDED_SPEC).replace("rank=4", "rank=0")),
 )
