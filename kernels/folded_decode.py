@@ -35,9 +35,8 @@ from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import load_elements, magic_fp16, scale_zero
 from kvbackend.kernels.levers import (hadamard_apply, lever_constants as levers_off, page_rotation, psac_basis,
-                                      psac_rows, psac_sparse_scores, query_and_partner, query_to_page, rotate_halves)
+                                      psac_rows, query_and_partner, query_to_page, rotate_halves)
 
-PSAC_ROWS_ONE_BY_ONE = tl.constexpr(8)  # sparse PSAC rows per page added one by one (more: tensor-core products)
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
 VFOLD_DEFAULT = False  # values: scales on the probabilities (True) or on the codes in registers (False, measured faster)
 _TOKEN_GROUPS = tl.constexpr(TOKEN_GROUPS)
@@ -329,7 +328,7 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
         q_page16 = q_page32.to(tl.float16)
         if PSAC_R and not EXPLICIT:  # (q . basis) [ROWS, 16], once per page
             q_basis = tl.dot(q_page16, tl.trans(psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0,
-                                                           D)))  # float32
+                                                           D))).to(tl.float16)
         for blk in tl.static_range(BLOCKS):
             if PAGES == 2:  # two pages in one block; a missing second page repeats the first, masked
                 page2 = tl.load(page_ids + start + tl.minimum(j + 1, end_packed - 1)).to(tl.int64)
@@ -390,13 +389,9 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, K_ASSIGN, H, P, KCP)
                 scores += tl.dot(q_c.to(tl.float16), tl.trans(onehot))
             if PSAC_R and not EXPLICIT:  # the PSAC rows' score correction (q . basis) . coefficients
-                if PSAC_SPARSE and PSAC_N <= PSAC_ROWS_ONE_BY_ONE:
-                    scores = psac_sparse_scores(scores, q_basis, u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N,
-                                                PSAC_CODES, PSAC_SCALE, PSAC_TOKEN)
-                else:
-                    coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE,
-                                     PSAC_CODES, PSAC_SCALE, PSAC_TOKEN)
-                    scores += tl.dot(q_basis.to(tl.float16), tl.trans(coef))
+                coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
+                                 PSAC_SCALE, PSAC_TOKEN)
+                scores += tl.dot(q_basis, tl.trans(coef))
             if PAGES == 2:
                 scores = tl.where(present[None, :], scores, float("-inf"))
             if SINK:  # the merge kernel attends to the exact sink tokens

@@ -203,24 +203,6 @@ def query_to_page(x, partner, base_cos, base_sin, j, D: tl.constexpr):
 
 
 @triton.jit
-def psac_sparse_scores(scores, q_basis, u8, i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr,
-                       R: tl.constexpr, N: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
-                       TOKEN: tl.constexpr):
-    """``scores`` [ROWS, BT] plus the score correction of a page's N sparse PSAC rows, one row at a time
-    on the CUDA cores (``q_basis`` [ROWS, 16] float32 is ``q . basis``; N is a handful, so no one-hot
-    tensor-core products)."""
-    r = tl.arange(0, 16)
-    for i in tl.static_range(N):
-        token = tl.load(u8 + page * PAGE_BYTES + TOKEN + i * H + h).to(tl.int32)
-        codes = tl.load(u8 + page * PAGE_BYTES + CODES + (i * H + h) * R + r, mask=r < R,
-                        other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        scale = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALE // 2 + i * H + h).to(tl.float16, bitcast=True)
-        correction = tl.sum(q_basis * (codes * scale.to(tl.float32))[None, :], 1)  # [ROWS]
-        scores += tl.where(t[None, :] == token, correction[:, None], 0.0)
-    return scores
-
-
-@triton.jit
 def hadamard_apply(x, hmat, D: tl.constexpr):
     """``x @ H / sqrt(D)`` for a float32 [M, D] tile and the ±1 fp16 ``hmat`` [D, D]: x is split into
     two fp16 parts (about 22 bits kept) whose products are exact in float32 accumulation."""
