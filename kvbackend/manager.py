@@ -141,6 +141,47 @@ class KVCache:
             self.dense.data[layer, page, 0, offset : offset + m] = k[written : written + m]
             self.dense.data[layer, page, 1, offset : offset + m] = v[written : written + m]
             written += m
+        self._appended(table, layer, n, queries)
+
+    def append_step(self, request_ids: Sequence[int], layer: int, k: torch.Tensor, v: torch.Tensor,
+                    queries: torch.Tensor | None = None) -> None:
+        """Append one token per request of a decode batch to one layer: ``k``, ``v`` ``[B, H, D]`` (row i
+        for ``request_ids[i]``), ``queries`` ``[B, Hq, D]`` or None. The same as `append` of each row, with
+        one check and one scatter into the dense pool for the batch.
+
+        Raises:
+            UnknownRequest, InvalidKV (also for a request named twice), CacheFull (the dense pages the
+            batch needs are not free; nothing is written when it is raised).
+        """
+        ids = list(request_ids)
+        tables = [self._table(rid) for rid in ids]
+        self._check_layer(layer)
+        if len(set(ids)) != len(ids):
+            raise InvalidKV(f"a decode step appends one token per request; request ids repeat in {ids}")
+        if k.dim() != 3 or k.shape[0] != len(ids):
+            raise InvalidKV(f"k must be [{len(ids)}, H, D] (one row per request), got {tuple(k.shape)}")
+        k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite)
+        p = self.config.page_size
+        starts = [table.dense_tokens(layer) for table in tables]
+        needs = [start // p == len(table.dense) for table, start in zip(tables, starts)]
+        # Check, then commit: every page the batch needs is allocated before any write.
+        if not self.dense.allocator.can_allocate(sum(needs)):
+            raise CacheFull("dense", sum(needs), self.dense.allocator.num_free)
+        new_pages = iter(self.dense.allocator.allocate(sum(needs)))
+        for table, need in zip(tables, needs):
+            if need:
+                table.dense.append(next(new_pages))
+        device = self.dense.data.device
+        pages = torch.tensor([table.dense[start // p] for table, start in zip(tables, starts)], device=device)
+        offsets = torch.tensor([start % p for start in starts], device=device)
+        self.dense.data[layer, pages, 0, offsets] = k
+        self.dense.data[layer, pages, 1, offsets] = v
+        for i, table in enumerate(tables):
+            self._appended(table, layer, 1, None if queries is None else queries[i : i + 1])
+
+    def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:
+        """Book ``n`` tokens just written to ``layer`` of ``table``: their queries (query-aware codecs),
+        the layer's length, and every chunk the request completed."""
         if queries is not None and self.codecs[layer].uses_queries:
             chunk_tokens = self.config.chunk_tokens
             base = table.lengths[layer]  # position of this call's first token

@@ -264,3 +264,77 @@ def test_prefix_hit_warm_starts_only_clustered_tensors(codec):
     kb, vb = cache.read(b, 1)
     assert ((vb[16:] - v2[1]).norm() / v2[1].norm()) < 0.8
     cache.check()
+
+
+def _step_caches(codec, **kw):
+    from kvbackend.rope import Rotary
+
+    rotary = Rotary.default(16, 10000.0)
+    cfg = dict(codec=codec, page_size=4, chunk_pages=2, dense_pages=12, packed_pages=24)
+    cfg.update(kw)
+    return [KVCache(GEOM, CacheConfig(**cfg), rotary=rotary) for _ in range(2)]
+
+
+@pytest.mark.parametrize("codec", ["identity", "kivi:bits=2,group=4,sink=2,pagerope=true",
+                                   "quantwm:group=16,rank=2,centroids=2,vbits=2,pagerope=true"])
+def test_append_step_is_append_per_request(codec):
+    """A decode step's batched append writes, books and packs exactly what one append per request does
+    (requests of different lengths: pages opened mid-batch, chunks completed by the step)."""
+    one, batched = _step_caches(codec)
+    gen = torch.Generator().manual_seed(0)
+    ids = []
+    for n in (3, 7, 4):  # prompts ending mid-page, mid-chunk, on a page boundary
+        k, v = torch.randn(2, n, 2, 16, generator=gen), torch.randn(2, n, 2, 16, generator=gen)
+        q = torch.randn(2, n, 4, 16, generator=gen)
+        for cache in (one, batched):
+            rid, _ = cache.add_request()
+            for layer in range(2):
+                cache.append(rid, layer, k[layer], v[layer], queries=q[layer])
+        ids.append(rid)
+    for _ in range(6):
+        k, v = torch.randn(2, 3, 2, 16, generator=gen), torch.randn(2, 3, 2, 16, generator=gen)
+        q = torch.randn(2, 3, 4, 16, generator=gen)
+        for layer in range(2):
+            for i, rid in enumerate(ids):
+                one.append(rid, layer, k[layer, i : i + 1], v[layer, i : i + 1], queries=q[layer, i : i + 1])
+            batched.append_step(ids, layer, k[layer], v[layer], queries=q[layer])
+    packed = 0
+    for rid in ids:
+        a, b = one.page_table(rid), batched.page_table(rid)
+        assert a.lengths == b.lengths and len(a.packed) == len(b.packed) and len(a.dense) == len(b.dense)
+        packed += len(a.packed)
+        for layer in range(2):
+            ka, va = one.read(rid, layer)
+            kb, vb = batched.read(rid, layer)
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+            for pa, pb in zip(a.packed, b.packed):  # the same bytes were encoded
+                assert torch.equal(one.packed.pages[layer][pa], batched.packed.pages[layer][pb])
+    assert packed >= 6  # the step completed chunks
+    batched.check()
+
+
+def test_append_step_refuses_bad_batches_and_writes_nothing_when_full():
+    cache = make(dense_pages=3)
+    a, _ = cache.add_request()
+    b, _ = cache.add_request()
+    append_all(cache, a, *rand_kv(4))  # a's only page is full: its next token needs a page
+    append_all(cache, b, *rand_kv(3))
+    k = torch.randn(2, 2, 16)
+    with pytest.raises(InvalidKV, match="repeat"):
+        cache.append_step([a, a], 0, k, k)
+    with pytest.raises(InvalidKV, match=r"\[2, H, D\]"):
+        cache.append_step([a, b], 0, k[:1], k[:1])
+    with pytest.raises(UnknownRequest):
+        cache.append_step([a, 999], 0, k, k)
+    with pytest.raises(InvalidKV):
+        cache.append_step([a, b], 0, torch.full_like(k, float("nan")), k)
+    c, _ = cache.add_request()
+    append_all(cache, c, *rand_kv(4))  # the last free page: now a and c both need one, none is free
+    before = [list(cache.page_table(r).lengths) for r in (a, b, c)]
+    data = cache.dense.data.clone()
+    with pytest.raises(CacheFull):
+        cache.append_step([b, a, c], 0, torch.randn(3, 2, 16), torch.randn(3, 2, 16))
+    assert [cache.page_table(r).lengths for r in (a, b, c)] == before and torch.equal(cache.dense.data, data)
+    cache.append_step([b], 0, k[:1], k[:1])  # b's page has room
+    assert cache.page_table(b).lengths == [4, 3]
+    cache.check()
