@@ -1,0 +1,136 @@
+"""A Llama-architecture model served from a `KVCache` the way a serving engine drives one.
+
+The model's own modules (transformers' `LlamaForCausalLM`, any weights) compute the projections,
+RoPE, MLPs and logits; every key and value lives in the paged cache only:
+
+- prefill of a chunk of one request: the request's stored K/V are read with `KVCache.gather`, the
+  chunk attends to them and causally to itself (SDPA), and the chunk's K/V are appended per layer;
+- a decode step of a batch: `KVCache.decode` attends to the stored tokens (the Triton kernels on CUDA,
+  the torch reference elsewhere), the new token joins by its log-sum-exp, and `KVCache.append_step`
+  stores the batch's new K/V with one call per layer.
+
+Queries go to the cache only for codecs that read them (``quantwm``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvbackend.manager import KVCache
+
+
+def _rope():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb
+
+
+class LlamaRunner:
+    """Chunked prefill and batched decode of a transformers Llama model over ``cache``.
+
+    ``cache`` must match the model: one layer per decoder layer, its KV heads and head size.
+    """
+
+    def __init__(self, model, cache: KVCache) -> None:
+        config = model.config
+        self.model, self.cache = model, cache
+        self.layers = model.model.layers
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        g = cache.geometry
+        if (g.num_layers, g.num_kv_heads, g.head_dim) != (len(self.layers), self.kv_heads, self.head_dim):
+            raise ValueError(f"the cache's geometry {g} does not fit the model ({len(self.layers)} layers, "
+                             f"{self.kv_heads} KV heads, head_dim {self.head_dim})")
+        self.queries = [codec.uses_queries for codec in cache.codecs]
+        self.apply_rope = _rope()
+
+    def _qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projections of ``x [B, T, hidden]`` with RoPE: q ``[B, Hq, T, D]``, k and v ``[B, H, T, D]``."""
+        attn = self.layers[layer].self_attn
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def _block(self, layer: int, h: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer around ``attend(normed hidden states) -> [B, T, Hq * D]``."""
+        block = self.layers[layer]
+        h = h + block.self_attn.o_proj(attend(block.input_layernorm(h)))
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h))
+
+    @torch.no_grad()
+    def prefill(self, request_id: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """Run ``token_ids [T]`` after what the request holds; returns the last token's logits ``[vocab]``."""
+        cache = self.cache
+        start = cache.page_table(request_id).lengths[0]
+        if any(n != start for n in cache.page_table(request_id).lengths):
+            raise ValueError(f"request {request_id} holds a partial step (lengths per layer differ)")
+        n = token_ids.shape[0]
+        device = self.model.model.embed_tokens.weight.device
+        ids = token_ids.to(device)[None]
+        h = self.model.model.embed_tokens(ids)
+        positions = torch.arange(start, start + n, device=device)[None]
+        cos, sin = self.model.model.rotary_emb(h, positions)
+        mask = torch.arange(start + n, device=device)[None, :] <= positions[0, :, None]  # [T, start + T]
+
+        for layer in range(len(self.layers)):
+            def attend(x, layer=layer):
+                q, k, v = self._qkv(layer, x, cos, sin)
+                k_new, v_new = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T, H, D]
+                if start:
+                    k_old, v_old = cache.gather(cache.plan([request_id], layer), layer)
+                    keys = torch.cat([k_old.to(k_new.dtype), k_new])
+                    values = torch.cat([v_old.to(v_new.dtype), v_new])
+                else:
+                    keys, values = k_new, v_new
+                out = F.scaled_dot_product_attention(q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                                     attn_mask=mask, scale=self.layers[layer].self_attn.scaling,
+                                                     enable_gqa=True)
+                queries = q[0].transpose(0, 1) if self.queries[layer] else None
+                cache.append(request_id, layer, k_new, v_new, queries=queries)
+                return out.transpose(1, 2).reshape(1, n, -1)
+
+            h = self._block(layer, h, attend)
+        return self._logits(h[0, -1])
+
+    @torch.no_grad()
+    def decode(self, request_ids: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
+        """One token per request (each holding at least one token); returns logits ``[B, vocab]``."""
+        cache, ids = self.cache, list(request_ids)
+        lengths = [cache.page_table(rid).lengths[0] for rid in ids]
+        if min(lengths, default=1) < 1:
+            raise ValueError("a decode step needs requests that hold at least one token (prefill first)")
+        device = self.model.model.embed_tokens.weight.device
+        b = len(ids)
+        h = self.model.model.embed_tokens(token_ids.to(device).view(b, 1))
+        positions = torch.tensor(lengths, device=device)[:, None]
+        cos, sin = self.model.model.rotary_emb(h, positions)
+        plan = cache.plan(ids, 0)  # every layer holds the same tokens until its own append below
+
+        for layer in range(len(self.layers)):
+            def attend(x, layer=layer):
+                q, k, v = self._qkv(layer, x, cos, sin)
+                q1, k1, v1 = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, Hq, D], [B, H, D]
+                scale = self.layers[layer].self_attn.scaling
+                out, lse = cache.decode(plan, layer, q1.contiguous(), scale=scale)
+                group = self.heads // self.kv_heads
+                qg = q1.float().view(b, self.kv_heads, group, self.head_dim)
+                s_new = (qg * k1.float()[:, :, None]).sum(-1).view(b, self.heads) * scale
+                v_new = v1.float()[:, :, None].expand(b, self.kv_heads, group, self.head_dim).reshape(b, self.heads, -1)
+                m = torch.maximum(lse, s_new)
+                w_old, w_new = (lse - m).exp(), (s_new - m).exp()
+                merged = (out.float() * w_old[..., None] + v_new * w_new[..., None]) / (w_old + w_new)[..., None]
+                cache.append_step(ids, layer, k1, v1, queries=q1 if self.queries[layer] else None)
+                return merged.to(x.dtype).reshape(b, 1, -1)
+
+            h = self._block(layer, h, attend)
+        return self._logits(h[:, 0])

@@ -1,0 +1,72 @@
+"""The serving runner (`kvbackend.tools.llama_runner`): chunked prefill and batched decode through the
+paged cache give the model's own logits (identity codec) and stay close with a lossy one."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvbackend import CacheConfig, Geometry, KVCache  # noqa: E402
+from kvbackend.rope import rotary_from_config  # noqa: E402
+from kvbackend.tools.llama_runner import LlamaRunner  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, num_hidden_layers=2, vocab_size=256, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        return LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+def runner(model, codec, backend="auto"):  # on CUDA the Triton kernels
+    geometry = Geometry(2, 2, 32, torch.float32)
+    cache = KVCache(geometry, CacheConfig(codec=codec, page_size=16, chunk_pages=2, dense_pages=32,
+                                          packed_pages=64, device=DEVICE, backend=backend),
+                    rotary=rotary_from_config(model.config))
+    return LlamaRunner(model, cache)
+
+
+def reference(model, ids):
+    with torch.no_grad():
+        return model(ids[None].to(DEVICE), use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("codec,tol", [("identity", 1e-4), ("kivi:bits=4,group=16,sink=2,pagerope=true", 0.05)])
+def test_chunked_prefill_and_batched_decode_give_the_models_logits(model, codec, tol):
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,)) for n in (75, 40)]
+    run = runner(model, codec)
+    ids, last = [], []
+    for prompt in prompts:  # chunked prefill: 32 tokens at a time, chunks completing in between
+        rid, _ = run.cache.add_request()
+        for start in range(0, len(prompt), 32):
+            logits = run.prefill(rid, prompt[start:start + 32])
+        want = reference(model, prompt)[-1]
+        assert float((logits - want).abs().max()) <= tol * max(1.0, float(want.abs().max()))
+        ids.append(rid)
+        last.append(int(logits.argmax()))
+    seqs = [prompt.tolist() + [token] for prompt, token in zip(prompts, last)]
+    for _ in range(5):  # greedy decode of both requests in one batch
+        logits = run.decode(ids, torch.tensor([s[-1] for s in seqs]))
+        for i, seq in enumerate(seqs):
+            want = reference(model, torch.tensor(seq))[-1]
+            assert float((logits[i] - want).abs().max()) <= tol * max(1.0, float(want.abs().max()))
+            seq.append(int(want.argmax()))  # teacher-forced by the exact run, so errors do not compound
+    assert all(run.cache.page_table(rid).packed for rid in ids)  # chunks were packed on the way
+    run.cache.check()
+
+
+def test_the_runner_refuses_a_cache_of_another_shape(model):
+    cache = KVCache(Geometry(3, 2, 32, torch.float32), CacheConfig(codec="identity", page_size=16, device=DEVICE))
+    with pytest.raises(ValueError, match="does not fit the model"):
+        LlamaRunner(model, cache)
+    run = runner(model, "identity")
+    rid, _ = run.cache.add_request()
+    with pytest.raises(ValueError, match="prefill first"):
+        run.decode([rid], torch.tensor([1]))
