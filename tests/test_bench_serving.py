@@ -1,0 +1,36 @@
+"""perf/bench_serving.py runs every section end to end on a small model (its figures come from the GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_serving_benchmark_smoke_run(tmp_path):
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    caches = "identity|rtn:bits=2,group=64"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "perf", "bench_serving.py"), "--tiny", "--caches", caches,
+                          "--out", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    budget = result["shape"]["budget_bytes"]
+    for cache in result["caches"]:
+        held = cache["bytes_per_request"]
+        assert held["total"] == held["packed"] + held["codebooks"] + held["dense_chunk"] > 0
+        assert cache["capacity"] == budget // held["total"]
+        batches = [d["batch"] for d in cache["decode"]]
+        assert batches == sorted(batches) and batches[-1] == min(cache["capacity"], result["shape"]["max_batch"])
+        assert all(d["tokens_per_s"] > 0 for d in cache["decode"])
+    identity, rtn = result["caches"]
+    assert rtn["bytes_per_request"]["packed"] * 6 < identity["bytes_per_request"]["packed"]  # 2-bit codes
+    assert rtn["capacity"] > identity["capacity"]
+    for served in result["workload"]:
+        assert served["requests"] == result["shape"]["workload"]
+        assert served["output_tokens"] == served["requests"] * result["shape"]["new_tokens"]
+        assert served["prompt_tokens_reused"] > 0  # the shared prefix was found in the cache
+    assert result["headline"].count("\n") == 1 + len(result["caches"]) and png.stat().st_size > 0
