@@ -206,7 +206,9 @@ def prefill_all(runner: LlamaRunner, rid: int, prompt: list[int], chunk: int, de
 def first_token_times(model, codec: str, shape: Shape, device: str, directory: str) -> dict:
     """Section 4: time to first token of a ``context``-token prompt computed from scratch, and with its
     prefix restored from the host tier and from the file tier (every packed page offloaded first; the
-    file read is served by the OS page cache when it holds the file)."""
+    file read is served by the OS page cache when it holds the file). ``*_same_first_token``: the
+    restored run's first token is the recomputed one (always so for lossless pages; a lossy codec may
+    differ, since from scratch the prompt's last chunk was still exact when its first token came)."""
     from kvbackend.tiers.file import FileTier
     from kvbackend.tiers.host import HostTier
     from kvbackend.tiers.prefetch import TieredCache

@@ -33,9 +33,12 @@ def test_serving_benchmark_smoke_run(tmp_path):
         assert served["requests"] == result["shape"]["workload"]
         assert served["output_tokens"] == served["requests"] * result["shape"]["new_tokens"]
         assert served["prompt_tokens_reused"] > 0  # the shared prefix was found in the cache
-    for first in result["first_token"]:  # restored from each tier, and the same first token as recomputing
+    for first in result["first_token"]:  # restored from each tier
         for tier in ("host", "file"):
-            assert first[f"{tier}_restored_tokens"] > 0 and first[f"{tier}_same_first_token"], first
+            assert first[f"{tier}_restored_tokens"] > 0, first
+            # lossless pages give the recomputed first token; a lossy codec may not: from scratch the
+            # last chunk's tokens were still exact when the prompt ended, after a restore they are packed
+            assert first[f"{tier}_same_first_token"] or first["codec"] != "identity", first
     tables = result["headline"].split("\n\n")
     assert len(tables) == 2 and all(t.count("\n") == 1 + len(result["caches"]) for t in tables)
     assert png.stat().st_size > 0
