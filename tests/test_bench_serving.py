@@ -33,6 +33,9 @@ def test_serving_benchmark_smoke_run(tmp_path):
         assert served["requests"] == result["shape"]["workload"]
         assert served["output_tokens"] == served["requests"] * result["shape"]["new_tokens"]
         assert served["prompt_tokens_reused"] > 0  # the shared prefix was found in the cache
+    anchor = result["generate_batch"]  # transformers' continuous batching on the same prompts
+    assert anchor["measured"], anchor
+    assert anchor["output_tokens"] == result["shape"]["workload"] * result["shape"]["new_tokens"]
     for first in result["first_token"]:  # restored from each tier
         for tier in ("host", "file"):
             assert first[f"{tier}_restored_tokens"] > 0, first
@@ -40,5 +43,6 @@ def test_serving_benchmark_smoke_run(tmp_path):
             # last chunk's tokens were still exact when the prompt ended, after a restore they are packed
             assert first[f"{tier}_same_first_token"] or first["codec"] != "identity", first
     tables = result["headline"].split("\n\n")
-    assert len(tables) == 2 and all(t.count("\n") == 1 + len(result["caches"]) for t in tables)
+    rows = [1 + len(result["caches"]), 2 + len(result["caches"]), 1 + len(result["caches"])]  # + the anchor
+    assert [t.count("\n") for t in tables] == rows, tables
     assert png.stat().st_size > 0
