@@ -155,6 +155,10 @@ class KVBackendLayer(CacheLayerMixin):
         return self.levers.prerope
 
     @property
+    def page_rope(self) -> bool:
+        return self.levers.pagerope
+
+    @property
     def v_rotation(self) -> str:
         return self.levers.vrot
 

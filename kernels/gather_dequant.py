@@ -122,7 +122,7 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         codebooks: one layer's codebook slots ``[num_slots, codebook_bytes]`` (uint8).
         dense: one layer's dense pages ``[num_pages, 2, P, H, D]``.
         levers: the layer's levers and PSAC rows (`kvbackend.scheme.lever_scheme`), None for none.
-        rotary: the model's RoPE, for pre-RoPE keys.
+        rotary: the model's RoPE, for pre-RoPE and page-relative keys.
         out: optional caller buffers to write into.
         num_warps, unpack: launch configuration (``unpack`` as in `dequant_tile`: 0 loads packed words
             once and broadcasts them, 1 has each element load its own word, 2/3 those with codes made

@@ -49,9 +49,11 @@ class LeverTables:
 @functools.lru_cache(maxsize=32)
 def _tables(inv_freq: tuple, scaling: float, page_size: int, head_dim: int, pages: int, device: str,
             page_relative: bool) -> LeverTables:
-    theta = torch.tensor(inv_freq, dtype=torch.float64)
-    t = torch.arange(page_size, dtype=torch.float64)[:, None] * theta[None, :]
-    base = torch.arange(pages, dtype=torch.float64)[:, None] * page_size * theta[None, :]
+    # Angles in float32, as `Rotary` and the model compute them (position times frequency, one rounding),
+    # so a page-relative key is rotated back by exactly the angle it was de-rotated by.
+    theta = torch.tensor(inv_freq, dtype=torch.float32)
+    t = torch.arange(page_size, dtype=torch.float32)[:, None] * theta[None, :]
+    base = (torch.arange(pages) * page_size).to(torch.float32)[:, None] * theta[None, :]
     h = (hadamard(head_dim).double() * math.sqrt(head_dim)).round()
     dev = torch.device(device)
 

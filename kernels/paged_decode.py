@@ -238,9 +238,10 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             planes (`planar_decode`); None = where `planar_decode.preferred` says so, unless ``fold``
             is given (then the plain or folded kernel, as ``fold`` says). True takes precedence over
             ``fold``.
-        levers: the layer's levers and PSAC rows (`kvbackend.scheme.lever_scheme`); only the plain
-            kernel reads them, so with any lever on, ``fold``/``planar`` must not be True.
-        rotary: the model's RoPE, for pre-RoPE keys.
+        levers: the layer's levers and PSAC rows (`kvbackend.scheme.lever_scheme`); the plain kernel
+            reads them all, the folded one those `folded_decode.supports_levers` names, the planar
+            one none (``planar=True`` with levers raises).
+        rotary: the model's RoPE, for pre-RoPE and page-relative keys.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """

@@ -11,7 +11,8 @@
 - ``sink=S``: the first S tokens of a sequence are kept at 16 bits (the cache's own dtype for bf16 and
   fp16 caches, so exactly; fp16 for a float32 cache), in two fields of every chunk's codebook slot
   (``sink_k``, ``sink_v``, counted in the stored bytes like any field; only the chunk that starts a
-  sequence fills them), and replace the decoded ones on read.
+  sequence fills them), and replace the decoded ones on read; the codec encodes copies of the next
+  token in their place (`without_sinks`), so the sinks set none of the page's statistics.
 
 The dense active chunk is stored exactly as appended; only encoding and decoding cross the frame.
 """
@@ -38,6 +39,19 @@ def rope_positions(levers: Levers, positions: torch.Tensor, page_size: int) -> t
             raise ValueError("pagerope=true needs the page size")
         return positions - positions % page_size
     return positions
+
+
+def without_sinks(k: torch.Tensor, v: torch.Tensor, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first chunk ``[T, H, D]`` for its codec, the ``sink`` first tokens (kept exact
+    elsewhere, and written over the decoded rows on read) replaced by copies of the next token, so
+    their often huge values set no scale, centroid or correction of the tokens that are decoded."""
+    sink = min(sink, k.shape[0] - 1)
+    if sink <= 0:
+        return k, v
+    k, v = k.clone(), v.clone()
+    k[:sink] = k[sink]
+    v[:sink] = v[sink]
+    return k, v
 
 
 def lever_layout(layout: PageLayout, levers: Levers) -> PageLayout:

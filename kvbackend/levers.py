@@ -1,11 +1,13 @@
-"""Sequence-level levers any codec can combine with: exact sink tokens, keys stored before RoPE, an
+"""Sequence-level levers any codec can combine with: exact sink tokens, keys stored before RoPE (or
+relative to their page's first position), an
 orthogonal (Hadamard) rotation of values before quantization, and QuantWM's principal-subspace
 attention compensation (PSAC) of key errors along the directions queries use.
 
-They are options of every codec spec (``kivi:bits=2,sink=4,prerope=true,vrot=hadamard``), parsed
-apart from the codec's own options. They need positions and the model's RoPE, so they are applied
-where sequences are whole: `kvbackend eval` (`reconstruct_sequence`). Sink tokens are kept in fp16
-and counted in the bytes.
+They are options of every codec spec (``kivi:bits=2,sink=4,pagerope=true,vrot=hadamard``), parsed
+apart from the codec's own options. The paged `KVCache` serves sinks, both key frames (``prerope``,
+``pagerope``) and the value rotation per layer (`kvbackend.frames`; the kernels read them too);
+``psac=`` is applied by `kvbackend eval`'s simulation only (``quantwm``'s ``rank=`` stores the same
+correction in pages). Sink tokens are kept at 16 bits and counted in the bytes.
 """
 
 from __future__ import annotations

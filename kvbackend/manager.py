@@ -13,7 +13,7 @@ from kvbackend.batch import BatchPlan, plan_batch
 from kvbackend.codecs.base import prepare_kv
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
-from kvbackend.frames import SINK_FIELDS, LeverFrame
+from kvbackend.frames import SINK_FIELDS, LeverFrame, without_sinks
 from kvbackend.install import PageGroups
 from kvbackend.layers import build_layers, cache_fingerprint
 from kvbackend.page_group import PageGroupFormat
@@ -230,6 +230,8 @@ class KVCache:
                 v = kv[:, 1].reshape(-1, *kv.shape[-2:])
                 frame, book = self.frames[layer], pool.codebooks[layer][slot]
                 ks, vs = frame.to_stored(k, v, first) if frame.levers.active else (k, v)
+                if frame.levers.sink and first == 0:  # exact sinks replace these rows on read: keep them
+                    ks, vs = without_sinks(ks, vs, frame.levers.sink)  # out of the codec's statistics
                 self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], ks, vs, table.states[layer],
                                                   pool.pages[layer], page_ids, book)
                 if frame.levers.sink and first == 0:  # the sequence's first tokens, exact, with the chunk

@@ -143,3 +143,18 @@ def test_stages_are_a_ladder_of_the_plan():
     assert {p.stages for p in parsed} <= {1, 2} and any(p.stages == 2 for p in parsed)  # the budget bought stages
     with pytest.raises(SpecError, match="stages"):
         parse_auto("auto:bpv=3,stages=1-2")  # the default base (kivi) has no stages
+
+
+def test_lever_variants_toggle_the_bases_own_key_frame():
+    """variants=levers tries the key frame the base stores keys in: page-relative keys on and off for a
+    pagerope base (not pre-RoPE keys on top of it, which no codec takes), pre-RoPE keys otherwise."""
+    from kvbackend import codecs
+    from kvbackend.tools.auto import candidate_specs
+
+    page = candidate_specs(parse_auto("auto:bpv=3,widths=2,variants=levers,base=kivi:group=16;pagerope=true"))
+    pre = candidate_specs(parse_auto("auto:bpv=3,widths=2,variants=levers,base=kivi:group=16;prerope=true"))
+    for texts, frame in ((page, "pagerope"), (pre, "prerope")):
+        parsed = [codecs.get(t).levers for t in texts]  # every candidate is a valid codec
+        assert {getattr(lv, frame) for lv in parsed} == {False, True}
+        assert not any(lv.prerope and lv.pagerope for lv in parsed)
+        assert {lv.vrot for lv in parsed} == {"none", "hadamard"}

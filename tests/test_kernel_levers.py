@@ -162,3 +162,16 @@ def test_a_sink_codec_on_a_layout_without_sink_fields_is_refused_clearly():
     with pytest.raises(UnsupportedLayout, match="lever_layout"):
         lever_scheme(codec, layout)
     assert kernels_can_serve(codec, layout) is False
+
+
+def test_page_tables_hold_the_angles_keys_were_de_rotated_by():
+    """The kernels' R(p0) rows are computed as `Rotary` computes RoPE (float32 angles, one rounding), so
+    a page-relative key is rotated back by exactly its de-rotation angle, also a million tokens in."""
+    from kvbackend.kernels.levers import lever_tables
+    from kvbackend.scheme import LeverScheme
+
+    rotary = Rotary.default(128, 500000.0)
+    tables = lever_tables(LeverScheme(pagerope=True), rotary, 64, 128, 1 << 14, torch.device("cpu"))
+    pages = torch.tensor([0, 1, 511, 2047, 16383])
+    cos, sin = rotary._cos_sin(pages * 64, torch.device("cpu"))
+    assert torch.equal(tables.base_cos[pages], cos[:, :64]) and torch.equal(tables.base_sin[pages], sin[:, :64])

@@ -41,11 +41,12 @@ from kvbackend.tools.reconstruct import reconstruct_sequence
 VARIANTS = ("plain", "clip", "levers", "all")  # same-byte options tried per layer and widths (see _variants)
 
 
-def _variants(kind: str, base_name: str) -> list[dict[str, str]]:
+def _variants(kind: str, base_name: str, base_options: dict[str, str]) -> list[dict[str, str]]:
     """Option overrides of the same stored bytes tried for every table entry: clipped steps, and the
-    pre-RoPE / value-rotation levers on and off."""
+    key-frame (pre-RoPE, or page-relative when the base stores keys so) / value-rotation levers on and off."""
     clip = [{}, {"kclip": "true", "vclip": "true"} if base_name == "kivi" else {"clip": "true"}]
-    levers = [{"prerope": pre, "vrot": rot} for pre in ("false", "true") for rot in ("none", "hadamard")]
+    frame = "pagerope" if base_options.get("pagerope", "").strip().lower() in ("1", "true", "yes", "on") else "prerope"
+    levers = [{frame: pre, "vrot": rot} for pre in ("false", "true") for rot in ("none", "hadamard")]
     return {"plain": [{}], "clip": clip, "levers": levers,
             "all": [{**c, **lever} for c in clip for lever in levers]}[kind]
 
@@ -111,7 +112,7 @@ def candidate_specs(spec: AutoSpec) -> list[str]:
     texts = []
     for values_of in itertools.product(*(ladder for _, ladder in ladders)):
         chosen = {key: str(v) for (key, _), v in zip(ladders, values_of)}
-        for variant in _variants(spec.variants, base.name):
+        for variant in _variants(spec.variants, base.name, options):
             texts.append(f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, **chosen, **variant}.items()))
     return texts
 
@@ -186,7 +187,7 @@ def _error_table(spec: AutoSpec, ladders, queries, keys, values, geometry: Geome
         q = queries[layer][:, keys[layer].shape[0] - n : keys[layer].shape[0]]
         for values_of in itertools.product(*(ladder for _, ladder in ladders)):
             chosen = {key: str(v) for (key, _), v in zip(ladders, values_of)}
-            for variant in _variants(spec.variants, base.name):
+            for variant in _variants(spec.variants, base.name, options):
                 text = f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, **chosen, **variant}.items())
                 rec = reconstruct_sequence(codecs.get(text), keys[layer], values[layer], geometry, page_size,
                                            chunk_tokens, rotary, queries[layer])

@@ -12,7 +12,7 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.codecs.base import CodecState
-from kvbackend.frames import rope_positions
+from kvbackend.frames import rope_positions, without_sinks
 from kvbackend.geometry import Geometry
 from kvbackend.levers import hadamard
 from kvbackend.psac import correct_keys, query_second_moment
@@ -61,42 +61,44 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
     levers = codec.levers
     sink = min(levers.sink, k.shape[0])
     head_k, head_v = k[:sink].to(torch.float16), v[:sink].to(torch.float16)
-    stored = head_k.nbytes + head_v.nbytes
-    keys, values = [head_k.to(k.dtype)], [head_v.to(v.dtype)]
-    if sink < k.shape[0]:
-        rest_k, rest_v = k[sink:], v[sink:]
-        positions = rope_positions(levers, torch.arange(sink, k.shape[0]), page_size)
-        if levers.rope:
-            if rotary is None:
-                raise ValueError("prerope=true and pagerope=true need the model's RoPE (pass rotary)")
-            rest_k = rotary.derotate(rest_k.transpose(0, 1), positions).transpose(0, 1)
-        if levers.vrot == "hadamard":
-            rest_v = rest_v.float() @ hadamard(rest_v.shape[-1]).to(rest_v.device)
-        frame_queries = None
-        if codec.uses_queries and queries is not None:  # the queries of the same tokens, in the keys' frame
-            frame_queries = queries[:, sink : k.shape[0]]
-            if levers.rope:  # approximate: q.k depends on relative rotation; de-rotated as a key there would be
-                frame_queries = rotary.derotate(frame_queries, positions[: frame_queries.shape[1]])
-        rec = reconstruct_layer(codec, rest_k.contiguous(), rest_v.contiguous(), geometry, page_size, chunk_tokens,
-                                queries=frame_queries)
-        kh, vh = rec.k, rec.v
-        if levers.vrot == "hadamard":
-            vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)
-        if levers.rope:
-            kh = rotary.rotate(kh.transpose(0, 1), positions).transpose(0, 1)
-        if levers.psac:
-            if queries is None:
-                raise ValueError("psac needs the queries attention saw (pass queries)")
-            parts = []
-            for start in range(0, kh.shape[0], chunk_tokens):
-                end = min(start + chunk_tokens, kh.shape[0])
-                seen = queries[:, : sink + end]  # causal: up to this chunk's last token
-                moment = query_second_moment(seen, k.shape[1])
-                fixed = correct_keys(k[sink + start : sink + end], kh[start:end], moment, levers.psac)
-                parts.append(fixed.keys)
-                stored += fixed.stored_bytes
-            kh = torch.cat(parts)
-        keys.append(kh.to(k.dtype))
-        values.append(vh.to(v.dtype))
-        stored += rec.stored_bytes
-    return Reconstruction(torch.cat(keys), torch.cat(values), stored)
+    # as the paged cache: every token is encoded on pages from position 0, the sinks' rows replaced by
+    # copies of the next token (`without_sinks`), then the exact sinks written over the decoded rows;
+    # their fp16 copy is counted once per chunk (a codebook slot field of every chunk)
+    stored = (head_k.nbytes + head_v.nbytes) * -(-k.shape[0] // chunk_tokens)
+    positions = rope_positions(levers, torch.arange(k.shape[0]), page_size)
+    enc_k, enc_v = k, v
+    if levers.rope:
+        if rotary is None:
+            raise ValueError("prerope=true and pagerope=true need the model's RoPE (pass rotary)")
+        enc_k = rotary.derotate(enc_k.transpose(0, 1), positions).transpose(0, 1)
+    if levers.vrot == "hadamard":
+        enc_v = enc_v.float() @ hadamard(enc_v.shape[-1]).to(enc_v.device)
+    enc_k, enc_v = without_sinks(enc_k, enc_v, sink)  # in the stored frame, as `KVCache` does
+    frame_queries = None
+    if codec.uses_queries and queries is not None:  # the queries of the same tokens, in the keys' frame
+        frame_queries = queries[:, : k.shape[0]]
+        if levers.rope:  # approximate: q.k depends on relative rotation; de-rotated as a key there would be
+            frame_queries = rotary.derotate(frame_queries, positions[: frame_queries.shape[1]])
+    rec = reconstruct_layer(codec, enc_k.contiguous(), enc_v.contiguous(), geometry, page_size, chunk_tokens,
+                            queries=frame_queries)
+    kh, vh = rec.k, rec.v
+    if levers.vrot == "hadamard":
+        vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)
+    if levers.rope:
+        kh = rotary.rotate(kh.transpose(0, 1), positions).transpose(0, 1)
+    if levers.psac:
+        if queries is None:
+            raise ValueError("psac needs the queries attention saw (pass queries)")
+        parts = []
+        for start in range(0, kh.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, kh.shape[0])
+            seen = queries[:, :end]  # causal: up to this chunk's last token
+            moment = query_second_moment(seen, k.shape[1])
+            fixed = correct_keys(k[start:end], kh[start:end], moment, levers.psac)
+            parts.append(fixed.keys)
+            stored += fixed.stored_bytes
+        kh = torch.cat(parts)
+    kh, vh = kh.to(k.dtype).clone(), vh.to(v.dtype).clone()
+    kh[:sink], vh[:sink] = head_k.to(k.dtype), head_v.to(v.dtype)
+    stored += rec.stored_bytes
+    return Reconstruction(kh, vh, stored)
