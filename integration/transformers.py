@@ -278,8 +278,12 @@ class KVBackendLayer(CacheLayerMixin):
                 queries: torch.Tensor | None = None, checked: bool = False) -> None:
         if not checked:  # every row first: no row is left ahead of another
             self._check(key_states, value_states, queries)
-        engine = self.owner.engine
-        for row, rid in enumerate(self.owner.request_ids):
+        engine, rows = self.owner.engine, self.owner.request_ids
+        if key_states.shape[2] == 1 and len(rows) > 1:  # a decode step: one batched append for every row
+            engine.append_step(rows, self.layer_idx, key_states[:, :, 0], value_states[:, :, 0],
+                               queries=None if queries is None else queries[:, :, 0])
+            return
+        for row, rid in enumerate(rows):
             q = None if queries is None else queries[row].transpose(0, 1)
             engine.append(rid, self.layer_idx, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1),
                           queries=q)
