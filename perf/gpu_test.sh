@@ -5,6 +5,10 @@
 #   usage: perf/gpu_test.sh COMMIT LOG
 set -uo pipefail
 commit=${1:?commit}
+if ! [[ "$commit" =~ ^[0-9a-f]{40}$ ]]; then  # the log names what it tested: a full commit id, never a short one
+    echo "make gpu-test needs COMMIT=<the full 40-character commit id> (git rev-parse HEAD), got '$commit'" >&2
+    exit 2
+fi
 log=${2:?log file}
 python=${PYTHON:-python3}
 mkdir -p "$(dirname "$log")"
