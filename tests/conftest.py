@@ -26,3 +26,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "model" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A small Llama with random weights (2 layers, 4 query heads, 2 KV heads, head_dim 32), float32, on
+    CUDA when present: runs everywhere the shipped model is not installed."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=256,
+                                      max_position_embeddings=1024)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        return transformers.LlamaForCausalLM(config).to(torch.float32).eval()

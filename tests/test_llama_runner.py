@@ -6,8 +6,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 from kvbackend import CacheConfig, Geometry, KVCache  # noqa: E402
 from kvbackend.rope import rotary_from_config  # noqa: E402
 from kvbackend.tools.llama_runner import LlamaRunner  # noqa: E402
@@ -16,12 +14,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def model():
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, num_hidden_layers=2, vocab_size=256, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        return LlamaForCausalLM(config).to(torch.float32).eval()
+def model(tiny_llama):
+    return tiny_llama
 
 
 def runner(model, codec, backend="auto"):  # on CUDA the Triton kernels

@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from kvbackend.integration.transformers import KVBackendCache  # noqa: E402
 from kvbackend.tools.models import cache_argument  # noqa: E402
@@ -15,12 +15,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def model():
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, num_hidden_layers=2, vocab_size=256, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        return LlamaForCausalLM(config).to(torch.float32).eval()
+def model(tiny_llama):
+    return tiny_llama
 
 
 def _forward(model, ids, cache):
