@@ -44,7 +44,8 @@ class KVCache:
         self.geometry = geometry
         self.config = config or CacheConfig()
         self.codecs, self.layouts, self.backends = build_layers(geometry, self.config)
-        self.frames = [LeverFrame(codec.levers, rotary, self.config.page_size) for codec in self.codecs]  # levers each layer applies
+        # the levers each layer applies
+        self.frames = [LeverFrame(codec.levers, rotary, self.config.page_size) for codec in self.codecs]
         for layer, frame in enumerate(self.frames):
             frame.check(self.config.page_size, f"layer {layer} ({self.codecs[layer].spec_string})")
         self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
