@@ -97,8 +97,8 @@ class KVCache:
                 book = self.layouts[layer].codebook
                 for prefix in ("k", "v"):
                     if f"{prefix}_centroids" in book:
-                        state.centroids[prefix] = book.view(self.packed.codebooks[layer][slot],
-                                                            f"{prefix}_centroids").float().clone()
+                        state.centroids[prefix] = self.codecs[layer].stored_centroids(
+                            self.layouts[layer], self.packed.codebooks[layer][slot], prefix).clone()
         self._tables[table.request_id] = table
         return table.request_id, table.num_packed_tokens
 

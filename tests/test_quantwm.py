@@ -207,3 +207,43 @@ def test_sparse_psac_rejects_bad_budgets(bad):
 
     with pytest.raises(SpecError, match="keep"):
         codecs.get(bad).layout(Geometry(1, 2, 64, torch.float32), 64)
+
+
+@pytest.mark.parametrize("name", ["qvg", "quantwm"])
+def test_fp8_centroids_halve_the_codebook_and_decode_what_encoding_subtracted(name):
+    """cdtype=fp8: e4m3 centroids with an fp16 scale per stage and head. Residuals are taken against the
+    stored (rounded) centroids, so the reconstruction error stays that of the residual codes; the
+    kernels do not read this layout and say so (the torch reference serves it); warm starts read the
+    scaled values."""
+    from kvbackend import CacheConfig, KVCache
+    from kvbackend.backends import kernels_can_serve
+
+    geometry = Geometry(1, 2, 64, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(128, 2, 64, generator=gen) * 30, torch.randn(128, 2, 64, generator=gen)
+    errors, books = {}, {}
+    for cdtype in ("bf16", "fp8"):
+        codec = codecs.get(f"{name}:centroids=8,stages=2,kchannel=32,cdtype={cdtype}")
+        layout = codec.layout(geometry, 32)
+        chunk = codec.encode(k, v, layout, CodecState())
+        dk, dv = codec.decode(chunk)
+        errors[cdtype] = float((dk - k).norm() / k.norm())
+        books[cdtype] = {f.name: f.nbytes for f in layout.codebook.fields.values()}
+        assert kernels_can_serve(codec, layout) == (cdtype == "bf16")
+    # half the centroid bytes, plus an fp16 scale per stage and head; every other field as it was
+    assert books["fp8"]["k_centroids"] * 2 == books["bf16"]["k_centroids"] and books["fp8"]["k_centroid_scales"] == 2 * 2 * 2
+    assert {n: b for n, b in books["fp8"].items() if "centroid" not in n} == {
+        n: b for n, b in books["bf16"].items() if "centroid" not in n}
+    assert errors["fp8"] < 1.15 * errors["bf16"]
+    cache = KVCache(geometry, CacheConfig(codec=f"{name}:centroids=8,kchannel=32,cdtype=fp8", page_size=32,
+                                          chunk_pages=2, dense_pages=8, packed_pages=8))
+    rid, _ = cache.add_request(list(range(100)))
+    cache.append(rid, 0, k[:100], v[:100])
+    other, hit = cache.add_request(list(range(64)) + [7])
+    assert hit == 64
+    warm = cache.page_table(other).states[0].centroids["k"]
+    slot = cache.packed.slot_of_page[cache.page_table(rid).packed[0]]
+    book = cache.layouts[0].codebook
+    raw = book.view(cache.packed.codebooks[0][slot], "k_centroids").float()
+    scales = book.view(cache.packed.codebooks[0][slot], "k_centroid_scales").float()
+    assert torch.equal(warm, raw * scales[..., None, None]) and float(warm.abs().max()) > 20  # scaled, not raw codes

@@ -27,6 +27,8 @@ _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
 from kvbackend.codecs.rtn import check_bits_group
 from kvbackend.codecs.widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
 
+CENTROID_DTYPES = ("bf16", "fp8")
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
 MAX_STAGES = 16  # residual stages: each stores its assignments per token and its centroids per chunk
 MAX_ITERS = 1000  # Lloyd steps per stage
 
@@ -49,6 +51,9 @@ class QVGSpec(SplitWidths, Checked):
     vcluster: bool = True  # false: values without centroids (plain per-token groups; saves assignments and codebook)
     kbits: int = one_of(0, SPLIT_WIDTHS)  # key residual width when it differs from `bits` (0: same)
     vbits: int = one_of(0, SPLIT_WIDTHS)  # value residual width when it differs from `bits` (0: same)
+    # storage of the centroids: "bf16", or "fp8" (e4m3 with one fp16 scale per stage and head: half the
+    # codebook bytes; residuals are taken against the stored fp8 centroids, so nothing else changes)
+    cdtype: str = one_of("bf16", CENTROID_DTYPES)
 
 
 class QVGCodec(Codec):
@@ -56,7 +61,7 @@ class QVGCodec(Codec):
 
     @property
     def kernel_encodes(self) -> bool:
-        return not self.spec.clip and self.spec.vcluster
+        return not self.spec.clip and self.spec.vcluster and self.spec.cdtype == "bf16"
 
     def _bits(self, prefix: str) -> int:
         return self.spec.key_bits if prefix == "k" else self.spec.value_bits
@@ -93,7 +98,11 @@ class QVGCodec(Codec):
                                            scale_dtype(s.scale))
             if self._clustered(prefix):
                 page.append((f"{prefix}_assign", torch.uint8, (s.stages, page_size, h)))
-                book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
+                if s.cdtype == "fp8":
+                    book.append((f"{prefix}_centroids", torch.float8_e4m3fn, (s.stages, h, s.centroids, d)))
+                    book.append((f"{prefix}_centroid_scales", torch.float16, (s.stages, h)))
+                else:
+                    book.append((f"{prefix}_centroids", torch.bfloat16, (s.stages, h, s.centroids, d)))
         return page, book
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
@@ -110,17 +119,53 @@ class QVGCodec(Codec):
                 init = warm[stage] if warm is not None else _INITS[s.init](residual, s.centroids, generator)
                 result = kmeans(residual, init.to(residual.device), s.iters)
                 state.iterations.append(result.iterations)
-                cents = result.centroids.to(torch.bfloat16)
-                assign = self._assign(prefix, residual, cents.float(), result.assign, state)
-                residual = residual - torch.gather(cents.float(), 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
+                cents = self._store_centroids(result.centroids)  # as decoding will see them
+                assign = self._assign(prefix, residual, cents, result.assign, state)
+                residual = residual - torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
                 stored.append(cents)
                 assigns.append(assign)
-            state.centroids[prefix] = torch.stack(stored).float()
-            layout.codebook.view(codebook, f"{prefix}_centroids").copy_(torch.stack(stored))
+            state.centroids[prefix] = torch.stack(stored)
+            self._write_centroids(layout, codebook, prefix, torch.stack(stored))
             assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
             view = layout.page.view(pages, f"{prefix}_assign")  # [n, S, P, H]
             view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
             self._quantize_residual(residual.transpose(0, 1), layout, pages, prefix)
+
+    def _store_centroids(self, cents: torch.Tensor) -> torch.Tensor:
+        """Centroids [H, C, D] rounded as they are stored, in float32."""
+        if self.spec.cdtype == "fp8":
+            scale = self._centroid_scale(cents)
+            return (cents / scale[:, None, None]).to(torch.float8_e4m3fn).float() * scale[:, None, None]
+        return cents.to(torch.bfloat16).float()
+
+    @staticmethod
+    def _centroid_scale(cents: torch.Tensor) -> torch.Tensor:
+        """One fp16-representable scale per head (leading dims) mapping the centroids into fp8's range."""
+        amax = cents.abs().flatten(-2).amax(-1)
+        return (amax / FP8_MAX).clamp(min=2.0**-14).to(torch.float16).float()
+
+    def _write_centroids(self, layout: PageLayout, codebook, prefix: str, cents: torch.Tensor) -> None:
+        """Stored centroids [S, H, C, D] (float32, as `_store_centroids` gave them) into the codebook."""
+        view = layout.codebook.view(codebook, f"{prefix}_centroids")
+        if self.spec.cdtype == "fp8":
+            # the scale of rounded centroids is the scale they were rounded with (their largest value
+            # is 448 x scale: fp8 times an fp16 scale is exact in float32, and so is the division back)
+            scale = self._centroid_scale(cents)
+            layout.codebook.view(codebook, f"{prefix}_centroid_scales").copy_(scale.to(torch.float16))
+            view.copy_((cents / scale[..., None, None]).to(torch.float8_e4m3fn))
+        else:
+            view.copy_(cents.to(torch.bfloat16))
+
+    def stored_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
+        """A chunk's stored ``prefix`` centroids [S, H, C, D] as float32 (to warm-start the next chunk)."""
+        return self._read_centroids(layout, codebook, prefix)
+
+    def _read_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
+        """The stored centroids [S, H, C, D] as float32."""
+        cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()
+        if self.spec.cdtype == "fp8":
+            cents = cents * layout.codebook.view(codebook, f"{prefix}_centroid_scales").float()[..., None, None]
+        return cents
 
     def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
         """Centroid index per point of one stage: the k-means (nearest) assignment; subclasses may
@@ -149,7 +194,7 @@ class QVGCodec(Codec):
             if not self._clustered(prefix):
                 out.append(x)
                 continue
-            cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()  # [S, H, C, D]
+            cents = self._read_centroids(layout, codebook, prefix)  # [S, H, C, D]
             assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
             heads = torch.arange(x.shape[1], device=x.device)
             for stage in reversed(range(s.stages)):
