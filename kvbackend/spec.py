@@ -28,11 +28,11 @@ _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid 
 # The spec measured best at about 2.6 bits per value through the paged cache on three texts
 # (perf/NOTES.md, eval12): quantwm keys (per-channel steps over 64-token groups, 32 QSAC centroids, a
 # rank-4 PSAC correction), clipped steps, 4 sink tokens kept at 16 bits, Hadamard-rotated values, keys
-# stored relative to their page's first position (as good as pre-RoPE keys on the three texts, and
-# read with one query rotation per page: NOTES, page-relative keys). The default of `KVBackendCache`
-# and `kvbackend demo`.
+# stored before RoPE (page-relative keys, `pagerope=true`, decode faster and were as good at 1536
+# tokens, but 11-22% worse in KL at 6144 on all three texts: NOTES, eval15). The default of
+# `KVBackendCache` and `kvbackend demo`.
 RECOMMENDED_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
-                    "vrot=hadamard,pagerope=true")
+                    "vrot=hadamard,prerope=true")
 
 
 @dataclass(frozen=True)
