@@ -127,28 +127,19 @@ QUANTWM = "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=4,clip=true,vcluster
 
 def test_paged_eval_agrees_with_the_simulation(model_and_tokenizer, sample_ids):
     """`kvbackend eval` measures through the paged KVCache; the sequence-level simulation stays beside it as
-    a cross-check. Without sinks both encode the same chunks: every figure is equal. With sinks the paged
-    cache encodes the sink tokens in the first chunk too (the simulation cuts them out first) and every
-    chunk's slot holds sink fields: close figures, and exactly that many more bytes."""
+    a cross-check. Both put every token on the same pages from position 0, keep the sinks out of the
+    codec and count their fp16 copy once per chunk: every figure is equal, levers and PSAC rows included."""
     from kvbackend.tools.evaluate import EvalSettings, evaluate
 
     model, _ = model_and_tokenizer
-    specs = ["kivi:bits=2,group=32", "qvg", "kivi:bits=2,group=32,kbits=4,prerope=true,vrot=hadamard", QUANTWM]
+    specs = ["kivi:bits=2,group=32", "qvg", "kivi:bits=2,group=32,kbits=4,prerope=true,vrot=hadamard", QUANTWM,
+             QUANTWM.replace("prerope=true", "pagerope=true")]
     results = evaluate(model, sample_ids, specs, EvalSettings(**SMALL, path="both"))
     figures = ("bpv", "k_nrmse", "v_nrmse", "kl", "top1_agree")
-    for r in results[:3]:
+    for r in results:
         assert r.path == "both"
         for key in figures:
-            assert getattr(r, key) == pytest.approx(r.sim[key], rel=1e-5, abs=1e-7), (r.spec, key)
-    levered = results[3]
-    assert levered.k_nrmse == pytest.approx(levered.sim["k_nrmse"], rel=0.05)
-    assert levered.v_nrmse == pytest.approx(levered.sim["v_nrmse"], rel=0.05)
-    assert levered.kl == pytest.approx(levered.sim["kl"], rel=0.3, abs=0.01)
-    layers, heads, head_dim = 30, 3, 64
-    chunks = SMALL["prefix"] // SMALL["chunk_tokens"]
-    extra = (chunks - 1) * 4 * heads * head_dim * 2 * 2 * layers  # unused sink fields of the later chunks (fp16)
-    values = SMALL["prefix"] * layers * heads * head_dim * 2
-    assert levered.bpv - levered.sim["bpv"] == pytest.approx(8 * extra / values, rel=1e-6)
+            assert getattr(r, key) == pytest.approx(r.sim[key], rel=1e-4, abs=1e-6), (r.spec, key)
 
 
 def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
