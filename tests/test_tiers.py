@@ -514,3 +514,32 @@ def test_offload_right_after_a_layered_restore_exports_the_restored_bytes(tmp_pa
         assert torch.equal(k, xs[layer]) and torch.equal(v, -xs[layer]), f"layer {layer}"
     for t in (first, tiered, again):
         t.close()
+
+
+def test_decode_steps_through_the_tiered_cache_while_the_worker_offloads(tmp_path):
+    """`TieredCache.append_step` takes the lock the offload worker takes: decode steps of a batch, with
+    chunks completing and cached pages moving down meanwhile, leave a consistent cache whose reads are
+    what was appended."""
+    cache = filled("kivi:bits=2,group=16", packed_pages=12)
+    tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), None,
+                         policy=OffloadPolicy(high_water=0.3, low_water=0.1, interval_s=0.001))
+    try:
+        for i in range(3):  # cached pages for the worker to move down
+            tiered.free(fill(tiered, list(range(100 * i, 100 * i + 40)), seed=i))
+        rids = [fill(tiered, list(range(1000 + 100 * i, 1000 + 100 * i + 20)), seed=10 + i) for i in range(2)]
+        gen = torch.Generator().manual_seed(5)
+        steps = [torch.randn(2, 2, 2, 64, generator=gen).bfloat16() for _ in range(30)]  # [layer, B, H, D]
+        for kv in steps:
+            for layer in range(2):
+                tiered.append_step(rids, layer, kv[layer], -kv[layer])
+        tiered.flush()
+        with tiered.lock:
+            cache.check()
+            for i, rid in enumerate(rids):
+                assert cache.page_table(rid).lengths == [50, 50] and cache.page_table(rid).packed  # chunks packed
+                k, v = cache.read_dense(rid, 0)
+                tail = torch.stack([kv[0, i] for kv in steps])[-k.shape[0]:]
+                assert torch.equal(k, tail) and torch.equal(v, -tail)  # the dense tail is what was appended
+        assert tiered.offloaded_pages > 0
+    finally:
+        tiered.close()

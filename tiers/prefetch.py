@@ -139,6 +139,15 @@ class TieredCache:
         if self._worker is not None:
             self._wake.set()
 
+    def append_step(self, request_ids: Sequence[int], layer: int, k: torch.Tensor, v: torch.Tensor,
+                    queries: torch.Tensor | None = None) -> None:
+        """`KVCache.append_step` under the lock the offload worker takes (a step may complete chunks,
+        whose pages can evict cached ones the worker is moving down)."""
+        with self.lock:
+            self.cache.append_step(request_ids, layer, k, v, queries)
+        if self._worker is not None:
+            self._wake.set()
+
     def read(self, request_id: int, layer: int):
         with self.lock:
             return self.cache.read(request_id, layer)
