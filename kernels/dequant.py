@@ -95,7 +95,7 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                  KIND: tl.constexpr, ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
                  ZEROS: tl.constexpr, ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, BOOK: tl.constexpr,
                  UNPACK: tl.constexpr = 0, XT: tl.constexpr = tl.float32, C0: tl.constexpr = 0,
-                 W: tl.constexpr = 0):
+                 W: tl.constexpr = 0, CSCALE: tl.constexpr = -1):
     """[P, D] in XT (float32, or float16 for attention operands): head ``h`` of packed page ``page``
     (int64), reconstructed.
 
@@ -106,7 +106,8 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
 
     ESIZE is the byte size of KIND's elements (passed in: Triton 3.6 cannot divide by a constexpr
     returned from a jit function). ``C0``/``W``: only channels ``C0 .. C0 + W - 1`` ([P, W]; W 0 = all
-    D), for plain floats and UNPACK 1 and 2 (RoPE's halves)."""
+    D), for plain floats and UNPACK 1 and 2 (RoPE's halves). CSCALE: offset of the fp16 scales of fp8
+    centroids (`centroid_rows`), -1 for bf16 centroids."""
     WD: tl.constexpr = D if W == 0 else W
     t = tl.arange(0, P)
     d = C0 + tl.arange(0, WD)
@@ -161,18 +162,37 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
             x = (codes - ((1 << (BITS - 1)) - 1)) * scale
         else:
             x = codes * scale + zero
-    book = slot * (BOOK_BYTES // 2) + BOOK // 2
     for stage in tl.static_range(STAGES):
         ids = tl.load(u8 + page * PAGE_BYTES + ASSIGN + (stage * P + t) * H + h).to(tl.int32)
         if C >= 16:  # one-hot [P, C] x centroids [C, D] on tensor cores: a contiguous load, not a gather
             c = tl.arange(0, C)
             onehot = (ids[:, None] == c[None, :]).to(tl.float16)
-            cents = tl.load(book_i16 + book + ((stage * H + h) * C + c[:, None]) * D + d[None, :])
-            x += tl.dot(onehot, cents.to(tl.bfloat16, bitcast=True).to(tl.float16)).to(XT)
+            cents, scale = centroid_rows(book_i16, slot, h, stage, c[:, None], d[None, :], BOOK_BYTES, BOOK, CSCALE,
+                                         H, C, D)
+            x += (tl.dot(onehot, cents) * scale).to(XT)
         else:
-            rows = ((stage * H + h) * C + ids[:, None]) * D + d[None, :]
-            x += tl.load(book_i16 + book + rows).to(tl.bfloat16, bitcast=True).to(XT)
+            cents, scale = centroid_rows(book_i16, slot, h, stage, ids[:, None], d[None, :], BOOK_BYTES, BOOK, CSCALE,
+                                         H, C, D)
+            x += (cents.to(tl.float32) * scale).to(XT)
     return x
+
+
+@triton.jit
+def centroid_rows(book_i16, slot, h, stage, rows, cols, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr,
+                  CSCALE: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr):
+    """(values, scale): centroids ``[rows, cols]`` of one stage and head are ``values * scale``. bf16
+    centroids: their values (exact in fp16 within its range) and 1; fp8 e4m3 centroids (CSCALE >= 0):
+    the fp8 values (exact in fp16) and the stage and head's fp16 scale at byte offset CSCALE of the
+    slot, as float32, to apply after the product (rounding the scaled values to fp16 would lose what
+    the residual codes cancel)."""
+    at = ((stage * H + h) * C + rows) * D + cols
+    if CSCALE >= 0:
+        book_u8 = book_i16.to(tl.pointer_type(tl.uint8))
+        cents = tl.load(book_u8 + slot * BOOK_BYTES + BOOK + at).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        scale = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + CSCALE // 2 + stage * H + h).to(tl.float16, bitcast=True)
+        return cents, scale.to(tl.float32)
+    cents = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BOOK // 2 + at).to(tl.bfloat16, bitcast=True)
+    return cents.to(tl.float16), 1.0
 
 
 def scheme_constants(prefix: str, scheme) -> dict:
@@ -184,6 +204,7 @@ def scheme_constants(prefix: str, scheme) -> dict:
         f"{prefix}_SCALES": max(scheme.scales, 0), f"{prefix}_ZEROS": max(scheme.zeros, 0),
         f"{prefix}_ASSIGN": max(scheme.assign, 0), f"{prefix}_STAGES": scheme.stages,
         f"{prefix}_C": max(scheme.centroids, 1), f"{prefix}_BOOK": max(scheme.codebook, 0),
+        f"{prefix}_CSCALE": scheme.centroid_scales,
     }
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
 from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
-from kvbackend.kernels.dequant import load_elements, magic_fp16, scale_zero
+from kvbackend.kernels.dequant import centroid_rows, load_elements, magic_fp16, scale_zero
 from kvbackend.kernels.levers import (hadamard_apply, lever_constants as levers_off, page_rotation, psac_basis,
                                       psac_rows, query_and_partner, query_to_page, rotate_halves)
 
@@ -97,24 +97,32 @@ def _centroid_ids(u8, page, t, h, stage, PAGE_BYTES: tl.constexpr, ASSIGN: tl.co
 
 
 @triton.jit
-def _centroids(book_i16, slot, h, stage, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr, H: tl.constexpr,
-               C: tl.constexpr, CP: tl.constexpr, D: tl.constexpr):
-    """Centroids [CP, D] fp16 of one stage (rows past C are zero)."""
-    c = tl.arange(0, CP)
-    d = tl.arange(0, D)
-    rows = ((stage * H + h) * C + c[:, None]) * D + d[None, :]
-    x = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BOOK // 2 + rows, mask=(c < C)[:, None], other=0)
-    return x.to(tl.bfloat16, bitcast=True).to(tl.float16)
+def _centroids(book_i16, slot, h, stage, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr, CSCALE: tl.constexpr,
+               H: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, D: tl.constexpr):
+    """One stage's centroids as (values [CP, D] fp16, rows past C zero; scale): `centroid_rows`."""
+    return _centroid_cols(book_i16, slot, h, stage, 0, BOOK_BYTES, BOOK, CSCALE, H, C, CP, D, D)
 
 
 @triton.jit
-def _centroid_cols(book_i16, slot, h, stage, g, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr, H: tl.constexpr,
-                   C: tl.constexpr, CP: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
-    """Columns g*G..(g+1)*G of one stage's centroids: [CP, G] fp16."""
+def _centroid_cols(book_i16, slot, h, stage, g, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr, CSCALE: tl.constexpr,
+                   H: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    """Columns g*G..(g+1)*G of one stage's centroids as (values [CP, G] fp16, rows past C zero; scale)."""
     c = tl.arange(0, CP)
-    rows = ((stage * H + h) * C + c[:, None]) * D + g * G + tl.arange(0, G)[None, :]
-    x = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + BOOK // 2 + rows, mask=(c < C)[:, None], other=0)
-    return x.to(tl.bfloat16, bitcast=True).to(tl.float16)
+    x, scale = centroid_rows(book_i16, slot, h, stage, tl.minimum(c, C - 1)[:, None], g * G + tl.arange(0, G)[None, :],
+                             BOOK_BYTES, BOOK, CSCALE, H, C, D)
+    return tl.where((c < C)[:, None], x, 0.0).to(tl.float16), scale
+
+
+@triton.jit
+def _centroid_values(acc, p_c, book_i16, slot, h, stage, g, BOOK_BYTES: tl.constexpr, BOOK: tl.constexpr,
+                     CSCALE: tl.constexpr, H: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr):
+    """``acc`` [ROWS, G] plus the probabilities per centroid ``p_c`` [ROWS, CP] times channel group g of
+    one stage's centroids (accumulated in the product for bf16 centroids, scaled after it for fp8)."""
+    cols, scale = _centroid_cols(book_i16, slot, h, stage, g, BOOK_BYTES, BOOK, CSCALE, H, C, CP, G, D)
+    if CSCALE >= 0:
+        return acc + tl.dot(p_c, cols) * scale
+    return tl.dot(p_c, cols, acc)
 
 
 @triton.jit
@@ -169,7 +177,7 @@ def _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, C0:
                   D: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, KIND: tl.constexpr,
                   ESIZE: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
                   STAGES: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BOOK: tl.constexpr, ASSIGN: tl.constexpr,
-                  P: tl.constexpr, PSAC_R: tl.constexpr, PSAC_BASIS: tl.constexpr):
+                  P: tl.constexpr, PSAC_R: tl.constexpr, PSAC_BASIS: tl.constexpr, CSCALE: tl.constexpr):
     """Channels C0..C0+W-1 of per-channel-group keys [BT, W] fp16, rebuilt in the stored frame: codes
     times the channel's step plus its zero, every centroid stage, and the PSAC rows (``coef``), for
     levers that act on whole keys (pre-RoPE rotation)."""
@@ -180,8 +188,8 @@ def _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, C0:
     k = codes * ks.to(tl.float16)[None, :] + kz.to(tl.float16)[None, :]
     for stage in tl.static_range(STAGES):
         onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, ASSIGN, H, P, CP)
-        k += tl.dot(onehot, _centroid_cols(book_i16, slot, h, stage, C0 // W, BOOK_BYTES, BOOK, H, C, CP, W, D)).to(
-            tl.float16)
+        cols, scale = _centroid_cols(book_i16, slot, h, stage, C0 // W, BOOK_BYTES, BOOK, CSCALE, H, C, CP, W, D)
+        k += (tl.dot(onehot, cols) * scale).to(tl.float16)
     if PSAC_R:
         k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, C0, W)).to(tl.float16)
     return k
@@ -241,11 +249,11 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
                           K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr,
                           K_ZEROS: tl.constexpr, K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr,
-                          K_BOOK: tl.constexpr,
+                          K_BOOK: tl.constexpr, K_CSCALE: tl.constexpr,
                           V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                           V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                           V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
-                          V_BOOK: tl.constexpr,
+                          V_BOOK: tl.constexpr, V_CSCALE: tl.constexpr,
                           SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
                           SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                           PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
@@ -359,10 +367,10 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                                      PSAC_CODES, PSAC_SCALE, PSAC_TOKEN)
                 k_lo = _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, 0, HALF, PAGE_BYTES,
                                      BOOK_BYTES, ASM, H, D, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES,
-                                     K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS)
+                                     K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS, K_CSCALE)
                 k_hi = _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, HALF, HALF, PAGE_BYTES,
                                      BOOK_BYTES, ASM, H, D, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES,
-                                     K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS)
+                                     K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS, K_CSCALE)
                 if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)
                     cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
                     qb_lo = (q_lo32 * cos_0[None, :] + q_hi32 * sin_0[None, :]).to(tl.float16)
@@ -384,8 +392,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                 scores = tl.dot((q_page32 * ks[None, :]).to(tl.float16), tl.trans(codes))
                 scores += tl.sum(q_page32 * kz[None, :], 1)[:, None]
             for stage in tl.static_range(0 if EXPLICIT and K_MODE == _CHANNEL_GROUPS else K_STAGES):
-                cents = _centroids(book_i16, slot, h, stage, BOOK_BYTES, K_BOOK, H, K_C, KCP, D)
-                q_c = tl.dot(q_page16, tl.trans(cents))  # [ROWS, KCP]
+                cents, scale = _centroids(book_i16, slot, h, stage, BOOK_BYTES, K_BOOK, K_CSCALE, H, K_C, KCP, D)
+                q_c = tl.dot(q_page16, tl.trans(cents)) * scale  # [ROWS, KCP]
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, K_ASSIGN, H, P, KCP)
                 scores += tl.dot(q_c.to(tl.float16), tl.trans(onehot))
             if PSAC_R and not EXPLICIT:  # the PSAC rows' score correction (q . basis) . coefficients
@@ -421,12 +429,12 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
             for stage in tl.static_range(V_STAGES):
                 onehot = _centroid_ids(u8, page, t, h, stage, PAGE_BYTES, V_ASSIGN, H, P, VCP)
                 p_c = tl.dot(p.to(tl.float16), onehot).to(tl.float16)  # [ROWS, VCP]
-                a0 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 0, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a0)
+                a0 = _centroid_values(a0, p_c, book_i16, slot, h, stage, 0, BOOK_BYTES, V_BOOK, V_CSCALE, H, V_C, VCP, VG, D)
                 if VNG > 1:
-                    a1 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 1, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a1)
+                    a1 = _centroid_values(a1, p_c, book_i16, slot, h, stage, 1, BOOK_BYTES, V_BOOK, V_CSCALE, H, V_C, VCP, VG, D)
                 if VNG > 2:
-                    a2 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 2, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a2)
-                    a3 = tl.dot(p_c, _centroid_cols(book_i16, slot, h, stage, 3, BOOK_BYTES, V_BOOK, H, V_C, VCP, VG, D), a3)
+                    a2 = _centroid_values(a2, p_c, book_i16, slot, h, stage, 2, BOOK_BYTES, V_BOOK, V_CSCALE, H, V_C, VCP, VG, D)
+                    a3 = _centroid_values(a3, p_c, book_i16, slot, h, stage, 3, BOOK_BYTES, V_BOOK, V_CSCALE, H, V_C, VCP, VG, D)
 
     if VROT:
         a0, a1, a2, a3, z0, z1, z2, z3 = _rotate_back(a0, a1, a2, a3, z0, z1, z2, z3, l_acc, hadamard_ptr, VNG, VG, D)

@@ -62,10 +62,10 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          PAIR: tl.constexpr,
                          K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SYMMETRIC: tl.constexpr,
                          K_KIND: tl.constexpr, K_ESIZE: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_ZEROS: tl.constexpr,
-                         K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr,
+                         K_ASSIGN: tl.constexpr, K_STAGES: tl.constexpr, K_C: tl.constexpr, K_BOOK: tl.constexpr, K_CSCALE: tl.constexpr,
                          V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                          V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr, V_ZEROS: tl.constexpr,
-                         V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr,
+                         V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr, V_BOOK: tl.constexpr, V_CSCALE: tl.constexpr,
                          SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
                          SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                          PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
@@ -101,17 +101,17 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
             slot = tl.load(slots + start + j).to(tl.int64)
             v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                              V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
-                             V_BOOK, UNPACK, tl.float16)
+                             V_BOOK, UNPACK, tl.float16, CSCALE=V_CSCALE)
             if PSAC_R:
                 coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
                                  PSAC_SCALE, PSAC_TOKEN)
             if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k), keys dequantized as RoPE's two halves
                 k_lo = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
                                     K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN,
-                                    K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, 0, D // 2)
+                                    K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, 0, D // 2, CSCALE=K_CSCALE)
                 k_hi = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
                                     K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN,
-                                    K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, D // 2, D // 2)
+                                    K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, D // 2, D // 2, CSCALE=K_CSCALE)
                 if PSAC_R:
                     k_lo += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0,
                                                     D // 2)).to(tl.float16)
@@ -125,7 +125,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
             else:
                 k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
                                  K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES,
-                                 K_C, K_BOOK, UNPACK, tl.float16)
+                                 K_C, K_BOOK, UNPACK, tl.float16, CSCALE=K_CSCALE)
                 if PSAC_R:
                     k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0, D)).to(tl.float16)
                 if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored: one query rotation per page
@@ -146,17 +146,17 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                 slot2 = tl.load(slots + start + j2).to(tl.int64)
             k = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE, K_BITS,
                              K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN, K_STAGES, K_C,
-                             K_BOOK, UNPACK, tl.float16)
+                             K_BOOK, UNPACK, tl.float16, CSCALE=K_CSCALE)
             v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                              V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
-                             V_BOOK, UNPACK, tl.float16)
+                             V_BOOK, UNPACK, tl.float16, CSCALE=V_CSCALE)
             if PAIR:
                 k2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, K_MODE,
                                   K_BITS, K_GROUP, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES, K_ZEROS, K_ASSIGN,
-                                  K_STAGES, K_C, K_BOOK, UNPACK, tl.float16)
+                                  K_STAGES, K_C, K_BOOK, UNPACK, tl.float16, CSCALE=K_CSCALE)
                 v2 = dequant_tile(u8, i16, i32, page2, book_i16, slot2, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE,
                                   V_BITS, V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN,
-                                  V_STAGES, V_C, V_BOOK, UNPACK, tl.float16)
+                                  V_STAGES, V_C, V_BOOK, UNPACK, tl.float16, CSCALE=V_CSCALE)
             m_i, l_i, acc = _attend(q_tile, k, v, P, m_i, l_i, acc, scale_log2, P)
             if PAIR:  # after a full page m_i is finite, so a fully masked second page changes nothing
                 m_i, l_i, acc = _attend(q_tile, k2, v2, tl.where(j + 1 < end_packed, P, 0), m_i, l_i, acc, scale_log2, P)

@@ -34,7 +34,8 @@ class TensorScheme:
     assign: int = NONE  # uint8 [S, P, H] centroid ids
     stages: int = 0  # S
     centroids: int = 0  # C
-    codebook: int = NONE  # offset of bf16 centroids [S, H, C, D] in the codebook slot
+    codebook: int = NONE  # offset of the centroids [S, H, C, D] in the codebook slot (bf16, or fp8 with scales)
+    centroid_scales: int = NONE  # offset of fp16 scales [S, H] of fp8 centroids (NONE: bf16 centroids)
 
     def supported_by_kernels(self) -> bool:
         return self.mode == FLOAT or self.bits in (2, 4, 8)
@@ -75,7 +76,8 @@ class LeverScheme:
 # Every field some kernel reads; a layout with any other field is refused by `kernel_schemes`.
 PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token"}
                              | {f"{x}_{n}" for x in "kv" for n in ("codes", "scales", "zeros", "assign")})
-BOOK_FIELDS_READ = frozenset({"k_centroids", "v_centroids", "k_psac_basis", "sink_k", "sink_v"})
+BOOK_FIELDS_READ = frozenset({"k_centroids", "v_centroids", "k_centroid_scales", "v_centroid_scales", "k_psac_basis",
+                              "sink_k", "sink_v"})
 MAX_KERNEL_PSAC_RANK = 16  # the kernels pad the rank to one 16-wide tensor-core operand
 
 
@@ -139,6 +141,7 @@ def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tupl
         zeros = page.get(f"{prefix}_zeros")
         assign = page.get(f"{prefix}_assign")
         cents = book.get(f"{prefix}_centroids")
+        cent_scales = book.get(f"{prefix}_centroid_scales")
         out.append(TensorScheme(
             mode=CHANNEL_GROUPS if channel else TOKEN_GROUPS,
             bits=getattr(spec, "key_bits" if prefix == "k" else "value_bits", spec.bits),
@@ -152,5 +155,6 @@ def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tupl
             stages=assign.shape[0] if assign is not None else 0,
             centroids=cents.shape[2] if cents is not None else 0,
             codebook=cents.offset if cents is not None else NONE,
+            centroid_scales=cent_scales.offset if cent_scales is not None else NONE,
         ))
     return out[0], out[1]

@@ -122,7 +122,7 @@ def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int
 def checks():
     out = {}
     for spec in ("qvg", "qvg-pro", "kivi:bits=2,group=64", "rtn:bits=2,group=64,scale=fp8", "fp8", "qvg:kchannel=32",
-                 "kivi:bits=2,group=64,kclip=true,vclip=true"):
+                 "kivi:bits=2,group=64,kclip=true,vclip=true", "qvg:cdtype=fp8", "qvg:kchannel=32,cdtype=fp8"):
         for heads, dim, group in ((8, 128, 4), (3, 64, 3)):
             codec, layout, chunk = encoded_pages(spec, heads, dim, tokens=1024)
             schemes = kernel_schemes(codec, layout)

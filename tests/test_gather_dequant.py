@@ -18,6 +18,8 @@ CASES = [  # (codec, head_dim, page_size, lengths)
     ("rtn:bits=8,group=64,scale=bf16", 64, 16, [37]),
     ("fp8", 64, 16, [50]),
     ("identity", 128, 16, [40, 3]),
+    ("qvg:cdtype=fp8", 64, 16, [45, 30]),
+    ("qvg:centroids=8,stages=2,kchannel=8,group=32,cdtype=fp8", 64, 16, [37]),
 ]
 
 

@@ -17,6 +17,8 @@ CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs)
     ("qvg-pro", 64, 16, [40], 4, 2),
     ("rtn:bits=2,group=64,scale=fp8", 128, 64, [90, 17], 1, 1),
     ("identity", 64, 16, [21, 50], 3, 64),
+    ("qvg:cdtype=fp8", 64, 16, [45, 70], 2, 8),  # fp8 centroids: one-hot product
+    ("qvg:centroids=8,stages=2,cdtype=fp8", 64, 16, [40], 3, 4),  # fp8 centroids: gathered rows (C < 16)
 ]
 
 
@@ -141,6 +143,8 @@ FOLDED_CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target prog
     ("qvg:kchannel=32", 64, 32, [77], 4, 2, False),
     ("rtn:bits=8,group=32", 64, 32, [21], 3, 1, True),
     ("qvg:kchannel=32,vcluster=false", 64, 32, [70], 3, 2, False),  # key centroids only
+    ("qvg:cdtype=fp8", 64, 32, [45, 70], 3, 8, False),  # fp8 centroids, keys and values
+    ("qvg:kchannel=32,centroids=8,cdtype=fp8", 64, 32, [77], 2, 2, False),
 ]
 
 

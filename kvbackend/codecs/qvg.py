@@ -52,7 +52,8 @@ class QVGSpec(SplitWidths, Checked):
     kbits: int = one_of(0, SPLIT_WIDTHS)  # key residual width when it differs from `bits` (0: same)
     vbits: int = one_of(0, SPLIT_WIDTHS)  # value residual width when it differs from `bits` (0: same)
     # storage of the centroids: "bf16", or "fp8" (e4m3 with one fp16 scale per stage and head: half the
-    # codebook bytes; residuals are taken against the stored fp8 centroids, so nothing else changes)
+    # codebook bytes; residuals are taken against the stored fp8 centroids, so nothing else changes;
+    # the kernels apply the scale after their one-hot products)
     cdtype: str = one_of("bf16", CENTROID_DTYPES)
 
 
