@@ -154,7 +154,9 @@ class KVCache:
             UnknownRequest, InvalidKV (also for a request named twice), CacheFull (the dense pages the
             batch needs are not free; nothing is written when it is raised).
         """
-        ids = list(request_ids)
+        ids = [int(rid) for rid in request_ids]  # a tensor or list of ids alike
+        if not ids:
+            return  # an empty batch appends nothing
         tables = [self._table(rid) for rid in ids]
         self._check_layer(layer)
         if len(set(ids)) != len(ids):

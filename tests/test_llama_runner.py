@@ -64,3 +64,18 @@ def test_the_runner_refuses_a_cache_of_another_shape(model):
     rid, _ = run.cache.add_request()
     with pytest.raises(ValueError, match="prefill first"):
         run.decode([rid], torch.tensor([1]))
+
+
+def test_bad_input_is_refused_with_a_clear_error(model):
+    run = runner(model, "identity")
+    rid, _ = run.cache.add_request()
+    for bad, match in ((torch.tensor([], dtype=torch.long), "at least one"), (torch.tensor([300]), "token ids")):
+        with pytest.raises(ValueError, match=match):
+            run.prefill(rid, bad)
+    run.prefill(rid, torch.tensor([1, 2, 3]))
+    for ids, tokens in (([], torch.tensor([], dtype=torch.long)), ([rid], torch.tensor([1, 2]))):
+        with pytest.raises(ValueError, match="one token id per request"):
+            run.decode(ids, tokens)
+    with pytest.raises(ValueError, match="token ids"):
+        run.decode([rid], torch.tensor([-1]))
+    assert run.cache.page_table(rid).lengths == [3, 3]  # nothing was appended by the refused calls

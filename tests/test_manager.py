@@ -338,3 +338,13 @@ def test_append_step_refuses_bad_batches_and_writes_nothing_when_full():
     cache.append_step([b], 0, k[:1], k[:1])  # b's page has room
     assert cache.page_table(b).lengths == [4, 3]
     cache.check()
+
+
+def test_append_step_takes_ids_as_a_tensor_and_an_empty_batch():
+    cache = make()
+    a, _ = cache.add_request()
+    append_all(cache, a, *rand_kv(3))
+    cache.append_step(torch.tensor([a]), 0, torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    assert cache.page_table(a).lengths == [4, 3]
+    cache.append_step([], 1, torch.ones(0, 2, 16), torch.ones(0, 2, 16))  # nothing to append
+    assert cache.page_table(a).lengths == [4, 3]

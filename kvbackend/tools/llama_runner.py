@@ -64,6 +64,11 @@ class LlamaRunner:
         h = h + block.self_attn.o_proj(attend(block.input_layernorm(h)))
         return h + block.mlp(block.post_attention_layernorm(h))
 
+    def _check_tokens(self, token_ids: torch.Tensor, where: str) -> None:
+        vocab = self.model.model.embed_tokens.num_embeddings
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
+            raise ValueError(f"{where}: token ids must be in 0..{vocab - 1}")
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h))
 
@@ -75,6 +80,9 @@ class LlamaRunner:
         if any(n != start for n in cache.page_table(request_id).lengths):
             raise ValueError(f"request {request_id} holds a partial step (lengths per layer differ)")
         n = token_ids.shape[0]
+        self._check_tokens(token_ids, "prefill")
+        if token_ids.dim() != 1 or n == 0:
+            raise ValueError(f"prefill takes a 1-D tensor of at least one token id, got shape {tuple(token_ids.shape)}")
         device = self.model.model.embed_tokens.weight.device
         ids = token_ids.to(device)[None]
         h = self.model.model.embed_tokens(ids)
@@ -105,7 +113,10 @@ class LlamaRunner:
     @torch.no_grad()
     def decode(self, request_ids: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
         """One token per request (each holding at least one token); returns logits ``[B, vocab]``."""
-        cache, ids = self.cache, list(request_ids)
+        cache, ids = self.cache, [int(rid) for rid in request_ids]
+        if not ids or token_ids.numel() != len(ids):
+            raise ValueError(f"decode takes one token id per request: {len(ids)} requests, {token_ids.numel()} ids")
+        self._check_tokens(token_ids, "decode")
         lengths = [cache.page_table(rid).lengths[0] for rid in ids]
         if min(lengths, default=1) < 1:
             raise ValueError("a decode step needs requests that hold at least one token (prefill first)")

@@ -66,7 +66,7 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
     # their fp16 copy is counted once per chunk (a codebook slot field of every chunk)
     stored = (head_k.nbytes + head_v.nbytes) * -(-k.shape[0] // chunk_tokens)
     positions = rope_positions(levers, torch.arange(k.shape[0]), page_size)
-    enc_k, enc_v = k, v
+    enc_k, enc_v = k.float(), v.float()  # the frame is computed in float32, as `LeverFrame.to_stored` does
     if levers.rope:
         if rotary is None:
             raise ValueError("prerope=true and pagerope=true need the model's RoPE (pass rotary)")
