@@ -371,19 +371,17 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                 k_hi = _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, HALF, HALF, PAGE_BYTES,
                                      BOOK_BYTES, ASM, H, D, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES,
                                      K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS, K_CSCALE)
-                if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)
-                    cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
-                    qb_lo = (q_lo32 * cos_0[None, :] + q_hi32 * sin_0[None, :]).to(tl.float16)
-                    qb_hi = (q_hi32 * cos_0[None, :] - q_lo32 * sin_0[None, :]).to(tl.float16)
-                    if blk == 0:
-                        c_t, s_t = cos_t, sin_t
-                    else:
-                        c_t = tl.load(local_cos + t[:, None] * HALF + half[None, :]).to(tl.float16)
-                        s_t = tl.load(local_sin + t[:, None] * HALF + half[None, :]).to(tl.float16)
-                    k_lo, k_hi = rotate_halves(k_lo, k_hi, c_t, s_t)
-                    scores = tl.dot(qb_lo, tl.trans(k_lo)) + tl.dot(qb_hi, tl.trans(k_hi))
+                # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)  (EXPLICIT is pre-RoPE keys)
+                cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
+                qb_lo = (q_lo32 * cos_0[None, :] + q_hi32 * sin_0[None, :]).to(tl.float16)
+                qb_hi = (q_hi32 * cos_0[None, :] - q_lo32 * sin_0[None, :]).to(tl.float16)
+                if blk == 0:
+                    c_t, s_t = cos_t, sin_t
                 else:
-                    scores = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+                    c_t = tl.load(local_cos + t[:, None] * HALF + half[None, :]).to(tl.float16)
+                    s_t = tl.load(local_sin + t[:, None] * HALF + half[None, :]).to(tl.float16)
+                k_lo, k_hi = rotate_halves(k_lo, k_hi, c_t, s_t)
+                scores = tl.dot(qb_lo, tl.trans(k_lo)) + tl.dot(qb_hi, tl.trans(k_hi))
             else:
                 codes = unpack_fp16(tl.load(u8 + page * PAGE_BYTES + K_CODES + rows[:, None] * K_ROW
                                             + tl.arange(0, K_ROW)[None, :]), K_BITS, ASM)  # [BT, D]
