@@ -85,7 +85,6 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
         half = tl.arange(0, D // 2)
         q_lo = tl.load(q + q_rows[:, None] + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
         q_hi = tl.load(q + q_rows[:, None] + D // 2 + half[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float32)
-    if ROPE:
         cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
         cos_t, sin_t = cos_t.to(tl.float16), sin_t.to(tl.float16)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)

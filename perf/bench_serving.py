@@ -102,12 +102,13 @@ def make_cache(model, codec: str, shape: Shape, requests: int, tokens: int, devi
     return KVCache(geometry, cfg, rotary=rotary_from_config(config))
 
 
-def fill_random(cache: KVCache, rid: int, tokens: int, seed: int) -> None:
-    """Append ``tokens`` random K/V (with queries, for query-aware codecs) to every layer, chunk by chunk."""
+def fill_random(cache: KVCache, rid: int, tokens: int, seed: int, query_heads: int) -> None:
+    """Append ``tokens`` random K/V (with ``query_heads`` queries per token, for query-aware codecs) to
+    every layer, chunk by chunk."""
     g = cache.geometry
     gen = torch.Generator(device=cache.dense.data.device).manual_seed(seed)
     step = cache.config.chunk_tokens
-    hq = g.num_kv_heads * 4
+    hq = query_heads
     for start in range(cache.page_table(rid).lengths[0], tokens, step):
         n = min(step, tokens - start)
         for layer in range(g.num_layers):
@@ -129,7 +130,7 @@ def held_bytes(cache: KVCache, rid: int) -> dict:
     return {"packed": packed, "codebooks": books, "dense_chunk": dense, "total": packed + books + dense}
 
 
-def requests_like(cache: KVCache, source: int, count: int, tokens: int, seed: int) -> list[int]:
+def requests_like(cache: KVCache, source: int, count: int, tokens: int, seed: int, query_heads: int) -> list[int]:
     """``count`` requests holding ``tokens`` tokens each: request ``source``'s packed pages installed as
     copies under other token ids (distinct physical pages, the bytes encoded once), the tail appended."""
     exported = [cache.export_page(page) for page in cache.page_table(source).packed]
@@ -144,7 +145,7 @@ def requests_like(cache: KVCache, source: int, count: int, tokens: int, seed: in
         keys = cache.prefix_keys(token_ids)[: blobs.shape[0]]
         cache.install_pages(keys, token_ids, blobs[: len(keys)], 0)
         rid, hit = cache.add_request(token_ids)
-        fill_random(cache, rid, tokens, seed + i + 1)
+        fill_random(cache, rid, tokens, seed + i + 1, query_heads)
         ids.append(rid)
     return ids
 
@@ -171,7 +172,8 @@ def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int],
     probe = make_cache(model, codec, shape, 1, shape.context, device)
     rid, _ = probe.add_request(list(range(shape.context)))
     t0 = time.perf_counter()
-    fill_random(probe, rid, shape.context, 0)
+    heads = model.config.num_attention_heads
+    fill_random(probe, rid, shape.context, 0, heads)
     sync(device)
     fill_s = time.perf_counter() - t0
     held = held_bytes(probe, rid)
@@ -182,8 +184,8 @@ def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int],
     for batch in sorted({b for b in batches if 0 < b <= limit} | ({limit} if limit else set())):
         cache = make_cache(model, codec, shape, batch, shape.context + shape.steps + 2, device)
         first, _ = cache.add_request(list(range(shape.context)))
-        fill_random(cache, first, shape.context, 0)
-        ids = [first] + requests_like(cache, first, batch - 1, shape.context, 1000)
+        fill_random(cache, first, shape.context, 0, heads)
+        ids = [first] + requests_like(cache, first, batch - 1, shape.context, 1000, heads)
         rows.append(decode_rate(LlamaRunner(model, cache), ids, shape.steps, device))
         del cache
         if device == "cuda":
@@ -269,13 +271,10 @@ def workload(shape: Shape, seed: int, vocab: int) -> list[Request]:
     return out
 
 
-def serve(model, codec: str, shape: Shape, device: str) -> dict:
-    """Section 3: continuous batching over a cache sized to the budget."""
-    probe = make_cache(model, codec, shape, 1, shape.context, device)
-    rid, _ = probe.add_request()
-    fill_random(probe, rid, shape.context, 0)
-    per_token = held_bytes(probe, rid)["total"] / shape.context
-    del probe
+def serve(model, codec: str, shape: Shape, device: str, held: dict) -> dict:
+    """Section 3: continuous batching over a cache sized to the budget (``held``: the bytes a
+    ``context``-token request holds, from section 1)."""
+    per_token = held["total"] / shape.context
     longest = shape.prompt_max + shape.new_tokens
     slots = max(1, min(shape.max_batch, int(shape.budget_bytes // (per_token * longest))))
     cache = make_cache(model, codec, shape, slots, longest, device)
@@ -468,7 +467,7 @@ def main() -> None:
             base_capacity = r["capacity"]
         print(json.dumps(r), flush=True)
         results.append(r)
-    served = [serve(model, codec, shape, device) for codec in caches] if shape.workload else []
+    served = [serve(model, r["codec"], shape, device, r["bytes_per_request"]) for r in results] if shape.workload else []
     for row in served:
         print(json.dumps(row), flush=True)
     anchor = generate_batch_anchor(model, shape, device) if shape.workload and args.anchor else None
