@@ -34,6 +34,7 @@ where the installed version has it) runs the workload's prompts (all at once: it
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -89,6 +90,13 @@ def llama(tiny: bool, device: str, dtype: torch.dtype, max_tokens: int):
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def release(device: str) -> None:
+    """Give the pools of a cache that went out of scope back (caches hold reference cycles)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def make_cache(model, codec: str, shape: Shape, requests: int, tokens: int, device: str) -> KVCache:
@@ -179,6 +187,7 @@ def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int],
     held = held_bytes(probe, rid)
     capacity = shape.budget_bytes // held["total"]
     del probe
+    release(device)
     rows = []
     limit = min(capacity, shape.max_batch)
     for batch in sorted({b for b in batches if 0 < b <= limit} | ({limit} if limit else set())):
@@ -188,8 +197,7 @@ def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int],
         ids = [first] + requests_like(cache, first, batch - 1, shape.context, 1000, heads)
         rows.append(decode_rate(LlamaRunner(model, cache), ids, shape.steps, device))
         del cache
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     return {"codec": codec, "bytes_per_request": held, "capacity": int(capacity), "encode_fill_s": fill_s,
             "decode": rows}
 
@@ -242,6 +250,8 @@ def first_token_times(model, codec: str, shape: Shape, device: str, directory: s
         tiered.close()
     host.close()
     file.close()
+    del cache, runner
+    release(device)
     return out
 
 
@@ -319,6 +329,8 @@ def serve(model, codec: str, shape: Shape, device: str, held: dict) -> dict:
         if not running and pending:
             step = max(step, pending[0].arrival)
     total = time.perf_counter() - began
+    del cache, runner
+    release(device)
     ttft = sorted(r.first_token_s - r.arrived_s for r in finished)
     tpot = sorted((r.finished_s - r.first_token_s) / max(len(r.output) - 1, 1) for r in finished)
     return {"codec": codec, "slots": slots, "requests": len(finished), "engine_steps": step, "wall_s": total,
@@ -467,31 +479,41 @@ def main() -> None:
             base_capacity = r["capacity"]
         print(json.dumps(r), flush=True)
         results.append(r)
-    served = [serve(model, r["codec"], shape, device, r["bytes_per_request"]) for r in results] if shape.workload else []
-    for row in served:
-        print(json.dumps(row), flush=True)
-    anchor = generate_batch_anchor(model, shape, device) if shape.workload and args.anchor else None
-    if anchor is not None:
-        print(json.dumps({"generate_batch": anchor}), flush=True)
-    first = []
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": asdict(shape),
+           "caches": results, "workload": [], "generate_batch": None, "first_token": [], "headline": None}
+
+    def save() -> None:  # after every section, so a run cut short keeps what it measured
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    save()
+    if args.plot:
+        plot(results, args.plot)
+    served = out["workload"]
+    for r in results if shape.workload else []:
+        served.append(serve(model, r["codec"], shape, device, r["bytes_per_request"]))
+        print(json.dumps(served[-1]), flush=True)
+        save()
+    first = out["first_token"]
     if args.ttft:
         with tempfile.TemporaryDirectory(dir=args.tier_dir) as directory:
             for codec in caches:
                 first.append(first_token_times(model, codec, shape, device, directory))
                 print(json.dumps(first[-1]), flush=True)
+                save()
+    anchor = generate_batch_anchor(model, shape, device) if shape.workload and args.anchor else None
+    if anchor is not None:
+        out["generate_batch"] = anchor
+        print(json.dumps({"generate_batch": anchor}), flush=True)
     table = headline(results, args.budget_gib, shape.context)
     if served:
         table += "\n\n" + workload_table(served, anchor)
     if first:
         table += "\n\n" + ttft_table(first)
     print(table, flush=True)
-    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": asdict(shape),
-           "caches": results, "workload": served, "generate_batch": anchor, "first_token": first, "headline": table}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    if args.plot:
-        plot(results, args.plot)
+    out["headline"] = table
+    save()
 
 
 if __name__ == "__main__":
