@@ -140,19 +140,33 @@ def held_bytes(cache: KVCache, rid: int) -> dict:
 
 def requests_like(cache: KVCache, source: int, count: int, tokens: int, seed: int, query_heads: int) -> list[int]:
     """``count`` requests holding ``tokens`` tokens each: request ``source``'s packed pages installed as
-    copies under other token ids (distinct physical pages, the bytes encoded once), the tail appended."""
+    copies under other token ids (distinct physical pages, the bytes encoded once), the tail appended.
+
+    A page group's trailer names the key of the prompt it was encoded for, and `install_pages` refuses
+    it under any other key; here each copy's trailer is rewritten to the new prompt's key and a chunk id
+    of its own (so each copy also opens codebook slots of its own), which is what a restore of that
+    prompt's own pages would hold."""
+    group = cache.group
     exported = [cache.export_page(page) for page in cache.page_table(source).packed]
     blobs = torch.zeros(len(exported), cache.blob_bytes, dtype=torch.uint8, device=exported[0].device)
     for row, blob in zip(blobs, exported):  # rows of the largest group's size, as the tiers store them
         row[: blob.numel()] = blob
+    span = slice(group.pages_bytes, group.books_offset)
+    heads = blobs[:, span].cpu().numpy()
+    trailers = [group.unpack_trailer(bytes(h)) for h in heads]
     rng = random.Random(seed)
     vocab = 1 << 20
     ids = []
     for i in range(count):
         token_ids = [rng.randrange(vocab) for _ in range(tokens)]
         keys = cache.prefix_keys(token_ids)[: blobs.shape[0]]
+        for row, (key, t) in enumerate(zip(keys, trailers)):
+            raw = group.pack_trailer(key, t.chunk_id ^ ((seed + i + 1) << 32), t.carries_codebook)
+            blobs[row, span] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(blobs.device)
         cache.install_pages(keys, token_ids, blobs[: len(keys)], 0)
         rid, hit = cache.add_request(token_ids)
+        if hit < len(keys) * cache.config.page_size:
+            raise RuntimeError(f"installed copies of {len(keys)} pages, add_request found {hit} tokens")
         fill_random(cache, rid, tokens, seed + i + 1, query_heads)
         ids.append(rid)
     return ids
