@@ -169,10 +169,22 @@ class KVBackendTier(SecondaryTierManager):
             parts += [chunk.pages.reshape(-1), chunk.codebook.reshape(-1)]
         return torch.cat(parts + [tail.clone()])
 
+    def _batched(self) -> bool:
+        """Blocks mode with a page-local codec whose pages tile each layer's tokens exactly."""
+        return (self.codec.page_local and self.layout.codebook_bytes == 0
+                and self.block.tokens % self.layout.page_size == 0)
+
     def _encode_blocks(self, raw: torch.Tensor) -> torch.Tensor:
         block, parts = self.block, []
         kv = block.kv(raw, self.dtype)
         rotate = self.codec.levers.vrot == "hadamard"
+        if self._batched():  # every worker's and layer's pages in one codec call: the same bytes, in order
+            k = kv[:, :, 0].reshape(-1, block.kv_heads, block.head_dim)
+            v = kv[:, :, 1].reshape(-1, block.kv_heads, block.head_dim)
+            if rotate:
+                v = v.float() @ hadamard(block.head_dim)
+            chunk = self.codec.encode(k, v, self.layout)
+            return torch.cat([chunk.pages.reshape(-1), raw[block.used_bytes :].clone()])
         for w in range(block.workers):
             for layer in range(block.layers):
                 k = kv[w, layer, 0].flatten(0, 1)  # [tokens, kv_heads, head_dim] (a copy)
@@ -190,6 +202,17 @@ class KVBackendTier(SecondaryTierManager):
         kv = block.kv(out, self.dtype)
         shape = (block.blocks, block.tokens_per_block, block.kv_heads, block.head_dim)
         at = 0
+        if self._batched():
+            count = block.workers * block.layers * pages
+            k, v = self.codec.decode_pages(layout, blob[: count * layout.page_bytes].view(count, -1),
+                                           blob[:0])
+            if self.codec.levers.vrot == "hadamard":
+                v = v.float() @ hadamard(block.head_dim).T
+            whole = (block.workers, block.layers) + shape
+            kv[:, :, 0].copy_(k.reshape(whole))
+            kv[:, :, 1].copy_(v.reshape(whole))
+            out[block.used_bytes :].copy_(blob[count * layout.page_bytes :])
+            return
         for w in range(block.workers):
             for layer in range(block.layers):
                 k, v = self.codec.decode_pages(layout, blob[at : at + size].view(pages, -1),

@@ -341,3 +341,34 @@ def test_levers_are_applied_or_refused_never_dropped(tmp_path):
         assert torch.equal(got["kivi:bits=2,group=16,vrot=hadamard"][0, layer], k)  # keys untouched
     assert not torch.equal(got["kivi:bits=2,group=16"][1], got["kivi:bits=2,group=16,vrot=hadamard"][1])
     assert len(set(fingerprints.values())) == 2
+
+
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "rtn:bits=2,group=64,scale=fp8,vrot=hadamard"])
+def test_batched_pages_store_the_bytes_of_page_by_page(tmp_path, codec, monkeypatch):
+    """A page-local codec encodes every layer of every page in one call (BATCH_PAGES at a time): the blobs
+    on disk and the pages read back are those of the page-by-page path; a non-finite page fails alone."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 3)  # several batches of a 7-page set
+    host = HostPool("page_first", pages=16)
+    host.kv_buffer.normal_()
+    host.kv_buffer[:, 6 * 16 + 3] = float("nan")  # page 6 cannot be stored
+    batched = make_backend(tmp_path / "a", host, codec)
+    single = make_backend(tmp_path / "b", host, codec)
+    assert batched._batched()
+    monkeypatch.setattr(single, "_batched", lambda: False)
+    keys = [f"p{i}" for i in range(8)]
+    assert batched.batch_set_v1(keys, host_indices(range(8))) == [True] * 6 + [False, True]
+    assert single.batch_set_v1(keys, host_indices(range(8))) == [True] * 6 + [False, True]
+    for i in (0, 4, 7):
+        a = batched.tier.blob_size(batched._key(keys[i]))
+        buffers = [torch.empty(a, dtype=torch.uint8) for _ in range(2)]
+        assert batched.tier.get([batched._key(keys[i])], buffers[:1]).result() == [True]
+        assert single.tier.get([single._key(keys[i])], buffers[1:]).result() == [True]
+        assert torch.equal(buffers[0], buffers[1])
+    got = batched._load(keys)
+    want = single._load(keys)
+    assert got[6] is None and want[6] is None
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert float((got[0] - host.page(0)).norm() / host.page(0).float().norm()) < 0.7

@@ -306,15 +306,20 @@ def block_primary(layout, chunks=4, seed=0):
     return buf, memoryview(buf), k, v
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("layout", ["HND", "NHD", "LBHNC"])
-def test_blocks_mode_encodes_each_layers_tokens_exactly_as_the_codec_would(tmp_path, layout):
+def test_blocks_mode_encodes_each_layers_tokens_exactly_as_the_codec_would(tmp_path, layout, batched, monkeypatch):
     """kivi-2 (per-channel keys over token groups) through the tier gives, bit for bit, what the codec
-    gives on each layer's [tokens, heads, head_dim] K and V: the chunk's structure is read right."""
+    gives on each layer's [tokens, heads, head_dim] K and V: the chunk's structure is read right. Both
+    paths: every layer in one codec call (a page-local codec), and layer by layer."""
     from kvbackend import Geometry, codecs
 
     buf, view, k, v = block_primary("HND" if layout == "LBHNC" else layout)
     tier = make_tier_with(tmp_path, view, block_spec(layout), codec="kivi:bits=2,group=32", kv_heads=HEADS,
                           page_tokens=32)
+    assert tier._batched()  # kivi is page-local and 32-token pages tile the layer's tokens
+    if not batched:
+        monkeypatch.setattr(type(tier), "_batched", lambda self: False)
     assert tier.block is not None and tier.block.layers == LAYERS and tier.block.tokens == BPC * TPB
     original = buf.copy()
     ks = keys(2)

@@ -23,6 +23,7 @@ class FloatCodec(Codec):
     """One value per stored float. ``identity`` keeps the geometry's own dtype, so it is lossless."""
 
     name: ClassVar[str] = "float"
+    page_local: ClassVar[bool] = True
 
     def _store(self, geometry: Geometry) -> torch.dtype:
         return geometry.dtype if self.spec.name == "identity" else _STORE[self.spec.name]

@@ -38,6 +38,7 @@ class KIVISpec(SplitWidths, Checked):
 
 class KIVICodec(Codec):
     name: ClassVar[str] = "kivi"
+    page_local: ClassVar[bool] = True
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)

@@ -36,6 +36,7 @@ def check_bits_group(spec, dim: int) -> None:
 
 class RTNCodec(Codec):
     name: ClassVar[str] = "rtn"
+    page_local: ClassVar[bool] = True
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)
