@@ -19,6 +19,8 @@ PAGE_RECIPE = ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,clip=true,vclus
 CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     (RECIPE, 16, [45, 70, 3], 4, 64),  # the recommended recipe's levers; 64 programs: one page per split
     (RECIPE, 16, [97], 1, 2),
+    (RECIPE + ",cdtype=fp8", 16, [45, 70], 4, 16),  # the recipe over fp8 centroids (the recommended spec's)
+    (PAGE_RECIPE + ",cdtype=fp8", 32, [75, 5], 2, 8),
     ("kivi:bits=2,group=16,sink=3", 16, [40, 33], 3, 16),
     ("kivi:bits=2,group=16,sink=16", 16, [50, 16], 2, 64),  # the sinks fill page 0: a split of it is all masked
     ("kivi:bits=4,group=16,prerope=true", 16, [80], 2, 4),
