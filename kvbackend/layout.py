@@ -25,6 +25,7 @@ _DTYPE_NAMES = {
     torch.float32: "f32",
     torch.float8_e4m3fn: "f8e4m3",
     torch.int32: "i32",
+    torch.int16: "i16",
 }
 
 

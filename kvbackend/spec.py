@@ -25,16 +25,14 @@ T = TypeVar("T")
 
 _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid values
 
-# The spec measured best at about 2.5-2.6 bits per value through the paged cache on three texts
-# (perf/NOTES.md, eval14-15): quantwm keys (per-channel steps over 64-token groups, 32 QSAC centroids
-# stored as fp8 with a scale per stage and head, a rank-4 PSAC correction on 1 token in 16), clipped
-# steps, 4 sink tokens kept at 16 bits, Hadamard-rotated values, keys stored before RoPE (page-relative
-# keys, `pagerope=true`, decode faster and were as good at 1536 tokens, but 11-22% worse in KL at 6144
-# on all three texts: NOTES, eval15). fp8 centroids (`cdtype=fp8`) store 0.083 bpv less than bf16 ones
-# at equal or lower KL on every text at 1536 tokens (eval15). The default of `KVBackendCache` and
-# `kvbackend demo`.
+# The spec measured best at about 2.6 bits per value through the paged cache on three texts
+# (perf/NOTES.md, eval12): quantwm keys (per-channel steps over 64-token groups, 32 QSAC centroids, a
+# rank-4 PSAC correction), clipped steps, 4 sink tokens kept at 16 bits, Hadamard-rotated values, keys
+# stored before RoPE (page-relative keys, `pagerope=true`, decode faster and were as good at 1536
+# tokens, but 11-22% worse in KL at 6144 on all three texts: NOTES, eval15). The default of
+# `KVBackendCache` and `kvbackend demo`.
 RECOMMENDED_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
-                    "vrot=hadamard,prerope=true,cdtype=fp8")
+                    "vrot=hadamard,prerope=true")
 
 
 @dataclass(frozen=True)

@@ -246,3 +246,51 @@ def test_fp8_centroids_halve_the_codebook_and_decode_what_encoding_subtracted(na
     raw = book.view(cache.packed.codebooks[0][slot], "k_centroids").float()
     scales = book.view(cache.packed.codebooks[0][slot], "k_centroid_scales").float()
     assert torch.equal(warm, raw * scales[..., None, None]) and float(warm.abs().max()) > 20  # scaled, not raw codes
+
+
+def test_key_outliers_store_the_largest_weighted_errors_and_count_their_bytes():
+    """outliers=n: per page and head, the n key entries of largest query-weighted error store that error
+    (fp16), so they come back to fp16 rounding; every other entry decodes as without outliers; the bytes
+    grow by exactly n * 4 per page and head; PSAC rows correct what is left."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v = _keys(), _keys(seed=3)
+    k[5, 0, 3], k[70, 1, 10] = 9.0, -7.0  # two spikes inside their channels' ranges: large errors
+    moment = query_second_moment(_queries(), 2)
+    state = lambda: CodecState(query_moment=moment)  # noqa: E731
+    base, sparse = codecs.get("quantwm:rank=0,kchannel=64,clip=true"), codecs.get("quantwm:rank=0,kchannel=64,clip=true,outliers=12")
+    chunk_base = base.encode(k, v, base.layout(geometry, 64), state())
+    chunk = sparse.encode(k, v, sparse.layout(geometry, 64), state())
+    kb, vb = base.decode(chunk_base)
+    ks, vs = sparse.decode(chunk)
+    assert torch.equal(vs, vb)  # values untouched
+    changed = (ks != kb).reshape(2, 64, 2, 64)  # [page, token, head, channel]
+    assert bool((changed.sum(dim=(1, 3)) <= 12).all()) and int(changed.sum()) > 0
+    moved = changed.reshape(k.shape)  # the entries kept come back to the fp16 rounding of their error
+    assert bool(((ks - k).abs()[moved] <= (k - kb).abs()[moved] * 2**-10 + 1e-6).all())
+    weights = channel_weights(moment)
+    score = ((k - kb) ** 2 * weights[None]).reshape(2, 64, 2, 64).permute(0, 2, 1, 3).reshape(2, 2, -1)
+    picked = changed.permute(0, 2, 1, 3).reshape(2, 2, -1)
+    for page in range(2):
+        for head in range(2):  # no entry left out has a larger weighted error than one kept
+            kept, left = score[page, head][picked[page, head]], score[page, head][~picked[page, head]]
+            assert float(kept.min()) >= float(left.max()) * (1 - 1e-6)
+    assert chunk.nbytes - chunk_base.nbytes == 2 * 2 * 12 * 4  # 2 pages x 2 heads x 12 x (int16 + fp16)
+    assert float((k - ks).norm()) < float((k - kb).norm())
+    # with PSAC rows on top: never worse than either alone, row for row under the query-weighted error
+    both = codecs.get("quantwm:rank=4,kchannel=64,clip=true,outliers=12")
+    kk = both.decode(both.encode(k, v, both.layout(geometry, 64), state()))[0]
+    qerr = lambda e: torch.einsum("thd,hde,the->th", e, moment, e)  # noqa: E731
+    assert bool((qerr(k - kk) <= qerr(k - ks) * (1 + 1e-3) + 1e-4).all())
+
+
+def test_key_outliers_are_refused_by_the_kernels_and_checked():
+    from kvbackend.errors import SpecError, UnsupportedLayout
+    from kvbackend.scheme import kernel_schemes
+
+    codec = codecs.get("quantwm:rank=0,kchannel=64,outliers=4")
+    with pytest.raises(UnsupportedLayout, match="k_out_index"):  # never read while ignoring the outliers
+        kernel_schemes(codec, codec.layout(Geometry(1, 2, 64, torch.float16), 64), levers_read=True)
+    with pytest.raises(SpecError, match="outliers"):
+        codecs.get("quantwm:outliers=5000").layout(Geometry(1, 2, 64, torch.float32), 64)
+    with pytest.raises(SpecError, match="int16"):
+        codecs.get("quantwm:outliers=4").layout(Geometry(1, 2, 256, torch.float32), 256)

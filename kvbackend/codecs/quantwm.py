@@ -43,6 +43,9 @@ class QuantWMSpec(QVGSpec):
     rank: int = ranged(8, 0, 1024)
     # fraction of a page's tokens that get a PSAC row (1 = every token, no index)
     keep: float = ranged(1.0, 0.0, 1.0, open_lo=True)
+    # sparse key outliers: per page and head, the key entries with the largest query-weighted error get
+    # their error stored exactly (fp16 value, int16 position in the page): 4 bytes each (0 = off)
+    outliers: int = ranged(0, 0, 4096)
 
     def psac_rows(self, page_size: int) -> int:
         """PSAC rows per page and head."""
@@ -98,6 +101,9 @@ class QuantWMCodec(QVGCodec):
             raise SpecError(f"quantwm: keep={s.keep} must be a fraction in (0, 1]")
         if s.sparse and page_size > 256:
             raise SpecError(f"quantwm: keep < 1 stores uint8 token indices, so page_size={page_size} must be <= 256")
+        if s.outliers and (s.outliers > page_size * geometry.head_dim or page_size * geometry.head_dim > 1 << 15):
+            raise SpecError(f"quantwm: outliers={s.outliers} must be at most page_size * head_dim "
+                            f"({page_size * geometry.head_dim}), which must be at most 32768 (int16 positions)")
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         page, book = super().fields(geometry, page_size)
@@ -108,6 +114,9 @@ class QuantWMCodec(QVGCodec):
             if self.spec.sparse:
                 page += [("k_psac_token", torch.uint8, (n, h))]
             book += [("k_psac_basis", torch.bfloat16, (h, d, r))]
+        if self.spec.outliers:
+            n = self.spec.outliers
+            page += [("k_out_index", torch.int16, (n, h)), ("k_out_value", torch.float16, (n, h))]
         return page, book
 
     def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
@@ -119,12 +128,39 @@ class QuantWMCodec(QVGCodec):
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
         super()._encode(k, v, layout, pages, codebook, state)
-        if self.spec.rank and state.query_moment is not None:
-            self._encode_psac(k, layout, pages, codebook, state.query_moment.to(k.device).float())
+        moment = state.query_moment.to(k.device).float() if state.query_moment is not None else None
+        if self.spec.outliers:
+            self._encode_outliers(k, layout, pages, codebook, moment)
+        if self.spec.rank and moment is not None:
+            self._encode_psac(k, layout, pages, codebook, moment)
+
+    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor | None) -> None:
+        """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
+        channel weights when the chunk has query statistics) store their error exactly (fp16)."""
+        p, (_, h, d) = layout.page_size, k.shape
+        approx, _ = super()._decode(layout, pages, codebook)
+        error = to_pages(k - approx, p).permute(0, 2, 1, 3).reshape(-1, h, p * d)  # [N, H, P*D]
+        weights = channel_weights(moment) if moment is not None else torch.ones(h, d, device=k.device)
+        score = error.reshape(-1, h, p, d) ** 2 * weights[None, :, None, :]
+        index = score.reshape(-1, h, p * d).topk(self.spec.outliers, dim=-1).indices  # [N, H, n]
+        value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
+        layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))
+        layout.page.view(pages, "k_out_value").copy_(value.transpose(1, 2))
+
+    def _decode_base(self, layout: PageLayout, pages, codebook):
+        """QVG's reconstruction plus the key outliers (everything but the PSAC rows)."""
+        k, v = super()._decode(layout, pages, codebook)
+        if not self.spec.outliers:
+            return k, v
+        p, (_, h, d) = layout.page_size, k.shape
+        index = layout.page.view(pages, "k_out_index").long().transpose(1, 2)  # [N, H, n]
+        value = layout.page.view(pages, "k_out_value").float().transpose(1, 2)
+        flat = to_pages(k, p).permute(0, 2, 1, 3).reshape(-1, h, p * d).scatter_add(2, index, value)
+        return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3)), v
 
     def _encode_psac(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor) -> None:
         r, p = self.spec.rank, layout.page_size
-        approx, _ = super()._decode(layout, pages, codebook)  # keys without the correction
+        approx, _ = self._decode_base(layout, pages, codebook)  # keys without the correction
         _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
         basis = vectors[:, :, -r:].to(torch.bfloat16)  # [H, D, r] as stored
         u = basis.float()
@@ -151,7 +187,7 @@ class QuantWMCodec(QVGCodec):
         layout.page.view(pages, "k_psac_scale").copy_(scale)
 
     def _decode(self, layout: PageLayout, pages, codebook):
-        k, v = super()._decode(layout, pages, codebook)
+        k, v = self._decode_base(layout, pages, codebook)
         if self.spec.rank:
             codes = layout.page.view(pages, "k_psac").float()  # [N, n, H, r]
             scale = layout.page.view(pages, "k_psac_scale").float()  # [N, n, H]
