@@ -17,6 +17,12 @@ codec is QVG with an empty PSAC (cold start: uniform channel weights, no correct
   the n whose row lowers e^T M e the most, with a uint8 token index per row (the page layout is fixed
   in size, so the budget is a fraction of the page, not a per-chunk choice). At rank 8 and head_dim
   64 a dense row costs 1.25 bpv; keep=0.25 costs 0.34.
+- Sparse key outliers (``outliers=N``): per page and head, the N key entries whose error after the
+  quantizer is largest, weighted by the query channel weights diag(M) when the chunk has them, store
+  that error as fp16 with an int16 position in the page (4 bytes each: N=16 on 64-token pages of
+  head_dim 64 costs 0.0625 bpv). With clipped steps (``clip=true``) these are the entries the clip
+  cut, so the pair acts as a dense-and-sparse quantizer. PSAC rows then fit what is left. No kernel
+  reads them yet: `kvbackend.scheme.kernel_schemes` refuses such layouts (the torch reference serves).
 """
 
 from __future__ import annotations
