@@ -258,7 +258,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                           PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                           PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
-                          PSAC_BASIS: tl.constexpr):
+                          PSAC_BASIS: tl.constexpr, OUT_N: tl.constexpr, OUT_NP: tl.constexpr,
+                          OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr):
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     # Levers (`kernels/levers.py`; `supports_levers`): per-channel keys are rebuilt explicitly when
     # each key must be rotated (pre-RoPE), in RoPE's two halves; page-relative keys take the query
@@ -508,6 +509,8 @@ def supports_levers(k: TensorScheme, levers) -> bool:
     (the query rotated per page) with per-channel keys."""
     if levers is None or not levers.active:
         return True
+    if levers.outliers:  # key outliers: the plain kernel adds them to its key tiles
+        return False
     return k.mode == CHANNEL_GROUPS or not (levers.prerope or levers.pagerope)
 
 

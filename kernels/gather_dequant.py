@@ -2,7 +2,7 @@
 
 One program per (work page, KV head) reconstructs the page's tokens and writes them at the
 request's rows (cu_seqlens layout). Packed pages leave in the original frame: PSAC rows added,
-pre-RoPE and page-relative keys rotated, rotated values rotated back and sink tokens written over (`kernels/levers.py`).
+key outliers added, pre-RoPE and page-relative keys rotated, rotated values rotated back and sink tokens written over (`kernels/levers.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants,
-                                      load_hadamard, page_rotation, psac_fix, rope_tables, rotate_halves, sink_tile)
+                                      load_hadamard, outlier_fix, page_rotation, psac_fix, rope_tables, rotate_halves,
+                                      sink_tile)
 
 
 @triton.jit
@@ -35,7 +36,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
                            SINK_ROWS: tl.constexpr, ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr,
                            PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                            PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
-                           PSAC_BASIS: tl.constexpr):
+                           PSAC_BASIS: tl.constexpr, OUT_N: tl.constexpr, OUT_NP: tl.constexpr,
+                           OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr):
     w = tl.program_id(0)
     h = tl.program_id(1)
     page = tl.load(page_ids + w).to(tl.int64)
@@ -56,6 +58,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
         if PSAC_R:
             k += psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, PSAC_R, PSAC_N, PSAC_NP,
                           PSAC_SPARSE, PSAC_CODES, PSAC_SCALE, PSAC_TOKEN, PSAC_BASIS)
+        if OUT_N:  # key outliers, in the stored frame like the rest of the key
+            k += outlier_fix(u8, i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE, 0, D)
         if ROPE:  # R(p0 + t) = R(p0) R(t)
             cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
             cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)

@@ -105,7 +105,28 @@ def lever_constants(levers: LeverScheme | None) -> dict:
         "PSAC_R": lv.psac_rank, "PSAC_N": rows, "PSAC_NP": max(16, triton.next_power_of_2(max(rows, 1))),
         "PSAC_SPARSE": lv.psac_token != NONE, "PSAC_CODES": max(lv.psac_codes, 0),
         "PSAC_SCALE": max(lv.psac_scale, 0), "PSAC_TOKEN": max(lv.psac_token, 0), "PSAC_BASIS": max(lv.psac_basis, 0),
+        "OUT_N": lv.outliers, "OUT_NP": max(16, triton.next_power_of_2(max(lv.outliers, 1))),
+        "OUT_INDEX": max(lv.out_index, 0), "OUT_VALUE": max(lv.out_value, 0),
     }
+
+
+@triton.jit
+def outlier_fix(u8, i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+                NP: tl.constexpr, INDEX: tl.constexpr, VALUE: tl.constexpr, C0: tl.constexpr, W: tl.constexpr):
+    """The key outliers of head ``h`` of packed page ``page`` for tokens ``t`` [BT], channels C0 .. C0 + W - 1:
+    [BT, W] float32, zero where no outlier sits. A product of a token one-hot [BT, NP] and the outliers
+    spread over their channels [NP, W]: every element has at most one term, so it is exact."""
+    i = tl.arange(0, NP)
+    live = i < N
+    index = tl.load(i16 + page * (PAGE_BYTES // 2) + INDEX // 2 + i * H + h, mask=live, other=0).to(tl.int32)
+    value = tl.load(i16 + page * (PAGE_BYTES // 2) + VALUE // 2 + i * H + h, mask=live, other=0)
+    value = value.to(tl.float16, bitcast=True)
+    token = tl.where(live, index // D, -1)
+    channel = index % D
+    c = C0 + tl.arange(0, W)
+    onehot = (t[:, None] == token[None, :]).to(tl.float16)  # [BT, NP]
+    spread = tl.where(channel[:, None] == c[None, :], value[:, None], 0.0).to(tl.float16)  # [NP, W]
+    return tl.dot(onehot, spread)
 
 
 @triton.jit

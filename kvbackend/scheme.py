@@ -67,6 +67,9 @@ class LeverScheme:
     psac_scale: int = NONE
     psac_token: int = NONE  # NONE: row i corrects token i
     psac_basis: int = NONE
+    outliers: int = 0  # key outliers per page and head (0 = none): int16 positions t * D + d, fp16 errors
+    out_index: int = NONE
+    out_value: int = NONE
 
     @property
     def active(self) -> bool:
@@ -74,7 +77,7 @@ class LeverScheme:
 
 
 # Every field some kernel reads; a layout with any other field is refused by `kernel_schemes`.
-PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token"}
+PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token", "k_out_index", "k_out_value"}
                              | {f"{x}_{n}" for x in "kv" for n in ("codes", "scales", "zeros", "assign")})
 BOOK_FIELDS_READ = frozenset({"k_centroids", "v_centroids", "k_centroid_scales", "v_centroid_scales", "k_psac_basis",
                               "sink_k", "sink_v"})
@@ -108,6 +111,9 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
         fields.update(psac_rank=rank, psac_rows=rows, psac_codes=page["k_psac"].offset,
                       psac_scale=page["k_psac_scale"].offset, psac_token=token.offset if token is not None else NONE,
                       psac_basis=book["k_psac_basis"].offset)
+    if "k_out_index" in page:
+        fields.update(outliers=page["k_out_index"].shape[0], out_index=page["k_out_index"].offset,
+                      out_value=page["k_out_value"].offset)
     return LeverScheme(prerope=levers.prerope, pagerope=levers.pagerope, vrot=levers.vrot == "hadamard", **fields)
 
 
@@ -126,7 +132,7 @@ def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tupl
     if unread:  # a field no kernel reads would be ignored, and its pages served wrong
         raise UnsupportedLayout(f"no kernel reads the fields {', '.join(unread)} of {codec.spec_string!r}; "
                                 "the torch reference serves it")
-    if not levers_read and ("k_psac" in page or codec.levers.active):
+    if not levers_read and ("k_psac" in page or "k_out_index" in page or codec.levers.active):
         raise UnsupportedLayout(f"{codec.spec_string!r} has levers or PSAC rows: pass levers_read=True and "
                                 "the kernels `levers=lever_scheme(codec, layout)`")
     out = []

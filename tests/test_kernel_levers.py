@@ -21,6 +21,9 @@ CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     (RECIPE, 16, [97], 1, 2),
     (RECIPE + ",cdtype=fp8", 16, [45, 70], 4, 16),  # the recipe over fp8 centroids (the recommended spec's)
     (PAGE_RECIPE + ",cdtype=fp8", 32, [75, 5], 2, 8),
+    (RECIPE + ",cdtype=fp8,outliers=16", 16, [45, 70, 3], 4, 16),  # key outliers (plain kernel, RoPE halves)
+    (PAGE_RECIPE + ",outliers=5", 32, [75, 40], 2, 8),  # page-relative keys with outliers
+    ("quantwm:rank=0,centroids=4,kchannel=16,outliers=40", 16, [50], 3, 4),  # outliers alone, NP = 64
     ("kivi:bits=2,group=16,sink=3", 16, [40, 33], 3, 16),
     ("kivi:bits=2,group=16,sink=16", 16, [50, 16], 2, 64),  # the sinks fill page 0: a split of it is all masked
     ("kivi:bits=4,group=16,prerope=true", 16, [80], 2, 4),

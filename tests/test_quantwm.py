@@ -283,13 +283,18 @@ def test_key_outliers_store_the_largest_weighted_errors_and_count_their_bytes():
     assert bool((qerr(k - kk) <= qerr(k - ks) * (1 + 1e-3) + 1e-4).all())
 
 
-def test_key_outliers_are_refused_by_the_kernels_and_checked():
+def test_key_outliers_are_read_with_the_levers_only_and_checked():
     from kvbackend.errors import SpecError, UnsupportedLayout
-    from kvbackend.scheme import kernel_schemes
+    from kvbackend.scheme import kernel_schemes, lever_scheme
 
     codec = codecs.get("quantwm:rank=0,kchannel=64,outliers=4")
-    with pytest.raises(UnsupportedLayout, match="k_out_index"):  # never read while ignoring the outliers
-        kernel_schemes(codec, codec.layout(Geometry(1, 2, 64, torch.float16), 64), levers_read=True)
+    layout = codec.layout(Geometry(1, 2, 64, torch.float16), 64)
+    with pytest.raises(UnsupportedLayout, match="levers_read"):  # never read while ignoring the outliers
+        kernel_schemes(codec, layout)
+    kernel_schemes(codec, layout, levers_read=True)
+    levers = lever_scheme(codec, layout)
+    assert levers.active and levers.outliers == 4
+    assert levers.out_index == layout.page.fields["k_out_index"].offset
     with pytest.raises(SpecError, match="outliers"):
         codecs.get("quantwm:outliers=5000").layout(Geometry(1, 2, 64, torch.float32), 64)
     with pytest.raises(SpecError, match="int16"):
