@@ -281,13 +281,13 @@ class KVBackendStorage(HiCacheStorage):
                 if trailer is not None and trailer.key == key:
                     valid.append(i)
             pages = [None] * len(buffers)
-            try:
-                for at in range(0, len(valid), BATCH_PAGES):
-                    rows = valid[at : at + BATCH_PAGES]
+            for at in range(0, len(valid), BATCH_PAGES):  # a batch that fails is a miss for its pages alone
+                rows = valid[at : at + BATCH_PAGES]
+                try:
                     for i, page in zip(rows, self._decode_batch([buffers[i] for i in rows])):
                         pages[i] = page
-            except Exception as exc:
-                self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
+                except Exception as exc:
+                    self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
         for buffer, good, key in zip(buffers, found, ints) if not self._batched() else ():
             if not good or buffer.numel() == 0:
                 pages.append(None)

@@ -104,9 +104,12 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
     """Inverse of `quantize`, in float32."""
-    c = codes.float()
+    c = codes.to(torch.float32, copy=True)  # a copy of its own (float codes would alias): worked on in place
     s = scale.float().unsqueeze(-1)
-    if zero is None:
+    z = zero.float().unsqueeze(-1) if zero is not None else None
+    if torch.broadcast_shapes(c.shape, s.shape, *(() if z is None else (z.shape,))) != c.shape:
+        c = c.expand(torch.broadcast_shapes(c.shape, s.shape, *(() if z is None else (z.shape,)))).clone()
+    if z is None:
         qmax = (1 << (bits - 1)) - 1
         return c.sub_(qmax).mul_(s)
-    return c.mul_(s).add_(zero.float().unsqueeze(-1))
+    return c.mul_(s).add_(z)

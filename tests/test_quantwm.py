@@ -299,3 +299,28 @@ def test_key_outliers_are_read_with_the_levers_only_and_checked():
         codecs.get("quantwm:outliers=5000").layout(Geometry(1, 2, 64, torch.float32), 64)
     with pytest.raises(SpecError, match="int16"):
         codecs.get("quantwm:outliers=4").layout(Geometry(1, 2, 256, torch.float32), 256)
+
+
+def test_key_outliers_skip_the_padding_of_a_partial_last_page():
+    """A partial last page is padded with copies of the last token; outlier slots go to real tokens only."""
+    codec = codecs.get("quantwm:group=16,rank=0,kchannel=16,outliers=3")
+    layout = codec.layout(Geometry(1, 1, 32, torch.float32), 32)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(33, 1, 32, generator=g), torch.randn(33, 1, 32, generator=g)
+    k[32, 0, 5] = 30.0  # the last (and only real) token of page 1 has the page's largest errors
+    chunk = codec.encode(k, v, layout)
+    tokens = layout.page.view(chunk.pages, "k_out_index")[1, :, 0].long() // 32
+    assert tokens.tolist() == [0, 0, 0]
+    assert abs(float(codec.decode(chunk)[0][32, 0, 5]) - 30.0) < 0.02
+
+
+def test_dequantize_leaves_float_codes_alone():
+    from kvbackend.quant import dequantize
+
+    codes = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    before = codes.clone()
+    out = dequantize(codes, torch.tensor([2.0]), torch.tensor([1.0]), 2)
+    assert torch.equal(codes, before) and torch.equal(out, torch.tensor([[1.0, 3.0, 5.0, 7.0]]))
+    codes, scale = torch.tensor([0, 3], dtype=torch.uint8), torch.tensor([[1.0], [2.0]])
+    wide = dequantize(codes, scale, None, 2)  # scales with more leading dimensions broadcast, as out of place
+    assert torch.equal(wide, (codes.float() - 1) * scale.unsqueeze(-1)) and wide.shape == (2, 1, 2)

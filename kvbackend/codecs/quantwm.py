@@ -21,8 +21,9 @@ codec is QVG with an empty PSAC (cold start: uniform channel weights, no correct
   quantizer is largest, weighted by the query channel weights diag(M) when the chunk has them, store
   that error as fp16 with an int16 position in the page (4 bytes each: N=16 on 64-token pages of
   head_dim 64 costs 0.0625 bpv). With clipped steps (``clip=true``) these are the entries the clip
-  cut, so the pair acts as a dense-and-sparse quantizer. PSAC rows then fit what is left. No kernel
-  reads them yet: `kvbackend.scheme.kernel_schemes` refuses such layouts (the torch reference serves).
+  cut, so the pair acts as a dense-and-sparse quantizer. PSAC rows then fit what is left. The gather
+  kernel and the plain decode kernel add them to their key tiles; the folded kernel leaves such layouts
+  to the plain one.
 """
 
 from __future__ import annotations
@@ -148,6 +149,13 @@ class QuantWMCodec(QVGCodec):
         error = to_pages(k - approx, p).permute(0, 2, 1, 3).reshape(-1, h, p * d)  # [N, H, P*D]
         weights = channel_weights(moment) if moment is not None else torch.ones(h, d, device=k.device)
         score = error.reshape(-1, h, p, d) ** 2 * weights[None, :, None, :]
+        # `Codec.encode` pads a partial last page with copies of the last token: they share its errors, so
+        # only the first of a trailing run of identical rows may take outlier slots
+        same = (k == k[-1]).flatten(1).all(1).flip(0).cumprod(0)  # 1 for the trailing run, from the end
+        copies = int(same.sum()) - 1
+        if copies:
+            rows = torch.arange(k.shape[0] - copies, k.shape[0], device=k.device)
+            score[rows // p, :, rows % p] = -1.0
         index = score.reshape(-1, h, p * d).topk(self.spec.outliers, dim=-1).indices  # [N, H, n]
         value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
         layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))
