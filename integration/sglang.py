@@ -166,7 +166,7 @@ class KVBackendStorage(HiCacheStorage):
         return list(blobs)
 
     def _decode_batch(self, blobs: List[torch.Tensor]) -> torch.Tensor:
-        """Pages [N, 2, L, P, H, D] from blobs `_decode_checked` accepted, in one codec call."""
+        """Pages [N, 2, L, P, H, D] from blobs `_is_page_of` accepted, in one codec call."""
         start = time.perf_counter()
         g, lay = self.geometry, self.layout
         n = len(blobs)
@@ -180,6 +180,14 @@ class KVBackendStorage(HiCacheStorage):
 
     def _batched(self) -> bool:
         return self.codec is not None and self.codec.page_local and not self.group.has_codebooks
+
+    def _is_page_of(self, blob: torch.Tensor, key: int) -> bool:
+        """Whether ``blob`` is a page group of this configuration whose trailer names ``key``."""
+        group = self.group
+        if blob.numel() < group.books_offset:
+            return False
+        trailer = group.unpack_trailer(bytes(blob[group.pages_bytes : group.books_offset].numpy()))
+        return trailer is not None and trailer.key == key and group.length(trailer.carries_codebook) == blob.numel()
 
     def _decode(self, blob: torch.Tensor, key: int) -> torch.Tensor:
         start = time.perf_counter()
@@ -196,8 +204,7 @@ class KVBackendStorage(HiCacheStorage):
                 self._stats["decode_s"] += time.perf_counter() - start
             return out
         group = self.group
-        trailer = group.unpack_trailer(bytes(blob[group.pages_bytes : group.books_offset].numpy()))
-        if trailer is None or trailer.key != key or group.length(trailer.carries_codebook) != blob.numel():
+        if not self._is_page_of(blob, key):
             raise CorruptStream("the stored page group is not this key's page of this configuration")
         out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)
         for layer in range(g.num_layers):
@@ -228,25 +235,33 @@ class KVBackendStorage(HiCacheStorage):
     def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
         self.mem_pool_host.set_from_flat_data_page(index, self._flat_from_page(page))
 
-    def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+    def _encode_all(self, keys: List[str], pages: List[torch.Tensor]) -> tuple[list, list, list]:
+        """(blobs, integer keys, encoded?) of ``pages``: in batches when the codec is page-local; a batch
+        that fails (a page with non-finite values, ...) goes page by page, so a bad page fails alone."""
         blobs, ints, ok = [], [], []
-        if self._batched() and pages:
-            try:
-                for at in range(0, len(pages), BATCH_PAGES):
-                    part = [self._key(k) for k in keys[at : at + BATCH_PAGES]]
-                    blobs += self._encode_batch(pages[at : at + BATCH_PAGES], part)
+        step = BATCH_PAGES if self._batched() else 1
+        for at in range(0, len(pages), step):
+            part = [self._key(k) for k in keys[at : at + step]]
+            if step > 1:
+                try:
+                    blobs += self._encode_batch(pages[at : at + step], part)
                     ints += part
-                ok = [True] * len(pages)
-            except Exception:  # one bad page (non-finite values, ...): page by page below, so it fails alone
-                blobs, ints, ok = [], [], []
-        for key, page in zip(keys, pages) if not ok else ():
-            try:
-                blobs.append(self._encode(page, self._key(key)))
-                ints.append(self._key(key))
-                ok.append(True)
-            except Exception as exc:  # a bad page fails alone, never the I/O thread
-                self._log_once("encode", f"kvbackend storage: encoding a page failed: {exc!r}")
-                ok.append(False)
+                    ok += [True] * len(part)
+                    continue
+                except Exception:
+                    pass
+            for key, page in zip(part, pages[at : at + step]):
+                try:
+                    blobs.append(self._encode(page, key))
+                    ints.append(key)
+                    ok.append(True)
+                except Exception as exc:  # a bad page fails alone, never the I/O thread
+                    self._log_once("encode", f"kvbackend storage: encoding a page failed: {exc!r}")
+                    ok.append(False)
+        return blobs, ints, ok
+
+    def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        blobs, ints, ok = self._encode_all(keys, pages)
         if not ints:
             return ok
         try:
@@ -273,13 +288,8 @@ class KVBackendStorage(HiCacheStorage):
         found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers]).result()  # exact length
         pages: list[Optional[torch.Tensor]] = []
         if self._batched():
-            group = self.group
-            valid = []
-            for i, (buffer, good, key) in enumerate(zip(buffers, found, ints)):
-                trailer = group.unpack_trailer(bytes(buffer[group.pages_bytes : group.books_offset].numpy())) \
-                    if good and buffer.numel() == self.blob_bytes else None
-                if trailer is not None and trailer.key == key:
-                    valid.append(i)
+            valid = [i for i, (buffer, good, key) in enumerate(zip(buffers, found, ints))
+                     if good and buffer.numel() == self.blob_bytes and self._is_page_of(buffer, key)]
             pages = [None] * len(buffers)
             for at in range(0, len(valid), BATCH_PAGES):  # a batch that fails is a miss for its pages alone
                 rows = valid[at : at + BATCH_PAGES]
