@@ -22,6 +22,10 @@ TEXTS = {
     "/usr/share/common-licenses/GPL-3": "legal (GPL-3)",
     "/root/.pyenv/versions/3.12.1/lib/python3.12/argparse.py": "code (argparse.py)",
     "/usr/share/doc/dpkg/spec/triggers.txt": "technical (dpkg triggers)",
+    # held out: never used to choose a spec (eval23 onwards)
+    "/usr/share/common-licenses/GFDL-1.3": "held-out legal (GFDL-1.3)",
+    "/root/.pyenv/versions/3.12.1/lib/python3.12/subprocess.py": "held-out code (subprocess.py)",
+    "/usr/share/doc/git/contrib/subtree/git-subtree.txt": "held-out technical (git-subtree.txt)",
 }
 
 
