@@ -82,6 +82,7 @@ PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token"
 BOOK_FIELDS_READ = frozenset({"k_centroids", "v_centroids", "k_centroid_scales", "v_centroid_scales", "k_psac_basis",
                               "sink_k", "sink_v"})
 MAX_KERNEL_PSAC_RANK = 16  # the kernels pad the rank to one 16-wide tensor-core operand
+MAX_KERNEL_OUTLIERS = 64  # key outliers per page and head the kernels hold as one [page, outliers] one-hot
 
 
 def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
@@ -89,7 +90,8 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
 
     Raises:
         UnsupportedLayout: for a lever no kernel reads (the sequence-level ``psac=`` lever, a PSAC rank
-            above `MAX_KERNEL_PSAC_RANK`, or a rotation other than Hadamard).
+            above `MAX_KERNEL_PSAC_RANK`, more key outliers than `MAX_KERNEL_OUTLIERS`, or a rotation
+            other than Hadamard).
     """
     levers, page, book = codec.levers, layout.page.fields, layout.codebook.fields
     if levers.psac:
@@ -112,6 +114,9 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
                       psac_scale=page["k_psac_scale"].offset, psac_token=token.offset if token is not None else NONE,
                       psac_basis=book["k_psac_basis"].offset)
     if "k_out_index" in page:
+        if page["k_out_index"].shape[0] > MAX_KERNEL_OUTLIERS:
+            raise UnsupportedLayout(f"the kernels add at most {MAX_KERNEL_OUTLIERS} key outliers per page and head, "
+                                    f"got {page['k_out_index'].shape[0]}")
         fields.update(outliers=page["k_out_index"].shape[0], out_index=page["k_out_index"].offset,
                       out_value=page["k_out_value"].offset)
     return LeverScheme(prerope=levers.prerope, pagerope=levers.pagerope, vrot=levers.vrot == "hadamard", **fields)

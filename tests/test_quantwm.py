@@ -295,6 +295,9 @@ def test_key_outliers_are_read_with_the_levers_only_and_checked():
     levers = lever_scheme(codec, layout)
     assert levers.active and levers.outliers == 4
     assert levers.out_index == layout.page.fields["k_out_index"].offset
+    many = codecs.get("quantwm:rank=0,kchannel=64,outliers=65")  # the torch reference serves these
+    with pytest.raises(UnsupportedLayout, match="at most 64 key outliers"):
+        lever_scheme(many, many.layout(Geometry(1, 2, 64, torch.float16), 64))
     with pytest.raises(SpecError, match="outliers"):
         codecs.get("quantwm:outliers=5000").layout(Geometry(1, 2, 64, torch.float32), 64)
     with pytest.raises(SpecError, match="int16"):
