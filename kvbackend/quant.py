@@ -102,12 +102,17 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
     return Quantized(q.to(torch.uint8), scale.to(store), zero.to(store))
 
 
+def _broadcasts_into(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without widening it (so an in-place op on ``target`` works)."""
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
     """Inverse of `quantize`, in float32."""
     c = codes.to(torch.float32, copy=True)  # a copy of its own (float codes would alias): worked on in place
     s = scale.float().unsqueeze(-1)
     z = zero.float().unsqueeze(-1) if zero is not None else None
-    if torch.broadcast_shapes(c.shape, s.shape, *(() if z is None else (z.shape,))) != c.shape:
+    if not all(_broadcasts_into(x.shape, c.shape) for x in (s, z) if x is not None):  # rare: wider scales
         c = c.expand(torch.broadcast_shapes(c.shape, s.shape, *(() if z is None else (z.shape,)))).clone()
     if z is None:
         qmax = (1 << (bits - 1)) - 1
