@@ -17,7 +17,7 @@ from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants,
-                                      load_hadamard, outlier_fix, page_rotation, psac_fix, rope_tables, rotate_halves,
+                                      load_hadamard, outlier_rows, outlier_tile, page_rotation, psac_fix, rope_tables, rotate_halves,
                                       sink_tile)
 
 
@@ -59,7 +59,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
             k += psac_fix(u8, i16, book_i16, page, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, PSAC_R, PSAC_N, PSAC_NP,
                           PSAC_SPARSE, PSAC_CODES, PSAC_SCALE, PSAC_TOKEN, PSAC_BASIS)
         if OUT_N:  # key outliers, in the stored frame like the rest of the key
-            k += outlier_fix(u8, i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE, 0, D)
+            onehot, channel, value = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE)
+            k += outlier_tile(onehot, channel, value, 0, D)
         if ROPE:  # R(p0 + t) = R(p0) R(t)
             cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
             cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)

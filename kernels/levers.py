@@ -111,20 +111,24 @@ def lever_constants(levers: LeverScheme | None) -> dict:
 
 
 @triton.jit
-def outlier_fix(u8, i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
-                NP: tl.constexpr, INDEX: tl.constexpr, VALUE: tl.constexpr, C0: tl.constexpr, W: tl.constexpr):
-    """The key outliers of head ``h`` of packed page ``page`` for tokens ``t`` [BT], channels C0 .. C0 + W - 1:
-    [BT, W] float32, zero where no outlier sits. A product of a token one-hot [BT, NP] and the outliers
-    spread over their channels [NP, W]: every element has at most one term, so it is exact."""
+def outlier_rows(i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+                 NP: tl.constexpr, INDEX: tl.constexpr, VALUE: tl.constexpr):
+    """The key outliers of head ``h`` of packed page ``page``: a token one-hot [BT, NP] fp16 for tokens
+    ``t`` [BT], and each outlier's channel [NP] and value [NP] fp16 (padding rows match no token)."""
     i = tl.arange(0, NP)
     live = i < N
     index = tl.load(i16 + page * (PAGE_BYTES // 2) + INDEX // 2 + i * H + h, mask=live, other=0).to(tl.int32)
     value = tl.load(i16 + page * (PAGE_BYTES // 2) + VALUE // 2 + i * H + h, mask=live, other=0)
-    value = value.to(tl.float16, bitcast=True)
     token = tl.where(live, index // D, -1)
-    channel = index % D
+    return (t[:, None] == token[None, :]).to(tl.float16), index % D, value.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def outlier_tile(onehot, channel, value, C0: tl.constexpr, W: tl.constexpr):
+    """Channels C0 .. C0 + W - 1 of the outliers `outlier_rows` read: [BT, W] float32, zero where none
+    sits. The token one-hot times the outliers spread over their channels: every element has at most
+    one term, so the product is exact."""
     c = C0 + tl.arange(0, W)
-    onehot = (t[:, None] == token[None, :]).to(tl.float16)  # [BT, NP]
     spread = tl.where(channel[:, None] == c[None, :], value[:, None], 0.0).to(tl.float16)  # [NP, W]
     return tl.dot(onehot, spread)
 

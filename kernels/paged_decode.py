@@ -24,8 +24,9 @@ from kvbackend.kernels import folded_decode, planar_decode
 from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
-from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, load_hadamard, outlier_fix, page_rotation,
-                                      psac_basis, psac_rows, query_and_partner, query_to_page, rope_tables, rotate_halves, sink_tile)
+from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, load_hadamard, outlier_rows,
+                                      outlier_tile, page_rotation, psac_basis, psac_rows, query_and_partner, query_to_page,
+                                      rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
 MERGE_SPLITS = 128  # the merge kernel reads at least this many splits (masked), so it rarely recompiles as requests grow
@@ -118,10 +119,10 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                     k_hi += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, D // 2,
                                                     D // 2)).to(tl.float16)
                 if OUT_N:
-                    k_lo += outlier_fix(u8, i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE, 0,
-                                        D // 2).to(tl.float16)
-                    k_hi += outlier_fix(u8, i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE,
-                                        D // 2, D // 2).to(tl.float16)
+                    onehot, channel, value = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX,
+                                                          OUT_VALUE)
+                    k_lo += outlier_tile(onehot, channel, value, 0, D // 2).to(tl.float16)
+                    k_hi += outlier_tile(onehot, channel, value, D // 2, D // 2).to(tl.float16)
                 cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
                 qb_lo = (q_lo * cos_0[None, :] + q_hi * sin_0[None, :]).to(tl.float16)
                 qb_hi = (q_hi * cos_0[None, :] - q_lo * sin_0[None, :]).to(tl.float16)
@@ -134,8 +135,9 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                 if PSAC_R:
                     k += tl.dot(coef, psac_basis(book_i16, slot, h, BOOK_BYTES, D, PSAC_R, PSAC_BASIS, 0, D)).to(tl.float16)
                 if OUT_N:
-                    k += outlier_fix(u8, i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE, 0,
-                                     D).to(tl.float16)
+                    onehot, channel, value = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX,
+                                                          OUT_VALUE)
+                    k += outlier_tile(onehot, channel, value, 0, D).to(tl.float16)
                 if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored: one query rotation per page
                     q_page = query_to_page(q_x, q_partner, base_cos, base_sin, j, D).to(tl.float16)
                     scores = tl.dot(q_page, tl.trans(k)) * scale_log2
