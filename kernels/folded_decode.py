@@ -34,8 +34,9 @@ from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, TOKEN_GROUPS, TensorScheme
 
 from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import centroid_rows, load_elements, magic_fp16, scale_zero
-from kvbackend.kernels.levers import (hadamard_apply, lever_constants as levers_off, page_rotation, psac_basis,
-                                      psac_rows, query_and_partner, query_to_page, rotate_halves)
+from kvbackend.kernels.levers import (hadamard_apply, lever_constants as levers_off, outlier_rows, outlier_tile,
+                                      page_rotation, psac_basis, psac_rows, query_and_partner, query_to_page,
+                                      rotate_halves)
 
 RESCALE_LOG2 = tl.constexpr(8.0)  # rescale accumulators only when a row's running maximum grows by more than this
 VFOLD_DEFAULT = False  # values: scales on the probabilities (True) or on the codes in registers (False, measured faster)
@@ -263,7 +264,8 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     # Levers (`kernels/levers.py`; `supports_levers`): per-channel keys are rebuilt explicitly when
     # each key must be rotated (pre-RoPE), in RoPE's two halves; page-relative keys take the query
-    # rotated once per page; PSAC rows add (q . basis) . coefficients per token; sinks are masked here
+    # rotated once per page; PSAC rows add (q . basis) . coefficients per token, key outliers (q at their
+    # channels times their values) per token, or join rebuilt keys; sinks are masked here
     # and attended in the merge; rotated values are rotated back once, after the packed pages.
     EXPLICIT: tl.constexpr = ROPE
 
@@ -372,6 +374,11 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                 k_hi = _channel_keys(u8, i16, i32, book_i16, page, slot, h, blk, rows, t, coef, HALF, HALF, PAGE_BYTES,
                                      BOOK_BYTES, ASM, H, D, K_BITS, K_SYMMETRIC, K_KIND, K_ESIZE, K_CODES, K_SCALES,
                                      K_ZEROS, K_STAGES, K_C, KCP, K_BOOK, K_ASSIGN, P, PSAC_R, PSAC_BASIS, K_CSCALE)
+                if OUT_N:  # key outliers join the rebuilt keys before their rotation
+                    onehot_o, channel_o, value_o = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP,
+                                                                OUT_INDEX, OUT_VALUE)
+                    k_lo += outlier_tile(onehot_o, channel_o, value_o, 0, HALF).to(tl.float16)
+                    k_hi += outlier_tile(onehot_o, channel_o, value_o, HALF, HALF).to(tl.float16)
                 # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k)  (EXPLICIT is pre-RoPE keys)
                 cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
                 qb_lo = (q_lo32 * cos_0[None, :] + q_hi32 * sin_0[None, :]).to(tl.float16)
@@ -399,6 +406,12 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                 coef = psac_rows(u8, i16, page, h, t, PAGE_BYTES, H, PSAC_R, PSAC_N, PSAC_NP, PSAC_SPARSE, PSAC_CODES,
                                  PSAC_SCALE, PSAC_TOKEN)
                 scores += tl.dot(q_basis, tl.trans(coef))
+            if OUT_N and not EXPLICIT:  # key outliers' score term: q at each outlier's channel times its value
+                onehot_o, channel_o, value_o = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX,
+                                                            OUT_VALUE)  # onehot [BT, NP]
+                spread = tl.where(channel_o[:, None] == d[None, :], value_o[:, None], 0.0).to(tl.float16)  # [NP, D]
+                q_out = tl.dot(q_page16, tl.trans(spread))  # [ROWS, NP]
+                scores += tl.dot(q_out.to(tl.float16), tl.trans(onehot_o))
             if PAGES == 2:
                 scores = tl.where(present[None, :], scores, float("-inf"))
             if SINK:  # the merge kernel attends to the exact sink tokens
@@ -509,8 +522,6 @@ def supports_levers(k: TensorScheme, levers) -> bool:
     (the query rotated per page) with per-channel keys."""
     if levers is None or not levers.active:
         return True
-    if levers.outliers:  # key outliers: the plain kernel adds them to its key tiles
-        return False
     return k.mode == CHANNEL_GROUPS or not (levers.prerope or levers.pagerope)
 
 
@@ -523,7 +534,7 @@ def launch(q, o_part, m_part, l_part, views, book_i16, dense, plan, scale_log2, 
     if constants["K_MODE"] != TOKEN_GROUPS or constants["K_STAGES"] or constants["V_STAGES"]:
         pages = 1
     lever_constants = lever_constants if lever_constants is not None else levers_off(None)
-    if any(lever_constants.get(name) for name in ("SINK", "ROPE", "PAGE_ROPE", "PSAC_R")):
+    if any(lever_constants.get(name) for name in ("SINK", "ROPE", "PAGE_ROPE", "PSAC_R", "OUT_N")):
         pages = 1  # the lever paths walk one page per block
     u8, i16, i32 = views
     _folded_decode_kernel[grid](

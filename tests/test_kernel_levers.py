@@ -24,6 +24,11 @@ CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     (RECIPE + ",cdtype=fp8,outliers=16", 16, [45, 70, 3], 4, 16),  # key outliers (plain kernel, RoPE halves)
     (PAGE_RECIPE + ",outliers=5", 32, [75, 40], 2, 8),  # page-relative keys with outliers
     ("quantwm:rank=0,centroids=4,kchannel=16,outliers=40", 16, [50], 3, 4),  # outliers alone, NP = 64
+    # 32-token pages: the folded kernel reads outliers too (joined to pre-RoPE keys, else a score term)
+    ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,outliers=16", 32, [75, 40], 2, 8),
+    ("quantwm:rank=0,centroids=4,kchannel=32,outliers=40", 32, [70], 2, 4),
+    ("quantwm:rank=4,keep=0.5,centroids=4,outliers=8", 32, [90, 40], 2, 8),  # per-token key groups
     ("kivi:bits=2,group=16,sink=3", 16, [40, 33], 3, 16),
     ("kivi:bits=2,group=16,sink=16", 16, [50, 16], 2, 64),  # the sinks fill page 0: a split of it is all masked
     ("kivi:bits=4,group=16,prerope=true", 16, [80], 2, 4),

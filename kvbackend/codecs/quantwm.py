@@ -22,8 +22,9 @@ codec is QVG with an empty PSAC (cold start: uniform channel weights, no correct
   that error as fp16 with an int16 position in the page (4 bytes each: N=16 on 64-token pages of
   head_dim 64 costs 0.0625 bpv). With clipped steps (``clip=true``) these are the entries the clip
   cut, so the pair acts as a dense-and-sparse quantizer. PSAC rows then fit what is left. The gather
-  kernel and the plain decode kernel add them to their key tiles; the folded kernel leaves such layouts
-  to the plain one.
+  kernel and the plain decode kernel add them to their key tiles; the folded decode kernel adds them as
+  a score term (q at each outlier's channel times its value), or to keys it rebuilds for pre-RoPE
+  rotation.
 """
 
 from __future__ import annotations
