@@ -462,6 +462,10 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
     ("recipe, no levers, no PSAC", _without_levers(RECOMMENDED_SPEC).replace("rank=4", "rank=0")),
     # the best point measured below 2.6 bpv (perf/NOTES.md, eval18): fp8 centroids and 16 key outliers a page
     ("recipe, fp8 centroids, key outliers", RECOMMENDED_SPEC + ",cdtype=fp8,outliers=16"),
+    # key outliers instead of PSAC rows, page-relative keys (the folded kernel's fast lever path): eval25/26
+    ("page-relative keys, outliers, no PSAC",
+     _OTHER_ROPE.replace("rank=4", "rank=0") + ",cdtype=fp8,outliers=24" if "pagerope=true" in _OTHER_ROPE
+     else RECOMMENDED_SPEC.replace("rank=4", "rank=0") + ",cdtype=fp8,outliers=24"),
 )
 
 
@@ -542,7 +546,7 @@ def levers(copy_bw):
                 r["cost_vs_plain_kernel_no_levers"] = r["ours_us"] / base["best_us_per_kernel"]["plain"] - 1
                 if "folded" in r["best_us_per_kernel"] and "folded" in base["best_us_per_kernel"]:
                     r["cost_folded_vs_folded"] = r["best_us_per_kernel"]["folded"] / base["best_us_per_kernel"]["folded"] - 1
-            for variant in LEVER_VARIANTS[:2] + LEVER_VARIANTS[-1:]:
+            for variant in LEVER_VARIANTS[:2] + LEVER_VARIANTS[-2:]:
                 r = by[variant[0]]
                 print(f"levers B={batch} L={length}: {variant[0]} costs {r['cost_vs_no_levers_no_psac'] * 100:+.1f}% "
                       "against its layout without levers and PSAC (best kernel each, graphs), "
