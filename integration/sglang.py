@@ -244,12 +244,14 @@ class KVBackendStorage(HiCacheStorage):
             part = [self._key(k) for k in keys[at : at + step]]
             if step > 1:
                 try:
-                    blobs += self._encode_batch(pages[at : at + step], part)
+                    batch = self._encode_batch(pages[at : at + step], part)
+                except Exception:  # a page with non-finite values, ...: page by page below, so it fails alone
+                    batch = None
+                if batch is not None:
+                    blobs += batch
                     ints += part
                     ok += [True] * len(part)
                     continue
-                except Exception:
-                    pass
             for key, page in zip(part, pages[at : at + step]):
                 try:
                     blobs.append(self._encode(page, key))
