@@ -158,3 +158,18 @@ def test_lever_variants_toggle_the_bases_own_key_frame():
         assert {getattr(lv, frame) for lv in parsed} == {False, True}
         assert not any(lv.prerope and lv.pagerope for lv in parsed)
         assert {lv.vrot for lv in parsed} == {"none", "hadamard"}
+
+
+def test_key_outliers_are_a_ladder_of_the_plan():
+    base = "quantwm:centroids=4,kchannel=32,rank=0,clip=true,vcluster=false,sink=4,prerope=true".replace(",", ";")
+    spec = f"auto:bpv=4.2,widths=2-3,outliers=0-8-32,base={base}"
+    chosen = plan(spec)
+    assert chosen.specs == plan(spec).specs and chosen.bits_per_value <= 4.2  # deterministic, within budget
+    parsed = [codecs.parse(s) for s in chosen.specs]
+    assert {p.outliers for p in parsed} <= {0, 8, 32} and any(p.outliers for p in parsed)  # the budget bought some
+    narrow = plan(spec.replace("outliers=0-8-32", "outliers=0"))
+    assert chosen.error < narrow.error  # and they lowered the attention error the planner minimises
+    with pytest.raises(SpecError, match="outliers"):
+        parse_auto("auto:bpv=3,outliers=0-16")  # the default base (kivi) stores no outliers
+    with pytest.raises(SpecError, match="outliers"):
+        parse_auto(f"auto:bpv=3,outliers=0-9999,base={base}")

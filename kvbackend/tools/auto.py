@@ -8,7 +8,7 @@ last queries is compared with the exact one (the prompt's own queries and keys: 
 the relative output error plus the fraction of queries whose most-attended key changes. At each grid
 point the same-byte variants (``variants=``: clipped steps, pre-RoPE keys and Hadamard values on or
 off) compete and the best stays. Starting from the narrowest point everywhere, the planner repeatedly
-takes the one-rung widening (keys, values or stages of one layer) with the largest error reduction
+takes the one-rung widening (keys, values, stages or key outliers of one layer) with the largest error reduction
 per stored byte, while the measured total stays within the budget. Deterministic for a given input.
 The plan is a list of per-layer codec specs.
 
@@ -65,6 +65,8 @@ class AutoSpec(Checked):
     widths: str = "2-3-4"  # candidate widths (of 2, 3, 4, 8), dash-separated
     # candidate residual stages (1..16) for qvg-family bases, dash-separated (e.g. 1-2); "": the base's
     stages: str = ""
+    # candidate key outliers per page and head (quantwm bases), dash-separated (e.g. 0-16-32); "": the base's
+    outliers: str = ""
     queries: int = ranged(128, 1, 1 << 20)  # last prefix queries scored per layer
 
 
@@ -99,6 +101,10 @@ def parse_auto(text: str) -> AutoSpec | None:
             raise SpecError(f"auto: stages={spec.stages} needs a base with residual stages (qvg, qvg-pro, quantwm), "
                             f"got {spec.base!r}")
         _dash_list("stages", spec.stages, range(1, MAX_STAGES + 1))
+    if spec.outliers:
+        if not hasattr(base, "outliers"):
+            raise SpecError(f"auto: outliers={spec.outliers} needs a base with key outliers (quantwm), got {spec.base!r}")
+        _dash_list("outliers", spec.outliers, range(0, 4097))
     return spec
 
 
@@ -169,6 +175,8 @@ def _ladders(spec: AutoSpec) -> list[tuple[str, list[int]]]:
                ("vbits", sorted(int(w) for w in spec.widths.split("-")))]
     if spec.stages:
         ladders.append(("stages", sorted(int(n) for n in spec.stages.split("-"))))
+    if spec.outliers:
+        ladders.append(("outliers", sorted(int(n) for n in spec.outliers.split("-"))))
     return ladders
 
 
