@@ -138,8 +138,8 @@ def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tupl
         raise UnsupportedLayout(f"no kernel reads the fields {', '.join(unread)} of {codec.spec_string!r}; "
                                 "the torch reference serves it")
     if not levers_read and ("k_psac" in page or "k_out_index" in page or codec.levers.active):
-        raise UnsupportedLayout(f"{codec.spec_string!r} has levers or PSAC rows: pass levers_read=True and "
-                                "the kernels `levers=lever_scheme(codec, layout)`")
+        raise UnsupportedLayout(f"{codec.spec_string!r} has levers, PSAC rows or key outliers: pass levers_read=True "
+                                "and the kernels `levers=lever_scheme(codec, layout)`")
     out = []
     for prefix in ("k", "v"):
         if prefix in page:  # identity / fp16 / bf16 / fp8: plain values

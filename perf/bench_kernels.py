@@ -464,8 +464,7 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
     ("recipe, fp8 centroids, key outliers", RECOMMENDED_SPEC + ",cdtype=fp8,outliers=16"),
     # key outliers instead of PSAC rows, page-relative keys (the folded kernel's fast lever path): eval25/26
     ("page-relative keys, outliers, no PSAC",
-     _OTHER_ROPE.replace("rank=4", "rank=0") + ",cdtype=fp8,outliers=24" if "pagerope=true" in _OTHER_ROPE
-     else RECOMMENDED_SPEC.replace("rank=4", "rank=0") + ",cdtype=fp8,outliers=24"),
+     RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true").replace("rank=4", "rank=0") + ",cdtype=fp8,outliers=24"),
 )
 
 

@@ -92,6 +92,12 @@ def qsac_score(x: torch.Tensor, cents: torch.Tensor, assign: torch.Tensor, weigh
     return (weights.reshape(h, 1, d // group, group).sum(-1) * (r.amax(-1) - r.amin(-1)) ** 2).sum(-1)
 
 
+def _by_head(x: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Keys ``[N*P, H, D]`` as ``[N, H, P*D]``: each page and head flat, position ``t * D + d`` (as stored)."""
+    _, h, d = x.shape
+    return to_pages(x, page_size).permute(0, 2, 1, 3).reshape(-1, h, page_size * d)
+
+
 class QuantWMCodec(QVGCodec):
     name: ClassVar[str] = "quantwm"
     uses_queries: ClassVar[bool] = True
@@ -147,12 +153,12 @@ class QuantWMCodec(QVGCodec):
         channel weights when the chunk has query statistics) store their error exactly (fp16)."""
         p, (_, h, d) = layout.page_size, k.shape
         approx, _ = super()._decode(layout, pages, codebook)
-        error = to_pages(k - approx, p).permute(0, 2, 1, 3).reshape(-1, h, p * d)  # [N, H, P*D]
+        error = _by_head(k - approx, p)  # [N, H, P*D]
         weights = channel_weights(moment) if moment is not None else torch.ones(h, d, device=k.device)
         score = error.reshape(-1, h, p, d) ** 2 * weights[None, :, None, :]
         # `Codec.encode` pads a partial last page with copies of the last token: they share its errors, so
-        # only the first of a trailing run of identical rows may take outlier slots
-        same = (k == k[-1]).flatten(1).all(1).flip(0).cumprod(0)  # 1 for the trailing run, from the end
+        # only the first of a trailing run of identical rows (within the last page) may take outlier slots
+        same = (k[-p:] == k[-1]).flatten(1).all(1).flip(0).cumprod(0)  # 1 for the trailing run, from the end
         copies = int(same.sum()) - 1
         if copies:
             rows = torch.arange(k.shape[0] - copies, k.shape[0], device=k.device)
@@ -170,7 +176,7 @@ class QuantWMCodec(QVGCodec):
         p, (_, h, d) = layout.page_size, k.shape
         index = layout.page.view(pages, "k_out_index").long().transpose(1, 2)  # [N, H, n]
         value = layout.page.view(pages, "k_out_value").float().transpose(1, 2)
-        flat = to_pages(k, p).permute(0, 2, 1, 3).reshape(-1, h, p * d).scatter_add(2, index, value)
+        flat = _by_head(k, p).scatter_add(2, index, value)
         return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3)), v
 
     def _encode_psac(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor) -> None:
