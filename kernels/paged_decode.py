@@ -20,7 +20,7 @@ from kvbackend.batch import BatchPlan
 from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme, TensorScheme
 
-from kvbackend.kernels import folded_decode, planar_decode
+from kvbackend.kernels import folded_decode, mma_decode, planar_decode
 from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
@@ -226,7 +226,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                  target_programs: int = 1024, num_warps: int = 4, num_stages: int | None = None,
                  unpack: int = 0, pair: int = 0, fold: bool | None = None,
                  fold_options: dict | None = None, planar: bool | None = None, levers: LeverScheme | None = None,
-                 rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 rotary: Rotary | None = None, mma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
@@ -252,6 +252,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             reads them all, the folded one those `folded_decode.supports_levers` names, the planar
             one none (``planar=True`` with levers raises).
         rotary: the model's RoPE, for pre-RoPE and page-relative keys.
+        mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit per-token-group layouts, no levers);
+            None = where `mma_decode.preferred` says so. True takes precedence over ``planar`` and ``fold``
+            and raises where the kernel cannot run or does not read the layout.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -275,6 +278,14 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
     levers = levers if levers is not None and levers.active else None
+    if mma is None:
+        mma = levers is None and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device)
+    elif mma:
+        usable, why = mma_decode.available(q.device)
+        if not usable:
+            raise ValueError(f"the tensor-core decode kernel cannot run here: {why}")
+        if levers is not None:
+            raise ValueError("the tensor-core decode kernel reads no levers or PSAC rows; the plain kernel does")
     if levers is not None:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
         if planar:
             raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")
@@ -299,9 +310,12 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                      ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),
                      **scheme_constants("V", v_scheme))
     if num_stages is None:
-        num_stages = 1 if planar else 2
+        num_stages = 1 if planar and not mma else 2
     ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
-    if planar:
+    if mma:
+        mma_decode.launch(q, o_part, m_part, l_part, pages, dense, plan, scale * _LOG2E, per_split, splits,
+                          (k_scheme, v_scheme), stages=num_stages, warps=num_warps)
+    elif planar:
         planar_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), dense, plan, scale * _LOG2E, per_split, splits,
                              (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages)
     elif fold:

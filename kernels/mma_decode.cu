@@ -1,0 +1,552 @@
+// Paged decode attention over 2-bit per-token-group pages on tensor cores (mma.sync m16n8k16).
+//
+// One CTA per (request, KV head, split); each warp walks its own pages (no CTA barrier per page) and
+// keeps its own online softmax; the warps merge once at the end. Per page a warp:
+//   1. copies the head's packed key and value rows and their scale words into a warp-private
+//      shared-memory ring (cp.async, NSTAGE pages in flight);
+//   2. keys, "swap-AB": S^T[token, q] = K[token, :] . q[:, q]: tokens are the MMA's M (16 per tile), the
+//      GQA group (<= 8 query heads) its N. The channel order inside the K dimension is free, so each
+//      thread unpacks the 32-bit code words it loaded as they lie: a half2 register holds the codes at
+//      positions p and p + 8 of one word, masked in place and or-ed into the mantissa of 1024.0, which
+//      gives 1024 + code * 4^(p % 4); one subtraction leaves code * 4^(p % 4), exact in fp16, and the
+//      query fragment carries 4^-(p % 4) and the matching channel (loop-invariant, built once);
+//   3. scales per token and channel group are applied to the fp32 accumulators (one per group), zeros
+//      through the query's channel sums;
+//   4. values, swap-AB again: O^T[channel, q] += V^T[channel, token] . P'^T[token, q], with P' = p * the
+//      token's value scale, staged through shared memory (ldmatrix.trans) because the score
+//      accumulator's layout is the transpose of the operand the value product needs. A value register
+//      pairs two tokens' codes of one channel (prmt of two code words); output rows carry 4^(p % 4),
+//      taken off once at the end.
+// Dense pages (the active tail, bf16/fp16) take a slower path through the same accumulators.
+//
+// Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
+// per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
+// zero = -scale), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef PAGE
+#define PAGE 64
+#endif
+#ifndef KG
+#define KG 2
+#endif
+#ifndef VG
+#define VG 2
+#endif
+#ifndef K_KIND
+#define K_KIND 1
+#endif
+#ifndef V_KIND
+#define V_KIND 1
+#endif
+#ifndef K_SYM
+#define K_SYM 0
+#endif
+#ifndef V_SYM
+#define V_SYM 0
+#endif
+#ifndef Q_KIND
+#define Q_KIND 2
+#endif
+#ifndef DENSE_KIND
+#define DENSE_KIND 2
+#endif
+#ifndef NSTAGE
+#define NSTAGE 2
+#endif
+#ifndef NWARPS
+#define NWARPS 4
+#endif
+
+constexpr int D = HEAD_DIM;
+constexpr int P = PAGE;
+constexpr int ROWB = D / 4;        // bytes of one token's 2-bit codes for one head
+constexpr int NCH = ROWB / 16;     // 16-byte chunks per row (1 or 2)
+constexpr int NB = D / 64;         // 64-channel blocks
+constexpr int MT = P / 16;         // token tiles per page
+constexpr int N = 8;               // query rows per MMA (the GQA group, padded)
+constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4;  // key codes, value codes, 4 scale/zero words per token
+constexpr int SP_BYTES = VG * P * N * 2;               // P'^T per value scale group, fp16 [token][q]
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES;
+
+static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+static_assert(P % 16 == 0 && P >= 16 && P <= 256, "page size a multiple of 16");
+static_assert(KG == 1 || KG == NB, "key scale groups: one per head or one per 64 channels");
+static_assert(VG == 1 || VG == NB, "value scale groups: one per head or one per 64 channels");
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int n>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n));
+}
+
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(smem_u32(p)));
+}
+
+// Codes at positions p and p + 8 of a code word (bits 2p and 16 + 2p; p < 4 after the caller's shift by 8
+// for positions 4..7) as half2 (code * 4^p): masked in place into the mantissa of 1024, then 1024 taken off.
+template <int p>
+__device__ __forceinline__ uint32_t codes_x4p(uint32_t w) {
+  uint32_t h = (w & (0x00030003u << (2 * p))) | 0x64006400u;
+  __half2 x = *reinterpret_cast<__half2*>(&h);
+  x = __hsub2(x, __floats2half2_rn(1024.f, 1024.f));
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 x = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+
+template <int KIND>
+__device__ __forceinline__ float element(uint32_t word, int byte) {  // a float of kind KIND at byte `byte` of word
+  if (KIND == 0) {
+    __nv_fp8_e4m3 x;
+    x.__x = static_cast<__nv_fp8_storage_t>((word >> (8 * byte)) & 0xFF);
+    return static_cast<float>(x);
+  } else if (KIND == 1) {
+    uint16_t b = static_cast<uint16_t>(word >> (8 * byte));
+    return __half2float(*reinterpret_cast<__half*>(&b));
+  } else {
+    uint16_t b = static_cast<uint16_t>(word >> (8 * byte));
+    return __bfloat162float(*reinterpret_cast<__nv_bfloat16*>(&b));
+  }
+}
+
+template <int KIND>
+__device__ __forceinline__ float load_float(const void* base, int64_t index) {
+  if (KIND == 1) return __half2float(reinterpret_cast<const __half*>(base)[index]);
+  if (KIND == 2) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[index]);
+  return reinterpret_cast<const float*>(base)[index];
+}
+
+constexpr int KES = K_KIND == 0 ? 1 : 2;  // bytes of a key scale element
+constexpr int VES = V_KIND == 0 ? 1 : 2;
+
+// Channel of position p (0..15) in 32-bit code word `word` of a token's row: bytes hold their first code in
+// the top bits, a little-endian word bytes 0..3 in bits 0..31.
+__device__ __forceinline__ int word_channel(int word, int p) { return 16 * word + 4 * (p >> 2) + 3 - (p & 3); }
+
+// Byte offset in the stage buffer of 16-byte chunk c of token t's row (chunks swizzled so the fragment
+// reads below are free of bank conflicts).
+__device__ __forceinline__ int chunk_offset(int t, int c) {
+  return t * ROWB + ((NCH == 2 ? (c ^ ((t >> 2) & 1)) : c) << 4);
+}
+
+// Output channel of value-accumulator row (tile J, row gid + 8 e) and its power-of-four factor's exponent.
+__device__ __forceinline__ int value_channel(int J, int gid, int e) {
+  int b = J >> 2, k = 2 * (J & 3) + e;
+  return 64 * b + 8 * gid + 4 * (k >> 2) + 3 - (k & 3);
+}
+
+struct Params {
+  const void* q;
+  float* o_part;
+  float* m_part;
+  float* l_part;
+  const uint8_t* pages;
+  const void* dense;
+  const int* page_ids;
+  const int* valid;
+  const int* req_start;
+  const int* req_pages;
+  const int* req_packed;
+  float scale_log2;
+  int pages_per_split;
+  int num_splits;
+  int H;
+  int group;
+  long long page_bytes;
+  int k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros;
+};
+
+__device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int h, int lane) {
+  const uint8_t* base = a.pages + static_cast<int64_t>(page) * a.page_bytes;
+  uint8_t* kc = stage;
+  uint8_t* vc = stage + P * ROWB;
+  uint32_t* words = reinterpret_cast<uint32_t*>(stage + 2 * P * ROWB);  // [4][P]: k scale, k zero, v scale, v zero
+#pragma unroll
+  for (int i = lane; i < P * NCH; i += 32) {
+    int t = i / NCH, c = i % NCH;
+    int64_t row = static_cast<int64_t>(t * a.H + h) * ROWB + 16 * c;
+    cp_async16(kc + chunk_offset(t, c), base + a.k_codes + row);
+    cp_async16(vc + chunk_offset(t, c), base + a.v_codes + row);
+  }
+#pragma unroll
+  for (int t = lane; t < P; t += 32) {
+    int ko = (t * a.H + h) * KG * KES, vo = (t * a.H + h) * VG * VES;
+    cp_async4(words + t, base + a.k_scales + (ko & ~3));
+    if (!K_SYM) cp_async4(words + P + t, base + a.k_zeros + (ko & ~3));
+    cp_async4(words + 2 * P + t, base + a.v_scales + (vo & ~3));
+    if (!V_SYM) cp_async4(words + 3 * P + t, base + a.v_zeros + (vo & ~3));
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32) mma_decode(Params a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int start = a.req_start[r], count = a.req_pages[r], packed = a.req_packed[r];
+  const int first = s * a.pages_per_split;
+  const int last = min(first + a.pages_per_split, count);
+  const int Hq = a.H * a.group;
+  uint8_t* wbuf = smem + warp * WARP_BYTES;
+  __half* sp = reinterpret_cast<__half*>(wbuf + NSTAGE * STAGE_BYTES);  // [VG][P][N]
+
+  // Query fragments (B operand, k = channel slot, n = query row gid): slot pair (2 tig, 2 tig + 1) of
+  // k-step (b, ks) holds positions (2 ks, 2 ks + 8) of word 4 b + tig, and (2 tig + 8, 2 tig + 9) positions
+  // (2 ks + 1, 2 ks + 9); each scaled by 4^-(p % 4) to undo the codes' in-place factor.
+  const bool live_row = gid < a.group;
+  const int64_t q_row = static_cast<int64_t>(r) * Hq + h * a.group + gid;
+  uint32_t qf[NB][4][2];
+  float qsum_k[KG][2];  // per key scale group, query columns 2 tig and 2 tig + 1 (fp16-rounded q, as used)
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        int p = 2 * ks + e;
+        float f = 1.f / static_cast<float>(1 << (2 * (p & 3)));
+        float lo = 0.f, hi = 0.f;
+        if (live_row) {
+          lo = load_float<Q_KIND>(a.q, q_row * D + word_channel(4 * b + tig, p)) * a.scale_log2;
+          hi = load_float<Q_KIND>(a.q, q_row * D + word_channel(4 * b + tig, p + 8)) * a.scale_log2;
+        }
+        qf[b][ks][e] = pack_half2(__half2float(__float2half_rn(lo)) * f, __half2float(__float2half_rn(hi)) * f);
+      }
+#pragma unroll
+  for (int g = 0; g < KG; ++g)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float sum = 0.f;
+      int col = 2 * tig + c;
+      if (col < a.group) {
+        const int64_t row = static_cast<int64_t>(r) * Hq + h * a.group + col;
+        for (int ch = g * (D / KG); ch < (g + 1) * (D / KG); ++ch)
+          sum += __half2float(__float2half_rn(load_float<Q_KIND>(a.q, row * D + ch) * a.scale_log2));
+      }
+      qsum_k[g][c] = sum;
+    }
+
+  float acc_o[4 * NB][4];  // O^T tiles: 16 channels x 8 query rows each
+#pragma unroll
+  for (int J = 0; J < 4 * NB; ++J)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[J][i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};   // this thread's share, summed across the warp at the end
+  float z_run[VG][2] = {};       // probabilities times value zeros, this thread's share
+
+  // Online softmax over one page's scores (log2 units) S[mt][i]: i = (token gid | gid + 8) x (col 2 tig | +1).
+  // Returns p in place, rescales the running state, and stages P' = p * value scale into sp.
+  auto softmax_stage = [&](float (&S)[MT][4], const float (&vscale)[MT][2][VG], const float (&vzero)[MT][2][VG]) {
+    float mloc[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mloc[i & 1] = fmaxf(mloc[i & 1], S[mt][i]);
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      mloc[c] = fmaxf(mloc[c], __shfl_xor_sync(0xffffffffu, mloc[c], 4));
+      mloc[c] = fmaxf(mloc[c], __shfl_xor_sync(0xffffffffu, mloc[c], 8));
+      mloc[c] = fmaxf(mloc[c], __shfl_xor_sync(0xffffffffu, mloc[c], 16));
+      float m_new = fmaxf(m_run[c], mloc[c]);
+      m_use[c] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[c] = exp2f(m_run[c] - m_use[c]);
+      m_run[c] = m_new;
+      l_run[c] *= alpha[c];
+#pragma unroll
+      for (int g = 0; g < VG; ++g) z_run[g][c] *= alpha[c];
+    }
+#pragma unroll
+    for (int J = 0; J < 4 * NB; ++J)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[J][i] *= alpha[i & 1];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        int t = 16 * mt + gid + 8 * e;
+        float p0 = exp2f(S[mt][2 * e] - m_use[0]);
+        float p1 = exp2f(S[mt][2 * e + 1] - m_use[1]);
+        l_run[0] += p0;
+        l_run[1] += p1;
+#pragma unroll
+        for (int g = 0; g < VG; ++g) {
+          z_run[g][0] += p0 * vzero[mt][e][g];
+          z_run[g][1] += p1 * vzero[mt][e][g];
+          *reinterpret_cast<uint32_t*>(sp + (g * P + t) * N + 2 * tig) =
+              pack_half2(p0 * vscale[mt][e][g], p1 * vscale[mt][e][g]);
+        }
+      }
+    __syncwarp();
+  };
+
+  // P'^T fragments for token tile kt and scale group g (B operand: k = token, n = query row).
+  auto p_fragment = [&](int kt, int g, uint32_t& b0, uint32_t& b1) {
+    const __half* row = sp + (g * P + 16 * kt + (lane & 15)) * N;
+    ldmatrix_x2_trans(b0, b1, row);
+  };
+
+  // ---------------------------------------------------------------- packed pages
+  int my_first = first + warp;
+  int packed_end = min(last, packed);
+  int n_mine = my_first < packed_end ? (packed_end - my_first + NWARPS - 1) / NWARPS : 0;
+#pragma unroll
+  for (int i = 0; i < NSTAGE - 1; ++i) {
+    if (i < n_mine) issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i * NWARPS], h, lane);
+    cp_async_commit();
+  }
+  for (int i = 0; i < n_mine; ++i) {
+    int ahead = i + NSTAGE - 1;
+    if (ahead < n_mine)
+      issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, a.page_ids[start + my_first + ahead * NWARPS], h, lane);
+    cp_async_commit();
+    cp_async_wait<NSTAGE - 1>();
+    __syncwarp();
+    const uint8_t* stage = wbuf + (i % NSTAGE) * STAGE_BYTES;
+    const uint8_t* kc = stage;
+    const uint8_t* vc = stage + P * ROWB;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * P * ROWB);
+
+    // Keys: accumulators per scale group.
+    float S[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float acc[KG][4];
+#pragma unroll
+      for (int g = 0; g < KG; ++g)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) acc[g][x] = 0.f;
+      const int t0 = 16 * mt + gid, t1 = t0 + 8;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        uint32_t w0 = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t0, b) + 4 * tig);
+        uint32_t w1 = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t1, b) + 4 * tig);
+        uint32_t h0 = w0 >> 8, h1 = w1 >> 8;
+        float* c = acc[KG == 1 ? 0 : b];
+        mma16816(c, codes_x4p<0>(w0), codes_x4p<0>(w1), codes_x4p<1>(w0), codes_x4p<1>(w1), qf[b][0][0], qf[b][0][1]);
+        mma16816(c, codes_x4p<2>(w0), codes_x4p<2>(w1), codes_x4p<3>(w0), codes_x4p<3>(w1), qf[b][1][0], qf[b][1][1]);
+        mma16816(c, codes_x4p<0>(h0), codes_x4p<0>(h1), codes_x4p<1>(h0), codes_x4p<1>(h1), qf[b][2][0], qf[b][2][1]);
+        mma16816(c, codes_x4p<2>(h0), codes_x4p<2>(h1), codes_x4p<3>(h0), codes_x4p<3>(h1), qf[b][3][0], qf[b][3][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = t0 + 8 * e;
+        const int ko = ((t * a.H + h) * KG * KES) & 3;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) S[mt][2 * e + c] = 0.f;
+#pragma unroll
+        for (int g = 0; g < KG; ++g) {
+          float scale = element<K_KIND>(words[t], ko + g * KES);
+          float zero = K_SYM ? -scale : element<K_KIND>(words[P + t], ko + g * KES);
+#pragma unroll
+          for (int c = 0; c < 2; ++c) S[mt][2 * e + c] += scale * acc[g][2 * e + c] + zero * qsum_k[g][c];
+        }
+      }
+    }
+    float vscale[MT][2][VG], vzero[MT][2][VG];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 16 * mt + gid + 8 * e;
+        const int vo = ((t * a.H + h) * VG * VES) & 3;
+#pragma unroll
+        for (int g = 0; g < VG; ++g) {
+          vscale[mt][e][g] = element<V_KIND>(words[2 * P + t], vo + g * VES);
+          vzero[mt][e][g] = V_SYM ? -vscale[mt][e][g] : element<V_KIND>(words[3 * P + t], vo + g * VES);
+        }
+      }
+    softmax_stage(S, vscale, vzero);
+
+    // Values.
+    const uint32_t sel = (gid & 1) ? 0x7632u : 0x5410u;
+#pragma unroll
+    for (int kt = 0; kt < MT; ++kt) {
+      uint32_t pb[VG][2];
+#pragma unroll
+      for (int g = 0; g < VG; ++g) p_fragment(kt, g, pb[g][0], pb[g][1]);
+      const int t = 16 * kt + 2 * tig;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const int wo = 4 * (gid >> 1);
+        uint32_t wa = *reinterpret_cast<const uint32_t*>(vc + chunk_offset(t, b) + wo);
+        uint32_t wb = *reinterpret_cast<const uint32_t*>(vc + chunk_offset(t + 1, b) + wo);
+        uint32_t wc = *reinterpret_cast<const uint32_t*>(vc + chunk_offset(t + 8, b) + wo);
+        uint32_t wd = *reinterpret_cast<const uint32_t*>(vc + chunk_offset(t + 9, b) + wo);
+        uint32_t x0 = __byte_perm(wa, wb, sel), x1 = __byte_perm(wc, wd, sel);
+        uint32_t y0 = x0 >> 8, y1 = x1 >> 8;
+        const uint32_t* bb = pb[VG == 1 ? 0 : b];
+        mma16816(acc_o[4 * b + 0], codes_x4p<0>(x0), codes_x4p<1>(x0), codes_x4p<0>(x1), codes_x4p<1>(x1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 1], codes_x4p<2>(x0), codes_x4p<3>(x0), codes_x4p<2>(x1), codes_x4p<3>(x1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 2], codes_x4p<0>(y0), codes_x4p<1>(y0), codes_x4p<0>(y1), codes_x4p<1>(y1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 3], codes_x4p<2>(y0), codes_x4p<3>(y0), codes_x4p<2>(y1), codes_x4p<3>(y1), bb[0], bb[1]);
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---------------------------------------------------------------- dense pages (bf16/fp16, the active tail)
+  const int dense_first = max(first, packed) + warp;
+  for (int j = dense_first; j < last; j += NWARPS) {
+    const int64_t page = a.page_ids[start + j];
+    const int n = a.valid[start + j];
+    // keys: natural channel order, unscaled query fragments (slot c of k-step ks = channel 16 ks + c)
+    float S[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      const int t0 = 16 * mt + gid, t1 = t0 + 8;
+      const int64_t k0 = ((page * 2) * P + t0) * (static_cast<int64_t>(a.H) * D) + h * D;
+      const int64_t k1 = ((page * 2) * P + t1) * (static_cast<int64_t>(a.H) * D) + h * D;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const int c0 = 16 * ks + 2 * tig;
+        uint32_t b0 = 0, b1 = 0;
+        if (live_row) {
+          b0 = pack_half2(load_float<Q_KIND>(a.q, q_row * D + c0) * a.scale_log2,
+                          load_float<Q_KIND>(a.q, q_row * D + c0 + 1) * a.scale_log2);
+          b1 = pack_half2(load_float<Q_KIND>(a.q, q_row * D + c0 + 8) * a.scale_log2,
+                          load_float<Q_KIND>(a.q, q_row * D + c0 + 9) * a.scale_log2);
+        }
+        uint32_t a0 = pack_half2(load_float<DENSE_KIND>(a.dense, k0 + c0), load_float<DENSE_KIND>(a.dense, k0 + c0 + 1));
+        uint32_t a1 = pack_half2(load_float<DENSE_KIND>(a.dense, k1 + c0), load_float<DENSE_KIND>(a.dense, k1 + c0 + 1));
+        uint32_t a2 = pack_half2(load_float<DENSE_KIND>(a.dense, k0 + c0 + 8), load_float<DENSE_KIND>(a.dense, k0 + c0 + 9));
+        uint32_t a3 = pack_half2(load_float<DENSE_KIND>(a.dense, k1 + c0 + 8), load_float<DENSE_KIND>(a.dense, k1 + c0 + 9));
+        mma16816(acc, a0, a1, a2, a3, b0, b1);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) S[mt][i] = (i < 2 ? t0 : t1) < n ? acc[i] : -INFINITY;
+    }
+    // P' = p * 64 and values scaled by 4^((p % 4) - 3): the same rows' 4^(p % 4) factor, no fp16 overflow.
+    float vscale[MT][2][VG], vzero[MT][2][VG];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int g = 0; g < VG; ++g) {
+          vscale[mt][e][g] = 64.f;
+          vzero[mt][e][g] = 0.f;
+        }
+    softmax_stage(S, vscale, vzero);
+#pragma unroll
+    for (int kt = 0; kt < MT; ++kt) {
+      uint32_t pb[VG][2];
+#pragma unroll
+      for (int g = 0; g < VG; ++g) p_fragment(kt, g, pb[g][0], pb[g][1]);
+      const int t = 16 * kt + 2 * tig;
+      const int64_t vrow = ((page * 2 + 1) * P) * (static_cast<int64_t>(a.H) * D) + h * D;
+      const int64_t stride = static_cast<int64_t>(a.H) * D;
+#pragma unroll
+      for (int J = 0; J < 4 * NB; ++J) {
+        const int b = J >> 2;
+        uint32_t reg[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // (row gid | gid + 8) x (tokens t, t + 1 | t + 8, t + 9)
+          const int e = x & 1, tt = t + 8 * (x >> 1);
+          const int k = 2 * (J & 3) + e;
+          const int ch = value_channel(J, gid, e);
+          const float f = static_cast<float>(1 << (2 * (k & 3))) / 64.f;
+          // rows past the page's n tokens may hold anything: zero them (p is 0 there, but 0 * NaN is not)
+          const float lo = tt < n ? load_float<DENSE_KIND>(a.dense, vrow + tt * stride + ch) * f : 0.f;
+          const float hi = tt + 1 < n ? load_float<DENSE_KIND>(a.dense, vrow + (tt + 1) * stride + ch) * f : 0.f;
+          reg[x] = pack_half2(lo, hi);
+        }
+        const uint32_t* bb = pb[VG == 1 ? 0 : b];
+        mma16816(acc_o[J], reg[0], reg[1], reg[2], reg[3], bb[0], bb[1]);
+      }
+    }
+    __syncwarp();
+  }
+
+  // ---------------------------------------------------------------- merge the warps
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      l_run[c] += __shfl_xor_sync(0xffffffffu, l_run[c], o);
+#pragma unroll
+      for (int g = 0; g < VG; ++g) z_run[g][c] += __shfl_xor_sync(0xffffffffu, z_run[g][c], o);
+    }
+  }
+  __syncthreads();  // every warp is done with its ring: reuse shared memory
+  float* so = reinterpret_cast<float*>(smem);          // [NWARPS][N][D]
+  float* sm = so + NWARPS * N * D;                      // [NWARPS][N]
+  float* sl = sm + NWARPS * N;                          // [NWARPS][N]
+#pragma unroll
+  for (int J = 0; J < 4 * NB; ++J)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int e = x >> 1, c = x & 1;
+      const int k = 2 * (J & 3) + e;
+      const int ch = value_channel(J, gid, e);
+      const int g = VG == 1 ? 0 : (J >> 2);
+      so[(warp * N + 2 * tig + c) * D + ch] = acc_o[J][x] / static_cast<float>(1 << (2 * (k & 3))) + z_run[g][c];
+    }
+  if (gid == 0) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      sm[warp * N + 2 * tig + c] = m_run[c];
+      sl[warp * N + 2 * tig + c] = l_run[c];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.group * D; i += NWARPS * 32) {
+    const int col = i / D, ch = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) m = fmaxf(m, sm[w * N + col]);
+    float o = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) {
+      const float mw = sm[w * N + col];
+      const float f = mw == -INFINITY ? 0.f : exp2f(mw - m);
+      o += f * so[(w * N + col) * D + ch];
+      l += f * sl[w * N + col];
+    }
+    const int64_t part = (static_cast<int64_t>(r) * Hq + h * a.group + col) * a.num_splits + s;
+    a.o_part[part * D + ch] = o;
+    if (ch == 0) {
+      a.m_part[part] = m;
+      a.l_part[part] = l;
+    }
+  }
+}

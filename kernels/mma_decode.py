@@ -1,0 +1,237 @@
+"""Paged decode on tensor cores for 2-bit per-token-group pages: a CUDA kernel compiled at first use.
+
+`mma_decode.cu` says how the kernel works. This module decides which layouts it reads (`supports`),
+compiles one cubin per layout with ``nvcc`` (cached on disk, keyed by the source and the options), loads
+it through the CUDA driver and launches it on the current stream, so CUDA graphs capture it. It writes
+the same split partials as the Triton kernels, and `paged_decode` merges them with the same kernel.
+
+Needs a CUDA GPU of compute capability 8.0 or later and ``nvcc`` (on ``PATH``, or ``$CUDA_HOME/bin``).
+Where either is missing `available` says why, and `paged_decode` uses the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbackend.scheme import TOKEN_GROUPS, TensorScheme
+
+SOURCE = Path(__file__).with_suffix(".cu")
+MAX_GROUP = 8  # query heads per KV head: the product's N
+_KINDS = (0, 1, 2)  # fp8 e4m3, fp16, bf16 scales and zeros
+_DTYPE_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int) -> bool:
+    """Whether the kernel reads this pair of schemes at this geometry (GQA ``group`` query heads per KV head)."""
+    def ok(x: TensorScheme) -> bool:
+        return (x.mode == TOKEN_GROUPS and x.bits == 2 and not x.stages and x.kind in _KINDS
+                and x.group in (64, head_dim) and head_dim % x.group == 0)
+
+    return (ok(k) and ok(v) and head_dim in (64, 128) and page_size % 16 == 0 and 16 <= page_size <= 256
+            and 1 <= group <= MAX_GROUP)
+
+
+PREFERRED = False  # whether `paged_decode` picks this kernel by default where it can (perf/NOTES.md)
+
+
+def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int,
+              device: torch.device) -> bool:
+    """Whether `paged_decode` takes this kernel when not told: a supported layout on a usable GPU."""
+    return PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group) and available(device)[0]
+
+
+def nvcc() -> str | None:
+    """The nvcc to compile with, or None."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    path = Path(home) / "bin" / "nvcc"
+    return str(path) if path.exists() else None
+
+
+def available(device: torch.device | None = None) -> tuple[bool, str]:
+    """(usable, why not) for the tensor-core kernel on ``device``."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False, "Triton's interpreter is on (CPU tests)"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, "mma.sync m16n8k16 needs compute capability 8.0 or later"
+    if nvcc() is None:
+        return False, "nvcc not found (PATH or CUDA_HOME)"
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Compile-time options of one kernel variant."""
+
+    head_dim: int
+    page: int
+    kg: int  # key scale groups per head
+    vg: int
+    k_kind: int
+    v_kind: int
+    k_sym: bool
+    v_sym: bool
+    q_kind: int
+    dense_kind: int
+    stages: int = 2
+    warps: int = 4
+
+    def defines(self) -> list[str]:
+        return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
+                f"-DK_KIND={self.k_kind}", f"-DV_KIND={self.v_kind}", f"-DK_SYM={int(self.k_sym)}",
+                f"-DV_SYM={int(self.v_sym)}", f"-DQ_KIND={self.q_kind}", f"-DDENSE_KIND={self.dense_kind}",
+                f"-DNSTAGE={self.stages}", f"-DNWARPS={self.warps}"]
+
+    @property
+    def smem_bytes(self) -> int:
+        rowb = self.head_dim // 4
+        stage = 2 * self.page * rowb + 4 * self.page * 4
+        ring = self.warps * (self.stages * stage + self.vg * self.page * 8 * 2)
+        merge = self.warps * 8 * self.head_dim * 4 + 2 * self.warps * 8 * 4
+        return max(ring, merge)
+
+
+class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
+    _fields_ = [("q", ctypes.c_uint64), ("o_part", ctypes.c_uint64), ("m_part", ctypes.c_uint64),
+                ("l_part", ctypes.c_uint64), ("pages", ctypes.c_uint64), ("dense", ctypes.c_uint64),
+                ("page_ids", ctypes.c_uint64), ("valid", ctypes.c_uint64), ("req_start", ctypes.c_uint64),
+                ("req_pages", ctypes.c_uint64), ("req_packed", ctypes.c_uint64), ("scale_log2", ctypes.c_float),
+                ("pages_per_split", ctypes.c_int), ("num_splits", ctypes.c_int), ("H", ctypes.c_int),
+                ("group", ctypes.c_int), ("page_bytes", ctypes.c_longlong), ("k_codes", ctypes.c_int),
+                ("k_scales", ctypes.c_int), ("k_zeros", ctypes.c_int), ("v_codes", ctypes.c_int),
+                ("v_scales", ctypes.c_int), ("v_zeros", ctypes.c_int)]
+
+
+class _Driver:
+    """The few CUDA driver calls the launcher needs, through ctypes."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *([ctypes.c_uint] * 6), ctypes.c_uint, ctypes.c_void_p,
+                                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(result, ctypes.byref(text))
+            raise RuntimeError(f"{what}: CUDA driver error {result} ({(text.value or b'').decode()})")
+
+    def ensure_context(self, device: int) -> None:
+        """Make the device's primary context (the one torch uses) current on this thread."""
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            primary = ctypes.c_void_p()
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), device), "cuDevicePrimaryCtxRetain")
+            self.check(self.lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+    def load(self, cubin: bytes, smem: int) -> ctypes.c_void_p:
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, b"mma_decode"), "cuModuleGetFunction")
+        if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            self.check(self.lib.cuFuncSetAttribute(function, 8, smem), "cuFuncSetAttribute")
+        return function
+
+
+_lock = threading.Lock()
+_driver: _Driver | None = None
+_functions: dict[tuple[int, Config], ctypes.c_void_p] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVBACKEND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvbackend")
+    return Path(root) / "cubin"
+
+
+def compile_cubin(config: Config, arch: str) -> bytes:
+    """The cubin of ``config`` for ``arch`` (e.g. ``sm_90``), compiled once and cached on disk."""
+    source = SOURCE.read_bytes()
+    options = ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-use_fast_math", *config.defines()]
+    key = hashlib.sha256(source + " ".join(options).encode()).hexdigest()[:24]
+    path = cache_dir() / f"mma_decode-{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("the tensor-core decode kernel needs nvcc (PATH or CUDA_HOME)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "k.cubin"
+        done = subprocess.run([compiler, *options, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"nvcc failed on {SOURCE.name} ({' '.join(config.defines())}):\n{done.stderr[-4000:]}")
+        data = out.read_bytes()
+        fd, staged = tempfile.mkstemp(dir=path.parent)  # atomic: concurrent first uses never see half a file
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(staged, path)
+    return data
+
+
+def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
+    global _driver
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        if _driver is None:
+            _driver = _Driver()
+        _driver.ensure_context(index)
+        function = _functions.get((index, config))
+        if function is None:
+            major, minor = torch.cuda.get_device_capability(index)
+            function = _driver.load(compile_cubin(config, f"sm_{major}{minor}"), config.smem_bytes)
+            _functions[(index, config)] = function
+    return function
+
+
+def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
+               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4) -> Config:
+    if q_dtype not in _DTYPE_KIND:
+        raise ValueError(f"queries of dtype {q_dtype} are not read by the tensor-core kernel")
+    if dense_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dense pages of dtype {dense_dtype} are not read by the tensor-core kernel")
+    return Config(head_dim, page_size, head_dim // k.group, head_dim // v.group, k.kind, v.kind, bool(k.symmetric),
+                  bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps)
+
+
+def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,
+           schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4) -> None:
+    """Write the split partials of decode attention (as the Triton kernels do) for a supported layout."""
+    k, v = schemes
+    _, _, p, h, d = dense.shape
+    b, hq, _ = q.shape
+    group = hq // h
+    if not supports(k, v, p, d, group):
+        raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
+                         f"head_dim {d}, {group} query heads per KV head)")
+    if b == 0:
+        return
+    config = config_for(k, v, p, d, q.dtype, dense.dtype, stages, warps)
+    function = _function(config, q.device)
+    zero_k = k.zeros if not k.symmetric else k.scales  # a symmetric layout has no zero field: never read
+    zero_v = v.zeros if not v.symmetric else v.scales
+    params = _Params(q.data_ptr(), o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(), pages.data_ptr(),
+                     dense.data_ptr(), plan.page_ids.data_ptr(), plan.valid.data_ptr(), plan.req_start.data_ptr(),
+                     plan.req_pages.data_ptr(), plan.req_packed.data_ptr(), float(scale_log2), int(per_split),
+                     int(splits), int(h), int(group), int(pages.shape[1]), int(k.codes), int(k.scales), int(zero_k),
+                     int(v.codes), int(v.scales), int(zero_v))
+    args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _driver.ensure_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    _driver.check(_driver.lib.cuLaunchKernel(function, b, h, splits, warps * 32, 1, 1, config.smem_bytes,
+                                             ctypes.c_void_p(stream), args, None), "cuLaunchKernel")

@@ -1,0 +1,126 @@
+"""The CUDA tensor-core decode kernel (`kernels/mma_decode.cu`) against the reference attention.
+
+The kernel runs on a CUDA GPU only; CPU runs check which layouts it claims, and compile the source for
+sm_90 where nvcc is installed (a syntax or PTX error fails here before any GPU run).
+"""
+
+import pytest
+import torch
+
+from kvbackend.scheme import kernel_schemes
+from kernel_cases import DEVICE, filled_cache
+from test_paged_decode import assert_matches_reference
+
+from kvbackend.kernels import mma_decode
+
+gpu = pytest.mark.skipif(not mma_decode.available()[0] if torch.cuda.is_available() else True,
+                         reason="needs a CUDA GPU (compute capability 8.0+) and nvcc")
+
+CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs)
+    ("rtn:bits=2,group=64,scale=fp8", 128, 64, [150, 20, 64, 700], 4, 6),  # two scale groups, dense tails, splits
+    ("rtn:bits=2,group=64", 64, 64, [200, 333], 3, 2),  # asymmetric (zeros), one group
+    ("rtn:bits=2,group=128", 128, 64, [90, 260], 8, 64),  # one scale group over 128 channels, many splits
+    ("rtn:bits=2,group=64,symmetric=true,scale=fp16", 64, 16, [45, 70, 3], 1, 8),  # 16-token pages
+    ("rtn:bits=2,group=64,scale=bf16", 128, 32, [97], 5, 1),  # one program walks everything
+]
+
+
+def _schemes(spec, head_dim=128, page_size=64):
+    cache, _ = filled_cache(spec, head_dim, page_size, [page_size], heads=1, layers=1)
+    return kernel_schemes(cache.codec, cache.layout)
+
+
+def test_supported_layouts():
+    assert mma_decode.supports(*_schemes("rtn:bits=2,group=64,scale=fp8"), 64, 128, 4)
+    assert mma_decode.supports(*_schemes("rtn:bits=2,group=128"), 64, 128, 8)
+    assert mma_decode.supports(*_schemes("rtn:bits=2,group=64", 64, 16), 16, 64, 3)
+    assert not mma_decode.supports(*_schemes("rtn:bits=2,group=64,scale=fp8"), 64, 128, 9)  # GQA group > 8
+    assert not mma_decode.supports(*_schemes("rtn:bits=4,group=64"), 64, 128, 4)  # 4-bit codes
+    assert not mma_decode.supports(*_schemes("rtn:bits=2,group=32"), 64, 128, 4)  # 32-channel groups
+    assert not mma_decode.supports(*_schemes("kivi:bits=2,group=64"), 64, 128, 4)  # per-channel keys
+    assert not mma_decode.supports(*_schemes("qvg"), 64, 128, 4)  # centroid stages
+    assert not mma_decode.supports(*_schemes("rtn:bits=2,group=64,scale=fp32"), 64, 128, 4)
+    assert not mma_decode.supports(*_schemes("identity"), 64, 128, 4)
+
+
+@pytest.mark.skipif(mma_decode.nvcc() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("config", [
+    mma_decode.Config(128, 64, 2, 2, 0, 0, True, True, 2, 2),
+    mma_decode.Config(64, 16, 1, 1, 1, 2, False, True, 3, 1, stages=3, warps=8),
+])
+def test_source_compiles_for_hopper(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
+    cubin = mma_decode.compile_cubin(config, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and len(list(tmp_path.rglob("*.cubin"))) == 1
+    assert mma_decode.compile_cubin(config, "sm_90") == cubin  # from the disk cache
+
+
+def test_refuses_where_it_cannot_run():
+    cache, ids = filled_cache("rtn:bits=2,group=64", 64, 16, [40], heads=2, layers=1)
+    from kvbackend.kernels.paged_decode import paged_decode
+    q = torch.randn(1, 4, 64, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0))
+    if not mma_decode.available()[0]:
+        with pytest.raises(ValueError, match="cannot run here"):
+            paged_decode(q, *args, mma=True)
+    else:
+        bad, bad_ids = filled_cache("rtn:bits=4,group=64", 64, 16, [40], heads=2, layers=1)
+        with pytest.raises(ValueError, match="does not read this layout"):
+            paged_decode(q, bad.packed.pages[0], bad.packed.codebooks[0], bad.dense.data[0],
+                         kernel_schemes(bad.codec, bad.layout), bad.plan(bad_ids, 0), mma=True)
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,lengths,ratio,programs", CASES)
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs, qdtype):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache(codec, head_dim, page_size, lengths, seed=len(lengths) + ratio, chunk_pages=1)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
+    plan = cache.plan(ids, 1)
+    q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).to(qdtype)
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, plan)
+    out, lse = paged_decode(q, *args, target_programs=programs, mma=True)
+    assert_matches_reference(cache, ids, 1, q, out, lse)
+    plain, plain_lse = paged_decode(q, *args, target_programs=programs, mma=False, fold=False, planar=False)
+    assert torch.allclose(out.float(), plain.float(), atol=2e-2) and torch.allclose(lse, plain_lse, atol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("stages,warps", [(1, 4), (3, 2), (2, 8)])
+def test_pipeline_options_agree(stages, warps):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 128, 64, [900, 130], seed=3, chunk_pages=1)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0))
+    q = torch.randn(2, 8, 128, device=DEVICE).bfloat16()
+    want, want_lse = paged_decode(q, *args, target_programs=4, mma=True)
+    out, lse = paged_decode(q, *args, target_programs=4, mma=True, num_stages=stages, num_warps=warps)
+    assert torch.allclose(out.float(), want.float(), atol=1e-2) and torch.allclose(lse, want_lse, atol=1e-3)
+
+
+@gpu
+def test_replays_from_a_cuda_graph():
+    """The launch goes to torch's current stream, so a captured graph replays it with new queries."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 128, 64, [500, 77], seed=5, chunk_pages=1)
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1],
+            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 1))
+    q = torch.randn(2, 8, 128, device=DEVICE).bfloat16()
+    paged_decode(q, *args, mma=True)  # compile and load outside the capture
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            out, lse = paged_decode(q, *args, mma=True)
+    torch.cuda.current_stream().wait_stream(side)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(cache, ids, 1, q, out, lse)
