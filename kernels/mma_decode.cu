@@ -21,7 +21,7 @@
 //
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
 // per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
-// zero = -scale), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS.
+// zero = -scale), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS, MINB.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -63,6 +63,14 @@
 #endif
 #ifndef NWARPS
 #define NWARPS 4
+#endif
+#ifndef MINB
+#define MINB 0  // CTAs per SM the register allocation must allow (__launch_bounds__); 0: the compiler's choice
+#endif
+#if MINB > 0
+#define KERNEL_BOUNDS __launch_bounds__(NWARPS * 32, MINB)
+#else
+#define KERNEL_BOUNDS __launch_bounds__(NWARPS * 32)
 #endif
 
 constexpr int D = HEAD_DIM;
@@ -214,7 +222,7 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32) mma_decode(Params a) {
+extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -273,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) mma_decode(Params a) {
 
   // Online softmax over one page's scores (log2 units) S[mt][i]: i = (token gid | gid + 8) x (col 2 tig | +1).
   // Returns p in place, rescales the running state, and stages P' = p * value scale into sp.
-  auto softmax_stage = [&](float (&S)[MT][4], const float (&vscale)[MT][2][VG], const float (&vzero)[MT][2][VG]) {
+  auto softmax_stage = [&](float (&S)[MT][4], auto value_scale_zero) {
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -308,10 +316,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) mma_decode(Params a) {
         l_run[1] += p1;
 #pragma unroll
         for (int g = 0; g < VG; ++g) {
-          z_run[g][0] += p0 * vzero[mt][e][g];
-          z_run[g][1] += p1 * vzero[mt][e][g];
-          *reinterpret_cast<uint32_t*>(sp + (g * P + t) * N + 2 * tig) =
-              pack_half2(p0 * vscale[mt][e][g], p1 * vscale[mt][e][g]);
+          float vs, vz;
+          value_scale_zero(t, g, vs, vz);
+          z_run[g][0] += p0 * vz;
+          z_run[g][1] += p1 * vz;
+          *reinterpret_cast<uint32_t*>(sp + (g * P + t) * N + 2 * tig) = pack_half2(p0 * vs, p1 * vs);
         }
       }
     __syncwarp();
@@ -380,20 +389,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) mma_decode(Params a) {
         }
       }
     }
-    float vscale[MT][2][VG], vzero[MT][2][VG];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = 16 * mt + gid + 8 * e;
-        const int vo = ((t * a.H + h) * VG * VES) & 3;
-#pragma unroll
-        for (int g = 0; g < VG; ++g) {
-          vscale[mt][e][g] = element<V_KIND>(words[2 * P + t], vo + g * VES);
-          vzero[mt][e][g] = V_SYM ? -vscale[mt][e][g] : element<V_KIND>(words[3 * P + t], vo + g * VES);
-        }
-      }
-    softmax_stage(S, vscale, vzero);
+    softmax_stage(S, [&](int t, int g, float& vs, float& vz) {
+      const int vo = ((t * a.H + h) * VG * VES) & 3;
+      vs = element<V_KIND>(words[2 * P + t], vo + g * VES);
+      vz = V_SYM ? -vs : element<V_KIND>(words[3 * P + t], vo + g * VES);
+    });
 
     // Values.
     const uint32_t sel = (gid & 1) ? 0x7632u : 0x5410u;
@@ -456,17 +456,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) mma_decode(Params a) {
       for (int i = 0; i < 4; ++i) S[mt][i] = (i < 2 ? t0 : t1) < n ? acc[i] : -INFINITY;
     }
     // P' = p * 64 and values scaled by 4^((p % 4) - 3): the same rows' 4^(p % 4) factor, no fp16 overflow.
-    float vscale[MT][2][VG], vzero[MT][2][VG];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int g = 0; g < VG; ++g) {
-          vscale[mt][e][g] = 64.f;
-          vzero[mt][e][g] = 0.f;
-        }
-    softmax_stage(S, vscale, vzero);
+    softmax_stage(S, [](int, int, float& vs, float& vz) {
+      vs = 64.f;
+      vz = 0.f;
+    });
 #pragma unroll
     for (int kt = 0; kt < MT; ++kt) {
       uint32_t pb[VG][2];

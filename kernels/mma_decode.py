@@ -90,12 +90,13 @@ class Config:
     dense_kind: int
     stages: int = 2
     warps: int = 4
+    min_blocks: int = 0  # CTAs per SM the registers must allow (0: the compiler chooses)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
                 f"-DK_KIND={self.k_kind}", f"-DV_KIND={self.v_kind}", f"-DK_SYM={int(self.k_sym)}",
                 f"-DV_SYM={int(self.v_sym)}", f"-DQ_KIND={self.q_kind}", f"-DDENSE_KIND={self.dense_kind}",
-                f"-DNSTAGE={self.stages}", f"-DNWARPS={self.warps}"]
+                f"-DNSTAGE={self.stages}", f"-DNWARPS={self.warps}", f"-DMINB={self.min_blocks}"]
 
     @property
     def smem_bytes(self) -> int:
@@ -200,17 +201,17 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
 
 
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
-               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4) -> Config:
+               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = 0) -> Config:
     if q_dtype not in _DTYPE_KIND:
         raise ValueError(f"queries of dtype {q_dtype} are not read by the tensor-core kernel")
     if dense_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dense pages of dtype {dense_dtype} are not read by the tensor-core kernel")
     return Config(head_dim, page_size, head_dim // k.group, head_dim // v.group, k.kind, v.kind, bool(k.symmetric),
-                  bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps)
+                  bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks)
 
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,
-           schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4) -> None:
+           schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4, min_blocks: int = 0) -> None:
     """Write the split partials of decode attention (as the Triton kernels do) for a supported layout."""
     k, v = schemes
     _, _, p, h, d = dense.shape
@@ -221,7 +222,7 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                          f"head_dim {d}, {group} query heads per KV head)")
     if b == 0:
         return
-    config = config_for(k, v, p, d, q.dtype, dense.dtype, stages, warps)
+    config = config_for(k, v, p, d, q.dtype, dense.dtype, stages, warps, min_blocks)
     function = _function(config, q.device)
     zero_k = k.zeros if not k.symmetric else k.scales  # a symmetric layout has no zero field: never read
     zero_v = v.zeros if not v.symmetric else v.scales

@@ -226,7 +226,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                  target_programs: int = 1024, num_warps: int = 4, num_stages: int | None = None,
                  unpack: int = 0, pair: int = 0, fold: bool | None = None,
                  fold_options: dict | None = None, planar: bool | None = None, levers: LeverScheme | None = None,
-                 rotary: Rotary | None = None, mma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 rotary: Rotary | None = None, mma: bool | None = None,
+                 mma_options: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request.
 
     Args:
@@ -255,6 +256,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit per-token-group layouts, no levers);
             None = where `mma_decode.preferred` says so. True takes precedence over ``planar`` and ``fold``
             and raises where the kernel cannot run or does not read the layout.
+        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``), for probes.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -314,7 +316,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
     if mma:
         mma_decode.launch(q, o_part, m_part, l_part, pages, dense, plan, scale * _LOG2E, per_split, splits,
-                          (k_scheme, v_scheme), stages=num_stages, warps=num_warps)
+                          (k_scheme, v_scheme), stages=num_stages, warps=num_warps, **(mma_options or {}))
     elif planar:
         planar_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), dense, plan, scale * _LOG2E, per_split, splits,
                              (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages)

@@ -30,6 +30,8 @@ def main():
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--planar", action="store_true", help="decode: the planar kernel")
+    parser.add_argument("--mma", action="store_true", help="decode: the CUDA tensor-core kernel (528 programs)")
+    parser.add_argument("--min-blocks", type=int, default=1, help="decode --mma: CTAs per SM the registers allow")
     args = parser.parse_args()
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     codec, layout, chunk = bk.encoded_pages(args.codec, heads, dim, p)
@@ -43,8 +45,12 @@ def main():
         q = torch.randn(batch, hq, dim, device=bk.DEV).bfloat16()
         fold = folded_decode.supports(*schemes, p, dim)
         for _ in range(args.launches):
+            if args.mma:
+                paged_decode(q, pages, books, dense, schemes, plan, target_programs=528, num_warps=args.warps,
+                             num_stages=args.stages, mma=True, mma_options={"min_blocks": args.min_blocks})
+                continue
             paged_decode(q, pages, books, dense, schemes, plan, target_programs=4096, num_warps=args.warps,
-                         num_stages=args.stages, fold=fold, planar=args.planar)
+                         num_stages=args.stages, fold=fold, planar=args.planar, mma=False)
     else:
         per_req = length // p
         pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()

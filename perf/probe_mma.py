@@ -75,18 +75,28 @@ def main() -> None:
 
             variants = {}
             for programs in ((528, 1056) if args.quick else (264, 528, 1056, 2112)):
-                for stages, warps in ((2, 4), (3, 4), (2, 8)):
-                    key = f"mma p{programs} s{stages} w{warps}"
+                for stages, warps, minb in ((2, 4, 0), (2, 4, 4), (3, 4, 4), (2, 8, 2)):
+                    key = f"mma p{programs} s{stages} w{warps} b{minb}"
                     try:
-                        variants[key] = time_it(mma=True, target_programs=programs, num_stages=stages, num_warps=warps)
+                        variants[key] = time_it(mma=True, target_programs=programs, num_stages=stages, num_warps=warps,
+                                                mma_options={"min_blocks": minb})
                     except Exception as exc:  # noqa: BLE001 - said, and the others still run
                         variants[key] = f"{type(exc).__name__}: {exc}"[:200]
+            if batch == 8 and length == 32768:  # what the dense page (one per request, a slower path) costs
+                no_dense = [bk.make_plan(batch, length // 64 - 1, 0, 64, r * batch * (length // 64 - 1), r * batch)
+                            for r in range(rot)]
+                k0 = min((k for k in variants if isinstance(variants[k], float)), key=lambda k: variants[k])
+                prog, st, wa, mb = (int(x[1:]) for x in k0.split()[1:])
+                variants[f"no dense page: {k0}"] = 1e3 * bk.graph_time([
+                    lambda j=j: paged_decode(qs[j], pages, books, dense, schemes, no_dense[j], mma=True,
+                                             target_programs=prog, num_stages=st, num_warps=wa,
+                                             mma_options={"min_blocks": mb}) for j in range(rot)])
             variants["planar s1 p1024"] = time_it(mma=False, planar=True, num_stages=1, target_programs=1024)
             variants["folded s2 p1024"] = time_it(mma=False, fold=True, planar=False, num_stages=2, target_programs=1024)
             row["us"] = variants
             row["sdpa_graph_us"] = 1e3 * bk.sdpa_time(batch, 32, 8, length, 128, 2 if length * batch <= 262144 else 1,
                                                        graphs=True)
-            best_key = min((k for k in variants if k.startswith("mma") and isinstance(variants[k], float)),
+            best_key = min((k for k in variants if k.startswith("mma ") and isinstance(variants[k], float)),
                            key=lambda k: variants[k])
             best = variants[best_key]
             row.update(best_mma=best_key, best_mma_us=best, speedup_vs_sdpa=row["sdpa_graph_us"] / best,
