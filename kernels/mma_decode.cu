@@ -127,7 +127,8 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, co
 // for positions 4..7) as half2 (code * 4^p): masked in place into the mantissa of 1024, then 1024 taken off.
 template <int p>
 __device__ __forceinline__ uint32_t codes_x4p(uint32_t w) {
-  uint32_t h = (w & (0x00030003u << (2 * p))) | 0x64006400u;
+  uint32_t h;  // (w & mask) | magic as one lop3 (the compiler otherwise emits an and and an or)
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(h) : "r"(w), "n"(0x00030003u << (2 * p)), "r"(0x64006400u));
   __half2 x = *reinterpret_cast<__half2*>(&h);
   x = __hsub2(x, __floats2half2_rn(1024.f, 1024.f));
   return *reinterpret_cast<uint32_t*>(&x);
@@ -158,6 +159,19 @@ __device__ __forceinline__ float load_float(const void* base, int64_t index) {
   if (KIND == 1) return __half2float(reinterpret_cast<const __half*>(base)[index]);
   if (KIND == 2) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[index]);
   return reinterpret_cast<const float*>(base)[index];
+}
+
+// Two dense-page elements (one 32-bit word of bf16 or fp16) as an fp16x2 operand; one element as float.
+__device__ __forceinline__ uint32_t dense_half2(uint32_t w) {
+  if (DENSE_KIND == 1) return w;
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  return pack_half2(f.x, f.y);
+}
+
+__device__ __forceinline__ float dense_element(uint32_t w, int high) {
+  const uint16_t b = static_cast<uint16_t>(high ? w >> 16 : w);
+  if (DENSE_KIND == 1) return __half2float(*reinterpret_cast<const __half*>(&b));
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&b));
 }
 
 constexpr int KES = K_KIND == 0 ? 1 : 2;  // bytes of a key scale element
@@ -424,33 +438,39 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   cp_async_wait<0>();
 
   // ---------------------------------------------------------------- dense pages (bf16/fp16, the active tail)
+  // Keys: thread tig's k-slots are channels CPT tig .. CPT tig + CPT - 1 (k-step ks, slots (2 tig, +1) =
+  // channels CPT tig + 4 ks + {0, 1}, slots (2 tig + 8, +9) = + {2, 3}), read as 16-byte vectors, with
+  // unscaled query fragments in the same order. Values: thread gid's rows are channels 64 b + 8 gid .. + 7,
+  // one 16-byte vector per token and block.
+  constexpr int CPT = D / 4;
   const int dense_first = max(first, packed) + warp;
+  const int64_t hstride = static_cast<int64_t>(a.H) * D;  // elements between tokens of one dense page
   for (int j = dense_first; j < last; j += NWARPS) {
     const int64_t page = a.page_ids[start + j];
     const int n = a.valid[start + j];
-    // keys: natural channel order, unscaled query fragments (slot c of k-step ks = channel 16 ks + c)
+    uint32_t qd[D / 16][2];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int ch = CPT * tig + 4 * ks + 2 * e;
+        qd[ks][e] = live_row ? pack_half2(load_float<Q_KIND>(a.q, q_row * D + ch) * a.scale_log2,
+                                          load_float<Q_KIND>(a.q, q_row * D + ch + 1) * a.scale_log2)
+                             : 0u;
+      }
+    const int64_t kbase = (page * 2) * P * hstride + h * D + CPT * tig;
     float S[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       const int t0 = 16 * mt + gid, t1 = t0 + 8;
-      const int64_t k0 = ((page * 2) * P + t0) * (static_cast<int64_t>(a.H) * D) + h * D;
-      const int64_t k1 = ((page * 2) * P + t1) * (static_cast<int64_t>(a.H) * D) + h * D;
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const int c0 = 16 * ks + 2 * tig;
-        uint32_t b0 = 0, b1 = 0;
-        if (live_row) {
-          b0 = pack_half2(load_float<Q_KIND>(a.q, q_row * D + c0) * a.scale_log2,
-                          load_float<Q_KIND>(a.q, q_row * D + c0 + 1) * a.scale_log2);
-          b1 = pack_half2(load_float<Q_KIND>(a.q, q_row * D + c0 + 8) * a.scale_log2,
-                          load_float<Q_KIND>(a.q, q_row * D + c0 + 9) * a.scale_log2);
-        }
-        uint32_t a0 = pack_half2(load_float<DENSE_KIND>(a.dense, k0 + c0), load_float<DENSE_KIND>(a.dense, k0 + c0 + 1));
-        uint32_t a1 = pack_half2(load_float<DENSE_KIND>(a.dense, k1 + c0), load_float<DENSE_KIND>(a.dense, k1 + c0 + 1));
-        uint32_t a2 = pack_half2(load_float<DENSE_KIND>(a.dense, k0 + c0 + 8), load_float<DENSE_KIND>(a.dense, k0 + c0 + 9));
-        uint32_t a3 = pack_half2(load_float<DENSE_KIND>(a.dense, k1 + c0 + 8), load_float<DENSE_KIND>(a.dense, k1 + c0 + 9));
-        mma16816(acc, a0, a1, a2, a3, b0, b1);
+      for (int i = 0; i < CPT / 8; ++i) {
+        const uint4 r0 = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.dense) + kbase + t0 * hstride + 8 * i);
+        const uint4 r1 = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.dense) + kbase + t1 * hstride + 8 * i);
+        mma16816(acc, dense_half2(r0.x), dense_half2(r1.x), dense_half2(r0.y), dense_half2(r1.y), qd[2 * i][0], qd[2 * i][1]);
+        mma16816(acc, dense_half2(r0.z), dense_half2(r1.z), dense_half2(r0.w), dense_half2(r1.w), qd[2 * i + 1][0],
+                 qd[2 * i + 1][1]);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) S[mt][i] = (i < 2 ? t0 : t1) < n ? acc[i] : -INFINITY;
@@ -460,31 +480,42 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
       vs = 64.f;
       vz = 0.f;
     });
+    const int64_t vbase = ((page * 2 + 1) * P) * hstride + h * D + 8 * gid;
 #pragma unroll
     for (int kt = 0; kt < MT; ++kt) {
       uint32_t pb[VG][2];
 #pragma unroll
       for (int g = 0; g < VG; ++g) p_fragment(kt, g, pb[g][0], pb[g][1]);
       const int t = 16 * kt + 2 * tig;
-      const int64_t vrow = ((page * 2 + 1) * P) * (static_cast<int64_t>(a.H) * D) + h * D;
-      const int64_t stride = static_cast<int64_t>(a.H) * D;
 #pragma unroll
-      for (int J = 0; J < 4 * NB; ++J) {
-        const int b = J >> 2;
-        uint32_t reg[4];
+      for (int b = 0; b < NB; ++b) {
+        uint32_t vec[4][4];  // tokens t, t + 1, t + 8, t + 9: channels 64 b + 8 gid .. + 7 (zero past n)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {  // (row gid | gid + 8) x (tokens t, t + 1 | t + 8, t + 9)
-          const int e = x & 1, tt = t + 8 * (x >> 1);
-          const int k = 2 * (J & 3) + e;
-          const int ch = value_channel(J, gid, e);
-          const float f = static_cast<float>(1 << (2 * (k & 3))) / 64.f;
-          // rows past the page's n tokens may hold anything: zero them (p is 0 there, but 0 * NaN is not)
-          const float lo = tt < n ? load_float<DENSE_KIND>(a.dense, vrow + tt * stride + ch) * f : 0.f;
-          const float hi = tt + 1 < n ? load_float<DENSE_KIND>(a.dense, vrow + (tt + 1) * stride + ch) * f : 0.f;
-          reg[x] = pack_half2(lo, hi);
+        for (int x = 0; x < 4; ++x) {
+          const int tt = t + (x & 1) + 8 * (x >> 1);
+          uint4 r = make_uint4(0u, 0u, 0u, 0u);  // rows past the page's n tokens may hold anything
+          if (tt < n) r = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.dense) + vbase + tt * hstride + 64 * b);
+          vec[x][0] = r.x;
+          vec[x][1] = r.y;
+          vec[x][2] = r.z;
+          vec[x][3] = r.w;
         }
-        const uint32_t* bb = pb[VG == 1 ? 0 : b];
-        mma16816(acc_o[J], reg[0], reg[1], reg[2], reg[3], bb[0], bb[1]);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          uint32_t reg[4];
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {  // (row gid | gid + 8) x (tokens t, t + 1 | t + 8, t + 9)
+            const int e = x & 1, pair = x >> 1;
+            const int k = 2 * jj + e;
+            const int idx = 4 * (k >> 2) + 3 - (k & 3);  // channel 64 b + 8 gid + idx
+            const float f = static_cast<float>(1 << (2 * (k & 3))) / 64.f;
+            const float lo = dense_element(vec[2 * pair][idx >> 1], idx & 1) * f;
+            const float hi = dense_element(vec[2 * pair + 1][idx >> 1], idx & 1) * f;
+            reg[x] = pack_half2(lo, hi);
+          }
+          const uint32_t* bb = pb[VG == 1 ? 0 : b];
+          mma16816(acc_o[4 * b + jj], reg[0], reg[1], reg[2], reg[3], bb[0], bb[1]);
+        }
       }
     }
     __syncwarp();

@@ -254,7 +254,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             one none (``planar=True`` with levers raises).
         rotary: the model's RoPE, for pre-RoPE and page-relative keys.
         mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit per-token-group layouts, no levers);
-            None = where `mma_decode.preferred` says so. True takes precedence over ``planar`` and ``fold``
+            None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True takes precedence over ``planar`` and ``fold``
             and raises where the kernel cannot run or does not read the layout.
         mma_options: extra keywords of `mma_decode.launch` (``min_blocks``), for probes.
     Returns:
@@ -280,8 +280,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
     levers = levers if levers is not None and levers.active else None
-    if mma is None:
-        mma = levers is None and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device)
+    if mma is None:  # a Triton kernel named by ``fold`` or ``planar`` is what runs
+        mma = (levers is None and fold is None and planar is None
+               and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device))
     elif mma:
         usable, why = mma_decode.available(q.device)
         if not usable:

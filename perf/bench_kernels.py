@@ -242,16 +242,19 @@ def decode(copy_bw):
             dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
             plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
-            if best_config is None:  # (kernel: 0 plain, 1 folded, 2 planar; unpack, warps, stages, programs, pair)
+            if best_config is None:  # (kernel: 0 plain, 1 folded, 2 planar, 3 mma (CUDA); unpack, warps, stages, programs, pair)
                 configs = [(0, u, w, st, tp, 0) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
                 if folded_decode.supports(*schemes, p, dim):
                     configs += [(1, 0, w, st, tp, pr) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096) for pr in (0, 1)]
                 if planar_decode.supports(*schemes, p, dim):
                     configs += [(2, 0, 4, st, tp, 0) for st in (1, 2) for tp in (1024, 4096)]
+                if mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.available()[0]:
+                    configs += [(3, 0, 4, 2, tp, 0) for tp in (264, 528, 2112)]
                 if QUICK:  # each kernel's first configuration only
                     configs = list({c[0]: c for c in reversed(configs)}.values())
             else:  # each kernel with its own best configuration of the first shape, both split targets
-                configs = [c[:4] + (tp, c[5]) for c in best_config.values() for tp in (1024, 4096)]
+                configs = [c[:4] + (tp, c[5]) for c in best_config.values()
+                           for tp in ((264, 528, 2112) if c[0] == 3 else (1024, 4096))]
             best_per_kernel = {}  # fold -> (ms, config)
             for fold, unpack, warps, stages, programs, pair in configs:
                 i = [0]
@@ -261,7 +264,7 @@ def decode(copy_bw):
                     i[0] += 1
                     return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
                                         num_stages=stages, target_programs=programs, unpack=unpack, pair=pair,
-                                        fold=fold == 1, planar=fold == 2)
+                                        fold=fold == 1, planar=fold == 2, mma=fold == 3)
 
                 try:
                     ms = bench(run, 100)
@@ -283,7 +286,7 @@ def decode(copy_bw):
                 graph["ours_graph_us"] = 1e3 * graph_time([
                     lambda j=j: paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
                                              num_stages=stages, target_programs=programs, unpack=unpack, pair=pair,
-                                             fold=fold == 1, planar=fold == 2) for j in range(rotations)])
+                                             fold=fold == 1, planar=fold == 2, mma=fold == 3) for j in range(rotations)])
                 graph["sdpa_graph_us"] = 1e3 * sdpa_time(batch, hq, heads, length, dim,
                                                          2 if length * batch <= 262144 else 1, graphs=True)
                 graph["speedup_vs_sdpa_graph"] = graph["sdpa_graph_us"] / graph["ours_graph_us"]
@@ -295,7 +298,7 @@ def decode(copy_bw):
                    "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100, "sdpa_GBps": sdpa_bytes / sdpa_ms / 1e6,
                    "sdpa_pct_of_copy": sdpa_bytes / sdpa_ms / 1e6 / copy_bw * 100, "bytes_read": bytes_read,
                    "config_kernel_unpack_warps_stages_programs_pair": list(config),
-                   "best_us_per_kernel": {("plain", "folded", "planar")[k]: v[0] * 1e3 for k, v in best_per_kernel.items()},
+                   "best_us_per_kernel": {("plain", "folded", "planar", "mma")[k]: v[0] * 1e3 for k, v in best_per_kernel.items()},
                    "bits_per_value_read": 8 * bytes_read / (batch * length * heads * dim * 2)}
             rows.append(row)
             print(f"decode {spec:32s} B={batch:2d} L={length:6d}: ours {row['ours_us']:7.1f} us "
@@ -530,7 +533,7 @@ def levers(copy_bw):
             row = {"variant": name, "codec": spec, "B": batch, "L": length, "ours_us": ms * 1e3,
                    "ours_graph_us": graph_ms * 1e3, "sdpa_us": sdpa_ms * 1e3, "sdpa_graph_us": sdpa_graph_ms * 1e3,
                    "speedup_vs_sdpa_graph": sdpa_graph_ms / graph_ms, "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100,
-                   "best_us_per_kernel": {("plain", "folded", "planar")[k]: v[0] * 1e3 for k, v in best.items()},
+                   "best_us_per_kernel": {("plain", "folded", "planar", "mma")[k]: v[0] * 1e3 for k, v in best.items()},
                    "config_kernel_unpack_warps_stages": list(config), "page_bytes": layout.page_bytes}
             rows.append(row)
             print(f"levers {name:28s} B={batch} L={length}: {row['ours_us']:7.1f} us (graphs {row['ours_graph_us']:7.1f}), "

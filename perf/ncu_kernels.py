@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--planar", action="store_true", help="decode: the planar kernel")
     parser.add_argument("--mma", action="store_true", help="decode: the CUDA tensor-core kernel (528 programs)")
-    parser.add_argument("--min-blocks", type=int, default=1, help="decode --mma: CTAs per SM the registers allow")
+    parser.add_argument("--min-blocks", type=int, default=0, help="decode --mma: CTAs per SM the registers allow")
     args = parser.parse_args()
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     codec, layout, chunk = bk.encoded_pages(args.codec, heads, dim, p)

@@ -90,6 +90,24 @@ def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs,
 
 
 @gpu
+def test_many_dense_pages_and_the_default_path():
+    """Long active chunks (several dense pages per request, spread over the warps), and `paged_decode`
+    without kernel arguments takes the tensor-core kernel on a supported layout."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 128, 64, [1000, 300, 40], seed=9, chunk_pages=8)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    plan = cache.plan(ids, 0)
+    assert int((plan.kinds == 1).sum()) >= 6  # dense pages: the active chunks
+    q = torch.randn(3, 16, 128, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], schemes, plan)
+    out, lse = paged_decode(q, *args, target_programs=6, mma=True)
+    assert_matches_reference(cache, ids, 0, q, out, lse)
+    default, default_lse = paged_decode(q, *args, target_programs=6)
+    assert torch.equal(default, out) and torch.equal(default_lse, lse)
+
+
+@gpu
 @pytest.mark.parametrize("stages,warps", [(1, 4), (3, 2), (2, 8)])
 def test_pipeline_options_agree(stages, warps):
     from kvbackend.kernels.paged_decode import paged_decode
