@@ -24,7 +24,11 @@ status=0
     "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
     "$python" -m pip install -q --no-deps --no-build-isolation -e . || exit 3
     echo "== pytest (every test; CUDA present, so GPU tests run)"
-    "$python" -m pytest -q -ra -p no:cacheprovider tests || status=1
+    # pytest-xdist, where installed (carried in .whl/ to the GPU machine), runs the test files on a few
+    # workers: the kernels' compilation is CPU-bound and the GPU has room for several.
+    workers=()
+    if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-4}" --dist loadfile); fi
+    "$python" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" tests || status=1
     echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,checks,decode,levers \
         --out "$results/gpu-test-bench_kernels.json" || status=1
