@@ -36,7 +36,7 @@ from kvbackend.attention import decode_attention
 from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.kernels.chunk_encoder import encode_chunk
-from kvbackend.kernels import folded_decode, planar_decode
+from kvbackend.kernels import folded_decode, mma_decode, planar_decode
 from kvbackend.kernels.encode import encode_into_pages
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
