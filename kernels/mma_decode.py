@@ -12,6 +12,7 @@ Where either is missing `available` says why, and `paged_decode` uses the Triton
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -52,8 +53,9 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, g
     return PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group) and available(device)[0]
 
 
+@functools.lru_cache(maxsize=None)
 def nvcc() -> str | None:
-    """The nvcc to compile with, or None."""
+    """The nvcc to compile with, or None (looked up once: decode calls ask on every step)."""
     found = shutil.which("nvcc")
     if found:
         return found
@@ -63,10 +65,18 @@ def nvcc() -> str | None:
 
 
 def available(device: torch.device | None = None) -> tuple[bool, str]:
-    """(usable, why not) for the tensor-core kernel on ``device``."""
+    """(usable, why not) for the tensor-core kernel on ``device`` (answered once per device)."""
     if not torch.cuda.is_available():
         return False, "no CUDA device"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _available(index, os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _available(device: int, interpreted: bool) -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if interpreted:
         return False, "Triton's interpreter is on (CPU tests)"
     major, _ = torch.cuda.get_device_capability(device)
     if major < 8:
@@ -190,6 +200,10 @@ def compile_cubin(config: Config, arch: str) -> bytes:
 def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
     global _driver
     index = device.index if device.index is not None else torch.cuda.current_device()
+    function = _functions.get((index, config))
+    if function is not None:  # loaded: no lock on the decode path
+        _driver.ensure_context(index)
+        return function
     with _lock:
         if _driver is None:
             _driver = _Driver()
@@ -237,6 +251,5 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                      int(v.codes), int(v.scales), int(zero_v))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    _driver.ensure_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
     _driver.check(_driver.lib.cuLaunchKernel(function, b, h, splits, warps * 32, 1, 1, config.smem_bytes,
                                              ctypes.c_void_p(stream), args, None), "cuLaunchKernel")
