@@ -25,14 +25,18 @@ T = TypeVar("T")
 
 _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid values
 
-# The spec measured best at about 2.6 bits per value through the paged cache on three texts
-# (perf/NOTES.md, eval12): quantwm keys (per-channel steps over 64-token groups, 32 QSAC centroids, a
-# rank-4 PSAC correction), clipped steps, 4 sink tokens kept at 16 bits, Hadamard-rotated values, keys
-# stored before RoPE (page-relative keys, `pagerope=true`, decode faster and were as good at 1536
-# tokens, but 11-22% worse in KL at 6144 on all three texts: NOTES, eval15). The default of
-# `KVBackendCache` and `kvbackend demo`.
+# The spec measured best at about 2.6 bits per value through the paged cache (perf/NOTES.md): quantwm keys
+# (per-channel steps over 64-token groups, 32 QSAC centroids stored as fp8, a rank-4 PSAC correction, the 16
+# key entries of each page and head with the largest query-weighted error stored exactly), clipped steps, 4
+# sink tokens kept at 16 bits, Hadamard-rotated values, keys stored before RoPE. At 2.552 bpv it beats the
+# previous default (the same without fp8 centroids and outliers, 2.573 bpv) on all six texts measured: KL
+# 0.033 / 0.026 / 0.051 against 0.050 / 0.035 / 0.084 on the tuned texts (eval18), 0.036 / 0.054 / 0.037
+# against 0.045 / 0.094 / 0.050 on held-out ones (eval23), 0.026 / 0.057 / 0.062 against 0.048 / 0.072 / 0.082
+# at a 6144-token prefix (eval20), and 4 of 8 far-recall answers against 2. Its decode costs 10% more in the
+# kernels (H200, 1475 against 1339 us at B=8, L=32K). Page-relative keys (`pagerope=true`) decode faster but
+# lose 8-62% in KL at 6144 tokens (eval15, eval26). The default of `KVBackendCache` and `kvbackend demo`.
 RECOMMENDED_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
-                    "vrot=hadamard,prerope=true")
+                    "vrot=hadamard,prerope=true,cdtype=fp8,outliers=16")
 
 
 @dataclass(frozen=True)

@@ -452,7 +452,15 @@ def encode(decode_step_us):
 
 
 def _without_levers(spec: str) -> str:
-    return ",".join(part for part in spec.split(",") if part.partition("=")[0] not in ("sink", "vrot", "prerope", "pagerope"))
+    """The same layout without levers (sinks, rotations, the RoPE frame) and without key outliers."""
+    return ",".join(part for part in spec.split(",")
+                    if part.partition("=")[0] not in ("sink", "vrot", "prerope", "pagerope", "outliers"))
+
+
+def _with(spec: str, **options) -> str:
+    """``spec`` with options replaced or added."""
+    parts = [part for part in spec.split(",") if part.partition("=")[0] not in options]
+    return ",".join(parts + [f"{name}={value}" for name, value in options.items()])
 
 
 _OTHER_ROPE = (RECOMMENDED_SPEC.replace("pagerope=true", "prerope=true") if "pagerope=true" in RECOMMENDED_SPEC
@@ -460,14 +468,15 @@ _OTHER_ROPE = (RECOMMENDED_SPEC.replace("pagerope=true", "prerope=true") if "pag
 LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame for keys, the layout with parts off
     ("recipe", RECOMMENDED_SPEC),
     ("recipe, " + ("pre-RoPE keys" if "prerope=true" in _OTHER_ROPE else "page-relative keys"), _OTHER_ROPE),
-    ("recipe without PSAC", RECOMMENDED_SPEC.replace("rank=4", "rank=0")),
+    ("recipe without PSAC", _with(RECOMMENDED_SPEC, rank=0)),
     ("recipe, no levers", _without_levers(RECOMMENDED_SPEC)),
-    ("recipe, no levers, no PSAC", _without_levers(RECOMMENDED_SPEC).replace("rank=4", "rank=0")),
-    # the best point measured below 2.6 bpv (perf/NOTES.md, eval18): fp8 centroids and 16 key outliers a page
-    ("recipe, fp8 centroids, key outliers", RECOMMENDED_SPEC + ",cdtype=fp8,outliers=16"),
+    ("recipe, no levers, no PSAC", _with(_without_levers(RECOMMENDED_SPEC), rank=0)),
+    # the default before the seventh session: bf16 centroids, no key outliers (perf/NOTES.md)
+    ("previous recipe (bf16 centroids, no outliers)",
+     ",".join(p for p in RECOMMENDED_SPEC.split(",") if p.partition("=")[0] not in ("cdtype", "outliers"))),
     # key outliers instead of PSAC rows, page-relative keys (the folded kernel's fast lever path): eval25/26
     ("page-relative keys, outliers, no PSAC",
-     RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true").replace("rank=4", "rank=0") + ",cdtype=fp8,outliers=24"),
+     _with(RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"), rank=0, cdtype="fp8", outliers=24)),
 )
 
 
