@@ -59,6 +59,8 @@ def test_wheel_holds_every_module(tmp_path):
     assert "kvbackend/alignpred/__init__.py" in expected and "kvbackend/kernels/__init__.py" in expected
     missing = sorted(path for path in expected if path not in names)
     assert not missing, f"modules missing from the wheel (pyproject's package list): {missing}"
+    sources = sorted(f"kvbackend/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.cu"))
+    assert sources and not [s for s in sources if s not in names], "CUDA sources missing (pyproject's package-data)"
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "kvbackend = kvbackend.tools.cli:main" in wheel.read(entry).decode()  # the console script
 
