@@ -292,10 +292,34 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};   // this thread's share, summed across the warp at the end
   float z_run[VG][2] = {};       // probabilities times value zeros, this thread's share
+  int e_run = 0;                 // acc_o holds its sums times 2^e_run (see softmax_stage)
 
   // Online softmax over one page's scores (log2 units) S[mt][i]: i = (token gid | gid + 8) x (col 2 tig | +1).
-  // Returns p in place, rescales the running state, and stages P' = p * value scale into sp.
+  // Rescales the running state and stages P' = p * value scale * 2^E into sp, with E chosen per page so the
+  // page's largest value scale times 2^E lies in [0.5, 1): p * scale alone underflows fp16 for small value
+  // scales over long contexts (scale 0.004 and p 1e-5 is below fp16's subnormal range). acc_o follows E
+  // through the same rescale as the softmax's alpha (powers of two: exact).
   auto softmax_stage = [&](float (&S)[MT][4], auto value_scale_zero) {
+    float vmax = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int g = 0; g < VG; ++g) {
+          float vs, vz;
+          value_scale_zero(16 * mt + gid + 8 * e, g, vs, vz);
+          vmax = fmaxf(vmax, fabsf(vs));
+        }
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 4));
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 8));
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 16));
+    int e_page;
+    frexpf(vmax, &e_page);  // vmax = m * 2^e_page, m in [0.5, 1); 0 for vmax = 0
+    e_page = min(max(-e_page, -60), 60);
+    const float p_factor = ldexpf(1.f, e_page);
+    const float o_factor = ldexpf(1.f, e_page - e_run);
+    e_run = e_page;
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -318,7 +342,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
 #pragma unroll
     for (int J = 0; J < 4 * NB; ++J)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc_o[J][i] *= alpha[i & 1];
+      for (int i = 0; i < 4; ++i) acc_o[J][i] *= alpha[i & 1] * o_factor;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -334,7 +358,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
           value_scale_zero(t, g, vs, vz);
           z_run[g][0] += p0 * vz;
           z_run[g][1] += p1 * vz;
-          *reinterpret_cast<uint32_t*>(sp + (g * P + t) * N + 2 * tig) = pack_half2(p0 * vs, p1 * vs);
+          const float f = vs * p_factor;
+          *reinterpret_cast<uint32_t*>(sp + (g * P + t) * N + 2 * tig) = pack_half2(p0 * f, p1 * f);
         }
       }
     __syncwarp();
@@ -543,7 +568,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
       const int k = 2 * (J & 3) + e;
       const int ch = value_channel(J, gid, e);
       const int g = VG == 1 ? 0 : (J >> 2);
-      so[(warp * N + 2 * tig + c) * D + ch] = acc_o[J][x] / static_cast<float>(1 << (2 * (k & 3))) + z_run[g][c];
+      so[(warp * N + 2 * tig + c) * D + ch] = ldexpf(acc_o[J][x], -e_run - 2 * (k & 3)) + z_run[g][c];
     }
   if (gid == 0) {
 #pragma unroll

@@ -42,15 +42,36 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
             and 1 <= group <= MAX_GROUP)
 
 
-# `paged_decode` picks this kernel by default where it reads the layout: on the H200 it is 1.7-2.5x faster than
-# the planar Triton kernel at B >= 8 and on par at B=1 (perf/NOTES.md, "tensor-core decode").
-PREFERRED = True
+# Whether `paged_decode` picks this kernel by default where it reads the layout. Off until the kernel's
+# per-page probability exponent (the fix for fp16 underflow of probability x value scale with small value
+# scales over long contexts) has passed its tests on a GPU: the version measured on the H200 (1.7-2.5x faster
+# than the planar Triton kernel, perf/NOTES.md) did not have it. `mma=True` selects the kernel explicitly.
+PREFERRED = False
 
 
-def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int,
-              device: torch.device) -> bool:
-    """Whether `paged_decode` takes this kernel when not told: a supported layout on a usable GPU."""
-    return PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group) and available(device)[0]
+def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int, device: torch.device,
+              q_dtype: torch.dtype, dense_dtype: torch.dtype) -> bool:
+    """Whether `paged_decode` takes this kernel when not told: a supported layout and dtypes on a usable GPU
+    with room for its shared memory, whose variant has not failed to compile or load, and that is not being
+    captured into a CUDA graph before its first load."""
+    if not (PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group)
+            and q_dtype in _DTYPE_KIND and dense_dtype in (torch.float16, torch.bfloat16) and available(device)[0]):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    config = config_for(k, v, page_size, head_dim, q_dtype, dense_dtype)
+    if (index, config) in _failed or config.smem_bytes > max_shared_memory(index):
+        return False
+    return (index, config) in _functions or not torch.cuda.is_current_stream_capturing()
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(device: int) -> int:
+    """Bytes of shared memory one block may opt into on ``device``."""
+    props = torch.cuda.get_device_properties(device)
+    value = getattr(props, "shared_memory_per_block_optin", 0)
+    if value:
+        return int(value)
+    return 48 * 1024  # the limit every CUDA GPU allows without opting in
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,6 +186,7 @@ class _Driver:
 _lock = threading.Lock()
 _driver: _Driver | None = None
 _functions: dict[tuple[int, Config], ctypes.c_void_p] = {}
+_failed: set[tuple[int, Config]] = set()  # variants that did not compile or load: `preferred` says no to them
 
 
 def cache_dir() -> Path:
@@ -172,15 +194,23 @@ def cache_dir() -> Path:
     return Path(root) / "cubin"
 
 
+@functools.lru_cache(maxsize=None)
+def _nvcc_version(compiler: str) -> str:
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return done.stdout.strip()
+
+
 def compile_cubin(config: Config, arch: str) -> bytes:
-    """The cubin of ``config`` for ``arch`` (e.g. ``sm_90``), compiled once and cached on disk."""
+    """The cubin of ``config`` for ``arch`` (e.g. ``sm_90``), compiled once and cached on disk (the key covers
+    the source, the options and the compiler's version)."""
     source = SOURCE.read_bytes()
     options = ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-use_fast_math", *config.defines()]
-    key = hashlib.sha256(source + " ".join(options).encode()).hexdigest()[:24]
+    compiler = nvcc()
+    version = _nvcc_version(compiler) if compiler else ""
+    key = hashlib.sha256(source + " ".join(options).encode() + version.encode()).hexdigest()[:24]
     path = cache_dir() / f"mma_decode-{key}.cubin"
     if path.exists():
         return path.read_bytes()
-    compiler = nvcc()
     if compiler is None:
         raise RuntimeError("the tensor-core decode kernel needs nvcc (PATH or CUDA_HOME)")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,6 +234,13 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
     if function is not None:  # loaded: no lock on the decode path
         _driver.ensure_context(index)
         return function
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the tensor-core decode kernel loads on its first call, which cannot happen during "
+                           "CUDA-graph capture: run one decode step before capturing")
+    if config.smem_bytes > max_shared_memory(index):
+        raise ValueError(f"the tensor-core decode kernel needs {config.smem_bytes} bytes of shared memory per block "
+                         f"with these options, more than device {index} has ({max_shared_memory(index)}); use "
+                         "fewer stages or warps, or the Triton kernels (mma=False)")
     with _lock:
         if _driver is None:
             _driver = _Driver()
@@ -211,13 +248,20 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
         function = _functions.get((index, config))
         if function is None:
             major, minor = torch.cuda.get_device_capability(index)
-            function = _driver.load(compile_cubin(config, f"sm_{major}{minor}"), config.smem_bytes)
+            try:
+                function = _driver.load(compile_cubin(config, f"sm_{major}{minor}"), config.smem_bytes)
+            except Exception:
+                _failed.add((index, config))  # the default path uses the Triton kernels from now on
+                raise
             _functions[(index, config)] = function
     return function
 
 
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
                dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = 0) -> Config:
+    for name, value, low, high in (("stages", stages, 1, 4), ("warps", warps, 1, 16), ("min_blocks", min_blocks, 0, 8)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"the tensor-core decode kernel takes {name} from {low} to {high}, got {value!r}")
     if q_dtype not in _DTYPE_KIND:
         raise ValueError(f"queries of dtype {q_dtype} are not read by the tensor-core kernel")
     if dense_dtype not in (torch.float16, torch.bfloat16):
@@ -251,5 +295,7 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                      int(v.codes), int(v.scales), int(zero_v))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    _driver.check(_driver.lib.cuLaunchKernel(function, b, h, splits, warps * 32, 1, 1, config.smem_bytes,
-                                             ctypes.c_void_p(stream), args, None), "cuLaunchKernel")
+    with torch.cuda.device(q.device):  # the driver launches in the current context: make it q's device's
+        _driver.ensure_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        _driver.check(_driver.lib.cuLaunchKernel(function, b, h, splits, warps * 32, 1, 1, config.smem_bytes,
+                                                 ctypes.c_void_p(stream), args, None), "cuLaunchKernel")

@@ -8,9 +8,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def filled_cache(codec: str, head_dim: int, page_size: int, lengths, heads: int = 2, layers: int = 2,
-                 backend: str = "torch", chunk_pages: int = 2, dtype=torch.bfloat16, seed: int = 0):
+                 backend: str = "torch", chunk_pages: int = 2, dtype=torch.bfloat16, seed: int = 0,
+                 v_scale: float = 1.0):
     """A cache holding one request per length; lengths end mid-page and mid-chunk. ``codec`` is one
-    spec, or a tuple of one spec per layer."""
+    spec, or a tuple of one spec per layer; values are Gaussian times ``v_scale``."""
     gen = torch.Generator().manual_seed(seed)
     geometry = Geometry(layers, heads, head_dim, dtype)
     which = {"layer_codecs": codec} if isinstance(codec, tuple) else {"codec": codec}
@@ -21,7 +22,7 @@ def filled_cache(codec: str, head_dim: int, page_size: int, lengths, heads: int 
         rid, _ = cache.add_request()
         for layer in range(layers):
             k = (torch.randn(n, heads, head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
-            v = torch.randn(n, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+            v = (torch.randn(n, heads, head_dim, generator=gen) * v_scale).to(dtype).to(DEVICE)
             cache.append(rid, layer, k, v)
         ids.append(rid)
     return cache, ids

@@ -104,7 +104,46 @@ def test_many_dense_pages_and_the_default_path():
     out, lse = paged_decode(q, *args, target_programs=6, mma=True)
     assert_matches_reference(cache, ids, 0, q, out, lse)
     default, default_lse = paged_decode(q, *args, target_programs=6)
-    assert torch.equal(default, out) and torch.equal(default_lse, lse)
+    chosen = mma_decode.preferred(*schemes, 64, 128, 8, q.device, q.dtype, cache.dense.data[0].dtype)
+    assert chosen == mma_decode.PREFERRED
+    assert (torch.equal(default, out) and torch.equal(default_lse, lse)) == chosen
+
+
+@gpu
+def test_small_value_scales_over_a_long_context():
+    """Probabilities times small value scales stay out of fp16's subnormal range (a per-page exponent):
+    values of std 0.003 over 6000 tokens, where p * scale would be about 1e-6."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp16", 128, 64, [6000, 2100], seed=11, chunk_pages=4,
+                              v_scale=0.003)
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1],
+            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 1))
+    q = (torch.randn(2, 8, 128, device=DEVICE) * 0.2).bfloat16()  # diffuse attention: small probabilities
+    out, lse = paged_decode(q, *args, target_programs=8, mma=True)
+    assert_matches_reference(cache, ids, 1, q, out, lse)
+
+
+def test_refuses_bad_launch_options():
+    cache, _ = filled_cache("rtn:bits=2,group=64", 64, 16, [40], heads=2, layers=1)
+    k, v = kernel_schemes(cache.codec, cache.layout)
+    for bad in ({"stages": 0}, {"warps": None}, {"warps": 64}, {"min_blocks": -1}):
+        with pytest.raises(ValueError, match="tensor-core decode kernel takes"):
+            mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.bfloat16, **bad)
+    with pytest.raises(ValueError, match="dense pages of dtype"):
+        mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.float32)
+
+
+def test_not_preferred_for_dtypes_it_cannot_read(monkeypatch):
+    """fp32 KV pools are a valid geometry: the default path must not pick a kernel that refuses them."""
+    cache, _ = filled_cache("rtn:bits=2,group=64", 64, 16, [40], heads=2, layers=1)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    monkeypatch.setattr(mma_decode, "PREFERRED", True)
+    monkeypatch.setattr(mma_decode, "available", lambda device=None: (True, ""))
+    cuda = torch.device("cuda", 0)
+    assert not mma_decode.preferred(*schemes, 16, 64, 2, cuda, torch.bfloat16, torch.float32)
+    assert not mma_decode.preferred(*schemes, 16, 64, 2, cuda, torch.int8, torch.bfloat16)
+    assert not mma_decode.preferred(*schemes, 16, 64, 2, torch.device("cpu"), torch.bfloat16, torch.bfloat16)
 
 
 @gpu
