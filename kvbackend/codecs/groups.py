@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbackend import bitpack
+from kvbackend import bitpack, fastquant
 from kvbackend.layout import PageLayout
-from kvbackend.quant import dequantize, quantize
+from kvbackend.quant import dequantize, group_params, quantize
 from kvbackend.codecs.base import FieldSpecs, from_pages, to_pages
 
 
@@ -32,9 +32,19 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
     """Quantize float ``x [n*P, H, D]`` per token in channel groups, into ``pages``."""
     t, h, d = x.shape
     store = layout.page.fields[f"{prefix}_scales"].dtype
-    q = quantize(x.reshape(t, h, d // group, group), bits, symmetric, store, clip)
     page = layout.page
     p = layout.page_size
+    grouped = x.reshape(t, h, d // group, group)
+    span = fastquant.group_range(grouped) if bits in fastquant.PACK_BITS and fastquant.enabled(x, clip) else None
+    if span is not None:  # fused CPU loops: the same parameters and bytes as below, two passes over the values
+        scale, zero = group_params(*span, bits, symmetric, store)
+        packed = fastquant.packed(x, scale, zero, bits, group, symmetric)
+        page.view(pages, f"{prefix}_codes").copy_(to_pages(packed, p))
+        page.view(pages, f"{prefix}_scales").copy_(to_pages(scale.to(store), p))
+        if zero is not None:
+            page.view(pages, f"{prefix}_zeros").copy_(to_pages(zero.to(store), p))
+        return
+    q = quantize(grouped, bits, symmetric, store, clip)
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(q.codes.reshape(t, h, d), bits), p))
     page.view(pages, f"{prefix}_scales").copy_(to_pages(q.scale, p))
     if q.zero is not None:

@@ -1,0 +1,112 @@
+"""Fused CPU loops for the group quantizer, compiled with numba where it is installed.
+
+The torch quantizer (`kvbackend.quant`) makes about a dozen passes over memory per value (range, subtract,
+divide, round, clamp, narrow, pack); on a CPU that, not arithmetic, bounds the storage adapters' throughput.
+Here the groups' ranges come from torch's reductions (already one vectorized pass each), and one compiled loop
+computes and packs the codes. The per-group parameters (scale and zero, rounded to their storage dtype) come
+from the same torch function as the torch path, and the per-value arithmetic is the same float32 operations in
+the same order (subtract the zero, divide by the scale, round half to even, clamp), so both paths write
+identical bytes: `tests/test_fastquant.py` holds them together.
+
+Used for CPU float32 inputs of at least `MIN_VALUES` values without ``clip`` (whose standard deviation is
+summed in another order than torch's), when numba imports and ``KVBACKEND_FASTQUANT`` is not ``0``. Inputs
+with NaN or Inf take the torch path. The loop releases the GIL, so the adapters' worker threads run it in
+parallel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+try:
+    import numba
+except ImportError:  # optional: the torch path serves without it
+    numba = None
+
+MIN_VALUES = 1 << 15  # below this, numba's call overhead is not worth it
+PACK_BITS = (2, 4, 8)  # widths whose codes never straddle a byte
+
+
+def enabled(x: torch.Tensor, clip: bool) -> bool:
+    """Whether the fused loops take ``x``."""
+    return (numba is not None and os.environ.get("KVBACKEND_FASTQUANT", "1") != "0" and not clip
+            and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= MIN_VALUES
+            and not x.requires_grad)
+
+
+if numba is not None:
+    _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+
+    @_jit
+    def _codes(x, zero, scale, symmetric, qmax, out):  # x float32 [n, G] -> uint8 codes [n, G]
+        n, g = x.shape
+        for i in range(n):
+            z = zero[i]
+            s = scale[i]
+            for j in range(g):
+                if symmetric:
+                    q = np.rint(x[i, j] / s)
+                    q = min(max(q, np.float32(-qmax)), np.float32(qmax)) + np.float32(qmax)
+                else:
+                    q = np.rint((x[i, j] - z) / s)
+                    q = min(max(q, np.float32(0.0)), np.float32(qmax))
+                out[i, j] = np.uint8(q)
+
+    @_jit
+    def _packed(x, zero, scale, symmetric, qmax, bits, group, out):  # x [rows, D] -> uint8 [rows, D * bits / 8]
+        rows, d = x.shape
+        per = 8 // bits
+        ng = d // group
+        q = np.empty(group, np.uint8)
+        lo = np.float32(-qmax) if symmetric else np.float32(0.0)
+        hi = np.float32(qmax)
+        shift = np.float32(qmax) if symmetric else np.float32(0.0)
+        for r in range(rows):
+            for gg in range(ng):
+                gi = r * ng + gg
+                z = np.float32(0.0) if symmetric else zero[gi]
+                s = scale[gi]
+                base = gg * group
+                for j in range(group):  # a straight loop the compiler vectorizes
+                    v = np.rint((x[r, base + j] - z) / s)
+                    q[j] = np.uint8(min(max(v, lo), hi) + shift)
+                for b in range(group // per):
+                    byte = np.uint32(0)
+                    for k in range(per):
+                        byte = (byte << bits) | np.uint32(q[b * per + k])
+                    out[r, (base + b * per) // per] = np.uint8(byte)
+
+
+def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(min, max) of each group of the last dimension of ``x``, or None where a value is NaN or Inf (torch's
+    reductions: vectorized and threaded, and the very numbers the torch path uses)."""
+    lo, hi = x.amin(dim=-1), x.amax(dim=-1)  # NaN propagates through both; Inf shows in one
+    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        return None
+    return lo, hi
+
+
+def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool) -> torch.Tensor:
+    """uint8 codes of float32 ``x [..., G]`` with float32 ``scale``/``zero [...]`` (as `quant.quantize` computes)."""
+    flat = x.reshape(-1, x.shape[-1]).numpy()
+    out = np.empty(flat.shape, np.uint8)
+    qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
+    z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()
+    _codes(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, out)
+    return torch.from_numpy(out).reshape(x.shape)
+
+
+def packed(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int,
+           symmetric: bool) -> torch.Tensor:
+    """`bitpack.pack` of `codes`, fused: float32 ``x [..., D]`` in groups of ``group`` channels, ``scale``/
+    ``zero [..., D / group]``; uint8 ``[..., D * bits / 8]``."""
+    d = x.shape[-1]
+    flat = x.reshape(-1, d).numpy()
+    out = np.empty((flat.shape[0], d * bits // 8), np.uint8)
+    qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
+    z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()
+    _packed(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, bits, group, out)
+    return torch.from_numpy(out).reshape(*x.shape[:-1], d * bits // 8)

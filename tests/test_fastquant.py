@@ -1,0 +1,95 @@
+"""The fused CPU quantizer (`kvbackend.fastquant`, numba) writes the bytes the torch path writes."""
+
+import pytest
+import torch
+
+from kvbackend import codecs, fastquant, quant
+from kvbackend.codecs.base import CodecState
+from kvbackend.geometry import Geometry
+
+pytestmark = pytest.mark.skipif(fastquant.numba is None, reason="numba not installed (the fused path is optional)")
+
+STORES = [torch.float8_e4m3fn, torch.float16, torch.bfloat16, torch.float32]
+
+
+def _both(monkeypatch, fn):
+    """fn() with the fused path off, then on."""
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "0")
+    off = fn()
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "1")
+    return off, fn()
+
+
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _data(kind: str, shape, gen) -> torch.Tensor:
+    x = torch.randn(*shape, generator=gen)
+    if kind == "wide":  # groups of very different scales, some tiny, some huge (fp8 scales saturate)
+        x = x * torch.logspace(-6, 5, shape[0]).reshape(-1, *([1] * (len(shape) - 1)))
+    elif kind == "flat":  # constant groups (the smallest step), exact zeros, repeated values, signed zeros
+        x = torch.where(torch.rand(*shape, generator=gen) < 0.5, torch.zeros(()), x.round())
+        x[::3] = 1.5
+        x[1::7] = -0.0
+    elif kind == "ties":  # values on rounding ties of the step (round half to even must agree)
+        x = (torch.randint(-40, 40, shape, generator=gen).float() + 0.5) / 8
+    return x
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("kind", ["normal", "wide", "flat", "ties"])
+def test_quantize_is_byte_identical(monkeypatch, store, kind):
+    gen = torch.Generator().manual_seed(hash((str(store), kind)) % 1000)
+    x = _data(kind, (1024, 4, 2, 32), gen)
+    assert x.numel() >= fastquant.MIN_VALUES and fastquant.enabled(x, clip=False)
+    for bits in (2, 3, 4, 8):
+        for symmetric in (False, True):
+            off, on = _both(monkeypatch, lambda: quant.quantize(x, bits, symmetric, store))
+            assert torch.equal(off.codes, on.codes), (bits, symmetric)
+            assert torch.equal(_bits_of(off.scale), _bits_of(on.scale))
+            assert (off.zero is None) == (on.zero is None)
+            if off.zero is not None:
+                assert torch.equal(_bits_of(off.zero), _bits_of(on.zero))
+
+
+@pytest.mark.parametrize("spec", ["rtn:bits=2,group=64,scale=fp8", "rtn:bits=4,group=32", "rtn:bits=2,group=128,symmetric=true",
+                                  "kivi:bits=2,group=16", "kivi:bits=4,group=32", "rtn:bits=8,group=64,scale=bf16"])
+def test_codec_pages_are_byte_identical(monkeypatch, spec):
+    gen = torch.Generator().manual_seed(7)
+    geometry = Geometry(1, 8, 128, torch.bfloat16)
+    codec = codecs.get(spec)
+    layout = codec.layout(geometry, 32)
+    k = (torch.randn(512, 8, 128, generator=gen) * 3).bfloat16()
+    v = torch.randn(512, 8, 128, generator=gen).bfloat16()
+    off, on = _both(monkeypatch, lambda: codec.encode(k, v, layout, CodecState()))
+    assert torch.equal(off.pages, on.pages) and torch.equal(off.codebook, on.codebook)
+
+
+def test_small_or_clipped_inputs_take_the_torch_path():
+    assert not fastquant.enabled(torch.randn(16, 64), clip=False)  # below MIN_VALUES
+    assert not fastquant.enabled(torch.randn(1024, 64), clip=True)
+    assert not fastquant.enabled(torch.randn(1024, 64).bfloat16(), clip=False)
+    assert fastquant.enabled(torch.randn(1024, 64), clip=False)
+
+
+def test_non_finite_inputs_fall_back_to_torch(monkeypatch):
+    x = torch.randn(1024, 64)
+    x[100, 3] = float("nan")
+    x[7, 0] = float("inf")
+    assert fastquant.group_range(x) is None
+    off, on = _both(monkeypatch, lambda: quant.quantize(x, 2, False, torch.float16))
+    assert torch.equal(off.codes, on.codes)  # both the torch path (NaN codes are whatever torch makes)
+
+
+def test_packed_matches_bitpack():
+    from kvbackend import bitpack
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 128, generator=gen)
+    for bits in fastquant.PACK_BITS:
+        for symmetric in (False, True):
+            lo, hi = fastquant.group_range(x.reshape(2048, 2, 64))
+            scale, zero = quant.group_params(lo, hi, bits, symmetric, torch.float16)
+            codes = fastquant.codes(x.reshape(2048, 2, 64), scale, zero, bits, symmetric).reshape(2048, 128)
+            assert torch.equal(fastquant.packed(x, scale, zero, bits, 64, symmetric), bitpack.pack(codes, bits))
