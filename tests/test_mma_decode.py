@@ -146,6 +146,43 @@ def test_not_preferred_for_dtypes_it_cannot_read(monkeypatch):
     assert not mma_decode.preferred(*schemes, 16, 64, 2, torch.device("cpu"), torch.bfloat16, torch.bfloat16)
 
 
+GEOMETRY_CASES = [  # (codec, head_dim, page_size, lengths, KV heads, GQA ratio): shapes the cases above do not use
+    ("rtn:bits=2,group=64,scale=fp8", 128, 128, [700, 129], 3, 4),  # 128-token pages, odd KV heads
+    ("rtn:bits=2,group=128,scale=bf16", 128, 256, [600], 1, 8),  # 256-token pages, one KV head, one bf16 group
+    ("rtn:bits=2,group=64,scale=fp8,symmetric=true", 128, 32, [300, 31], 5, 2),  # symmetric fp8 at D=128
+    ("rtn:bits=2,group=64,scale=fp8", 64, 64, [64, 128], 3, 7),  # requests ending on a page boundary
+]
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,lengths,heads,ratio", GEOMETRY_CASES)
+def test_other_geometries(codec, head_dim, page_size, lengths, heads, ratio):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache(codec, head_dim, page_size, lengths, heads=heads, seed=heads + ratio, chunk_pages=1)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, cache.plan(ids, 1))
+    for qdtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).to(qdtype)
+        for programs in (1, 7, 4096):  # one program walks everything; a few; more splits than pages
+            out, lse = paged_decode(q, *args, target_programs=programs, mma=True)
+            assert_matches_reference(cache, ids, 1, q, out, lse)
+
+
+@gpu
+def test_fp16_pools():
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp16", 128, 64, [333, 90], seed=4, chunk_pages=2,
+                              dtype=torch.float16)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0))
+    q = torch.randn(2, 8, 128, device=DEVICE).half()
+    out, lse = paged_decode(q, *args, target_programs=4, mma=True)
+    assert_matches_reference(cache, ids, 0, q, out, lse)
+
+
 @gpu
 @pytest.mark.parametrize("stages,warps", [(1, 4), (3, 2), (2, 8)])
 def test_pipeline_options_agree(stages, warps):
