@@ -254,8 +254,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             one none (``planar=True`` with levers raises).
         rotary: the model's RoPE, for pre-RoPE and page-relative keys.
         mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit per-token-group layouts, no levers);
-            None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True takes precedence over ``planar`` and ``fold``
-            and raises where the kernel cannot run or does not read the layout.
+            None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True
+            takes precedence over ``planar`` and ``fold`` and raises where the kernel cannot run or does
+            not read the layout.
         mma_options: extra keywords of `mma_decode.launch` (``min_blocks``), for probes.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).

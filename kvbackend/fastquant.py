@@ -94,7 +94,7 @@ def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits:
     flat = x.reshape(-1, x.shape[-1]).numpy()
     out = np.empty(flat.shape, np.uint8)
     qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
-    z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()
+    z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()  # symmetric: never read
     _codes(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, out)
     return torch.from_numpy(out).reshape(x.shape)
 
@@ -107,6 +107,6 @@ def packed(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits
     flat = x.reshape(-1, d).numpy()
     out = np.empty((flat.shape[0], d * bits // 8), np.uint8)
     qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
-    z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()
+    z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()  # symmetric: never read
     _packed(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, bits, group, out)
     return torch.from_numpy(out).reshape(*x.shape[:-1], d * bits // 8)

@@ -75,7 +75,7 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
     (min/max spends levels on the tails).
     """
     x = x.float()
-    if not clip and fastquant.enabled(x, clip):
+    if fastquant.enabled(x, clip):
         span = fastquant.group_range(x)
         if span is not None:  # all finite: the fused loops (same parameters, same bytes)
             scale, zero = group_params(*span, bits, symmetric, store)
