@@ -6,7 +6,9 @@ Here the groups' ranges come from torch's reductions (already one vectorized pas
 computes and packs the codes. The per-group parameters (scale and zero, rounded to their storage dtype) come
 from the same torch function as the torch path, and the per-value arithmetic is the same float32 operations in
 the same order (subtract the zero, divide by the scale, round half to even, clamp), so both paths write
-identical bytes: `tests/test_fastquant.py` holds them together.
+identical bytes: `tests/test_fastquant.py` holds them together. Decoding goes the other way in one loop: each
+packed byte's codes from a 256-entry table, times the scale, plus the zero (float32, two roundings, as torch's
+`mul_` and `add_`), rounded to bf16 to nearest even as torch's conversion does (`unpacked_bf16`).
 
 Used for CPU float32 inputs of at least `MIN_VALUES` values without ``clip`` (whose standard deviation is
 summed in another order than torch's), when numba imports and ``KVBACKEND_FASTQUANT`` is not ``0``. Inputs
@@ -80,6 +82,39 @@ if numba is not None:
                     out[r, (base + b * per) // per] = np.uint8(byte)
 
 
+    @_jit
+    def _unpacked(packed, zero, scale, add_zero, group, table, tmp, out):
+        # packed uint8 [rows, D / per] -> bf16 bits (uint16) [rows, D]: each byte's codes as floats from
+        # ``table`` (codes, or codes - qmax for symmetric layouts), times the scale, plus the zero where there is
+        # one, in float32 (two roundings, as torch's mul_ then add_), then rounded to nearest even as torch does
+        rows, d = out.shape
+        per = table.shape[1]
+        ng = d // group
+        for r in range(rows):
+            for b in range(d // per):
+                byte = packed[r, b]
+                for k in range(per):
+                    tmp[b * per + k] = table[byte, k]
+            for gg in range(ng):
+                gi = r * ng + gg
+                s = scale[gi]
+                z = zero[gi]
+                base = gg * group
+                if add_zero:
+                    for j in range(group):
+                        tmp[base + j] = tmp[base + j] * s + z
+                else:
+                    for j in range(group):
+                        tmp[base + j] = tmp[base + j] * s
+            u = tmp.view(np.uint32)
+            for j in range(d):
+                x = u[j]
+                if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                    out[r, j] = np.uint16(0x7FC0)
+                else:
+                    out[r, j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
 def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(min, max) of each group of the last dimension of ``x``, or None where a value is NaN or Inf (torch's
     reductions: vectorized and threaded, and the very numbers the torch path uses)."""
@@ -110,3 +145,32 @@ def packed(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits
     z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()  # symmetric: never read
     _packed(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, bits, group, out)
     return torch.from_numpy(out).reshape(*x.shape[:-1], d * bits // 8)
+
+
+def _code_table(bits: int, offset: int) -> np.ndarray:
+    """float32 [256, 8 / bits]: the codes of every byte value (first code in the top bits), minus ``offset``."""
+    per = 8 // bits
+    b = np.arange(256)[:, None]
+    shifts = bits * (per - 1 - np.arange(per))[None, :]
+    return (((b >> shifts) & ((1 << bits) - 1)) - offset).astype(np.float32)
+
+
+_TABLES = {(bits, sym): _code_table(bits, (1 << (bits - 1)) - 1 if sym else 0) for bits in PACK_BITS for sym in (0, 1)}
+
+
+def unpacked_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int,
+                  d: int) -> torch.Tensor:
+    """`quant.dequantize` of `bitpack.unpack` of ``packed [..., D * bits / 8]``, rounded to bf16, fused:
+    ``scale``/``zero [..., D / group]`` in their storage dtype (no zero: a symmetric layout); bf16 ``[..., D]``."""
+    flat = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
+    out = np.empty((flat.shape[0], d), np.uint16)
+    s = scale.float().reshape(-1).contiguous().numpy()
+    z = zero.float().reshape(-1).contiguous().numpy() if zero is not None else s  # symmetric: never read
+    _unpacked(flat, z, s, zero is not None, group, _TABLES[(bits, int(zero is None))], np.empty(d, np.float32), out)
+    return torch.from_numpy(out).view(torch.bfloat16).reshape(*packed.shape[:-1], d)
+
+
+def decode_enabled(packed: torch.Tensor, bits: int, out_dtype: torch.dtype | None) -> bool:
+    """Whether `unpacked_bf16` serves a decode of ``packed`` into ``out_dtype``."""
+    return (numba is not None and os.environ.get("KVBACKEND_FASTQUANT", "1") != "0" and out_dtype == torch.bfloat16
+            and bits in PACK_BITS and packed.device.type == "cpu" and packed.numel() * 8 // bits >= MIN_VALUES)

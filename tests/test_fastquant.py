@@ -93,3 +93,21 @@ def test_packed_matches_bitpack():
             scale, zero = quant.group_params(lo, hi, bits, symmetric, torch.float16)
             codes = fastquant.codes(x.reshape(2048, 2, 64), scale, zero, bits, symmetric).reshape(2048, 128)
             assert torch.equal(fastquant.packed(x, scale, zero, bits, 64, symmetric), bitpack.pack(codes, bits))
+
+
+@pytest.mark.parametrize("spec", ["rtn:bits=2,group=64,scale=fp8", "rtn:bits=4,group=32", "rtn:bits=2,group=128,symmetric=true",
+                                  "rtn:bits=8,group=64,scale=bf16", "rtn:bits=4,group=64,symmetric=true,scale=fp16"])
+@pytest.mark.parametrize("kind", ["normal", "wide"])
+def test_decoded_pages_are_bit_identical(monkeypatch, spec, kind):
+    """Decoding straight into bf16 gives the float32 reconstruction rounded by torch, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    geometry = Geometry(1, 8, 128, torch.bfloat16)
+    codec = codecs.get(spec)
+    layout = codec.layout(geometry, 32)
+    k = _data(kind, (512, 8, 128), gen).bfloat16()
+    v = _data("normal", (512, 8, 128), gen).bfloat16()
+    chunk = codec.encode(k, v, layout, CodecState())
+    off, on = _both(monkeypatch, lambda: codec.decode_pages(layout, chunk.pages, chunk.codebook))
+    for a, b in zip(off, on):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert fastquant.decode_enabled(layout.page.view(chunk.pages, "k_codes"), codec.spec.bits, torch.bfloat16)

@@ -51,12 +51,19 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
         page.view(pages, f"{prefix}_zeros").copy_(to_pages(q.zero, p))
 
 
-def decode_token_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bits: int, group: int) -> torch.Tensor:
+def decode_token_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bits: int, group: int,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[n*P, H, D]`` in float32, or already rounded to ``out_dtype`` where the caller wants that dtype
+    (the fused CPU loop then writes it directly; the same values as float32 rounded by torch)."""
     page = layout.page
-    codes = from_pages(bitpack.unpack(page.view(pages, f"{prefix}_codes"), bits))
-    t, h, d = codes.shape
+    packed = page.view(pages, f"{prefix}_codes")
     scale = from_pages(page.view(pages, f"{prefix}_scales"))
     zero = from_pages(page.view(pages, f"{prefix}_zeros")) if f"{prefix}_zeros" in page else None
+    if fastquant.decode_enabled(packed, bits, out_dtype):
+        d = packed.shape[-1] * 8 // bits
+        return fastquant.unpacked_bf16(from_pages(packed), scale, zero, bits, group, d)
+    codes = from_pages(bitpack.unpack(packed, bits))
+    t, h, d = codes.shape
     return dequantize(codes.reshape(t, h, d // group, group), scale, zero, bits).reshape(t, h, d)
 
 

@@ -56,4 +56,5 @@ class RTNCodec(Codec):
 
     def _decode(self, layout: PageLayout, pages, codebook):
         s = self.spec
-        return tuple(decode_token_groups(layout, pages, p, s.bits, s.group) for p in ("k", "v"))
+        dtype = layout.geometry.dtype  # what `decode_pages` returns: decoded straight into it where that is faster
+        return tuple(decode_token_groups(layout, pages, p, s.bits, s.group, dtype) for p in ("k", "v"))
