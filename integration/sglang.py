@@ -153,10 +153,11 @@ class KVBackendStorage(HiCacheStorage):
         page of one chunk, so the bytes are those of `_encode`); raises if any page cannot be encoded."""
         start = time.perf_counter()
         g, lay, group = self.geometry, self.layout, self.group
-        stacked = torch.stack(pages)  # [N, 2, L, P, H, D]
-        n = stacked.shape[0]
-        k, v = (stacked[:, i].reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
-        packed = self.codec.encode(*self.frame.to_stored(k, v, 0), lay).pages.view(n, -1)  # [N, L * page_bytes]
+        n = len(pages)
+        # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
+        k, v = (torch.stack([page[i] for page in pages]).reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
+        stored = self.frame.to_stored(k, v, 0) if self.frame.levers.active else (k, v)  # no copy without levers
+        packed = self.codec.encode(*stored, lay).pages.view(n, -1)  # [N, L * page_bytes]
         trailers = torch.tensor([list(group.pack_trailer(key, 0, False)) for key in keys], dtype=torch.uint8)
         blobs = torch.cat([packed, trailers], dim=1)
         if blobs.shape[1] != self.blob_bytes:

@@ -35,7 +35,7 @@ PACK_BITS = (2, 4, 8)  # widths whose codes never straddle a byte
 def enabled(x: torch.Tensor, clip: bool) -> bool:
     """Whether the fused loops take ``x``."""
     return (numba is not None and os.environ.get("KVBACKEND_FASTQUANT", "1") != "0" and not clip
-            and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= MIN_VALUES
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.numel() >= MIN_VALUES
             and not x.requires_grad)
 
 
@@ -58,28 +58,71 @@ if numba is not None:
                 out[i, j] = np.uint8(q)
 
     @_jit
-    def _packed(x, zero, scale, symmetric, qmax, bits, group, out):  # x [rows, D] -> uint8 [rows, D * bits / 8]
-        rows, d = x.shape
+    def _pack_row(xr, r, zero, scale, symmetric, qmax, bits, group, q, out):  # one row of float32 values
+        d = xr.shape[0]
         per = 8 // bits
         ng = d // group
-        q = np.empty(group, np.uint8)
         lo = np.float32(-qmax) if symmetric else np.float32(0.0)
         hi = np.float32(qmax)
         shift = np.float32(qmax) if symmetric else np.float32(0.0)
+        for gg in range(ng):
+            gi = r * ng + gg
+            z = np.float32(0.0) if symmetric else zero[gi]
+            s = scale[gi]
+            base = gg * group
+            for j in range(group):  # a straight loop the compiler vectorizes
+                v = np.rint((xr[base + j] - z) / s)
+                q[j] = np.uint8(min(max(v, lo), hi) + shift)
+            for b in range(group // per):
+                byte = np.uint32(0)
+                for k in range(per):
+                    byte = (byte << bits) | np.uint32(q[b * per + k])
+                out[r, (base + b * per) // per] = np.uint8(byte)
+
+    @_jit
+    def _packed(x, zero, scale, symmetric, qmax, bits, group, out):  # x float32 [rows, D] -> uint8 [rows, D*bits/8]
+        q = np.empty(group, np.uint8)
+        for r in range(x.shape[0]):
+            _pack_row(x[r], r, zero, scale, symmetric, qmax, bits, group, q, out)
+
+    @_jit
+    def _packed_bf16(x, zero, scale, symmetric, qmax, bits, group, out):  # x bf16 bits (uint16) [rows, D]
+        rows, d = x.shape
+        q = np.empty(group, np.uint8)
+        wide = np.empty(d, np.uint32)
+        row = wide.view(np.float32)  # bf16 -> float32 is exact: the bits shifted into the top half
         for r in range(rows):
-            for gg in range(ng):
-                gi = r * ng + gg
-                z = np.float32(0.0) if symmetric else zero[gi]
-                s = scale[gi]
-                base = gg * group
-                for j in range(group):  # a straight loop the compiler vectorizes
-                    v = np.rint((x[r, base + j] - z) / s)
-                    q[j] = np.uint8(min(max(v, lo), hi) + shift)
-                for b in range(group // per):
-                    byte = np.uint32(0)
-                    for k in range(per):
-                        byte = (byte << bits) | np.uint32(q[b * per + k])
-                    out[r, (base + b * per) // per] = np.uint8(byte)
+            for j in range(d):
+                wide[j] = np.uint32(x[r, j]) << np.uint32(16)
+            _pack_row(row, r, zero, scale, symmetric, qmax, bits, group, q, out)
+
+
+    @_jit
+    def _range_bf16(x, lo, hi):
+        # x bf16 bits (uint16) [n, G] -> float32 (min, max) per group through integer keys (sign-magnitude to
+        # two's complement: monotone in the value, and integer reductions vectorize); False if NaN or Inf
+        n, g = x.shape
+        special = np.int32(0)
+        for i in range(n):
+            a = np.int32(32767)
+            b = np.int32(-32768)
+            for j in range(g):
+                u = np.int32(x[i, j])
+                mag = u & np.int32(0x7FFF)
+                key = mag - ((u >> np.int32(15)) * (mag + mag))  # +mag or -mag
+                a = min(a, key)
+                b = max(b, key)
+                special |= np.int32(mag >= np.int32(0x7F80))
+            lo[i] = a
+            hi[i] = b
+        return special == 0
+
+    @_jit
+    def _finite_bf16(x):  # x bf16 bits (uint16), flat: no NaN or Inf
+        special = np.int32(0)
+        for j in range(x.shape[0]):
+            special |= np.int32((np.int32(x[j]) & np.int32(0x7F80)) == np.int32(0x7F80))
+        return special == 0
 
 
     @_jit
@@ -116,12 +159,32 @@ if numba is not None:
 
 
 def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(min, max) of each group of the last dimension of ``x``, or None where a value is NaN or Inf (torch's
-    reductions: vectorized and threaded, and the very numbers the torch path uses)."""
-    lo, hi = x.amin(dim=-1), x.amax(dim=-1)  # NaN propagates through both; Inf shows in one
+    """float32 (min, max) of each group of the last dimension of ``x``, or None where a value is NaN or Inf.
+    float32: torch's reductions (vectorized, threaded: the very numbers the torch path uses). bf16: integer keys
+    of the bits in one compiled pass (torch's bf16 reductions are slower than the float32 copy they avoid); the
+    same numbers, as bf16 -> float32 is exact and monotone, except that a group whose extreme is a zero reports
+    +0 where torch may say -0 (`quant.group_params` takes +0 for both, so the bytes agree)."""
+    if x.dtype == torch.bfloat16:
+        flat = x.reshape(-1, x.shape[-1]).contiguous().view(torch.int16).numpy().view(np.uint16)
+        keys = np.empty((2, flat.shape[0]), np.int32)
+        if not _range_bf16(flat, keys[0], keys[1]):
+            return None
+        mag = np.abs(keys).astype(np.uint32)
+        bits = ((mag | np.where(keys < 0, np.uint32(0x8000), np.uint32(0))) << np.uint32(16)).view(np.float32)
+        lo, hi = torch.from_numpy(bits[0].copy()), torch.from_numpy(bits[1].copy())
+        return lo.reshape(x.shape[:-1]), hi.reshape(x.shape[:-1])
+    lo, hi = x.amin(dim=-1).float(), x.amax(dim=-1).float()  # NaN propagates through both; Inf shows in one
     if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         return None
     return lo, hi
+
+
+def all_finite(x: torch.Tensor) -> bool | None:
+    """Whether bf16 CPU ``x`` holds no NaN or Inf, in one compiled pass over its bits; None where the fused
+    loops do not take ``x``."""
+    if not (enabled(x, False) and x.dtype == torch.bfloat16 and x.is_contiguous()):
+        return None
+    return bool(_finite_bf16(x.reshape(-1).view(torch.int16).numpy().view(np.uint16)))
 
 
 def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool) -> torch.Tensor:
@@ -139,11 +202,15 @@ def packed(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits
     """`bitpack.pack` of `codes`, fused: float32 ``x [..., D]`` in groups of ``group`` channels, ``scale``/
     ``zero [..., D / group]``; uint8 ``[..., D * bits / 8]``."""
     d = x.shape[-1]
-    flat = x.reshape(-1, d).numpy()
-    out = np.empty((flat.shape[0], d * bits // 8), np.uint8)
+    out = np.empty((x.numel() // d, d * bits // 8), np.uint8)
     qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
     z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()  # symmetric: never read
-    _packed(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, bits, group, out)
+    s = scale.reshape(-1).contiguous().numpy()
+    if x.dtype == torch.bfloat16:
+        _packed_bf16(x.reshape(-1, d).contiguous().view(torch.int16).numpy().view(np.uint16), z, s, symmetric, qmax,
+                     bits, group, out)
+    else:
+        _packed(x.reshape(-1, d).float().numpy(), z, s, symmetric, qmax, bits, group, out)
     return torch.from_numpy(out).reshape(*x.shape[:-1], d * bits // 8)
 
 

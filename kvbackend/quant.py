@@ -111,6 +111,7 @@ def group_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,
     """(scale, zero) in float32, rounded to ``store``, of groups whose values span ``lo..hi`` (min/max
     steps; ``zero`` None when symmetric). One function for the torch and the fused paths."""
     _, tiny, _ = _limits(store)
+    lo, hi = lo + 0.0, hi + 0.0  # -0 -> +0: one zero whichever a reduction reports (same codes and values)
     # Divide by a tensor, not a Python number: CUDA torch turns division by a scalar into multiplication
     # by its reciprocal, which rounds differently from the CPU (and from the kernels' IEEE division).
     if symmetric:

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbackend import fastquant
 from kvbackend.errors import InvalidKV
 from kvbackend.geometry import Geometry
 from kvbackend.layout import FieldSet, PageLayout
@@ -88,6 +89,9 @@ class Codec(ABC):
     # M whole pages in one call gives the bytes of M one-page encodes, so storage adapters batch every
     # layer of every page they move into one call (tests/test_codecs_page_local.py holds it to that)
     page_local: ClassVar[bool] = False
+    # True when `_encode` takes K/V in their own float dtype (it converts what it needs itself), so `encode`
+    # makes no float32 copy of the whole chunk first
+    any_float_input: ClassVar[bool] = False
 
     @property
     def kernel_encodes(self) -> bool:
@@ -153,7 +157,7 @@ class Codec(ABC):
         p = layout.page_size
         num_pages = -(-n // p)
         pad = num_pages * p - n
-        kf, vf = k.float(), v.float()
+        kf, vf = (k, v) if self.any_float_input else (k.float(), v.float())
         if pad:
             kf = torch.cat([kf, kf[-1:].expand(pad, -1, -1)])
             vf = torch.cat([vf, vf[-1:].expand(pad, -1, -1)])
@@ -179,6 +183,9 @@ def all_finite(x: torch.Tensor) -> bool:
     propagate NaN), at a fraction of the cost of an elementwise `isfinite` on the CPU."""
     if x.numel() == 0:
         return True
+    fused = fastquant.all_finite(x)  # bf16 on the CPU: one pass over the bits
+    if fused is not None:
+        return fused
     return bool(torch.isfinite(x.amax()) & torch.isfinite(x.amin()))
 
 

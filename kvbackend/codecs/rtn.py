@@ -37,6 +37,7 @@ def check_bits_group(spec, dim: int) -> None:
 class RTNCodec(Codec):
     name: ClassVar[str] = "rtn"
     page_local: ClassVar[bool] = True
+    any_float_input: ClassVar[bool] = True  # encode_token_groups reads bf16 in its fused loop, else converts
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)
