@@ -155,7 +155,7 @@ def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, N: tl.co
         zero = scale * 0.0
     else:
         levels: tl.constexpr = (1 << BITS) - 1
-        zero = _round_dir(lo, KIND, False)
+        zero = _round_dir(lo + 0.0, KIND, False)  # -0 -> +0, as the reference (`quant.group_params`)
         step = tl.math.div_rn(hi - zero, levels * 1.0)
         scale = _round_dir(tl.maximum(step, _tiny_like(step, KIND)), KIND, True)
         _store_kind(u8, i16, i32, where + ZEROS, zero, KIND)

@@ -41,6 +41,29 @@ def test_bit_exact_for_same_assignments(spec, head_dim):
     assert torch.equal(pages[ids.long()].cpu(), chunk.pages)
 
 
+@pytest.mark.parametrize("spec", ["rtn:bits=2,group=32,scale=fp8", "kivi:bits=2,group=16"])
+def test_bit_exact_where_a_group_minimum_is_a_signed_zero(spec):
+    """Groups whose smallest value is -0.0 (or +0.0 beside -0.0) store the same zero as the reference (+0)."""
+    from kvbackend.kernels.encode import encode_into_pages
+
+    geometry = Geometry(1, 2, 64, torch.bfloat16)
+    codec = codecs.get(spec)
+    layout = codec.layout(geometry, 16)
+    k = torch.rand(32, 2, 64).bfloat16()  # non-negative: the minima are the zeros below
+    k[:, :, ::5] = -0.0
+    k[::2, :, ::7] = 0.0
+    v = k.clone()
+    chunk = codec.encode(k, v, layout, CodecState())
+    k_scheme, v_scheme = kernel_schemes(codec, layout)
+    pages = torch.zeros((2, layout.page_bytes), dtype=torch.uint8, device=DEVICE)
+    ids = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    for x, scheme in ((k, k_scheme), (v, v_scheme)):
+        encode_into_pages(x.to(DEVICE).contiguous(), scheme, pages, ids)
+    assert torch.equal(pages.cpu(), chunk.pages)
+    zeros = layout.page.view(chunk.pages, "k_zeros")
+    assert not torch.signbit(zeros.float()).any()  # one zero: +0
+
+
 def test_assign_matches_reference():
     from kvbackend.kernels.kmeans import assign_nearest, kmeans
 
