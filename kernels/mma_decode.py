@@ -1,9 +1,10 @@
 """Paged decode on tensor cores for 2-bit per-token-group pages: a CUDA kernel compiled at first use.
 
 `mma_decode.cu` says how the kernel works. This module decides which layouts it reads (`supports`),
-compiles one cubin per layout with ``nvcc`` (cached on disk, keyed by the source and the options), loads
-it through the CUDA driver and launches it on the current stream, so CUDA graphs capture it. It writes
-the same split partials as the Triton kernels, and `paged_decode` merges them with the same kernel.
+compiles one cubin per layout with ``nvcc`` (cached on disk, keyed by the source, the options and the
+compiler's version), loads it through the CUDA driver and launches it on the current stream, so CUDA
+graphs capture it. It writes the same split partials as the Triton kernels, and `paged_decode` merges
+them with the same kernel.
 
 Needs a CUDA GPU of compute capability 8.0 or later and ``nvcc`` (on ``PATH``, or ``$CUDA_HOME/bin``).
 Where either is missing `available` says why, and `paged_decode` uses the Triton kernels.
