@@ -158,6 +158,129 @@ if numba is not None:
                     out[r, j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+    @_jit
+    def _range_channels_bf16(x, group, lo, hi):
+        # x bf16 bits (uint16) [T, C] -> integer keys (see _range_bf16) of each channel's min and max over each
+        # group of `group` tokens, [T / group, C], vectorized over channels; False if NaN or Inf
+        t, c = x.shape
+        special = np.int32(0)
+        for tg in range(t // group):
+            for j in range(c):
+                lo[tg, j] = np.int32(32767)
+                hi[tg, j] = np.int32(-32768)
+            for i in range(tg * group, (tg + 1) * group):
+                for j in range(c):
+                    u = np.int32(x[i, j])
+                    mag = u & np.int32(0x7FFF)
+                    key = mag - ((u >> np.int32(15)) * (mag + mag))
+                    lo[tg, j] = min(lo[tg, j], key)
+                    hi[tg, j] = max(hi[tg, j], key)
+                    special |= np.int32(mag >= np.int32(0x7F80))
+        return special == 0
+
+    @_jit
+    def _pack_channels_row(xr, zr, sr, qmax, bits, q, out_row):  # one token: each channel its own scale and zero
+        c = xr.shape[0]
+        per = 8 // bits
+        for j in range(c):
+            v = np.rint((xr[j] - zr[j]) / sr[j])
+            q[j] = np.uint8(min(max(v, np.float32(0.0)), np.float32(qmax)))
+        for b in range(c // per):
+            byte = np.uint32(0)
+            for k in range(per):
+                byte = (byte << bits) | np.uint32(q[b * per + k])
+            out_row[b] = np.uint8(byte)
+
+    @_jit
+    def _packed_channels(x, zero, scale, qmax, bits, group, out):  # x float32 [T, C]; zero/scale [T / group, C]
+        q = np.empty(x.shape[1], np.uint8)
+        for i in range(x.shape[0]):
+            _pack_channels_row(x[i], zero[i // group], scale[i // group], qmax, bits, q, out[i])
+
+    @_jit
+    def _packed_channels_bf16(x, zero, scale, qmax, bits, group, out):  # x bf16 bits (uint16) [T, C]
+        t, c = x.shape
+        q = np.empty(c, np.uint8)
+        wide = np.empty(c, np.uint32)
+        row = wide.view(np.float32)
+        for i in range(t):
+            for j in range(c):
+                wide[j] = np.uint32(x[i, j]) << np.uint32(16)
+            _pack_channels_row(row, zero[i // group], scale[i // group], qmax, bits, q, out[i])
+
+    @_jit
+    def _unpacked_channels(packed, zero, scale, group, table, tmp, out):
+        # packed uint8 [T, C / per] -> bf16 bits [T, C]: codes * scale + zero of each channel's token group
+        t, c = out.shape
+        per = table.shape[1]
+        for i in range(t):
+            tg = i // group
+            for b in range(c // per):
+                byte = packed[i, b]
+                for k in range(per):
+                    tmp[b * per + k] = table[byte, k]
+            for j in range(c):
+                tmp[j] = tmp[j] * scale[tg, j] + zero[tg, j]
+            u = tmp.view(np.uint32)
+            for j in range(c):
+                x = u[j]
+                if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                    out[i, j] = np.uint16(0x7FC0)
+                else:
+                    out[i, j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def _keys_to_float(keys: np.ndarray) -> torch.Tensor:
+    """float32 values of integer keys of bf16 bits (`_range_bf16`); a zero key is +0."""
+    mag = np.abs(keys).astype(np.uint32)
+    bits = ((mag | np.where(keys < 0, np.uint32(0x8000), np.uint32(0))) << np.uint32(16)).view(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(bits))
+
+
+def _bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def channel_range(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float32 (min, max) of each channel of ``x [T, C]`` over each group of ``group`` tokens, ``[T / group, C]``;
+    None where a value is NaN or Inf (as `group_range`, for groups of tokens)."""
+    t, c = x.shape
+    if x.dtype == torch.bfloat16:
+        keys = np.empty((2, t // group, c), np.int32)
+        if not _range_channels_bf16(_bf16_bits(x), group, keys[0], keys[1]):
+            return None
+        return _keys_to_float(keys[0]), _keys_to_float(keys[1])
+    grouped = x.reshape(t // group, group, c)
+    lo, hi = grouped.amin(dim=1).float(), grouped.amax(dim=1).float()
+    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        return None
+    return lo, hi
+
+
+def packed_channels(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """uint8 ``[T, C * bits / 8]``: ``x [T, C]`` quantized per channel over groups of ``group`` tokens (float32
+    ``scale``/``zero [T / group, C]``, asymmetric) and packed along channels, as `bitpack.pack` does."""
+    t, c = x.shape
+    out = np.empty((t, c * bits // 8), np.uint8)
+    z, s = zero.contiguous().numpy(), scale.contiguous().numpy()
+    if x.dtype == torch.bfloat16:
+        _packed_channels_bf16(_bf16_bits(x), z, s, (1 << bits) - 1, bits, group, out)
+    else:
+        _packed_channels(x.float().contiguous().numpy(), z, s, (1 << bits) - 1, bits, group, out)
+    return torch.from_numpy(out)
+
+
+def unpacked_channels_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+                           c: int) -> torch.Tensor:
+    """bf16 ``[T, C]`` of ``packed [T, C * bits / 8]`` with per-channel ``scale``/``zero [T / group, C]`` (storage
+    dtype): the torch path's float32 reconstruction rounded by torch, bit for bit."""
+    t = packed.shape[0]
+    out = np.empty((t, c), np.uint16)
+    _unpacked_channels(packed.contiguous().numpy(), zero.float().contiguous().numpy(),
+                       scale.float().contiguous().numpy(), group, _TABLES[(bits, 0)], np.empty(c, np.float32), out)
+    return torch.from_numpy(out).view(torch.bfloat16)
+
+
 def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """float32 (min, max) of each group of the last dimension of ``x``, or None where a value is NaN or Inf.
     float32: torch's reductions (vectorized, threaded: the very numbers the torch path uses). bf16: integer keys
@@ -165,14 +288,11 @@ def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     same numbers, as bf16 -> float32 is exact and monotone, except that a group whose extreme is a zero reports
     +0 where torch may say -0 (`quant.group_params` takes +0 for both, so the bytes agree)."""
     if x.dtype == torch.bfloat16:
-        flat = x.reshape(-1, x.shape[-1]).contiguous().view(torch.int16).numpy().view(np.uint16)
+        flat = _bf16_bits(x.reshape(-1, x.shape[-1]))
         keys = np.empty((2, flat.shape[0]), np.int32)
         if not _range_bf16(flat, keys[0], keys[1]):
             return None
-        mag = np.abs(keys).astype(np.uint32)
-        bits = ((mag | np.where(keys < 0, np.uint32(0x8000), np.uint32(0))) << np.uint32(16)).view(np.float32)
-        lo, hi = torch.from_numpy(bits[0].copy()), torch.from_numpy(bits[1].copy())
-        return lo.reshape(x.shape[:-1]), hi.reshape(x.shape[:-1])
+        return _keys_to_float(keys[0]).reshape(x.shape[:-1]), _keys_to_float(keys[1]).reshape(x.shape[:-1])
     lo, hi = x.amin(dim=-1).float(), x.amax(dim=-1).float()  # NaN propagates through both; Inf shows in one
     if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         return None

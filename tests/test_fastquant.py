@@ -54,13 +54,15 @@ def test_quantize_is_byte_identical(monkeypatch, store, kind):
 
 
 @pytest.mark.parametrize("spec", ["rtn:bits=2,group=64,scale=fp8", "rtn:bits=4,group=32", "rtn:bits=2,group=128,symmetric=true",
-                                  "kivi:bits=2,group=16", "kivi:bits=4,group=32", "rtn:bits=8,group=64,scale=bf16"])
+                                  "kivi:bits=2,group=16", "kivi:bits=4,group=32", "rtn:bits=8,group=64,scale=bf16",
+                                  "kivi:bits=2,group=32,kbits=4,scale=fp8", "kivi:bits=3,group=8"])
 def test_codec_pages_are_byte_identical(monkeypatch, spec):
     gen = torch.Generator().manual_seed(7)
     geometry = Geometry(1, 8, 128, torch.bfloat16)
     codec = codecs.get(spec)
     layout = codec.layout(geometry, 32)
     k = (torch.randn(509, 8, 128, generator=gen) * 3).bfloat16()  # a partial last page: padding copies
+    k[:64] = _data("flat", (64, 8, 128), gen).bfloat16()  # constant groups, exact and signed zeros
     v = torch.randn(509, 8, 128, generator=gen).bfloat16()
     off, on = _both(monkeypatch, lambda: codec.encode(k, v, layout, CodecState()))
     assert torch.equal(off.pages, on.pages) and torch.equal(off.codebook, on.codebook)
@@ -100,8 +102,9 @@ def test_packed_matches_bitpack():
 
 
 @pytest.mark.parametrize("spec", ["rtn:bits=2,group=64,scale=fp8", "rtn:bits=4,group=32", "rtn:bits=2,group=128,symmetric=true",
-                                  "rtn:bits=8,group=64,scale=bf16", "rtn:bits=4,group=64,symmetric=true,scale=fp16"])
-@pytest.mark.parametrize("kind", ["normal", "wide"])
+                                  "rtn:bits=8,group=64,scale=bf16", "rtn:bits=4,group=64,symmetric=true,scale=fp16",
+                                  "kivi:bits=2,group=16", "kivi:bits=4,group=32,scale=fp8", "kivi:bits=2,group=32,kbits=4"])
+@pytest.mark.parametrize("kind", ["normal", "wide", "flat"])
 def test_decoded_pages_are_bit_identical(monkeypatch, spec, kind):
     """Decoding straight into bf16 gives the float32 reconstruction rounded by torch, bit for bit."""
     gen = torch.Generator().manual_seed(11)

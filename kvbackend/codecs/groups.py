@@ -81,21 +81,38 @@ def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tens
     """Quantize float ``x [n*P, H, D]`` per channel over groups of ``group`` tokens (asymmetric)."""
     t, h, d = x.shape
     store = layout.page.fields[f"{prefix}_scales"].dtype
+    page = layout.page
+    p = layout.page_size
+    span = fastquant.channel_range(x.reshape(t, h * d), group) if (
+        bits in fastquant.PACK_BITS and fastquant.enabled(x, clip)) else None
+    if span is not None:  # fused CPU loops, vectorized over channels: the bytes of the torch path below
+        scale, zero = group_params(*span, bits, False, store)
+        packed = fastquant.packed_channels(x.reshape(t, h * d), scale, zero, bits, group)
+        page.view(pages, f"{prefix}_codes").copy_(to_pages(packed.reshape(t, h, -1), p))
+        page.view(pages, f"{prefix}_scales").copy_(scale.to(store).reshape(-1, p // group, h, d))
+        page.view(pages, f"{prefix}_zeros").copy_(zero.to(store).reshape(-1, p // group, h, d))
+        return
     grouped = x.reshape(t // group, group, h, d).permute(0, 2, 3, 1)  # [tg, H, D, G]
     q = quantize(grouped, bits, symmetric=False, store=store, clip=clip)
     codes = q.codes.permute(0, 3, 1, 2).reshape(t, h, d)
-    page = layout.page
-    p = layout.page_size
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(codes, bits), p))
     page.view(pages, f"{prefix}_scales").copy_(q.scale.reshape(-1, p // group, h, d))
     page.view(pages, f"{prefix}_zeros").copy_(q.zero.reshape(-1, p // group, h, d))
 
 
-def decode_channel_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bits: int, group: int) -> torch.Tensor:
+def decode_channel_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bits: int, group: int,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[n*P, H, D]`` in float32, or already rounded to ``out_dtype`` (as `decode_token_groups`)."""
     page = layout.page
-    codes = from_pages(bitpack.unpack(page.view(pages, f"{prefix}_codes"), bits))
-    t, h, d = codes.shape
+    packed = from_pages(page.view(pages, f"{prefix}_codes"))
+    t, h = packed.shape[:2]
+    d = packed.shape[-1] * 8 // bits
     scale = page.view(pages, f"{prefix}_scales").reshape(t // group, h, d)
     zero = page.view(pages, f"{prefix}_zeros").reshape(t // group, h, d)
+    if fastquant.decode_enabled(packed, bits, out_dtype):
+        out = fastquant.unpacked_channels_bf16(packed.reshape(t, -1), scale.reshape(t // group, h * d),
+                                               zero.reshape(t // group, h * d), bits, group, h * d)
+        return out.reshape(t, h, d)
+    codes = bitpack.unpack(packed, bits)
     grouped = codes.reshape(t // group, group, h, d).permute(0, 2, 3, 1)
     return dequantize(grouped, scale, zero, bits).permute(0, 3, 1, 2).reshape(t, h, d)

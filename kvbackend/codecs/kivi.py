@@ -39,6 +39,7 @@ class KIVISpec(SplitWidths, Checked):
 class KIVICodec(Codec):
     name: ClassVar[str] = "kivi"
     page_local: ClassVar[bool] = True
+    any_float_input: ClassVar[bool] = True  # the field writers read bf16 in their fused loops, else convert
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)
@@ -65,5 +66,6 @@ class KIVICodec(Codec):
 
     def _decode(self, layout: PageLayout, pages, codebook):
         s = self.spec
-        return (decode_channel_groups(layout, pages, "k", s.key_bits, s.group),
-                decode_token_groups(layout, pages, "v", s.value_bits, s.group))
+        dtype = layout.geometry.dtype  # what `decode_pages` returns: decoded straight into it where that is faster
+        return (decode_channel_groups(layout, pages, "k", s.key_bits, s.group, dtype),
+                decode_token_groups(layout, pages, "v", s.value_bits, s.group, dtype))
