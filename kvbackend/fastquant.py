@@ -10,10 +10,11 @@ identical bytes: `tests/test_fastquant.py` holds them together. Decoding goes th
 packed byte's codes from a 256-entry table, times the scale, plus the zero (float32, two roundings, as torch's
 `mul_` and `add_`), rounded to bf16 to nearest even as torch's conversion does (`unpacked_bf16`).
 
-Used for CPU float32 inputs of at least `MIN_VALUES` values without ``clip`` (whose standard deviation is
-summed in another order than torch's), when numba imports and ``KVBACKEND_FASTQUANT`` is not ``0``. Inputs
-with NaN or Inf take the torch path. The loop releases the GIL, so the adapters' worker threads run it in
-parallel.
+Used for CPU float32 and bf16 inputs of at least `MIN_VALUES` values without ``clip`` (whose standard
+deviation is summed in another order than torch's), when numba imports, its JIT is on and ``KVBACKEND_FASTQUANT``
+is not ``0``/``false``/``off``/``no``. Inputs with NaN or Inf take the torch path, and so does everything after a
+compiled loop fails once (said once in the log). Every public function returns None where it does not serve.
+The loops release the GIL, so the adapters' worker threads run them in parallel.
 """
 
 from __future__ import annotations
@@ -30,17 +31,51 @@ except ImportError:  # optional: the torch path serves without it
 
 MIN_VALUES = 1 << 15  # below this, numba's call overhead is not worth it
 PACK_BITS = (2, 4, 8)  # widths whose codes never straddle a byte
+_OFF = {"0", "false", "off", "no"}
+_broken: list[str] = []  # why the compiled loops failed once (then the torch path serves for the process)
+
+
+def _usable() -> bool:
+    return (numba is not None and not _broken and not numba.config.DISABLE_JIT
+            and os.environ.get("KVBACKEND_FASTQUANT", "1").strip().lower() not in _OFF)
 
 
 def enabled(x: torch.Tensor, clip: bool) -> bool:
     """Whether the fused loops take ``x``."""
-    return (numba is not None and os.environ.get("KVBACKEND_FASTQUANT", "1") != "0" and not clip
-            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.numel() >= MIN_VALUES
-            and not x.requires_grad)
+    return (_usable() and not clip and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.numel() >= MIN_VALUES and not x.requires_grad)
+
+
+_FAILED = object()
+
+
+def _run(kernel, *args):
+    """``kernel(*args)``, or `_FAILED` after telling once why the compiled loops cannot serve (a numba cache
+    that cannot be read, a failed compilation): the callers then take the torch path, which gives the same
+    bytes."""
+    try:
+        return kernel(*args)
+    except Exception as exc:  # noqa: BLE001 - any failure of the optional fast path falls back to torch
+        if not _broken:
+            import logging
+
+            logging.getLogger(__name__).warning("kvbackend: the fused CPU loops failed (%s: %s); using torch",
+                                                type(exc).__name__, exc)
+        _broken.append(f"{type(exc).__name__}: {exc}")
+        return _FAILED
+
+
+def _jit(fn):
+    # error_model="numpy": a division by a flushed subnormal scale gives inf/NaN as in torch (clamped to a code),
+    # never a Python ZeroDivisionError. The on-disk cache is tried first; where numba finds no place to keep it
+    # (a read-only install without a writable cache folder), the loops compile in memory instead.
+    try:
+        return numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")(fn)
+    except RuntimeError:
+        return numba.njit(cache=False, nogil=True, boundscheck=False, error_model="numpy")(fn)
 
 
 if numba is not None:
-    _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 
     @_jit
     def _codes(x, zero, scale, symmetric, qmax, out):  # x float32 [n, G] -> uint8 codes [n, G]
@@ -72,23 +107,23 @@ if numba is not None:
             base = gg * group
             for j in range(group):  # a straight loop the compiler vectorizes
                 v = np.rint((xr[base + j] - z) / s)
-                q[j] = np.uint8(min(max(v, lo), hi) + shift)
-            for b in range(group // per):
-                byte = np.uint32(0)
-                for k in range(per):
-                    byte = (byte << bits) | np.uint32(q[b * per + k])
-                out[r, (base + b * per) // per] = np.uint8(byte)
+                q[base + j] = np.uint8(min(max(v, lo), hi) + shift)
+        for b in range(d // per):  # the whole row, as bitpack.pack does: groups need not fill whole bytes
+            byte = np.uint32(0)
+            for k in range(per):
+                byte = (byte << bits) | np.uint32(q[b * per + k])
+            out[r, b] = np.uint8(byte)
 
     @_jit
     def _packed(x, zero, scale, symmetric, qmax, bits, group, out):  # x float32 [rows, D] -> uint8 [rows, D*bits/8]
-        q = np.empty(group, np.uint8)
+        q = np.empty(x.shape[1], np.uint8)
         for r in range(x.shape[0]):
             _pack_row(x[r], r, zero, scale, symmetric, qmax, bits, group, q, out)
 
     @_jit
     def _packed_bf16(x, zero, scale, symmetric, qmax, bits, group, out):  # x bf16 bits (uint16) [rows, D]
         rows, d = x.shape
-        q = np.empty(group, np.uint8)
+        q = np.empty(d, np.uint8)
         wide = np.empty(d, np.uint32)
         row = wide.view(np.float32)  # bf16 -> float32 is exact: the bits shifted into the top half
         for r in range(rows):
@@ -247,7 +282,7 @@ def channel_range(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     t, c = x.shape
     if x.dtype == torch.bfloat16:
         keys = np.empty((2, t // group, c), np.int32)
-        if not _range_channels_bf16(_bf16_bits(x), group, keys[0], keys[1]):
+        if _run(_range_channels_bf16, _bf16_bits(x), group, keys[0], keys[1]) is not True:
             return None
         return _keys_to_float(keys[0]), _keys_to_float(keys[1])
     grouped = x.reshape(t // group, group, c)
@@ -257,28 +292,29 @@ def channel_range(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return lo, hi
 
 
-def packed_channels(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def packed_channels(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    group: int) -> torch.Tensor | None:
     """uint8 ``[T, C * bits / 8]``: ``x [T, C]`` quantized per channel over groups of ``group`` tokens (float32
     ``scale``/``zero [T / group, C]``, asymmetric) and packed along channels, as `bitpack.pack` does."""
     t, c = x.shape
     out = np.empty((t, c * bits // 8), np.uint8)
     z, s = zero.contiguous().numpy(), scale.contiguous().numpy()
     if x.dtype == torch.bfloat16:
-        _packed_channels_bf16(_bf16_bits(x), z, s, (1 << bits) - 1, bits, group, out)
+        done = _run(_packed_channels_bf16, _bf16_bits(x), z, s, (1 << bits) - 1, bits, group, out)
     else:
-        _packed_channels(x.float().contiguous().numpy(), z, s, (1 << bits) - 1, bits, group, out)
-    return torch.from_numpy(out)
+        done = _run(_packed_channels, x.float().contiguous().numpy(), z, s, (1 << bits) - 1, bits, group, out)
+    return None if done is _FAILED else torch.from_numpy(out)
 
 
 def unpacked_channels_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
-                           c: int) -> torch.Tensor:
+                           c: int) -> torch.Tensor | None:
     """bf16 ``[T, C]`` of ``packed [T, C * bits / 8]`` with per-channel ``scale``/``zero [T / group, C]`` (storage
     dtype): the torch path's float32 reconstruction rounded by torch, bit for bit."""
     t = packed.shape[0]
     out = np.empty((t, c), np.uint16)
-    _unpacked_channels(packed.contiguous().numpy(), zero.float().contiguous().numpy(),
-                       scale.float().contiguous().numpy(), group, _TABLES[(bits, 0)], np.empty(c, np.float32), out)
-    return torch.from_numpy(out).view(torch.bfloat16)
+    done = _run(_unpacked_channels, packed.contiguous().numpy(), zero.float().contiguous().numpy(),
+                scale.float().contiguous().numpy(), group, _TABLES[(bits, 0)], np.empty(c, np.float32), out)
+    return None if done is _FAILED else torch.from_numpy(out).view(torch.bfloat16)
 
 
 def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -290,7 +326,7 @@ def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if x.dtype == torch.bfloat16:
         flat = _bf16_bits(x.reshape(-1, x.shape[-1]))
         keys = np.empty((2, flat.shape[0]), np.int32)
-        if not _range_bf16(flat, keys[0], keys[1]):
+        if _run(_range_bf16, flat, keys[0], keys[1]) is not True:
             return None
         return _keys_to_float(keys[0]).reshape(x.shape[:-1]), _keys_to_float(keys[1]).reshape(x.shape[:-1])
     lo, hi = x.amin(dim=-1).float(), x.amax(dim=-1).float()  # NaN propagates through both; Inf shows in one
@@ -304,21 +340,23 @@ def all_finite(x: torch.Tensor) -> bool | None:
     loops do not take ``x``."""
     if not (enabled(x, False) and x.dtype == torch.bfloat16 and x.is_contiguous()):
         return None
-    return bool(_finite_bf16(x.reshape(-1).view(torch.int16).numpy().view(np.uint16)))
+    done = _run(_finite_bf16, x.reshape(-1).view(torch.int16).numpy().view(np.uint16))
+    return None if done is _FAILED else bool(done)
 
 
-def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool) -> torch.Tensor:
-    """uint8 codes of float32 ``x [..., G]`` with float32 ``scale``/``zero [...]`` (as `quant.quantize` computes)."""
+def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+          symmetric: bool) -> torch.Tensor | None:
+    """(None where the compiled loops fail: take the torch path) uint8 codes of float32 ``x [..., G]`` with float32 ``scale``/``zero [...]`` (as `quant.quantize` computes)."""
     flat = x.reshape(-1, x.shape[-1]).numpy()
     out = np.empty(flat.shape, np.uint8)
     qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
     z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()  # symmetric: never read
-    _codes(flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, out)
-    return torch.from_numpy(out).reshape(x.shape)
+    done = _run(_codes, flat, z, scale.reshape(-1).contiguous().numpy(), symmetric, qmax, out)
+    return None if done is _FAILED else torch.from_numpy(out).reshape(x.shape)
 
 
 def packed(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int,
-           symmetric: bool) -> torch.Tensor:
+           symmetric: bool) -> torch.Tensor | None:
     """`bitpack.pack` of `codes`, fused: float32 ``x [..., D]`` in groups of ``group`` channels, ``scale``/
     ``zero [..., D / group]``; uint8 ``[..., D * bits / 8]``."""
     d = x.shape[-1]
@@ -327,10 +365,12 @@ def packed(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits
     z = (zero if zero is not None else scale).reshape(-1).contiguous().numpy()  # symmetric: never read
     s = scale.reshape(-1).contiguous().numpy()
     if x.dtype == torch.bfloat16:
-        _packed_bf16(x.reshape(-1, d).contiguous().view(torch.int16).numpy().view(np.uint16), z, s, symmetric, qmax,
-                     bits, group, out)
+        done = _run(_packed_bf16, x.reshape(-1, d).contiguous().view(torch.int16).numpy().view(np.uint16), z, s,
+                    symmetric, qmax, bits, group, out)
     else:
-        _packed(x.reshape(-1, d).float().numpy(), z, s, symmetric, qmax, bits, group, out)
+        done = _run(_packed, x.reshape(-1, d).float().numpy(), z, s, symmetric, qmax, bits, group, out)
+    if done is _FAILED:
+        return None
     return torch.from_numpy(out).reshape(*x.shape[:-1], d * bits // 8)
 
 
@@ -346,18 +386,18 @@ _TABLES = {(bits, sym): _code_table(bits, (1 << (bits - 1)) - 1 if sym else 0) f
 
 
 def unpacked_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int,
-                  d: int) -> torch.Tensor:
+                  d: int) -> torch.Tensor | None:
     """`quant.dequantize` of `bitpack.unpack` of ``packed [..., D * bits / 8]``, rounded to bf16, fused:
     ``scale``/``zero [..., D / group]`` in their storage dtype (no zero: a symmetric layout); bf16 ``[..., D]``."""
     flat = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
     out = np.empty((flat.shape[0], d), np.uint16)
     s = scale.float().reshape(-1).contiguous().numpy()
     z = zero.float().reshape(-1).contiguous().numpy() if zero is not None else s  # symmetric: never read
-    _unpacked(flat, z, s, zero is not None, group, _TABLES[(bits, int(zero is None))], np.empty(d, np.float32), out)
-    return torch.from_numpy(out).view(torch.bfloat16).reshape(*packed.shape[:-1], d)
+    done = _run(_unpacked, flat, z, s, zero is not None, group, _TABLES[(bits, int(zero is None))],
+                np.empty(d, np.float32), out)
+    return None if done is _FAILED else torch.from_numpy(out).view(torch.bfloat16).reshape(*packed.shape[:-1], d)
 
 
 def decode_enabled(packed: torch.Tensor, bits: int, out_dtype: torch.dtype | None) -> bool:
     """Whether `unpacked_bf16` serves a decode of ``packed`` into ``out_dtype``."""
-    return (numba is not None and os.environ.get("KVBACKEND_FASTQUANT", "1") != "0" and out_dtype == torch.bfloat16
-            and bits in PACK_BITS and packed.device.type == "cpu" and packed.numel() * 8 // bits >= MIN_VALUES)
+    return (_usable() and out_dtype == torch.bfloat16 and bits in PACK_BITS and packed.device.type == "cpu" and packed.numel() * 8 // bits >= MIN_VALUES)

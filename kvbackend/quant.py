@@ -80,7 +80,8 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         if span is not None:  # all finite: the fused loops (same parameters, same bytes)
             scale, zero = group_params(*span, bits, symmetric, store)
             codes = fastquant.codes(x, scale, zero, bits, symmetric)
-            return Quantized(codes, scale.to(store), None if zero is None else zero.to(store))
+            if codes is not None:
+                return Quantized(codes, scale.to(store), None if zero is None else zero.to(store))
     _, tiny, _ = _limits(store)
     if symmetric:
         qmax = (1 << (bits - 1)) - 1
@@ -94,7 +95,9 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         lo, hi = x.amin(dim=-1), x.amax(dim=-1)
         minmax = (hi - lo) / divisor
         gaussian = GAUSSIAN_STEP[levels + 1] * x.std(dim=-1, correction=0)
-        use_minmax = minmax <= gaussian
+        # the mean and std of values near float32's limit overflow: those groups keep min/max steps (the
+        # clamped step of `round_to`), never a NaN scale that would decode finite K/V into NaN
+        use_minmax = (minmax <= gaussian) | ~torch.isfinite(gaussian) | ~torch.isfinite(x.mean(dim=-1))
         step = torch.where(use_minmax, minmax, gaussian)
         centred = torch.maximum(lo, x.mean(dim=-1) - gaussian * divisor / 2)  # never below the minimum
         zero = round_to(torch.where(use_minmax, lo, centred), store, "down")

@@ -118,3 +118,65 @@ def test_decoded_pages_are_bit_identical(monkeypatch, spec, kind):
     for a, b in zip(off, on):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert fastquant.decode_enabled(layout.page.view(chunk.pages, "k_codes"), codec.spec.bits, torch.bfloat16)
+
+
+@pytest.mark.parametrize("spec", ["rtn:bits=2,group=2", "rtn:bits=2,group=6,symmetric=true", "rtn:bits=4,group=1",
+                                  "rtn:bits=4,group=3", "rtn:bits=2,group=10", "kivi:bits=2,group=16,vbits=4"])
+def test_groups_smaller_than_a_byte_or_straddling_bytes(monkeypatch, spec):
+    """Groups need not fill whole bytes: the fused loop packs whole rows, as `bitpack.pack` does."""
+    gen = torch.Generator().manual_seed(5)
+    dim = 120 if spec.endswith("group=10") or spec.endswith("group=3") or "group=6" in spec else 128
+    geometry = Geometry(1, 4, dim, torch.bfloat16)
+    codec = codecs.get(spec)
+    layout = codec.layout(geometry, 16)
+    k = (torch.randn(256, 4, dim, generator=gen) * 2).bfloat16()
+    v = torch.randn(256, 4, dim, generator=gen).bfloat16()
+    off, on = _both(monkeypatch, lambda: codec.encode(k, v, layout, CodecState()))
+    again = codec.encode(k, v, layout, CodecState())
+    assert torch.equal(off.pages, on.pages) and torch.equal(on.pages, again.pages)
+
+
+def test_flushed_subnormal_scales_do_not_raise(monkeypatch):
+    """Constant groups get the smallest step; with denormals flushed it reads as zero, as in torch (no error)."""
+    gen = torch.Generator().manual_seed(6)
+    geometry = Geometry(1, 4, 128, torch.bfloat16)
+    k = torch.randn(256, 4, 128, generator=gen).bfloat16()
+    k[:16] = 0.0  # constant groups
+    v = k.clone()
+    monkeypatch.setattr(fastquant, "_broken", [])
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for spec in ("rtn:bits=4,group=32,scale=bf16", "rtn:bits=2,group=64,scale=fp32,symmetric=true"):
+            codec = codecs.get(spec)
+            layout = codec.layout(geometry, 16)
+            off, on = _both(monkeypatch, lambda: codec.encode(k, v, layout, CodecState()))
+            assert torch.equal(off.pages, on.pages)
+        assert not fastquant._broken  # served by the compiled loops, not by a fallback after an error
+    finally:
+        torch.set_flush_denormal(False)  # torch's default
+
+
+def test_switch_values_and_a_failing_loop_fall_back(monkeypatch):
+    x = torch.randn(1024, 64)
+    for value in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("KVBACKEND_FASTQUANT", value)
+        assert not fastquant.enabled(x, clip=False)
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "1")
+    want = quant.quantize(x, 2, False, torch.float16)
+
+    def broken(*args):
+        raise ValueError("a damaged numba cache")
+
+    monkeypatch.setattr(fastquant, "_codes", broken)
+    monkeypatch.setattr(fastquant, "_broken", [])
+    got = quant.quantize(x, 2, False, torch.float16)  # the torch path, same bytes
+    assert torch.equal(got.codes, want.codes) and fastquant._broken and not fastquant.enabled(x, clip=False)
+
+
+def test_clipped_groups_of_huge_values_stay_finite():
+    """Values near float32's limit overflow the clip statistics: their groups keep min/max steps (no NaN)."""
+    x = torch.full((64, 32), 3.0e38)
+    x[:, ::2] = -3.0e38
+    q = quant.quantize(x, 2, False, torch.float16, clip=True)
+    assert torch.isfinite(q.scale.float()).all() and torch.isfinite(q.zero.float()).all()

@@ -36,9 +36,9 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
     p = layout.page_size
     grouped = x.reshape(t, h, d // group, group)
     span = fastquant.group_range(grouped) if bits in fastquant.PACK_BITS and fastquant.enabled(x, clip) else None
-    if span is not None:  # fused CPU loops: the same parameters and bytes as below, two passes over the values
-        scale, zero = group_params(*span, bits, symmetric, store)
-        packed = fastquant.packed(x, scale, zero, bits, group, symmetric)
+    scale, zero = group_params(*span, bits, symmetric, store) if span is not None else (None, None)
+    packed = fastquant.packed(x, scale, zero, bits, group, symmetric) if span is not None else None
+    if packed is not None:  # fused CPU loops: the same parameters and bytes as below, two passes over the values
         page.view(pages, f"{prefix}_codes").copy_(to_pages(packed, p))
         page.view(pages, f"{prefix}_scales").copy_(to_pages(scale.to(store), p))
         if zero is not None:
@@ -60,8 +60,9 @@ def decode_token_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bi
     scale = from_pages(page.view(pages, f"{prefix}_scales"))
     zero = from_pages(page.view(pages, f"{prefix}_zeros")) if f"{prefix}_zeros" in page else None
     if fastquant.decode_enabled(packed, bits, out_dtype):
-        d = packed.shape[-1] * 8 // bits
-        return fastquant.unpacked_bf16(from_pages(packed), scale, zero, bits, group, d)
+        out = fastquant.unpacked_bf16(from_pages(packed), scale, zero, bits, group, packed.shape[-1] * 8 // bits)
+        if out is not None:
+            return out
     codes = from_pages(bitpack.unpack(packed, bits))
     t, h, d = codes.shape
     return dequantize(codes.reshape(t, h, d // group, group), scale, zero, bits).reshape(t, h, d)
@@ -85,9 +86,9 @@ def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tens
     p = layout.page_size
     span = fastquant.channel_range(x.reshape(t, h * d), group) if (
         bits in fastquant.PACK_BITS and fastquant.enabled(x, clip)) else None
-    if span is not None:  # fused CPU loops, vectorized over channels: the bytes of the torch path below
-        scale, zero = group_params(*span, bits, False, store)
-        packed = fastquant.packed_channels(x.reshape(t, h * d), scale, zero, bits, group)
+    scale, zero = group_params(*span, bits, False, store) if span is not None else (None, None)
+    packed = fastquant.packed_channels(x.reshape(t, h * d), scale, zero, bits, group) if span is not None else None
+    if packed is not None:  # fused CPU loops, vectorized over channels: the bytes of the torch path below
         page.view(pages, f"{prefix}_codes").copy_(to_pages(packed.reshape(t, h, -1), p))
         page.view(pages, f"{prefix}_scales").copy_(scale.to(store).reshape(-1, p // group, h, d))
         page.view(pages, f"{prefix}_zeros").copy_(zero.to(store).reshape(-1, p // group, h, d))
@@ -112,7 +113,8 @@ def decode_channel_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, 
     if fastquant.decode_enabled(packed, bits, out_dtype):
         out = fastquant.unpacked_channels_bf16(packed.reshape(t, -1), scale.reshape(t // group, h * d),
                                                zero.reshape(t // group, h * d), bits, group, h * d)
-        return out.reshape(t, h, d)
+        if out is not None:
+            return out.reshape(t, h, d)
     codes = bitpack.unpack(packed, bits)
     grouped = codes.reshape(t // group, group, h, d).permute(0, 2, 3, 1)
     return dequantize(grouped, scale, zero, bits).permute(0, 3, 1, 2).reshape(t, h, d)
