@@ -161,18 +161,32 @@ if numba is not None:
 
 
     @_jit
+    def _table_codes(packed_row, table, tmp):  # each byte's codes (as floats) from a 256-entry table
+        per = table.shape[1]
+        for b in range(packed_row.shape[0]):
+            byte = packed_row[b]
+            for k in range(per):
+                tmp[b * per + k] = table[byte, k]
+
+    @_jit
+    def _to_bf16(tmp, out_row):  # float32 -> bf16 bits, to nearest even as torch rounds (NaN: 0x7FC0)
+        u = tmp.view(np.uint32)
+        for j in range(out_row.shape[0]):
+            x = u[j]
+            if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out_row[j] = np.uint16(0x7FC0)
+            else:
+                out_row[j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    @_jit
     def _unpacked(packed, zero, scale, add_zero, group, table, tmp, out):
         # packed uint8 [rows, D / per] -> bf16 bits (uint16) [rows, D]: each byte's codes as floats from
         # ``table`` (codes, or codes - qmax for symmetric layouts), times the scale, plus the zero where there is
         # one, in float32 (two roundings, as torch's mul_ then add_), then rounded to nearest even as torch does
         rows, d = out.shape
-        per = table.shape[1]
         ng = d // group
         for r in range(rows):
-            for b in range(d // per):
-                byte = packed[r, b]
-                for k in range(per):
-                    tmp[b * per + k] = table[byte, k]
+            _table_codes(packed[r], table, tmp)
             for gg in range(ng):
                 gi = r * ng + gg
                 s = scale[gi]
@@ -184,13 +198,7 @@ if numba is not None:
                 else:
                     for j in range(group):
                         tmp[base + j] = tmp[base + j] * s
-            u = tmp.view(np.uint32)
-            for j in range(d):
-                x = u[j]
-                if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                    out[r, j] = np.uint16(0x7FC0)
-                else:
-                    out[r, j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            _to_bf16(tmp, out[r])
 
 
     @_jit
@@ -247,22 +255,12 @@ if numba is not None:
     def _unpacked_channels(packed, zero, scale, group, table, tmp, out):
         # packed uint8 [T, C / per] -> bf16 bits [T, C]: codes * scale + zero of each channel's token group
         t, c = out.shape
-        per = table.shape[1]
         for i in range(t):
             tg = i // group
-            for b in range(c // per):
-                byte = packed[i, b]
-                for k in range(per):
-                    tmp[b * per + k] = table[byte, k]
+            _table_codes(packed[i], table, tmp)
             for j in range(c):
                 tmp[j] = tmp[j] * scale[tg, j] + zero[tg, j]
-            u = tmp.view(np.uint32)
-            for j in range(c):
-                x = u[j]
-                if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                    out[i, j] = np.uint16(0x7FC0)
-                else:
-                    out[i, j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            _to_bf16(tmp, out[i])
 
 
 def _keys_to_float(keys: np.ndarray) -> torch.Tensor:
