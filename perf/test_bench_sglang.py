@@ -62,3 +62,43 @@ def test_set_get_and_bytes_vs_hicachefile(benchmark, tmp_path, codec):
         bytes_kvbackend_per_page=ours / PAGES, bytes_hicachefile_per_page=theirs / PAGES, ratio=theirs / ours)
     print(benchmark.extra_info)
     assert theirs > ours
+
+
+@pytest.mark.parametrize("codec", ["rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=16", "kivi:bits=4,group=16"])
+def test_one_core_set_get(benchmark, tmp_path, codec):
+    """set and get of 16 pages with torch on one thread (the codec's work on one core): set's median of 5
+    rounds after a warm-up, get's median of 5 calls after one."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        host = HostPool("layer_first", **GEOMETRY)
+        host.kv_buffer.normal_()
+        backend = make_backend(tmp_path / "kvbackend", host, codec)
+        keys = [f"page{i}" for i in range(PAGES)]
+        page_bytes = 2 * 32 * 16 * 8 * 128 * 2
+        counter = iter(range(1 << 30))
+
+        def set_pages():
+            round_ = next(counter)
+            assert all(backend.batch_set_v1([f"{k}-{round_}" for k in keys], host_indices(range(PAGES), 16)))
+
+        benchmark.pedantic(set_pages, rounds=5, iterations=1, warmup_rounds=1)
+        set_seconds = benchmark.stats.stats.median
+        assert backend.batch_set_v1(keys, host_indices(range(PAGES), 16)) == [True] * PAGES
+        gets = []
+        for _ in range(6):  # the first call also compiles the decode loop: not counted
+            start = time.perf_counter()
+            assert all(backend.batch_get_v1(keys, host_indices(range(PAGES, 2 * PAGES), 16)))
+            gets.append(time.perf_counter() - start)
+        get_seconds = sorted(gets[1:])[2]
+        stored, loaded = host.kv_buffer[:, :, : PAGES * 16].float(), host.kv_buffer[:, :, PAGES * 16:].float()
+        assert float((loaded - stored).norm() / stored.norm()) < 0.6  # the pages came back (2-bit error level)
+    finally:
+        torch.set_num_threads(threads)
+    benchmark.extra_info.update(codec=codec, set_GBps_one_core=PAGES * page_bytes / set_seconds / 1e9,
+                                get_GBps_one_core=PAGES * page_bytes / get_seconds / 1e9)
+    print(benchmark.extra_info)
