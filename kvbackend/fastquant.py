@@ -93,10 +93,23 @@ if numba is not None:
                 out[i, j] = np.uint8(q)
 
     @_jit
-    def _pack_row(xr, r, zero, scale, symmetric, qmax, bits, group, q, out):  # one row of float32 values
-        d = xr.shape[0]
+    def _pack_bytes(q, bits, out_row):  # codes [D] -> bytes, first code in the top bits (as bitpack.pack)
         per = 8 // bits
-        ng = d // group
+        for b in range(out_row.shape[0]):
+            byte = np.uint32(0)
+            for k in range(per):
+                byte = (byte << bits) | np.uint32(q[b * per + k])
+            out_row[b] = np.uint8(byte)
+
+    @_jit
+    def _widen_bf16(bits_row, wide):  # bf16 bits -> float32 (exact: the bits shifted into the top half)
+        for j in range(bits_row.shape[0]):
+            wide[j] = np.uint32(bits_row[j]) << np.uint32(16)
+        return wide.view(np.float32)
+
+    @_jit
+    def _pack_row(xr, r, zero, scale, symmetric, qmax, bits, group, q, out):  # one row of float32 values
+        ng = xr.shape[0] // group
         lo = np.float32(-qmax) if symmetric else np.float32(0.0)
         hi = np.float32(qmax)
         shift = np.float32(qmax) if symmetric else np.float32(0.0)
@@ -108,11 +121,7 @@ if numba is not None:
             for j in range(group):  # a straight loop the compiler vectorizes
                 v = np.rint((xr[base + j] - z) / s)
                 q[base + j] = np.uint8(min(max(v, lo), hi) + shift)
-        for b in range(d // per):  # the whole row, as bitpack.pack does: groups need not fill whole bytes
-            byte = np.uint32(0)
-            for k in range(per):
-                byte = (byte << bits) | np.uint32(q[b * per + k])
-            out[r, b] = np.uint8(byte)
+        _pack_bytes(q, bits, out[r])  # the whole row, as bitpack.pack does: groups need not fill whole bytes
 
     @_jit
     def _packed(x, zero, scale, symmetric, qmax, bits, group, out):  # x float32 [rows, D] -> uint8 [rows, D*bits/8]
@@ -125,11 +134,8 @@ if numba is not None:
         rows, d = x.shape
         q = np.empty(d, np.uint8)
         wide = np.empty(d, np.uint32)
-        row = wide.view(np.float32)  # bf16 -> float32 is exact: the bits shifted into the top half
         for r in range(rows):
-            for j in range(d):
-                wide[j] = np.uint32(x[r, j]) << np.uint32(16)
-            _pack_row(row, r, zero, scale, symmetric, qmax, bits, group, q, out)
+            _pack_row(_widen_bf16(x[r], wide), r, zero, scale, symmetric, qmax, bits, group, q, out)
 
 
     @_jit
@@ -223,16 +229,10 @@ if numba is not None:
 
     @_jit
     def _pack_channels_row(xr, zr, sr, qmax, bits, q, out_row):  # one token: each channel its own scale and zero
-        c = xr.shape[0]
-        per = 8 // bits
-        for j in range(c):
+        for j in range(xr.shape[0]):
             v = np.rint((xr[j] - zr[j]) / sr[j])
             q[j] = np.uint8(min(max(v, np.float32(0.0)), np.float32(qmax)))
-        for b in range(c // per):
-            byte = np.uint32(0)
-            for k in range(per):
-                byte = (byte << bits) | np.uint32(q[b * per + k])
-            out_row[b] = np.uint8(byte)
+        _pack_bytes(q, bits, out_row)
 
     @_jit
     def _packed_channels(x, zero, scale, qmax, bits, group, out):  # x float32 [T, C]; zero/scale [T / group, C]
@@ -245,11 +245,8 @@ if numba is not None:
         t, c = x.shape
         q = np.empty(c, np.uint8)
         wide = np.empty(c, np.uint32)
-        row = wide.view(np.float32)
         for i in range(t):
-            for j in range(c):
-                wide[j] = np.uint32(x[i, j]) << np.uint32(16)
-            _pack_channels_row(row, zero[i // group], scale[i // group], qmax, bits, q, out[i])
+            _pack_channels_row(_widen_bf16(x[i], wide), zero[i // group], scale[i // group], qmax, bits, q, out[i])
 
     @_jit
     def _unpacked_channels(packed, zero, scale, group, table, tmp, out):
