@@ -43,11 +43,9 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
             and 1 <= group <= MAX_GROUP)
 
 
-# Whether `paged_decode` picks this kernel by default where it reads the layout. Off until the kernel's
-# per-page probability exponent (the fix for fp16 underflow of probability x value scale with small value
-# scales over long contexts) has passed its tests on a GPU: the version measured on the H200 (1.7-2.5x faster
-# than the planar Triton kernel, perf/NOTES.md) did not have it. `mma=True` selects the kernel explicitly.
-PREFERRED = False
+# Whether `paged_decode` picks this kernel by default where it reads the layout (and no lever, fold or planar
+# argument asks for a Triton kernel). `mma=False` opts out; `mma=True` insists (and raises where it cannot run).
+PREFERRED = True
 
 
 def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int, device: torch.device,

@@ -13,10 +13,11 @@ def filled_cache(codec: str, head_dim: int, page_size: int, lengths, heads: int 
     """A cache holding one request per length; lengths end mid-page and mid-chunk. ``codec`` is one
     spec, or a tuple of one spec per layer; values are Gaussian times ``v_scale``."""
     gen = torch.Generator().manual_seed(seed)
+    pages = max(64, sum(-(-n // page_size) + chunk_pages for n in lengths))  # room for every request at once
     geometry = Geometry(layers, heads, head_dim, dtype)
     which = {"layer_codecs": codec} if isinstance(codec, tuple) else {"codec": codec}
-    cache = KVCache(geometry, CacheConfig(**which, page_size=page_size, chunk_pages=chunk_pages, dense_pages=64,
-                                          packed_pages=64, device=DEVICE, backend=backend))
+    cache = KVCache(geometry, CacheConfig(**which, page_size=page_size, chunk_pages=chunk_pages, dense_pages=pages,
+                                          packed_pages=pages, device=DEVICE, backend=backend))
     ids = []
     for n in lengths:
         rid, _ = cache.add_request()

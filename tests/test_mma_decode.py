@@ -110,18 +110,36 @@ def test_many_dense_pages_and_the_default_path():
 
 
 @gpu
-def test_small_value_scales_over_a_long_context():
-    """Probabilities times small value scales stay out of fp16's subnormal range (a per-page exponent):
-    values of std 0.003 over 6000 tokens, where p * scale would be about 1e-6."""
+@pytest.mark.parametrize("scale", ["fp16", "fp8"])
+def test_small_probabilities_times_small_value_scales(scale):
+    """Probability times value scale stays out of fp16's subnormal range (the kernel's per-page exponent).
+    One token per head takes the attention (its score is 11 nats above the rest, its value is zero); the
+    other 6000 tokens share one value row of scale ~1e-3 and probability e^-11 = 1.7e-5 each, so without the
+    exponent p * scale (~2e-8) rounds to zero in fp16 and the output loses its code part (~50% error)."""
+    from kvbackend import CacheConfig, Geometry, KVCache
     from kvbackend.kernels.paged_decode import paged_decode
 
-    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp16", 128, 64, [6000, 2100], seed=11, chunk_pages=4,
-                              v_scale=0.003)
-    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1],
-            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 1))
-    q = (torch.randn(2, 8, 128, device=DEVICE) * 0.2).bfloat16()  # diffuse attention: small probabilities
-    out, lse = paged_decode(q, *args, target_programs=8, mma=True)
-    assert_matches_reference(cache, ids, 1, q, out, lse)
+    heads, head_dim, n, ratio = 2, 128, 6000, 4
+    gen = torch.Generator().manual_seed(5)
+    cache = KVCache(Geometry(1, heads, head_dim, torch.bfloat16),
+                    CacheConfig(codec=f"rtn:bits=2,group=64,scale={scale}", page_size=64, chunk_pages=4,
+                                dense_pages=128, packed_pages=128, device=DEVICE))
+    rid, _ = cache.add_request()
+    u = torch.randn(heads, head_dim, generator=gen) * 2
+    k = torch.zeros(n, heads, head_dim)
+    k[0] = u
+    channels = torch.arange(head_dim, dtype=torch.float32)
+    v = (0.003 * (1 + 0.5 * torch.sin(channels + torch.arange(heads)[:, None]))).expand(n, heads, head_dim).clone()
+    v[0] = 0
+    cache.append(rid, 0, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE))
+    key0 = cache.read(rid, 0)[0][0].float()  # the reconstructed key the scores use
+    q = key0 * (11 * head_dim ** 0.5 / (key0 * key0).sum(-1, keepdim=True))
+    q = q.repeat_interleave(ratio, 0)[None].bfloat16()
+    out, lse = paged_decode(q, cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+                            kernel_schemes(cache.codec, cache.layout), cache.plan([rid], 0), target_programs=4,
+                            mma=True)
+    reads = assert_matches_reference(cache, [rid], 0, q, out, lse)
+    assert float(reads[0][1][1:].float().abs().mean()) > 1e-3  # the premise: the small-p tokens carry the output
 
 
 def test_refuses_bad_launch_options():
