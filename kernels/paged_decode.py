@@ -234,7 +234,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         q: [B, Hq, D] queries (bf16/fp16/fp32), B = len(plan.request_ids), Hq a multiple of the KV heads.
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
         target_programs: about how many programs the split-K grid should have (fill every SM).
-        num_stages: software-pipelining stages; None = 1 for the planar kernel, 2 for the others (the
+        num_stages: software-pipelining stages; None = 1 for the planar kernel and for the plain kernel
+            with levers (4x faster than 2 there: 1.8 against 7.4 ms at B=9, L=32K), 2 for the others (the
             fastest measured on the H200, perf/NOTES.md).
         pair: 1 = two packed pages per loop iteration (more loads in flight per program; in the
             folded kernel, two pages per softmax block).
@@ -314,7 +315,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                      ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),
                      **scheme_constants("V", v_scheme))
     if num_stages is None:
-        num_stages = 1 if planar and not mma else 2
+        num_stages = 1 if not mma and (planar or (levers is not None and not fold)) else 2
     ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
     if mma:
         mma_decode.launch(q, o_part, m_part, l_part, pages, dense, plan, scale * _LOG2E, per_split, splits,

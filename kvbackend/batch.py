@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvbackend.errors import InvalidKV
@@ -54,36 +55,58 @@ class BatchPlan:
 
 def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     """Flatten the page tables of ``request_ids`` (lengths taken from ``layer``; all layers of a
-    request must hold the same number of tokens when the plan is reused across layers)."""
+    request must hold the same number of tokens when the plan is reused across layers).
+
+    The arrays are built on the host with numpy and reach the device in one copy (pinned and
+    asynchronous on CUDA: a decode step's plan does not wait for the device's queue)."""
     p = cache.config.page_size
-    page_ids, kinds, slots, valid, rows, positions, starts, counts, packed, cu = [], [], [], [], [], [], [], [], [], [0]
+    slot_of_page = cache.packed.slot_of_page
+    ids, kinds, slots, valid, positions = [], [], [], [], []
+    starts, counts, packed, cu = [], [], [], [0]
+    total = 0
     for rid in request_ids:
         table = cache.page_table(rid)
-        starts.append(len(page_ids))
+        n_packed = len(table.packed)
         dense_tokens = table.dense_tokens(layer)
-        for i, page in enumerate(table.packed):
-            page_ids.append(page)
-            kinds.append(PACKED)
-            slots.append(cache.packed.slot_of_page[page])
-            valid.append(p)
-            positions.append(i * p)
-        for i, page in enumerate(table.dense[: -(-dense_tokens // p)] if dense_tokens else []):
-            page_ids.append(page)
-            kinds.append(DENSE)
-            slots.append(0)
-            valid.append(min(p, dense_tokens - i * p))
-            positions.append(table.num_packed_tokens + i * p)
-        counts.append(len(page_ids) - starts[-1])
-        packed.append(len(table.packed))
-        for position in positions[starts[-1] :]:
-            rows.append(cu[-1] + position)
+        n_dense = -(-dense_tokens // p) if dense_tokens > 0 else 0
+        starts.append(total)
+        ids.append(np.fromiter(table.packed, np.int64, n_packed))
+        ids.append(np.fromiter(table.dense[:n_dense], np.int64, n_dense))
+        kinds.append(np.repeat(np.array([PACKED, DENSE], np.int64), [n_packed, n_dense]))
+        slots.append(np.fromiter(map(slot_of_page.__getitem__, table.packed), np.int64, n_packed))
+        slots.append(np.zeros(n_dense, np.int64))
+        dense_at = np.arange(n_dense, dtype=np.int64) * p
+        valid.append(np.full(n_packed, p, np.int64))
+        valid.append(np.minimum(p, dense_tokens - dense_at))
+        positions.append(np.arange(n_packed, dtype=np.int64) * p)
+        positions.append(table.num_packed_tokens + dense_at)
+        counts.append(n_packed + n_dense)
+        packed.append(n_packed)
+        total += n_packed + n_dense
         cu.append(cu[-1] + table.lengths[layer])
-    device = cache.dense.data.device
+    join = (lambda parts: np.concatenate(parts)) if ids else (lambda parts: np.zeros(0, np.int64))
+    position = join(positions)
+    rows = position + np.repeat(np.array(cu[:-1], np.int64), counts) if ids else position
+    fields = [join(ids), join(kinds), join(slots), join(valid), rows, position, np.array(starts, np.int64),
+              np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
+    views = _on_device(fields, cache.dense.data.device)
+    return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0))
 
-    def as_tensor(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
 
-    return BatchPlan(list(request_ids), as_tensor(page_ids), as_tensor(kinds), as_tensor(slots), as_tensor(valid),
-                     as_tensor(rows), as_tensor(positions), as_tensor(starts), as_tensor(counts), as_tensor(packed),
-                     as_tensor(cu),
-                     max(counts, default=0), p, min(counts, default=0))
+def _on_device(fields: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int32 copies of ``fields`` on ``device``, as views of one buffer moved in one copy; each view starts on a
+    16-byte boundary (kernels specialise on pointer alignment, so it must not vary between steps)."""
+    sizes = [len(f) for f in fields]
+    padded = [-(-n // 4) * 4 for n in sizes]
+    host = np.zeros(sum(padded), np.int32)
+    offsets = np.cumsum([0] + padded)
+    for f, o in zip(fields, offsets):
+        if f.size and (f.max() > np.iinfo(np.int32).max or f.min() < np.iinfo(np.int32).min):
+            raise InvalidKV("a batch plan's page ids and token offsets must fit int32")
+        host[o : o + len(f)] = f
+    buffer = torch.from_numpy(host)
+    if device.type == "cuda":
+        buffer = buffer.pin_memory().to(device, non_blocking=True)
+    else:
+        buffer = buffer.to(device)
+    return [buffer[o : o + n] for o, n in zip(offsets.tolist(), sizes)]

@@ -110,6 +110,13 @@ class LeverFrame:
             v = v.float() @ hadamard(v.shape[-1]).to(v.device).T
         return k.to(dtype), v.to(dtype)
 
+    def step_queries_to_stored(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One query per row ``[B, Hq, D]`` at ``positions [B]`` (each row its own request's position) in
+        the keys' stored frame: `queries_to_stored` of every row at once."""
+        if not self.levers.rope:
+            return q
+        return self.rotary.derotate(q.transpose(0, 1), rope_positions(self.levers, positions, self.page_size)).transpose(0, 1)
+
     def queries_to_stored(self, q: torch.Tensor, first: int) -> torch.Tensor:
         """Queries ``[T, Hq, D]`` in the keys' stored frame (de-rotated as a key at their own position
         would be; exact for the query-key product only within that page, as `kvbackend eval` does it)."""

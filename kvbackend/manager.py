@@ -10,7 +10,7 @@ import torch
 
 from kvbackend.accounting import CacheStats, cache_stats, check_cache
 from kvbackend.batch import BatchPlan, plan_batch
-from kvbackend.codecs.base import prepare_kv
+from kvbackend.codecs.base import prepare_kv, query_moments
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import SINK_FIELDS, LeverFrame, without_sinks
@@ -175,12 +175,20 @@ class KVCache:
             if need:
                 table.dense.append(next(new_pages))
         device = self.dense.data.device
-        pages = torch.tensor([table.dense[start // p] for table, start in zip(tables, starts)], device=device)
-        offsets = torch.tensor([start % p for start in starts], device=device)
-        self.dense.data[layer, pages, 0, offsets] = k
-        self.dense.data[layer, pages, 1, offsets] = v
-        for i, table in enumerate(tables):
-            self._appended(table, layer, 1, None if queries is None else queries[i : i + 1])
+        where = _device_ints([[table.dense[start // p] for table, start in zip(tables, starts)],
+                              [start % p for start in starts]], device)
+        self.dense.data[layer, where[0], 0, where[1]] = k
+        self.dense.data[layer, where[0], 1, where[1]] = v
+        if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
+            positions = _device_ints([table.lengths[layer] for table in tables], device)
+            stored = self.frames[layer].step_queries_to_stored(queries, positions)
+            moments = query_moments(stored, self.geometry.num_kv_heads)
+            group = queries.shape[1] // self.geometry.num_kv_heads
+            chunk_tokens = self.config.chunk_tokens
+            for i, table in enumerate(tables):
+                table.states[layer].add_moment(table.lengths[layer] // chunk_tokens, moments[i], group)
+        for table in tables:
+            self._appended(table, layer, 1, None)
 
     def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:
         """Book ``n`` tokens just written to ``layer`` of ``table``: their queries (query-aware codecs),
@@ -442,3 +450,13 @@ class KVCache:
     def check(self) -> None:
         """Assert every pool invariant, including that ref counts match the page tables."""
         check_cache(self)
+
+
+def _device_ints(values: list, device: torch.device) -> torch.Tensor:
+    """``values`` (a list, or a list of equal lists) as int64 on ``device``. On CUDA the host copy is pinned and the
+    copy asynchronous: a copy from pageable memory makes the host wait until the device has run everything queued
+    before it, once per layer of a decode step."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+

@@ -19,8 +19,20 @@ class Rotary:
     inv_freq: torch.Tensor  # [D/2] float32
     scaling: float = 1.0  # attention scaling folded into cos/sin by some RoPE variants
 
+    def inv_freq_on(self, device: torch.device | str) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied there once (a copy per call from host memory would make every
+        decode step wait for the device)."""
+        device = torch.device(device)
+        if self.inv_freq.device == device:
+            return self.inv_freq
+        copies = self.__dict__.setdefault("_copies", {})  # frozen dataclass: a cache beside the fields
+        key = str(device)
+        if key not in copies:
+            copies[key] = self.inv_freq.to(device)
+        return copies[key]
+
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
+        freqs = positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq_on(device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         return emb.cos(), emb.sin()
 

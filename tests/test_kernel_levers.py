@@ -185,3 +185,25 @@ def test_page_tables_hold_the_angles_keys_were_de_rotated_by():
     pages = torch.tensor([0, 1, 511, 2047, 16383])
     cos, sin = rotary._cos_sin(pages * 64, torch.device("cpu"))
     assert torch.equal(tables.base_cos[pages], cos[:, :64]) and torch.equal(tables.base_sin[pages], sin[:, :64])
+
+
+def test_the_plain_kernel_with_levers_defaults_to_one_stage(monkeypatch):
+    """Two software-pipelining stages made the plain kernel with the recipe's levers 4x slower on an H200
+    (7.4 against 1.8 ms at B=9, L=32K: perf/NOTES.md); without levers it keeps two."""
+    from kvbackend.kernels import paged_decode as module
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw["num_stages"])
+
+    monkeypatch.setattr(module, "_paged_decode_kernel", Recorder())
+    q = torch.randn(1, 2, 64, device=DEVICE).bfloat16()
+    args, levers = kernel_inputs(*lever_cache(RECIPE, 16, [40], 1, "torch"))
+    module.paged_decode(q, *args, levers=levers, rotary=ROTARY)
+    module.paged_decode(q, *args, levers=levers, rotary=ROTARY, num_stages=2)  # an explicit choice stands
+    plain, plain_ids = lever_cache("kivi:bits=2,group=16", 16, [40], 1, "torch")
+    plain_args, _ = kernel_inputs(plain, plain_ids)
+    module.paged_decode(q, *plain_args, fold=False, planar=False, mma=False)
+    assert launched == [1, 2, 2]

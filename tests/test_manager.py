@@ -276,7 +276,8 @@ def _step_caches(codec, **kw):
 
 
 @pytest.mark.parametrize("codec", ["identity", "kivi:bits=2,group=4,sink=2,pagerope=true",
-                                   "quantwm:group=16,rank=2,centroids=2,vbits=2,pagerope=true"])
+                                   "quantwm:group=16,rank=2,centroids=2,vbits=2,pagerope=true",
+                                   "quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true"])
 def test_append_step_is_append_per_request(codec):
     """A decode step's batched append writes, books and packs exactly what one append per request does
     (requests of different lengths: pages opened mid-batch, chunks completed by the step)."""
@@ -309,6 +310,12 @@ def test_append_step_is_append_per_request(codec):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
             for pa, pb in zip(a.packed, b.packed):  # the same bytes were encoded
                 assert torch.equal(one.packed.pages[layer][pa], batched.packed.pages[layer][pb])
+            sa, sb = a.states[layer], b.states[layer]  # the same query statistics (query-aware codecs)
+            assert sa.query_parts.keys() == sb.query_parts.keys()
+            for chunk, (total, count) in sa.query_parts.items():
+                assert count == sb.query_parts[chunk][1] and torch.equal(total, sb.query_parts[chunk][0])
+            assert (sa.query_moment is None) == (sb.query_moment is None)
+            assert sa.query_moment is None or torch.equal(sa.query_moment, sb.query_moment)
     assert packed >= 6  # the step completed chunks
     batched.check()
 

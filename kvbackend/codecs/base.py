@@ -40,8 +40,12 @@ class CodecState:
         """Add queries [T, Hq, D] of tokens of chunk ``chunk`` (GQA groups pooled per KV head)."""
         t, hq, d = queries.shape
         q = queries.float().transpose(0, 1).reshape(kv_heads, (hq // kv_heads) * t, d)
-        total, count = self.query_parts.get(chunk, (torch.zeros(kv_heads, d, d, device=q.device), 0))
-        self.query_parts[chunk] = (total + q.transpose(1, 2) @ q, count + q.shape[1])
+        self.add_moment(chunk, q.transpose(1, 2) @ q, q.shape[1])
+
+    def add_moment(self, chunk: int, moment: torch.Tensor, count: int) -> None:
+        """Add a sum of q q^T [H, D, D] over ``count`` queries of chunk ``chunk`` (see `query_moments`)."""
+        total, seen = self.query_parts.get(chunk, (None, 0))
+        self.query_parts[chunk] = (moment if total is None else total + moment, seen + count)
 
     def close_chunk(self, chunk: int) -> None:
         """Set query_moment from the queries of chunks <= ``chunk`` and fold them into one part."""
@@ -52,6 +56,14 @@ class CodecState:
         count = sum(self.query_parts.pop(c)[1] for c in done)
         self.query_parts[chunk] = (total, count)
         self.query_moment = total / max(count, 1)
+
+
+def query_moments(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Per row of ``queries`` [B, Hq, D] (one token each), the sum of q q^T over its GQA group per KV head:
+    [B, H, D, D], each row what `CodecState.add_queries` adds for that token, in one batched product."""
+    b, hq, d = queries.shape
+    q = queries.float().reshape(b * kv_heads, hq // kv_heads, d)
+    return (q.transpose(1, 2) @ q).view(b, kv_heads, d, d)
 
 
 @dataclass
