@@ -327,3 +327,16 @@ def test_dequantize_leaves_float_codes_alone():
     codes, scale = torch.tensor([0, 3], dtype=torch.uint8), torch.tensor([[1.0], [2.0]])
     wide = dequantize(codes, scale, None, 2)  # scales with more leading dimensions broadcast, as out of place
     assert torch.equal(wide, (codes.float() - 1) * scale.unsqueeze(-1)) and wide.shape == (2, 1, 2)
+
+
+def test_principal_directions_are_the_leading_eigenvectors():
+    from kvbackend.psac import principal_directions
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 16, 40, generator=gen)
+    moment = a @ a.transpose(1, 2) / 40  # [H, D, D] symmetric, positive semi-definite
+    u = principal_directions(moment, 4)
+    values = torch.linalg.eigvalsh(moment.double())[:, -4:].float()  # ascending, as the basis is ordered
+    assert u.shape == (3, 16, 4) and u.device == moment.device
+    assert torch.allclose(moment @ u, u * values[:, None, :], atol=1e-4)  # M u = lambda u, column by column
+    assert torch.allclose(u.transpose(1, 2) @ u, torch.eye(4).expand(3, 4, 4), atol=1e-5)

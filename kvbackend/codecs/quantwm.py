@@ -38,6 +38,7 @@ import torch
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
+from kvbackend.psac import principal_directions
 from kvbackend.quant import round_to
 from kvbackend.spec import ranged
 from kvbackend.codecs.base import CodecState, FieldSpecs, from_pages, to_pages
@@ -182,8 +183,7 @@ class QuantWMCodec(QVGCodec):
     def _encode_psac(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor) -> None:
         r, p = self.spec.rank, layout.page_size
         approx, _ = self._decode_base(layout, pages, codebook)  # keys without the correction
-        _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
-        basis = vectors[:, :, -r:].to(torch.bfloat16)  # [H, D, r] as stored
+        basis = principal_directions(moment, r).to(torch.bfloat16)  # [H, D, r] as stored
         u = basis.float()
         error = (k - approx).transpose(0, 1)  # [H, T, D]
         coeff = error @ u  # [H, T, r]
