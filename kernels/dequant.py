@@ -8,6 +8,10 @@ plain float pages.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -195,9 +199,11 @@ def centroid_rows(book_i16, slot, h, stage, rows, cols, BOOK_BYTES: tl.constexpr
     return cents.to(tl.float16), 1.0
 
 
-def scheme_constants(prefix: str, scheme) -> dict:
-    """Keyword constants for `dequant_tile` from a TensorScheme, names prefixed ``K_`` or ``V_``."""
-    return {
+@functools.lru_cache(maxsize=256)
+def scheme_constants(prefix: str, scheme) -> Mapping[str, int]:
+    """Keyword constants for `dequant_tile` from a TensorScheme, names prefixed ``K_`` or ``V_`` (read-only:
+    computed once per scheme, as every decode call of every layer asks)."""
+    return MappingProxyType({
         f"{prefix}_MODE": scheme.mode, f"{prefix}_BITS": max(scheme.bits, 1), f"{prefix}_GROUP": max(scheme.group, 1),
         f"{prefix}_SYMMETRIC": scheme.symmetric, f"{prefix}_KIND": scheme.kind,
         f"{prefix}_ESIZE": {0: 1, 1: 2, 2: 2, 3: 4}[scheme.kind], f"{prefix}_CODES": scheme.codes,
@@ -205,7 +211,7 @@ def scheme_constants(prefix: str, scheme) -> dict:
         f"{prefix}_ASSIGN": max(scheme.assign, 0), f"{prefix}_STAGES": scheme.stages,
         f"{prefix}_C": max(scheme.centroids, 1), f"{prefix}_BOOK": max(scheme.codebook, 0),
         f"{prefix}_CSCALE": scheme.centroid_scales,
-    }
+    })
 
 
 def pool_views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import triton
@@ -94,11 +96,12 @@ def lever_args(levers: LeverScheme | None, rotary: Rotary | None, page_size: int
     return tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin, tables.hadamard
 
 
-def lever_constants(levers: LeverScheme | None) -> dict:
-    """Keyword constants of the kernels' lever paths (all off for None)."""
+@functools.lru_cache(maxsize=256)
+def lever_constants(levers: LeverScheme | None) -> Mapping[str, int]:
+    """Keyword constants of the kernels' lever paths (all off for None); read-only, computed once per scheme."""
     lv = levers or LeverScheme()
     rows = lv.psac_rows
-    return {
+    return MappingProxyType({
         "SINK": lv.sink, "SINK_K": max(lv.sink_k, 0), "SINK_V": max(lv.sink_v, 0), "SINK_KIND": lv.sink_kind,
         "SINK_ROWS": triton.next_power_of_2(max(lv.sink, 1)), "ROPE": lv.prerope, "PAGE_ROPE": lv.pagerope,
         "VROT": lv.vrot,
@@ -107,7 +110,7 @@ def lever_constants(levers: LeverScheme | None) -> dict:
         "PSAC_SCALE": max(lv.psac_scale, 0), "PSAC_TOKEN": max(lv.psac_token, 0), "PSAC_BASIS": max(lv.psac_basis, 0),
         "OUT_N": lv.outliers, "OUT_NP": max(16, triton.next_power_of_2(max(lv.outliers, 1))),
         "OUT_INDEX": max(lv.out_index, 0), "OUT_VALUE": max(lv.out_value, 0),
-    }
+    })
 
 
 @triton.jit

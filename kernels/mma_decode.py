@@ -33,6 +33,7 @@ _KINDS = (0, 1, 2)  # fp8 e4m3, fp16, bf16 scales and zeros
 _DTYPE_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
+@functools.lru_cache(maxsize=256)
 def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int) -> bool:
     """Whether the kernel reads this pair of schemes at this geometry (GQA ``group`` query heads per KV head)."""
     def ok(x: TensorScheme) -> bool:
@@ -256,6 +257,7 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
     return function
 
 
+@functools.lru_cache(maxsize=256)  # asked on every decode call of every layer; a refusal raises (never cached)
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
                dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = 0) -> Config:
     for name, value, low, high in (("stages", stages, 1, 4), ("warps", warps, 1, 16), ("min_blocks", min_blocks, 0, 8)):

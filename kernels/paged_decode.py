@@ -9,8 +9,11 @@ PSAC rows, pre-RoPE and page-relative keys per page, rotated values once per pro
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -186,6 +189,12 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     tl.store(o_part + part[:, None] * D + d[None, :], acc, mask=mask[:, None])
 
 
+@functools.lru_cache(maxsize=256)
+def _sink_constants(levers: LeverScheme | None) -> Mapping[str, int]:
+    """The merge kernel's share of `lever_constants` (the exact sink tokens)."""
+    return MappingProxyType({n: v for n, v in lever_constants(levers).items() if n.startswith("SINK")})
+
+
 @triton.jit(do_not_specialize=("num_splits",))
 def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, q, book_i16, slots, req_start, req_packed, scale_log2,
                   D: tl.constexpr, SPLITS: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
@@ -311,12 +320,13 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         fold = folded_decode.preferred(k_scheme, v_scheme, p, d, per_split)
     elif fold and not folded_decode.supports(k_scheme, v_scheme, p, d):
         raise ValueError(f"the folded decode kernel does not read this layout ({k_scheme}, {v_scheme})")
-    constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
-                     ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),
-                     **scheme_constants("V", v_scheme))
     if num_stages is None:
         num_stages = 1 if not mma and (planar or (levers is not None and not fold)) else 2
-    ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
+    if not mma:  # the Triton kernels' constants (host work on every call of every layer: skipped for the CUDA kernel)
+        constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
+                         ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),
+                         **scheme_constants("V", v_scheme))
+        ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
     if mma:
         mma_decode.launch(q, o_part, m_part, l_part, pages, dense, plan, scale * _LOG2E, per_split, splits,
                           (k_scheme, v_scheme), stages=num_stages, warps=num_warps, **(mma_options or {}))
@@ -337,7 +347,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             num_stages=num_stages)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    sinks = {n: v for n, v in lever_constants(levers).items() if n.startswith("SINK")}
+    sinks = _sink_constants(levers)
     _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, q, book_i16, plan.slots, plan.req_start,
                              plan.req_packed, scale * _LOG2E, D=d, SPLITS=max(MERGE_SPLITS, triton.next_power_of_2(splits)), H=h,
                              GROUP=group, BOOK_BYTES=max(codebooks.shape[-1], 0), **sinks)

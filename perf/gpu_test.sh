@@ -34,8 +34,8 @@ status=0
         --out "$results/gpu-test-bench_kernels.json" || status=1
     echo "== bench_tiers (quick: 8K-token restores)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1
-    echo "== bench_memory (transformers: a 16K-token generation, Llama-8B shape with random weights)"
-    timeout 240 "$python" perf/bench_memory.py --steps 16 --budget-s 150 \
+    echo "== bench_memory (transformers: a 16K-token generation, Llama-8B shape with random weights; a 100 s budget)"
+    timeout 170 "$python" perf/bench_memory.py --steps 8 --budget-s 100 \
         --out "$results/gpu-test-bench_memory.json" || status=1
     echo "gpu-test exit $status"
     exit $status
