@@ -45,12 +45,13 @@ from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
-from kvbackend.integration.storage_options import budget_bytes, path_option, private_directory
+from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
+                                                   private_directory)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first")
-DEFAULTS = {"codec": "kivi:bits=4,group=32", "directory": "/tmp/kvbackend_hicache", "budget_gb": 64.0}
+DEFAULTS = {"codec": "kivi:bits=4,group=32", "directory": "/tmp/kvbackend_hicache", "budget_gb": 64.0, "device": "auto"}
 BATCH_PAGES = 32  # pages encoded or decoded in one codec call by a page-local codec (64 MiB of an 8B model's bf16)
 FORMAT_VERSION = 2  # of a stored page's bytes (a page group, kvbackend.page_group); enters the fingerprint
 
@@ -79,6 +80,9 @@ class KVBackendStorage(HiCacheStorage):
         self.root = path_option("directory", extra.get("directory", DEFAULTS["directory"]))
         self.directory = os.path.join(self.root, self.namespace)
         self.budget_bytes = budget_bytes(extra.get("budget_gb", DEFAULTS["budget_gb"]))
+        # where page-local codecs encode and decode whole batches (the GPU when there is one: host pages go
+        # there and back, the codec's work leaves the CPU); a failure there falls back to the CPU for that batch
+        self.device = DeviceCodec(codec_device(extra.get("device", DEFAULTS["device"])), log)
         self._private_directories()  # an unsafe directory is refused here, at start-up
         self.blob_bytes: int | None = None  # length of every blob of a registered pool (None: it varies)
         self.mem_pool_host = None
@@ -156,8 +160,12 @@ class KVBackendStorage(HiCacheStorage):
         n = len(pages)
         # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
         k, v = (torch.stack([page[i] for page in pages]).reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
-        stored = self.frame.to_stored(k, v, 0) if self.frame.levers.active else (k, v)  # no copy without levers
-        packed = self.codec.encode(*stored, lay).pages.view(n, -1)  # [N, L * page_bytes]
+
+        def encode(k, v):
+            stored = self.frame.to_stored(k, v, 0) if self.frame.levers.active else (k, v)  # no copy without levers
+            return self.codec.encode(*stored, lay).pages
+
+        packed = self.device("encode", encode, k, v).view(n, -1)  # [N, L * page_bytes]
         trailers = torch.tensor([list(group.pack_trailer(key, 0, False)) for key in keys], dtype=torch.uint8)
         blobs = torch.cat([packed, trailers], dim=1)
         if blobs.shape[1] != self.blob_bytes:
@@ -172,9 +180,13 @@ class KVBackendStorage(HiCacheStorage):
         g, lay = self.geometry, self.layout
         n = len(blobs)
         body = torch.stack([b[: self.group.pages_bytes] for b in blobs]).view(n * g.num_layers, lay.page_bytes)
-        k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, torch.empty(0, dtype=torch.uint8)), 0)
         shape = (n, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
-        out = torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
+
+        def decode(body):
+            k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, body.new_empty(0)), 0)
+            return torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
+
+        out = self.device("decode", decode, body)
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out
@@ -394,7 +406,7 @@ class KVBackendStorage(HiCacheStorage):
         stored = self.tier.stats().bytes_used if self.tier is not None else 0
         with self._lock:
             stats = dict(self._stats)
-        stats.update(bytes_stored=stored, codec=self.codec_spec,
+        stats.update(bytes_stored=stored, codec=self.codec_spec, device=str(self.device.device),
                      compression_ratio=stats["raw_bytes_set"] / stored if stored else None)
         return stats
 

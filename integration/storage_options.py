@@ -51,3 +51,74 @@ def private_directory(path: str, option: str) -> None:
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ValueError(f"{option} {path!r} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
                          "use a directory only you can write (chmod 700)")
+
+
+def codec_device(value) -> "torch.device":
+    """Where an adapter runs its codec on whole batches of pages: ``"auto"`` (the current CUDA device where
+    there is one, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; a ValueError naming the option
+    otherwise, or for a CUDA device this machine does not have."""
+    import torch
+
+    if value in (None, "auto"):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(value) if isinstance(value, str) else None
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={value!r}, but this machine has no CUDA device; use 'cpu' or 'auto'")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={value!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    return device
+
+
+class DeviceCodec:
+    """Runs codec work of whole page batches on ``device``: host tensors in, host tensors out, on a stream of
+    its own, one batch at a time (the engines call their storage backends from several I/O threads)."""
+
+    def __init__(self, device: "torch.device", log=None) -> None:
+        import logging
+        import threading
+
+        self.device = device
+        self._log = log or logging.getLogger(__name__)
+        self._lock = threading.Lock()
+        self._stream = None
+        self._logged: set[str] = set()
+
+    def run(self, fn, *tensors):
+        """``fn(*tensors moved to the device)`` -> its tensor result back on the host (or a tuple of them)."""
+        import torch
+
+        if self.device.type == "cpu":
+            return fn(*tensors)
+        with self._lock, torch.cuda.device(self.device):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._stream):
+                moved = [t.to(self.device) for t in tensors]
+                out = fn(*moved)
+                result = tuple(o.to("cpu") for o in out) if isinstance(out, tuple) else out.to("cpu")
+            self._stream.synchronize()
+        return result
+
+    def __call__(self, what: str, fn, *tensors):
+        """`run`, except that where the device fails (out of memory, a lost context, ...) this batch runs on
+        the CPU (the same bytes) and the failure is logged once. Errors of the pages themselves
+        (``ValueError``: non-finite values, damaged bytes) are raised as on the CPU."""
+        if self.device.type != "cpu":
+            try:
+                return self.run(fn, *tensors)
+            except ValueError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the CPU path below gives the same bytes
+                if what not in self._logged:
+                    self._logged.add(what)
+                    self._log.error(f"kvbackend storage: {what} on {self.device} failed, using the CPU for this "
+                                    f"batch: {exc!r}")
+        return fn(*tensors)

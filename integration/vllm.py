@@ -53,7 +53,8 @@ from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.levers import hadamard
 from kvbackend.tiers.file import FileTier
-from kvbackend.integration.storage_options import budget_bytes, path_option, private_directory
+from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
+                                                   private_directory)
 from kvbackend.integration.vllm_layout import BlockLayout, block_layout
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class KVBackendTier(SecondaryTierManager):
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, root_dir: str | None = None,
                  codec: str = "rtn:bits=4,group=64", head_dim: int | None = None, dtype: str | None = None,
                  budget_gb: float = 64.0, n_threads: int = 4, kv_heads: int | None = None, page_tokens: int = 64,
-                 backpressure_detector=None) -> None:
+                 device: str = "auto", backpressure_detector=None) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         self.root_dir = path_option("root_dir", root_dir)
@@ -78,6 +79,9 @@ class KVBackendTier(SecondaryTierManager):
         if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1:
             raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
         self.codec = get_codec(codec)
+        # where the blocks mode's page-local codecs run a chunk's pages (the GPU when there is one), with the
+        # CPU as the fallback for a batch the device fails on
+        self.device = DeviceCodec(codec_device(device), log)
         levers = self.codec.levers
         if levers.sink or levers.rope or levers.psac:  # never silently dropped
             raise SpecError(f"{codec!r}: an offloading tier sees no token positions or queries, so the levers sink=, "
@@ -181,10 +185,14 @@ class KVBackendTier(SecondaryTierManager):
         if self._batched():  # every worker's and layer's pages in one codec call: the same bytes, in order
             k = kv[:, :, 0].reshape(-1, block.kv_heads, block.head_dim)
             v = kv[:, :, 1].reshape(-1, block.kv_heads, block.head_dim)
-            if rotate:
-                v = v.float() @ hadamard(block.head_dim)
-            chunk = self.codec.encode(k, v, self.layout)
-            return torch.cat([chunk.pages.reshape(-1), raw[block.used_bytes :].clone()])
+
+            def encode(k, v):
+                if rotate:
+                    v = v.float() @ hadamard(block.head_dim).to(v.device)
+                return self.codec.encode(k, v, self.layout).pages
+
+            pages = self.device("encode", encode, k, v)
+            return torch.cat([pages.reshape(-1), raw[block.used_bytes :].clone()])
         for w in range(block.workers):
             for layer in range(block.layers):
                 k = kv[w, layer, 0].flatten(0, 1)  # [tokens, kv_heads, head_dim] (a copy)
@@ -204,10 +212,14 @@ class KVBackendTier(SecondaryTierManager):
         at = 0
         if self._batched():
             count = block.workers * block.layers * pages
-            k, v = self.codec.decode_pages(layout, blob[: count * layout.page_bytes].view(count, -1),
-                                           blob[:0])
-            if self.codec.levers.vrot == "hadamard":
-                v = v.float() @ hadamard(block.head_dim).T
+
+            def decode(body):
+                k, v = self.codec.decode_pages(layout, body, body[:0])
+                if self.codec.levers.vrot == "hadamard":
+                    v = v.float() @ hadamard(block.head_dim).T.to(v.device)
+                return k, v
+
+            k, v = self.device("decode", decode, blob[: count * layout.page_bytes].view(count, -1))
             whole = (block.workers, block.layers) + shape
             kv[:, :, 0].copy_(k.reshape(whole))
             kv[:, :, 1].copy_(v.reshape(whole))

@@ -10,6 +10,7 @@ factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 
 from kvbackend.errors import SpecError  # noqa: E402
 from kvbackend.integration.sglang import KVBackendStorage  # noqa: E402
+from kvbackend.integration.storage_options import DeviceCodec  # noqa: E402
 
 
 class HostPool:
@@ -372,3 +373,74 @@ def test_batched_pages_store_the_bytes_of_page_by_page(tmp_path, codec, monkeypa
     for a, b in zip(got, want):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
     assert float((got[0] - host.page(0)).norm() / host.page(0).float().norm()) < 0.7
+
+
+@pytest.mark.parametrize("device,message", [("gpu", "device must be"), ("cuda:x", "device must be"), (3, "device must be"),
+                                            ("meta", "device must be")])
+def test_a_bad_device_is_refused_at_start(tmp_path, device, message):
+    with pytest.raises(ValueError, match=message):
+        make_backend(tmp_path, HostPool("layer_first"), device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_is_refused_where_there_is_none(tmp_path):
+    with pytest.raises(ValueError, match="no CUDA device"):
+        make_backend(tmp_path, HostPool("layer_first"), device="cuda")
+
+
+def _batch_pages(host, count=5):
+    return [host.page(i * 16) for i in range(count)], list(range(100, 100 + count))
+
+
+def test_a_device_that_fails_falls_back_to_the_cpu(tmp_path, monkeypatch, caplog):
+    """A batch the device cannot run (out of memory, a lost context) is encoded and decoded on the CPU with the
+    same bytes, logged once; errors of the pages themselves are raised as on the CPU."""
+    host = HostPool("layer_first")
+    host.kv_buffer.normal_()
+    cpu = make_backend(tmp_path / "cpu", host, "rtn:bits=2,group=64,scale=fp8", device="cpu")
+    assert cpu.get_stats()["device"] == "cpu"
+    failing = make_backend(tmp_path / "dev", host, "rtn:bits=2,group=64,scale=fp8", device="cpu")
+    calls = []
+
+    class Broken(DeviceCodec):
+        def run(self, fn, *tensors):
+            calls.append(fn)
+            raise RuntimeError("CUDA error: out of memory")
+
+    failing.device = Broken(torch.device("cuda", 0))
+    pages, keys = _batch_pages(host)
+    want = cpu._encode_batch(pages, keys)
+    with caplog.at_level("ERROR"):
+        got = failing._encode_batch(pages, keys)
+        again = failing._encode_batch(pages, keys)
+    assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(want, got)) and len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(want, again))
+    assert sum("using the CPU" in r.message for r in caplog.records) == 1  # logged once
+    assert torch.equal(failing._decode_batch(want), cpu._decode_batch(want))
+
+    class Refusing(Broken):
+        def run(self, fn, *tensors):
+            raise ValueError("non-finite values")
+
+    failing.device = Refusing(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="non-finite"):
+        failing._encode_batch(pages, keys)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["kivi:bits=4,group=16", "rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=16,vrot=hadamard"])
+def test_the_gpu_stores_and_loads_the_bytes_of_the_cpu(tmp_path, codec):
+    host = HostPool("page_first", pages=70)
+    host.kv_buffer.normal_()
+    cpu = make_backend(tmp_path / "cpu", host, codec, device="cpu")
+    gpu = make_backend(tmp_path / "gpu", host, codec, device="cuda")
+    assert gpu.get_stats()["device"].startswith("cuda")
+    pages, keys = _batch_pages(host, 33)
+    blobs = cpu._encode_batch(pages, keys)
+    assert all(torch.equal(a, b) for a, b in zip(blobs, gpu._encode_batch(pages, keys)))
+    assert torch.equal(cpu._decode_batch(blobs), gpu._decode_batch(blobs))
+    names = [f"p{i}" for i in range(33)]
+    assert gpu.batch_set_v1(names, host_indices(range(33))) == [True] * 33  # through the file tier and back
+    assert gpu.batch_get_v1(names, host_indices(range(33, 66))) == [True] * 33
+    want = cpu._decode_batch(blobs)
+    assert all(torch.equal(host.page((33 + i) * 16), want[i]) for i in range(33))

@@ -373,3 +373,56 @@ def test_blocks_mode_refuses_chunks_it_cannot_read(tmp_path, spec_kw, extra, mat
     _, view, _, _ = block_primary("HND")
     with pytest.raises(ValueError, match=match):
         make_tier_with(tmp_path, view, block_spec(**spec_kw), codec="kivi:bits=2,group=32", **extra)
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:x", 3])
+def test_refuses_a_bad_device(tmp_path, value):
+    _, view = primary()
+    with pytest.raises(ValueError, match="device must be"):
+        make_tier(tmp_path, view, device=value)
+
+
+def _blocks_round_trip(tmp_path, device, codec="kivi:bits=2,group=32,vrot=hadamard"):
+    buf, view, k, v = block_primary("NHD")
+    tier = make_tier_with(tmp_path, view, block_spec("NHD"), codec=codec, kv_heads=HEADS, page_tokens=32,
+                          device=device)
+    assert tier._batched()
+    stored = tier._encode(tier._chunk(0)).clone()
+    assert run(tier, 1, keys(1), [0], promotion=False).success
+    buf[1] = 0
+    assert run(tier, 2, keys(1), [1], promotion=True).success
+    tier.shutdown()
+    return tier, stored, buf[1].copy()
+
+
+def test_blocks_mode_falls_back_to_the_cpu_where_the_device_fails(tmp_path, monkeypatch):
+    """A chunk the device cannot encode or decode (out of memory, a lost context) runs on the CPU: the bytes
+    stored and the rows restored are those of the CPU path."""
+    from kvbackend.integration.storage_options import DeviceCodec
+
+    _, want_blob, want_rows = _blocks_round_trip(tmp_path / "cpu", "cpu")
+    calls = []
+
+    def broken(self, fn, *tensors):
+        calls.append(fn)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(DeviceCodec, "run", broken)
+    real = DeviceCodec.__init__
+
+    def on_cuda(self, device, log=None):  # the device the tier would use on a GPU machine
+        real(self, torch.device("cuda", 0), log)
+
+    monkeypatch.setattr(DeviceCodec, "__init__", on_cuda)
+    _, blob, rows = _blocks_round_trip(tmp_path / "dev", "cpu")
+    assert len(calls) >= 3  # the direct encode, the store's and the load's decode each tried the device first
+    assert torch.equal(blob, want_blob) and np.array_equal(rows, want_rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=32,vrot=hadamard", "kivi:bits=4,group=32"])
+def test_blocks_mode_on_the_gpu_stores_and_restores_the_bytes_of_the_cpu(tmp_path, codec):
+    _, want_blob, want_rows = _blocks_round_trip(tmp_path / "cpu", "cpu", codec)
+    tier, blob, rows = _blocks_round_trip(tmp_path / "gpu", "cuda", codec)
+    assert tier.device.device.type == "cuda"
+    assert torch.equal(blob, want_blob) and np.array_equal(rows, want_rows)
