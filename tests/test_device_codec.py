@@ -1,0 +1,52 @@
+"""`DeviceCodec`, the storage adapters' batch runner: the GPU gives the CPU's bytes (page-local codecs), and the
+option that picks the device is checked. The adapters' own tests need their engines installed; these do not."""
+
+import pytest
+import torch
+
+from kvbackend import Geometry, codecs
+from kvbackend.integration.storage_options import DeviceCodec, codec_device
+
+CODECS = ["kivi:bits=4,group=32", "kivi:bits=2,group=16", "rtn:bits=2,group=64,scale=fp8", "rtn:bits=4,group=64",
+          "fp8", "identity"]
+
+
+def test_the_option_picks_a_device():
+    assert codec_device("cpu") == torch.device("cpu")
+    assert codec_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert codec_device(None) == codec_device("auto")
+    for bad in ("gpu", "cuda:x", 3, "meta", ""):
+        with pytest.raises(ValueError, match="device must be"):
+            codec_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            codec_device("cuda:0")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            codec_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_on_the_cpu_it_is_a_plain_call():
+    runner = DeviceCodec(torch.device("cpu"))
+    x = torch.arange(6)
+    assert runner("encode", lambda t: t * 2, x).tolist() == [0, 2, 4, 6, 8, 10]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", CODECS)
+def test_the_gpu_encodes_and_decodes_the_bytes_of_the_cpu(spec):
+    """64 pages of 32 tokens of an 8-head, 128-dim layer with channel offsets and a few large values."""
+    gen = torch.Generator().manual_seed(4)
+    codec = codecs.get(spec)
+    layout = codec.layout(Geometry(1, 8, 128, torch.bfloat16), 32)
+    k = (torch.randn(2048, 8, 128, generator=gen) + 6 * torch.randn(1, 8, 128, generator=gen)).bfloat16()
+    v = torch.randn(2048, 8, 128, generator=gen).bfloat16()
+    k[5, 2, 7], v[9, 1, 3] = 300.0, -250.0
+    runner = DeviceCodec(codec_device("cuda"))
+    want = codec.encode(k, v, layout).pages
+    got = runner("encode", lambda k, v: codec.encode(k, v, layout).pages, k, v)
+    assert got.device.type == "cpu" and torch.equal(got, want)
+    empty = torch.empty(0, dtype=torch.uint8)
+    wk, wv = codec.decode_pages(layout, want, empty)
+    gk, gv = runner("decode", lambda body: codec.decode_pages(layout, body, body[:0]), want)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
