@@ -89,13 +89,16 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     rows = position + np.repeat(np.array(cu[:-1], np.int64), counts) if ids else position
     fields = [join(ids), join(kinds), join(slots), join(valid), rows, position, np.array(starts, np.int64),
               np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
-    views = _on_device(fields, cache.dense.data.device)
+    views = ints_on_device(fields, cache.dense.data.device)
     return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0))
 
 
-def _on_device(fields: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int32 copies of ``fields`` on ``device``, as views of one buffer moved in one copy; each view starts on a
-    16-byte boundary (kernels specialise on pointer alignment, so it must not vary between steps)."""
+def ints_on_device(fields: list, device: torch.device) -> list[torch.Tensor]:
+    """int32 copies of ``fields`` (1-D arrays or lists) on ``device``, as views of one buffer moved in one copy:
+    on CUDA from pinned memory, asynchronously (a copy from pageable memory would make the host wait until the
+    device has run everything queued). Each view starts on a 16-byte boundary (kernels specialise on pointer
+    alignment, so it must not vary between steps)."""
+    fields = [np.asarray(f, dtype=np.int64) for f in fields]
     sizes = [len(f) for f in fields]
     padded = [-(-n // 4) * 4 for n in sizes]
     host = np.zeros(sum(padded), np.int32)

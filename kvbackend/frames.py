@@ -118,8 +118,8 @@ class LeverFrame:
         return self.rotary.derotate(q.transpose(0, 1), rope_positions(self.levers, positions, self.page_size)).transpose(0, 1)
 
     def queries_to_stored(self, q: torch.Tensor, first: int) -> torch.Tensor:
-        """Queries ``[T, Hq, D]`` in the keys' stored frame (de-rotated as a key at their own position
-        would be; exact for the query-key product only within that page, as `kvbackend eval` does it)."""
+        """Queries ``[T, Hq, D]`` of positions ``first..`` in the keys' stored frame (de-rotated as a key at their
+        own position would be; exact for the query-key product only within that page, as `kvbackend eval` does it)."""
         if not self.levers.rope:
             return q
-        return self.rotary.derotate(q.transpose(0, 1), self._positions(first, q.shape[0], q.device)).transpose(0, 1)
+        return self.step_queries_to_stored(q, torch.arange(first, first + q.shape[0], device=q.device))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from kvbackend.accounting import CacheStats, cache_stats, check_cache
-from kvbackend.batch import BatchPlan, plan_batch
+from kvbackend.batch import BatchPlan, ints_on_device, plan_batch
 from kvbackend.codecs.base import prepare_kv, query_moments
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
@@ -175,12 +175,12 @@ class KVCache:
             if need:
                 table.dense.append(next(new_pages))
         device = self.dense.data.device
-        where = _device_ints([[table.dense[start // p] for table, start in zip(tables, starts)],
-                              [start % p for start in starts]], device)
-        self.dense.data[layer, where[0], 0, where[1]] = k
-        self.dense.data[layer, where[0], 1, where[1]] = v
+        pages, offsets, positions = ints_on_device([[table.dense[start // p] for table, start in zip(tables, starts)],
+                                                    [start % p for start in starts],
+                                                    [table.lengths[layer] for table in tables]], device)
+        self.dense.data[layer, pages, 0, offsets] = k
+        self.dense.data[layer, pages, 1, offsets] = v
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
-            positions = _device_ints([table.lengths[layer] for table in tables], device)
             stored = self.frames[layer].step_queries_to_stored(queries, positions)
             moments = query_moments(stored, self.geometry.num_kv_heads)
             group = queries.shape[1] // self.geometry.num_kv_heads
@@ -450,13 +450,4 @@ class KVCache:
     def check(self) -> None:
         """Assert every pool invariant, including that ref counts match the page tables."""
         check_cache(self)
-
-
-def _device_ints(values: list, device: torch.device) -> torch.Tensor:
-    """``values`` (a list, or a list of equal lists) as int64 on ``device``. On CUDA the host copy is pinned and the
-    copy asynchronous: a copy from pageable memory makes the host wait until the device has run everything queued
-    before it, once per layer of a decode step."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
