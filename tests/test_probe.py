@@ -44,3 +44,23 @@ def test_lossless_cache_recalls_as_the_exact_one_through_packed_pages(model_and_
     assert lossless.correct == exact.correct and all(a.isdigit() for a in exact.answers)
     assert lossless.packed_tokens >= 192 and kivi.packed_tokens == lossless.packed_tokens
     assert 0.0 <= kivi.agree <= 1.0 and len(kivi.answers) == 2
+
+
+def test_an_auto_plan_is_planned_on_the_filler_and_served_per_layer(model_and_tokenizer):
+    """`auto:bpv=B` entries are planned on the filler's first tokens (per-layer widths within the budget) and
+    answered through a cache of those per-layer specs; `auto:kl=K` is refused (the probe has no continuation)."""
+    from kvbackend import codecs
+    from kvbackend.errors import SpecError
+    from kvbackend.tools.probe import plan_layers
+
+    model, tokenizer = model_and_tokenizer
+    spec = "auto:bpv=3.5,widths=2-4,base=kivi:group=32"
+    plan = plan_layers(model, tokenizer, FILLER, spec, tokens=256, chunk_tokens=64)
+    layers = model.config.num_hidden_layers
+    assert len(plan) == layers and all(codecs.get(s).spec.name == "kivi" for s in plan)
+    assert len(set(plan)) > 1  # widths differ between layers: a plan, not one spec
+    rows = probe_rows(tokenizer, FILLER, prefix_tokens=200, questions=2, seed=0)
+    exact, planned = run_probe(model, tokenizer, rows, [spec], chunk_pages=1, plans={spec: plan})
+    assert planned.cache == spec and planned.packed_tokens >= 192 and len(planned.answers) == 2
+    with pytest.raises(SpecError, match="auto:bpv"):
+        plan_layers(model, tokenizer, FILLER, "auto:kl=0.01,base=kivi:group=32", tokens=256)

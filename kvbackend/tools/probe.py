@@ -60,14 +60,37 @@ def probe_rows(tokenizer, filler: str, prefix_tokens: int, questions: int, seed:
                                                f"Answer: the passcode of {names[i]} is") for i in order]
 
 
+def plan_layers(model, tokenizer, text: str, spec: str, tokens: int, page_size: int = 64,
+                chunk_tokens: int = 2048) -> list[str]:
+    """The per-layer specs of an ``auto:bpv=B`` spec, planned as `kvbackend eval` plans them on its prefix: from
+    the exact queries, keys and values of the first ``tokens`` tokens of ``text`` (the probe's filler, before
+    any passcode is planted). ``auto:kl=K`` measures KL on a continuation, which the probe does not have."""
+    from kvbackend.errors import SpecError
+    from kvbackend.rope import rotary_from_config
+    from kvbackend.tools.auto import parse_auto, plan_widths
+    from kvbackend.tools.evaluate import capture_exact, geometry_from_config
+
+    auto = parse_auto(spec)
+    if auto.kl > 0:
+        raise SpecError(f"{spec}: the probe takes auto:bpv=B plans; auto:kl=K needs `kvbackend eval` (it measures "
+                        "the plan's KL on a continuation)")
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :tokens].to(model.device)
+    exact = capture_exact(model, ids)
+    geometry = geometry_from_config(model.config)
+    chosen = plan_widths(auto, list(exact.q), [k.transpose(0, 1) for k in exact.k], [v.transpose(0, 1) for v in exact.v],
+                         geometry, page_size, chunk_tokens, rotary_from_config(model.config))
+    return list(chosen.specs)
+
+
 def _answer(text: str) -> str:
     match = re.search(r"\d+", text)
     return match.group(0) if match else ""
 
 
 def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_pages: int = 32,
-              progress=None) -> list[ProbeResult]:
-    """The exact cache's answers first, then each codec's (through `KVBackendCache`, attached)."""
+              progress=None, plans: dict[str, list[str]] | None = None) -> list[ProbeResult]:
+    """The exact cache's answers first, then each codec's (through `KVBackendCache`, attached). ``plans``: the
+    per-layer specs of ``auto:`` entries of ``codecs`` (`plan_layers`)."""
     from transformers import DynamicCache
 
     from kvbackend.integration.transformers import KVBackendCache
@@ -94,7 +117,8 @@ def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_p
     advance()
     results = [score("exact (DynamicCache)", exact, exact, 0)]
     for spec in codecs:
-        cache = KVBackendCache(model.config, codec=spec, chunk_pages=chunk_pages, max_tokens=length + 2 * 64)
+        layers = (plans or {}).get(spec, spec)
+        cache = KVBackendCache(model.config, codec=layers, chunk_pages=chunk_pages, max_tokens=length + 2 * 64)
         cache.attach(model)
         try:
             got = answers(cache)
@@ -116,8 +140,14 @@ def run_probe_cli(args) -> int:
     from kvbackend import codecs as registry
     from kvbackend.tools.models import load_model
 
+    from kvbackend.errors import SpecError
+    from kvbackend.tools.auto import parse_auto
+
     for spec in args.codec:
-        registry.parse(spec)  # a bad spec fails before the model loads
+        if parse_auto(spec) is None:  # a bad spec fails before the model loads (an auto: spec parses here too)
+            registry.parse(spec)
+        elif parse_auto(spec).kl > 0:
+            raise SpecError(f"{spec}: the probe takes auto:bpv=B plans; auto:kl=K needs `kvbackend eval`")
     with open(args.text, encoding="utf-8") as f:
         filler = f.read()
     if args.json:
@@ -126,9 +156,16 @@ def run_probe_cli(args) -> int:
     with console.status("loading SmolLM2-135M-Instruct from its GGUF file"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
     rows = probe_rows(tokenizer, filler, args.prefix, args.questions, args.seed)
+    plans = {}
+    for spec in args.codec:
+        if parse_auto(spec) is not None:
+            with console.status(f"planning {spec} on the first {args.prefix} tokens of the filler"):
+                plans[spec] = plan_layers(model, tokenizer, filler, spec, args.prefix, chunk_tokens=64 * args.chunk_pages)
+            console.print(f"{spec}: " + "; ".join(f"L{i}: {s}" for i, s in enumerate(plans[spec])))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("answering", total=len(args.codec) + 1)
-        results = run_probe(model, tokenizer, rows, args.codec, args.chunk_pages, lambda: progress.advance(task))
+        results = run_probe(model, tokenizer, rows, args.codec, args.chunk_pages, lambda: progress.advance(task),
+                            plans)
     table = Table(title=f"recall of {len(rows)} passcodes planted before {args.prefix} tokens of {args.text}")
     for col in ("cache", "packed tokens", "agree with exact", "correct", "answers"):
         table.add_column(col, justify="left" if col in ("cache", "answers") else "right")
@@ -139,5 +176,6 @@ def run_probe_cli(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": args.text, "prefix": args.prefix, "questions": len(rows), "seed": args.seed,
-                       "truth": [row.truth for row in rows], "results": [r.__dict__ for r in results]}, f, indent=1)
+                       "truth": [row.truth for row in rows], "results": [r.__dict__ for r in results],
+                       "plans": plans}, f, indent=1)
     return 0
