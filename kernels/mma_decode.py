@@ -257,7 +257,7 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
     return function
 
 
-@functools.lru_cache(maxsize=256)  # asked on every decode call of every layer; a refusal raises (never cached)
+@functools.lru_cache(maxsize=256, typed=True)  # asked on every call of every layer; typed: True is not 1 here
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
                dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = 0) -> Config:
     for name, value, low, high in (("stages", stages, 1, 4), ("warps", warps, 1, 16), ("min_blocks", min_blocks, 0, 8)):

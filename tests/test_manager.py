@@ -314,6 +314,8 @@ def test_append_step_is_append_per_request(codec):
             assert sa.query_parts.keys() == sb.query_parts.keys()
             for chunk, (total, count) in sa.query_parts.items():
                 assert count == sb.query_parts[chunk][1] and torch.equal(total, sb.query_parts[chunk][0])
+                kept = sb.query_parts[chunk][0]  # its own storage, not a view keeping the step's batch alive
+                assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
             assert (sa.query_moment is None) == (sb.query_moment is None)
             assert sa.query_moment is None or torch.equal(sa.query_moment, sb.query_moment)
     assert packed >= 6  # the step completed chunks

@@ -145,7 +145,10 @@ def test_small_probabilities_times_small_value_scales(scale):
 def test_refuses_bad_launch_options():
     cache, _ = filled_cache("rtn:bits=2,group=64", 64, 16, [40], heads=2, layers=1)
     k, v = kernel_schemes(cache.codec, cache.layout)
-    for bad in ({"stages": 0}, {"warps": None}, {"warps": 64}, {"min_blocks": -1}):
+    for good in ({"stages": 1}, {"stages": 2}, {"warps": 4}):  # cached: a bad value equal to one of these still fails
+        mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.bfloat16, **good)
+    for bad in ({"stages": 0}, {"warps": None}, {"warps": 64}, {"min_blocks": -1}, {"stages": True}, {"stages": 2.0},
+                {"warps": 4.0}):
         with pytest.raises(ValueError, match="tensor-core decode kernel takes"):
             mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.bfloat16, **bad)
     with pytest.raises(ValueError, match="dense pages of dtype"):

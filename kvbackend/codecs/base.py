@@ -45,7 +45,8 @@ class CodecState:
     def add_moment(self, chunk: int, moment: torch.Tensor, count: int) -> None:
         """Add a sum of q q^T [H, D, D] over ``count`` queries of chunk ``chunk`` (see `query_moments`)."""
         total, seen = self.query_parts.get(chunk, (None, 0))
-        self.query_parts[chunk] = (moment if total is None else total + moment, seen + count)
+        # kept as a copy: ``moment`` may be a view of a whole decode batch's moments, which must not stay alive
+        self.query_parts[chunk] = (moment.clone() if total is None else total + moment, seen + count)
 
     def close_chunk(self, chunk: int) -> None:
         """Set query_moment from the queries of chunks <= ``chunk`` and fold them into one part."""
