@@ -32,7 +32,7 @@ from kvbackend.codecs.qvg import MAX_STAGES
 from kvbackend.codecs.widths import WIDTHS
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
-from kvbackend.levers import Levers
+from kvbackend.levers import Levers, split_levers
 from kvbackend.rope import Rotary
 from kvbackend.spec import Checked, SpecKind, build_spec, format_spec, one_of, ranged, spec_kind, split_spec
 from kvbackend.tools.reconstruct import reconstruct_sequence
@@ -68,6 +68,9 @@ class AutoSpec(Checked):
     # candidate key outliers per page and head (quantwm bases), dash-separated (e.g. 0-16-32); "": the base's
     outliers: str = ""
     queries: int = ranged(128, 1, 1 << 20)  # last prefix queries scored per layer
+    # plan per (layer, KV head) instead of per layer: a layer whose heads differ becomes a heads: spec
+    # (kvbackend.codecs.heads; the torch reference serves it, the kernels do not read it)
+    perhead: bool = False
 
 
 def parse_auto(text: str) -> AutoSpec | None:
@@ -101,6 +104,9 @@ def parse_auto(text: str) -> AutoSpec | None:
             raise SpecError(f"auto: stages={spec.stages} needs a base with residual stages (qvg, qvg-pro, quantwm), "
                             f"got {spec.base!r}")
         _dash_list("stages", spec.stages, range(1, MAX_STAGES + 1))
+    if spec.perhead and spec.variants != "plain":
+        raise SpecError(f"auto: perhead=true plans the base's own options per head; variants={spec.variants} would let "
+                        "heads of one layer pick different levers, which the cache applies per layer: use variants=plain")
     if spec.outliers:
         if not hasattr(base, "outliers"):
             raise SpecError(f"auto: outliers={spec.outliers} needs a base with key outliers (quantwm), got {spec.base!r}")
@@ -180,34 +186,71 @@ def _ladders(spec: AutoSpec) -> list[tuple[str, list[int]]]:
     return ladders
 
 
+def _units(spec: AutoSpec, layers: int, heads: int) -> list[tuple[int, int | None]]:
+    """What the planner sizes one at a time: (layer, None) per layer, or (layer, head) with perhead=true."""
+    if spec.perhead:
+        return [(layer, head) for layer in range(layers) for head in range(heads)]
+    return [(layer, None) for layer in range(layers)]
+
+
 def _error_table(spec: AutoSpec, ladders, queries, keys, values, geometry: Geometry, page_size: int,
                  chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, tuple[int, ...]], tuple[float, int, str]]:
-    """(layer, ladder values) -> (attention error, stored bytes, spec): of the variants tried (same
-    bytes by construction), the one with the lowest error."""
+    """(unit, ladder values) -> (attention error, stored bytes, spec): of the variants tried (same
+    bytes by construction), the one with the lowest error. A unit is an index into `_units`: a layer,
+    or one KV head of a layer (its keys and values on a one-head geometry, scored by its query group)."""
     base = codecs.parse(spec.base)
     if not (hasattr(base, "kbits") and hasattr(base, "vbits")):
         raise SpecError(f"auto: base must be a codec with kbits/vbits options (kivi, qvg, qvg-pro, quantwm), "
                         f"got {spec.base!r}")
     name, options = split_spec(spec.base)
+    group = queries[0].shape[0] // geometry.num_kv_heads
+    one_head = dataclasses.replace(geometry, num_kv_heads=1)
     table: dict[tuple[int, tuple[int, ...]], tuple[float, int, str]] = {}
-    for layer in range(len(keys)):
-        n = min(spec.queries, keys[layer].shape[0])
-        q = queries[layer][:, keys[layer].shape[0] - n : keys[layer].shape[0]]
+    for unit, (layer, head) in enumerate(_units(spec, len(keys), geometry.num_kv_heads)):
+        k, v, q, g = keys[layer], values[layer], queries[layer], geometry
+        if head is not None:
+            k, v, g = k[:, head : head + 1], v[:, head : head + 1], one_head
+            q = q[head * group : (head + 1) * group]
+        n = min(spec.queries, k.shape[0])
+        scored = q[:, k.shape[0] - n : k.shape[0]]
         for values_of in itertools.product(*(ladder for _, ladder in ladders)):
-            chosen = {key: str(v) for (key, _), v in zip(ladders, values_of)}
+            chosen = {key: str(x) for (key, _), x in zip(ladders, values_of)}
             for variant in _variants(spec.variants, base.name, options):
-                text = f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, **chosen, **variant}.items())
-                rec = reconstruct_sequence(codecs.get(text), keys[layer], values[layer], geometry, page_size,
-                                           chunk_tokens, rotary, queries[layer])
-                entry = (_attention_error(q, keys[layer], values[layer], rec.k, rec.v), rec.stored_bytes, text)
-                if (layer, values_of) not in table or entry[0] < table[layer, values_of][0]:
-                    table[layer, values_of] = entry
+                text = f"{name}:" + ",".join(f"{key}={x}" for key, x in {**options, **chosen, **variant}.items())
+                rec = reconstruct_sequence(codecs.get(text), k, v, g, page_size, chunk_tokens, rotary, q)
+                entry = (_attention_error(scored, k, v, rec.k, rec.v), rec.stored_bytes, text)
+                if (unit, values_of) not in table or entry[0] < table[unit, values_of][0]:
+                    table[unit, values_of] = entry
     return table
+
+
+def _layer_specs(spec: AutoSpec, ladders, table, state: list[tuple[int, ...]], layers: int) -> list[str]:
+    """One codec spec per layer for a greedy state: a layer whose heads all chose the same spec keeps it;
+    one whose heads differ becomes a heads: spec (the base's options, the ladders' values per head, the
+    levers once)."""
+    if not spec.perhead:
+        return [table[unit, values_of][2] for unit, values_of in enumerate(state)]
+    heads = len(state) // layers
+    out = []
+    for layer in range(layers):
+        chosen = state[layer * heads : (layer + 1) * heads]
+        texts = {table[layer * heads + h, values_of][2] for h, values_of in enumerate(chosen)}
+        if len(texts) == 1:
+            out.append(texts.pop())
+            continue
+        name, options = split_spec(spec.base)
+        options, levers = split_levers(options, name)
+        ladder_keys = [key for key, _ in ladders]
+        base = f"{name}:" + ";".join(f"{k}={x}" for k, x in options.items() if k not in ladder_keys)
+        per_head = ",".join(f"{key}=" + "-".join(str(values_of[d]) for values_of in chosen)
+                            for d, key in enumerate(ladder_keys))
+        out.append(f"heads:base={base.rstrip(':')},{per_head}" + (f",{levers.suffix()}" if levers.active else ""))
+    return out
 
 
 def _greedy_path(table, ladders, layers: int, budget: float) -> list[tuple[list[tuple[int, ...]], int]]:
     """Every state of the greedy widening (narrowest first), with its stored bytes: each step moves one
-    layer one rung up one ladder (key bits, value bits or stages)."""
+    unit (a layer, or a layer's head) one rung up one ladder (key bits, value bits, stages or outliers)."""
     state = [tuple(ladder[0] for _, ladder in ladders)] * layers
     used = sum(table[layer, values_of][1] for layer, values_of in enumerate(state))
     path = [(list(state), used)]
@@ -246,19 +289,20 @@ def plan_widths(spec: AutoSpec, queries: list[torch.Tensor], keys: list[torch.Te
         raise SpecError("auto: kl=K needs the model to measure KL on the prefix (run it through `kvbackend eval`)")
     ladders = _ladders(spec)
     layers = len(keys)
+    units = len(_units(spec, layers, geometry.num_kv_heads))
     values_total = sum(k.shape[0] for k in keys) * geometry.values_per_token
     table = _error_table(spec, ladders, queries, keys, values, geometry, page_size, chunk_tokens, rotary)
-    as_specs = lambda state: [table[layer, v][2] for layer, v in enumerate(state)]  # noqa: E731
-    as_error = lambda state: sum(table[layer, v][0] for layer, v in enumerate(state))  # noqa: E731
+    as_specs = lambda state: _layer_specs(spec, ladders, table, state, layers)  # noqa: E731
+    as_error = lambda state: sum(table[unit, v][0] for unit, v in enumerate(state))  # noqa: E731
     if spec.bpv > 0:
         budget = spec.bpv * values_total / 8
-        path = _greedy_path(table, ladders, layers, budget)
+        path = _greedy_path(table, ladders, units, budget)
         state, used = path[-1]
         if used > budget:
             raise SpecError(f"auto: bpv={spec.bpv} cannot be met; the narrowest widths of {spec.base!r} already "
                             f"need {8.0 * used / values_total:.3f} bpv on this prefix")
         return Plan(as_specs(state), 8.0 * used / values_total, as_error(state))
-    path = _greedy_path(table, ladders, layers, float("inf"))
+    path = _greedy_path(table, ladders, units, float("inf"))
     measured: dict[int, float] = {}
 
     def kl_at(i: int) -> float:

@@ -283,6 +283,14 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
     return frozen
 
 
+def _widths_label(spec: str) -> str:
+    """``k3v2`` for a layer's spec; ``k3-2-2v2-2-3`` (per KV head) for a heads: spec."""
+    parsed = codecs.parse(spec)
+    if parsed.name == "heads":
+        return f"k{parsed.kbits or '-'}v{parsed.vbits or '-'}"
+    return f"k{parsed.key_bits}v{parsed.value_bits}"
+
+
 def prepare_output(path: str, option: str) -> None:
     """Create the folder of an output file now, so a bad path fails before the run, not after it."""
     if os.path.isdir(path):
@@ -512,7 +520,7 @@ def run_eval_cli(args) -> int:
         if r.plan:
             calib = f", KL {r.calib_kl:.4f} on the prefix's tail" if r.calib_kl is not None else ""
             console.print(f"{r.spec}: per-layer plan (measured {r.bpv:.3f} bpv{calib}): " + "; ".join(
-                f"L{i}:k{codecs.parse(p).key_bits}v{codecs.parse(p).value_bits}" for i, p in enumerate(r.plan)))
+                f"L{i}:{_widths_label(p)}" for i, p in enumerate(r.plan)))
     meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
             "calibration": args.calibration if frozen else None}
     if args.json:
