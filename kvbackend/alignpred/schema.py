@@ -26,6 +26,7 @@ from kvbackend.alignpred.stream import CorruptStream
 
 ALIGN_CODES = {"none": 0, "heads": 1, "layers": 2}
 PREDICT_CODES = {"mean": 0, "prev": 1}
+QUANT_CODES = {"lattice": 0, "trellis": 1}  # byte 6 of "spec"; streams of six bytes are lattice streams
 MAX_GROUP_VALUES = 1 << 25  # values per kind of a group when the caller gives no expected shape (128 MiB of float32)
 _F32_MAX = float(np.finfo(np.float32).max)
 KIND_FIELDS = ("f", "i", "cls", "cnt", "tab", "lo", "w", "esc")  # plus "rot" when blocks are aligned
@@ -55,7 +56,8 @@ class StreamHeader:
     align: str
     predict: str
     blend: float
-    spec_codes: np.ndarray  # uint8 [6], as stored
+    quant: str  # "lattice" or "trellis"
+    spec_codes: np.ndarray  # uint8 [6] or [7], as stored
     calibration: int | None  # fingerprint of the frozen predictors, None when fitted per group
     kinds: dict[str, KindHeader]
 
@@ -154,9 +156,14 @@ def read_header(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
         CorruptStream: a missing, unknown or mistyped entry, or counts, lengths or a shape that do not add up.
     """
     shape = group_shape(a, expected, max_values)
-    spec = _entry(a, "spec", "uint8", (6,))
+    spec = _entry(a, "spec", "uint8", (None,))
+    if spec.size not in (6, 7):
+        raise CorruptStream(f"AlignPred entry 'spec' holds {spec.size} bytes; expected 6 or 7")
     if spec[0] >= len(ALIGN_CODES) or spec[1] >= len(PREDICT_CODES):
         raise CorruptStream("AlignPred stream names an unknown predictor")
+    if spec.size == 7 and spec[6] != QUANT_CODES["trellis"]:
+        raise CorruptStream("AlignPred stream names an unknown quantizer")
+    quant = list(QUANT_CODES)[int(spec[6])] if spec.size == 7 else "lattice"
     align, predict = list(ALIGN_CODES)[int(spec[0])], list(PREDICT_CODES)[int(spec[1])]
     blend = float(np.frombuffer(spec[2:6].tobytes(), "<f4")[0])
     if not 0.0 <= blend <= 1.0:
@@ -172,7 +179,7 @@ def read_header(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
         names |= {f"{tag}.{f}" for f in KIND_FIELDS} | ({f"{tag}.rot"} if kinds[tag].rots is not None else set())
     if set(a) != names:
         raise CorruptStream(f"AlignPred stream has unexpected entries {sorted(set(a) - names)}")
-    return StreamHeader(shape, align, predict, blend, spec, calibration, kinds)
+    return StreamHeader(shape, align, predict, blend, quant, spec, calibration, kinds)
 
 
 def value_checksum(tag: str, shape: tuple[int, ...], spec_codes: np.ndarray, calibration: int | None,

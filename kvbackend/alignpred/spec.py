@@ -12,6 +12,7 @@ MAX_RELATIVE = 100.0  # largest budget as a multiple of FP8's NRMSE (FP8's is a 
 ALIGNS = ("none", "heads", "layers")
 PREDICTS = ("mean", "prev")
 FITS = ("group", "frozen")
+QUANTS = ("trellis", "lattice")
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,15 @@ class AlignPredSpec:
     predict: str = "mean"  # token-wise predictor of a block: per-channel mean of the group, or previous token
     fit: str = "group"  # alignment fitted per page group (stored) or frozen from calibration (not stored)
     blend: float = 0.5  # fixed weight of the per-group aligned cross-block prediction
+    # "trellis": 8-state trellis-coded quantization along each channel's tokens (about 0.14 bpv fewer at the
+    # same NRMSE; a value's error stays within two fine steps); "lattice": each value to its nearest
+    # multiple of the step (every value's error within half a step)
+    quant: str = "trellis"
 
     @property
     def spec_string(self) -> str:
         fit = ",fit=frozen" if self.fit == "frozen" else ""
-        return f"alignpred:error={self.error},align={self.align},predict={self.predict}{fit}"
+        return f"alignpred:error={self.error},align={self.align},predict={self.predict}{fit},quant={self.quant}"
 
 
 def parse_error(raw: str) -> ErrorBudget:
@@ -53,7 +58,7 @@ def parse_error(raw: str) -> ErrorBudget:
 
 
 def parse_alignpred(text: str) -> AlignPredSpec:
-    """Parse ``alignpred:error=1x[,align=heads][,predict=prev]``.
+    """Parse ``alignpred:error=1x[,align=heads][,predict=prev][,fit=frozen][,quant=lattice]``.
 
     Raises:
         SpecError: another codec name, a missing budget, an unknown option or value.
@@ -75,9 +80,12 @@ def parse_alignpred(text: str) -> AlignPredSpec:
         raise SpecError(f"fit={fit!r}; valid: {', '.join(FITS)}")
     if fit == "frozen" and align != "layers":
         raise SpecError("fit=frozen needs align=layers (frozen predictors map each layer from the one before)")
+    quant = options.pop("quant", "trellis").lower()
+    if quant not in QUANTS:
+        raise SpecError(f"quant={quant!r}; valid: {', '.join(QUANTS)}")
     if options:
-        raise SpecError(f"unknown alignpred option(s) {sorted(options)}; valid: error, align, predict, fit")
-    return AlignPredSpec(error, align, predict, fit)
+        raise SpecError(f"unknown alignpred option(s) {sorted(options)}; valid: error, align, predict, fit, quant")
+    return AlignPredSpec(error, align, predict, fit, quant=quant)
 
 
 def is_alignpred(text: str) -> bool:
