@@ -72,16 +72,19 @@ def alignpred_point(codec: AlignPredCodec, k: np.ndarray, v: np.ndarray) -> dict
     L, T = k.shape[:2]
     kh, vh = np.empty_like(k), np.empty_like(v)
     kind_bytes = {"k": 0, "v": 0}
+    worst = {"k": 0.0, "v": 0.0}  # the largest group NRMSE as a fraction of that group's budget
     for start in range(0, T, PAGE):
         part = slice(start, start + PAGE)
         blob = codec.encode(k[:, part], v[:, part])
+        for kd, report in zip("kv", codec.last_report):
+            worst[kd] = max(worst[kd], report.nrmse / report.target)
         kh[:, part], vh[:, part] = codec.decode(blob)
         arrays = unpack(blob)
         own = {kd: sum(a.nbytes for n, a in arrays.items() if n.startswith(kd + ".")) for kd in "kv"}
         shared = len(blob) - own["k"] - own["v"]
         for kd in "kv":
             kind_bytes[kd] += own[kd] + shared / 2
-    return {kd: {"bpv": 8 * kind_bytes[kd] / x.size, "nrmse": nrmse(x, xh)}
+    return {kd: {"bpv": 8 * kind_bytes[kd] / x.size, "nrmse": nrmse(x, xh), "worst_group_of_budget": worst[kd]}
             for kd, x, xh in (("k", k, kh), ("v", v, vh))}
 
 
@@ -182,7 +185,8 @@ def plot(path: str, results: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, kind in zip(axes, ("k", "v")):
         for text, r in results["texts"].items():
-            for name, style in (("alignpred", "o-"), ("alignpred_frozen", "s--"), ("sz3_layer", "^-"),
+            for name, style in (("alignpred", "o-"), ("alignpred_frozen", "s--"), ("alignpred_frozen_lattice", "x:"),
+                                ("sz3_layer", "^-"),
                                 ("sz3_group", "v:")):
                 pts = [r[name][str(m)][kind] for m in MULTIPLIERS]
                 ax.plot([p["nrmse"] for p in pts], [p["bpv"] for p in pts], style, label=f"{name} ({text})",
@@ -225,12 +229,15 @@ def main() -> int:
             calibration = Calibration.fit(*kv[calibrated_on[name]])
             r = {"fp8": {kd: {"bpv": 8.0, "nrmse": fp8_nrmse(x)} for kd, x in (("k", k), ("v", v))},
                  "zstd_fp16": {kd: zstd_fp16(x) for kd, x in (("k", k), ("v", v))},
-                 "alignpred": {}, "alignpred_frozen": {}, "sz3_layer": {}, "sz3_group": {},
+                 "alignpred": {}, "alignpred_frozen": {}, "alignpred_frozen_lattice": {}, "sz3_layer": {},
+                 "sz3_group": {},
                  "calibrated_on": calibrated_on[name]}
             for m in MULTIPLIERS:
                 r["alignpred"][str(m)] = alignpred_point(AlignPredCodec(f"alignpred:error={m}x"), k, v)
                 r["alignpred_frozen"][str(m)] = alignpred_point(
                     AlignPredCodec(f"alignpred:error={m}x,align=layers,fit=frozen", calibration), k, v)
+                r["alignpred_frozen_lattice"][str(m)] = alignpred_point(  # the quantizer before the trellis
+                    AlignPredCodec(f"alignpred:error={m}x,align=layers,fit=frozen,quant=lattice", calibration), k, v)
                 for layout in ("layer", "group"):
                     r[f"sz3_{layout}"][str(m)] = {kd: sz_point(sz_units(x, layout), m * r["fp8"][kd]["nrmse"])
                                                   for kd, x in (("k", k), ("v", v))}
@@ -241,7 +248,10 @@ def main() -> int:
     k, v = kv["legal"]
     speed = {"alignpred_1x": alignpred_speed(AlignPredCodec("alignpred:error=1x"), k, v, args.repeat),
              "alignpred_frozen_1x": alignpred_speed(AlignPredCodec(
-                 "alignpred:error=1x,align=layers,fit=frozen", Calibration.fit(*kv["code"])), k, v, args.repeat)}
+                 "alignpred:error=1x,align=layers,fit=frozen", Calibration.fit(*kv["code"])), k, v, args.repeat),
+             "alignpred_frozen_lattice_1x": alignpred_speed(AlignPredCodec(
+                 "alignpred:error=1x,align=layers,fit=frozen,quant=lattice", Calibration.fit(*kv["code"])), k, v,
+                 args.repeat)}
     for layout in ("layer", "group"):
         per_kind = [sz_speed(sz_units(x, layout), results["texts"]["legal"][f"sz3_{layout}"]["1"][kd]["abs_error_bound"],
                              args.repeat) for kd, x in (("k", k), ("v", v))]
@@ -264,6 +274,12 @@ def main() -> int:
                 table.add_row(name, kd, str(m), f"{a:.3f}", f"{fz:.3f}", f"{sl:.3f}", f"{sg:.3f}",
                               f"{min(a, fz) / min(sl, sg) - 1:+.1%}")
     console.print(table)
+    for name, r in results["texts"].items():  # K and V together, at FP8-level error (the persistent format's target)
+        for label in ("alignpred", "alignpred_frozen", "alignpred_frozen_lattice"):
+            point = r[label]["1"]
+            console.print(f"{name} {label} 1x: {(point['k']['bpv'] + point['v']['bpv']) / 2:.3f} bpv (K+V), worst "
+                          f"group at {max(point['k']['worst_group_of_budget'], point['v']['worst_group_of_budget']):.4f} "
+                          "of its budget")
     for key, s in speed.items():
         console.print(f"{key}: encode {s['encode_mvals_s']:.1f} M values/s, decode {s['decode_mvals_s']:.1f} M values/s")
     return 0
