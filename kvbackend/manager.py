@@ -94,11 +94,8 @@ class KVCache:
             self._settle()
             slot = self.packed.slot_of_page[table.packed[-1]]
             for layer, state in enumerate(table.states):
-                book = self.layouts[layer].codebook
-                for prefix in ("k", "v"):
-                    if f"{prefix}_centroids" in book:
-                        state.centroids[prefix] = self.codecs[layer].stored_centroids(
-                            self.layouts[layer], self.packed.codebooks[layer][slot], prefix).clone()
+                warm = self.codecs[layer].warm_start(self.layouts[layer], self.packed.codebooks[layer][slot])
+                state.centroids.update({name: t.clone() for name, t in warm.items()})
         self._tables[table.request_id] = table
         return table.request_id, table.num_packed_tokens
 

@@ -1,5 +1,6 @@
 """AlignPred against SZ3, zstd, FP8 and the INT2 codecs on real KV, one CPU core.
 
+    .venv/bin/pip install -e '.[baselines]'   # SZ3 (pysz) and zstd, the baselines
     .venv/bin/python perf/bench_alignpred.py --json perf/results/bench_alignpred.json \
         --plot perf/results/bench_alignpred.png
 

@@ -211,3 +211,12 @@ def test_trellis_compiled_and_numpy_paths_agree(monkeypatch):
     assert np.array_equal(index, numpy_index) and np.array_equal(values, numpy_values)
     monkeypatch.setattr(fastquant, "_usable", lambda: False)
     assert np.array_equal(trellis.dequantize(index, 0.37), values)
+
+
+def test_specs_built_in_python_are_checked_too():
+    from kvbackend.alignpred.spec import AlignPredSpec, ErrorBudget
+
+    with pytest.raises(SpecError, match="quant"):
+        AlignPredSpec(ErrorBudget(1.0, True), quant="Trellis")
+    with pytest.raises(SpecError, match="align"):
+        AlignPredSpec(ErrorBudget(1.0, True), align="rows")

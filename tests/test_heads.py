@@ -71,14 +71,25 @@ def test_uniform_heads_give_the_base_codecs_bytes_and_values():
 
 
 def test_warm_started_centroids_are_kept_per_head():
+    """Chunk after chunk, each head continues from its own centroids: the heads codec's second chunk is
+    exactly what each head's codec gives with its own state carried over (cold centroids would differ)."""
     k, v = kv(128)
-    het = codecs.get("heads:base=qvg:centroids=4;group=16,kbits=2-3-2")
+    het = codecs.get("heads:base=qvg:centroids=4;group=16;iters=2,kbits=2-3-2")
     layout, state = het.layout(GEOM, 32), CodecState()
     het.encode(k[:64], v[:64], layout, state)
-    assert {name.split(":")[0] for name in state.centroids} == {"h0", "h1", "h2"}
-    first = {name: t.clone() for name, t in state.centroids.items()}
-    het.encode(k[64:], v[64:], layout, state)  # the second chunk starts from each head's own centroids
-    assert set(state.centroids) == set(first) and all(t.shape[1] == 1 for t in state.centroids.values())
+    assert sorted(state.centroids) == [f"h{i}:{name}" for i in range(3) for name in "kv"]
+    second = het.decode(het.encode(k[64:], v[64:], layout, state))
+    for head, codec in enumerate(het.heads):
+        one, alone = codec.layout(ONE, 32), CodecState()
+        codec.encode(k[:64, head : head + 1], v[:64, head : head + 1], one, alone)
+        expected = codec.decode(codec.encode(k[64:, head : head + 1], v[64:, head : head + 1], one, alone))
+        cold = codec.decode(codec.encode(k[64:, head : head + 1], v[64:, head : head + 1], one, CodecState()))
+        assert torch.equal(second[0][:, head : head + 1], expected[0])
+        assert not torch.equal(expected[0], cold[0])  # the warm start matters on this data
+    # a cached prefix's slot gives the next request the same per-head warm start (`KVCache.add_request`)
+    chunk = het.encode(k[:64], v[:64], layout, CodecState())
+    warm = het.warm_start(layout, chunk.codebook)
+    assert sorted(warm) == sorted(state.centroids) and all(t.shape[1] == 1 for t in warm.values())
 
 
 def test_bad_heads_specs():
@@ -92,7 +103,7 @@ def test_bad_heads_specs():
         codecs.get("heads:base=kivi:group=16,kbits=2-x")
     with pytest.raises(SpecError, match="cannot itself"):
         codecs.get("heads:base=heads:kbits=2,kbits=2")
-    with pytest.raises(SpecError, match="kbits=5"):
+    with pytest.raises(SpecError, match="head 1 .*kbits=5"):
         codecs.get("heads:base=kivi:group=16,kbits=2-5")
     with pytest.raises(SpecError, match="2 heads' options.*3 KV heads"):
         codecs.get("heads:base=kivi:group=16,kbits=2-3").layout(GEOM, 16)

@@ -246,7 +246,8 @@ def test_random_operations_against_model(ops):
     assert stats.dense_pages_used == 0 and stats.packed_pages_used == 0
 
 
-@pytest.mark.parametrize("codec", ["qvg:centroids=4,group=16", "qvg:centroids=4,group=16,vcluster=false"])
+@pytest.mark.parametrize("codec", ["qvg:centroids=4,group=16", "qvg:centroids=4,group=16,vcluster=false",
+                                   "heads:base=qvg:centroids=4;group=16,kbits=2-3"])
 def test_prefix_hit_warm_starts_only_clustered_tensors(codec):
     """A prefix hit seeds k-means from the reused codebook, for the tensors that have centroids."""
     cache = make(codec, page_size=8, chunk_pages=2)
@@ -257,7 +258,11 @@ def test_prefix_hit_warm_starts_only_clustered_tensors(codec):
     b, cached = cache.add_request(tokens + [1])
     assert cached == 16
     state = cache.page_table(b).states[0]
-    assert sorted(state.centroids) == (["k", "v"] if "vcluster" not in codec else ["k"])
+    expected = ["k", "v"] if "vcluster" not in codec else ["k"]
+    if codec.startswith("heads:"):  # each head's own, under its tag, as the codec keeps them between chunks
+        expected = [f"h{i}:{name}" for i in range(2) for name in expected]
+        assert sorted(state.centroids) == sorted(cache.page_table(a).states[0].centroids)
+    assert sorted(state.centroids) == expected
     k2, v2 = rand_kv(16)
     append_all(cache, b, k2, v2)  # the next chunk encodes from the warm start
     assert len(cache.page_table(b).packed) == 4

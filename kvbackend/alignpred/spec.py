@@ -38,6 +38,11 @@ class AlignPredSpec:
     # multiple of the step (every value's error within half a step)
     quant: str = "trellis"
 
+    def __post_init__(self) -> None:  # built in Python as well as parsed: the same checks
+        for name, valid in (("align", ALIGNS), ("predict", PREDICTS), ("fit", FITS), ("quant", QUANTS)):
+            if getattr(self, name) not in valid:
+                raise SpecError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+
     @property
     def spec_string(self) -> str:
         fit = ",fit=frozen" if self.fit == "frozen" else ""

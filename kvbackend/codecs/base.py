@@ -144,6 +144,11 @@ class Codec(ABC):
     def validate(self, geometry: Geometry, page_size: int) -> None:
         """Raise SpecError if the spec cannot serve this geometry (called once per layout)."""
 
+    def warm_start(self, layout: PageLayout, codebook: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The `CodecState.centroids` entries a chunk's stored codebook slot gives the next chunk, for a
+        request that continues a cached prefix (k-means codecs: their centroids). None by default."""
+        return {}
+
     # -- shared machinery -------------------------------------------------------------------
     def layout(self, geometry: Geometry, page_size: int) -> PageLayout:
         key = (geometry, page_size)

@@ -82,7 +82,12 @@ class HeadsCodec(Codec):
     def __init__(self, spec: HeadsSpec, make: Callable[[str], Codec]) -> None:
         """``make``: the registry's codec factory (`kvbackend.codecs.get`), for each head's codec."""
         super().__init__(spec)
-        self.heads = [make(text) for text in head_specs(spec)]
+        self.heads = []
+        for i, text in enumerate(head_specs(spec)):
+            try:
+                self.heads.append(make(text))
+            except SpecError as exc:
+                raise SpecError(f"heads: head {i} ({text}): {exc}") from None
         self.uses_queries = any(codec.uses_queries for codec in self.heads)  # type: ignore[misc]
         self.page_local = all(codec.page_local for codec in self.heads)  # type: ignore[misc]
 
@@ -128,6 +133,15 @@ class HeadsCodec(Codec):
                 layout.codebook.view(codebook, f"h{i}").copy_(head_book)
             state.centroids.update({f"h{i}:{name}": t for name, t in head_state.centroids.items()})
             state.iterations.extend(head_state.iterations)
+
+    def warm_start(self, layout: PageLayout, codebook) -> dict[str, torch.Tensor]:
+        """Each head's warm start from its part of the slot, under the names `_encode` keeps them."""
+        out = {}
+        for i, (codec, sub) in enumerate(zip(self.heads, self._head_layouts(layout.geometry, layout.page_size))):
+            if sub.codebook_bytes:
+                book = layout.codebook.view(codebook, f"h{i}").contiguous()
+                out.update({f"h{i}:{name}": t for name, t in codec.warm_start(sub, book).items()})
+        return out
 
     def _decode(self, layout: PageLayout, pages, codebook):
         keys, values = [], []

@@ -157,9 +157,10 @@ class QVGCodec(Codec):
         else:
             view.copy_(cents.to(torch.bfloat16))
 
-    def stored_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
-        """A chunk's stored ``prefix`` centroids [S, H, C, D] as float32 (to warm-start the next chunk)."""
-        return self._read_centroids(layout, codebook, prefix)
+    def warm_start(self, layout: PageLayout, codebook) -> dict[str, torch.Tensor]:
+        """A chunk's stored centroids [S, H, C, D] as float32, per clustered tensor (``"k"``, ``"v"``)."""
+        return {prefix: self._read_centroids(layout, codebook, prefix) for prefix in ("k", "v")
+                if f"{prefix}_centroids" in layout.codebook}
 
     def _read_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
         """The stored centroids [S, H, C, D] as float32."""

@@ -150,7 +150,9 @@ def _dash_list(option: str, text: str, valid: Sequence[int]) -> list[int]:
 @dataclass
 class Plan:
     specs: list[str]  # one codec spec per layer
-    bits_per_value: float  # measured from the stored bytes of the calibration prefix
+    # measured from the stored bytes of the calibration prefix (perhead=true: the sum of one-head layouts, each
+    # field padded to 16 bytes per head, so a layer written as its plain base spec stores a little less)
+    bits_per_value: float
     error: float  # summed relative attention-output error of the chosen widths
     calib_kl: float | None = None  # for kl=K: the KL measured on the prefix's tail for this plan
 
