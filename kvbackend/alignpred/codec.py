@@ -8,7 +8,7 @@ One page group ``[L, T, H, D]`` (every layer of T tokens) is coded per K and per
    holds on every page group. Every value's error is at most ``max_error`` (eb plus float32 rounding
    of the output), which is stored in the stream.
 2. **Lattice.** ``n = rint(x / (2 eb))`` (``quant=lattice``), or the indices of trellis-coded
-   quantization along each channel's tokens (``quant=trellis``, the default; :mod:`.trellis`): about
+   quantization along each token's channels (``quant=trellis``, the default; :mod:`.trellis`): about
    1 dB less squared error at the same index entropy, so a larger step meets the same budget. All
    prediction runs on these integers, so it is lossless and the decoder repeats it exactly.
 3. **Prediction.** Optional cross-block prediction from already decoded, orthogonally aligned blocks
@@ -99,18 +99,16 @@ def _dequant(n: np.ndarray, step: float) -> np.ndarray:
     return (n.astype(np.float64) * step).astype(np.float32)
 
 
-def _token_rows(x: np.ndarray) -> np.ndarray:
-    """[L, T, H, D] as one row of T tokens per (layer, head, channel): the trellis runs along tokens."""
-    return x.transpose(0, 2, 3, 1).reshape(-1, x.shape[1])
-
-
-def _unrows(r: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    L, T, H, D = shape
-    return r.reshape(L, H, D, T).transpose(0, 3, 1, 2)
+def _channel_rows(x: np.ndarray) -> np.ndarray:
+    """[L, T, H, D] as one row of D channels per (layer, token, head): the trellis runs along a token's channels.
+    Along a channel's tokens instead, the trellis's neighbouring errors are correlated over the tokens attention
+    averages (measured on GPL-3 at 1x: attention-output error 0.073 and KL 0.0053, against 0.064 and 0.0042 along
+    channels, the lattice's figures, at the same bytes)."""
+    return x.reshape(-1, x.shape[-1])
 
 
 def _trellis_values(n: np.ndarray, step: float) -> np.ndarray:
-    return np.ascontiguousarray(_unrows(trellis.dequantize(_token_rows(n), step), n.shape)).astype(np.float32)
+    return trellis.dequantize(_channel_rows(n), step).reshape(n.shape).astype(np.float32)
 
 
 # TCQ's squared error at fine step s, against a plain lattice of step 2s ((2s)^2 / 12): about 1 dB lower
@@ -119,7 +117,7 @@ _TRELLIS_GAIN = 1.25
 
 def _trellis(x: np.ndarray, target: float) -> tuple[np.ndarray, float, float, np.ndarray]:
     """(indices, fine step, nrmse, float32 values) of trellis-coded quantization with NRMSE <= target."""
-    rows = _token_rows(x.astype(np.float64))
+    rows = _channel_rows(x.astype(np.float64))
     norm = math.sqrt(float(np.square(rows).sum()))
     peak = float(np.abs(rows).max()) if x.size else 0.0
     if norm == 0.0:
@@ -130,7 +128,7 @@ def _trellis(x: np.ndarray, target: float) -> tuple[np.ndarray, float, float, np
         if step < floor:
             raise ValueError(f"NRMSE budget {target:.3g} is below what a 2^24-step lattice resolves for this data")
         index, _ = trellis.quantize(rows, step)
-        n = np.ascontiguousarray(_unrows(index, x.shape)).astype(np.int32)
+        n = index.reshape(x.shape).astype(np.int32)
         xhat = _trellis_values(n, step)
         err = math.sqrt(float(np.square(x.astype(np.float64) - xhat).sum())) / norm
         if err <= target:

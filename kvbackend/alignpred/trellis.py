@@ -1,7 +1,7 @@
 """Trellis-coded quantization (TCQ) of rows of values: AlignPred's ``quant=trellis`` lattice.
 
 The reconstruction points are the multiples of a fine step ``s``, split into four subsets ``D_j =
-{(4i + j) s}``. An 8-state trellis walks along each row (a channel's tokens within a page group):
+{(4i + j) s}``. An 8-state trellis walks along each row (one token's channels of one head and layer):
 a state allows either the even multiples (``D0 + D2``) or the odd ones (``D1 + D3``), and the
 parity of the stored index picks the subset and so the next state. The stored integer per value is
 its index within the state's allowed points, whose spacing is ``2s``: it costs what a plain lattice
