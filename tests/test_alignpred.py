@@ -177,8 +177,8 @@ def test_both_quantizers_keep_the_budget_and_name_themselves(quant):
 
 
 def test_trellis_spends_fewer_bytes_than_the_lattice_at_the_same_budget():
-    """About 1 dB less squared error at the same index entropy (8-state TCQ, high rate): at equal NRMSE
-    the trellis stores about 0.14-0.16 bit per value less on Gaussian-like rows."""
+    """About 1 dB less squared error at the same index entropy (16-state trellis, high rate): at equal NRMSE
+    the trellis stores about 0.1-0.2 bit per value less on Gaussian-like rows."""
     rng = np.random.default_rng(4)
     k, v = _structured(rng, 4, 64, 2, 64), _structured(rng, 4, 64, 2, 64)
     sizes = {q: len(_check(AlignPredCodec(f"alignpred:error=1x,quant={q}"), k, v)) for q in ("trellis", "lattice")}
@@ -195,9 +195,16 @@ def test_trellis_rows_decode_to_the_encoders_values():
     assert np.array_equal(trellis.dequantize(index, 0.5), values)
     # every value's error stays within two fine steps (the farther subset point of an allowed pair)
     assert np.abs(rows - values).max() <= 2 * 0.5
-    # and the trellis beats rounding to the allowed points' spacing (2 steps): about 1 dB
+    # and the trellis beats rounding to the allowed points' spacing (2 steps): about 1.2 dB (x 1.32)
     plain = np.square(rows - np.rint(rows / 1.0) * 1.0).mean()
-    assert np.square(rows - values).mean() < plain / 1.15
+    assert np.square(rows - values).mean() < plain / 1.2
+    # zero stays reachable in both quantizers: tiny values between large ones (which steer the path through
+    # Q1 states) mostly stay zero. Plain TCQ's odd-multiple quantizer gave them +-1 step in Q1 states
+    # (measured 0.255 step^2 of squared error here against 0.044 now), which quadrupled KL at 4x FP8's NRMSE.
+    mixed = rng.normal(0, 0.05, (200, 64))
+    mixed[:, ::2] = rng.normal(0, 20, (200, 32))
+    index, values = trellis.quantize(mixed, 0.5)
+    assert np.square(mixed - values)[:, 1::2].mean() < 0.1 * 0.5**2
 
 
 def test_trellis_compiled_and_numpy_paths_agree(monkeypatch):
