@@ -250,32 +250,32 @@ def _layer_specs(spec: AutoSpec, ladders, table, state: list[tuple[int, ...]], l
     return out
 
 
-def _greedy_path(table, ladders, layers: int, budget: float) -> list[tuple[list[tuple[int, ...]], int]]:
+def _greedy_path(table, ladders, units: int, budget: float) -> list[tuple[list[tuple[int, ...]], int]]:
     """Every state of the greedy widening (narrowest first), with its stored bytes: each step moves one
     unit (a layer, or a layer's head) one rung up one ladder (key bits, value bits, stages or outliers)."""
-    state = [tuple(ladder[0] for _, ladder in ladders)] * layers
-    used = sum(table[layer, values_of][1] for layer, values_of in enumerate(state))
+    state = [tuple(ladder[0] for _, ladder in ladders)] * units
+    used = sum(table[unit, values_of][1] for unit, values_of in enumerate(state))
     path = [(list(state), used)]
     while True:
         best = None
-        for layer, current in enumerate(state):
-            err, size, _ = table[layer, current]
+        for unit, current in enumerate(state):
+            err, size, _ = table[unit, current]
             for d, (_, ladder) in enumerate(ladders):
                 rung = _next(ladder, current[d])
                 if rung is None:
                     continue
                 moved = current[:d] + (rung,) + current[d + 1 :]
-                new_err, new_size, _ = table[layer, moved]
+                new_err, new_size, _ = table[unit, moved]
                 extra = new_size - size
                 if used + extra > budget or new_err >= err:
                     continue
                 gain = (err - new_err) / max(extra, 1)
                 if best is None or gain > best[0]:
-                    best = (gain, layer, moved, extra)
+                    best = (gain, unit, moved, extra)
         if best is None:
             return path
-        _, layer, choice, extra = best
-        state[layer] = choice
+        _, unit, choice, extra = best
+        state[unit] = choice
         used += extra
         path.append((list(state), used))
 
