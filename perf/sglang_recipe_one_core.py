@@ -1,0 +1,25 @@
+"""One-core set and get of the SGLang storage backend for one codec, one call each (16 pages of 2 MiB,
+Llama-8B geometry, 16-token pages, torch on one thread): for codecs too slow for the pytest-benchmark rounds of
+`perf/test_bench_sglang.py`, such as the recommended spec's codec.
+
+    .venv/bin/python perf/sglang_recipe_one_core.py "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
+"""
+import pathlib
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+import torch
+torch.set_num_threads(1)
+from test_sglang import HostPool, host_indices, make_backend
+PAGES = 16
+codec = sys.argv[1]
+host = HostPool("layer_first", pages=2 * PAGES, page_size=16, layers=32, heads=8, head_dim=128)
+host.kv_buffer.normal_()
+backend = make_backend(pathlib.Path(tempfile.mkdtemp()) / "kv", host, codec)
+keys = [f"page{i}" for i in range(PAGES)]
+page_bytes = 2 * 32 * 16 * 8 * 128 * 2
+t = time.perf_counter(); ok = backend.batch_set_v1(keys, host_indices(range(PAGES), 16)); ts = time.perf_counter() - t
+t = time.perf_counter(); got = backend.batch_get_v1(keys, host_indices(range(PAGES, 2 * PAGES), 16)); tg = time.perf_counter() - t
+print(codec, all(ok), all(got), "set GB/s", round(PAGES * page_bytes / ts / 1e9, 3), "get GB/s", round(PAGES * page_bytes / tg / 1e9, 3))
