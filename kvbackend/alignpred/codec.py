@@ -47,8 +47,11 @@ def fp8_nrmse(x: np.ndarray) -> float:
     """NRMSE of an FP8-e4m3 round trip (saturating at +-448, as the ``fp8`` codec stores)."""
     t = torch.from_numpy(np.ascontiguousarray(x, np.float32))
     r = t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-    norm = float(t.double().square().sum())
-    return math.sqrt(float((t.double() - r.double()).square().sum()) / norm) if norm > 0 else 0.0
+    # float64 dot products: one pass each (the difference is exact in float32 below the clamp: r is t rounded)
+    flat = t.numpy().ravel().astype(np.float64)
+    diff = (t - r).numpy().ravel().astype(np.float64)
+    norm = float(np.dot(flat, flat))
+    return math.sqrt(float(np.dot(diff, diff)) / norm) if norm > 0 else 0.0
 
 
 @dataclass(frozen=True)
