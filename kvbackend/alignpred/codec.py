@@ -121,7 +121,8 @@ _TRELLIS_PASSES = 12  # Viterbi passes at most to bring the NRMSE within 0.3% un
 
 def _trellis(x: np.ndarray, target: float) -> tuple[np.ndarray, float, float, np.ndarray]:
     """(indices, fine step, nrmse, float32 values) of trellis-coded quantization with NRMSE <= target."""
-    rows = _channel_rows(x.astype(np.float64))
+    x64 = x.astype(np.float64)
+    rows = _channel_rows(x64)
     norm = math.sqrt(float(np.square(rows).sum()))
     peak = float(np.abs(rows).max()) if x.size else 0.0
     if norm == 0.0:
@@ -129,13 +130,12 @@ def _trellis(x: np.ndarray, target: float) -> tuple[np.ndarray, float, float, np
     step = math.sqrt(12.0 * _TRELLIS_GAIN) * target * norm / math.sqrt(x.size) / 2.0 * 0.999
     floor = peak / _MAX_INDEX
     best = None
-    x64 = x.astype(np.float64)
     for _ in range(_TRELLIS_PASSES):
         if step < floor:
             raise ValueError(f"NRMSE budget {target:.3g} is below what a 2^24-step lattice resolves for this data")
-        index, _ = trellis.quantize(rows, step)
+        index, values = trellis.quantize(rows, step)  # values: what `_trellis_values` decodes from the indices
         n = index.reshape(x.shape).astype(np.int32)
-        xhat = _trellis_values(n, step)
+        xhat = values.reshape(x.shape).astype(np.float32)
         err = math.sqrt(float(np.square(x64 - xhat).sum())) / norm
         if err <= target:
             if best is None or step > best[1]:
