@@ -362,3 +362,29 @@ def test_reads_for_the_models_attention_use_the_gather_kernel_and_match_the_refe
         assert torch.allclose(k.transpose(1, 2).reshape(-1, 2, 32), rk, rtol=2**-7, atol=1e-3)
         assert torch.allclose(v.transpose(1, 2).reshape(-1, 2, 32), rv, rtol=2**-7, atol=1e-3)
     assert calls == [0, 1]
+
+
+def test_a_per_head_plan_runs_in_the_cache_as_its_base_codec_would(model):
+    """A `heads:` layer (widths per KV head, what `auto:...,perhead=true` writes) through `KVBackendCache`:
+    with every head at the base's widths it gives the base codec's logits (the torch reference serves the
+    heads: layer on every device; on CUDA the base layer runs the kernels, hence the tolerance); with wider
+    keys on one head it holds more bytes and stays close to the exact cache."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (1, 200), device=DEVICE)
+    options = dict(page_size=16, chunk_pages=2, max_tokens=256, dense_tokens=64, sink=4, v_rotation="hadamard")
+    base = KVBackendCache(model.config, codec="kivi:group=16", **options)
+    same = KVBackendCache.from_plan(model.config, ["heads:base=kivi:group=16,kbits=2-2,vbits=2-2,sink=4,vrot=hadamard",
+                                                   "kivi:group=16,sink=4,vrot=hadamard"], **options)
+    wider = KVBackendCache.from_plan(model.config, ["heads:base=kivi:group=16,kbits=4-2,vbits=2-2,sink=4,vrot=hadamard",
+                                                    "kivi:group=16,sink=4,vrot=hadamard"], **options)
+    exact = DynamicCache(config=model.config)
+    with torch.no_grad():
+        got = {name: c.prefill(model, ids).logits[:, -1].float() for name, c in
+               (("base", base), ("same", same), ("wider", wider))}
+        want = _forward(model, ids, exact).logits[:, -1].float().log_softmax(-1)
+    assert torch.allclose(got["same"], got["base"], atol=1e-3 if DEVICE == "cuda" else 1e-5)
+    assert same.engine.codecs[0].name == "heads" and base.kv_bytes()["packed"] > 0
+    assert same.kv_bytes()["packed"] == base.kv_bytes()["packed"]
+    assert wider.kv_bytes()["packed"] > base.kv_bytes()["packed"]
+    kl = float((want.exp() * (want - got["wider"].log_softmax(-1))).sum())
+    assert 0 <= kl < 0.05
