@@ -92,19 +92,20 @@ def test_warm_started_centroids_are_kept_per_head():
     assert sorted(warm) == sorted(state.centroids) and all(t.shape[1] == 1 for t in warm.values())
 
 
-def test_bad_heads_specs():
-    with pytest.raises(SpecError, match="levers"):
-        codecs.get("heads:base=kivi:group=16;sink=4,kbits=2-3")
-    with pytest.raises(SpecError, match="differ in length"):
-        codecs.get("heads:base=kivi:group=16,kbits=2-3,vbits=2-2-2")
-    with pytest.raises(SpecError, match="at least one"):
-        codecs.get("heads:base=kivi:group=16")
-    with pytest.raises(SpecError, match="dash-separated"):
-        codecs.get("heads:base=kivi:group=16,kbits=2-x")
-    with pytest.raises(SpecError, match="cannot itself"):
-        codecs.get("heads:base=heads:kbits=2,kbits=2")
-    with pytest.raises(SpecError, match="head 1 .*kbits=5"):
-        codecs.get("heads:base=kivi:group=16,kbits=2-5")
+@pytest.mark.parametrize("spec, message", [
+    ("heads:base=kivi:group=16;sink=4,kbits=2-3", "levers"),
+    ("heads:base=kivi:group=16,kbits=2-3,vbits=2-2-2", "differ in length"),
+    ("heads:base=kivi:group=16", "at least one"),
+    ("heads:base=kivi:group=16,kbits=2-x", "dash-separated"),
+    ("heads:base=heads:kbits=2,kbits=2", "cannot itself"),
+    ("heads:base=kivi:group=16,kbits=2-5", "head 1 .*kbits=5"),
+])
+def test_bad_heads_specs_are_refused_with_the_reason(spec, message):
+    with pytest.raises(SpecError, match=message):
+        codecs.get(spec)
+
+
+def test_heads_count_and_levers():
     with pytest.raises(SpecError, match="2 heads' options.*3 KV heads"):
         codecs.get("heads:base=kivi:group=16,kbits=2-3").layout(GEOM, 16)
     # levers are the spec's own, shared by every head
