@@ -227,3 +227,20 @@ def test_specs_built_in_python_are_checked_too():
         AlignPredSpec(ErrorBudget(1.0, True), quant="Trellis")
     with pytest.raises(SpecError, match="align"):
         AlignPredSpec(ErrorBudget(1.0, True), align="rows")
+
+
+@pytest.mark.parametrize("quant", ["trellis", "lattice"])
+@pytest.mark.parametrize("case", ["huge at 100x", "constant at 1e-7", "sparse exact in fp8"])
+def test_edge_groups_encode_to_streams_that_decode(quant, case):
+    """Found by an adversarial pass: at 100x every trellis index rounded to zero and the step grew past float32's
+    range (a stream its own decoder refused); an exact first pass divided by a zero error; a group FP8 stores
+    exactly fell under the trellis's index floor."""
+    rng = np.random.default_rng(8)
+    if case == "huge at 100x":
+        spec, k = "error=100x", (rng.standard_normal((2, 8, 2, 8)) * 1e15).astype(np.float32)
+    elif case == "constant at 1e-7":
+        spec, k = "error=1e-7", np.full((1, 16, 1, 8), 1.2345, np.float32)
+    else:
+        spec, k = "error=1x", np.zeros((2, 64, 2, 8), np.float32)
+        k[0, 3, 1, 2] = 1.0
+    _check(AlignPredCodec(f"alignpred:{spec},quant={quant}"), k, k * 2)

@@ -178,3 +178,13 @@ def test_perhead_plans_spend_key_bits_on_the_heads_that_need_them():
 def test_perhead_refuses_lever_variants():
     with pytest.raises(SpecError, match="variants=plain"):
         parse_auto("auto:bpv=3,perhead=true,variants=levers")
+
+
+def test_a_query_moment_of_another_head_count_is_refused():
+    """Moments not yet pooled per KV head ([Hq, D, D]) would use only the first heads' rows: refused."""
+    k, v = kv(32)
+    het = codecs.get("heads:base=quantwm:centroids=4;group=16;rank=2,kbits=2-2-3")
+    moment = torch.eye(64).expand(6, 64, 64).clone()
+    with pytest.raises(ValueError, match=r"\[KV heads, D, D\] = \[3, 64, 64\]"):
+        het.encode(k, v, het.layout(GEOM, 16), CodecState(query_moment=moment))
+    het.encode(k, v, het.layout(GEOM, 16), CodecState(query_moment=moment[:3]))  # pooled: taken

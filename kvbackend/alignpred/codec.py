@@ -128,7 +128,7 @@ def _trellis(x: np.ndarray, target: float) -> tuple[np.ndarray, float, float, np
     if norm == 0.0:
         return np.zeros(x.shape, np.int32), 1.0, 0.0, np.zeros(x.shape, np.float32)
     step = math.sqrt(12.0 * _TRELLIS_GAIN) * target * norm / math.sqrt(x.size) / 2.0 * 0.999
-    floor = peak / _MAX_INDEX
+    floor = peak / (2 * _MAX_INDEX)  # indices count steps of two fine steps
     best = None
     for _ in range(_TRELLIS_PASSES):
         if step < floor:
@@ -142,6 +142,8 @@ def _trellis(x: np.ndarray, target: float) -> tuple[np.ndarray, float, float, np
                 best = (n, step, err, xhat)
             if err >= 0.997 * target:  # within 0.3% of the budget: a larger step saves under 0.005 bit
                 break
+            if err == 0.0 or not index.any():  # exact, or every index already zero: a larger step changes nothing
+                break  # (and growing it without bound would leave float32's range: a stream nobody could read)
             step *= 0.999 * target / err  # the error grows about as the step: aim just under the budget
         else:
             step *= (0.997 if best is None else 0.999) * target / err

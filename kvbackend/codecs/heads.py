@@ -122,6 +122,10 @@ class HeadsCodec(Codec):
         return CodecState({k[len(tag):]: t for k, t in state.centroids.items() if k.startswith(tag)}, [], moment)
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        moment = state.query_moment
+        if moment is not None and tuple(moment.shape) != (len(self.heads), k.shape[2], k.shape[2]):
+            raise ValueError(f"heads: query_moment must be [KV heads, D, D] = [{len(self.heads)}, {k.shape[2]}, "
+                             f"{k.shape[2]}] (pooled per KV head), got {tuple(moment.shape)}")
         for i, (codec, sub) in enumerate(zip(self.heads, self._head_layouts(layout.geometry, layout.page_size))):
             head_pages = torch.zeros(pages.shape[0], sub.page_bytes, dtype=torch.uint8, device=pages.device)
             head_book = torch.zeros(sub.codebook_bytes, dtype=torch.uint8, device=pages.device)
