@@ -50,12 +50,7 @@ def test_each_head_is_its_own_codec_on_one_head(base, lists):
         total += alone.nbytes
     assert chunk.nbytes == total  # every head's pages and codebook, no padding added
     # the heads' widths are those listed: wider keys, smaller key error on the same head
-    parsed = [codecs.parse(format_of(c)) for c in het.heads]
-    assert [p.key_bits for p in parsed] == [int(x) for x in lists.split(",")[0][6:].split("-")]
-
-
-def format_of(codec):
-    return codec.spec_string
+    assert [c.spec.key_bits for c in het.heads] == [int(x) for x in lists.split(",")[0][6:].split("-")]
 
 
 def test_uniform_heads_give_the_base_codecs_bytes_and_values():

@@ -5,8 +5,8 @@ One page group ``[L, T, H, D]`` (every layer of T tokens) is coded per K and per
 1. **Budget.** The NRMSE budget ``tau`` is absolute or a multiple of FP8-e4m3's NRMSE measured on
    the same values. The lattice step is ``2*eb`` with ``eb = sqrt(3) * tau * rms``; the encoder checks
    the reconstruction and shrinks the step until the group's NRMSE is within the budget, so the budget
-   holds on every page group. Every value's error is at most ``max_error`` (eb plus float32 rounding
-   of the output), which is stored in the stream.
+   holds on every page group. Every value's error is at most ``max_error``, stored in the stream (the
+   lattice: eb plus float32 rounding of the output; the trellis: the largest error it reached).
 2. **Lattice.** ``n = rint(x / (2 eb))`` (``quant=lattice``), or the indices of trellis-coded
    quantization along each token's channels (``quant=trellis``, the default; :mod:`.trellis`): about
    1 dB less squared error at the same index entropy, so a larger step meets the same budget. All
@@ -163,12 +163,15 @@ def _encode_kind(x: np.ndarray, spec: AlignPredSpec, tag: str,
         target = 1e-6
     if spec.quant == "trellis":
         n, step, err, xhat = _trellis(x, target)
-        max_error = float(np.abs(x.astype(np.float64) - xhat).max(initial=0.0))  # what the trellis reached
     else:
         n, step, err = _lattice(x, target)
         xhat = _dequant(n, step)
+    reached = float(np.abs(x.astype(np.float64) - xhat).max(initial=0.0))
+    if spec.quant == "trellis":
+        max_error = reached  # the trellis bounds a value's error only by two fine steps: store what it reached
+    else:
         max_error = step / 2.0 + float(np.spacing(np.float32(np.abs(xhat).max() if xhat.size else 0.0)))
-    assert float(np.abs(x.astype(np.float64) - xhat).max(initial=0.0)) <= max_error
+        assert reached <= max_error
 
     m = n.copy()
     rots = []

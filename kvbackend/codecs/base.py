@@ -146,7 +146,7 @@ class Codec(ABC):
 
     def warm_start(self, layout: PageLayout, codebook: torch.Tensor) -> dict[str, torch.Tensor]:
         """The `CodecState.centroids` entries a chunk's stored codebook slot gives the next chunk, for a
-        request that continues a cached prefix (k-means codecs: their centroids). None by default."""
+        request that continues a cached prefix (k-means codecs: their centroids); nothing by default."""
         return {}
 
     # -- shared machinery -------------------------------------------------------------------

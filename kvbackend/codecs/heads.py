@@ -95,11 +95,8 @@ class HeadsCodec(Codec):
     def kernel_encodes(self) -> bool:
         return False  # no kernel reads the per-head fields: the reference encodes and decodes
 
-    def _head_geometry(self, geometry: Geometry) -> Geometry:
-        return dataclasses.replace(geometry, num_kv_heads=1)
-
     def _head_layouts(self, geometry: Geometry, page_size: int) -> list[PageLayout]:
-        one = self._head_geometry(geometry)
+        one = dataclasses.replace(geometry, num_kv_heads=1)
         return [codec.layout(one, page_size) for codec in self.heads]
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
