@@ -19,6 +19,20 @@
 //      taken off once at the end.
 // Dense pages (the active tail, bf16/fp16) take a slower path through the same accumulators.
 //
+// The recommended recipe's layout (kvbackend's quantwm keys) adds, each behind a compile-time switch:
+//   - K_CHAN: keys with one scale and zero per channel and page (KIVI-style token groups of one page). The
+//     scales fold into the query fragment once per page (normalized by the page's largest scale, a power of
+//     two taken off the fp32 accumulator), the zeros into one score term per page and query row;
+//   - K_CENT: one stage of K_CENT (<= 32) key centroids per chunk: a table q . centroid[j] per query row,
+//     built on tensor cores when the chunk's codebook slot changes (every page with page-relative keys), and
+//     one lookup by the token's assignment byte;
+//   - OUT_N: sparse key outliers per page and head (a score term q[d] * value, through shared memory);
+//   - SINK: a request's first SINK tokens masked (the merge kernel attends to the exact sinks);
+//   - VROT: Hadamard-rotated values: each warp keeps its packed pages' output apart from the dense pages',
+//     and rotates it back once (a fast Walsh-Hadamard transform in shared memory) before the merge;
+//   - PAGE_ROPE: keys stored de-rotated by their page's first position: the query turns by R(p0)^T once
+//     per page, before the scales fold in.
+//
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
 // per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
 // zero = -scale), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS, MINB.
@@ -64,6 +78,27 @@
 #ifndef NWARPS
 #define NWARPS 4
 #endif
+#ifndef K_CHAN
+#define K_CHAN 0  // key scales and zeros per channel and page
+#endif
+#ifndef K_CENT
+#define K_CENT 0  // key centroids of the chunk (one stage; 0 = none)
+#endif
+#ifndef C_KIND
+#define C_KIND 0  // centroids: 0 fp8 e4m3 with an fp16 scale per stage and head, 2 bf16
+#endif
+#ifndef SINK
+#define SINK 0
+#endif
+#ifndef OUT_N
+#define OUT_N 0
+#endif
+#ifndef VROT
+#define VROT 0
+#endif
+#ifndef PAGE_ROPE
+#define PAGE_ROPE 0
+#endif
 #ifndef MINB
 #define MINB 0  // CTAs per SM the register allocation must allow (__launch_bounds__); 0: the compiler's choice
 #endif
@@ -80,14 +115,33 @@ constexpr int NCH = ROWB / 16;     // 16-byte chunks per row (1 or 2)
 constexpr int NB = D / 64;         // 64-channel blocks
 constexpr int MT = P / 16;         // token tiles per page
 constexpr int N = 8;               // query rows per MMA (the GQA group, padded)
-constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4;  // key codes, value codes, 4 scale/zero words per token
-constexpr int SP_BYTES = VG * P * N * 2;               // P'^T per value scale group, fp16 [token][q]
-constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES;
+constexpr int KES = K_KIND == 0 ? 1 : 2;  // bytes of a key scale element
+constexpr int VES = V_KIND == 0 ? 1 : 2;
+constexpr int KCH_BYTES = K_CHAN ? 2 * D * KES : 0;                  // per-channel key scales, then zeros
+constexpr int OUT_BYTES = OUT_N ? (8 * OUT_N + 15) / 16 * 16 : 0;   // outlier index words, value words
+constexpr int ROPE_BYTES = PAGE_ROPE ? 4 * D : 0;                   // R(p0): cos [D/2], sin [D/2] floats
+// key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
+constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES;
+constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
+constexpr int SP_BYTES = (OUT_N && P * N * 4 > SP0_BYTES) ? P * N * 4 : SP0_BYTES;  // also outlier terms [P][N] f32
+constexpr int CT_BYTES = K_CENT ? 32 * N * 4 : 0;                    // centroid table [32][N] f32
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES;
+constexpr int RING_BYTES = NWARPS * WARP_BYTES;
+constexpr int MERGE_OFF = VROT ? RING_BYTES : 0;  // rotated values: each warp's packed output waits there
+constexpr int MERGE_BYTES = NWARPS * N * D * 4 + 2 * NWARPS * N * 4;
+constexpr int SMEM_BYTES = VROT ? RING_BYTES + MERGE_BYTES : (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+#ifdef SMEM_EXPECTED  // the launcher's count of the dynamic shared memory (mma_decode.Config.smem_bytes)
+static_assert(SMEM_EXPECTED == SMEM_BYTES, "the launcher's shared-memory size differs from the kernel's");
+#endif
 
 static_assert(D == 64 || D == 128, "head_dim 64 or 128");
 static_assert(P % 16 == 0 && P >= 16 && P <= 256, "page size a multiple of 16");
 static_assert(KG == 1 || KG == NB, "key scale groups: one per head or one per 64 channels");
 static_assert(VG == 1 || VG == NB, "value scale groups: one per head or one per 64 channels");
+static_assert(!K_CHAN || KG == 1, "per-channel key scales fold into the query: one accumulator");
+static_assert(!PAGE_ROPE || K_CHAN, "page-relative keys are read with per-channel key scales");
+static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
+static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -174,9 +228,6 @@ __device__ __forceinline__ float dense_element(uint32_t w, int high) {
   return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&b));
 }
 
-constexpr int KES = K_KIND == 0 ? 1 : 2;  // bytes of a key scale element
-constexpr int VES = V_KIND == 0 ? 1 : 2;
-
 // Channel of position p (0..15) in 32-bit code word `word` of a token's row: bytes hold their first code in
 // the top bits, a little-endian word bytes 0..3 in bits 0..31.
 __device__ __forceinline__ int word_channel(int word, int p) { return 16 * word + 4 * (p >> 2) + 3 - (p & 3); }
@@ -212,13 +263,21 @@ struct Params {
   int group;
   long long page_bytes;
   int k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros;
+  // the recipe's fields (read where the switches above say so)
+  const uint8_t* book;     // the layer's codebook slots
+  const int* slots;        // codebook slot of each work page
+  const float* base_cos;   // [pages, D/2] R(p0) of a request's page j (page-relative keys)
+  const float* base_sin;
+  long long book_bytes;
+  int k_assign, k_book, k_cscale, out_index, out_value;
 };
 
-__device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int h, int lane) {
+__device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane) {
   const uint8_t* base = a.pages + static_cast<int64_t>(page) * a.page_bytes;
   uint8_t* kc = stage;
   uint8_t* vc = stage + P * ROWB;
   uint32_t* words = reinterpret_cast<uint32_t*>(stage + 2 * P * ROWB);  // [4][P]: k scale, k zero, v scale, v zero
+  uint8_t* extra = stage + 2 * P * ROWB + 4 * P * 4;                     // per-channel key scales, outliers, R(p0)
 #pragma unroll
   for (int i = lane; i < P * NCH; i += 32) {
     int t = i / NCH, c = i % NCH;
@@ -229,10 +288,102 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
 #pragma unroll
   for (int t = lane; t < P; t += 32) {
     int ko = (t * a.H + h) * KG * KES, vo = (t * a.H + h) * VG * VES;
-    cp_async4(words + t, base + a.k_scales + (ko & ~3));
-    if (!K_SYM) cp_async4(words + P + t, base + a.k_zeros + (ko & ~3));
+    if (!K_CHAN) {
+      cp_async4(words + t, base + a.k_scales + (ko & ~3));
+      if (!K_SYM) cp_async4(words + P + t, base + a.k_zeros + (ko & ~3));
+    } else if (K_CENT) {  // the word holding the token's centroid id (assignments [1, P, H] bytes)
+      cp_async4(words + t, base + a.k_assign + ((t * a.H + h) & ~3));
+    }
     cp_async4(words + 2 * P + t, base + a.v_scales + (vo & ~3));
     if (!V_SYM) cp_async4(words + 3 * P + t, base + a.v_zeros + (vo & ~3));
+  }
+  if (K_CHAN) {  // scales and zeros [1, H, D] of the page: D * KES bytes each, contiguous per head
+    constexpr int CH = D * KES / 16;
+    for (int i = lane; i < 2 * CH; i += 32) {
+      if (i >= CH && K_SYM) break;
+      const int field = i < CH ? a.k_scales : a.k_zeros;
+      cp_async16(extra + 16 * i, base + field + h * D * KES + 16 * (i % CH));
+    }
+  }
+  if (OUT_N) {  // the 32-bit words holding outlier i's int16 position and fp16 value ([OUT_N, H] each)
+    uint32_t* out = reinterpret_cast<uint32_t*>(extra + KCH_BYTES);
+    for (int i = lane; i < OUT_N; i += 32) {
+      const int at = ((i * a.H + h) * 2) & ~3;
+      cp_async4(out + i, base + a.out_index + at);
+      cp_async4(out + OUT_N + i, base + a.out_value + at);
+    }
+  }
+  if (PAGE_ROPE) {  // cos and sin of R(p0) for the request's page j: D / 2 floats each
+    constexpr int CH = D / 2 * 4 / 16;
+    uint8_t* rope = extra + KCH_BYTES + OUT_BYTES;
+    for (int i = lane; i < 2 * CH; i += 32) {
+      const float* table = i < CH ? a.base_cos : a.base_sin;
+      cp_async16(rope + 16 * i, table + static_cast<int64_t>(j) * (D / 2) + 4 * (i % CH));
+    }
+  }
+}
+
+// Key scale or zero (field 0 or 1) of channel ch, from the stage's per-channel region.
+__device__ __forceinline__ float kchan_element(const uint8_t* kch, int field, int ch) {
+  const uint8_t* at = kch + field * D * KES + ch * KES;
+  if (K_KIND == 0) {
+    __nv_fp8_e4m3 x;
+    x.__x = static_cast<__nv_fp8_storage_t>(*at);
+    return static_cast<float>(x);
+  } else if (K_KIND == 1) {
+    return __half2float(*reinterpret_cast<const __half*>(at));
+  }
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at));
+}
+
+// Centroid value j (0..15) of a row block of 16 channels loaded as raw words (fp8: 4 words, bf16: 8).
+__device__ __forceinline__ float centroid_value(const uint32_t* r, int j) {
+  if (C_KIND == 0) return element<0>(r[j >> 2], j & 3);
+  return element<2>(r[j >> 1], 2 * (j & 1));
+}
+
+// The centroid table ct[c][n] = centroid c . query row n (log2 units), times the fp16 scale of fp8
+// centroids; rows c >= K_CENT are zero. A = centroids (M = 32 rows in two tiles, K = channels in the
+// fragments' order, each value times 4^(p % 4) to undo the query fragment's 4^-(p % 4)), B = ``qb``.
+__device__ __noinline__ void centroid_table(float* ct, const Params& a, int64_t slot, int h, int gid, int tig,
+                                               const uint32_t (&qb)[NB][4][2]) {
+  constexpr int CES = C_KIND == 0 ? 1 : 2;  // bytes per centroid value
+  constexpr int RW = 4 * CES;               // words per 16 channels
+  const uint8_t* book = a.book + slot * a.book_bytes;
+  const float cs = C_KIND == 0 ? __half2float(*reinterpret_cast<const __half*>(book + a.k_cscale + 2 * h)) : 1.f;
+  const uint8_t* cents = book + a.k_book + static_cast<int64_t>(h) * K_CENT * D * CES;  // stage 0: [H, C, D]
+#pragma unroll
+  for (int m2 = 0; m2 < 2; ++m2) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const int j0 = 16 * m2 + gid, j1 = j0 + 8;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const int w = 4 * b + tig;
+      uint32_t r0[RW], r1[RW];
+#pragma unroll
+      for (int x = 0; x < RW / 4; ++x) {
+        uint4 u0 = make_uint4(0u, 0u, 0u, 0u), u1 = make_uint4(0u, 0u, 0u, 0u);
+        if (j0 < K_CENT) u0 = *reinterpret_cast<const uint4*>(cents + (j0 * D + 16 * w) * CES + 16 * x);
+        if (j1 < K_CENT) u1 = *reinterpret_cast<const uint4*>(cents + (j1 * D + 16 * w) * CES + 16 * x);
+        r0[4 * x] = u0.x; r0[4 * x + 1] = u0.y; r0[4 * x + 2] = u0.z; r0[4 * x + 3] = u0.w;
+        r1[4 * x] = u1.x; r1[4 * x + 1] = u1.y; r1[4 * x + 2] = u1.z; r1[4 * x + 3] = u1.w;
+      }
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t frag[2][2];  // [e][row 0 | 1]: positions (2 ks + e, 2 ks + e + 8)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int p = 2 * ks + e;
+          const int jl = 4 * (p >> 2) + 3 - (p & 3);
+          const float f = static_cast<float>(1 << (2 * (p & 3)));
+          frag[e][0] = pack_half2(centroid_value(r0, jl) * f, centroid_value(r0, jl + 8) * f);
+          frag[e][1] = pack_half2(centroid_value(r1, jl) * f, centroid_value(r1, jl + 8) * f);
+        }
+        mma16816(acc, frag[0][0], frag[0][1], frag[1][0], frag[1][1], qb[b][ks][0], qb[b][ks][1]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ct[(16 * m2 + gid + 8 * (i >> 1)) * N + 2 * tig + (i & 1)] = acc[i] * cs;
   }
 }
 
@@ -247,6 +398,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   const int Hq = a.H * a.group;
   uint8_t* wbuf = smem + warp * WARP_BYTES;
   __half* sp = reinterpret_cast<__half*>(wbuf + NSTAGE * STAGE_BYTES);  // [VG][P][N]
+  float* ct = reinterpret_cast<float*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES);  // centroid table [32][N]
+  int ct_slot = -1;
 
   // Query fragments (B operand, k = channel slot, n = query row gid): slot pair (2 tig, 2 tig + 1) of
   // k-step (b, ks) holds positions (2 ks, 2 ks + 8) of word 4 b + tig, and (2 tig + 8, 2 tig + 9) positions
@@ -377,13 +530,15 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   int n_mine = my_first < packed_end ? (packed_end - my_first + NWARPS - 1) / NWARPS : 0;
 #pragma unroll
   for (int i = 0; i < NSTAGE - 1; ++i) {
-    if (i < n_mine) issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i * NWARPS], h, lane);
+    if (i < n_mine)
+      issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i * NWARPS], my_first + i * NWARPS, h, lane);
     cp_async_commit();
   }
   for (int i = 0; i < n_mine; ++i) {
     int ahead = i + NSTAGE - 1;
     if (ahead < n_mine)
-      issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, a.page_ids[start + my_first + ahead * NWARPS], h, lane);
+      issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, a.page_ids[start + my_first + ahead * NWARPS],
+                 my_first + ahead * NWARPS, h, lane);
     cp_async_commit();
     cp_async_wait<NSTAGE - 1>();
     __syncwarp();
@@ -391,6 +546,84 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
     const uint8_t* kc = stage;
     const uint8_t* vc = stage + P * ROWB;
     const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * P * ROWB);
+    const uint8_t* extra = stage + 2 * P * ROWB + 4 * P * 4;
+    const int jpage = my_first + i * NWARPS;  // the page's index in the request
+
+    // Per-channel key scales: this page's query fragments qk (scales folded in, normalized by 2^-kexp),
+    // and the zeros' score term zc per query column (2 tig, 2 tig + 1).
+    uint32_t qk[NB][4][2];
+    float zc[2] = {0.f, 0.f};
+    float kback = 1.f;  // 2^kexp: the scales' normalization, taken off the accumulators
+    if (K_CHAN) {
+      const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
+      float smax = 0.f;
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) smax = fmaxf(smax, fabsf(kchan_element(extra, 0, 16 * (4 * b + tig) + jj)));
+      smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
+      smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+      int kexp;
+      frexpf(smax, &kexp);  // smax = m * 2^kexp, m in [0.5, 1): folded scales stay below 1
+      kexp = min(max(kexp, -100), 100);
+      const float nrm = ldexpf(1.f, -kexp);
+      kback = ldexpf(1.f, kexp);
+      float zpart = 0.f;
+      uint32_t qf_page[NB][4][2];  // R(p0)^T q without the scales (the centroid table's operand)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int p = 2 * ks + e;
+          const int jl = 4 * (p >> 2) + 3 - (p & 3);
+          const float f = static_cast<float>(1 << (2 * (p & 3)));
+          float2 x[NB];
+#pragma unroll
+          for (int b = 0; b < NB; ++b) x[b] = __half22float2(*reinterpret_cast<const __half2*>(&qf[b][ks][e]));
+          if (PAGE_ROPE) {  // R(p0)^T q: (lo, hi) -> (lo cos + hi sin, hi cos - lo sin) per RoPE pair
+            float2 partner[NB];
+            if (NB == 2) {
+              partner[0] = x[NB - 1];
+              partner[NB - 1] = x[0];
+            } else {  // head_dim 64: the partner channel (+-32) is in lane tig ^ 2
+              partner[0].x = __shfl_xor_sync(0xffffffffu, x[0].x, 2);
+              partner[0].y = __shfl_xor_sync(0xffffffffu, x[0].y, 2);
+            }
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+              const int ch = 16 * (4 * b + tig) + jl;
+              const int idx = ch % (D / 2);
+              const float sgn = ch < D / 2 ? 1.f : -1.f;
+              const float2 y = x[b];
+              x[b].x = y.x * rope[idx] + sgn * partner[b].x * rope[D / 2 + idx];
+              x[b].y = y.y * rope[idx + 8] + sgn * partner[b].y * rope[D / 2 + idx + 8];
+            }
+          }
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            const int ch = 16 * (4 * b + tig) + jl;
+            const float s0 = kchan_element(extra, 0, ch), s1 = kchan_element(extra, 0, ch + 8);
+            const float z0 = K_SYM ? -s0 : kchan_element(extra, 1, ch);
+            const float z1 = K_SYM ? -s1 : kchan_element(extra, 1, ch + 8);
+            zpart += (x[b].x * z0 + x[b].y * z1) * f;
+            qk[b][ks][e] = pack_half2(x[b].x * (s0 * nrm), x[b].y * (s1 * nrm));
+            if (K_CENT && PAGE_ROPE) qf_page[b][ks][e] = pack_half2(x[b].x, x[b].y);
+          }
+        }
+      zpart += __shfl_xor_sync(0xffffffffu, zpart, 1);
+      zpart += __shfl_xor_sync(0xffffffffu, zpart, 2);  // query row gid, all channels
+#pragma unroll
+      for (int c = 0; c < 2; ++c) zc[c] = __shfl_sync(0xffffffffu, zpart, 4 * (2 * tig + c));
+      if (K_CENT) {  // the centroid table: per chunk, or per page where the query turns with the page
+        const int slot = a.slots[start + jpage];
+        if (PAGE_ROPE || slot != ct_slot) {
+          __syncwarp();
+          centroid_table(ct, a, slot, h, gid, tig, PAGE_ROPE ? qf_page : qf);
+          __syncwarp();
+          ct_slot = slot;
+        }
+      }
+    }
 
     // Keys: accumulators per scale group.
     float S[MT][4];
@@ -408,10 +641,25 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
         uint32_t w1 = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t1, b) + 4 * tig);
         uint32_t h0 = w0 >> 8, h1 = w1 >> 8;
         float* c = acc[KG == 1 ? 0 : b];
-        mma16816(c, codes_x4p<0>(w0), codes_x4p<0>(w1), codes_x4p<1>(w0), codes_x4p<1>(w1), qf[b][0][0], qf[b][0][1]);
-        mma16816(c, codes_x4p<2>(w0), codes_x4p<2>(w1), codes_x4p<3>(w0), codes_x4p<3>(w1), qf[b][1][0], qf[b][1][1]);
-        mma16816(c, codes_x4p<0>(h0), codes_x4p<0>(h1), codes_x4p<1>(h0), codes_x4p<1>(h1), qf[b][2][0], qf[b][2][1]);
-        mma16816(c, codes_x4p<2>(h0), codes_x4p<2>(h1), codes_x4p<3>(h0), codes_x4p<3>(h1), qf[b][3][0], qf[b][3][1]);
+        const uint32_t (&qb)[4][2] = K_CHAN ? qk[b] : qf[b];
+        mma16816(c, codes_x4p<0>(w0), codes_x4p<0>(w1), codes_x4p<1>(w0), codes_x4p<1>(w1), qb[0][0], qb[0][1]);
+        mma16816(c, codes_x4p<2>(w0), codes_x4p<2>(w1), codes_x4p<3>(w0), codes_x4p<3>(w1), qb[1][0], qb[1][1]);
+        mma16816(c, codes_x4p<0>(h0), codes_x4p<0>(h1), codes_x4p<1>(h0), codes_x4p<1>(h1), qb[2][0], qb[2][1]);
+        mma16816(c, codes_x4p<2>(h0), codes_x4p<2>(h1), codes_x4p<3>(h0), codes_x4p<3>(h1), qb[3][0], qb[3][1]);
+      }
+      if (K_CHAN) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int t = t0 + 8 * e;
+          float2 cv = make_float2(0.f, 0.f);
+          if (K_CENT) {
+            const int id = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+            cv = *reinterpret_cast<const float2*>(ct + id * N + 2 * tig);
+          }
+          S[mt][2 * e] = acc[0][2 * e] * kback + zc[0] + cv.x;
+          S[mt][2 * e + 1] = acc[0][2 * e + 1] * kback + zc[1] + cv.y;
+        }
+        continue;
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -427,6 +675,50 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
           for (int c = 0; c < 2; ++c) S[mt][2 * e + c] += scale * acc[g][2 * e + c] + zero * qsum_k[g][c];
         }
       }
+    }
+    if (OUT_N) {  // key outliers: S[t][n] += q_page[n][d] * value, summed through shared memory
+      float* corr = reinterpret_cast<float*>(sp);  // [P][N]; sp is free until softmax_stage
+      const uint32_t* out = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES);
+      const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          *reinterpret_cast<float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig) = make_float2(0.f, 0.f);
+      __syncwarp();
+      for (int x = lane; x < OUT_N * N; x += 32) {
+        const int o = x % OUT_N, col = x / OUT_N;
+        if (col >= a.group) continue;
+        const int half = ((o * a.H + h) & 1) * 16;
+        const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
+        const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
+        const float value = __half2float(*reinterpret_cast<const __half*>(&vb));
+        const int t = pos / D, d = pos % D;
+        const int64_t row = (static_cast<int64_t>(r) * Hq + h * a.group + col) * D;
+        float qd = load_float<Q_KIND>(a.q, row + d);
+        if (PAGE_ROPE) {
+          const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, row + d + D / 2) : -load_float<Q_KIND>(a.q, row + d - D / 2);
+          qd = qd * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
+        }
+        if (t < P) atomicAdd(corr + t * N + col, qd * a.scale_log2 * value);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float2 cv = *reinterpret_cast<const float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig);
+          S[mt][2 * e] += cv.x;
+          S[mt][2 * e + 1] += cv.y;
+        }
+      __syncwarp();  // every lane has read its terms before softmax_stage writes over them
+    }
+    if (SINK > 0 && jpage == 0) {  // the exact sinks are attended by the merge kernel
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          if (16 * mt + gid + 8 * (x >> 1) < SINK) S[mt][x] = -INFINITY;
     }
     softmax_stage(S, [&](int t, int g, float& vs, float& vz) {
       const int vo = ((t * a.H + h) * VG * VES) & 3;
@@ -461,6 +753,51 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
     __syncwarp();
   }
   cp_async_wait<0>();
+
+  // Rotated values: this warp's packed output (the rotated frame) moves to its rows of the merge area
+  // and turns back there (x H / sqrt(D), H Sylvester's +-1 matrix: a fast Walsh-Hadamard transform);
+  // the dense pages then start from zero, and the merge adds both (the packed part rescaled from the
+  // running maximum it was taken at).
+  float m_flush[2] = {-INFINITY, -INFINITY};
+  if (VROT) {
+    float* pk = reinterpret_cast<float*>(smem + MERGE_OFF) + warp * N * D;
+    float zsum[VG][2];
+#pragma unroll
+    for (int g = 0; g < VG; ++g)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float z = z_run[g][c];
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+        zsum[g][c] = z;
+        z_run[g][c] = 0.f;
+      }
+#pragma unroll
+    for (int J = 0; J < 4 * NB; ++J)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int e = x >> 1, c = x & 1;
+        const int k = 2 * (J & 3) + e;
+        pk[(2 * tig + c) * D + value_channel(J, gid, e)] =
+            ldexpf(acc_o[J][x], -e_run - 2 * (k & 3)) + zsum[VG == 1 ? 0 : (J >> 2)][c];
+        acc_o[J][x] = 0.f;
+      }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) m_flush[c] = m_run[c];
+    __syncwarp();
+#pragma unroll
+    for (int len = 1; len < D; len <<= 1) {
+      for (int x = lane; x < N * D / 2; x += 32) {
+        const int col = x / (D / 2), k = x % (D / 2);
+        const int lo = (k / len) * 2 * len + k % len;
+        float* v = pk + col * D;
+        const float u = v[lo], w = v[lo + len];
+        v[lo] = u + w;
+        v[lo + len] = u - w;
+      }
+      __syncwarp();
+    }
+  }
 
   // ---------------------------------------------------------------- dense pages (bf16/fp16, the active tail)
   // Keys: thread tig's k-slots are channels CPT tig .. CPT tig + CPT - 1 (k-step ks, slots (2 tig, +1) =
@@ -557,7 +894,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
     }
   }
   __syncthreads();  // every warp is done with its ring: reuse shared memory
-  float* so = reinterpret_cast<float*>(smem);          // [NWARPS][N][D]
+  float* so = reinterpret_cast<float*>(smem + MERGE_OFF);  // [NWARPS][N][D]
   float* sm = so + NWARPS * N * D;                      // [NWARPS][N]
   float* sl = sm + NWARPS * N;                          // [NWARPS][N]
 #pragma unroll
@@ -568,7 +905,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
       const int k = 2 * (J & 3) + e;
       const int ch = value_channel(J, gid, e);
       const int g = VG == 1 ? 0 : (J >> 2);
-      so[(warp * N + 2 * tig + c) * D + ch] = ldexpf(acc_o[J][x], -e_run - 2 * (k & 3)) + z_run[g][c];
+      float value = ldexpf(acc_o[J][x], -e_run - 2 * (k & 3)) + z_run[g][c];
+      if (VROT) {  // the packed part, turned back by this warp above
+        const float f = m_flush[c] == -INFINITY ? 0.f : exp2f(m_flush[c] - m_run[c]) * rsqrtf(static_cast<float>(D));
+        value += f * so[(warp * N + 2 * tig + c) * D + ch];
+      }
+      so[(warp * N + 2 * tig + c) * D + ch] = value;
     }
   if (gid == 0) {
 #pragma unroll

@@ -1,6 +1,10 @@
-"""Paged decode on tensor cores for 2-bit per-token-group pages: a CUDA kernel compiled at first use.
+"""Paged decode on tensor cores for 2-bit pages: a CUDA kernel compiled at first use.
 
-`mma_decode.cu` says how the kernel works. This module decides which layouts it reads (`supports`),
+`mma_decode.cu` says how the kernel works. It reads 2-bit codes with per-token channel groups for values,
+and for keys either the same or one scale and zero per channel and page (KIVI-style keys, the recommended
+recipe's), with up to 32 key centroids per chunk, key outliers, sinks, Hadamard-rotated values and
+page-relative keys (`supports_levers`); pre-RoPE keys and PSAC rows stay with the Triton kernels.
+This module decides which layouts it reads (`supports`),
 compiles one cubin per layout with ``nvcc`` (cached on disk, keyed by the source, the options and the
 compiler's version), loads it through the CUDA driver and launches it on the current stream, so CUDA
 graphs capture it. It writes the same split partials as the Triton kernels, and `paged_decode` merges
@@ -25,12 +29,16 @@ from pathlib import Path
 
 import torch
 
-from kvbackend.scheme import TOKEN_GROUPS, TensorScheme
+from kvbackend.scheme import CHANNEL_GROUPS, NONE, TOKEN_GROUPS, LeverScheme, TensorScheme
 
 SOURCE = Path(__file__).with_suffix(".cu")
 MAX_GROUP = 8  # query heads per KV head: the product's N
 _KINDS = (0, 1, 2)  # fp8 e4m3, fp16, bf16 scales and zeros
 _DTYPE_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+MAX_CENTROIDS = 32  # key centroids per chunk and head the kernel's table holds
+MAX_OUTLIERS = 64
 
 
 @functools.lru_cache(maxsize=256)
@@ -40,8 +48,24 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
         return (x.mode == TOKEN_GROUPS and x.bits == 2 and not x.stages and x.kind in _KINDS
                 and x.group in (64, head_dim) and head_dim % x.group == 0)
 
-    return (ok(k) and ok(v) and head_dim in (64, 128) and page_size % 16 == 0 and 16 <= page_size <= 256
-            and 1 <= group <= MAX_GROUP)
+    def channel_keys(x: TensorScheme) -> bool:  # one scale and zero per channel and page, <= 1 centroid stage
+        return (x.mode == CHANNEL_GROUPS and x.bits == 2 and x.group == page_size and x.kind in _KINDS
+                and x.stages <= 1 and (not x.stages or 1 <= x.centroids <= MAX_CENTROIDS))
+
+    return ((ok(k) or channel_keys(k)) and ok(v) and head_dim in (64, 128) and page_size % 16 == 0
+            and 16 <= page_size <= 256 and 1 <= group <= MAX_GROUP)
+
+
+@functools.lru_cache(maxsize=256)
+def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int) -> bool:
+    """Whether the kernel reads a layer's levers (None or inactive: nothing to read). It reads sinks (within
+    the first page), key outliers, Hadamard-rotated values and page-relative keys (with per-channel key
+    scales); pre-RoPE keys and PSAC rows are read by the Triton kernels."""
+    if levers is None or not levers.active:
+        return True
+    return (not levers.prerope and not levers.psac_rank and levers.sink <= page_size
+            and levers.outliers <= MAX_OUTLIERS and (not levers.pagerope or k.mode == CHANNEL_GROUPS)
+            and (not levers.sink or levers.sink_k != NONE) and (not levers.outliers or levers.out_index != NONE))
 
 
 # Whether `paged_decode` picks this kernel by default where it reads the layout (and no lever, fold or planar
@@ -50,15 +74,16 @@ PREFERRED = True
 
 
 def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int, device: torch.device,
-              q_dtype: torch.dtype, dense_dtype: torch.dtype) -> bool:
-    """Whether `paged_decode` takes this kernel when not told: a supported layout and dtypes on a usable GPU
-    with room for its shared memory, whose variant has not failed to compile or load, and that is not being
-    captured into a CUDA graph before its first load."""
+              q_dtype: torch.dtype, dense_dtype: torch.dtype, levers: LeverScheme | None = None) -> bool:
+    """Whether `paged_decode` takes this kernel when not told: a supported layout, levers and dtypes on a
+    usable GPU with room for its shared memory, whose variant has not failed to compile or load, and that is
+    not being captured into a CUDA graph before its first load."""
     if not (PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group)
+            and supports_levers(k, levers, page_size)
             and q_dtype in _DTYPE_KIND and dense_dtype in (torch.float16, torch.bfloat16) and available(device)[0]):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    config = config_for(k, v, page_size, head_dim, q_dtype, dense_dtype)
+    config = config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, levers=levers)
     if (index, config) in _failed or config.smem_bytes > max_shared_memory(index):
         return False
     return (index, config) in _functions or not torch.cuda.is_current_stream_capturing()
@@ -124,20 +149,36 @@ class Config:
     stages: int = 2
     warps: int = 4
     min_blocks: int = 0  # CTAs per SM the registers must allow (0: the compiler chooses)
+    k_chan: bool = False  # key scales and zeros per channel and page
+    centroids: int = 0  # key centroids per chunk (one stage; 0 = none)
+    c_kind: int = 0  # centroids: 0 fp8 e4m3 (with a scale per stage and head), 2 bf16
+    sink: int = 0
+    outliers: int = 0
+    vrot: bool = False
+    page_rope: bool = False
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
                 f"-DK_KIND={self.k_kind}", f"-DV_KIND={self.v_kind}", f"-DK_SYM={int(self.k_sym)}",
                 f"-DV_SYM={int(self.v_sym)}", f"-DQ_KIND={self.q_kind}", f"-DDENSE_KIND={self.dense_kind}",
-                f"-DNSTAGE={self.stages}", f"-DNWARPS={self.warps}", f"-DMINB={self.min_blocks}"]
+                f"-DNSTAGE={self.stages}", f"-DNWARPS={self.warps}", f"-DMINB={self.min_blocks}",
+                f"-DK_CHAN={int(self.k_chan)}", f"-DK_CENT={self.centroids}", f"-DC_KIND={self.c_kind}",
+                f"-DSINK={self.sink}", f"-DOUT_N={self.outliers}", f"-DVROT={int(self.vrot)}",
+                f"-DPAGE_ROPE={int(self.page_rope)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
-    def smem_bytes(self) -> int:
-        rowb = self.head_dim // 4
-        stage = 2 * self.page * rowb + 4 * self.page * 4
-        ring = self.warps * (self.stages * stage + self.vg * self.page * 8 * 2)
-        merge = self.warps * 8 * self.head_dim * 4 + 2 * self.warps * 8 * 4
-        return max(ring, merge)
+    def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
+        d, p, n = self.head_dim, self.page, 8
+        kes = 1 if self.k_kind == 0 else 2
+        extra = ((2 * d * kes if self.k_chan else 0) + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
+                 + (4 * d if self.page_rope else 0))
+        stage = 2 * p * (d // 4) + 4 * p * 4 + extra
+        sp = self.vg * p * n * 2
+        if self.outliers:
+            sp = max(sp, p * n * 4)
+        ring = self.warps * (self.stages * stage + sp + (32 * n * 4 if self.centroids else 0))
+        merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
+        return ring + merge if self.vrot else max(ring, merge)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
@@ -148,7 +189,10 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
                 ("pages_per_split", ctypes.c_int), ("num_splits", ctypes.c_int), ("H", ctypes.c_int),
                 ("group", ctypes.c_int), ("page_bytes", ctypes.c_longlong), ("k_codes", ctypes.c_int),
                 ("k_scales", ctypes.c_int), ("k_zeros", ctypes.c_int), ("v_codes", ctypes.c_int),
-                ("v_scales", ctypes.c_int), ("v_zeros", ctypes.c_int)]
+                ("v_scales", ctypes.c_int), ("v_zeros", ctypes.c_int), ("book", ctypes.c_uint64),
+                ("slots", ctypes.c_uint64), ("base_cos", ctypes.c_uint64), ("base_sin", ctypes.c_uint64),
+                ("book_bytes", ctypes.c_longlong), ("k_assign", ctypes.c_int), ("k_book", ctypes.c_int),
+                ("k_cscale", ctypes.c_int), ("out_index", ctypes.c_int), ("out_value", ctypes.c_int)]
 
 
 class _Driver:
@@ -259,7 +303,8 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
 
 @functools.lru_cache(maxsize=256, typed=True)  # asked on every call of every layer; typed: True is not 1 here
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
-               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = 0) -> Config:
+               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = 0,
+               levers: LeverScheme | None = None) -> Config:
     for name, value, low, high in (("stages", stages, 1, 4), ("warps", warps, 1, 16), ("min_blocks", min_blocks, 0, 8)):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ValueError(f"the tensor-core decode kernel takes {name} from {low} to {high}, got {value!r}")
@@ -267,33 +312,57 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
         raise ValueError(f"queries of dtype {q_dtype} are not read by the tensor-core kernel")
     if dense_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dense pages of dtype {dense_dtype} are not read by the tensor-core kernel")
-    return Config(head_dim, page_size, head_dim // k.group, head_dim // v.group, k.kind, v.kind, bool(k.symmetric),
-                  bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks)
+    lv = levers or LeverScheme()
+    chan = k.mode == CHANNEL_GROUPS
+    return Config(head_dim, page_size, 1 if chan else head_dim // k.group, head_dim // v.group, k.kind, v.kind,
+                  bool(k.symmetric), bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps,
+                  min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
+                  lv.outliers, bool(lv.vrot), bool(lv.pagerope))
 
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,
-           schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4, min_blocks: int = 0) -> None:
-    """Write the split partials of decode attention (as the Triton kernels do) for a supported layout."""
+           schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4, min_blocks: int = 0,
+           codebooks: torch.Tensor | None = None, levers: LeverScheme | None = None, tables=None) -> None:
+    """Write the split partials of decode attention (as the Triton kernels do) for a supported layout.
+
+    ``codebooks``: the layer's codebook slots (key centroids, sinks); ``levers``: the layer's lever scheme
+    (`supports_levers`); ``tables``: `kvbackend.kernels.levers.lever_tables` for page-relative keys."""
     k, v = schemes
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
     group = hq // h
+    levers = levers if levers is not None and levers.active else None
     if not supports(k, v, p, d, group):
         raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
                          f"head_dim {d}, {group} query heads per KV head)")
+    if not supports_levers(k, levers, p):
+        raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}); pre-RoPE keys and "
+                         "PSAC rows are read by the plain Triton kernel (mma=False)")
+    if k.stages and (codebooks is None or not codebooks.numel()):
+        raise ValueError("key centroids live in the codebook slots: pass codebooks=")
+    if levers is not None and levers.pagerope and tables is None:
+        raise ValueError("page-relative keys need the R(p0) tables (kvbackend.kernels.levers.lever_tables)")
     if b == 0:
         return
     if pages.data_ptr() % 16 or dense.data_ptr() % 16 or pages.shape[1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page and dense pools")
-    config = config_for(k, v, p, d, q.dtype, dense.dtype, stages, warps, min_blocks)
+    if codebooks is not None and codebooks.numel() and (codebooks.data_ptr() % 16 or codebooks.shape[-1] % 16):
+        raise ValueError("the tensor-core decode kernel needs 16-byte aligned codebook slots")
+    config = config_for(k, v, p, d, q.dtype, dense.dtype, stages, warps, min_blocks, levers)
     function = _function(config, q.device)
     zero_k = k.zeros if not k.symmetric else k.scales  # a symmetric layout has no zero field: never read
     zero_v = v.zeros if not v.symmetric else v.scales
+    lv = levers or LeverScheme()
+    book = codebooks if codebooks is not None and codebooks.numel() else pages  # never read without centroids
+    cos = tables.base_cos if lv.pagerope else q
+    sin = tables.base_sin if lv.pagerope else q
     params = _Params(q.data_ptr(), o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(), pages.data_ptr(),
                      dense.data_ptr(), plan.page_ids.data_ptr(), plan.valid.data_ptr(), plan.req_start.data_ptr(),
                      plan.req_pages.data_ptr(), plan.req_packed.data_ptr(), float(scale_log2), int(per_split),
                      int(splits), int(h), int(group), int(pages.shape[1]), int(k.codes), int(k.scales), int(zero_k),
-                     int(v.codes), int(v.scales), int(zero_v))
+                     int(v.codes), int(v.scales), int(zero_v), book.data_ptr(), plan.slots.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), int(book.shape[-1]), max(k.assign, 0), max(k.codebook, 0),
+                     max(k.centroid_scales, 0), max(lv.out_index, 0), max(lv.out_value, 0))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):  # the driver launches in the current context: make it q's device's

@@ -27,9 +27,9 @@ from kvbackend.kernels import folded_decode, mma_decode, planar_decode
 from kvbackend.kernels.decode_split import VARYING as _VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.gather_dequant import _check, _check_launch
-from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, load_hadamard, outlier_rows,
-                                      outlier_tile, page_rotation, psac_basis, psac_rows, query_and_partner, query_to_page,
-                                      rope_tables, rotate_halves, sink_tile)
+from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, lever_tables, load_hadamard,
+                                      outlier_rows, outlier_tile, page_rotation, psac_basis, psac_rows,
+                                      query_and_partner, query_to_page, rope_tables, rotate_halves, sink_tile)
 
 _LOG2E = 1.4426950408889634
 MERGE_SPLITS = 128  # the merge kernel reads at least this many splits (masked), so it rarely recompiles as requests grow
@@ -263,7 +263,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             reads them all, the folded one those `folded_decode.supports_levers` names, the planar
             one none (``planar=True`` with levers raises).
         rotary: the model's RoPE, for pre-RoPE and page-relative keys.
-        mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit per-token-group layouts, no levers);
+        mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit layouts with per-token value groups, keys
+            per token group or per channel with centroids; sinks, key outliers, rotated values and
+            page-relative keys, not pre-RoPE keys or PSAC rows);
             None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True
             takes precedence over ``planar`` and ``fold`` and raises where the kernel cannot run or does
             not read the layout.
@@ -292,15 +294,16 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     k_scheme, v_scheme = schemes
     levers = levers if levers is not None and levers.active else None
     if mma is None:  # a Triton kernel named by ``fold`` or ``planar`` is what runs
-        mma = (levers is None and fold is None and planar is None
-               and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device, q.dtype, dense.dtype))
+        mma = (fold is None and planar is None
+               and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device, q.dtype, dense.dtype, levers))
     elif mma:
         usable, why = mma_decode.available(q.device)
         if not usable:
             raise ValueError(f"the tensor-core decode kernel cannot run here: {why}")
-        if levers is not None:
-            raise ValueError("the tensor-core decode kernel reads no levers or PSAC rows; the plain kernel does")
-    if levers is not None:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
+        if not mma_decode.supports_levers(k_scheme, levers, p):
+            raise ValueError("the tensor-core decode kernel does not read pre-RoPE keys or PSAC rows; the plain "
+                             "kernel does (mma=False)")
+    if levers is not None and not mma:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
         if planar:
             raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")
         folds = folded_decode.supports(k_scheme, v_scheme, p, d) and folded_decode.supports_levers(k_scheme, levers)
@@ -328,8 +331,10 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                          **scheme_constants("V", v_scheme))
         ropes = lever_args(levers, rotary, p, d, plan.max_pages, q)
     if mma:
+        tables = lever_tables(levers, rotary, p, d, plan.max_pages, q.device) if levers is not None else None
         mma_decode.launch(q, o_part, m_part, l_part, pages, dense, plan, scale * _LOG2E, per_split, splits,
-                          (k_scheme, v_scheme), stages=num_stages, warps=num_warps, **(mma_options or {}))
+                          (k_scheme, v_scheme), stages=num_stages, warps=num_warps, codebooks=codebooks,
+                          levers=levers, tables=tables, **(mma_options or {}))
     elif planar:
         planar_decode.launch(q, o_part, m_part, l_part, (u8, i16, i32), dense, plan, scale * _LOG2E, per_split, splits,
                              (b, h, splits), constants, num_warps=num_warps, num_stages=num_stages)

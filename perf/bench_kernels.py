@@ -469,6 +469,8 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
     ("recipe", RECOMMENDED_SPEC),
     ("recipe, " + ("pre-RoPE keys" if "prerope=true" in _OTHER_ROPE else "page-relative keys"), _OTHER_ROPE),
     ("recipe without PSAC", _with(RECOMMENDED_SPEC, rank=0)),
+    # the levers the tensor-core kernel reads: page-relative keys, no PSAC rows (its layout is the next row's)
+    ("recipe without PSAC, page-relative keys", _with(RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"), rank=0)),
     ("recipe, no levers", _without_levers(RECOMMENDED_SPEC)),
     ("recipe, no levers, no PSAC", _with(_without_levers(RECOMMENDED_SPEC), rank=0)),
     # the default before the seventh session: bf16 centroids, no key outliers (perf/NOTES.md)
@@ -515,8 +517,10 @@ def levers(copy_bw):
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
             kernels = [0] + [1] * (folded_decode.supports(*schemes, p, dim) and folded_decode.supports_levers(schemes[0], lv))
             kernels += [2] * (planar_decode.supports(*schemes, p, dim) and not lv.active)
+            kernels += [3] * (mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.available()[0]
+                              and mma_decode.supports_levers(schemes[0], lv, p))
             configs = [(kern, u, w, st) for kern in kernels for u in ((0, 1) if kern == 0 else (0,))
-                       for w in (4, 8) for st in (1, 2)]
+                       for w in ((4,) if kern == 3 else (4, 8)) for st in (1, 2)]
             if QUICK:
                 configs = list({c[0]: c for c in reversed(configs)}.values())
             best = {}
@@ -526,7 +530,8 @@ def levers(copy_bw):
                 def call(j, kern=kern, unpack=unpack, warps=warps, stages=stages):
                     return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
                                         num_stages=stages, unpack=unpack, fold=kern == 1, planar=kern == 2,
-                                        levers=lv, rotary=rotary)
+                                        mma=kern == 3, levers=lv, rotary=rotary,
+                                        target_programs=528 if kern == 3 else 1024)  # mma: 4 CTAs per SM
 
                 try:
                     ms = rotating_time([lambda j=j: call(j) for j in range(rotations)])
@@ -557,7 +562,7 @@ def levers(copy_bw):
                 r["cost_vs_plain_kernel_no_levers"] = r["ours_us"] / base["best_us_per_kernel"]["plain"] - 1
                 if "folded" in r["best_us_per_kernel"] and "folded" in base["best_us_per_kernel"]:
                     r["cost_folded_vs_folded"] = r["best_us_per_kernel"]["folded"] / base["best_us_per_kernel"]["folded"] - 1
-            for variant in LEVER_VARIANTS[:2] + LEVER_VARIANTS[-2:]:
+            for variant in LEVER_VARIANTS[:2] + LEVER_VARIANTS[3:4] + LEVER_VARIANTS[-2:]:
                 r = by[variant[0]]
                 print(f"levers B={batch} L={length}: {variant[0]} costs {r['cost_vs_no_levers_no_psac'] * 100:+.1f}% "
                       "against its layout without levers and PSAC (best kernel each, graphs), "

@@ -37,7 +37,8 @@ def test_supported_layouts():
     assert not mma_decode.supports(*_schemes("rtn:bits=2,group=64,scale=fp8"), 64, 128, 9)  # GQA group > 8
     assert not mma_decode.supports(*_schemes("rtn:bits=4,group=64"), 64, 128, 4)  # 4-bit codes
     assert not mma_decode.supports(*_schemes("rtn:bits=2,group=32"), 64, 128, 4)  # 32-channel groups
-    assert not mma_decode.supports(*_schemes("kivi:bits=2,group=64"), 64, 128, 4)  # per-channel keys
+    assert mma_decode.supports(*_schemes("kivi:bits=2,group=64"), 64, 128, 4)  # per-channel keys over one page
+    assert not mma_decode.supports(*_schemes("kivi:bits=2,group=32"), 64, 128, 4)  # ... over half a page
     assert not mma_decode.supports(*_schemes("qvg"), 64, 128, 4)  # centroid stages
     assert not mma_decode.supports(*_schemes("rtn:bits=2,group=64,scale=fp32"), 64, 128, 4)
     assert not mma_decode.supports(*_schemes("identity"), 64, 128, 4)

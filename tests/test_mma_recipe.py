@@ -1,0 +1,179 @@
+"""The tensor-core decode kernel on the recommended recipe's layout: keys with per-channel scales over a
+page and centroids per chunk, key outliers, sinks, Hadamard-rotated values and page-relative keys.
+
+CPU runs check which layouts and levers the kernel claims and compile every switch for sm_90 (where nvcc is
+installed: the shared-memory size the launcher passes is checked against the kernel's at compile time). On
+a GPU each layout is compared with the torch reference and with the plain Triton kernel, and each lever is
+shown to be read (turning its path off changes the output).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.attention import decode_attention
+from kvbackend.rope import Rotary
+from kvbackend.scheme import LeverScheme, kernel_schemes, lever_scheme
+from kernel_cases import DEVICE
+
+from kvbackend.kernels import mma_decode
+
+gpu = pytest.mark.skipif(not mma_decode.available()[0] if torch.cuda.is_available() else True,
+                         reason="needs a CUDA GPU (compute capability 8.0+) and nvcc")
+
+BASE = "quantwm:rank=0,clip=true,vcluster=false"
+CASES = [  # (codec, head_dim, page size, chunk pages, lengths, KV heads, GQA ratio, target programs)
+    # the recommended layout with page-relative keys: fp8 centroids, outliers, sinks, rotated values
+    (f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16", 128, 64, 2,
+     [700, 150, 64], 2, 4, 24),
+    (f"{BASE},kchannel=64,centroids=32,cdtype=fp8", 128, 64, 2, [333, 90], 3, 8, 8),  # the same without levers
+    (f"{BASE},kchannel=16,centroids=4,sink=2,vrot=hadamard", 64, 16, 3, [97, 45, 3], 2, 3, 16),  # bf16 centroids
+    (f"{BASE},kchannel=32,centroids=5,cdtype=fp8,pagerope=true,outliers=5", 64, 32, 2, [150, 40], 2, 2, 8),
+    (f"{BASE},kchannel=32,centroids=4,outliers=40,sink=32", 64, 32, 1, [200, 32], 1, 5, 64),  # sinks fill page 0
+    ("kivi:bits=2,group=64", 128, 64, 2, [300, 65], 2, 4, 8),  # per-channel keys without centroids
+    ("kivi:bits=2,group=64,sink=4,vrot=hadamard,pagerope=true", 64, 64, 1, [260, 70], 2, 1, 4),
+]
+
+
+def _rotary(head_dim: int) -> Rotary:
+    theta = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return Rotary(theta, scaling=1.25)
+
+
+def recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=0):
+    """One request per length: post-RoPE keys with outlier channels, values with a loud channel."""
+    gen = torch.Generator().manual_seed(seed)
+    rotary = _rotary(head_dim)
+    pages = 4 * sum(-(-n // page_size) + chunk_pages for n in lengths)
+    cache = KVCache(Geometry(1, heads, head_dim, torch.bfloat16),
+                    CacheConfig(codec=codec, page_size=page_size, chunk_pages=chunk_pages, dense_pages=pages,
+                                packed_pages=pages, device=DEVICE, backend="torch"), rotary=rotary)
+    ids = []
+    for n in lengths:
+        rid, _ = cache.add_request()
+        k = torch.randn(heads, n, head_dim, generator=gen)
+        k[..., :4] += 6
+        k = rotary.rotate(k, torch.arange(n)).transpose(0, 1)
+        v = torch.randn(n, heads, head_dim, generator=gen)
+        v[..., 3] *= 8
+        q = torch.randn(n, heads * ratio, head_dim, generator=gen)
+        cache.append(rid, 0, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE), queries=q.bfloat16().to(DEVICE))
+        ids.append(rid)
+    return cache, ids, rotary
+
+
+def _inputs(cache, ids):
+    schemes = kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], schemes, cache.plan(ids, 0))
+    return args, lever_scheme(cache.codecs[0], cache.layouts[0])
+
+
+@pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", CASES)
+def test_claims_the_recipe_layouts(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs):
+    cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
+    assert mma_decode.supports_levers(schemes[0], levers, page_size)
+
+
+def test_refuses_what_it_does_not_read():
+    def claims(codec, page_size=64):
+        cache, ids, _ = recipe_cache(codec, 64, page_size, 1, [page_size], 1, 2)
+        (_, _, _, schemes, _), levers = _inputs(cache, ids)
+        return mma_decode.supports(*schemes, page_size, 64, 2) and mma_decode.supports_levers(schemes[0], levers,
+                                                                                               page_size)
+
+    assert claims(f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16")
+    assert not claims(f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,prerope=true")  # per token
+    assert not claims("quantwm:rank=4,keep=0.25,clip=true,vcluster=false,kchannel=64,centroids=32")  # PSAC rows
+    assert not claims(f"{BASE},kchannel=32,centroids=32")  # key scale groups of half a page
+    assert not claims(f"{BASE},kchannel=64,centroids=64")  # more centroids than the table holds
+    assert not claims("quantwm:rank=0,kchannel=64,centroids=32")  # clustered values
+    assert not claims("rtn:bits=2,group=64,pagerope=true")  # page-relative keys need per-channel key scales
+    assert claims("rtn:bits=2,group=64,sink=4,vrot=hadamard")
+
+
+@pytest.mark.skipif(mma_decode.nvcc() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("config", [
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, outliers=16,
+                      vrot=True, page_rope=True),
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32),
+    mma_decode.Config(64, 16, 1, 1, 1, 2, True, False, 3, 1, stages=3, warps=8, k_chan=True, centroids=4, c_kind=2,
+                      outliers=5, vrot=True),
+    mma_decode.Config(64, 32, 1, 1, 2, 2, False, True, 1, 2, k_chan=True, sink=32, page_rope=True),
+])
+def test_recipe_switches_compile_for_hopper(config, tmp_path, monkeypatch):
+    """Every switch compiles, and the launcher's shared-memory count equals the kernel's (a static_assert)."""
+    monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
+    assert mma_decode.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
+
+
+def _reference(cache, ids, q):
+    reads = [cache.read(rid, 0) for rid in ids]
+    return decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", CASES)
+def test_recipe_layouts_match_the_reference(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=len(lengths))
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    want, want_lse = _reference(cache, ids, q)
+    for n in (programs, 1, 4096):  # the test's split, one program per request, more splits than pages
+        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True)
+        assert torch.isfinite(out.float()).all(), n
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
+        assert torch.allclose(lse, want_lse, atol=2e-2), n
+    plain, plain_lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=False,
+                                    fold=False, planar=False)
+    assert float((out.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    default, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary)  # picks the kernel
+    assert torch.equal(default, paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary,
+                                             mma=True)[0])
+
+
+@gpu
+def test_each_lever_path_is_read():
+    """With a lever's path switched off the same pages decode to something else, so none is ignored."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec = f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16"
+    cache, ids, rotary = recipe_cache(codec, 128, 64, 2, [400], 2, 4, seed=3)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(1, 8, 128, device=DEVICE).bfloat16()
+    full, _ = paged_decode(q, *args, target_programs=4, levers=levers, rotary=rotary, mma=True)
+    for off in (dict(sink=0), dict(pagerope=False), dict(vrot=False), dict(outliers=0)):
+        partial = dataclasses.replace(levers, **off)
+        out, _ = paged_decode(q, *args, target_programs=4, levers=partial if partial.active else LeverScheme(),
+                              rotary=rotary, mma=True)
+        assert float((out.float() - full.float()).norm() / full.float().norm()) > 1e-3, off
+
+
+@gpu
+def test_large_key_scales_and_small_queries():
+    """Per-channel scales fold into fp16 query fragments normalized by the page's largest scale: channels
+    whose scales differ by 2^12, and a query 1e-3 small, still match the reference."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec = f"{BASE},kchannel=64,centroids=32,cdtype=fp8"
+    gen = torch.Generator().manual_seed(11)
+    heads, d, n = 2, 128, 900
+    cache = KVCache(Geometry(1, heads, d, torch.bfloat16),
+                    CacheConfig(codec=codec, page_size=64, chunk_pages=4, dense_pages=64, packed_pages=64,
+                                device=DEVICE, backend="torch"))
+    rid, _ = cache.add_request()
+    k = torch.randn(n, heads, d, generator=gen) * torch.logspace(-2, 1.6, d)
+    v = torch.randn(n, heads, d, generator=gen)
+    cache.append(rid, 0, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE))
+    args, _ = _inputs(cache, [rid])
+    for scale in (1.0, 1e-3):
+        q = (torch.randn(1, 8, d, generator=gen) * scale).bfloat16().to(DEVICE)
+        want, want_lse = _reference(cache, [rid], q)
+        out, lse = paged_decode(q, *args, target_programs=8, mma=True)
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2, scale
+        assert torch.allclose(lse, want_lse, atol=2e-2), scale
