@@ -124,7 +124,8 @@ constexpr int ROPE_BYTES = PAGE_ROPE ? 4 * D : 0;                   // R(p0): co
 constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES;
 constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
 constexpr int SP_BYTES = (OUT_N && P * N * 4 > SP0_BYTES) ? P * N * 4 : SP0_BYTES;  // also outlier terms [P][N] f32
-constexpr int CT_BYTES = K_CENT ? 32 * N * 4 : 0;                    // centroid table [32][N] f32
+constexpr int CT_BYTES = K_CENT ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid table [32][N] f32,
+                                                                        // then its A fragments (CF_WORDS x 32 lanes)
 constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int MERGE_OFF = VROT ? RING_BYTES : 0;  // rotated values: each warp's packed output waits there
@@ -342,11 +343,14 @@ __device__ __forceinline__ float centroid_value(const uint32_t* r, int j) {
   return element<2>(r[j >> 1], 2 * (j & 1));
 }
 
-// The centroid table ct[c][n] = centroid c . query row n (log2 units), times the fp16 scale of fp8
-// centroids; rows c >= K_CENT are zero. A = centroids (M = 32 rows in two tiles, K = channels in the
-// fragments' order, each value times 4^(p % 4) to undo the query fragment's 4^-(p % 4)), B = ``qb``.
-__device__ __noinline__ void centroid_table(float* ct, const Params& a, int64_t slot, int h, int gid, int tig,
-                                               const uint32_t (&qb)[NB][4][2]) {
+// Key centroids as the A operand of the table product q . centroid (M = 32 rows in two tiles, K = channels
+// in the query fragments' order, each value times 4^(p % 4) to undo the fragment's 4^-(p % 4)), built once
+// per codebook slot into this warp's shared memory (CF words per lane, interleaved by lane); rows >= K_CENT
+// are zero. Returns the fp16 scale of fp8 centroids (1 for bf16).
+constexpr int CF_WORDS = 2 * NB * 4 * 4;  // per lane: [m2][b][ks][a0..a3]
+
+__device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, int64_t slot, int h, int gid,
+                                                 int tig, int lane) {
   constexpr int CES = C_KIND == 0 ? 1 : 2;  // bytes per centroid value
   constexpr int RW = 4 * CES;               // words per 16 channels
   const uint8_t* book = a.book + slot * a.book_bytes;
@@ -354,7 +358,6 @@ __device__ __noinline__ void centroid_table(float* ct, const Params& a, int64_t 
   const uint8_t* cents = book + a.k_book + static_cast<int64_t>(h) * K_CENT * D * CES;  // stage 0: [H, C, D]
 #pragma unroll
   for (int m2 = 0; m2 < 2; ++m2) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     const int j0 = 16 * m2 + gid, j1 = j0 + 8;
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
@@ -369,19 +372,35 @@ __device__ __noinline__ void centroid_table(float* ct, const Params& a, int64_t 
         r1[4 * x] = u1.x; r1[4 * x + 1] = u1.y; r1[4 * x + 2] = u1.z; r1[4 * x + 3] = u1.w;
       }
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        uint32_t frag[2][2];  // [e][row 0 | 1]: positions (2 ks + e, 2 ks + e + 8)
+      for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
+        for (int e = 0; e < 2; ++e) {  // a0/a1: positions (2 ks, 2 ks + 8) of rows j0/j1; a2/a3: (2 ks + 1, 2 ks + 9)
           const int p = 2 * ks + e;
           const int jl = 4 * (p >> 2) + 3 - (p & 3);
           const float f = static_cast<float>(1 << (2 * (p & 3)));
-          frag[e][0] = pack_half2(centroid_value(r0, jl) * f, centroid_value(r0, jl + 8) * f);
-          frag[e][1] = pack_half2(centroid_value(r1, jl) * f, centroid_value(r1, jl + 8) * f);
+          const int at = ((m2 * NB + b) * 4 + ks) * 4 + 2 * e;
+          cf[at * 32 + lane] = pack_half2(centroid_value(r0, jl) * f, centroid_value(r0, jl + 8) * f);
+          cf[(at + 1) * 32 + lane] = pack_half2(centroid_value(r1, jl) * f, centroid_value(r1, jl + 8) * f);
         }
-        mma16816(acc, frag[0][0], frag[0][1], frag[1][0], frag[1][1], qb[b][ks][0], qb[b][ks][1]);
-      }
     }
+  }
+  return cs;
+}
+
+// The centroid table ct[c][n] = centroid c . query row n (log2 units) times ``cs``, from the fragments above.
+__device__ __forceinline__ void centroid_table(float* ct, const uint32_t* cf, float cs, int gid, int tig, int lane,
+                                               const uint32_t (&qb)[NB][4][2]) {
+#pragma unroll
+  for (int m2 = 0; m2 < 2; ++m2) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const int at = ((m2 * NB + b) * 4 + ks) * 4;
+        mma16816(acc, cf[at * 32 + lane], cf[(at + 1) * 32 + lane], cf[(at + 2) * 32 + lane], cf[(at + 3) * 32 + lane],
+                 qb[b][ks][0], qb[b][ks][1]);
+      }
 #pragma unroll
     for (int i = 0; i < 4; ++i) ct[(16 * m2 + gid + 8 * (i >> 1)) * N + 2 * tig + (i & 1)] = acc[i] * cs;
   }
@@ -399,7 +418,9 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   uint8_t* wbuf = smem + warp * WARP_BYTES;
   __half* sp = reinterpret_cast<__half*>(wbuf + NSTAGE * STAGE_BYTES);  // [VG][P][N]
   float* ct = reinterpret_cast<float*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES);  // centroid table [32][N]
+  uint32_t* cf = reinterpret_cast<uint32_t*>(ct + 32 * N);                       // its A fragments
   int ct_slot = -1;
+  float ct_scale = 1.f;
 
   // Query fragments (B operand, k = channel slot, n = query row gid): slot pair (2 tig, 2 tig + 1) of
   // k-step (b, ks) holds positions (2 ks, 2 ks + 8) of word 4 b + tig, and (2 tig + 8, 2 tig + 9) positions
@@ -436,6 +457,28 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
       }
       qsum_k[g][c] = sum;
     }
+
+  // Headroom of the per-page query fragments (per-channel key scales): 2^qhead lifts q * scale / max scale
+  // toward fp16's top (|q| 2^qhead < 2^14, room for RoPE's sqrt(2)), so channels with small scales stay out of
+  // fp16's subnormals; the accumulators take it off with the scales' normalization.
+  int qhead = 0;
+  if (K_CHAN) {
+    float qmx = 0.f;
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&qf[b][ks][e]));
+          qmx = fmaxf(qmx, fmaxf(fabsf(x.x), fabsf(x.y)));
+        }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) qmx = fmaxf(qmx, __shfl_xor_sync(0xffffffffu, qmx, o));
+    int qe = 0;
+    frexpf(qmx, &qe);  // qmx < 2^qe
+    qhead = qmx > 0.f ? min(max(14 - qe, 0), 40) : 0;
+  }
 
   float acc_o[4 * NB][4];  // O^T tiles: 16 channels x 8 query rows each
 #pragma unroll
@@ -564,10 +607,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
       smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
       smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
       int kexp;
-      frexpf(smax, &kexp);  // smax = m * 2^kexp, m in [0.5, 1): folded scales stay below 1
-      kexp = min(max(kexp, -100), 100);
-      const float nrm = ldexpf(1.f, -kexp);
-      kback = ldexpf(1.f, kexp);
+      frexpf(smax, &kexp);  // smax = m * 2^kexp, m in [0.5, 1): folded scales stay below 2^qhead
+      kexp = min(max(kexp, -60), 60);
+      const float nrm = ldexpf(1.f, qhead - kexp);
+      kback = ldexpf(1.f, kexp - qhead);
       float zpart = 0.f;
       uint32_t qf_page[NB][4][2];  // R(p0)^T q without the scales (the centroid table's operand)
 #pragma unroll
@@ -618,9 +661,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
         const int slot = a.slots[start + jpage];
         if (PAGE_ROPE || slot != ct_slot) {
           __syncwarp();
-          centroid_table(ct, a, slot, h, gid, tig, PAGE_ROPE ? qf_page : qf);
+          if (slot != ct_slot) {
+            ct_scale = centroid_fragments(cf, a, slot, h, gid, tig, lane);
+            ct_slot = slot;
+          }
+          centroid_table(ct, cf, ct_scale, gid, tig, lane, PAGE_ROPE ? qf_page : qf);
           __syncwarp();
-          ct_slot = slot;
         }
       }
     }

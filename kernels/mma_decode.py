@@ -176,7 +176,8 @@ class Config:
         sp = self.vg * p * n * 2
         if self.outliers:
             sp = max(sp, p * n * 4)
-        ring = self.warps * (self.stages * stage + sp + (32 * n * 4 if self.centroids else 0))
+        table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4  # q . centroid [32][N] and the centroids' fragments
+        ring = self.warps * (self.stages * stage + sp + (table if self.centroids else 0))
         merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
         return ring + merge if self.vrot else max(ring, merge)
 
