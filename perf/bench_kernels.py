@@ -479,6 +479,11 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
     # key outliers instead of PSAC rows, page-relative keys (the folded kernel's fast lever path): eval25/26
     ("page-relative keys, outliers, no PSAC",
      _with(RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"), rank=0, cdtype="fp8", outliers=24)),
+    # one lever at a time over the layout without levers and PSAC rows: what each costs in the tensor-core kernel
+    ("no PSAC, sinks only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), sink=4)),
+    ("no PSAC, rotated values only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), vrot="hadamard")),
+    ("no PSAC, 16 outliers only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), outliers=16)),
+    ("no PSAC, page-relative keys only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), pagerope="true")),
 )
 
 
@@ -562,7 +567,7 @@ def levers(copy_bw):
                 r["cost_vs_plain_kernel_no_levers"] = r["ours_us"] / base["best_us_per_kernel"]["plain"] - 1
                 if "folded" in r["best_us_per_kernel"] and "folded" in base["best_us_per_kernel"]:
                     r["cost_folded_vs_folded"] = r["best_us_per_kernel"]["folded"] / base["best_us_per_kernel"]["folded"] - 1
-            for variant in LEVER_VARIANTS[:2] + LEVER_VARIANTS[3:4] + LEVER_VARIANTS[-2:]:
+            for variant in LEVER_VARIANTS[:2] + LEVER_VARIANTS[3:4] + LEVER_VARIANTS[-6:]:
                 r = by[variant[0]]
                 print(f"levers B={batch} L={length}: {variant[0]} costs {r['cost_vs_no_levers_no_psac'] * 100:+.1f}% "
                       "against its layout without levers and PSAC (best kernel each, graphs), "
