@@ -31,7 +31,11 @@
 //   - VROT: Hadamard-rotated values: each warp keeps its packed pages' output apart from the dense pages',
 //     and rotates it back once (a fast Walsh-Hadamard transform in shared memory) before the merge;
 //   - PAGE_ROPE: keys stored de-rotated by their page's first position: the query turns by R(p0)^T once
-//     per page, before the scales fold in.
+//     per page, before the scales fold in;
+//   - ROPE_TOKEN: keys stored before RoPE (head_dim 128). Nothing folds: each key is dequantized into the
+//     fp16 operand (code x scale + zero + its centroid), and turned by R(t) for its position t in the page,
+//     the RoPE partner of a thread's channel c being channel c + 64 of the same thread; the query turns by
+//     R(p0)^T once per page. R(t) is a table in shared memory, filled once per CTA.
 //
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
 // per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
@@ -99,6 +103,9 @@
 #ifndef PAGE_ROPE
 #define PAGE_ROPE 0
 #endif
+#ifndef ROPE_TOKEN
+#define ROPE_TOKEN 0
+#endif
 #ifndef MINB
 #define MINB 0  // CTAs per SM the register allocation must allow (__launch_bounds__); 0: the compiler's choice
 #endif
@@ -119,18 +126,22 @@ constexpr int KES = K_KIND == 0 ? 1 : 2;  // bytes of a key scale element
 constexpr int VES = V_KIND == 0 ? 1 : 2;
 constexpr int KCH_BYTES = K_CHAN ? 2 * D * KES : 0;                  // per-channel key scales, then zeros
 constexpr int OUT_BYTES = OUT_N ? (8 * OUT_N + 15) / 16 * 16 : 0;   // outlier index words, value words
-constexpr int ROPE_BYTES = PAGE_ROPE ? 4 * D : 0;                   // R(p0): cos [D/2], sin [D/2] floats
+constexpr int ROPE_BYTES = (PAGE_ROPE || ROPE_TOKEN) ? 4 * D : 0;   // R(p0): cos [D/2], sin [D/2] floats
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
 constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES;
 constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
 constexpr int SP_BYTES = (OUT_N && P * N * 4 > SP0_BYTES) ? P * N * 4 : SP0_BYTES;  // also outlier terms [P][N] f32
-constexpr int CT_BYTES = K_CENT ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid table [32][N] f32,
-                                                                        // then its A fragments (CF_WORDS x 32 lanes)
-constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES;
+constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
+                                                    // table [32][N] f32, then its A fragments (CF_WORDS x 32 lanes)
+constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? 32 * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
+constexpr int SZ_BYTES = ROPE_TOKEN ? 2 * 8 * NB * 32 * 4 : 0;     // pre-RoPE keys: scale and zero pairs per lane
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
-constexpr int MERGE_OFF = VROT ? RING_BYTES : 0;  // rotated values: each warp's packed output waits there
+constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
+constexpr int MERGE_OFF = VROT ? RING_BYTES + ROT_BYTES : 0;  // rotated values: each warp's packed output waits there
 constexpr int MERGE_BYTES = NWARPS * N * D * 4 + 2 * NWARPS * N * 4;
-constexpr int SMEM_BYTES = VROT ? RING_BYTES + MERGE_BYTES : (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+constexpr int SMEM_BYTES = VROT ? MERGE_OFF + MERGE_BYTES
+                                : (RING_BYTES + ROT_BYTES > MERGE_BYTES ? RING_BYTES + ROT_BYTES : MERGE_BYTES);
 #ifdef SMEM_EXPECTED  // the launcher's count of the dynamic shared memory (mma_decode.Config.smem_bytes)
 static_assert(SMEM_EXPECTED == SMEM_BYTES, "the launcher's shared-memory size differs from the kernel's");
 #endif
@@ -141,6 +152,7 @@ static_assert(KG == 1 || KG == NB, "key scale groups: one per head or one per 64
 static_assert(VG == 1 || VG == NB, "value scale groups: one per head or one per 64 channels");
 static_assert(!K_CHAN || KG == 1, "per-channel key scales fold into the query: one accumulator");
 static_assert(!PAGE_ROPE || K_CHAN, "page-relative keys are read with per-channel key scales");
+static_assert(!ROPE_TOKEN || (K_CHAN && D == 128 && !PAGE_ROPE), "pre-RoPE keys: per-channel scales, head_dim 128");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
 
@@ -188,6 +200,19 @@ __device__ __forceinline__ uint32_t codes_x4p(uint32_t w) {
   x = __hsub2(x, __floats2half2_rn(1024.f, 1024.f));
   return *reinterpret_cast<uint32_t*>(&x);
 }
+
+// codes_x4p<q> for a q known once loops are unrolled.
+__device__ __forceinline__ uint32_t codes_at(uint32_t w, int q) {
+  switch (q) {
+    case 0: return codes_x4p<0>(w);
+    case 1: return codes_x4p<1>(w);
+    case 2: return codes_x4p<2>(w);
+    default: return codes_x4p<3>(w);
+  }
+}
+
+__device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
+__device__ __forceinline__ uint32_t as_u32(__half2 x) { return *reinterpret_cast<uint32_t*>(&x); }
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 x = __floats2half2_rn(lo, hi);
@@ -271,6 +296,8 @@ struct Params {
   const float* base_sin;
   long long book_bytes;
   int k_assign, k_book, k_cscale, out_index, out_value;
+  const float* local_cos;  // [P, D/2] R(t) within a page, RoPE's scaling included (pre-RoPE keys)
+  const float* local_sin;
 };
 
 __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane) {
@@ -314,7 +341,7 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
       cp_async4(out + OUT_N + i, base + a.out_value + at);
     }
   }
-  if (PAGE_ROPE) {  // cos and sin of R(p0) for the request's page j: D / 2 floats each
+  if (PAGE_ROPE || ROPE_TOKEN) {  // cos and sin of R(p0) for the request's page j: D / 2 floats each
     constexpr int CH = D / 2 * 4 / 16;
     uint8_t* rope = extra + KCH_BYTES + OUT_BYTES;
     for (int i = lane; i < 2 * CH; i += 32) {
@@ -387,6 +414,31 @@ __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, 
   return cs;
 }
 
+// Pre-RoPE keys: the slot's centroids times their scale as fp16 pairs (channels c, c + 8), c = 16 w + jl:
+// cv[a * D / 2 + 8 w + jl] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
+__device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int64_t slot, int h, int lane) {
+  constexpr int CES = C_KIND == 0 ? 1 : 2;
+  const uint8_t* book = a.book + slot * a.book_bytes;
+  const float cs = C_KIND == 0 ? __half2float(*reinterpret_cast<const __half*>(book + a.k_cscale + 2 * h)) : 1.f;
+  const uint8_t* cents = book + a.k_book + static_cast<int64_t>(h) * K_CENT * D * CES;
+  for (int i = lane; i < 32 * D / 2; i += 32) {
+    const int row = i / (D / 2), w = (i / 8) % (D / 16), jl = i % 8;
+    const int c = 16 * w + jl;
+    float lo = 0.f, hi = 0.f;
+    if (row < K_CENT) {
+      const uint8_t* at = cents + (row * D + c) * CES;
+      if (C_KIND == 0) {
+        lo = element<0>(at[0], 0);
+        hi = element<0>(at[8], 0);
+      } else {
+        lo = element<2>(*reinterpret_cast<const uint16_t*>(at), 0);
+        hi = element<2>(*reinterpret_cast<const uint16_t*>(at + 16), 0);
+      }
+    }
+    cv[i] = pack_half2(lo * cs, hi * cs);
+  }
+}
+
 // The centroid table ct[c][n] = centroid c . query row n (log2 units) times ``cs``, from the fragments above.
 __device__ __forceinline__ void centroid_table(float* ct, const uint32_t* cf, float cs, int gid, int tig, int lane,
                                                const uint32_t (&qb)[NB][4][2]) {
@@ -421,6 +473,19 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   uint32_t* cf = reinterpret_cast<uint32_t*>(ct + 32 * N);                       // its A fragments
   int ct_slot = -1;
   float ct_scale = 1.f;
+  uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
+  uint32_t* sz = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES);
+  const __half2* rot_cos = reinterpret_cast<const __half2*>(smem + RING_BYTES);  // R(t): [P][D / 4] pairs
+  const __half2* rot_sin = rot_cos + P * D / 4;
+  if (ROPE_TOKEN) {  // the page's R(t) table, once per CTA: pairs (c, c + 8), c = 16 w + jl < D / 2
+    __half2* fill = reinterpret_cast<__half2*>(smem + RING_BYTES);
+    for (int i = threadIdx.x; i < P * D / 4; i += NWARPS * 32) {
+      const int t = i / (D / 4), c = 16 * ((i % (D / 4)) / 8) + i % 8;
+      fill[i] = __floats2half2_rn(a.local_cos[t * (D / 2) + c], a.local_cos[t * (D / 2) + c + 8]);
+      fill[P * D / 4 + i] = __floats2half2_rn(a.local_sin[t * (D / 2) + c], a.local_sin[t * (D / 2) + c + 8]);
+    }
+    __syncthreads();
+  }
 
   // Query fragments (B operand, k = channel slot, n = query row gid): slot pair (2 tig, 2 tig + 1) of
   // k-step (b, ks) holds positions (2 ks, 2 ks + 8) of word 4 b + tig, and (2 tig + 8, 2 tig + 9) positions
@@ -597,7 +662,47 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
     uint32_t qk[NB][4][2];
     float zc[2] = {0.f, 0.f};
     float kback = 1.f;  // 2^kexp: the scales' normalization, taken off the accumulators
-    if (K_CHAN) {
+    if (ROPE_TOKEN) {  // pre-RoPE keys: qk is R(p0)^T q (no scales fold in); scale and zero pairs to this lane's slots
+      const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int p = 2 * ks + e;
+          const int jl = 4 * (p >> 2) + 3 - (p & 3);
+          const float f = static_cast<float>(1 << (2 * (p & 3)));
+          float2 x[NB];
+#pragma unroll
+          for (int b = 0; b < NB; ++b) x[b] = __half22float2(*reinterpret_cast<const __half2*>(&qf[b][ks][e]));
+          const float2 lo = x[0], hi = x[NB - 1];  // channels c, c + 8 and c + 64, c + 72 (c = 16 tig + jl)
+          const int idx = 16 * tig + jl;
+          x[0].x = lo.x * rope[idx] + hi.x * rope[D / 2 + idx];
+          x[0].y = lo.y * rope[idx + 8] + hi.y * rope[D / 2 + idx + 8];
+          x[NB - 1].x = hi.x * rope[idx] - lo.x * rope[D / 2 + idx];
+          x[NB - 1].y = hi.y * rope[idx + 8] - lo.y * rope[D / 2 + idx + 8];
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            const int ch = 16 * (4 * b + tig) + jl;
+            const float s0 = kchan_element(extra, 0, ch), s1 = kchan_element(extra, 0, ch + 8);
+            const float z0 = K_SYM ? -s0 : kchan_element(extra, 1, ch);
+            const float z1 = K_SYM ? -s1 : kchan_element(extra, 1, ch + 8);
+            const int at = (b * 4 + ks) * 2 + e;
+            qk[b][ks][e] = pack_half2(x[b].x * f, x[b].y * f);
+            sz[at * 32 + lane] = pack_half2(s0 / f, s1 / f);  // the codes arrive times 4^(p % 4)
+            sz[(8 * NB + at) * 32 + lane] = pack_half2(z0, z1);
+          }
+        }
+      if (K_CENT) {
+        const int slot = a.slots[start + jpage];
+        if (slot != ct_slot) {
+          __syncwarp();
+          centroid_values(cvt, a, slot, h, lane);
+          __syncwarp();
+          ct_slot = slot;
+        }
+      }
+    }
+    if (K_CHAN && !ROPE_TOKEN) {
       const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
       float smax = 0.f;
 #pragma unroll
@@ -681,6 +786,53 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
 #pragma unroll
         for (int x = 0; x < 4; ++x) acc[g][x] = 0.f;
       const int t0 = 16 * mt + gid, t1 = t0 + 8;
+      if (ROPE_TOKEN) {  // keys dequantized into the operand and turned by R(t): a0..a3 per k-step and block
+        uint32_t wv[NB][2];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          wv[b][0] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t0, b) + 4 * tig);
+          wv[b][1] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t1, b) + 4 * tig);
+        }
+        int ids[2] = {0, 0};
+        if (K_CENT) {
+#pragma unroll
+          for (int r2 = 0; r2 < 2; ++r2) {
+            const int t = t0 + 8 * r2;
+            ids[r2] = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+          }
+        }
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          uint32_t ar[NB][2][2];  // [block][e][row t0 | t1]
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int p = 2 * ks + e;
+            const int jl = 4 * (p >> 2) + 3 - (p & 3);
+#pragma unroll
+            for (int r2 = 0; r2 < 2; ++r2) {
+              const int t = t0 + 8 * r2;
+              __half2 val[NB];
+#pragma unroll
+              for (int b = 0; b < NB; ++b) {
+                const uint32_t w = p < 4 ? wv[b][r2] : wv[b][r2] >> 8;
+                const int at = (b * 4 + ks) * 2 + e;
+                val[b] = __hfma2(as_half2(codes_at(w, p & 3)), as_half2(sz[at * 32 + lane]),
+                                 as_half2(sz[(8 * NB + at) * 32 + lane]));
+                if (K_CENT) val[b] = __hadd2(val[b], as_half2(cvt[ids[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
+              }
+              const __half2 cs = rot_cos[t * (D / 4) + 8 * tig + jl], sn = rot_sin[t * (D / 4) + 8 * tig + jl];
+              ar[0][e][r2] = as_u32(__hsub2(__hmul2(val[0], cs), __hmul2(val[NB - 1], sn)));
+              ar[NB - 1][e][r2] = as_u32(__hfma2(val[NB - 1], cs, __hmul2(val[0], sn)));
+            }
+          }
+#pragma unroll
+          for (int b = 0; b < NB; ++b)
+            mma16816(acc[0], ar[b][0][0], ar[b][0][1], ar[b][1][0], ar[b][1][1], qk[b][ks][0], qk[b][ks][1]);
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) S[mt][x] = acc[0][x];
+        continue;
+      }
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
         uint32_t w0 = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t0, b) + 4 * tig);
@@ -741,12 +893,20 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
         const float value = __half2float(*reinterpret_cast<const __half*>(&vb));
         const int t = pos / D, d = pos % D;
         const int64_t row = (static_cast<int64_t>(r) * Hq + h * a.group + col) * D;
+        if (t >= P) continue;
         float qd = load_float<Q_KIND>(a.q, row + d);
         if (PAGE_ROPE) {
           const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, row + d + D / 2) : -load_float<Q_KIND>(a.q, row + d - D / 2);
           qd = qd * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
         }
-        if (t < P) atomicAdd(corr + t * N + col, qd * a.scale_log2 * value);
+        if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
+          const int i0 = d % (D / 2);
+          const float qlo = load_float<Q_KIND>(a.q, row + i0), qhi = load_float<Q_KIND>(a.q, row + i0 + D / 2);
+          const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
+          const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
+          qd = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
+        }
+        atomicAdd(corr + t * N + col, qd * a.scale_log2 * value);
       }
       __syncwarp();
 #pragma unroll

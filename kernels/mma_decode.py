@@ -56,14 +56,24 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
             and 16 <= page_size <= 256 and 1 <= group <= MAX_GROUP)
 
 
+# Pre-RoPE keys (per-channel key scales, head_dim 128) have a path in the kernel (`ROPE_TOKEN`) that has not run
+# on a GPU yet: until its tests pass there (`tests/test_mma_recipe.py`, which turn this on), `supports_levers`
+# refuses pre-RoPE keys and the Triton kernels serve them.
+PREROPE = False
+
+
 @functools.lru_cache(maxsize=256)
-def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int) -> bool:
+def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int, head_dim: int = 128,
+                    prerope: bool | None = None) -> bool:
     """Whether the kernel reads a layer's levers (None or inactive: nothing to read). It reads sinks (within
     the first page), key outliers, Hadamard-rotated values and page-relative keys (with per-channel key
-    scales); pre-RoPE keys and PSAC rows are read by the Triton kernels."""
+    scales), and pre-RoPE keys where `PREROPE` (or ``prerope``) allows; PSAC rows are read by the Triton
+    kernels."""
     if levers is None or not levers.active:
         return True
-    return (not levers.prerope and not levers.psac_rank and levers.sink <= page_size
+    rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
+                                     and head_dim == 128)
+    return (rope_ok and not levers.psac_rank and levers.sink <= page_size
             and levers.outliers <= MAX_OUTLIERS and (not levers.pagerope or k.mode == CHANNEL_GROUPS)
             and (not levers.sink or levers.sink_k != NONE) and (not levers.outliers or levers.out_index != NONE))
 
@@ -79,7 +89,7 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, g
     usable GPU with room for its shared memory, whose variant has not failed to compile or load, and that is
     not being captured into a CUDA graph before its first load."""
     if not (PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group)
-            and supports_levers(k, levers, page_size)
+            and supports_levers(k, levers, page_size, head_dim)
             and q_dtype in _DTYPE_KIND and dense_dtype in (torch.float16, torch.bfloat16) and available(device)[0]):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -156,6 +166,7 @@ class Config:
     outliers: int = 0
     vrot: bool = False
     page_rope: bool = False
+    rope_token: bool = False  # keys stored before RoPE, turned per token in the kernel
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -164,22 +175,28 @@ class Config:
                 f"-DNSTAGE={self.stages}", f"-DNWARPS={self.warps}", f"-DMINB={self.min_blocks}",
                 f"-DK_CHAN={int(self.k_chan)}", f"-DK_CENT={self.centroids}", f"-DC_KIND={self.c_kind}",
                 f"-DSINK={self.sink}", f"-DOUT_N={self.outliers}", f"-DVROT={int(self.vrot)}",
-                f"-DPAGE_ROPE={int(self.page_rope)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
+                f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
+                f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
     def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
         d, p, n = self.head_dim, self.page, 8
         kes = 1 if self.k_kind == 0 else 2
         extra = ((2 * d * kes if self.k_chan else 0) + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
-                 + (4 * d if self.page_rope else 0))
+                 + (4 * d if self.page_rope or self.rope_token else 0))
         stage = 2 * p * (d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.outliers:
             sp = max(sp, p * n * 4)
-        table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4  # q . centroid [32][N] and the centroids' fragments
-        ring = self.warps * (self.stages * stage + sp + (table if self.centroids else 0))
+        if self.rope_token:  # centroid values as fp16 pairs; each lane's scale and zero pairs
+            table = 32 * d * 2 if self.centroids else 0
+            table += 2 * 8 * (d // 64) * 32 * 4
+        else:  # q . centroid [32][N] and the centroids' fragments
+            table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0
+        ring = self.warps * (self.stages * stage + sp + table)
+        rot = 2 * p * d if self.rope_token else 0  # R(t) per CTA
         merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
-        return ring + merge if self.vrot else max(ring, merge)
+        return ring + rot + merge if self.vrot else max(ring + rot, merge)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
@@ -193,7 +210,8 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
                 ("v_scales", ctypes.c_int), ("v_zeros", ctypes.c_int), ("book", ctypes.c_uint64),
                 ("slots", ctypes.c_uint64), ("base_cos", ctypes.c_uint64), ("base_sin", ctypes.c_uint64),
                 ("book_bytes", ctypes.c_longlong), ("k_assign", ctypes.c_int), ("k_book", ctypes.c_int),
-                ("k_cscale", ctypes.c_int), ("out_index", ctypes.c_int), ("out_value", ctypes.c_int)]
+                ("k_cscale", ctypes.c_int), ("out_index", ctypes.c_int), ("out_value", ctypes.c_int),
+                ("local_cos", ctypes.c_uint64), ("local_sin", ctypes.c_uint64)]
 
 
 class _Driver:
@@ -318,16 +336,18 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
     return Config(head_dim, page_size, 1 if chan else head_dim // k.group, head_dim // v.group, k.kind, v.kind,
                   bool(k.symmetric), bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps,
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
-                  lv.outliers, bool(lv.vrot), bool(lv.pagerope))
+                  lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope))
 
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,
            schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4, min_blocks: int = 0,
-           codebooks: torch.Tensor | None = None, levers: LeverScheme | None = None, tables=None) -> None:
+           codebooks: torch.Tensor | None = None, levers: LeverScheme | None = None, tables=None,
+           prerope: bool | None = None) -> None:
     """Write the split partials of decode attention (as the Triton kernels do) for a supported layout.
 
     ``codebooks``: the layer's codebook slots (key centroids, sinks); ``levers``: the layer's lever scheme
-    (`supports_levers`); ``tables``: `kvbackend.kernels.levers.lever_tables` for page-relative keys."""
+    (`supports_levers`); ``tables``: `kvbackend.kernels.levers.lever_tables` for page-relative and pre-RoPE
+    keys; ``prerope``: overrides `PREROPE` (tests)."""
     k, v = schemes
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
@@ -336,13 +356,13 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     if not supports(k, v, p, d, group):
         raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
                          f"head_dim {d}, {group} query heads per KV head)")
-    if not supports_levers(k, levers, p):
+    if not supports_levers(k, levers, p, d, prerope):
         raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}); pre-RoPE keys and "
                          "PSAC rows are read by the plain Triton kernel (mma=False)")
     if k.stages and (codebooks is None or not codebooks.numel()):
         raise ValueError("key centroids live in the codebook slots: pass codebooks=")
-    if levers is not None and levers.pagerope and tables is None:
-        raise ValueError("page-relative keys need the R(p0) tables (kvbackend.kernels.levers.lever_tables)")
+    if levers is not None and (levers.pagerope or levers.prerope) and tables is None:
+        raise ValueError("keys stored before RoPE need its tables (kvbackend.kernels.levers.lever_tables)")
     if b == 0:
         return
     if pages.data_ptr() % 16 or dense.data_ptr() % 16 or pages.shape[1] % 16:
@@ -355,15 +375,19 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     zero_v = v.zeros if not v.symmetric else v.scales
     lv = levers or LeverScheme()
     book = codebooks if codebooks is not None and codebooks.numel() else pages  # never read without centroids
-    cos = tables.base_cos if lv.pagerope else q
-    sin = tables.base_sin if lv.pagerope else q
+    rope = lv.pagerope or lv.prerope
+    cos = tables.base_cos if rope else q
+    sin = tables.base_sin if rope else q
+    local_cos = tables.local_cos if lv.prerope else q
+    local_sin = tables.local_sin if lv.prerope else q
     params = _Params(q.data_ptr(), o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(), pages.data_ptr(),
                      dense.data_ptr(), plan.page_ids.data_ptr(), plan.valid.data_ptr(), plan.req_start.data_ptr(),
                      plan.req_pages.data_ptr(), plan.req_packed.data_ptr(), float(scale_log2), int(per_split),
                      int(splits), int(h), int(group), int(pages.shape[1]), int(k.codes), int(k.scales), int(zero_k),
                      int(v.codes), int(v.scales), int(zero_v), book.data_ptr(), plan.slots.data_ptr(),
                      cos.data_ptr(), sin.data_ptr(), int(book.shape[-1]), max(k.assign, 0), max(k.codebook, 0),
-                     max(k.centroid_scales, 0), max(lv.out_index, 0), max(lv.out_value, 0))
+                     max(k.centroid_scales, 0), max(lv.out_index, 0), max(lv.out_value, 0), local_cos.data_ptr(),
+                     local_sin.data_ptr())
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):  # the driver launches in the current context: make it q's device's

@@ -523,7 +523,7 @@ def levers(copy_bw):
             kernels = [0] + [1] * (folded_decode.supports(*schemes, p, dim) and folded_decode.supports_levers(schemes[0], lv))
             kernels += [2] * (planar_decode.supports(*schemes, p, dim) and not lv.active)
             kernels += [3] * (mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.available()[0]
-                              and mma_decode.supports_levers(schemes[0], lv, p))
+                              and mma_decode.supports_levers(schemes[0], lv, p, dim))
             configs = [(kern, u, w, st) for kern in kernels for u in ((0, 1) if kern == 0 else (0,))
                        for w in ((4,) if kern == 3 else (4, 8)) for st in (1, 2)]
             if QUICK:

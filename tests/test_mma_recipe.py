@@ -75,7 +75,7 @@ def test_claims_the_recipe_layouts(codec, head_dim, page_size, chunk_pages, leng
     cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
     (_, _, _, schemes, _), levers = _inputs(cache, ids)
     assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
-    assert mma_decode.supports_levers(schemes[0], levers, page_size)
+    assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)
 
 
 def test_refuses_what_it_does_not_read():
@@ -83,7 +83,7 @@ def test_refuses_what_it_does_not_read():
         cache, ids, _ = recipe_cache(codec, 64, page_size, 1, [page_size], 1, 2)
         (_, _, _, schemes, _), levers = _inputs(cache, ids)
         return mma_decode.supports(*schemes, page_size, 64, 2) and mma_decode.supports_levers(schemes[0], levers,
-                                                                                               page_size)
+                                                                                               page_size, 64)
 
     assert claims(f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16")
     assert not claims(f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,prerope=true")  # per token
@@ -103,11 +103,34 @@ def test_refuses_what_it_does_not_read():
     mma_decode.Config(64, 16, 1, 1, 1, 2, True, False, 3, 1, stages=3, warps=8, k_chan=True, centroids=4, c_kind=2,
                       outliers=5, vrot=True),
     mma_decode.Config(64, 32, 1, 1, 2, 2, False, True, 1, 2, k_chan=True, sink=32, page_rope=True),
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, outliers=16,
+                      vrot=True, rope_token=True),
+    mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, rope_token=True),
 ])
 def test_recipe_switches_compile_for_hopper(config, tmp_path, monkeypatch):
     """Every switch compiles, and the launcher's shared-memory count equals the kernel's (a static_assert)."""
     monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
     assert mma_decode.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
+
+
+PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): the kernel's path is off by default until these pass on a GPU
+    (f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,prerope=true,outliers=16", 128, 64, 2,
+     [700, 150, 64], 2, 4, 24),  # L0's base: the recommended layout without PSAC rows
+    ("kivi:bits=2,group=64,prerope=true", 128, 64, 2, [333, 90], 3, 8, 8),  # no centroids, fp16 scales
+    (f"{BASE},kchannel=32,centroids=5,prerope=true,outliers=5,sink=3", 128, 32, 3, [150, 40], 2, 2, 64),  # bf16
+]
+
+
+@pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", PREROPE_CASES)
+def test_pre_rope_keys_are_refused_until_their_path_has_run_on_a_gpu(codec, head_dim, page_size, chunk_pages, lengths,
+                                                                       heads, ratio, programs):
+    cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    assert mma_decode.PREROPE is False
+    assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
+    assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)
+    assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=True)
+    assert not mma_decode.supports_levers(schemes[0], levers, page_size, 64, prerope=True)  # head_dim 128 only
 
 
 def _reference(cache, ids, q):
@@ -135,6 +158,28 @@ def test_recipe_layouts_match_the_reference(codec, head_dim, page_size, chunk_pa
     default, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary)  # picks the kernel
     assert torch.equal(default, paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary,
                                              mma=True)[0])
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", PREROPE_CASES)
+def test_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=7)
+    args, levers = _inputs(cache, ids)
+    assert levers.prerope
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    want, want_lse = _reference(cache, ids, q)
+    for n in (programs, 1, 4096):
+        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
+                                mma_options={"prerope": True})
+        assert torch.isfinite(out.float()).all(), n
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
+        assert torch.allclose(lse, want_lse, atol=2e-2), n
+    off = dataclasses.replace(levers, prerope=False)  # the rotation is read: without it the output moves
+    wrong, _ = paged_decode(q, *args, target_programs=programs, levers=off if off.active else LeverScheme(),
+                            rotary=rotary, mma=True)
+    assert float((wrong.float() - out.float()).norm() / out.float().norm()) > 1e-3
 
 
 @gpu
