@@ -371,9 +371,10 @@ __device__ __forceinline__ float centroid_value(const uint32_t* r, int j) {
 }
 
 // Key centroids as the A operand of the table product q . centroid (M = 32 rows in two tiles, K = channels
-// in the query fragments' order, each value times 4^(p % 4) to undo the fragment's 4^-(p % 4)), built once
-// per codebook slot into this warp's shared memory (CF words per lane, interleaved by lane); rows >= K_CENT
-// are zero. Returns the fp16 scale of fp8 centroids (1 for bf16).
+// in the query fragments' order, each value times 4^(p % 4) / 64 to undo the fragment's 4^-(p % 4) without
+// leaving fp16's range: a bf16 centroid of 1024 times 64 would be inf), built once per codebook slot into this
+// warp's shared memory (CF words per lane, interleaved by lane); rows >= K_CENT are zero. Returns the factor
+// the table takes on: 64 times the fp16 scale of fp8 centroids (64 for bf16).
 constexpr int CF_WORDS = 2 * NB * 4 * 4;  // per lane: [m2][b][ks][a0..a3]
 
 __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, int64_t slot, int h, int gid,
@@ -404,14 +405,14 @@ __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, 
         for (int e = 0; e < 2; ++e) {  // a0/a1: positions (2 ks, 2 ks + 8) of rows j0/j1; a2/a3: (2 ks + 1, 2 ks + 9)
           const int p = 2 * ks + e;
           const int jl = 4 * (p >> 2) + 3 - (p & 3);
-          const float f = static_cast<float>(1 << (2 * (p & 3)));
+          const float f = static_cast<float>(1 << (2 * (p & 3))) * (1.f / 64.f);
           const int at = ((m2 * NB + b) * 4 + ks) * 4 + 2 * e;
           cf[at * 32 + lane] = pack_half2(centroid_value(r0, jl) * f, centroid_value(r0, jl + 8) * f);
           cf[(at + 1) * 32 + lane] = pack_half2(centroid_value(r1, jl) * f, centroid_value(r1, jl + 8) * f);
         }
     }
   }
-  return cs;
+  return cs * 64.f;
 }
 
 // Pre-RoPE keys: the slot's centroids times their scale as fp16 pairs (channels c, c + 8), c = 16 w + jl:
@@ -884,16 +885,18 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
         for (int e = 0; e < 2; ++e)
           *reinterpret_cast<float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig) = make_float2(0.f, 0.f);
       __syncwarp();
-      for (int x = lane; x < OUT_N * N; x += 32) {
-        const int o = x % OUT_N, col = x / OUT_N;
-        if (col >= a.group) continue;
+      // lane (column lane % 8, slice lane / 8) adds the outliers of its tokens (16-token tiles mt with mt % 4 ==
+      // slice) in index order: one writer per cell, no atomics, the same sums on every run
+      const int col = lane & 7, slice = lane >> 3;
+      for (int o = 0; o < OUT_N; ++o) {
+        if (col >= a.group) break;
         const int half = ((o * a.H + h) & 1) * 16;
         const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
         const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
         const float value = __half2float(*reinterpret_cast<const __half*>(&vb));
         const int t = pos / D, d = pos % D;
         const int64_t row = (static_cast<int64_t>(r) * Hq + h * a.group + col) * D;
-        if (t >= P) continue;
+        if (t >= P || ((t >> 4) & 3) != slice) continue;
         float qd = load_float<Q_KIND>(a.q, row + d);
         if (PAGE_ROPE) {
           const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, row + d + D / 2) : -load_float<Q_KIND>(a.q, row + d - D / 2);
@@ -906,7 +909,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
           const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
           qd = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
         }
-        atomicAdd(corr + t * N + col, qd * a.scale_log2 * value);
+        corr[t * N + col] += qd * a.scale_log2 * value;
       }
       __syncwarp();
 #pragma unroll

@@ -200,6 +200,59 @@ def test_each_lever_path_is_read():
 
 
 @gpu
+def test_large_bf16_centroids_and_a_reused_centroid_table():
+    """bf16 centroids of 1500 in channel 0 (the table's operand once overflowed fp16 there: an inf score, a NaN
+    head), and 8-page chunks of 16-token pages read by one program, so a warp's next page is in the same chunk
+    and reuses the centroid table it built (no page-relative keys)."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    gen = torch.Generator().manual_seed(21)
+    heads, d, ratio = 2, 128, 4
+    rotary = _rotary(d)
+    for codec, page, chunk in ((f"{BASE},kchannel=64,centroids=4", 64, 2), (f"{BASE},kchannel=16,centroids=4", 16, 8)):
+        data = []
+        for n in (460, 300):
+            k = torch.randn(n, heads, d, generator=gen)
+            k[..., 0] += 1500
+            k[..., 1] -= 900
+            data.append((k.bfloat16(), torch.randn(n, heads, d, generator=gen).bfloat16()))
+        caches = []  # the kernel's bf16 cache and a float32 twin for the reference (bf16 reads round 1500 by 4)
+        for dtype in (torch.bfloat16, torch.float32):
+            cache = KVCache(Geometry(1, heads, d, dtype),
+                            CacheConfig(codec=codec, page_size=page, chunk_pages=chunk, dense_pages=128,
+                                        packed_pages=128, device=DEVICE, backend="torch"), rotary=rotary)
+            ids = []
+            for k, v in data:
+                rid, _ = cache.add_request()
+                cache.append(rid, 0, k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE))
+                ids.append(rid)
+            caches.append((cache, ids))
+        (cache, ids), (twin, twin_ids) = caches
+        args, _ = _inputs(cache, ids)
+        q = (torch.randn(2, heads * ratio, d, generator=gen) * 0.05).bfloat16().to(DEVICE)
+        want, want_lse = _reference(twin, twin_ids, q)
+        for programs in (1, 16):
+            out, lse = paged_decode(q, *args, target_programs=programs, mma=True)
+            assert torch.isfinite(out.float()).all(), (codec, programs)
+            assert float((out.float() - want).norm() / want.norm()) < 1e-2, (codec, programs)
+            assert torch.allclose(lse, want_lse, atol=2e-2), (codec, programs)
+
+
+@gpu
+def test_outlier_sums_are_the_same_on_every_run():
+    """Several outliers in one token: the kernel adds them in a fixed order (no atomics), bit for bit."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids, rotary = recipe_cache(f"{BASE},kchannel=32,centroids=4,outliers=40", 64, 32, 1, [200, 96], 2, 4, seed=9)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(2, 8, 64, device=DEVICE).bfloat16()
+    first = paged_decode(q, *args, target_programs=8, levers=levers, rotary=rotary, mma=True)
+    for _ in range(5):
+        again = paged_decode(q, *args, target_programs=8, levers=levers, rotary=rotary, mma=True)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@gpu
 def test_large_key_scales_and_small_queries():
     """Per-channel scales fold into fp16 query fragments normalized by the page's largest scale: channels
     whose scales differ by 2^12 (keys up to about 127), and a query 1e-3 small, still match the reference.
