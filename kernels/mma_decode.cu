@@ -35,7 +35,10 @@
 //   - ROPE_TOKEN: keys stored before RoPE (head_dim 128). Nothing folds: each key is dequantized into the
 //     fp16 operand (code x scale + zero + its centroid), and turned by R(t) for its position t in the page,
 //     the RoPE partner of a thread's channel c being channel c + 64 of the same thread; the query turns by
-//     R(p0)^T once per page. R(t) is a table in shared memory, filled once per CTA.
+//     R(p0)^T once per page. R(t) is a table in shared memory, filled once per CTA;
+//   - PSAC_R (with ROPE_TOKEN): PSAC rows of rank PSAC_R (a multiple of 4), PSAC_ROWS per page and head
+//     (PSAC_SPARSE: each names its token; else row i is token i): each row's correction basis x codes x scale
+//     joins its token's key before RoPE, from fp16 pairs built once per page (the basis kept per slot).
 //
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
 // per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
@@ -106,6 +109,15 @@
 #ifndef ROPE_TOKEN
 #define ROPE_TOKEN 0
 #endif
+#ifndef PSAC_R
+#define PSAC_R 0
+#endif
+#ifndef PSAC_ROWS
+#define PSAC_ROWS 0
+#endif
+#ifndef PSAC_SPARSE
+#define PSAC_SPARSE 0
+#endif
 #ifndef MINB
 #define MINB 0  // CTAs per SM the register allocation must allow (__launch_bounds__); 0: the compiler's choice
 #endif
@@ -127,15 +139,19 @@ constexpr int VES = V_KIND == 0 ? 1 : 2;
 constexpr int KCH_BYTES = K_CHAN ? 2 * D * KES : 0;                  // per-channel key scales, then zeros
 constexpr int OUT_BYTES = OUT_N ? (8 * OUT_N + 15) / 16 * 16 : 0;   // outlier index words, value words
 constexpr int ROPE_BYTES = (PAGE_ROPE || ROPE_TOKEN) ? 4 * D : 0;   // R(p0): cos [D/2], sin [D/2] floats
+constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16 * 16 : 0;  // PSAC codes, scale and
+                                                                                          // token words per row
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
-constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES;
+constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
 constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
 constexpr int SP_BYTES = (OUT_N && P * N * 4 > SP0_BYTES) ? P * N * 4 : SP0_BYTES;  // also outlier terms [P][N] f32
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (CF_WORDS x 32 lanes)
 constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? 32 * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
 constexpr int SZ_BYTES = ROPE_TOKEN ? 2 * 8 * NB * 32 * 4 : 0;     // pre-RoPE keys: scale and zero pairs per lane
-constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
+// PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
+constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + PSAC_ROWS * D * 2 + (P + 15) / 16 * 16 : 0;
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES + PB_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
 constexpr int MERGE_OFF = VROT ? RING_BYTES + ROT_BYTES : 0;  // rotated values: each warp's packed output waits there
@@ -153,6 +169,8 @@ static_assert(VG == 1 || VG == NB, "value scale groups: one per head or one per 
 static_assert(!K_CHAN || KG == 1, "per-channel key scales fold into the query: one accumulator");
 static_assert(!PAGE_ROPE || K_CHAN, "page-relative keys are read with per-channel key scales");
 static_assert(!ROPE_TOKEN || (K_CHAN && D == 128 && !PAGE_ROPE), "pre-RoPE keys: per-channel scales, head_dim 128");
+static_assert(!PSAC_R || (ROPE_TOKEN && PSAC_R % 4 == 0 && PSAC_R <= 16 && PSAC_ROWS >= 1 && PSAC_ROWS <= P
+                          && (PSAC_SPARSE || PSAC_ROWS == P)), "PSAC rows: with pre-RoPE keys, rank 4/8/12/16");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
 
@@ -298,6 +316,7 @@ struct Params {
   int k_assign, k_book, k_cscale, out_index, out_value;
   const float* local_cos;  // [P, D/2] R(t) within a page, RoPE's scaling included (pre-RoPE keys)
   const float* local_sin;
+  int psac_codes, psac_scale, psac_token, psac_basis;  // PSAC rows: page fields, and the basis in the slot
 };
 
 __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane) {
@@ -339,6 +358,19 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
       const int at = ((i * a.H + h) * 2) & ~3;
       cp_async4(out + i, base + a.out_index + at);
       cp_async4(out + OUT_N + i, base + a.out_value + at);
+    }
+  }
+  if (PSAC_R) {  // per row: its R codes (R / 4 words), the word holding its fp16 scale, and its token's byte
+    uint32_t* ps = reinterpret_cast<uint32_t*>(extra + KCH_BYTES + OUT_BYTES + ROPE_BYTES);
+    for (int i = lane; i < PSAC_ROWS * (PSAC_R / 4 + 2); i += 32) {
+      const int row = i / (PSAC_R / 4 + 2), part = i % (PSAC_R / 4 + 2);
+      if (part < PSAC_R / 4) {
+        cp_async4(ps + row * (PSAC_R / 4) + part, base + a.psac_codes + (row * a.H + h) * PSAC_R + 4 * part);
+      } else if (part == PSAC_R / 4) {
+        cp_async4(ps + PSAC_ROWS * PSAC_R / 4 + row, base + a.psac_scale + (((row * a.H + h) * 2) & ~3));
+      } else if (PSAC_SPARSE) {
+        cp_async4(ps + PSAC_ROWS * (PSAC_R / 4 + 1) + row, base + a.psac_token + ((row * a.H + h) & ~3));
+      }
     }
   }
   if (PAGE_ROPE || ROPE_TOKEN) {  // cos and sin of R(p0) for the request's page j: D / 2 floats each
@@ -476,6 +508,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   float ct_scale = 1.f;
   uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
   uint32_t* sz = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES);
+  uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
+  const __nv_bfloat16* pbasis = reinterpret_cast<const __nv_bfloat16*>(pbase);        // [D][R] of the slot
+  uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
+  signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + PSAC_ROWS * D * 2);  // token -> row
   const __half2* rot_cos = reinterpret_cast<const __half2*>(smem + RING_BYTES);  // R(t): [P][D / 4] pairs
   const __half2* rot_sin = rot_cos + P * D / 4;
   if (ROPE_TOKEN) {  // the page's R(t) table, once per CTA: pairs (c, c + 8), c = 16 w + jl < D / 2
@@ -693,14 +729,47 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
             sz[(8 * NB + at) * 32 + lane] = pack_half2(z0, z1);
           }
         }
-      if (K_CENT) {
+      if (K_CENT || PSAC_R) {
         const int slot = a.slots[start + jpage];
         if (slot != ct_slot) {
           __syncwarp();
-          centroid_values(cvt, a, slot, h, lane);
+          if (K_CENT) centroid_values(cvt, a, slot, h, lane);
+          if (PSAC_R) {  // the slot's basis for this head: [D][R] bf16, contiguous
+            const uint4* from = reinterpret_cast<const uint4*>(a.book + slot * a.book_bytes + a.psac_basis
+                                                               + static_cast<int64_t>(h) * D * PSAC_R * 2);
+            uint4* to = reinterpret_cast<uint4*>(pbase);
+            for (int i = lane; i < D * PSAC_R * 2 / 16; i += 32) to[i] = from[i];
+          }
           __syncwarp();
           ct_slot = slot;
         }
+      }
+      if (PSAC_R) {  // this page's corrections: basis x codes x scale, per row, as fp16 pairs (c, c + 8)
+        const uint32_t* ps = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES + OUT_BYTES + ROPE_BYTES);
+        if (PSAC_SPARSE) {
+          for (int t = lane; t < P; t += 32) pmap[t] = -1;
+          __syncwarp();
+          for (int row = lane; row < PSAC_ROWS; row += 32) {
+            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
+            if (tok < P) pmap[tok] = static_cast<signed char>(row);
+          }
+        }
+        for (int i = lane; i < PSAC_ROWS * D / 2; i += 32) {
+          const int row = i / (D / 2), w = (i / 8) % (D / 16), jl = i % 8;
+          const int c = 16 * w + jl;
+          const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
+          const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
+          const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
+          float lo = 0.f, hi = 0.f;
+#pragma unroll
+          for (int rr = 0; rr < PSAC_R; ++rr) {
+            const float coef = __half2float(__float2half_rn(static_cast<float>(codes[rr]) * scale));  // fp16, as the
+            lo += coef * __bfloat162float(pbasis[c * PSAC_R + rr]);                                  // Triton path
+            hi += coef * __bfloat162float(pbasis[(c + 8) * PSAC_R + rr]);
+          }
+          pv[i] = pack_half2(lo, hi);
+        }
+        __syncwarp();
       }
     }
     if (K_CHAN && !ROPE_TOKEN) {
@@ -795,12 +864,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
           wv[b][1] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t1, b) + 4 * tig);
         }
         int ids[2] = {0, 0};
-        if (K_CENT) {
+        int prow[2] = {-1, -1};  // PSAC row of each token, -1 for none
 #pragma unroll
-          for (int r2 = 0; r2 < 2; ++r2) {
-            const int t = t0 + 8 * r2;
-            ids[r2] = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
-          }
+        for (int r2 = 0; r2 < 2; ++r2) {
+          const int t = t0 + 8 * r2;
+          if (K_CENT) ids[r2] = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+          if (PSAC_R) prow[r2] = PSAC_SPARSE ? static_cast<int>(pmap[t]) : t;
         }
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
@@ -820,6 +889,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
                 val[b] = __hfma2(as_half2(codes_at(w, p & 3)), as_half2(sz[at * 32 + lane]),
                                  as_half2(sz[(8 * NB + at) * 32 + lane]));
                 if (K_CENT) val[b] = __hadd2(val[b], as_half2(cvt[ids[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
+                if (PSAC_R && prow[r2] >= 0)
+                  val[b] = __hadd2(val[b], as_half2(pv[prow[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
               }
               const __half2 cs = rot_cos[t * (D / 4) + 8 * tig + jl], sn = rot_sin[t * (D / 4) + 8 * tig + jl];
               ar[0][e][r2] = as_u32(__hsub2(__hmul2(val[0], cs), __hmul2(val[NB - 1], sn)));

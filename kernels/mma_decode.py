@@ -60,20 +60,25 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
 # on a GPU yet: until its tests pass there (`tests/test_mma_recipe.py`, which turn this on), `supports_levers`
 # refuses pre-RoPE keys and the Triton kernels serve them.
 PREROPE = False
+# PSAC rows (with pre-RoPE keys, rank a multiple of 4) likewise: written, compiled, not yet run on a GPU.
+PSAC = False
 
 
 @functools.lru_cache(maxsize=256)
 def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int, head_dim: int = 128,
-                    prerope: bool | None = None) -> bool:
+                    prerope: bool | None = None, psac: bool | None = None) -> bool:
     """Whether the kernel reads a layer's levers (None or inactive: nothing to read). It reads sinks (within
     the first page), key outliers, Hadamard-rotated values and page-relative keys (with per-channel key
-    scales), and pre-RoPE keys where `PREROPE` (or ``prerope``) allows; PSAC rows are read by the Triton
-    kernels."""
+    scales), pre-RoPE keys where `PREROPE` (or ``prerope``) allows, and PSAC rows with pre-RoPE keys where
+    `PSAC` (or ``psac``) allows."""
     if levers is None or not levers.active:
         return True
     rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
                                      and head_dim == 128)
-    return (rope_ok and not levers.psac_rank and levers.sink <= page_size
+    psac_ok = not levers.psac_rank or ((PSAC if psac is None else psac) and levers.prerope and rope_ok
+                                       and levers.psac_rank % 4 == 0 and levers.psac_rows <= page_size
+                                       and (levers.psac_token != NONE or levers.psac_rows == page_size))
+    return (rope_ok and psac_ok and levers.sink <= page_size
             and levers.outliers <= MAX_OUTLIERS and (not levers.pagerope or k.mode == CHANNEL_GROUPS)
             and (not levers.sink or levers.sink_k != NONE) and (not levers.outliers or levers.out_index != NONE))
 
@@ -167,6 +172,9 @@ class Config:
     vrot: bool = False
     page_rope: bool = False
     rope_token: bool = False  # keys stored before RoPE, turned per token in the kernel
+    psac_rank: int = 0  # PSAC rows (with rope_token): rank, rows per page, whether each names its token
+    psac_rows: int = 0
+    psac_sparse: bool = False
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -176,6 +184,7 @@ class Config:
                 f"-DK_CHAN={int(self.k_chan)}", f"-DK_CENT={self.centroids}", f"-DC_KIND={self.c_kind}",
                 f"-DSINK={self.sink}", f"-DOUT_N={self.outliers}", f"-DVROT={int(self.vrot)}",
                 f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
+                f"-DPSAC_R={self.psac_rank}", f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -183,7 +192,8 @@ class Config:
         d, p, n = self.head_dim, self.page, 8
         kes = 1 if self.k_kind == 0 else 2
         extra = ((2 * d * kes if self.k_chan else 0) + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
-                 + (4 * d if self.page_rope or self.rope_token else 0))
+                 + (4 * d if self.page_rope or self.rope_token else 0)
+                 + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0))
         stage = 2 * p * (d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.outliers:
@@ -193,6 +203,8 @@ class Config:
             table += 2 * 8 * (d // 64) * 32 * 4
         else:  # q . centroid [32][N] and the centroids' fragments
             table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0
+        if self.psac_rank:  # the slot's basis, the page's corrections, the token -> row map
+            table += d * self.psac_rank * 2 + self.psac_rows * d * 2 + -(-p // 16) * 16
         ring = self.warps * (self.stages * stage + sp + table)
         rot = 2 * p * d if self.rope_token else 0  # R(t) per CTA
         merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
@@ -211,7 +223,8 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
                 ("slots", ctypes.c_uint64), ("base_cos", ctypes.c_uint64), ("base_sin", ctypes.c_uint64),
                 ("book_bytes", ctypes.c_longlong), ("k_assign", ctypes.c_int), ("k_book", ctypes.c_int),
                 ("k_cscale", ctypes.c_int), ("out_index", ctypes.c_int), ("out_value", ctypes.c_int),
-                ("local_cos", ctypes.c_uint64), ("local_sin", ctypes.c_uint64)]
+                ("local_cos", ctypes.c_uint64), ("local_sin", ctypes.c_uint64), ("psac_codes", ctypes.c_int),
+                ("psac_scale", ctypes.c_int), ("psac_token", ctypes.c_int), ("psac_basis", ctypes.c_int)]
 
 
 class _Driver:
@@ -336,18 +349,19 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
     return Config(head_dim, page_size, 1 if chan else head_dim // k.group, head_dim // v.group, k.kind, v.kind,
                   bool(k.symmetric), bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps,
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
-                  lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope))
+                  lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
+                  lv.psac_token != NONE)
 
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,
            schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4, min_blocks: int = 0,
            codebooks: torch.Tensor | None = None, levers: LeverScheme | None = None, tables=None,
-           prerope: bool | None = None) -> None:
+           prerope: bool | None = None, psac: bool | None = None) -> None:
     """Write the split partials of decode attention (as the Triton kernels do) for a supported layout.
 
     ``codebooks``: the layer's codebook slots (key centroids, sinks); ``levers``: the layer's lever scheme
     (`supports_levers`); ``tables``: `kvbackend.kernels.levers.lever_tables` for page-relative and pre-RoPE
-    keys; ``prerope``: overrides `PREROPE` (tests)."""
+    keys; ``prerope``, ``psac``: override `PREROPE`, `PSAC` (tests)."""
     k, v = schemes
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
@@ -356,7 +370,7 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     if not supports(k, v, p, d, group):
         raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
                          f"head_dim {d}, {group} query heads per KV head)")
-    if not supports_levers(k, levers, p, d, prerope):
+    if not supports_levers(k, levers, p, d, prerope, psac):
         raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}); pre-RoPE keys and "
                          "PSAC rows are read by the plain Triton kernel (mma=False)")
     if k.stages and (codebooks is None or not codebooks.numel()):
@@ -387,7 +401,8 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                      int(v.codes), int(v.scales), int(zero_v), book.data_ptr(), plan.slots.data_ptr(),
                      cos.data_ptr(), sin.data_ptr(), int(book.shape[-1]), max(k.assign, 0), max(k.codebook, 0),
                      max(k.centroid_scales, 0), max(lv.out_index, 0), max(lv.out_value, 0), local_cos.data_ptr(),
-                     local_sin.data_ptr())
+                     local_sin.data_ptr(), max(lv.psac_codes, 0), max(lv.psac_scale, 0), max(lv.psac_token, 0),
+                     max(lv.psac_basis, 0))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):  # the driver launches in the current context: make it q's device's

@@ -269,7 +269,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True
             takes precedence over ``planar`` and ``fold`` and raises where the kernel cannot run or does
             not read the layout.
-        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``, ``prerope``), for probes and tests.
+        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``, ``prerope``, ``psac``), for probes
+            and tests.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -300,9 +301,10 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         usable, why = mma_decode.available(q.device)
         if not usable:
             raise ValueError(f"the tensor-core decode kernel cannot run here: {why}")
-        if not mma_decode.supports_levers(k_scheme, levers, p, d, (mma_options or {}).get("prerope")):
-            raise ValueError("the tensor-core decode kernel does not read pre-RoPE keys or PSAC rows; the plain "
-                             "kernel does (mma=False)")
+        options = mma_options or {}
+        if not mma_decode.supports_levers(k_scheme, levers, p, d, options.get("prerope"), options.get("psac")):
+            raise ValueError("the tensor-core decode kernel does not read these levers (pre-RoPE keys and PSAC rows "
+                             "wait for their GPU tests); the plain kernel does (mma=False)")
     if levers is not None and not mma:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
         if planar:
             raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")

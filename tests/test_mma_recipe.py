@@ -106,6 +106,10 @@ def test_refuses_what_it_does_not_read():
     mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, outliers=16,
                       vrot=True, rope_token=True),
     mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, rope_token=True),
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, outliers=16,
+                      vrot=True, rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True),
+    mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, rope_token=True, psac_rank=8,
+                      psac_rows=32),
 ])
 def test_recipe_switches_compile_for_hopper(config, tmp_path, monkeypatch):
     """Every switch compiles, and the launcher's shared-memory count equals the kernel's (a static_assert)."""
@@ -118,7 +122,13 @@ PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): the kernel's path is off by d
      [700, 150, 64], 2, 4, 24),  # L0's base: the recommended layout without PSAC rows
     ("kivi:bits=2,group=64,prerope=true", 128, 64, 2, [333, 90], 3, 8, 8),  # no centroids, fp16 scales
     (f"{BASE},kchannel=32,centroids=5,prerope=true,outliers=5,sink=3", 128, 32, 3, [150, 40], 2, 2, 64),  # bf16
+    # the recommended spec itself: PSAC rows (rank 4, a sixteenth of the tokens) with pre-RoPE keys
+    ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,outliers=16", 128, 64, 2, [700, 150, 64], 2, 4, 24),
+    ("quantwm:kchannel=32,rank=8,keep=0.25,centroids=4,vcluster=false,prerope=true", 128, 32, 2, [200, 45], 2, 3, 8),
+    ("quantwm:kchannel=32,rank=4,keep=1,centroids=4,vcluster=false,prerope=true", 128, 32, 2, [130], 2, 2, 8),  # dense
 ]
+OPT_IN = {"prerope": True, "psac": True}  # the paths that wait for their GPU tests
 
 
 @pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", PREROPE_CASES)
@@ -126,11 +136,13 @@ def test_pre_rope_keys_are_refused_until_their_path_has_run_on_a_gpu(codec, head
                                                                        heads, ratio, programs):
     cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
     (_, _, _, schemes, _), levers = _inputs(cache, ids)
-    assert mma_decode.PREROPE is False
+    assert mma_decode.PREROPE is False and mma_decode.PSAC is False
     assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
     assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)
-    assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=True)
-    assert not mma_decode.supports_levers(schemes[0], levers, page_size, 64, prerope=True)  # head_dim 128 only
+    assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, **OPT_IN)
+    assert not mma_decode.supports_levers(schemes[0], levers, page_size, 64, **OPT_IN)  # head_dim 128 only
+    if levers.psac_rank:  # PSAC rows need their own opt-in
+        assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=True)
 
 
 def _reference(cache, ids, q):
@@ -172,14 +184,16 @@ def test_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chunk_pag
     want, want_lse = _reference(cache, ids, q)
     for n in (programs, 1, 4096):
         out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
-                                mma_options={"prerope": True})
+                                mma_options=OPT_IN)
         assert torch.isfinite(out.float()).all(), n
         assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
         assert torch.allclose(lse, want_lse, atol=2e-2), n
-    off = dataclasses.replace(levers, prerope=False)  # the rotation is read: without it the output moves
-    wrong, _ = paged_decode(q, *args, target_programs=programs, levers=off if off.active else LeverScheme(),
-                            rotary=rotary, mma=True)
-    assert float((wrong.float() - out.float()).norm() / out.float().norm()) > 1e-3
+    # the rotation (and the PSAC rows) are read: without either the output moves
+    for off in (dict(prerope=False, psac_rank=0), dict(psac_rank=0)) if levers.psac_rank else (dict(prerope=False),):
+        partial = dataclasses.replace(levers, **off)
+        wrong, _ = paged_decode(q, *args, target_programs=programs, levers=partial if partial.active else LeverScheme(),
+                                rotary=rotary, mma=True, mma_options=OPT_IN)
+        assert float((wrong.float() - out.float()).norm() / out.float().norm()) > 1e-3, off
 
 
 @gpu
