@@ -58,10 +58,10 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
 
 # Pre-RoPE keys (per-channel key scales, head_dim 128) have a path in the kernel (`ROPE_TOKEN`) that has not run
 # on a GPU yet: until its tests pass there (`tests/test_mma_recipe.py`, which turn this on), `supports_levers`
-# refuses pre-RoPE keys and the Triton kernels serve them.
-PREROPE = False
-# PSAC rows (with pre-RoPE keys, rank a multiple of 4) likewise: written, compiled, not yet run on a GPU.
-PSAC = False
+# refuses pre-RoPE keys and the Triton kernels serve them. PSAC rows (with pre-RoPE keys, rank a multiple of 4)
+# likewise. ``KVBACKEND_MMA_UNTESTED=1`` turns both on (for the GPU run that tests and times them).
+PREROPE = os.environ.get("KVBACKEND_MMA_UNTESTED", "0") == "1"
+PSAC = PREROPE
 
 
 @functools.lru_cache(maxsize=256)

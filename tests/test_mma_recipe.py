@@ -8,6 +8,7 @@ shown to be read (turning its path off changes the output).
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -136,13 +137,15 @@ def test_pre_rope_keys_are_refused_until_their_path_has_run_on_a_gpu(codec, head
                                                                        heads, ratio, programs):
     cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
     (_, _, _, schemes, _), levers = _inputs(cache, ids)
-    assert mma_decode.PREROPE is False and mma_decode.PSAC is False
     assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
-    assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)
+    assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=False, psac=False)
+    if os.environ.get("KVBACKEND_MMA_UNTESTED", "0") != "1":
+        assert mma_decode.PREROPE is False and mma_decode.PSAC is False
+        assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)  # the default refuses
     assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, **OPT_IN)
     assert not mma_decode.supports_levers(schemes[0], levers, page_size, 64, **OPT_IN)  # head_dim 128 only
     if levers.psac_rank:  # PSAC rows need their own opt-in
-        assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=True)
+        assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=True, psac=False)
 
 
 def _reference(cache, ids, q):
