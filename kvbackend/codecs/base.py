@@ -195,6 +195,31 @@ class Codec(ABC):
         dtype = layout.geometry.dtype
         return k.to(dtype), v.to(dtype)
 
+    # Whether `_decode` also takes one codebook slot per page (``[len(pages), codebook_bytes]``) in one pass.
+    per_page_codebooks = False
+
+    def decode_units(self, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reconstruct pages that each have their own codebook slot (``codebooks[i]`` for ``pages[i]``: one-page
+        chunks, as a storage backend keeps them, or one page of each of several layers): ``[len(pages) * P, H, D]``
+        each, the values `decode_pages` gives page by page. One pass where the codec can
+        (`per_page_codebooks`), else a loop.
+
+        Raises:
+            ValueError: ``pages`` and ``codebooks`` disagree in count or size.
+        """
+        if pages.dim() != 2 or codebooks.dim() != 2 or pages.shape[0] != codebooks.shape[0] \
+                or pages.shape[1] != layout.page_bytes or codebooks.shape[1] != layout.codebook_bytes:
+            raise ValueError(f"decode_units needs pages [n, {layout.page_bytes}] and codebooks [n, "
+                             f"{layout.codebook_bytes}], got {tuple(pages.shape)} and {tuple(codebooks.shape)}")
+        if not layout.codebook_bytes or pages.shape[0] <= 1:  # no slot to tell apart
+            return self.decode_pages(layout, pages, codebooks[0] if codebooks.shape[0] else codebooks.reshape(-1))
+        if self.per_page_codebooks:
+            k, v = self._decode(layout, pages, codebooks)
+            dtype = layout.geometry.dtype
+            return k.to(dtype), v.to(dtype)
+        parts = [self.decode_pages(layout, pages[i : i + 1], codebooks[i]) for i in range(pages.shape[0])]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
 
 def all_finite(x: torch.Tensor) -> bool:
     """True when ``x`` holds no NaN or Inf. Its largest and smallest values carry both (max and min

@@ -212,8 +212,9 @@ class QuantWMCodec(QVGCodec):
         if self.spec.rank:
             codes = layout.page.view(pages, "k_psac").float()  # [N, n, H, r]
             scale = layout.page.view(pages, "k_psac_scale").float()  # [N, n, H]
-            u = layout.codebook.view(codebook, "k_psac_basis").float()  # [H, D, r]
-            fix = torch.einsum("pthr,hdr->pthd", codes * scale.unsqueeze(-1), u)  # [N, n, H, D]
+            u = layout.codebook.view(codebook, "k_psac_basis").float()  # [H, D, r], or [N, H, D, r] (a slot per page)
+            equation = "pthr,phdr->pthd" if codebook.dim() == 2 else "pthr,hdr->pthd"
+            fix = torch.einsum(equation, codes * scale.unsqueeze(-1), u)  # [N, n, H, D]
             if self.spec.sparse:  # unused rows have scale 0, so adding them anywhere changes nothing
                 token = layout.page.view(pages, "k_psac_token").long()  # [N, n, H]
                 dense = torch.zeros(fix.shape[0], layout.page_size, *fix.shape[2:], dtype=fix.dtype, device=fix.device)

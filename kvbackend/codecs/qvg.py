@@ -162,12 +162,24 @@ class QVGCodec(Codec):
         return {prefix: self._read_centroids(layout, codebook, prefix) for prefix in ("k", "v")
                 if f"{prefix}_centroids" in layout.codebook}
 
+    per_page_codebooks = True  # `_decode` takes a slot per page too (`Codec.decode_units`)
+
     def _read_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
-        """The stored centroids [S, H, C, D] as float32."""
+        """The stored centroids [S, H, C, D] as float32 ([n, S, H, C, D] for a slot per page)."""
         cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()
         if self.spec.cdtype == "fp8":
             cents = cents * layout.codebook.view(codebook, f"{prefix}_centroid_scales").float()[..., None, None]
         return cents
+
+    def _gather_centroids(self, layout: PageLayout, codebooks, prefix: str, page, stage: int, heads, ids) -> torch.Tensor:
+        """Centroid rows ``[page, stage, heads, ids]`` of per-page slots ``codebooks [n, bytes]`` as float32: the
+        stored bytes are gathered first, so only the rows used are converted (the values `_read_centroids` gives)."""
+        raw = layout.codebook.view(codebooks, f"{prefix}_centroids")  # [n, S, H, C, D]
+        if self.spec.cdtype == "fp8":
+            rows = raw.view(torch.uint8)[page, stage, heads, ids].view(torch.float8_e4m3fn).float()
+            scale = layout.codebook.view(codebooks, f"{prefix}_centroid_scales")[page, stage, heads].float()
+            return rows * scale[..., None]
+        return raw.view(torch.int16)[page, stage, heads, ids].view(torch.bfloat16).float()
 
     def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
         """Centroid index per point of one stage: the k-means (nearest) assignment; subclasses may
@@ -196,9 +208,16 @@ class QVGCodec(Codec):
             if not self._clustered(prefix):
                 out.append(x)
                 continue
-            cents = self._read_centroids(layout, codebook, prefix)  # [S, H, C, D]
             assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
             heads = torch.arange(x.shape[1], device=x.device)
+            if codebook.dim() == 2:  # a slot per page: each token reads its page's centroids, gathered as stored
+                page = (torch.arange(x.shape[0], device=x.device) // layout.page_size)[:, None]
+                for stage in reversed(range(s.stages)):
+                    x = x + self._gather_centroids(layout, codebook, prefix, page, stage, heads[None, :],
+                                                   assign[:, stage])  # [T, H, D]
+                out.append(x)
+                continue
+            cents = self._read_centroids(layout, codebook, prefix)  # [S, H, C, D]
             for stage in reversed(range(s.stages)):
                 x = x + cents[stage][heads, assign[:, stage]]  # [T, H, D]
             out.append(x)
