@@ -206,6 +206,35 @@ if numba is not None:
                         tmp[base + j] = tmp[base + j] * s
             _to_bf16(tmp, out[r])
 
+    @_jit
+    def _unpacked_f32(packed, zero, scale, add_zero, group, table, out):  # as `_unpacked`, float32 out
+        rows, d = out.shape
+        ng = d // group
+        for r in range(rows):
+            row = out[r]
+            _table_codes(packed[r], table, row)
+            for gg in range(ng):
+                gi = r * ng + gg
+                s = scale[gi]
+                z = zero[gi]
+                base = gg * group
+                if add_zero:
+                    for j in range(group):
+                        row[base + j] = row[base + j] * s + z
+                else:
+                    for j in range(group):
+                        row[base + j] = row[base + j] * s
+
+    @_jit
+    def _unpacked_channels_f32(packed, zero, scale, group, table, out):  # as `_unpacked_channels`, float32 out
+        t, c = out.shape
+        for i in range(t):
+            tg = i // group
+            row = out[i]
+            _table_codes(packed[i], table, row)
+            for j in range(c):
+                row[j] = row[j] * scale[tg, j] + zero[tg, j]
+
 
     @_jit
     def _range_channels_bf16(x, group, lo, hi):
@@ -258,6 +287,40 @@ if numba is not None:
             for j in range(c):
                 tmp[j] = tmp[j] * scale[tg, j] + zero[tg, j]
             _to_bf16(tmp, out[i])
+
+
+if numba is not None:
+
+    @_jit
+    def _plus_rows(x, raw, ids, page_of, scale, table, out):
+        # out[t, h] = x[t, h] + table[raw[page_of[t], h, ids[t, h]]] * scale[page_of[t], h]: float32, the torch
+        # path's two roundings (the product, then the sum)
+        t_n, h_n, d_n = x.shape
+        for t in range(t_n):
+            p = page_of[t]
+            for h in range(h_n):
+                s = scale[p, h]
+                row = raw[p, h, ids[t, h]]
+                for d in range(d_n):
+                    out[t, h, d] = x[t, h, d] + table[row[d]] * s
+
+
+_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # every e4m3fn byte
+
+
+def plus_fp8_rows(x: torch.Tensor, raw: torch.Tensor, ids: torch.Tensor, page_of: torch.Tensor,
+                  scale: torch.Tensor) -> torch.Tensor | None:
+    """``x + fp8(raw[page_of, h, ids]) * scale[page_of, h]`` for float32 ``x [T, H, D]``, fp8 bytes ``raw [n, H, C,
+    D]`` (uint8), ids ``[T, H]``, ``page_of [T]`` and float32 ``scale [n, H]``: the torch path's values, bit for bit,
+    in one pass; None where the fused loops do not serve (then the caller's torch path does)."""
+    if not (_usable() and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= MIN_VALUES):
+        return None
+    if int(ids.max()) >= raw.shape[2] or int(ids.min()) < 0:  # damaged ids: let torch's indexing raise
+        return None
+    out = np.empty(tuple(x.shape), np.float32)
+    done = _run(_plus_rows, x.contiguous().numpy(), raw.contiguous().numpy(), ids.contiguous().numpy(),
+                page_of.contiguous().numpy(), scale.float().contiguous().numpy(), _FP8_TABLE, out)
+    return None if done is _FAILED else torch.from_numpy(out)
 
 
 def _keys_to_float(keys: np.ndarray) -> torch.Tensor:
@@ -393,6 +456,27 @@ def unpacked_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     return None if done is _FAILED else torch.from_numpy(out).view(torch.bfloat16).reshape(*packed.shape[:-1], d)
 
 
+def unpacked_f32(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int,
+                 d: int) -> torch.Tensor | None:
+    """As `unpacked_bf16`, in float32: `quant.dequantize`'s values bit for bit (``[..., D]``)."""
+    flat = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
+    out = np.empty((flat.shape[0], d), np.float32)
+    s = scale.float().reshape(-1).contiguous().numpy()
+    z = zero.float().reshape(-1).contiguous().numpy() if zero is not None else s  # symmetric: never read
+    done = _run(_unpacked_f32, flat, z, s, zero is not None, group, _TABLES[(bits, int(zero is None))], out)
+    return None if done is _FAILED else torch.from_numpy(out).reshape(*packed.shape[:-1], d)
+
+
+def unpacked_channels_f32(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+                          c: int) -> torch.Tensor | None:
+    """As `unpacked_channels_bf16`, in float32."""
+    out = np.empty((packed.shape[0], c), np.float32)
+    done = _run(_unpacked_channels_f32, packed.contiguous().numpy(), zero.float().contiguous().numpy(),
+                scale.float().contiguous().numpy(), group, _TABLES[(bits, 0)], out)
+    return None if done is _FAILED else torch.from_numpy(out)
+
+
 def decode_enabled(packed: torch.Tensor, bits: int, out_dtype: torch.dtype | None) -> bool:
-    """Whether `unpacked_bf16` serves a decode of ``packed`` into ``out_dtype``."""
-    return (_usable() and out_dtype == torch.bfloat16 and bits in PACK_BITS and packed.device.type == "cpu" and packed.numel() * 8 // bits >= MIN_VALUES)
+    """Whether `unpacked_bf16` (``out_dtype`` bf16) or `unpacked_f32` (None or float32) serves a decode of
+    ``packed``."""
+    return (_usable() and out_dtype in (torch.bfloat16, torch.float32, None) and bits in PACK_BITS and packed.device.type == "cpu" and packed.numel() * 8 // bits >= MIN_VALUES)

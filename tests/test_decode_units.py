@@ -74,3 +74,25 @@ def test_refuses_mismatched_pages_and_slots():
     for bad_pages, bad_books in ((pages, books[:2]), (pages[:, :-1], books), (pages, books[:, 1:]), (pages[0], books)):
         with pytest.raises(ValueError, match="decode_units needs"):
             codec.decode_units(layout, bad_pages, bad_books)
+
+
+def test_the_fused_centroid_loop_gives_the_torch_values(monkeypatch):
+    """fp8 centroids over enough values for the fused CPU loop (`fastquant.plus_fp8_rows`): the same bits as the
+    torch gather, which is what runs when the loop does not serve."""
+    from kvbackend import fastquant
+
+    if fastquant.numba is None:
+        pytest.skip("numba not installed: the torch path is the only one")
+    spec = "quantwm:kchannel=16,rank=4,keep=0.25,centroids=8,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8"
+    codec, layout, pages, books = _units(spec, 40, seed=5)  # 40 x 16 x 3 x 64 values: above MIN_VALUES
+    assert pages.shape[0] * PAGE * 3 * 64 >= fastquant.MIN_VALUES
+    calls = []
+    real = fastquant.plus_fp8_rows
+    monkeypatch.setattr(fastquant, "plus_fp8_rows", lambda *a: calls.append(1) or real(*a))
+    fused = codec.decode_units(layout, pages, books)
+    assert calls and real(torch.zeros(PAGE * 40, 3, 64), layout.codebook.view(books, "k_centroids").view(torch.uint8)[:, 0],
+                          torch.zeros(PAGE * 40, 3, dtype=torch.long), torch.arange(PAGE * 40) // PAGE,
+                          layout.codebook.view(books, "k_centroid_scales")[:, 0]) is not None  # the loop served
+    monkeypatch.setattr(fastquant, "plus_fp8_rows", lambda *a: None)  # the torch gather
+    plain = codec.decode_units(layout, pages, books)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])

@@ -180,3 +180,44 @@ def test_clipped_groups_of_huge_values_stay_finite():
     x[:, ::2] = -3.0e38
     q = quant.quantize(x, 2, False, torch.float16, clip=True)
     assert torch.isfinite(q.scale.float()).all() and torch.isfinite(q.zero.float()).all()
+
+
+@pytest.mark.parametrize("spec,k_mode", [("rtn:bits=2,group=64,scale=fp8", "tokens"),
+                                         ("rtn:bits=4,group=32,symmetric=true", "tokens"),
+                                         ("rtn:bits=8,group=64,scale=bf16", "tokens"), ("rtn:bits=2,group=10", "tokens"),
+                                         ("kivi:bits=2,group=16", "channels"), ("kivi:bits=4,group=32,scale=fp8", "channels")])
+@pytest.mark.parametrize("kind", ["normal", "wide", "flat"])
+def test_float32_group_decodes_are_bit_identical(monkeypatch, spec, k_mode, kind):
+    """`decode_token_groups` / `decode_channel_groups` into float32 (what QVG and QuantWM add centroids and PSAC
+    rows to) from the fused loops equal torch's `dequantize`, bit for bit."""
+    from kvbackend.codecs.groups import decode_channel_groups, decode_token_groups
+
+    gen = torch.Generator().manual_seed(13)
+    dim = 120 if spec.endswith("group=10") else 128
+    codec = codecs.get(spec)
+    layout = codec.layout(Geometry(1, 8, dim, torch.bfloat16), 32)
+    k = _data(kind, (512, 8, dim), gen).bfloat16()
+    chunk = codec.encode(k, _data("normal", (512, 8, dim), gen).bfloat16(), layout, CodecState())
+    s = codec.spec
+    calls = [lambda: decode_token_groups(layout, chunk.pages, "v", s.bits, s.group)]
+    if k_mode == "channels":
+        calls.append(lambda: decode_channel_groups(layout, chunk.pages, "k", s.bits, s.group))
+    else:
+        calls.append(lambda: decode_token_groups(layout, chunk.pages, "k", s.bits, s.group))
+    for call in calls:
+        off, on = _both(monkeypatch, call)
+        assert off.dtype == on.dtype == torch.float32 and torch.equal(off.view(torch.int32), on.view(torch.int32))
+    assert fastquant.decode_enabled(layout.page.view(chunk.pages, "k_codes"), s.bits, None)
+
+
+@pytest.mark.parametrize("spec", ["qvg:kchannel=16,vcluster=false,cdtype=fp8",
+                                  "quantwm:kchannel=32,rank=4,centroids=8,vcluster=false,clip=true"])
+def test_centroid_codecs_reconstruct_the_same_with_the_fused_loops(monkeypatch, spec):
+    gen = torch.Generator().manual_seed(17)
+    codec = codecs.get(spec)
+    layout = codec.layout(Geometry(1, 8, 128, torch.bfloat16), 32)
+    k, v = _data("wide", (512, 8, 128), gen).bfloat16(), _data("normal", (512, 8, 128), gen).bfloat16()
+    chunk = codec.encode(k, v, layout, CodecState(query_moment=torch.eye(128).expand(8, 128, 128).contiguous()))
+    off, on = _both(monkeypatch, lambda: codec.decode_pages(layout, chunk.pages, chunk.codebook))
+    for a, b in zip(off, on):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

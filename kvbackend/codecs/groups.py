@@ -60,7 +60,8 @@ def decode_token_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, bi
     scale = from_pages(page.view(pages, f"{prefix}_scales"))
     zero = from_pages(page.view(pages, f"{prefix}_zeros")) if f"{prefix}_zeros" in page else None
     if fastquant.decode_enabled(packed, bits, out_dtype):
-        out = fastquant.unpacked_bf16(from_pages(packed), scale, zero, bits, group, packed.shape[-1] * 8 // bits)
+        fused = fastquant.unpacked_bf16 if out_dtype == torch.bfloat16 else fastquant.unpacked_f32
+        out = fused(from_pages(packed), scale, zero, bits, group, packed.shape[-1] * 8 // bits)
         if out is not None:
             return out
     codes = from_pages(bitpack.unpack(packed, bits))
@@ -111,8 +112,9 @@ def decode_channel_groups(layout: PageLayout, pages: torch.Tensor, prefix: str, 
     scale = page.view(pages, f"{prefix}_scales").reshape(t // group, h, d)
     zero = page.view(pages, f"{prefix}_zeros").reshape(t // group, h, d)
     if fastquant.decode_enabled(packed, bits, out_dtype):
-        out = fastquant.unpacked_channels_bf16(packed.reshape(t, -1), scale.reshape(t // group, h * d),
-                                               zero.reshape(t // group, h * d), bits, group, h * d)
+        fused = fastquant.unpacked_channels_bf16 if out_dtype == torch.bfloat16 else fastquant.unpacked_channels_f32
+        out = fused(packed.reshape(t, -1), scale.reshape(t // group, h * d), zero.reshape(t // group, h * d), bits,
+                    group, h * d)
         if out is not None:
             return out.reshape(t, h, d)
     codes = bitpack.unpack(packed, bits)

@@ -13,6 +13,8 @@ from typing import ClassVar
 
 import torch
 
+from kvbackend import fastquant
+
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
@@ -211,10 +213,15 @@ class QVGCodec(Codec):
             assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
             heads = torch.arange(x.shape[1], device=x.device)
             if codebook.dim() == 2:  # a slot per page: each token reads its page's centroids, gathered as stored
-                page = (torch.arange(x.shape[0], device=x.device) // layout.page_size)[:, None]
+                page = torch.arange(x.shape[0], device=x.device) // layout.page_size
                 for stage in reversed(range(s.stages)):
-                    x = x + self._gather_centroids(layout, codebook, prefix, page, stage, heads[None, :],
-                                                   assign[:, stage])  # [T, H, D]
+                    fused = None
+                    if s.cdtype == "fp8":  # the fused CPU loop, where it serves: the same values
+                        fused = fastquant.plus_fp8_rows(
+                            x, layout.codebook.view(codebook, f"{prefix}_centroids").view(torch.uint8)[:, stage],
+                            assign[:, stage], page, layout.codebook.view(codebook, f"{prefix}_centroid_scales")[:, stage])
+                    x = fused if fused is not None else x + self._gather_centroids(
+                        layout, codebook, prefix, page[:, None], stage, heads[None, :], assign[:, stage])  # [T, H, D]
                 out.append(x)
                 continue
             cents = self._read_centroids(layout, codebook, prefix)  # [S, H, C, D]
