@@ -170,7 +170,8 @@ static_assert(!K_CHAN || KG == 1, "per-channel key scales fold into the query: o
 static_assert(!PAGE_ROPE || K_CHAN, "page-relative keys are read with per-channel key scales");
 static_assert(!ROPE_TOKEN || (K_CHAN && D == 128 && !PAGE_ROPE), "pre-RoPE keys: per-channel scales, head_dim 128");
 static_assert(!PSAC_R || (ROPE_TOKEN && PSAC_R % 4 == 0 && PSAC_R <= 16 && PSAC_ROWS >= 1 && PSAC_ROWS <= P
-                          && (PSAC_SPARSE || PSAC_ROWS == P)), "PSAC rows: with pre-RoPE keys, rank 4/8/12/16");
+                          && (PSAC_SPARSE ? PSAC_ROWS <= 127 : PSAC_ROWS == P)),
+              "PSAC rows: with pre-RoPE keys, rank 4/8/12/16, sparse rows <= 127 (the token -> row map is signed bytes)");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
 

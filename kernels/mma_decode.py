@@ -77,7 +77,8 @@ def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int,
                                      and head_dim == 128)
     psac_ok = not levers.psac_rank or ((PSAC if psac is None else psac) and levers.prerope and rope_ok
                                        and levers.psac_rank % 4 == 0 and levers.psac_rows <= page_size
-                                       and (levers.psac_token != NONE or levers.psac_rows == page_size))
+                                       and (levers.psac_rows <= 127 if levers.psac_token != NONE
+                                            else levers.psac_rows == page_size))  # the row map holds signed bytes
     return (rope_ok and psac_ok and levers.sink <= page_size
             and levers.outliers <= MAX_OUTLIERS and (not levers.pagerope or k.mode == CHANNEL_GROUPS)
             and (not levers.sink or levers.sink_k != NONE) and (not levers.outliers or levers.out_index != NONE))
@@ -373,8 +374,8 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     if not supports_levers(k, levers, p, d, prerope, psac):
         raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}); pre-RoPE keys and "
                          "PSAC rows are read by the plain Triton kernel (mma=False)")
-    if k.stages and (codebooks is None or not codebooks.numel()):
-        raise ValueError("key centroids live in the codebook slots: pass codebooks=")
+    if (k.stages or (levers is not None and levers.psac_rank)) and (codebooks is None or not codebooks.numel()):
+        raise ValueError("key centroids and PSAC bases live in the codebook slots: pass codebooks=")
     if levers is not None and (levers.pagerope or levers.prerope) and tables is None:
         raise ValueError("keys stored before RoPE need its tables (kvbackend.kernels.levers.lever_tables)")
     if b == 0:

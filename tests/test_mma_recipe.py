@@ -144,8 +144,11 @@ def test_pre_rope_keys_are_refused_until_their_path_has_run_on_a_gpu(codec, head
         assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)  # the default refuses
     assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, **OPT_IN)
     assert not mma_decode.supports_levers(schemes[0], levers, page_size, 64, **OPT_IN)  # head_dim 128 only
-    if levers.psac_rank:  # PSAC rows need their own opt-in
+    if levers.psac_rank:  # PSAC rows need their own opt-in, and sparse rows fit the kernel's signed-byte row map
         assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=True, psac=False)
+        if levers.psac_token != -1:
+            many = dataclasses.replace(levers, psac_rows=128)
+            assert not mma_decode.supports_levers(schemes[0], many, 256, head_dim, **OPT_IN)
 
 
 def _reference(cache, ids, q):
