@@ -221,18 +221,11 @@ class KVBackendStorage(HiCacheStorage):
             raise CorruptStream("the stored page group is not this key's page of this configuration")
         out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)
         spans = [(group.page_span(layer), group.book_span(layer)) for layer in range(g.num_layers)]
-        if self.codec.per_page_codebooks and lay.codebook_bytes:  # every layer's page in one pass of the codec
-            pages = torch.stack([blob[s : s + n] for (s, n), _ in spans])
-            books = torch.stack([blob[s : s + n] for _, (s, n) in spans])
-            k, v = self.frame.from_stored(*self.codec.decode_units(lay, pages, books), 0)
-            shape = (g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
-            out[0], out[1] = k.reshape(shape)[:, : self.page_size], v.reshape(shape)[:, : self.page_size]
-        else:
-            for layer, ((start_page, page_bytes), (start_book, book_bytes)) in enumerate(spans):
-                page = blob[start_page : start_page + page_bytes].view(1, page_bytes)
-                book = blob[start_book : start_book + book_bytes]
-                k, v = self.frame.from_stored(*self.codec.decode_pages(lay, page, book), 0)
-                out[0, layer], out[1, layer] = k[: self.page_size], v[: self.page_size]
+        pages = torch.stack([blob[s : s + n] for (s, n), _ in spans])  # every layer's page and slot: one decode
+        books = torch.stack([blob[s : s + n] for _, (s, n) in spans])
+        k, v = self.frame.from_stored(*self.codec.decode_units(lay, pages, books), 0)
+        shape = (g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
+        out[0], out[1] = k.reshape(shape)[:, : self.page_size], v.reshape(shape)[:, : self.page_size]
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out

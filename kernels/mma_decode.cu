@@ -146,7 +146,7 @@ constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + R
 constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
 constexpr int SP_BYTES = (OUT_N && P * N * 4 > SP0_BYTES) ? P * N * 4 : SP0_BYTES;  // also outlier terms [P][N] f32
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
-                                                    // table [32][N] f32, then its A fragments (CF_WORDS x 32 lanes)
+                                                    // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
 constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? 32 * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
 constexpr int SZ_BYTES = ROPE_TOKEN ? 2 * 8 * NB * 32 * 4 : 0;     // pre-RoPE keys: scale and zero pairs per lane
 // PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
@@ -408,8 +408,6 @@ __device__ __forceinline__ float centroid_value(const uint32_t* r, int j) {
 // leaving fp16's range: a bf16 centroid of 1024 times 64 would be inf), built once per codebook slot into this
 // warp's shared memory (CF words per lane, interleaved by lane); rows >= K_CENT are zero. Returns the factor
 // the table takes on: 64 times the fp16 scale of fp8 centroids (64 for bf16).
-constexpr int CF_WORDS = 2 * NB * 4 * 4;  // per lane: [m2][b][ks][a0..a3]
-
 __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, int64_t slot, int h, int gid,
                                                  int tig, int lane) {
   constexpr int CES = C_KIND == 0 ? 1 : 2;  // bytes per centroid value
