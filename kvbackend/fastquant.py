@@ -185,55 +185,35 @@ if numba is not None:
                 out_row[j] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
     @_jit
+    def _dequant_row(packed_row, r, zero, scale, add_zero, group, table, row):
+        # row r of packed uint8 [rows, D / per] -> float32 [D]: each byte's codes as floats from ``table`` (codes,
+        # or codes - qmax for symmetric layouts), times the scale, plus the zero where there is one (two
+        # roundings, as torch's mul_ then add_)
+        ng = row.shape[0] // group
+        _table_codes(packed_row, table, row)
+        for gg in range(ng):
+            gi = r * ng + gg
+            s = scale[gi]
+            z = zero[gi]
+            base = gg * group
+            if add_zero:
+                for j in range(group):
+                    row[base + j] = row[base + j] * s + z
+            else:
+                for j in range(group):
+                    row[base + j] = row[base + j] * s
+
+    @_jit
     def _unpacked(packed, zero, scale, add_zero, group, table, tmp, out):
-        # packed uint8 [rows, D / per] -> bf16 bits (uint16) [rows, D]: each byte's codes as floats from
-        # ``table`` (codes, or codes - qmax for symmetric layouts), times the scale, plus the zero where there is
-        # one, in float32 (two roundings, as torch's mul_ then add_), then rounded to nearest even as torch does
-        rows, d = out.shape
-        ng = d // group
-        for r in range(rows):
-            _table_codes(packed[r], table, tmp)
-            for gg in range(ng):
-                gi = r * ng + gg
-                s = scale[gi]
-                z = zero[gi]
-                base = gg * group
-                if add_zero:
-                    for j in range(group):
-                        tmp[base + j] = tmp[base + j] * s + z
-                else:
-                    for j in range(group):
-                        tmp[base + j] = tmp[base + j] * s
+        # -> bf16 bits (uint16) [rows, D]: `_dequant_row`, rounded to nearest even as torch does
+        for r in range(out.shape[0]):
+            _dequant_row(packed[r], r, zero, scale, add_zero, group, table, tmp)
             _to_bf16(tmp, out[r])
 
     @_jit
-    def _unpacked_f32(packed, zero, scale, add_zero, group, table, out):  # as `_unpacked`, float32 out
-        rows, d = out.shape
-        ng = d // group
-        for r in range(rows):
-            row = out[r]
-            _table_codes(packed[r], table, row)
-            for gg in range(ng):
-                gi = r * ng + gg
-                s = scale[gi]
-                z = zero[gi]
-                base = gg * group
-                if add_zero:
-                    for j in range(group):
-                        row[base + j] = row[base + j] * s + z
-                else:
-                    for j in range(group):
-                        row[base + j] = row[base + j] * s
-
-    @_jit
-    def _unpacked_channels_f32(packed, zero, scale, group, table, out):  # as `_unpacked_channels`, float32 out
-        t, c = out.shape
-        for i in range(t):
-            tg = i // group
-            row = out[i]
-            _table_codes(packed[i], table, row)
-            for j in range(c):
-                row[j] = row[j] * scale[tg, j] + zero[tg, j]
+    def _unpacked_f32(packed, zero, scale, add_zero, group, table, out):  # -> float32 [rows, D]
+        for r in range(out.shape[0]):
+            _dequant_row(packed[r], r, zero, scale, add_zero, group, table, out[r])
 
 
     @_jit
@@ -278,15 +258,22 @@ if numba is not None:
             _pack_channels_row(_widen_bf16(x[i], wide), zero[i // group], scale[i // group], qmax, bits, q, out[i])
 
     @_jit
-    def _unpacked_channels(packed, zero, scale, group, table, tmp, out):
-        # packed uint8 [T, C / per] -> bf16 bits [T, C]: codes * scale + zero of each channel's token group
-        t, c = out.shape
-        for i in range(t):
-            tg = i // group
-            _table_codes(packed[i], table, tmp)
-            for j in range(c):
-                tmp[j] = tmp[j] * scale[tg, j] + zero[tg, j]
+    def _channels_row(packed_row, tg, zero, scale, table, row):
+        # one token of packed uint8 [T, C / per] -> float32 [C]: codes * scale + zero of its channels' token group
+        _table_codes(packed_row, table, row)
+        for j in range(row.shape[0]):
+            row[j] = row[j] * scale[tg, j] + zero[tg, j]
+
+    @_jit
+    def _unpacked_channels(packed, zero, scale, group, table, tmp, out):  # -> bf16 bits [T, C]
+        for i in range(out.shape[0]):
+            _channels_row(packed[i], i // group, zero, scale, table, tmp)
             _to_bf16(tmp, out[i])
+
+    @_jit
+    def _unpacked_channels_f32(packed, zero, scale, group, table, out):  # -> float32 [T, C]
+        for i in range(out.shape[0]):
+            _channels_row(packed[i], i // group, zero, scale, table, out[i])
 
 
 if numba is not None:
