@@ -225,6 +225,18 @@ class KVBackendTier(SecondaryTierManager):
             kv[:, :, 1].copy_(v.reshape(whole))
             out[block.used_bytes :].copy_(blob[count * layout.page_bytes :])
             return
+        if self.codec.per_page_codebooks and layout.codebook_bytes:  # every worker's and layer's pages in one pass
+            units, unit = block.workers * block.layers, size + layout.codebook_bytes
+            body = blob[: units * unit].view(units, unit)
+            k, v = self.codec.decode_units(layout, body[:, :size].reshape(units * pages, -1),
+                                           body[:, size:].repeat_interleave(pages, dim=0))  # each page its chunk's slot
+            if self.codec.levers.vrot == "hadamard":
+                v = v.float() @ hadamard(block.head_dim).T
+            whole = (block.workers, block.layers, pages * layout.page_size, block.kv_heads, block.head_dim)
+            kv[:, :, 0].copy_(k.reshape(whole)[:, :, : block.tokens].reshape((block.workers, block.layers) + shape))
+            kv[:, :, 1].copy_(v.reshape(whole)[:, :, : block.tokens].reshape((block.workers, block.layers) + shape))
+            out[block.used_bytes :].copy_(blob[units * unit :])
+            return
         for w in range(block.workers):
             for layer in range(block.layers):
                 k, v = self.codec.decode_pages(layout, blob[at : at + size].view(pages, -1),

@@ -347,6 +347,40 @@ def test_blocks_mode_encodes_each_layers_tokens_exactly_as_the_codec_would(tmp_p
     tier.shutdown()
 
 
+@pytest.mark.parametrize("codec", ["qvg:kchannel=32,vcluster=false,cdtype=fp8,centroids=8",
+                                   "quantwm:kchannel=32,rank=0,centroids=8,clip=true,vcluster=false,vrot=hadamard,"
+                                   "cdtype=fp8,outliers=8"])
+def test_blocks_mode_with_centroid_codecs_decodes_as_the_codec(tmp_path, codec):
+    """Codecs with a codebook per chunk (QVG, QuantWM) are decoded for every worker and layer in one pass
+    (`Codec.decode_units`, each page reading its chunk's slot): bit for bit what the codec gives layer by layer
+    on each layer's [tokens, heads, head_dim] K and V."""
+    from kvbackend import Geometry, codecs
+    from kvbackend.codecs.base import CodecState
+    from kvbackend.levers import hadamard
+
+    buf, view, k, v = block_primary("NHD", seed=4)
+    tier = make_tier_with(tmp_path, view, block_spec("NHD"), codec=codec, kv_heads=HEADS, page_tokens=32)
+    assert not tier._batched() and tier.codec.per_page_codebooks  # a codebook per chunk: the one-pass path
+    ks = keys(2)
+    assert run(tier, 1, ks, [0, 1], promotion=False).success
+    buf[2:] = 0
+    assert run(tier, 2, ks, [2, 3], promotion=True).success
+    plain = codecs.get(codec.replace(",vrot=hadamard", ""))  # the tier applies the value rotation itself
+    layout_ = plain.layout(Geometry(1, HEADS, HD, torch.bfloat16), 32)
+    rotate = "vrot=hadamard" in codec
+    for chunk_index in range(2):
+        got = tier.block.kv(torch.from_numpy(buf[2 + chunk_index]), torch.bfloat16)
+        for layer in range(LAYERS):
+            vin = v[chunk_index, layer].float() @ hadamard(HD) if rotate else v[chunk_index, layer]
+            chunk = plain.encode(k[chunk_index, layer], vin, layout_, CodecState())
+            wk, wv = plain.decode_pages(layout_, chunk.pages, chunk.codebook)
+            if rotate:
+                wv = wv.float() @ hadamard(HD).T
+            assert torch.equal(got[0, layer, 0].flatten(0, 1), wk[: BPC * TPB].bfloat16()), (chunk_index, layer)
+            assert torch.equal(got[0, layer, 1].flatten(0, 1), wv[: BPC * TPB].bfloat16()), (chunk_index, layer)
+    tier.shutdown()
+
+
 def test_blocks_mode_value_rotation_round_trips(tmp_path):
     buf, view, k, v = block_primary("NHD")
     tier = make_tier_with(tmp_path, view, block_spec("NHD"), codec="kivi:bits=4,group=32,vrot=hadamard",
