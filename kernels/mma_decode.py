@@ -56,11 +56,11 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
             and 16 <= page_size <= 256 and 1 <= group <= MAX_GROUP)
 
 
-# Pre-RoPE keys (per-channel key scales, head_dim 128) have a path in the kernel (`ROPE_TOKEN`) that has not run
-# on a GPU yet: until its tests pass there (`tests/test_mma_recipe.py`, which turn this on), `supports_levers`
-# refuses pre-RoPE keys and the Triton kernels serve them. PSAC rows (with pre-RoPE keys, rank a multiple of 4)
-# likewise. ``KVBACKEND_MMA_UNTESTED=1`` turns both on (for the GPU run that tests and times them).
-PREROPE = os.environ.get("KVBACKEND_MMA_UNTESTED", "0") == "1"
+# Pre-RoPE keys (per-channel key scales, head_dim 128) and PSAC rows (with pre-RoPE keys, rank a multiple of 4) have
+# their own paths in the kernel (`ROPE_TOKEN`, `PSAC_R`). Their GPU tests (`tests/test_mma_recipe.py`) passed on an
+# H200 (perf/NOTES.md, session 11), so they are on by default; ``KVBACKEND_MMA_PREROPE=0`` sends those layouts back
+# to the Triton kernels.
+PREROPE = os.environ.get("KVBACKEND_MMA_PREROPE", "1") != "0"
 PSAC = PREROPE
 
 

@@ -118,7 +118,7 @@ def test_recipe_switches_compile_for_hopper(config, tmp_path, monkeypatch):
     assert mma_decode.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
 
 
-PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): the kernel's path is off by default until these pass on a GPU
+PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): on by default since their GPU run; an env var turns them off
     (f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,prerope=true,outliers=16", 128, 64, 2,
      [700, 150, 64], 2, 4, 24),  # L0's base: the recommended layout without PSAC rows
     ("kivi:bits=2,group=64,prerope=true", 128, 64, 2, [333, 90], 3, 8, 8),  # no centroids, fp16 scales
@@ -129,19 +129,19 @@ PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): the kernel's path is off by d
     ("quantwm:kchannel=32,rank=8,keep=0.25,centroids=4,vcluster=false,prerope=true", 128, 32, 2, [200, 45], 2, 3, 8),
     ("quantwm:kchannel=32,rank=4,keep=1,centroids=4,vcluster=false,prerope=true", 128, 32, 2, [130], 2, 2, 8),  # dense
 ]
-OPT_IN = {"prerope": True, "psac": True}  # the paths that wait for their GPU tests
+OPT_IN = {"prerope": True, "psac": True}  # explicit, so the tests run them whatever the env var says
 
 
 @pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", PREROPE_CASES)
-def test_pre_rope_keys_are_refused_until_their_path_has_run_on_a_gpu(codec, head_dim, page_size, chunk_pages, lengths,
-                                                                       heads, ratio, programs):
+def test_pre_rope_keys_are_read_by_default_and_refused_when_turned_off(codec, head_dim, page_size, chunk_pages, lengths,
+                                                                        heads, ratio, programs):
     cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
     (_, _, _, schemes, _), levers = _inputs(cache, ids)
     assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
     assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, prerope=False, psac=False)
-    if os.environ.get("KVBACKEND_MMA_UNTESTED", "0") != "1":
-        assert mma_decode.PREROPE is False and mma_decode.PSAC is False
-        assert not mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)  # the default refuses
+    if os.environ.get("KVBACKEND_MMA_PREROPE", "1") != "0":
+        assert mma_decode.PREROPE is True and mma_decode.PSAC is True
+        assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim)  # the default reads them
     assert mma_decode.supports_levers(schemes[0], levers, page_size, head_dim, **OPT_IN)
     assert not mma_decode.supports_levers(schemes[0], levers, page_size, 64, **OPT_IN)  # head_dim 128 only
     if levers.psac_rank:  # PSAC rows need their own opt-in, and sparse rows fit the kernel's signed-byte row map
