@@ -153,21 +153,28 @@ class KVBackendStorage(HiCacheStorage):
         return blob
 
     def _encode_batch(self, pages: List[torch.Tensor], keys: List[int]) -> List[torch.Tensor]:
-        """`_encode` of many pages in one codec call (a page-local codec: every layer of every page is one
-        page of one chunk, so the bytes are those of `_encode`); raises if any page cannot be encoded."""
+        """`_encode` of many pages in one codec call, the same bytes: a page-local codec encodes every layer of
+        every page as pages of one chunk; a codec with codebooks (`Codec.batch_encodes`) encodes each layer of
+        each page as its own one-page chunk (`Codec.encode_units`). Raises if any page cannot be encoded."""
         start = time.perf_counter()
         g, lay, group = self.geometry, self.layout, self.group
         n = len(pages)
         # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
         k, v = (torch.stack([page[i] for page in pages]).reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
+        carries = group.has_codebooks
 
         def encode(k, v):
             stored = self.frame.to_stored(k, v, 0) if self.frame.levers.active else (k, v)  # no copy without levers
-            return self.codec.encode(*stored, lay).pages
+            if carries:  # units: one layer of one page each, page-major as `_encode` lays them out
+                units = [x.view(n * g.num_layers, self.page_size, g.num_kv_heads, g.head_dim) for x in stored]
+                packed, books = self.codec.encode_units(*units, lay)
+                return packed.view(n, -1), books.view(n, -1)
+            return self.codec.encode(*stored, lay).pages.view(n, -1)
 
-        packed = self.device("encode", encode, k, v).view(n, -1)  # [N, L * page_bytes]
-        trailers = torch.tensor([list(group.pack_trailer(key, 0, False)) for key in keys], dtype=torch.uint8)
-        blobs = torch.cat([packed, trailers], dim=1)
+        out = self.device("encode", encode, k, v)
+        packed, books = out if carries else (out, None)  # [N, L * page_bytes], [N, L * codebook_bytes]
+        trailers = torch.tensor([list(group.pack_trailer(key, 0, carries)) for key in keys], dtype=torch.uint8)
+        blobs = torch.cat([packed, trailers] + ([books] if carries else []), dim=1)
         if blobs.shape[1] != self.blob_bytes:
             raise RuntimeError(f"a page encoded to {blobs.shape[1]} bytes, not the {self.blob_bytes} expected")
         with self._lock:
@@ -192,7 +199,12 @@ class KVBackendStorage(HiCacheStorage):
         return out
 
     def _batched(self) -> bool:
+        """Whether pages are decoded in batches (page-local codecs without codebooks)."""
         return self.codec is not None and self.codec.page_local and not self.group.has_codebooks
+
+    def _batched_encode(self) -> bool:
+        """Whether pages are encoded in batches: `_batched`, or a codec that encodes one-page chunks together."""
+        return self._batched() or (self.codec is not None and self.codec.batch_encodes)
 
     def _is_page_of(self, blob: torch.Tensor, key: int) -> bool:
         """Whether ``blob`` is a page group of this configuration whose trailer names ``key``."""
@@ -252,7 +264,7 @@ class KVBackendStorage(HiCacheStorage):
         """(blobs, integer keys, encoded?) of ``pages``: in batches when the codec is page-local; a batch
         that fails (a page with non-finite values, ...) goes page by page, so a bad page fails alone."""
         blobs, ints, ok = [], [], []
-        step = BATCH_PAGES if self._batched() else 1
+        step = BATCH_PAGES if self._batched_encode() else 1
         for at in range(0, len(pages), step):
             part = [self._key(k) for k in keys[at : at + step]]
             if step > 1:

@@ -193,14 +193,21 @@ class KVBackendTier(SecondaryTierManager):
 
             pages = self.device("encode", encode, k, v)
             return torch.cat([pages.reshape(-1), raw[block.used_bytes :].clone()])
+        units = []
         for w in range(block.workers):
             for layer in range(block.layers):
                 k = kv[w, layer, 0].flatten(0, 1)  # [tokens, kv_heads, head_dim] (a copy)
                 v = kv[w, layer, 1].flatten(0, 1)
                 if rotate:  # the stored frame of `kvbackend.frames`: values times the Hadamard matrix
                     v = v.float() @ hadamard(block.head_dim)
-                chunk = self.codec.encode(k, v, self.layout)
-                parts += [chunk.pages.reshape(-1), chunk.codebook.reshape(-1)]
+                units.append((k, v))
+        if self.codec.batch_encodes and len(units) > 1:  # every worker's and layer's chunk in one pass, same bytes
+            pages, books = self.codec.encode_units(torch.stack([u[0] for u in units]),
+                                                   torch.stack([u[1] for u in units]), self.layout)
+            parts = [torch.cat([pages.flatten(1), books], 1).reshape(-1)]  # each chunk's pages, then its slot
+        for k, v in units if not parts else ():
+            chunk = self.codec.encode(k, v, self.layout)
+            parts += [chunk.pages.reshape(-1), chunk.codebook.reshape(-1)]
         return torch.cat(parts + [raw[block.used_bytes :].clone()])
 
     def _decode_blocks(self, blob: torch.Tensor, out: torch.Tensor) -> None:

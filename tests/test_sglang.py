@@ -375,6 +375,41 @@ def test_batched_pages_store_the_bytes_of_page_by_page(tmp_path, codec, monkeypa
     assert float((got[0] - host.page(0)).norm() / host.page(0).float().norm()) < 0.7
 
 
+def test_codecs_with_codebooks_store_batches_as_page_by_page(tmp_path, monkeypatch):
+    """A codec with a codebook per page (QuantWM, the recommended spec's family) encodes every layer of a batch of
+    pages in one pass (`Codec.encode_units`): the blobs are those of page-by-page encoding, a non-finite page
+    fails alone, and the pages load back."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 3)
+    codec = "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
+    host = HostPool("layer_first", pages=16)
+    host.kv_buffer.normal_()
+    host.kv_buffer[:, :, 4 * 16 + 9] = float("inf")  # page 4 cannot be stored
+    batched = make_backend(tmp_path / "a", host, codec)
+    single = make_backend(tmp_path / "b", host, codec)
+    assert batched.group.has_codebooks and not batched._batched() and batched._batched_encode()
+    monkeypatch.setattr(single, "_batched_encode", lambda: False)
+    calls = []
+    encode_units = batched.codec.encode_units
+    monkeypatch.setattr(batched.codec, "encode_units", lambda *a: calls.append(1) or encode_units(*a))
+    keys = [f"p{i}" for i in range(7)]
+    assert batched.batch_set_v1(keys, host_indices(range(7))) == [True] * 4 + [False, True, True]
+    assert single.batch_set_v1(keys, host_indices(range(7))) == [True] * 4 + [False, True, True]
+    assert len(calls) == 3  # batches of 3, 3 and 1 pages; the failed batch went page by page
+    for i in (0, 3, 5, 6):
+        size = batched.tier.blob_size(batched._key(keys[i]))
+        assert size == single.tier.blob_size(single._key(keys[i]))
+        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+        assert batched.tier.get([batched._key(keys[i])], buffers[:1]).result() == [True]
+        assert single.tier.get([single._key(keys[i])], buffers[1:]).result() == [True]
+        assert torch.equal(buffers[0], buffers[1]), i
+    got = batched._load(keys)
+    assert got[4] is None and all(got[i] is not None for i in (0, 1, 2, 3, 5, 6))
+    error = (got[0].float() - host.page(0).float()).norm() / host.page(0).float().norm()
+    assert float(error) < 0.35, error
+
+
 @pytest.mark.parametrize("device,message", [("gpu", "device must be"), ("cuda:x", "device must be"), (3, "device must be"),
                                             ("meta", "device must be")])
 def test_a_bad_device_is_refused_at_start(tmp_path, device, message):

@@ -361,8 +361,11 @@ def test_blocks_mode_with_centroid_codecs_decodes_as_the_codec(tmp_path, codec):
     buf, view, k, v = block_primary("NHD", seed=4)
     tier = make_tier_with(tmp_path, view, block_spec("NHD"), codec=codec, kv_heads=HEADS, page_tokens=32)
     assert not tier._batched() and tier.codec.per_page_codebooks  # a codebook per chunk: the one-pass path
+    encode_units, calls = tier.codec.encode_units, []
+    tier.codec.encode_units = lambda *a: calls.append(a[0].shape[0]) or encode_units(*a)  # encoded in one pass too
     ks = keys(2)
     assert run(tier, 1, ks, [0, 1], promotion=False).success
+    assert calls and all(units == LAYERS * tier.block.workers for units in calls), calls
     buf[2:] = 0
     assert run(tier, 2, ks, [2, 3], promotion=True).success
     plain = codecs.get(codec.replace(",vrot=hadamard", ""))  # the tier applies the value rotation itself

@@ -16,6 +16,9 @@ from kvbackend.levers import Levers
 from kvbackend.spec import format_spec
 
 FieldSpecs = list[tuple[str, torch.dtype, tuple[int, ...]]]
+# `Codec.encode_units` on the CPU encodes at most this many K values per pass: the k-means temporaries of larger
+# batches fall out of the caches and cost more than the per-call overhead they save
+CPU_UNIT_VALUES = 1 << 20
 
 
 @dataclass
@@ -183,6 +186,54 @@ class Codec(ABC):
         codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
         self._encode(kf, vf, layout, pages, codebook, state if state is not None else CodecState())
         return EncodedChunk(layout, pages, codebook, n)
+
+    # Whether `_encode_units` encodes many independent chunks in one pass (else `encode_units` loops).
+    batch_encodes = False
+
+    def _encode_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
+                      codebooks: torch.Tensor) -> bool:
+        """Fill ``pages [U*n, page_bytes]`` and ``codebooks [U, codebook_bytes]`` from float32 K/V ``[U*n*P, H,
+        D]`` (U chunks of n whole pages, each encoded from a fresh state), or return False where this spec
+        cannot, before writing anything."""
+        return False
+
+    def encode_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode U independent chunks of one length, ``k`` and ``v`` of shape ``[U, N, H, D]``, each from a fresh
+        `CodecState` (no warm start, no query statistics): one-page chunks, as a storage backend keeps them, or
+        one page of each of several layers. Returns ``(pages [U, n, page_bytes], codebooks [U, codebook_bytes])``,
+        the bytes `encode` gives chunk by chunk. One pass where the codec can (`batch_encodes`), else a loop.
+
+        Raises:
+            InvalidKV: wrong shapes or dtypes, or non-finite values in any chunk (nothing is returned).
+        """
+        if k.dim() != 4 or v.dim() != 4 or k.shape[0] == 0:
+            raise InvalidKV(f"encode_units needs k and v of shape [units, tokens, heads, head_dim], got "
+                            f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}")
+        units, n = k.shape[:2]
+        check_kv(k.reshape(units * n, *k.shape[2:]), v.reshape(units * v.shape[1], *v.shape[2:]), layout.geometry)
+        if n == 0:
+            raise InvalidKV("cannot encode an empty chunk (0 tokens)")
+        if not (all_finite(k) and all_finite(v)):
+            raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
+        p = layout.page_size
+        num_pages = -(-n // p)
+        step = units if k.device.type != "cpu" else max(1, CPU_UNIT_VALUES // k[0].numel())
+        if self.batch_encodes and units > 1 and step < units:  # on the CPU: slices whose temporaries stay in cache
+            parts = [self.encode_units(k[at : at + step], v[at : at + step], layout) for at in range(0, units, step)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        if self.batch_encodes and units > 1:
+            pad = num_pages * p - n
+            kf, vf = (k, v) if self.any_float_input else (k.float(), v.float())
+            if pad:  # each chunk's last page padded with its last token, as `encode` pads
+                kf = torch.cat([kf, kf[:, -1:].expand(-1, pad, -1, -1)], 1)
+                vf = torch.cat([vf, vf[:, -1:].expand(-1, pad, -1, -1)], 1)
+            pages = torch.zeros(units * num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
+            codebooks = torch.zeros(units, layout.codebook_bytes, dtype=torch.uint8, device=k.device)
+            flat = (units * num_pages * p, *k.shape[2:])
+            if self._encode_units(kf.reshape(flat), vf.reshape(flat), layout, pages, codebooks):
+                return pages.view(units, num_pages, -1), codebooks
+        chunks = [self.encode(k[u], v[u], layout) for u in range(units)]
+        return torch.stack([c.pages for c in chunks]), torch.stack([c.codebook for c in chunks])
 
     def decode(self, chunk: EncodedChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference reconstruction of a whole chunk, in the geometry's dtype."""

@@ -43,20 +43,32 @@ def random_init(x: torch.Tensor, num_centroids: int, generator: torch.Generator)
     return torch.gather(x, 1, order.to(x.device).unsqueeze(-1).expand(-1, -1, x.shape[2])).clone()
 
 
-def kmeanspp_init(x: torch.Tensor, num_centroids: int, generator: torch.Generator) -> torch.Tensor:
+def kmeanspp_init(x: torch.Tensor, num_centroids: int, generator: torch.Generator, repeat: int = 1) -> torch.Tensor:
     """k-means++ seeding: each next centroid is a point drawn with probability ~ squared distance
-    to the nearest centroid so far. Far fewer merged clusters than uniform random points."""
+    to the nearest centroid so far. Far fewer merged clusters than uniform random points.
+
+    Draws are inverse-CDF picks from one uniform per row, so each row's picks depend on its own weights
+    and its own uniforms alone. With ``repeat=U``, ``x`` holds U problems of ``B / U`` rows each
+    (problem-major) and every problem gets the draws a fresh run on its rows alone would make from the
+    same generator state: U chunks seeded alike encode in one batch to the bytes of U separate encodes.
+    """
     b, n, d = x.shape
-    first = torch.randint(0, n, (b,), generator=generator).to(x.device)
-    centroids = [x[torch.arange(b, device=x.device), first]]
+    if repeat < 1 or b % repeat:
+        raise ValueError(f"kmeanspp_init: {b} rows are not {repeat} problems of equal size")
+    rows = torch.arange(b, device=x.device)
+    first = torch.randint(0, n, (b // repeat,), generator=generator).repeat(repeat).to(x.device)
+    centroids = [x[rows, first]]
     nearest = ((x - centroids[0].unsqueeze(1)) ** 2).sum(-1)  # [B, N]
     for _ in range(1, num_centroids):
         weights = nearest.cpu().double()
         total = weights.sum(-1, keepdim=True)
         # All points already covered (duplicates): fall back to uniform draws.
         weights = torch.where(total > 0, weights, torch.ones_like(weights))
-        pick = torch.multinomial(weights, 1, generator=generator).squeeze(-1).to(x.device)
-        c = x[torch.arange(b, device=x.device), pick]
+        cdf = weights.cumsum(-1)
+        uniform = torch.rand(b // repeat, 1, generator=generator, dtype=torch.float64).repeat(repeat, 1)
+        # the first point whose cumulative weight exceeds u * total: never one of weight 0
+        pick = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_max(n - 1).squeeze(-1).to(x.device)
+        c = x[rows, pick]
         centroids.append(c)
         nearest = torch.minimum(nearest, ((x - c.unsqueeze(1)) ** 2).sum(-1))
     return torch.stack(centroids, 1)

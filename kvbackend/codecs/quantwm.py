@@ -149,21 +149,36 @@ class QuantWMCodec(QVGCodec):
         if self.spec.rank and moment is not None:
             self._encode_psac(k, layout, pages, codebook, moment)
 
-    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor | None) -> None:
+    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks) -> bool:
+        """Fresh one-chunk encodes have no query statistics: no QSAC, and PSAC rows stay empty (as in
+        `_encode` without them); outliers are chosen per page as there."""
+        if not super()._encode_units(k, v, layout, pages, codebooks):
+            return False
+        if self.spec.outliers:
+            units = codebooks.shape[0]
+            per_page = codebooks.repeat_interleave(pages.shape[0] // units, 0)  # each page reads its chunk's slot
+            self._encode_outliers(k, layout, pages, per_page, None, units)
+        return True
+
+    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor | None,
+                         units: int = 1) -> None:
         """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
-        channel weights when the chunk has query statistics) store their error exactly (fp16)."""
+        channel weights when the chunk has query statistics) store their error exactly (fp16). ``k`` holds
+        ``units`` chunks of equal length (`_encode_units`; ``codebook`` then has a slot per page)."""
         p, (_, h, d) = layout.page_size, k.shape
         approx, _ = super()._decode(layout, pages, codebook)
         error = _by_head(k - approx, p)  # [N, H, P*D]
         weights = channel_weights(moment) if moment is not None else torch.ones(h, d, device=k.device)
         score = error.reshape(-1, h, p, d) ** 2 * weights[None, :, None, :]
         # `Codec.encode` pads a partial last page with copies of the last token: they share its errors, so
-        # only the first of a trailing run of identical rows (within the last page) may take outlier slots
-        same = (k[-p:] == k[-1]).flatten(1).all(1).flip(0).cumprod(0)  # 1 for the trailing run, from the end
-        copies = int(same.sum()) - 1
-        if copies:
-            rows = torch.arange(k.shape[0] - copies, k.shape[0], device=k.device)
-            score[rows // p, :, rows % p] = -1.0
+        # only the first of a trailing run of identical rows (within each chunk's last page) may take outlier slots
+        n = k.shape[0] // units
+        last = k.reshape(units, n, h, d)[:, -p:]
+        same = (last == last[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # [U, P]: the trailing run, from the end
+        for unit, copies in enumerate((same.sum(1) - 1).tolist()):
+            if copies:
+                rows = torch.arange((unit + 1) * n - copies, (unit + 1) * n, device=k.device)
+                score[rows // p, :, rows % p] = -1.0
         index = score.reshape(-1, h, p * d).topk(self.spec.outliers, dim=-1).indices  # [N, H, n]
         value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
         layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))

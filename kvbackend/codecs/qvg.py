@@ -109,30 +109,53 @@ class QVGCodec(Codec):
         return page, book
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        self._encode_chunks(k, v, layout, pages, codebook, state, 1)
+
+    batch_encodes = True  # `_encode_units`: many fresh one-chunk encodes in one pass
+
+    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks) -> bool:
+        if self.spec.init != "kmeans++":  # random seeding draws a permutation per row: no shared stream
+            return False
+        self._encode_chunks(k, v, layout, pages, codebooks, CodecState(), codebooks.shape[0])
+        return True
+
+    def _encode_chunks(self, k, v, layout: PageLayout, pages, codebook, state: CodecState, units: int) -> None:
+        """`_encode` of ``units`` chunks of equal length at once (K/V ``[U*N, H, D]``, ``pages [U*n, bytes]``,
+        ``codebook [U, bytes]`` for U > 1): each head of each chunk is its own k-means problem, and every
+        chunk draws the seeds a fresh encode of it alone draws (`kmeanspp_init`'s ``repeat``)."""
         s = self.spec
         generator = torch.Generator().manual_seed(s.seed)
+        h = k.shape[1]
+        n = k.shape[0] // units
         for prefix, x in (("k", k), ("v", v)):
             if not self._clustered(prefix):
                 self._quantize_residual(x, layout, pages, prefix)
                 continue
-            residual = x.transpose(0, 1).contiguous()  # [H, T, D]
+            residual = x.reshape(units, n, h, -1).transpose(1, 2).reshape(units * h, n, -1)  # [U*H, N, D]
             warm = state.centroids.get(prefix)
             stored, assigns = [], []
             for stage in range(s.stages):
-                init = warm[stage] if warm is not None else _INITS[s.init](residual, s.centroids, generator)
+                if warm is not None:
+                    init = warm[stage]
+                elif units > 1:
+                    init = kmeanspp_init(residual, s.centroids, generator, repeat=units)
+                else:
+                    init = _INITS[s.init](residual, s.centroids, generator)
                 result = kmeans(residual, init.to(residual.device), s.iters)
                 state.iterations.append(result.iterations)
                 cents = self._store_centroids(result.centroids)  # as decoding will see them
                 assign = self._assign(prefix, residual, cents, result.assign, state)
                 residual = residual - torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
                 stored.append(cents)
-                assigns.append(assign)
-            state.centroids[prefix] = torch.stack(stored)
-            self._write_centroids(layout, codebook, prefix, torch.stack(stored))
-            assign = torch.stack(assigns).permute(0, 2, 1)  # [S, T, H]
+                assigns.append(assign.reshape(units, h, n).transpose(1, 2).reshape(units * n, h))
+            state.centroids[prefix] = torch.stack(stored)  # [S, U*H, C, D]
+            by_unit = state.centroids[prefix].reshape(s.stages, units, h, *stored[0].shape[1:]).transpose(0, 1)
+            self._write_centroids(layout, codebook, prefix, by_unit[0] if codebook.dim() == 1 else by_unit)
+            assign = torch.stack(assigns)  # [S, T, H]
             view = layout.page.view(pages, f"{prefix}_assign")  # [n, S, P, H]
             view.copy_(to_pages(assign.transpose(0, 1), layout.page_size).transpose(1, 2).to(torch.uint8))
-            self._quantize_residual(residual.transpose(0, 1), layout, pages, prefix)
+            residual = residual.reshape(units, h, n, -1).transpose(1, 2).reshape(units * n, h, -1)
+            self._quantize_residual(residual, layout, pages, prefix)
 
     def _store_centroids(self, cents: torch.Tensor) -> torch.Tensor:
         """Centroids [H, C, D] rounded as they are stored, in float32."""

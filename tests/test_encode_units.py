@@ -1,0 +1,142 @@
+"""`Codec.encode_units`: many independent chunks (one page of each of several layers, as a storage backend keeps
+them) encoded in one pass where the codec can (QVG, QuantWM), to exactly the bytes `encode` gives chunk by chunk
+from a fresh state; other codecs loop. Refusals come before anything is encoded."""
+
+import pytest
+import torch
+
+from kvbackend import codecs
+from kvbackend.codecs.kmeans import kmeanspp_init
+from kvbackend.errors import InvalidKV
+from kvbackend.geometry import Geometry
+
+GEOMETRY = Geometry(1, 3, 64, torch.bfloat16)
+PAGE = 16
+
+BATCHED = [
+    "qvg",
+    "qvg:stages=2,centroids=8,cdtype=fp8",
+    "qvg:kchannel=16,vcluster=false,centroids=32",  # more centroids than a page has tokens
+    "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16",
+    "quantwm:rank=0,centroids=4,outliers=5,bits=3,group=32",
+]
+LOOPED = ["kivi:bits=2,group=16", "rtn:bits=2,group=32,scale=fp8", "qvg:init=random,centroids=4"]
+
+
+def _chunks(units: int, tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(units, tokens, 3, 64, generator=gen) * torch.linspace(0.5, 4, units)[:, None, None, None]
+    k = k + torch.randn(units, 1, 3, 64, generator=gen) * 3
+    v = torch.randn(units, tokens, 3, 64, generator=gen)
+    k[1, -4:] = k[1, -5]  # a trailing run of identical keys: only its first row may take outlier slots
+    k[2] = k[2, :1]  # a chunk of one repeated token: every k-means draw after the first is uniform
+    return k.bfloat16(), v.bfloat16()
+
+
+@pytest.mark.parametrize("spec", BATCHED + LOOPED)
+@pytest.mark.parametrize("tokens", [PAGE, 11, 2 * PAGE + 5])
+def test_units_encode_to_the_bytes_of_separate_encodes(spec, tokens):
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(7, tokens)
+    pages, books = codec.encode_units(k, v, layout)
+    assert pages.shape == (7, -(-tokens // PAGE), layout.page_bytes) and books.shape == (7, layout.codebook_bytes)
+    for u in range(7):
+        chunk = codec.encode(k[u], v[u], layout)
+        assert torch.equal(pages[u], chunk.pages), (spec, u)
+        assert torch.equal(books[u], chunk.codebook), (spec, u)
+
+
+@pytest.mark.parametrize("spec", BATCHED)
+def test_the_batched_pass_is_taken_and_decodes_each_chunk(spec, monkeypatch):
+    """The one-pass path serves these specs (a loop would hide a regression of its speed), and each unit's pages
+    decode with its own slot to its own chunk."""
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOMETRY, PAGE)
+    assert codec.batch_encodes
+    monkeypatch.setattr(codec, "encode", lambda *a, **kw: pytest.fail("encode_units looped"))
+    k, v = _chunks(5, PAGE)
+    pages, books = codec.encode_units(k, v, layout)
+    dk, dv = codec.decode_units(layout, pages.reshape(5, -1), books)
+    err = (dk.float().view_as(k) - k.float()).norm() / k.float().norm()
+    assert float(err) < 0.35, err
+    assert float((dv.float().view_as(v) - v.float()).norm() / v.float().norm()) < 0.6
+
+
+def test_other_codecs_loop():
+    assert not codecs.get("kivi:bits=2,group=16").batch_encodes
+    codec = codecs.get("qvg:init=random")  # random seeding draws a permutation per row: the loop serves
+    assert codec.batch_encodes and not codec._encode_units(None, None, None, None, torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda k, v: (k[0], v[0]), "units, tokens"),
+    (lambda k, v: (k, v[:, :, :2]), "shape"),
+    (lambda k, v: (k[:, :0], v[:, :0]), "empty"),
+    (lambda k, v: (k.int(), v), "bf16, fp16 or fp32"),
+])
+def test_bad_input_is_refused(bad, message):
+    codec = codecs.get(BATCHED[3])
+    layout = codec.layout(GEOMETRY, PAGE)
+    with pytest.raises(InvalidKV, match=message):
+        codec.encode_units(*bad(*_chunks(3, PAGE)), layout)
+
+
+def test_a_non_finite_value_in_any_chunk_refuses_the_batch():
+    codec = codecs.get(BATCHED[3])
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(4, PAGE)
+    v[3, 5, 1, 7] = float("inf")
+    with pytest.raises(InvalidKV, match="NaN or Inf"):
+        codec.encode_units(k, v, layout)
+
+
+def test_seeding_repeats_each_problems_draws():
+    """`kmeanspp_init(repeat=U)` on U stacked problems gives each the seeds a fresh run on it alone gives; picks
+    never land on points already covered while uncovered ones remain."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 20, 8, generator=gen)  # 4 problems of 3 rows
+    together = kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator().manual_seed(9), repeat=4).view(4, 3, 6, 8)
+    for u in range(4):
+        assert torch.equal(together[u], kmeanspp_init(x[u], 6, torch.Generator().manual_seed(9)))
+    seeds = kmeanspp_init(x[0], 20, torch.Generator().manual_seed(3))  # as many centroids as points: each once
+    for row in range(3):
+        assert torch.unique(seeds[row], dim=0).shape[0] == 20
+    with pytest.raises(ValueError, match="problems of equal size"):
+        kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator(), repeat=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_units_on_the_gpu_decode_like_the_cpu():
+    """On CUDA the batched pass runs there; sums may be ordered otherwise than on the CPU, so the bytes may
+    differ in a few codes, and the reconstruction stays within the codec's own error of the CPU's."""
+    spec = BATCHED[3]
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(33, PAGE)
+    cpu_pages, cpu_books = codec.encode_units(k, v, layout)
+    gpu_pages, gpu_books = codec.encode_units(k.cuda(), v.cuda(), layout)
+    assert gpu_pages.is_cuda and gpu_pages.shape == cpu_pages.shape
+    a = codec.decode_units(layout, cpu_pages.reshape(33, -1), cpu_books)[0].float()
+    b = codec.decode_units(layout, gpu_pages.reshape(33, -1).cpu(), gpu_books.cpu())[0].float()
+    original = k.float().reshape_as(a)
+    err_cpu = float((a - original).norm() / original.norm())
+    assert float((b - original).norm() / original.norm()) < 1.1 * err_cpu
+
+
+def test_cpu_slices_give_the_same_bytes(monkeypatch):
+    """On the CPU the units go through in slices of bounded size (cache-resident k-means temporaries): a batch
+    cut into slices of 2 units encodes to the bytes of one slice and of separate encodes."""
+    from kvbackend.codecs import base
+
+    codec = codecs.get(BATCHED[3])
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(5, PAGE + 3)
+    whole = codec.encode_units(k, v, layout)
+    passes = []
+    encode = codec._encode_units
+    monkeypatch.setattr(codec, "_encode_units", lambda *a: passes.append(a[4].shape[0]) or encode(*a))
+    monkeypatch.setattr(base, "CPU_UNIT_VALUES", 2 * k[0].numel())
+    sliced = codec.encode_units(k, v, layout)
+    assert passes == [2, 2]  # the last slice of one unit is a plain encode
+    assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
