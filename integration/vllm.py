@@ -51,7 +51,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvbackend.codecs import get as get_codec
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
-from kvbackend.levers import hadamard
+from kvbackend.levers import rotate_values
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
                                                    private_directory)
@@ -188,7 +188,7 @@ class KVBackendTier(SecondaryTierManager):
 
             def encode(k, v):
                 if rotate:
-                    v = v.float() @ hadamard(block.head_dim).to(v.device)
+                    v = rotate_values(v)
                 return self.codec.encode(k, v, self.layout).pages
 
             pages = self.device("encode", encode, k, v)
@@ -199,7 +199,7 @@ class KVBackendTier(SecondaryTierManager):
                 k = kv[w, layer, 0].flatten(0, 1)  # [tokens, kv_heads, head_dim] (a copy)
                 v = kv[w, layer, 1].flatten(0, 1)
                 if rotate:  # the stored frame of `kvbackend.frames`: values times the Hadamard matrix
-                    v = v.float() @ hadamard(block.head_dim)
+                    v = rotate_values(v)
                 units.append((k, v))
         if self.codec.batch_encodes and len(units) > 1:  # every worker's and layer's chunk in one pass, same bytes
             pages, books = self.codec.encode_units(torch.stack([u[0] for u in units]),
@@ -223,7 +223,7 @@ class KVBackendTier(SecondaryTierManager):
             def decode(body):
                 k, v = self.codec.decode_pages(layout, body, body[:0])
                 if self.codec.levers.vrot == "hadamard":
-                    v = v.float() @ hadamard(block.head_dim).T.to(v.device)
+                    v = rotate_values(v)
                 return k, v
 
             k, v = self.device("decode", decode, blob[: count * layout.page_bytes].view(count, -1))
@@ -238,7 +238,7 @@ class KVBackendTier(SecondaryTierManager):
             k, v = self.codec.decode_units(layout, body[:, :size].reshape(units * pages, -1),
                                            body[:, size:].repeat_interleave(pages, dim=0))  # each page its chunk's slot
             if self.codec.levers.vrot == "hadamard":
-                v = v.float() @ hadamard(block.head_dim).T
+                v = rotate_values(v)
             whole = (block.workers, block.layers, pages * layout.page_size, block.kv_heads, block.head_dim)
             kv[:, :, 0].copy_(k.reshape(whole)[:, :, : block.tokens].reshape((block.workers, block.layers) + shape))
             kv[:, :, 1].copy_(v.reshape(whole)[:, :, : block.tokens].reshape((block.workers, block.layers) + shape))
@@ -250,7 +250,7 @@ class KVBackendTier(SecondaryTierManager):
                                                blob[at + size : at + size + layout.codebook_bytes])
                 at += size + layout.codebook_bytes
                 if self.codec.levers.vrot == "hadamard":
-                    v = v.float() @ hadamard(block.head_dim).T
+                    v = rotate_values(v)
                 kv[w, layer, 0].copy_(k[: block.tokens].reshape(shape))
                 kv[w, layer, 1].copy_(v[: block.tokens].reshape(shape))
         out[block.used_bytes :].copy_(blob[at:])

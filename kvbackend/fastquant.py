@@ -292,6 +292,47 @@ if numba is not None:
                     out[t, h, d] = x[t, h, d] + table[row[d]] * s
 
 
+if numba is not None:
+
+    @_jit
+    def _hadamard_rows(x, scale, out):
+        # out[r] = FWHT(x[r]) * scale: the butterflies of `kvbackend.levers.rotate_values` (pairs (i, i + h) of
+        # each block of 2h, h = 1, 2, 4, ...), each an exact float32 sum or difference, then one float32 product.
+        # Rows go 16 at a time, held transposed, so each butterfly is one vector operation over the 16 rows.
+        r_n, d_n = x.shape
+        buf = np.empty((d_n, 16), np.float32)
+        s = scale[0]
+        for r0 in range(0, r_n, 16):
+            m = min(16, r_n - r0)
+            for r in range(m):
+                for d in range(d_n):
+                    buf[d, r] = x[r0 + r, d]
+            h = 1
+            while h < d_n:
+                for blk in range(0, d_n, 2 * h):
+                    for i in range(blk, blk + h):
+                        for r in range(16):
+                            a = buf[i, r]
+                            b = buf[i + h, r]
+                            buf[i, r] = a + b
+                            buf[i + h, r] = a - b
+                h *= 2
+            for r in range(m):
+                for d in range(d_n):
+                    out[r0 + r, d] = buf[d, r] * s
+
+
+def hadamard_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The fast Walsh-Hadamard transform of each row of float32 ``x [R, D]`` times the float32 ``scale`` (one
+    value), the bits of `kvbackend.levers.rotate_values`'s torch path; None where the fused loops do not serve."""
+    if not (_usable() and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= MIN_VALUES
+            and x.dim() == 2):
+        return None
+    out = np.empty(tuple(x.shape), np.float32)
+    done = _run(_hadamard_rows, x.contiguous().numpy(), scale.reshape(1).numpy(), out)
+    return None if done is _FAILED else torch.from_numpy(out)
+
+
 _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # every e4m3fn byte
 
 

@@ -25,7 +25,7 @@ import torch
 
 from kvbackend.errors import SpecError
 from kvbackend.layout import FieldSet, PageLayout
-from kvbackend.levers import Levers, hadamard
+from kvbackend.levers import Levers, rotate_values
 from kvbackend.rope import Rotary
 
 SINK_FIELDS = ("sink_k", "sink_v")
@@ -97,7 +97,7 @@ class LeverFrame:
         if self.levers.rope:
             k = self.rotary.derotate(k.transpose(0, 1), self._positions(first, k.shape[0], k.device)).transpose(0, 1)
         if self.levers.vrot == "hadamard":
-            v = v @ hadamard(v.shape[-1]).to(v.device)
+            v = rotate_values(v)
         return k.contiguous(), v.contiguous()
 
     def from_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +107,7 @@ class LeverFrame:
             k = self.rotary.rotate(k.float().transpose(0, 1),
                                    self._positions(first, k.shape[0], k.device)).transpose(0, 1)
         if self.levers.vrot == "hadamard":
-            v = v.float() @ hadamard(v.shape[-1]).to(v.device).T
+            v = rotate_values(v)  # its own inverse
         return k.to(dtype), v.to(dtype)
 
     def step_queries_to_stored(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbackend import fastquant
+
 from kvbackend.errors import SpecError
 from kvbackend.spec import Checked, _convert, one_of, ranged
 
@@ -72,6 +74,28 @@ def split_levers(options: dict[str, str], spec_name: str) -> tuple[dict[str, str
     rest = {k: v for k, v in options.items() if k not in _TYPES}
     values = {k: _convert(v, _TYPES[k], k, spec_name) for k, v in options.items() if k in _TYPES}
     return rest, Levers(**values)
+
+
+def rotate_values(v: torch.Tensor) -> torch.Tensor:
+    """``v @ hadamard(D)`` over the last dim, in float32: the rotation of ``vrot=hadamard`` and its inverse (the
+    matrix is symmetric and orthonormal). A fast Walsh-Hadamard transform: log2(D) stages of exact pair sums and
+    differences, then one product by 1/sqrt(D); no sum is reordered, so every device and the fused CPU loop
+    (`kvbackend.fastquant.hadamard_rows`) give the same bits, at D log D additions instead of D^2 products."""
+    d = v.shape[-1]
+    if d & (d - 1):
+        raise SpecError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    x = v.float().reshape(-1, d)
+    scale = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
+    fused = fastquant.hadamard_rows(x, scale)
+    if fused is not None:
+        return fused.view(v.shape)
+    h = 1
+    while h < d:
+        pairs = x.view(-1, d // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        x = torch.stack((a + b, a - b), dim=2).view(-1, d)
+        h *= 2
+    return (x * scale.to(x.device)).view(v.shape)
 
 
 @functools.lru_cache(maxsize=8)

@@ -5,7 +5,7 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache, SpecError, codecs
 from kvbackend.frames import without_sinks
-from kvbackend.levers import Levers, hadamard
+from kvbackend.levers import Levers, hadamard, rotate_values
 from kvbackend.tools.reconstruct import reconstruct_sequence
 from kvbackend.rope import Rotary
 
@@ -123,12 +123,12 @@ def test_paged_cache_serves_levers_through_its_pages():
     positions = torch.arange(32)
     for layer in range(2):
         stored_k = ROTARY.derotate(k[layer, :32].transpose(0, 1), positions).transpose(0, 1)
-        stored_v = v[layer, :32] @ hadamard(64)
+        stored_v = rotate_values(v[layer, :32])
         stored_k, stored_v = without_sinks(stored_k, stored_v, 4)  # the sinks' rows are not encoded
         chunk = codec.encode(stored_k, stored_v, codec.layout(lossy.geometry, 16))
         dk, dv = codec.decode(chunk)
         want_k = ROTARY.rotate(dk.transpose(0, 1), positions).transpose(0, 1)
-        want_v = dv @ hadamard(64).T
+        want_v = rotate_values(dv)
         sink_k, sink_v = k[layer, :4].half().float(), v[layer, :4].half().float()  # a float32 cache: fp16 sinks
         want_k[:4], want_v[:4] = sink_k, sink_v
         rk, rv = lossy.read_packed(rid, layer)
@@ -304,3 +304,26 @@ def test_the_simulation_matches_a_16_bit_cache_with_rope_frames(dtype):
         rk, rv = cache.read_packed(rid, 0)
         sim = reconstruct_sequence(cache.codecs[0], k, v, cache.geometry, 16, 32, ROTARY)
         assert torch.equal(sim.k, rk) and torch.equal(sim.v, rv), frame
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 8), (37, 64), (700, 128), (3, 256)])
+def test_value_rotation_is_the_hadamard_product_and_its_own_inverse(rows, dim, monkeypatch):
+    """`rotate_values` is ``v @ hadamard(D)`` (to float32 rounding), undoes itself, and its torch butterflies and
+    the fused CPU loop give the same bits (no sum reordered)."""
+    gen = torch.Generator().manual_seed(rows)
+    v = torch.randn(2, rows, dim, generator=gen) * torch.logspace(-3, 3, dim)
+    fused = rotate_values(v.bfloat16())
+    assert fused.dtype == torch.float32 and fused.shape == v.shape
+    want = v.bfloat16().float() @ hadamard(dim)
+    assert float((fused - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert torch.allclose(rotate_values(fused), v.bfloat16().float(), rtol=1e-5, atol=1e-5 * float(v.abs().max()))
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "0")
+    assert torch.equal(rotate_values(v.bfloat16()), fused)
+    with pytest.raises(SpecError, match="power-of-two"):
+        rotate_values(torch.zeros(3, 48))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_value_rotation_gives_the_same_bits_on_the_gpu():
+    v = torch.randn(5000, 128)
+    assert torch.equal(rotate_values(v.cuda()).cpu(), rotate_values(v))

@@ -356,7 +356,7 @@ def test_blocks_mode_with_centroid_codecs_decodes_as_the_codec(tmp_path, codec):
     on each layer's [tokens, heads, head_dim] K and V."""
     from kvbackend import Geometry, codecs
     from kvbackend.codecs.base import CodecState
-    from kvbackend.levers import hadamard
+    from kvbackend.levers import rotate_values
 
     buf, view, k, v = block_primary("NHD", seed=4)
     tier = make_tier_with(tmp_path, view, block_spec("NHD"), codec=codec, kv_heads=HEADS, page_tokens=32)
@@ -374,11 +374,11 @@ def test_blocks_mode_with_centroid_codecs_decodes_as_the_codec(tmp_path, codec):
     for chunk_index in range(2):
         got = tier.block.kv(torch.from_numpy(buf[2 + chunk_index]), torch.bfloat16)
         for layer in range(LAYERS):
-            vin = v[chunk_index, layer].float() @ hadamard(HD) if rotate else v[chunk_index, layer]
+            vin = rotate_values(v[chunk_index, layer]) if rotate else v[chunk_index, layer]
             chunk = plain.encode(k[chunk_index, layer], vin, layout_, CodecState())
             wk, wv = plain.decode_pages(layout_, chunk.pages, chunk.codebook)
             if rotate:
-                wv = wv.float() @ hadamard(HD).T
+                wv = rotate_values(wv)
             assert torch.equal(got[0, layer, 0].flatten(0, 1), wk[: BPC * TPB].bfloat16()), (chunk_index, layer)
             assert torch.equal(got[0, layer, 1].flatten(0, 1), wv[: BPC * TPB].bfloat16()), (chunk_index, layer)
     tier.shutdown()

@@ -14,7 +14,7 @@ from kvbackend import codecs
 from kvbackend.codecs.base import CodecState
 from kvbackend.frames import rope_positions, without_sinks
 from kvbackend.geometry import Geometry
-from kvbackend.levers import hadamard
+from kvbackend.levers import rotate_values
 from kvbackend.psac import correct_keys, query_second_moment
 from kvbackend.rope import Rotary
 
@@ -72,7 +72,7 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
             raise ValueError("prerope=true and pagerope=true need the model's RoPE (pass rotary)")
         enc_k = rotary.derotate(enc_k.transpose(0, 1), positions).transpose(0, 1)
     if levers.vrot == "hadamard":
-        enc_v = enc_v.float() @ hadamard(enc_v.shape[-1]).to(enc_v.device)
+        enc_v = rotate_values(enc_v)
     enc_k, enc_v = without_sinks(enc_k, enc_v, sink)  # in the stored frame, as `KVCache` does
     frame_queries = None
     if codec.uses_queries and queries is not None:  # the queries of the same tokens, in the keys' frame
@@ -83,7 +83,7 @@ def reconstruct_sequence(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, 
                             queries=frame_queries)
     kh, vh = rec.k, rec.v
     if levers.vrot == "hadamard":
-        vh = (vh.float() @ hadamard(vh.shape[-1]).to(vh.device).T).to(v.dtype)
+        vh = rotate_values(vh).to(v.dtype)
     if levers.rope:
         kh = rotary.rotate(kh.transpose(0, 1), positions).transpose(0, 1)
     if levers.psac:
