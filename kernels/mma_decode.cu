@@ -154,10 +154,14 @@ constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + PSAC_ROWS * D * 2 + (P + 15) 
 constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES + PB_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
-constexpr int MERGE_OFF = VROT ? RING_BYTES + ROT_BYTES : 0;  // rotated values: each warp's packed output waits there
+// Rotated values: each warp's packed output [N][D] f32 waits, while the other warps still stream pages, in the
+// warp's own stage buffers where they hold it (free once its last page is read), else in an area of its own
+constexpr bool VROT_IN_RING = VROT && NSTAGE * STAGE_BYTES >= N * D * 4;
+constexpr int MERGE_OFF = (VROT && !VROT_IN_RING) ? RING_BYTES + ROT_BYTES : 0;
 constexpr int MERGE_BYTES = NWARPS * N * D * 4 + 2 * NWARPS * N * 4;
-constexpr int SMEM_BYTES = VROT ? MERGE_OFF + MERGE_BYTES
-                                : (RING_BYTES + ROT_BYTES > MERGE_BYTES ? RING_BYTES + ROT_BYTES : MERGE_BYTES);
+constexpr int SMEM_BYTES = (VROT && !VROT_IN_RING)
+                               ? MERGE_OFF + MERGE_BYTES
+                               : (RING_BYTES + ROT_BYTES > MERGE_BYTES ? RING_BYTES + ROT_BYTES : MERGE_BYTES);
 #ifdef SMEM_EXPECTED  // the launcher's count of the dynamic shared memory (mma_decode.Config.smem_bytes)
 static_assert(SMEM_EXPECTED == SMEM_BYTES, "the launcher's shared-memory size differs from the kernel's");
 #endif
@@ -1039,7 +1043,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   // running maximum it was taken at).
   float m_flush[2] = {-INFINITY, -INFINITY};
   if (VROT) {
-    float* pk = reinterpret_cast<float*>(smem + MERGE_OFF) + warp * N * D;
+    float* pk = VROT_IN_RING ? reinterpret_cast<float*>(wbuf) : reinterpret_cast<float*>(smem + MERGE_OFF) + warp * N * D;
     float zsum[VG][2];
 #pragma unroll
     for (int g = 0; g < VG; ++g)
@@ -1176,6 +1180,15 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   float* so = reinterpret_cast<float*>(smem + MERGE_OFF);  // [NWARPS][N][D]
   float* sm = so + NWARPS * N * D;                      // [NWARPS][N]
   float* sl = sm + NWARPS * N;                          // [NWARPS][N]
+  float back[4 * NB][4];  // rotated values: this thread's cells of its warp's packed part, turned back above
+  if (VROT) {
+    const float* pk = VROT_IN_RING ? reinterpret_cast<const float*>(wbuf) : so + warp * N * D;
+#pragma unroll
+    for (int J = 0; J < 4 * NB; ++J)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) back[J][x] = pk[(2 * tig + (x & 1)) * D + value_channel(J, gid, x >> 1)];
+    if (VROT_IN_RING) __syncthreads();  // the merge area overlaps the rings, and so every warp's packed part
+  }
 #pragma unroll
   for (int J = 0; J < 4 * NB; ++J)
 #pragma unroll
@@ -1187,7 +1200,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
       float value = ldexpf(acc_o[J][x], -e_run - 2 * (k & 3)) + z_run[g][c];
       if (VROT) {  // the packed part, turned back by this warp above
         const float f = m_flush[c] == -INFINITY ? 0.f : exp2f(m_flush[c] - m_run[c]) * rsqrtf(static_cast<float>(D));
-        value += f * so[(warp * N + 2 * tig + c) * D + ch];
+        value += f * back[J][x];
       }
       so[(warp * N + 2 * tig + c) * D + ch] = value;
     }

@@ -209,7 +209,8 @@ class Config:
         ring = self.warps * (self.stages * stage + sp + table)
         rot = 2 * p * d if self.rope_token else 0  # R(t) per CTA
         merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
-        return ring + rot + merge if self.vrot else max(ring + rot, merge)
+        in_ring = self.stages * stage >= n * d * 4  # rotated values wait in the warp's stage buffers
+        return ring + rot + merge if self.vrot and not in_ring else max(ring + rot, merge)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
@@ -352,6 +353,27 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
                   lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
                   lv.psac_token != NONE)
+
+
+@functools.lru_cache(maxsize=256)
+def _default_stages(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
+                    dense_dtype: torch.dtype, warps: int, levers: LeverScheme | None, per_sm: int) -> int:
+    def blocks(stages: int) -> int:
+        return per_sm // (config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, stages, warps, 0,
+                                     levers).smem_bytes + 1024)  # the driver keeps 1 KiB per block
+    return 1 if blocks(2) < 2 <= blocks(1) else 2
+
+
+def default_stages(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
+                   dense_dtype: torch.dtype, warps: int, levers: LeverScheme | None, device: torch.device) -> int:
+    """Pages in flight per warp when the caller names none: two (one read while the next arrives), unless their
+    shared memory leaves room for a single block per SM where one stage leaves room for two (the recipe's pre-RoPE
+    keys with PSAC rows: warps of two blocks hide more latency than a second stage of one)."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+    if not per_sm:
+        return 2
+    return _default_stages(k, v, page_size, head_dim, q_dtype, dense_dtype, warps, levers, per_sm)
 
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,

@@ -325,8 +325,11 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         fold = folded_decode.preferred(k_scheme, v_scheme, p, d, per_split)
     elif fold and not folded_decode.supports(k_scheme, v_scheme, p, d):
         raise ValueError(f"the folded decode kernel does not read this layout ({k_scheme}, {v_scheme})")
-    if num_stages is None:
-        num_stages = 1 if not mma and (planar or (levers is not None and not fold)) else 2
+    if num_stages is None and mma:
+        num_stages = mma_decode.default_stages(k_scheme, v_scheme, p, d, q.dtype, dense.dtype, num_warps, levers,
+                                               q.device)
+    elif num_stages is None:
+        num_stages = 1 if planar or (levers is not None and not fold) else 2
     if not mma:  # the Triton kernels' constants (host work on every call of every layer: skipped for the CUDA kernel)
         constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
                          ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),

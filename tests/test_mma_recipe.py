@@ -111,11 +111,29 @@ def test_refuses_what_it_does_not_read():
                       vrot=True, rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True),
     mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, rope_token=True, psac_rank=8,
                       psac_rows=32),
+    # rotated values whose packed part cannot wait in the warp's stage buffers (one 16-token stage): an area of its own
+    mma_decode.Config(128, 16, 1, 2, 0, 0, False, False, 2, 2, stages=1, k_chan=True, sink=4, vrot=True),
 ])
 def test_recipe_switches_compile_for_hopper(config, tmp_path, monkeypatch):
     """Every switch compiles, and the launcher's shared-memory count equals the kernel's (a static_assert)."""
     monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
     assert mma_decode.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_rotated_values_wait_in_the_stage_buffers_where_they_fit():
+    """With rotated values each warp's packed output ([8][D] float32) waits in its own stage buffers when they hold
+    it, so the lever costs no shared memory there (and no CTA per SM); else it has an area of its own."""
+    def smem(**kw):
+        return mma_decode.Config(128, kw.pop("page"), 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32,
+                                 **kw).smem_bytes
+
+    for page, stages in ((64, 1), (64, 2), (32, 2)):
+        assert smem(page=page, stages=stages, vrot=True) == smem(page=page, stages=stages)
+    merge = 4 * 8 * 128 * 4 + 2 * 4 * 8 * 4
+    assert smem(page=16, stages=1, vrot=True) == smem(page=16, stages=1) + merge
+    recipe = dict(page=64, stages=1, sink=4, outliers=16, vrot=True, rope_token=True, psac_rank=4, psac_rows=4,
+                  psac_sparse=True)
+    assert 2 * (smem(**recipe) + 1024) <= 228 * 1024  # two CTAs per SM on a Hopper or Ampere SM (228 KiB)
 
 
 PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): on by default since their GPU run; an env var turns them off
@@ -303,3 +321,19 @@ def test_large_key_scales_and_small_queries():
         out, lse = paged_decode(q, *args, target_programs=8, mma=True)
         assert float((out.float() - want).norm() / want.norm()) < 1e-2, scale
         assert torch.allclose(lse, want_lse, atol=2e-2), scale
+
+
+@pytest.mark.parametrize("codec,stages", [
+    # pre-RoPE keys with PSAC rows: 2 stages leave room for one block per SM, 1 stage for two
+    ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,outliers=16", 1),
+    (f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16", 2),
+    ("kivi:bits=2,group=64", 2),
+])
+def test_the_default_stage_count_keeps_two_blocks_per_sm(codec, stages):
+    cache, ids, _ = recipe_cache(codec, 128, 64, 2, [200], 2, 4)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    h200 = 228 * 1024  # shared memory per SM
+    assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 4, levers, h200) == stages
+    config = mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, stages, 4, 0, levers)
+    assert h200 // (config.smem_bytes + 1024) >= 2
