@@ -57,17 +57,19 @@ def kmeanspp_init(x: torch.Tensor, num_centroids: int, generator: torch.Generato
         raise ValueError(f"kmeanspp_init: {b} rows are not {repeat} problems of equal size")
     rows = torch.arange(b, device=x.device)
     first = torch.randint(0, n, (b // repeat,), generator=generator).repeat(repeat).to(x.device)
+    # every draw up front, moved to the device once: the steps below run there without a host round trip
+    uniforms = torch.rand(max(num_centroids - 1, 0), b // repeat, 1, generator=generator,
+                          dtype=torch.float64).repeat(1, repeat, 1).to(x.device)
     centroids = [x[rows, first]]
     nearest = ((x - centroids[0].unsqueeze(1)) ** 2).sum(-1)  # [B, N]
-    for _ in range(1, num_centroids):
-        weights = nearest.cpu().double()
+    for step in range(1, num_centroids):
+        weights = nearest.double()
         total = weights.sum(-1, keepdim=True)
         # All points already covered (duplicates): fall back to uniform draws.
         weights = torch.where(total > 0, weights, torch.ones_like(weights))
         cdf = weights.cumsum(-1)
-        uniform = torch.rand(b // repeat, 1, generator=generator, dtype=torch.float64).repeat(repeat, 1)
         # the first point whose cumulative weight exceeds u * total: never one of weight 0
-        pick = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_max(n - 1).squeeze(-1).to(x.device)
+        pick = torch.searchsorted(cdf, uniforms[step - 1] * cdf[:, -1:], right=True).clamp_max(n - 1).squeeze(-1)
         c = x[rows, pick]
         centroids.append(c)
         nearest = torch.minimum(nearest, ((x - c.unsqueeze(1)) ** 2).sum(-1))
