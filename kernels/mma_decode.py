@@ -90,16 +90,22 @@ PREFERRED = True
 
 
 def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, group: int, device: torch.device,
-              q_dtype: torch.dtype, dense_dtype: torch.dtype, levers: LeverScheme | None = None) -> bool:
+              q_dtype: torch.dtype, dense_dtype: torch.dtype, levers: LeverScheme | None = None,
+              stages: int | None = None, warps: int = 4) -> bool:
     """Whether `paged_decode` takes this kernel when not told: a supported layout, levers and dtypes on a
-    usable GPU with room for its shared memory, whose variant has not failed to compile or load, and that is
-    not being captured into a CUDA graph before its first load."""
+    usable GPU with room for its shared memory, whose variant (``stages`` or `default_stages`, ``warps``) has not
+    failed to compile or load, and that is not being captured into a CUDA graph before its first load."""
     if not (PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, group)
             and supports_levers(k, levers, page_size, head_dim)
             and q_dtype in _DTYPE_KIND and dense_dtype in (torch.float16, torch.bfloat16) and available(device)[0]):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    config = config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, levers=levers)
+    if stages is None:
+        stages = default_stages(k, v, page_size, head_dim, q_dtype, dense_dtype, warps, levers, device)
+    try:
+        config = config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, stages, warps, levers=levers)
+    except ValueError:  # stages or warps out of range: `launch` says so where the kernel is insisted on
+        return False
     if (index, config) in _failed or config.smem_bytes > max_shared_memory(index):
         return False
     return (index, config) in _functions or not torch.cuda.is_current_stream_capturing()
@@ -357,10 +363,15 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
 
 @functools.lru_cache(maxsize=256)
 def _default_stages(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
-                    dense_dtype: torch.dtype, warps: int, levers: LeverScheme | None, per_sm: int) -> int:
+                    dense_dtype: torch.dtype, warps: int, levers: LeverScheme | None, per_sm: int,
+                    per_block: int | None = None) -> int:
+    def smem(stages: int) -> int:
+        return config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, stages, warps, 0, levers).smem_bytes
+
     def blocks(stages: int) -> int:
-        return per_sm // (config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, stages, warps, 0,
-                                     levers).smem_bytes + 1024)  # the driver keeps 1 KiB per block
+        return per_sm // (smem(stages) + 1024)  # the driver keeps 1 KiB per block
+    if per_block is not None and smem(2) > per_block >= smem(1):  # one stage fits a block, two do not
+        return 1
     return 1 if blocks(2) < 2 <= blocks(1) else 2
 
 
@@ -369,11 +380,18 @@ def default_stages(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: i
     """Pages in flight per warp when the caller names none: two (one read while the next arrives), unless their
     shared memory leaves room for a single block per SM where one stage leaves room for two (the recipe's pre-RoPE
     keys with PSAC rows: warps of two blocks hide more latency than a second stage of one)."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    per_sm, per_block = _shared_memory(index)
     if not per_sm:
         return 2
-    return _default_stages(k, v, page_size, head_dim, q_dtype, dense_dtype, warps, levers, per_sm)
+    return _default_stages(k, v, page_size, head_dim, q_dtype, dense_dtype, warps, levers, per_sm, per_block)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int) -> tuple[int, int]:
+    """(bytes per SM, bytes one block may opt into) of device ``index``, asked once (decode steps ask per layer)."""
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0), max_shared_memory(index)
 
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,

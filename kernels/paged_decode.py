@@ -296,7 +296,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     levers = levers if levers is not None and levers.active else None
     if mma is None:  # a Triton kernel named by ``fold`` or ``planar`` is what runs
         mma = (fold is None and planar is None
-               and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device, q.dtype, dense.dtype, levers))
+               and mma_decode.preferred(k_scheme, v_scheme, p, d, group, q.device, q.dtype, dense.dtype, levers,
+                                           num_stages, num_warps))
     elif mma:
         usable, why = mma_decode.available(q.device)
         if not usable:

@@ -296,8 +296,8 @@ if numba is not None:
 
     @_jit
     def _hadamard_rows(x, scale, out):
-        # out[r] = FWHT(x[r]) * scale: the butterflies of `kvbackend.levers.rotate_values` (pairs (i, i + h) of
-        # each block of 2h, h = 1, 2, 4, ...), each an exact float32 sum or difference, then one float32 product.
+        # out[r] = FWHT(x[r] * scale): one float32 product, then the butterflies of `kvbackend.levers.rotate_values`
+        # (pairs (i, i + h) of each block of 2h, h = 1, 2, 4, ...), each one float32 sum or difference.
         # Rows go 16 at a time, held transposed, so each butterfly is one vector operation over the 16 rows.
         r_n, d_n = x.shape
         buf = np.empty((d_n, 16), np.float32)
@@ -306,7 +306,7 @@ if numba is not None:
             m = min(16, r_n - r0)
             for r in range(m):
                 for d in range(d_n):
-                    buf[d, r] = x[r0 + r, d]
+                    buf[d, r] = x[r0 + r, d] * s
             h = 1
             while h < d_n:
                 for blk in range(0, d_n, 2 * h):
@@ -319,12 +319,13 @@ if numba is not None:
                 h *= 2
             for r in range(m):
                 for d in range(d_n):
-                    out[r0 + r, d] = buf[d, r] * s
+                    out[r0 + r, d] = buf[d, r]
 
 
 def hadamard_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """The fast Walsh-Hadamard transform of each row of float32 ``x [R, D]`` times the float32 ``scale`` (one
-    value), the bits of `kvbackend.levers.rotate_values`'s torch path; None where the fused loops do not serve."""
+    value, applied first), the bits of `kvbackend.levers.rotate_values`'s torch path; None where the fused loops do
+    not serve."""
     if not (_usable() and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= MIN_VALUES
             and x.dim() == 2):
         return None

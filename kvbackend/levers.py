@@ -78,9 +78,10 @@ def split_levers(options: dict[str, str], spec_name: str) -> tuple[dict[str, str
 
 def rotate_values(v: torch.Tensor) -> torch.Tensor:
     """``v @ hadamard(D)`` over the last dim, in float32: the rotation of ``vrot=hadamard`` and its inverse (the
-    matrix is symmetric and orthonormal). A fast Walsh-Hadamard transform: log2(D) stages of exact pair sums and
-    differences, then one product by 1/sqrt(D); no sum is reordered, so every device and the fused CPU loop
-    (`kvbackend.fastquant.hadamard_rows`) give the same bits, at D log D additions instead of D^2 products."""
+    matrix is symmetric and orthonormal). A fast Walsh-Hadamard transform: one product by 1/sqrt(D) (first, so
+    nothing overflows where the matrix product would not), then log2(D) stages of pair sums and differences; no sum
+    is reordered, so every device and the fused CPU loop (`kvbackend.fastquant.hadamard_rows`) give the same bits,
+    at D log D additions instead of D^2 products."""
     d = v.shape[-1]
     if d & (d - 1):
         raise SpecError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
@@ -89,13 +90,14 @@ def rotate_values(v: torch.Tensor) -> torch.Tensor:
     fused = fastquant.hadamard_rows(x, scale)
     if fused is not None:
         return fused.view(v.shape)
+    x = x * scale.to(x.device)
     h = 1
     while h < d:
         pairs = x.view(-1, d // (2 * h), 2, h)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
         x = torch.stack((a + b, a - b), dim=2).view(-1, d)
         h *= 2
-    return (x * scale.to(x.device)).view(v.shape)
+    return x.view(v.shape)
 
 
 @functools.lru_cache(maxsize=8)

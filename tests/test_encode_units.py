@@ -140,3 +140,12 @@ def test_cpu_slices_give_the_same_bytes(monkeypatch):
     sliced = codec.encode_units(k, v, layout)
     assert passes == [2, 2]  # the last slice of one unit is a plain encode
     assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+
+
+def test_seeding_of_keys_beyond_float32_squared_range_stays_distinct():
+    """Finite keys so large that their squared distances overflow float32 still seed distinct centroids (drawn among
+    the points at infinite distance), never the last point again and again."""
+    x = torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(0)) * 1e20
+    seeds = kmeanspp_init(x, 6, torch.Generator().manual_seed(1))
+    for row in range(2):
+        assert torch.unique(seeds[row], dim=0).shape[0] == 6

@@ -327,3 +327,8 @@ def test_value_rotation_is_the_hadamard_product_and_its_own_inverse(rows, dim, m
 def test_value_rotation_gives_the_same_bits_on_the_gpu():
     v = torch.randn(5000, 128)
     assert torch.equal(rotate_values(v.cuda()).cpu(), rotate_values(v))
+
+
+def test_value_rotation_overflows_no_sooner_than_the_matrix_product():
+    v = torch.full((3, 64), 3e37)  # the matrix product's largest entry is 8 x 3e37: finite; sums first would not be
+    assert torch.isfinite(rotate_values(v)).all() and torch.isfinite(v @ hadamard(64)).all()

@@ -337,3 +337,44 @@ def test_the_default_stage_count_keeps_two_blocks_per_sm(codec, stages):
     assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 4, levers, h200) == stages
     config = mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, stages, 4, 0, levers)
     assert h200 // (config.smem_bytes + 1024) >= 2
+
+
+def test_one_stage_where_only_one_fits_a_block():
+    """Where two stages do not fit a block's shared memory and one does, the default is one stage (else the kernel
+    would be refused and the Triton kernels would serve)."""
+    codec = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,"
+             "prerope=true,cdtype=fp8,outliers=16")
+    cache, ids, _ = recipe_cache(codec, 128, 64, 2, [200], 2, 4)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    per_block = 227 * 1024
+    two, one = (mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, s, 8, 0, levers).smem_bytes
+                for s in (2, 1))
+    assert two > per_block >= one  # eight warps
+    assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 8, levers, 228 * 1024,
+                                      per_block) == 1
+
+
+
+def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
+    """`preferred` asks about the variant the default path launches (its stage count from `default_stages`): once
+    that variant has failed to build, the Triton kernels serve, instead of rebuilding it on every call."""
+    codec = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,"
+             "prerope=true,cdtype=fp8,outliers=16")
+    cache, ids, _ = recipe_cache(codec, 128, 64, 2, [200], 2, 4)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    monkeypatch.setattr(mma_decode, "available", lambda device=None: (True, ""))
+    monkeypatch.setattr(mma_decode, "_shared_memory", lambda index: (228 * 1024, 227 * 1024))
+    monkeypatch.setattr(mma_decode, "max_shared_memory", lambda index: 227 * 1024)
+    monkeypatch.setattr(mma_decode, "PREFERRED", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(mma_decode, "_functions", {})
+    monkeypatch.setattr(mma_decode, "_failed", set())
+    cuda = torch.device("cuda", 0)
+    args = (*schemes, 64, 128, 4, cuda, torch.bfloat16, torch.bfloat16, levers)
+    assert mma_decode.preferred(*args)
+    stages = mma_decode.default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 4, levers, cuda)
+    assert stages == 1
+    mma_decode._failed.add((0, mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, stages, 4, 0,
+                                                     levers)))
+    assert not mma_decode.preferred(*args)
+    assert mma_decode.preferred(*args, stages=2)  # another variant is still asked about as itself

@@ -64,6 +64,8 @@ def kmeanspp_init(x: torch.Tensor, num_centroids: int, generator: torch.Generato
     nearest = ((x - centroids[0].unsqueeze(1)) ** 2).sum(-1)  # [B, N]
     for step in range(1, num_centroids):
         weights = nearest.double()
+        # Distances past float32's range (finite keys beyond about 1e19): draw among the points that far away.
+        weights = torch.where(torch.isinf(weights).any(-1, keepdim=True), torch.isinf(weights).double(), weights)
         total = weights.sum(-1, keepdim=True)
         # All points already covered (duplicates): fall back to uniform draws.
         weights = torch.where(total > 0, weights, torch.ones_like(weights))
