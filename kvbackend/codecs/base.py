@@ -170,22 +170,25 @@ class Codec(ABC):
             InvalidKV: wrong shape or dtype, K/V mismatch, or non-finite values.
         """
         check_kv(k, v, layout.geometry)
-        n = k.shape[0]
-        if n == 0:
-            raise InvalidKV("cannot encode an empty chunk (0 tokens)")
-        if not (all_finite(k) and all_finite(v)):
-            raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
-        p = layout.page_size
-        num_pages = -(-n // p)
-        pad = num_pages * p - n
-        kf, vf = (k, v) if self.any_float_input else (k.float(), v.float())
-        if pad:
-            kf = torch.cat([kf, kf[-1:].expand(pad, -1, -1)])
-            vf = torch.cat([vf, vf[-1:].expand(pad, -1, -1)])
+        _check_values(k, v)
+        kf, vf, num_pages = self._padded(k, v, layout.page_size)
         pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
         codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
         self._encode(kf, vf, layout, pages, codebook, state if state is not None else CodecState())
-        return EncodedChunk(layout, pages, codebook, n)
+        return EncodedChunk(layout, pages, codebook, k.shape[0])
+
+    def _padded(self, k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """K/V ``[..., N, H, D]`` as the codec takes them (float32 unless `any_float_input`), each chunk's last page
+        padded by repeating its last token (so padding never widens a group's range), and the pages per chunk."""
+        n = k.shape[-3]
+        num_pages = -(-n // page_size)
+        pad = num_pages * page_size - n
+        kf, vf = (k, v) if self.any_float_input else (k.float(), v.float())
+        if pad:
+            tail = (*k.shape[:-3], pad, *k.shape[-2:])
+            kf = torch.cat([kf, kf[..., -1:, :, :].expand(tail)], -3)
+            vf = torch.cat([vf, vf[..., -1:, :, :].expand(tail)], -3)
+        return kf, vf, num_pages
 
     # Whether `_encode_units` encodes many independent chunks in one pass (else `encode_units` loops).
     batch_encodes = False
@@ -201,7 +204,8 @@ class Codec(ABC):
         """Encode U independent chunks of one length, ``k`` and ``v`` of shape ``[U, N, H, D]``, each from a fresh
         `CodecState` (no warm start, no query statistics): one-page chunks, as a storage backend keeps them, or
         one page of each of several layers. Returns ``(pages [U, n, page_bytes], codebooks [U, codebook_bytes])``,
-        the bytes `encode` gives chunk by chunk. One pass where the codec can (`batch_encodes`), else a loop.
+        the bytes `encode` gives chunk by chunk. One pass where the codec can (`batch_encodes`; on the CPU in
+        slices of at most `CPU_UNIT_VALUES` key values), else a loop.
 
         Raises:
             InvalidKV: wrong shapes or dtypes, or non-finite values in any chunk (nothing is returned).
@@ -211,25 +215,19 @@ class Codec(ABC):
                             f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}")
         units, n = k.shape[:2]
         check_kv(k.reshape(units * n, *k.shape[2:]), v.reshape(units * v.shape[1], *v.shape[2:]), layout.geometry)
-        if n == 0:
-            raise InvalidKV("cannot encode an empty chunk (0 tokens)")
-        if not (all_finite(k) and all_finite(v)):
-            raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
-        p = layout.page_size
-        num_pages = -(-n // p)
+        _check_values(k, v)
         step = units if k.device.type != "cpu" else max(1, CPU_UNIT_VALUES // k[0].numel())
-        if self.batch_encodes and units > 1 and step < units:  # on the CPU: slices whose temporaries stay in cache
-            parts = [self.encode_units(k[at : at + step], v[at : at + step], layout) for at in range(0, units, step)]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout) for at in range(0, units, step)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def _encoded_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode_units` of checked K/V, in one pass where the codec can."""
+        units = k.shape[0]
         if self.batch_encodes and units > 1:
-            pad = num_pages * p - n
-            kf, vf = (k, v) if self.any_float_input else (k.float(), v.float())
-            if pad:  # each chunk's last page padded with its last token, as `encode` pads
-                kf = torch.cat([kf, kf[:, -1:].expand(-1, pad, -1, -1)], 1)
-                vf = torch.cat([vf, vf[:, -1:].expand(-1, pad, -1, -1)], 1)
+            kf, vf, num_pages = self._padded(k, v, layout.page_size)
             pages = torch.zeros(units * num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
             codebooks = torch.zeros(units, layout.codebook_bytes, dtype=torch.uint8, device=k.device)
-            flat = (units * num_pages * p, *k.shape[2:])
+            flat = (units * num_pages * layout.page_size, *k.shape[2:])
             if self._encode_units(kf.reshape(flat), vf.reshape(flat), layout, pages, codebooks):
                 return pages.view(units, num_pages, -1), codebooks
         chunks = [self.encode(k[u], v[u], layout) for u in range(units)]
@@ -270,6 +268,14 @@ class Codec(ABC):
             return k.to(dtype), v.to(dtype)
         parts = [self.decode_pages(layout, pages[i : i + 1], codebooks[i]) for i in range(pages.shape[0])]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _check_values(k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise InvalidKV for chunks of no tokens or with non-finite values (shapes already checked)."""
+    if k.shape[-3] == 0:
+        raise InvalidKV("cannot encode an empty chunk (0 tokens)")
+    if not (all_finite(k) and all_finite(v)):
+        raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
 
 
 def all_finite(x: torch.Tensor) -> bool:
