@@ -527,19 +527,22 @@ def levers(copy_bw):
             kernels += [2] * (planar_decode.supports(*schemes, p, dim) and not lv.active)
             kernels += [3] * (mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.available()[0]
                               and mma_decode.supports_levers(schemes[0], lv, p, dim))
-            configs = [(kern, u, w, st) for kern in kernels for u in ((0, 1) if kern == 0 else (0,))
-                       for w in ((4,) if kern == 3 else (4, 8)) for st in (1, 2)]
-            if QUICK:
-                configs = list({c[0]: c for c in reversed(configs)}.values())
+            # the tensor-core kernel at whole waves of 2, 3 and 4 blocks per SM (registers hold most variants at 2,
+            # perf/mma_resources.py); the Triton kernels at 1024 programs
+            configs = [(kern, u, w, st, pr) for kern in kernels for u in ((0, 1) if kern == 0 else (0,))
+                       for w in ((4,) if kern == 3 else (4, 8)) for st in (1, 2)
+                       for pr in ((264, 396, 528) if kern == 3 else (1024,))]
+            if QUICK:  # each kernel's first configuration only, and the tensor-core kernel's three program counts
+                configs = [c for c in configs if c[0] == 3 and c[3] == 1] + [
+                    c for c in {c[0]: c for c in reversed(configs)}.values() if c[0] != 3]
             best = {}
             for config in configs:
-                kern, unpack, warps, stages = config
+                kern, unpack, warps, stages, programs = config
 
-                def call(j, kern=kern, unpack=unpack, warps=warps, stages=stages):
+                def call(j, kern=kern, unpack=unpack, warps=warps, stages=stages, programs=programs):
                     return paged_decode(qs[j], pages, books, dense, schemes, plans[j], num_warps=warps,
                                         num_stages=stages, unpack=unpack, fold=kern == 1, planar=kern == 2,
-                                        mma=kern == 3, levers=lv, rotary=rotary,
-                                        target_programs=528 if kern == 3 else 1024)  # mma: 4 CTAs per SM
+                                        mma=kern == 3, levers=lv, rotary=rotary, target_programs=programs)
 
                 try:
                     ms = rotating_time([lambda j=j: call(j) for j in range(rotations)])
@@ -556,7 +559,7 @@ def levers(copy_bw):
                    "ours_graph_us": graph_ms * 1e3, "sdpa_us": sdpa_ms * 1e3, "sdpa_graph_us": sdpa_graph_ms * 1e3,
                    "speedup_vs_sdpa_graph": sdpa_graph_ms / graph_ms, "ours_pct_of_copy": bytes_read / ms / 1e6 / copy_bw * 100,
                    "best_us_per_kernel": {("plain", "folded", "planar", "mma")[k]: v[0] * 1e3 for k, v in best.items()},
-                   "config_kernel_unpack_warps_stages": list(config), "page_bytes": layout.page_bytes}
+                   "config_kernel_unpack_warps_stages_programs": list(config), "page_bytes": layout.page_bytes}
             rows.append(row)
             print(f"levers {name:28s} B={batch} L={length}: {row['ours_us']:7.1f} us (graphs {row['ours_graph_us']:7.1f}), "
                   f"per kernel {row['best_us_per_kernel']}, SDPA graphs {row['sdpa_graph_us']:.1f} us", flush=True)
