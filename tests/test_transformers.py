@@ -142,6 +142,29 @@ def test_paged_eval_agrees_with_the_simulation(model_and_tokenizer, sample_ids):
             assert getattr(r, key) == pytest.approx(r.sim[key], rel=1e-4, abs=1e-6), (r.spec, key)
 
 
+def test_eval_cli_runs_seeded_codecs_per_seed(model_and_tokenizer, tmp_path):
+    """`--seeds 2`: qvg runs with k-means seeds 0 and 1 (other centroids, the same bytes), fp8 once, and the
+    summary is the mean and range of each spec's runs."""
+    from pathlib import Path
+
+    from kvbackend.tools.cli import main
+
+    out = tmp_path / "seeds.json"
+    text = str(Path(__file__).parent / "data" / "sample.txt")
+    assert main(["eval", "--text", text, "--codec", "qvg", "--codec", "fp8", "--seeds", "2", "--tokens", "320",
+                 "--prefix", "256", "--continue", "64", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {row["spec"]: row for row in data["codecs"]}
+    assert list(rows) == ["qvg:seed=0", "qvg:seed=1", "fp8"]
+    assert rows["qvg:seed=0"]["bpv"] == rows["qvg:seed=1"]["bpv"]
+    assert rows["qvg:seed=0"]["kl"] != rows["qvg:seed=1"]["kl"]  # other centroids
+    summary = {m["spec"]: m for m in data["seeds"]}
+    kls = [rows["qvg:seed=0"]["kl"], rows["qvg:seed=1"]["kl"]]
+    assert summary["qvg"]["runs"] == 2 and summary["qvg"]["kl_min"] == min(kls) and summary["qvg"]["kl_max"] == max(kls)
+    assert summary["qvg"]["kl_mean"] == pytest.approx(sum(kls) / 2)
+    assert summary["fp8"]["runs"] == 1 and summary["fp8"]["kl_mean"] == rows["fp8"]["kl"]
+
+
 def test_eval_cli_writes_json_and_png(model_and_tokenizer, tmp_path):
     from pathlib import Path
 

@@ -169,6 +169,7 @@ def _eval(*args: str) -> list[str]:
     ("--tokens", "-5", "--tokens: must be an integer >= 1, got '-5'"),
     ("--continue", "1", "--continue: must be an integer >= 2, got '1'"),
     ("--prefix", "1e3", "--prefix: must be an integer >= 1, got '1e3'"),
+    ("--seeds", "0", "--seeds: must be an integer >= 1, got '0'"),
 ])
 def test_eval_numeric_arguments_are_checked_by_the_parser(no_model, capsys, option, value, shown):
     from kvbackend.tools.cli import main

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens teacher-forced after the prefix (at least 2: the first has no scored target)")
     ev.add_argument("--json", help="write the figures as JSON here (its folder is created before the run)")
     ev.add_argument("--plot", help="write a Pareto plot (PNG) here (its folder is created before the run)")
+    ev.add_argument("--seeds", type=_int_at_least(1), default=1,
+                    help="run codecs that draw k-means seeds (qvg, quantwm, auto: plans over them) with seeds "
+                         "0..N-1 and report each and their mean, min and max (default 1: the spec as given)")
     ev.add_argument("--path", choices=("paged", "sim", "both"), default="paged",
                     help="paged: through a KVCache, as an engine serves (default); sim: the sequence-level "
                          "simulation; both: paged, with the simulation beside it as a cross-check")

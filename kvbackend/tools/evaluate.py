@@ -22,6 +22,7 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
+from kvbackend.tools.seeds import expand, summarize
 from kvbackend.errors import SpecError
 from kvbackend.tools.models import cache_argument
 from kvbackend.geometry import CacheConfig, Geometry
@@ -486,7 +487,9 @@ def run_eval_cli(args) -> int:
     # Everything that can be checked is checked before the model loads: numbers, specs, files.
     settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
                             queries=min(128, args.tokens), device=args.device, path=getattr(args, "path", "paged"))
-    frozen = check_specs(args.codec, settings)
+    runs = expand(args.codec, getattr(args, "seeds", 1))  # (spec as given, spec run): seeded specs once per seed
+    specs = [run for _, run in runs]
+    frozen = check_specs(specs, settings)
     if frozen and not args.calibration:
         raise SystemExit("alignpred fit=frozen needs --calibration TEXT (another text than --text)")
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
@@ -498,7 +501,7 @@ def run_eval_cli(args) -> int:
     if frozen:
         with open(args.calibration, encoding="utf-8") as f:
             calibration_text = f.read()
-    check_specs(args.codec, settings, model_geometry(args.model_dir))
+    check_specs(specs, settings, model_geometry(args.model_dir))
     with console.status("loading model"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -507,7 +510,7 @@ def run_eval_cli(args) -> int:
         calib_ids = tokenizer(calibration_text, return_tensors="pt").input_ids.to(args.device)
         calibration = calibration_from_text(model, calib_ids)
     with Progress(console=console, transient=True) as progress:
-        results = evaluate(model, ids, args.codec, settings, progress, calibration)
+        results = evaluate(model, ids, specs, settings, progress, calibration)
     table = Table(title=f"{args.text}: {settings.tokens} tokens, prefix {settings.prefix} + {settings.cont}, "
                         f"ppl_ref {results[0].ppl_ref:.2f}")
     table.add_column("spec", overflow="fold")
@@ -521,8 +524,19 @@ def run_eval_cli(args) -> int:
             calib = f", KL {r.calib_kl:.4f} on the prefix's tail" if r.calib_kl is not None else ""
             console.print(f"{r.spec}: per-layer plan (measured {r.bpv:.3f} bpv{calib}): " + "; ".join(
                 f"L{i}:{_widths_label(p)}" for i, p in enumerate(r.plan)))
+    summaries = summarize(runs, results) if len(runs) > len(args.codec) else []
+    if summaries:
+        seeds = Table(title=f"over k-means seeds 0..{args.seeds - 1} (codecs that draw none ran once)")
+        for col in ("spec", "runs", "bpv", "kl mean", "kl min", "kl max", "top1 mean", "top1 min", "top1 max"):
+            seeds.add_column(col, justify="left" if col == "spec" else "right", overflow="fold")
+        for m in summaries:
+            seeds.add_row(m.spec, str(m.runs), f"{m.bpv:.3f}", *(f"{x:.4f}" for x in (
+                m.kl_mean, m.kl_min, m.kl_max, m.top1_mean, m.top1_min, m.top1_max)))
+        console.print(seeds)
     meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
             "calibration": args.calibration if frozen else None}
+    if summaries:
+        meta["seeds"] = [asdict(m) for m in summaries]
     if args.json:
         write_json(args.json, results, meta)
     if args.plot:
