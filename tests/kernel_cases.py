@@ -27,3 +27,16 @@ def filled_cache(codec: str, head_dim: int, page_size: int, lengths, heads: int 
             cache.append(rid, layer, k, v)
         ids.append(rid)
     return cache, ids
+
+
+def lever_request(gen: torch.Generator, n: int, heads: int, head_dim: int, ratio: int, rotary):
+    """K (post-RoPE, four channels offset), V (one channel scaled) and queries of one request's ``n`` tokens, bf16 on
+    DEVICE: the data the lever and tensor-core tests append."""
+    k = torch.randn(heads, n, head_dim, generator=gen)
+    k[..., :4] += 6
+    k = rotary.rotate(k, torch.arange(n)).transpose(0, 1)
+    v = torch.randn(n, heads, head_dim, generator=gen)
+    v[..., 3] *= 8
+    q = torch.randn(n, heads * ratio, head_dim, generator=gen)
+    return k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE), q.bfloat16().to(DEVICE)
+

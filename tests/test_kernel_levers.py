@@ -8,7 +8,7 @@ from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.attention import decode_attention
 from kvbackend.rope import Rotary
 from kvbackend.scheme import kernel_schemes, lever_scheme
-from kernel_cases import DEVICE
+from kernel_cases import DEVICE, lever_request
 
 triton = pytest.importorskip("triton")
 
@@ -56,13 +56,8 @@ def lever_cache(codec, page_size, lengths, ratio, backend, seed=0):
     for n in lengths:
         rid, _ = cache.add_request()
         for layer in range(2):
-            k = torch.randn(heads, n, d, generator=gen)
-            k[..., :4] += 6
-            k = ROTARY.rotate(k, torch.arange(n)).transpose(0, 1)
-            v = torch.randn(n, heads, d, generator=gen)
-            v[..., 3] *= 8
-            q = torch.randn(n, heads * ratio, d, generator=gen)
-            cache.append(rid, layer, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE), queries=q.bfloat16().to(DEVICE))
+            k, v, q = lever_request(gen, n, heads, d, ratio, ROTARY)
+            cache.append(rid, layer, k, v, queries=q)
         ids.append(rid)
     return cache, ids
 

@@ -17,7 +17,7 @@ from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.attention import decode_attention
 from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme, kernel_schemes, lever_scheme
-from kernel_cases import DEVICE
+from kernel_cases import DEVICE, lever_request
 
 from kvbackend.kernels import mma_decode
 
@@ -54,13 +54,8 @@ def recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio,
     ids = []
     for n in lengths:
         rid, _ = cache.add_request()
-        k = torch.randn(heads, n, head_dim, generator=gen)
-        k[..., :4] += 6
-        k = rotary.rotate(k, torch.arange(n)).transpose(0, 1)
-        v = torch.randn(n, heads, head_dim, generator=gen)
-        v[..., 3] *= 8
-        q = torch.randn(n, heads * ratio, head_dim, generator=gen)
-        cache.append(rid, 0, k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE), queries=q.bfloat16().to(DEVICE))
+        k, v, q = lever_request(gen, n, heads, head_dim, ratio, rotary)
+        cache.append(rid, 0, k, v, queries=q)
         ids.append(rid)
     return cache, ids, rotary
 
