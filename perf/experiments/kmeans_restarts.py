@@ -1,50 +1,53 @@
-"""Experiment (not product code; run: .venv/bin/python perf/experiments/kmeans_restarts.py R TEXT SPEC [PREFIX]): k-means++ best of R seedings per head for the first chunk, patched into QVG's
-encode; the recommended spec on technical text over seeds 0..2 (1536 tokens)."""
-import sys, json
+"""Experiment, not product code: k-means++ best of R seedings per head (the lowest k-means objective kept), patched
+into QVG's encode, for a spec over k-means seeds 0..2 (perf/NOTES.md, session 11: it did not lower KL).
+
+    .venv/bin/python perf/experiments/kmeans_restarts.py R TEXT SPEC [PREFIX]
+"""
+import sys
+
 import torch
-from kvbackend.codecs import kmeans as km, qvg
-from kvbackend.codecs.kmeans import assign_nearest, kmeans, kmeanspp_init
 
-R = int(sys.argv[1])
-orig_kmeans = qvg.kmeans
+from kvbackend.codecs import qvg
+from kvbackend.codecs.kmeans import assign_nearest
 
-def best_of(x, init, iters, _state={"gen": None}):
-    return orig_kmeans(x, init, iters)
+SEEDING = qvg._INITS["kmeans++"]
+ENCODE = qvg.QVGCodec._encode_chunks
 
-orig_init = qvg.kmeanspp_init
-def patched_encode_chunks(self, k, v, layout, pages, codebook, state, units):
-    # wrap the seeding: run R seedings (consecutive draws of the same generator), keep per row the lowest objective
-    def multi_init(residual, c, generator, repeat=1):
-        best, best_obj = None, None
-        for _ in range(R):
-            init = orig_init(residual, c, generator, repeat=repeat)
-            res = orig_kmeans(residual, init, self.spec.iters)
-            _, dist = assign_nearest(residual, res.centroids)
-            obj = dist.mean(-1)
+
+def patched_encode_chunks(self, k, v, layout, pages, codebook, state, units, restarts=int(sys.argv[1])):
+    def best_seeding(residual, c, generator, repeat=1):
+        best = best_objective = None
+        for _ in range(restarts):  # consecutive draws of the same generator
+            result = qvg.kmeans(residual, SEEDING(residual, c, generator, repeat=repeat), self.spec.iters)
+            objective = assign_nearest(residual, result.centroids)[1].mean(-1)
             if best is None:
-                best, best_obj = res.centroids.clone(), obj
+                best, best_objective = result.centroids.clone(), objective
             else:
-                better = obj < best_obj
-                best = torch.where(better[:, None, None], res.centroids, best)
-                best_obj = torch.minimum(obj, best_obj)
-        return best  # Lloyd from the best converged centroids: at a fixed point already, so nothing moves
-    saved = qvg._INITS["kmeans++"]
-    qvg._INITS["kmeans++"] = multi_init
+                better = objective < best_objective
+                best = torch.where(better[:, None, None], result.centroids, best)
+                best_objective = torch.minimum(objective, best_objective)
+        return best  # the encode's own Lloyd steps then run from these centroids
+
+    qvg._INITS["kmeans++"] = best_seeding
     try:
-        return orig_encode(self, k, v, layout, pages, codebook, state, units)
+        return ENCODE(self, k, v, layout, pages, codebook, state, units)
     finally:
-        qvg._INITS["kmeans++"] = saved
+        qvg._INITS["kmeans++"] = SEEDING
 
-orig_encode = qvg.QVGCodec._encode_chunks
-qvg.QVGCodec._encode_chunks = patched_encode_chunks
 
-from kvbackend.tools.evaluate import EvalSettings, evaluate
-from kvbackend.tools.models import load_model
-model, tok = load_model()
-text = open(sys.argv[2]).read()
-ids = tok(text, return_tensors="pt").input_ids
-spec = sys.argv[3]
-specs = [f"{spec},seed={s}" for s in range(3)]
-res = evaluate(model, ids, specs, EvalSettings(prefix=int(sys.argv[4]) if len(sys.argv) > 4 else 1536))
-for r in res:
-    print(r.spec[-7:], round(r.bpv, 3), round(r.kl, 4), round(r.top1_agree * 100, 1))
+def main() -> None:
+    from kvbackend.tools.evaluate import EvalSettings, evaluate
+    from kvbackend.tools.models import load_model
+
+    qvg.QVGCodec._encode_chunks = patched_encode_chunks
+    model, tokenizer = load_model()
+    with open(sys.argv[2], encoding="utf-8") as f:
+        ids = tokenizer(f.read(), return_tensors="pt").input_ids
+    specs = [f"{sys.argv[3]},seed={s}" for s in range(3)]
+    settings = EvalSettings(prefix=int(sys.argv[4]) if len(sys.argv) > 4 else 1536)
+    for result in evaluate(model, ids, specs, settings):
+        print(result.spec, f"{result.bpv:.3f}", f"{result.kl:.4f}", f"{result.top1_agree * 100:.1f}")
+
+
+if __name__ == "__main__":
+    main()
