@@ -8,6 +8,10 @@ evaluation texts below. A spec measured in several files keeps its latest figure
 number): code changed between sessions, and the latest run is the one the current code reproduces. A point
 is on the frontier when no other point of the same text and prefix has both fewer bits per value and a
 lower KL. The exact command of every point is `kvbackend eval --text TEXT --prefix PREFIX --codec SPEC`.
+
+Runs of one spec over several k-means seeds (`seed=N` in the spec, or in an ``auto:`` plan's base; e.g. from
+`kvbackend eval --seeds N`) become one point: the mean of their figures, the KL range beside it, since one seed's
+KL can sit 1.4x from another's.
 """
 
 from __future__ import annotations
@@ -47,6 +51,30 @@ def collect(folder: str) -> dict[tuple[str, int], dict[str, dict]]:
             if row.get("path") not in ("paged", "both"):
                 continue
             out.setdefault((text, prefix), {})[row["spec"]] = {**row, "file": os.path.basename(path)}
+    return {key: merge_seeds(specs) for key, specs in out.items()}
+
+
+_SEED = re.compile(r"[,;]seed=\d+")
+_MEAN = ("bpv", "kl", "top1_agree", "attn_out_err", "k_nrmse")
+
+
+def merge_seeds(specs: dict[str, dict]) -> dict[str, dict]:
+    """``specs`` with the runs of one spec over two or more k-means seeds replaced by their mean (a row whose spec
+    says how many seeds, with ``kl_min``/``kl_max``); single runs as they are."""
+    groups: dict[str, list[dict]] = {}
+    for spec, row in specs.items():
+        groups.setdefault(_SEED.sub("", spec) if _SEED.search(spec) else spec, []).append(row)
+    out = {}
+    for spec, rows in groups.items():
+        seeded = [r for r in rows if _SEED.search(r["spec"])]
+        if len(seeded) < 2:
+            out.update({r["spec"]: r for r in rows})
+            continue
+        out.update({r["spec"]: r for r in rows if not _SEED.search(r["spec"])})
+        name = f"{spec} (mean of {len(seeded)} seeds)"
+        mean = {key: sum(r[key] for r in seeded) / len(seeded) for key in _MEAN}
+        out[name] = {**mean, "spec": name, "kl_min": min(r["kl"] for r in seeded), "kl_max": max(r["kl"] for r in seeded),
+                     "file": ", ".join(sorted({r["file"] for r in seeded}))}
     return out
 
 
@@ -60,14 +88,16 @@ def frontier(rows: list[dict]) -> set[str]:
 def table(points: dict[tuple[str, int], dict[str, dict]]) -> str:
     lines = ["# Quality per byte through the paged cache (SmolLM2-135M, 512 teacher-forced tokens)", "",
              "Written by `perf/pareto.py` from `perf/results/eval*.json`; `*` marks the Pareto frontier (bpv",
-             "against KL). Command of a row: `kvbackend eval --text TEXT --prefix PREFIX --codec SPEC`.", ""]
+             "against KL). Command of a row: `kvbackend eval --text TEXT --prefix PREFIX --codec SPEC`; a row",
+             "\"(mean of N seeds)\": the same with `--seeds N` (its KL range in brackets).", ""]
     for (text, prefix), specs in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rows = sorted(specs.values(), key=lambda r: r["bpv"])
         best = frontier(rows)
         lines += [f"## {TEXTS[text]}, {prefix}-token prefix (`{text}`)", "",
                   "| | spec | bpv | KL | top-1 | attn-out err | k NRMSE | file |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {'*' if r['spec'] in best else ''} | `{r['spec']}` | {r['bpv']:.3f} | {r['kl']:.4f} | "
+            kl = f"{r['kl']:.4f}" + (f" ({r['kl_min']:.4f}-{r['kl_max']:.4f})" if "kl_min" in r else "")
+            lines.append(f"| {'*' if r['spec'] in best else ''} | `{r['spec']}` | {r['bpv']:.3f} | {kl} | "
                          f"{100 * r['top1_agree']:.1f}% | {r['attn_out_err']:.3f} | {r['k_nrmse']:.3f} | {r['file']} |")
         lines.append("")
     return "\n".join(lines)
