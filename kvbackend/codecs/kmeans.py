@@ -65,10 +65,10 @@ def kmeanspp_init(x: torch.Tensor, num_centroids: int, generator: torch.Generato
     for step in range(1, num_centroids):
         weights = nearest.double()
         # Distances past float32's range (finite keys beyond about 1e19): draw among the points that far away.
-        weights = torch.where(torch.isinf(weights).any(-1, keepdim=True), torch.isinf(weights).double(), weights)
-        total = weights.sum(-1, keepdim=True)
+        far = torch.isinf(weights)
+        weights = torch.where(far.any(-1, keepdim=True), far.double(), weights)
         # All points already covered (duplicates): fall back to uniform draws.
-        weights = torch.where(total > 0, weights, torch.ones_like(weights))
+        weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, torch.ones_like(weights))
         cdf = weights.cumsum(-1)
         # the first point whose cumulative weight exceeds u * total: never one of weight 0
         pick = torch.searchsorted(cdf, uniforms[step - 1] * cdf[:, -1:], right=True).clamp_max(n - 1).squeeze(-1)
