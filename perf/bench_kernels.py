@@ -26,6 +26,7 @@ import json
 import math
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -487,6 +488,44 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
 )
 
 
+@dataclass
+class LeverCase:
+    """Pages of one lever layout at (B, L), rotated so that the working set exceeds L2 (`rotating_time`)."""
+    codec: object
+    layout: object
+    schemes: tuple
+    levers: object
+    pages: torch.Tensor
+    books: torch.Tensor
+    dense: torch.Tensor
+    plans: list
+    qs: list
+    rotations: int
+
+
+def lever_case(spec: str, batch: int, length: int, hq: int, heads: int, dim: int, p: int, rotary) -> LeverCase:
+    """One 4096-token chunk of Gaussian K/V encoded by ``spec`` (with levers and PSAC rows from random queries),
+    repeated into ``batch`` requests of ``length`` tokens (one dense page each)."""
+    from kvbackend.psac import query_second_moment
+
+    codec = codecs.get(spec)
+    layout = lever_layout(codec.layout(Geometry(1, heads, dim, torch.bfloat16), p), codec.levers)
+    k = torch.randn(4096, heads, dim, device=DEV).bfloat16()
+    v = torch.randn(4096, heads, dim, device=DEV).bfloat16()
+    qs_cal = torch.randn(hq, 4096, dim, device=DEV)
+    chunk = codec.encode(k, v, layout, CodecState(query_moment=query_second_moment(qs_cal, heads)))
+    packed_per_req = length // p - 1
+    per_rot = batch * packed_per_req * layout.page_bytes
+    rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
+    total_pages = rotations * batch * packed_per_req
+    pages = chunk.pages.repeat(-(-total_pages // chunk.pages.shape[0]), 1)[:total_pages].contiguous()
+    return LeverCase(codec, layout, kernel_schemes(codec, layout, levers_read=True), lever_scheme(codec, layout), pages,
+                     chunk.codebook.reshape(1, -1).contiguous(),
+                     torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16(),
+                     [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)],
+                     [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)], rotations)
+
+
 LEVER_SHAPES = ((8, 32768), (1, 32768), (8, 131072))
 # `make gpu-test`: the recipe, its layout with the tensor-core kernel's levers and no PSAC rows, and the base
 QUICK_LEVER_VARIANTS = ("recipe", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC")
@@ -504,25 +543,10 @@ def levers(copy_bw):
         sdpa_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1)
         sdpa_graph_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1, graphs=True)
         for name, spec in variants:
-            codec = codecs.get(spec)
-            layout = lever_layout(codec.layout(Geometry(1, heads, dim, torch.bfloat16), p), codec.levers)
-            k = torch.randn(4096, heads, dim, device=DEV).bfloat16()
-            v = torch.randn(4096, heads, dim, device=DEV).bfloat16()
-            qs_cal = torch.randn(hq, 4096, dim, device=DEV)
-            from kvbackend.psac import query_second_moment
-
-            chunk = codec.encode(k, v, layout, CodecState(query_moment=query_second_moment(qs_cal, heads)))
-            schemes = kernel_schemes(codec, layout, levers_read=True)
-            lv = lever_scheme(codec, layout)
+            case = lever_case(spec, batch, length, hq, heads, dim, p, rotary)
+            codec, layout, schemes, lv = case.codec, case.layout, case.schemes, case.levers
+            pages, books, dense, plans, qs, rotations = case.pages, case.books, case.dense, case.plans, case.qs, case.rotations
             packed_per_req = length // p - 1
-            per_rot = batch * packed_per_req * layout.page_bytes
-            rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
-            total_pages = rotations * batch * packed_per_req
-            pages = chunk.pages.repeat(-(-total_pages // chunk.pages.shape[0]), 1)[:total_pages].contiguous()
-            books = chunk.codebook.reshape(1, -1).contiguous()
-            dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
-            plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
-            qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
             kernels = [0] + [1] * (folded_decode.supports(*schemes, p, dim) and folded_decode.supports_levers(schemes[0], lv))
             kernels += [2] * (planar_decode.supports(*schemes, p, dim) and not lv.active)
             kernels += [3] * (mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.available()[0]

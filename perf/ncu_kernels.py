@@ -17,6 +17,7 @@ import torch
 from kvbackend.kernels import folded_decode
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
+from kvbackend.rope import Rotary
 from kvbackend.scheme import kernel_schemes
 
 import bench_kernels as bk
@@ -32,8 +33,21 @@ def main():
     parser.add_argument("--planar", action="store_true", help="decode: the planar kernel")
     parser.add_argument("--mma", action="store_true", help="decode: the CUDA tensor-core kernel (528 programs)")
     parser.add_argument("--min-blocks", type=int, default=0, help="decode --mma: CTAs per SM the registers allow")
+    parser.add_argument("--levers", action="store_true",
+                        help="decode: the codec's levers and PSAC rows read by the kernel (the bench's levers rows)")
     args = parser.parse_args()
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
+    if args.levers:
+        if args.kind != "decode":
+            parser.error("--levers is for decode")
+        case = bk.lever_case(args.codec, batch, length, hq, heads, dim, p, Rotary.default(dim, 500000.0))
+        for _ in range(args.launches):
+            paged_decode(case.qs[0], case.pages, case.books, case.dense, case.schemes, case.plans[0],
+                         target_programs=528, num_warps=args.warps, num_stages=args.stages, mma=args.mma or None,
+                         levers=case.levers, rotary=Rotary.default(dim, 500000.0),
+                         mma_options={"min_blocks": args.min_blocks} if args.mma else None)
+        torch.cuda.synchronize()
+        return
     codec, layout, chunk = bk.encoded_pages(args.codec, heads, dim, p)
     schemes = kernel_schemes(codec, layout)
     books = chunk.codebook.reshape(1, -1).contiguous()
