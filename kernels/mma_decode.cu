@@ -450,8 +450,13 @@ __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, 
   return cs * 64.f;
 }
 
+// Shared-memory swizzle of the pre-RoPE tables (R(t) and the centroid values, rows of 32 or 64 words): word k of row
+// ``row`` lies at k ^ (row & 7), so a fragment's 8 rows (8 tokens, or their 8 centroids) spread over 8 banks.
+__device__ __forceinline__ int swz(int k, int row) { return k ^ (row & 7); }
+
 // Pre-RoPE keys: the slot's centroids times their scale as fp16 pairs (channels c, c + 8), c = 16 w + jl:
-// cv[a * D / 2 + 8 w + jl] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
+// cv[a * D / 2 + swz(8 w + jl, a)] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
+
 __device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int64_t slot, int h, int lane) {
   constexpr int CES = C_KIND == 0 ? 1 : 2;
   const uint8_t* book = a.book + slot * a.book_bytes;
@@ -471,7 +476,7 @@ __device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int6
         hi = element<2>(*reinterpret_cast<const uint16_t*>(at + 16), 0);
       }
     }
-    cv[i] = pack_half2(lo * cs, hi * cs);
+    cv[row * (D / 2) + swz(i % (D / 2), row)] = pack_half2(lo * cs, hi * cs);
   }
 }
 
@@ -494,7 +499,7 @@ __device__ __forceinline__ void centroid_table(float* ct, const uint32_t* cf, fl
   }
 }
 
-extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
+extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Params a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -515,14 +520,17 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
   const __nv_bfloat16* pbasis = reinterpret_cast<const __nv_bfloat16*>(pbase);        // [D][R] of the slot
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
   signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + PSAC_ROWS * D * 2);  // token -> row
-  const __half2* rot_cos = reinterpret_cast<const __half2*>(smem + RING_BYTES);  // R(t): [P][D / 4] pairs
+  // R(t): [P][D / 4] pairs, pair k of token t at t * D / 4 + (k ^ (t & 7)) (`swz`): the 8 tokens of a fragment's
+  // rows read 8 different banks for the same k (unswizzled, every row is 32 words long: an 8-way bank conflict)
+  const __half2* rot_cos = reinterpret_cast<const __half2*>(smem + RING_BYTES);
   const __half2* rot_sin = rot_cos + P * D / 4;
   if (ROPE_TOKEN) {  // the page's R(t) table, once per CTA: pairs (c, c + 8), c = 16 w + jl < D / 2
     __half2* fill = reinterpret_cast<__half2*>(smem + RING_BYTES);
     for (int i = threadIdx.x; i < P * D / 4; i += NWARPS * 32) {
-      const int t = i / (D / 4), c = 16 * ((i % (D / 4)) / 8) + i % 8;
-      fill[i] = __floats2half2_rn(a.local_cos[t * (D / 2) + c], a.local_cos[t * (D / 2) + c + 8]);
-      fill[P * D / 4 + i] = __floats2half2_rn(a.local_sin[t * (D / 2) + c], a.local_sin[t * (D / 2) + c + 8]);
+      const int t = i / (D / 4), k = i % (D / 4), c = 16 * (k / 8) + k % 8;
+      fill[t * (D / 4) + swz(k, t)] = __floats2half2_rn(a.local_cos[t * (D / 2) + c], a.local_cos[t * (D / 2) + c + 8]);
+      fill[P * D / 4 + t * (D / 4) + swz(k, t)] = __floats2half2_rn(a.local_sin[t * (D / 2) + c],
+                                                                    a.local_sin[t * (D / 2) + c + 8]);
     }
     __syncthreads();
   }
@@ -891,11 +899,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(Params a) {
                 const int at = (b * 4 + ks) * 2 + e;
                 val[b] = __hfma2(as_half2(codes_at(w, p & 3)), as_half2(sz[at * 32 + lane]),
                                  as_half2(sz[(8 * NB + at) * 32 + lane]));
-                if (K_CENT) val[b] = __hadd2(val[b], as_half2(cvt[ids[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
+                if (K_CENT) val[b] = __hadd2(val[b], as_half2(cvt[ids[r2] * (D / 2) + swz(8 * (4 * b + tig) + jl, ids[r2])]));
                 if (PSAC_R && prow[r2] >= 0)
                   val[b] = __hadd2(val[b], as_half2(pv[prow[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
               }
-              const __half2 cs = rot_cos[t * (D / 4) + 8 * tig + jl], sn = rot_sin[t * (D / 4) + 8 * tig + jl];
+              const __half2 cs = rot_cos[t * (D / 4) + swz(8 * tig + jl, t)], sn = rot_sin[t * (D / 4) + swz(8 * tig + jl, t)];
               ar[0][e][r2] = as_u32(__hsub2(__hmul2(val[0], cs), __hmul2(val[NB - 1], sn)));
               ar[NB - 1][e][r2] = as_u32(__hfma2(val[NB - 1], cs, __hmul2(val[0], sn)));
             }
