@@ -144,7 +144,8 @@ constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
 constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
 constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
-constexpr int SP_BYTES = (OUT_N && P * N * 4 > SP0_BYTES) ? P * N * 4 : SP0_BYTES;  // also outlier terms [P][N] f32
+// with outliers also their score terms [P][N] f32 and each outlier's products [OUT_N][N] f32
+constexpr int SP_BYTES = (OUT_N && (P + OUT_N) * N * 4 > SP0_BYTES) ? (P + OUT_N) * N * 4 : SP0_BYTES;
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
 constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? 32 * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
@@ -959,39 +960,51 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     }
     if (OUT_N) {  // key outliers: S[t][n] += q_page[n][d] * value, summed through shared memory
       float* corr = reinterpret_cast<float*>(sp);  // [P][N]; sp is free until softmax_stage
+      float* term = corr + P * N;                  // [OUT_N][N]: each outlier's product per query column
       const uint32_t* out = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES);
       const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
+      // every (outlier, column) product once, spread over the lanes so that their query loads overlap
+      for (int i = lane; i < OUT_N * a.group; i += 32) {
+        const int o = i / a.group, col = i % a.group;
+        const int half = ((o * a.H + h) & 1) * 16;
+        const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
+        const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
+        const float value = __half2float(*reinterpret_cast<const __half*>(&vb));
+        const int t = pos / D, d = pos % D;
+        float prod = 0.f;
+        if (t < P) {
+          const int64_t row = (static_cast<int64_t>(r) * Hq + h * a.group + col) * D;
+          float qd = load_float<Q_KIND>(a.q, row + d);
+          if (PAGE_ROPE) {
+            const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, row + d + D / 2) : -load_float<Q_KIND>(a.q, row + d - D / 2);
+            qd = qd * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
+          }
+          if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
+            const int i0 = d % (D / 2);
+            const float qlo = load_float<Q_KIND>(a.q, row + i0), qhi = load_float<Q_KIND>(a.q, row + i0 + D / 2);
+            const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
+            const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
+            qd = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
+          }
+          prod = qd * a.scale_log2 * value;
+        }
+        term[o * N + col] = prod;
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
           *reinterpret_cast<float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig) = make_float2(0.f, 0.f);
       __syncwarp();
-      // lane (column lane % 8, slice lane / 8) adds the outliers of its tokens (16-token tiles mt with mt % 4 ==
+      // lane (column lane % 8, slice lane / 8) adds the products of its tokens (16-token tiles mt with mt % 4 ==
       // slice) in index order: one writer per cell, no atomics, the same sums on every run
       const int col = lane & 7, slice = lane >> 3;
-      for (int o = 0; o < OUT_N; ++o) {
-        if (col >= a.group) break;
-        const int half = ((o * a.H + h) & 1) * 16;
-        const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
-        const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
-        const float value = __half2float(*reinterpret_cast<const __half*>(&vb));
-        const int t = pos / D, d = pos % D;
-        const int64_t row = (static_cast<int64_t>(r) * Hq + h * a.group + col) * D;
-        if (t >= P || ((t >> 4) & 3) != slice) continue;
-        float qd = load_float<Q_KIND>(a.q, row + d);
-        if (PAGE_ROPE) {
-          const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, row + d + D / 2) : -load_float<Q_KIND>(a.q, row + d - D / 2);
-          qd = qd * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
+      if (col < a.group) {
+        for (int o = 0; o < OUT_N; ++o) {
+          const int t = ((out[o] >> (((o * a.H + h) & 1) * 16)) & 0xFFFF) / D;
+          if (t >= P || ((t >> 4) & 3) != slice) continue;
+          corr[t * N + col] += term[o * N + col];
         }
-        if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
-          const int i0 = d % (D / 2);
-          const float qlo = load_float<Q_KIND>(a.q, row + i0), qhi = load_float<Q_KIND>(a.q, row + i0 + D / 2);
-          const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
-          const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
-          qd = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
-        }
-        corr[t * N + col] += qd * a.scale_log2 * value;
       }
       __syncwarp();
 #pragma unroll
