@@ -232,7 +232,7 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, q, book_i16, slo
 
 def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor,
                  schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan, scale: float | None = None,
-                 target_programs: int = 1024, num_warps: int = 4, num_stages: int | None = None,
+                 target_programs: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                  unpack: int = 0, pair: int = 0, fold: bool | None = None,
                  fold_options: dict | None = None, planar: bool | None = None, levers: LeverScheme | None = None,
                  rotary: Rotary | None = None, mma: bool | None = None,
@@ -242,7 +242,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     Args:
         q: [B, Hq, D] queries (bf16/fp16/fp32), B = len(plan.request_ids), Hq a multiple of the KV heads.
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
-        target_programs: about how many programs the split-K grid should have (fill every SM).
+        target_programs: about how many programs the split-K grid should have (fill every SM); None = 1024
+            for the Triton kernels, one full wave for the tensor-core kernel (`mma_decode.wave_programs`).
         num_stages: software-pipelining stages; None = 1 for the planar kernel and for the plain kernel
             with levers (4x faster than 2 there: 1.8 against 7.4 ms at B=9, L=32K), 2 for the others (the
             fastest measured on the H200, perf/NOTES.md).
@@ -285,12 +286,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     if b and plan.min_pages == 0:
         raise ValueError("every request in a decode batch needs at least one token")
     group = hq // h
-    per_split, splits = plan.splits(h, target_programs)
+    per_split, splits = plan.splits(h, target_programs or 1024)
     u8, i16, i32 = pool_views(pages)
     _, book_i16, _ = pool_views(codebooks)
-    o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     k_scheme, v_scheme = schemes
     levers = levers if levers is not None and levers.active else None
@@ -331,6 +329,13 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                                                q.device)
     elif num_stages is None:
         num_stages = 1 if planar or (levers is not None and not fold) else 2
+    if mma and target_programs is None:
+        per_split, splits = plan.splits(h, mma_decode.wave_programs(
+            k_scheme, v_scheme, p, d, q.dtype, dense.dtype, num_stages, num_warps, levers, q.device,
+            (mma_options or {}).get("min_blocks", 0)))
+    o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
     if not mma:  # the Triton kernels' constants (host work on every call of every layer: skipped for the CUDA kernel)
         constants = dict(PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d, GROUP=group,
                          ROWS=max(16, triton.next_power_of_2(group)), **scheme_constants("K", k_scheme),

@@ -111,6 +111,28 @@ def test_many_dense_pages_and_the_default_path():
 
 
 @gpu
+def test_default_grid_is_one_wave():
+    """Without ``target_programs`` the tensor-core kernel's split-K grid aims at one full wave (SMs x the blocks an
+    SM holds of that variant), and the output is the reference's whatever the split count."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 128, 64, [4000, 2600, 700], seed=5, chunk_pages=8)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    plan = cache.plan(ids, 0)
+    q = torch.randn(3, 16, 128, device=DEVICE).bfloat16()
+    dense = cache.dense.data[0]
+    wave = mma_decode.wave_programs(*schemes, 64, 128, q.dtype, dense.dtype, 2, 4, None, q.device)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    assert wave % sms == 0 and 1 <= wave // sms <= 16
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], dense, schemes, plan)
+    out, lse = paged_decode(q, *args, mma=True, num_stages=2)
+    assert_matches_reference(cache, ids, 0, q, out, lse)
+    assert plan.splits(2, wave) != plan.splits(2, 1024)  # the default grid is not the Triton kernels' 1024
+    many, many_lse = paged_decode(q, *args, mma=True, num_stages=2, target_programs=1024)
+    assert torch.allclose(out.float(), many.float(), atol=2e-2) and torch.allclose(lse, many_lse, atol=1e-2)
+
+
+@gpu
 @pytest.mark.parametrize("scale", ["fp16", "fp8"])
 def test_small_probabilities_times_small_value_scales(scale):
     """Probability times value scale stays out of fp16's subnormal range (the kernel's per-page exponent).

@@ -62,7 +62,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--source", action="append", default=[], help="NAME=PATH of another mma_decode.cu")
+    parser.add_argument("--min-blocks", default=",".join(map(str, MIN_BLOCKS)))
+    parser.add_argument("--programs", default=",".join(map(str, PROGRAMS)),
+                        help="program counts; 0 = paged_decode's default (one full wave)")
     args = parser.parse_args()
+    min_blocks = [int(x) for x in args.min_blocks.split(",")]
+    programs_list = [int(x) for x in args.programs.split(",")]
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     rotary = Rotary.default(dim, 500000.0)
     sdpa_graph_ms = bk.sdpa_time(batch, hq, heads, length, dim, 2, graphs=True)
@@ -83,15 +88,15 @@ def main():
             stages = mma_decode.default_stages(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, 4, case.levers,
                                                torch.device("cuda"))
             configs = [mma_decode.config_for(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, stages, 4, mb,
-                                             case.levers) for mb in MIN_BLOCKS]
+                                             case.levers) for mb in min_blocks]
             with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:  # nvcc in parallel
                 list(pool.map(lambda c: mma_decode.compile_cubin(c, "sm_90"), configs))
-            for mb in MIN_BLOCKS:
-                for programs in PROGRAMS:
+            for mb in min_blocks:
+                for programs in programs_list:
                     def call(j, mb=mb, programs=programs):
                         return paged_decode(case.qs[j], case.pages, case.books, case.dense, case.schemes, case.plans[j],
                                             num_warps=4, num_stages=stages, mma=True, levers=case.levers,
-                                            rotary=rotary, target_programs=programs, mma_options={"min_blocks": mb})
+                                            rotary=rotary, target_programs=programs or None, mma_options={"min_blocks": mb})
                     try:
                         graph_ms = bk.graph_time([lambda j=j: call(j) for j in range(case.rotations)])
                     except Exception as exc:  # a variant that does not build or launch: recorded, not fatal
