@@ -116,10 +116,11 @@ def test_default_grid_is_one_wave():
     SM holds of that variant), and the output is the reference's whatever the split count."""
     from kvbackend.kernels.paged_decode import paged_decode
 
-    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 128, 64, [4000, 2600, 700], seed=5, chunk_pages=8)
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 128, 64, [4000, 2600, 700], heads=8, layers=1, seed=5,
+                              chunk_pages=8)
     schemes = kernel_schemes(cache.codec, cache.layout)
     plan = cache.plan(ids, 0)
-    q = torch.randn(3, 16, 128, device=DEVICE).bfloat16()
+    q = torch.randn(3, 32, 128, device=DEVICE).bfloat16()
     dense = cache.dense.data[0]
     wave = mma_decode.wave_programs(*schemes, 64, 128, q.dtype, dense.dtype, 2, 4, None, q.device)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -127,7 +128,7 @@ def test_default_grid_is_one_wave():
     args = (cache.packed.pages[0], cache.packed.codebooks[0], dense, schemes, plan)
     out, lse = paged_decode(q, *args, mma=True, num_stages=2)
     assert_matches_reference(cache, ids, 0, q, out, lse)
-    assert plan.splits(2, wave) != plan.splits(2, 1024)  # the default grid is not the Triton kernels' 1024
+    assert plan.splits(8, wave) != plan.splits(8, 1024)  # 24 (request, head) pairs, 63 pages: the grids differ
     many, many_lse = paged_decode(q, *args, mma=True, num_stages=2, target_programs=1024)
     assert torch.allclose(out.float(), many.float(), atol=2e-2) and torch.allclose(lse, many_lse, atol=1e-2)
 
