@@ -362,3 +362,34 @@ def test_append_step_takes_ids_as_a_tensor_and_an_empty_batch():
     assert cache.page_table(a).lengths == [4, 3]
     cache.append_step([], 1, torch.ones(0, 2, 16), torch.ones(0, 2, 16))  # nothing to append
     assert cache.page_table(a).lengths == [4, 3]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_one_finite_check_names_what_failed(device):
+    """Keys, values and queries are checked together (one device read on a GPU); a failure still names the tensor
+    at fault, and nothing is written."""
+    from kvbackend.codecs.base import all_finite_many
+
+    ok = torch.randn(3, 2, 16, device=device)
+    assert all_finite_many(ok, ok.bfloat16(), torch.empty(0, device=device))
+    for value in (float("nan"), float("inf"), -float("inf")):
+        bad = ok.clone()
+        bad[2, 1, 15] = value
+        assert not all_finite_many(ok, bad) and not all_finite_many(bad.bfloat16(), ok)
+    cache = KVCache(Geometry(2, 2, 16, torch.float32), CacheConfig(codec="identity", page_size=4, chunk_pages=2,
+                                                                   dense_pages=8, packed_pages=8, device=device))
+    rid, _ = cache.add_request()
+    q = torch.randn(3, 4, 16, device=device)
+    bad_q = q.clone()
+    bad_q[0, 3, 0] = float("nan")
+    with pytest.raises(InvalidKV, match="queries contain NaN"):
+        cache.append(rid, 0, ok, ok, queries=bad_q)
+    bad = ok.clone()
+    bad[1, 0, 0] = float("inf")
+    with pytest.raises(InvalidKV, match="K/V contain NaN or Inf"):
+        cache.append(rid, 0, ok, bad, queries=q)
+    with pytest.raises(InvalidKV, match="K/V contain NaN or Inf"):
+        cache.append_step([rid], 0, bad[1:2], ok[:1], queries=q[:1])
+    assert cache.page_table(rid).lengths == [0, 0]
+    cache.append(rid, 0, ok, ok, queries=q)
+    assert cache.page_table(rid).lengths == [3, 0]

@@ -289,6 +289,18 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.amax()) & torch.isfinite(x.amin()))
 
 
+def all_finite_many(*xs: torch.Tensor) -> bool:
+    """`all_finite` of every tensor in ``xs``, with one device-to-host read for all those on a GPU (a decode step
+    checks keys, values and queries in every layer: one sync each stalls the host's launches three times)."""
+    device = [x for x in xs if x.numel() and x.device.type != "cpu"]
+    if not all(all_finite(x) for x in xs if x.numel() and x.device.type == "cpu"):
+        return False
+    if not device:
+        return True
+    ends = torch.stack([e.float() for x in device for e in (x.amax(), x.amin())])
+    return bool(torch.isfinite(ends).all())
+
+
 def check_kv(k: torch.Tensor, v: torch.Tensor, geometry: Geometry) -> None:
     """Raise InvalidKV unless ``k`` and ``v`` are matching float ``[N, H, D]`` tensors for ``geometry``."""
     for name, x in (("k", k), ("v", v)):
@@ -325,10 +337,11 @@ def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, g
             raise InvalidKV(f"queries must be float [{k.shape[0]}, Hq, {g.head_dim}] on {device} with Hq a multiple "
                             f"of {g.num_kv_heads}, got {getattr(queries, 'shape', queries)!r}")
         queries = queries.detach()
-        if not all_finite(queries):
-            raise InvalidKV("queries contain NaN or Inf; nothing was written")
     k, v = k.detach().to(geometry.dtype), v.detach().to(geometry.dtype)
-    if check_finite and not (all_finite(k) and all_finite(v)):
+    checked = ([] if queries is None else [queries]) + ([k, v] if check_finite else [])
+    if checked and not all_finite_many(*checked):  # one read for all; which one failed only on failure
+        if queries is not None and not all_finite(queries):
+            raise InvalidKV("queries contain NaN or Inf; nothing was written")
         raise InvalidKV(f"K/V contain NaN or Inf (in {geometry.dtype}); nothing was written")
     return k, v, queries
 
