@@ -255,15 +255,13 @@ class KVBackendLayer(CacheLayerMixin):
         return merged.to(query.dtype).unsqueeze(1)
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               queries: torch.Tensor | None = None, values: bool = True) -> None:
-        """Raise before any row is written: K/V (and queries) of every row valid, dense room for every row.
-        ``values=False``: the room only (the one engine call that follows checks the values before it writes)."""
+               queries: torch.Tensor | None = None) -> None:
+        """Raise before any row is written: K/V (and queries) of every row valid, dense room for every row."""
         engine, options = self.owner.engine, self.owner.options
         b, h, n, d = key_states.shape
         flat = lambda x: x.transpose(1, 2).reshape(b * n, x.shape[1], d)  # noqa: E731 - [B*T, H, D]
-        if values:
-            prepare_kv(flat(key_states), flat(value_states), None if queries is None else flat(queries),
-                       engine.geometry, engine.dense.data.device, engine.config.check_finite)
+        prepare_kv(flat(key_states), flat(value_states), None if queries is None else flat(queries),
+                   engine.geometry, engine.dense.data.device, engine.config.check_finite)
         p = engine.config.page_size
         tables = [engine.page_table(rid) for rid in self.owner.request_ids]
         needed = sum(max(-(-(t.dense_tokens(self.layer_idx) + n) // p) - len(t.dense), 0) for t in tables)
@@ -278,10 +276,9 @@ class KVBackendLayer(CacheLayerMixin):
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
                 queries: torch.Tensor | None = None, checked: bool = False) -> None:
+        if not checked:  # every row first: no row is left ahead of another
+            self._check(key_states, value_states, queries)
         engine, rows = self.owner.engine, self.owner.request_ids
-        if not checked:  # every row first: no row is left ahead of another (one engine call checks its own rows)
-            single = len(rows) == 1 or (key_states.shape[2] == 1 and len(rows) > 1)
-            self._check(key_states, value_states, queries, values=not single)
         if key_states.shape[2] == 1 and len(rows) > 1:  # a decode step: one batched append for every row
             engine.append_step(rows, self.layer_idx, key_states[:, :, 0], value_states[:, :, 0],
                                queries=None if queries is None else queries[:, :, 0])
