@@ -23,6 +23,28 @@ from kvbackend.scheme import kernel_schemes
 import bench_kernels as bk
 
 
+def with_lineinfo() -> None:
+    """Route the tensor-core kernel's nvcc through a wrapper adding -lineinfo, with a cubin cache of its own (the
+    cache key holds the options the launcher passes, which the wrapper does not change)."""
+    import os
+    import stat
+    import tempfile
+
+    from kvbackend.kernels import mma_decode
+
+    real = mma_decode.nvcc()
+    if real is None:
+        raise SystemExit("nvcc not found")
+    folder = tempfile.mkdtemp(prefix="kvb-lineinfo-")
+    wrapper = os.path.join(folder, "nvcc")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = --version ] && exec "{real}" --version; done\n'
+                f'exec "{real}" -lineinfo "$@"\n')
+    os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IEXEC)
+    os.environ["KVBACKEND_CACHE_DIR"] = os.path.join(folder, "cache")
+    mma_decode.nvcc = lambda: wrapper
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("kind", choices=("decode", "gather"))
@@ -33,10 +55,15 @@ def main():
     parser.add_argument("--planar", action="store_true", help="decode: the planar kernel")
     parser.add_argument("--mma", action="store_true", help="decode: the CUDA tensor-core kernel (528 programs)")
     parser.add_argument("--min-blocks", type=int, default=0, help="decode --mma: CTAs per SM the registers allow")
+    parser.add_argument("--lineinfo", action="store_true",
+                        help="decode --mma: compile the kernel with -lineinfo (its own cubin cache), so that the "
+                             "profiler's source page maps SASS to lines of mma_decode.cu")
     parser.add_argument("--levers", action="store_true",
                         help="decode: the codec's levers and PSAC rows read by the kernel (the bench's levers rows)")
     args = parser.parse_args()
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
+    if args.lineinfo:
+        with_lineinfo()
     if args.levers:
         if args.kind != "decode":
             parser.error("--levers is for decode")
