@@ -305,7 +305,7 @@ def all_finite_many(*xs: torch.Tensor) -> bool:
     if not rest:
         return True
     dtype = rest[0].dtype if all(x.dtype == rest[0].dtype for x in rest) else torch.float32
-    ends = torch.cat([torch.stack(torch.aminmax(x.reshape(-1))).to(dtype) for x in rest])
+    ends = torch.cat([torch.stack(torch.aminmax(x.reshape(-1))).to(rest[0].device, dtype) for x in rest])
     return bool(torch.isfinite(ends).all())
 
 
