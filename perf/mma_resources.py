@@ -38,8 +38,9 @@ def resources(config: Config) -> tuple[int, int]:
                               capture_output=True, text=True)
     if done.returncode:
         sys.exit(done.stderr[-2000:])
-    found = re.findall(r"Used (\d+) registers.*?(\d+) bytes cumulative stack size", done.stderr)
-    return int(found[-1][0]), int(found[-1][1])
+    line = re.findall(r"Used \d+ registers[^\n]*", done.stderr)[-1]  # the kernel's line (the last one)
+    stack = re.search(r"(\d+) bytes cumulative stack size", line)  # named only when not empty
+    return int(re.search(r"Used (\d+) registers", line).group(1)), int(stack.group(1)) if stack else 0
 
 
 def main() -> None:
