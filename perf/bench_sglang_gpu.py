@@ -1,0 +1,104 @@
+"""The SGLang storage backend at storage speed (#20): set and get of Llama-8B-shaped pages through
+`KVBackendStorage` (its codec on the GPU when there is one: the backend's ``device`` option, ``auto``) against
+SGLang's own `HiCacheFile` writing the raw pages, on the same pages and the same disk, in one run.
+
+    python3 perf/bench_sglang_gpu.py --out $OUT/bench_sglang_gpu.json [--pages 64] [--page-size 64]
+
+Needs SGLang's storage interface importable. A machine without SGLang can use the three pure-Python files it takes
+(`bash perf/sglang_subset.sh .sglang_min` where SGLang is installed, then ``PYTHONPATH=.sglang_min``).
+Figures are GB/s of raw KV (bf16 K and V of every layer) per call of `batch_set_v1` / `batch_get_v1`, medians of
+three rounds (fresh keys for every set round; gets read what the last set wrote, so from the OS page cache on both
+sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+
+from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+
+CODECS = ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64",
+          RECOMMENDED_SPEC.replace(",sink=4", "").replace(",prerope=true", ""))  # the recipe's page-local codec
+
+
+def median_time(fn, rounds: int) -> float:
+    times = []
+    for i in range(rounds):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pages", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--codecs", default="|".join(CODECS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where both backends write (default: a temporary folder)")
+    args = parser.parse_args()
+    from sglang.srt.mem_cache import hicache_storage as hicache
+
+    n, p = args.pages, args.page_size
+    host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
+    host.kv_buffer.normal_()
+    page_bytes = 2 * args.layers * p * 8 * 128 * 2
+    raw = n * page_bytes
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
+    rows = []
+
+    # SGLang's HiCacheFile: raw pages, one file each
+    config = hicache.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name="bench/model",
+        extra_config={"file_storage_path": str(root / "hicachefile")})
+    reference = hicache.HiCacheFile(config)
+    pages = [host.get_data_page(i * p, flat=True) for i in range(n)]
+    targets = [torch.empty_like(pages[0]) for _ in range(n)]
+    set_s = median_time(lambda r: reference.batch_set([f"r{r}-{i}" for i in range(n)], pages), args.rounds)
+    last = args.rounds - 1
+    get_s = median_time(lambda r: reference.batch_get([f"r{last}-{i}" for i in range(n)], targets), args.rounds)
+    assert all(torch.equal(a, b) for a, b in zip(pages, targets))
+    rows.append({"backend": "HiCacheFile (raw)", "set_GBps": raw / set_s / 1e9, "get_GBps": raw / get_s / 1e9,
+                 "bytes_per_page": page_bytes})
+    print(f"HiCacheFile: set {raw / set_s / 1e9:.2f} GB/s, get {raw / get_s / 1e9:.2f} GB/s", flush=True)
+
+    for codec in args.codecs.split("|"):
+        backend = make_backend(root / f"kvbackend-{len(rows)}", host, codec)
+        keys = lambda r: [f"r{r}-{i}" for i in range(n)]  # noqa: E731
+        backend.batch_set_v1(["warm"], host_indices(range(1), p))  # compile and load before timing
+        set_s = median_time(lambda r: backend.batch_set_v1(keys(r), host_indices(range(n), p)), args.rounds)
+        get_s = median_time(lambda r: backend.batch_get_v1(keys(last), host_indices(range(n, 2 * n), p)), args.rounds)
+        stored = backend.get_stats()["bytes_stored"] / (args.rounds * n + 1)
+        error = (host.kv_buffer[:, :, n * p:].float() - host.kv_buffer[:, :, :n * p].float()).pow(2).mean().sqrt().item()
+        row = {"backend": f"kvbackend ({codec})", "device": str(backend.device.device), "set_GBps": raw / set_s / 1e9,
+               "get_GBps": raw / get_s / 1e9,
+               "bytes_per_page": stored, "bits_per_value": 8 * stored / (page_bytes / 2), "rms_error": error}
+        row["get_vs_hicachefile"] = row["get_GBps"] / rows[0]["get_GBps"]
+        rows.append(row)
+        print(f"{row['backend']}: set {row['set_GBps']:.2f} GB/s, get {row['get_GBps']:.2f} GB/s "
+              f"({row['get_vs_hicachefile']:.2f}x HiCacheFile's), {row['bits_per_value']:.2f} bits per value, "
+              f"rms error {error:.3f}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                   "pages": n, "page_size": p, "layers": args.layers, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
