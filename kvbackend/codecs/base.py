@@ -274,19 +274,14 @@ def _check_values(k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise InvalidKV for chunks of no tokens or with non-finite values (shapes already checked)."""
     if k.shape[-3] == 0:
         raise InvalidKV("cannot encode an empty chunk (0 tokens)")
-    if not (all_finite(k) and all_finite(v)):
+    if not all_finite_many(k, v):
         raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
 
 
 def all_finite(x: torch.Tensor) -> bool:
     """True when ``x`` holds no NaN or Inf. Its largest and smallest values carry both (max and min
     propagate NaN), at a fraction of the cost of an elementwise `isfinite` on the CPU."""
-    if x.numel() == 0:
-        return True
-    fused = fastquant.all_finite(x)  # bf16 on the CPU: one pass over the bits
-    if fused is not None:
-        return fused
-    return bool(torch.isfinite(x.amax()) & torch.isfinite(x.amin()))
+    return all_finite_many(x)
 
 
 def all_finite_many(*xs: torch.Tensor) -> bool:
