@@ -407,7 +407,7 @@ def wave_programs(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: in
                   min_blocks: int = 0) -> int:
     """Programs of one full wave of this variant on ``device``: SMs x the blocks an SM holds at once. The split-K
     grid aims at it when the caller names no program count: on the H200 (B=8, L=32K) one wave of two blocks per SM
-    measured 3-10% faster than 1.5 or 2 waves, and the Triton kernels' 1024 programs are about four (perf/NOTES.md,
+    measured 3-5% faster than two waves and 25-30% faster than 1.5, and the Triton kernels' 1024 programs are about four (perf/NOTES.md,
     session 12). Loads (and on first use compiles) the variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     config = config_for(k, v, page_size, head_dim, q_dtype, dense_dtype, stages, warps, min_blocks, levers)

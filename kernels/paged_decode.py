@@ -242,8 +242,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     Args:
         q: [B, Hq, D] queries (bf16/fp16/fp32), B = len(plan.request_ids), Hq a multiple of the KV heads.
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
-        target_programs: about how many programs the split-K grid should have (fill every SM); None = 1024
-            for the Triton kernels, one full wave for the tensor-core kernel (`mma_decode.wave_programs`).
+        target_programs: about how many programs the split-K grid should have (fill every SM), at least 1;
+            None = 1024 for the Triton kernels, one full wave for the tensor-core kernel
+            (`mma_decode.wave_programs`).
         num_stages: software-pipelining stages; None = 1 for the planar kernel and for the plain kernel
             with levers (4x faster than 2 there: 1.8 against 7.4 ms at B=9, L=32K), 2 for the others (the
             fastest measured on the H200, perf/NOTES.md).
@@ -265,8 +266,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             one none (``planar=True`` with levers raises).
         rotary: the model's RoPE, for pre-RoPE and page-relative keys.
         mma: use the CUDA tensor-core kernel (`mma_decode`: 2-bit layouts with per-token value groups, keys
-            per token group or per channel with centroids; sinks, key outliers, rotated values and
-            page-relative keys, not pre-RoPE keys or PSAC rows);
+            per token group or per channel with centroids; sinks, key outliers, rotated values, pre-RoPE and
+            page-relative keys, PSAC rows);
             None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True
             takes precedence over ``planar`` and ``fold`` and raises where the kernel cannot run or does
             not read the layout.
@@ -285,8 +286,11 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         raise ValueError("q must be contiguous and on the pools' device")
     if b and plan.min_pages == 0:
         raise ValueError("every request in a decode batch needs at least one token")
+    if target_programs is not None and (isinstance(target_programs, bool) or not isinstance(target_programs, int)
+                                        or target_programs < 1):
+        raise ValueError(f"target_programs must be a positive int or None (the default grid), not {target_programs!r}")
     group = hq // h
-    per_split, splits = plan.splits(h, target_programs or 1024)
+    per_split, splits = plan.splits(h, target_programs if target_programs is not None else 1024)
     u8, i16, i32 = pool_views(pages)
     _, book_i16, _ = pool_views(codebooks)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)

@@ -100,6 +100,12 @@ def test_rejects_bad_query():
         paged_decode(torch.randn(1, 3, 32, device=DEVICE), *args)
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode(torch.randn(2, 2, 64, device=DEVICE), *args)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    for bad in (0, -4, 2.5, True):  # 0 once meant 1024 programs silently
+        with pytest.raises(ValueError, match="target_programs must be a positive int"):
+            paged_decode(q, *args, target_programs=bad)
+    out, _ = paged_decode(q, *args, target_programs=1)
+    assert torch.allclose(out, paged_decode(q, *args)[0], atol=1e-3)  # one split against the default grid
 
 
 @pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "qvg", "rtn:bits=4,group=32,scale=fp16"])
