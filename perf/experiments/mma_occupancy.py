@@ -4,7 +4,7 @@ kernel sources, each timed from CUDA graphs beside SDPA on BF16 K/V in the same 
 change, not a product path.
 
     python3 perf/experiments/mma_occupancy.py --out $OUT/mma_occupancy.json [--min-blocks 0,2] [--programs 0,264,528] \
-        [--source NAME=PATH]
+        [--source NAME=PATH] [--variants all]
 
 Another source (e.g. a branch's ``mma_decode.cu``) must keep the shared-memory count of ``Config.smem_bytes``: the
 kernel checks it at compile time. Session 12 ran this with the outlier-terms source, since merged.
@@ -37,6 +37,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--source", action="append", default=[], help="NAME=PATH of another mma_decode.cu")
     parser.add_argument("--min-blocks", default=",".join(map(str, MIN_BLOCKS)))
+    parser.add_argument("--variants", default="quick", help="quick (bench_kernels' three levers rows) or all (every "
+                        "lever row, one lever at a time included; those the kernel does not read are recorded)")
     parser.add_argument("--programs", default=",".join(map(str, PROGRAMS)),
                         help="program counts; 0 = paged_decode's default (one full wave)")
     args = parser.parse_args()
@@ -56,6 +58,9 @@ def main():
         mma_decode._failed.clear()
         for name, spec in variants:
             case = bk.lever_case(spec, batch, length, hq, heads, dim, p, rotary)
+            if not mma_decode.supports_levers(case.schemes[0], case.levers, p, dim):
+                print(f"{source_name} {name}: the tensor-core kernel does not read this layout", flush=True)
+                continue
             stages = mma_decode.default_stages(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, 4, case.levers,
                                                torch.device("cuda"))
             configs = [mma_decode.config_for(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, stages, 4, mb,
