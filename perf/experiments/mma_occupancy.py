@@ -49,7 +49,7 @@ def main():
     sdpa_graph_ms = bk.sdpa_time(batch, hq, heads, length, dim, 2, graphs=True)
     print(f"SDPA BF16 (graphs): {sdpa_graph_ms * 1e3:.1f} us", flush=True)
     rows = []
-    variants = [(n, s) for n, s in bk.LEVER_VARIANTS if n in bk.QUICK_LEVER_VARIANTS]
+    variants = [(n, s) for n, s in bk.LEVER_VARIANTS if args.variants == "all" or n in bk.QUICK_LEVER_VARIANTS]
     original_source = mma_decode.SOURCE
     sources = [("main", str(original_source))] + [tuple(x.split("=", 1)) for x in args.source]
     for source_name, path in sources:
