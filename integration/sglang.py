@@ -90,7 +90,8 @@ class KVBackendStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._stats = {"hits": 0, "misses": 0, "failures": 0, "pages_set": 0, "raw_bytes_set": 0,
-                       "encode_s": 0.0, "decode_s": 0.0}
+                       "encode_s": 0.0, "decode_s": 0.0, "read_s": 0.0, "write_s": 0.0, "to_pool_s": 0.0,
+                       "from_pool_s": 0.0}
 
     # -- set-up -----------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -160,7 +161,9 @@ class KVBackendStorage(HiCacheStorage):
         g, lay, group = self.geometry, self.layout, self.group
         n = len(pages)
         # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
-        k, v = (torch.stack([page[i] for page in pages]).reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
+        k, v = (torch.stack([page[i] for page in pages], out=self.device.staging((n,) + tuple(pages[0][i].shape),
+                                                                                 pages[0].dtype))
+                .reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
         carries = group.has_codebooks
 
         def encode(k, v):
@@ -186,7 +189,9 @@ class KVBackendStorage(HiCacheStorage):
         start = time.perf_counter()
         g, lay = self.geometry, self.layout
         n = len(blobs)
-        body = torch.stack([b[: self.group.pages_bytes] for b in blobs]).view(n * g.num_layers, lay.page_bytes)
+        body = torch.stack([b[: self.group.pages_bytes] for b in blobs],
+                           out=self.device.staging((n, self.group.pages_bytes), torch.uint8))
+        body = body.view(n * g.num_layers, lay.page_bytes)
         shape = (n, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
 
         def decode(body):
@@ -298,7 +303,10 @@ class KVBackendStorage(HiCacheStorage):
             with self._lock:
                 self._stats["failures"] += len(keys)
             return [False] * len(keys)
+        start = time.perf_counter()
         written = iter(self.tier.put(ints, blobs).result())
+        with self._lock:
+            self._stats["write_s"] += time.perf_counter() - start
         results = [next(written) if good else False for good in ok]
         with self._lock:
             self._stats["pages_set"] += sum(results)
@@ -312,7 +320,10 @@ class KVBackendStorage(HiCacheStorage):
         if self.blob_bytes is not None:  # a blob of another length is not a page of this configuration
             sizes = [size if size == self.blob_bytes else 0 for size in sizes]
         buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        start = time.perf_counter()
         found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers]).result()  # exact length
+        with self._lock:
+            self._stats["read_s"] += time.perf_counter() - start
         pages: list[Optional[torch.Tensor]] = []
         if self._batched():
             valid = [i for i, (buffer, good, key) in enumerate(zip(buffers, found, ints))
@@ -352,12 +363,15 @@ class KVBackendStorage(HiCacheStorage):
             self._require_pool()
             pages = self._load(list(keys))
             results = []
+            start = time.perf_counter()
             for i, page in enumerate(pages):
                 if page is None:
                     results.append(False)
                     continue
                 self._page_to_pool(int(host_indices[i * self.page_size]), page)
                 results.append(True)
+            with self._lock:
+                self._stats["to_pool_s"] += time.perf_counter() - start
             return results
         except Exception as exc:  # never None, never an exception into SGLang's I/O threads
             self._log_once("get_v1", f"kvbackend storage: batch_get_v1 failed: {exc!r}")
@@ -367,7 +381,10 @@ class KVBackendStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         try:
             self._require_pool()
+            start = time.perf_counter()
             pages = [self._page_from_pool(int(host_indices[i * self.page_size])) for i in range(len(keys))]
+            with self._lock:
+                self._stats["from_pool_s"] += time.perf_counter() - start
             return self._store(list(keys), pages)
         except Exception as exc:
             self._log_once("set_v1", f"kvbackend storage: batch_set_v1 failed: {exc!r}")

@@ -101,11 +101,37 @@ class DeviceCodec:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
             with torch.cuda.stream(self._stream):
-                moved = [t.to(self.device) for t in tensors]
+                moved = [t.to(self.device, non_blocking=t.is_pinned()) for t in tensors]
                 out = fn(*moved)
-                result = tuple(o.to("cpu") for o in out) if isinstance(out, tuple) else out.to("cpu")
-            self._stream.synchronize()
+                result = tuple(self._to_host(o) for o in out) if isinstance(out, tuple) else self._to_host(out)
+            self._stream.synchronize()  # the copies above are complete before anyone reads the results
         return result
+
+    @staticmethod
+    def _to_host(tensor):
+        """A device tensor copied into page-locked host memory (PyTorch's caching host allocator: reused from
+        call to call), asynchronously on the current stream: a copy into pageable memory is staged by the driver
+        at a fraction of the link's speed."""
+        import torch
+
+        try:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        except RuntimeError:  # no page-locked memory left: a plain (synchronous) copy
+            return tensor.to("cpu")
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    def staging(self, shape, dtype):
+        """An empty host tensor for inputs of `run`: page-locked where the codec runs on a CUDA device (copied
+        to it asynchronously), plain memory on the CPU or where no page-locked memory can be had."""
+        import torch
+
+        if self.device.type == "cuda":
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError:  # no page-locked memory (left): plain memory, copied synchronously
+                pass
+        return torch.empty(shape, dtype=dtype)
 
     def __call__(self, what: str, fn, *tensors):
         """`run`, except that where the device fails (out of memory, a lost context, ...) this batch runs on

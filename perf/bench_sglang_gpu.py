@@ -84,16 +84,21 @@ def main() -> None:
         backend.batch_set_v1(["warm"], host_indices(range(1), p))  # compile and load before timing
         set_s = median_time(lambda r: backend.batch_set_v1(keys(r), host_indices(range(n), p)), args.rounds)
         get_s = median_time(lambda r: backend.batch_get_v1(keys(last), host_indices(range(n, 2 * n), p)), args.rounds)
-        stored = backend.get_stats()["bytes_stored"] / (args.rounds * n + 1)
+        stats = backend.get_stats()
+        stored = stats["bytes_stored"] / (args.rounds * n + 1)
         error = (host.kv_buffer[:, :, n * p:].float() - host.kv_buffer[:, :, :n * p].float()).pow(2).mean().sqrt().item()
         row = {"backend": f"kvbackend ({codec})", "device": str(backend.device.device), "set_GBps": raw / set_s / 1e9,
                "get_GBps": raw / get_s / 1e9,
                "bytes_per_page": stored, "bits_per_value": 8 * stored / (page_bytes / 2), "rms_error": error}
         row["get_vs_hicachefile"] = row["get_GBps"] / rows[0]["get_GBps"]
+        # where the time of every round went (seconds summed over the warm-up, the set and the get rounds)
+        row["seconds"] = {key: stats[key] for key in ("from_pool_s", "encode_s", "write_s", "read_s", "decode_s",
+                                                     "to_pool_s") if key in stats}
         rows.append(row)
         print(f"{row['backend']}: set {row['set_GBps']:.2f} GB/s, get {row['get_GBps']:.2f} GB/s "
               f"({row['get_vs_hicachefile']:.2f}x HiCacheFile's), {row['bits_per_value']:.2f} bits per value, "
-              f"rms error {error:.3f}", flush=True)
+              f"rms error {error:.3f}; seconds " + ", ".join(f"{k} {v:.3f}" for k, v in row["seconds"].items()),
+              flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

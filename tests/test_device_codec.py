@@ -50,3 +50,19 @@ def test_the_gpu_encodes_and_decodes_the_bytes_of_the_cpu(spec):
     wk, wv = codec.decode_pages(layout, want, empty)
     gk, gv = runner("decode", lambda body: codec.decode_pages(layout, body, body[:0]), want)
     assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_host_buffers_are_page_locked_where_they_can_be():
+    """Inputs staged for the device and results copied back are page-locked on a CUDA machine (the link's
+    speed, not the driver's staging); without page-locked memory they are plain host tensors, never an error."""
+    runner = DeviceCodec(torch.device("cuda", 0))
+    staged = runner.staging((3, 5), torch.bfloat16)
+    assert staged.shape == (3, 5) and staged.dtype == torch.bfloat16 and staged.device.type == "cpu"
+    assert staged.is_pinned() == torch.cuda.is_available()
+    assert DeviceCodec(torch.device("cpu")).staging((2,), torch.uint8).is_pinned() is False
+    if not torch.cuda.is_available():
+        return
+    x = torch.randn(4, 7)
+    out, twice = runner.run(lambda t: (t + 1, t * 2), x)
+    assert out.device.type == "cpu" and out.is_pinned() and twice.is_pinned()
+    assert torch.equal(out, x + 1) and torch.equal(twice, x * 2)
