@@ -451,9 +451,19 @@ __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, 
   return cs * 64.f;
 }
 
-// Shared-memory swizzle of the pre-RoPE tables (R(t) and the centroid values, rows of 32 or 64 words): word k of row
-// ``row`` lies at k ^ (row & 7), so a fragment's 8 rows (8 tokens, or their 8 centroids) spread over 8 banks.
-__device__ __forceinline__ int swz(int k, int row) { return k ^ (row & 7); }
+// Shared-memory swizzle of the pre-RoPE tables (R(t) and the centroid values, rows of 32 or 64 words), read as
+// 8-byte pairs of words (2 m, 2 m + 1): pair m of row ``row`` lies at m ^ (row & 3), so the 4 rows of a half-warp's
+// 8-byte load phase (4 tokens, or their 4 centroids) spread over 4 bank pairs.
+__device__ __forceinline__ int swz(int k, int row) { return k ^ ((row & 3) << 1); }
+
+// The two words (2 m, 2 m + 1) of ``row`` in a swizzled table with rows of ``width`` words.
+__device__ __forceinline__ uint2 pair_at(const uint32_t* table, int width, int row, int k) {
+  return *reinterpret_cast<const uint2*>(table + row * width + swz(k, row));
+}
+
+// PSAC basis [D][R] bf16 in shared memory as R / 4 planes of D 8-byte rows (4 bf16 each); row c of a plane at
+// c ^ (8 * bit 4 of c): the pairs (c, c + 16) that a half-warp's 8-byte load phase reads fall in different banks.
+__device__ __forceinline__ int basis_row(int c) { return c ^ (((c >> 4) & 1) << 3); }
 
 // Pre-RoPE keys: the slot's centroids times their scale as fp16 pairs (channels c, c + 8), c = 16 w + jl:
 // cv[a * D / 2 + swz(8 w + jl, a)] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
@@ -518,13 +528,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
   uint32_t* sz = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES);
   uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
-  const __nv_bfloat16* pbasis = reinterpret_cast<const __nv_bfloat16*>(pbase);        // [D][R] of the slot
+  const uint2* pbasis = reinterpret_cast<const uint2*>(pbase);  // the slot's basis: [R / 4][D] (`basis_row`)
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
   signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + PSAC_ROWS * D * 2);  // token -> row
-  // R(t): [P][D / 4] pairs, pair k of token t at t * D / 4 + (k ^ (t & 7)) (`swz`): the 8 tokens of a fragment's
-  // rows read 8 different banks for the same k (unswizzled, every row is 32 words long: an 8-way bank conflict)
-  const __half2* rot_cos = reinterpret_cast<const __half2*>(smem + RING_BYTES);
-  const __half2* rot_sin = rot_cos + P * D / 4;
+  // R(t): [P][D / 4] pairs, pair k of token t at t * D / 4 + swz(k, t): the tokens of a load phase read different
+  // banks for the same k (unswizzled, every row is 32 words long: an 8-way bank conflict)
+  const uint32_t* rot_words = reinterpret_cast<const uint32_t*>(smem + RING_BYTES);  // cos rows, then sin rows
   if (ROPE_TOKEN) {  // the page's R(t) table, once per CTA: pairs (c, c + 8), c = 16 w + jl < D / 2
     __half2* fill = reinterpret_cast<__half2*>(smem + RING_BYTES);
     for (int i = threadIdx.x; i < P * D / 4; i += NWARPS * 32) {
@@ -746,11 +755,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         if (slot != ct_slot) {
           __syncwarp();
           if (K_CENT) centroid_values(cvt, a, slot, h, lane);
-          if (PSAC_R) {  // the slot's basis for this head: [D][R] bf16, contiguous
-            const uint4* from = reinterpret_cast<const uint4*>(a.book + slot * a.book_bytes + a.psac_basis
+          if (PSAC_R) {  // the slot's basis for this head: [D][R] bf16, contiguous, to R / 4 planes (`basis_row`)
+            const uint2* from = reinterpret_cast<const uint2*>(a.book + slot * a.book_bytes + a.psac_basis
                                                                + static_cast<int64_t>(h) * D * PSAC_R * 2);
-            uint4* to = reinterpret_cast<uint4*>(pbase);
-            for (int i = lane; i < D * PSAC_R * 2 / 16; i += 32) to[i] = from[i];
+            uint2* to = reinterpret_cast<uint2*>(pbase);
+            constexpr int PLANES = PSAC_R > 0 ? PSAC_R / 4 : 1;
+            for (int i = lane; i < D * PSAC_R / 4; i += 32) to[(i % PLANES) * D + basis_row(i / PLANES)] = from[i];
           }
           __syncwarp();
           ct_slot = slot;
@@ -766,20 +776,30 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             if (tok < P) pmap[tok] = static_cast<signed char>(row);
           }
         }
-        for (int i = lane; i < PSAC_ROWS * D / 2; i += 32) {
-          const int row = i / (D / 2), w = (i / 8) % (D / 16), jl = i % 8;
-          const int c = 16 * w + jl;
+        for (int row = 0; row < PSAC_ROWS; ++row) {
           const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
           const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
           const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
-          float lo = 0.f, hi = 0.f;
+          float coef[PSAC_R > 0 ? PSAC_R : 1];
 #pragma unroll
-          for (int rr = 0; rr < PSAC_R; ++rr) {
-            const float coef = __half2float(__float2half_rn(static_cast<float>(codes[rr]) * scale));  // fp16, as the
-            lo += coef * __bfloat162float(pbasis[c * PSAC_R + rr]);                                  // Triton path
-            hi += coef * __bfloat162float(pbasis[(c + 8) * PSAC_R + rr]);
+          for (int rr = 0; rr < PSAC_R; ++rr)  // fp16, as the Triton path
+            coef[rr] = __half2float(__float2half_rn(static_cast<float>(codes[rr]) * scale));
+          for (int i = lane; i < D / 2; i += 32) {
+            const int c = 16 * (i / 8) + i % 8;
+            float lo = 0.f, hi = 0.f;
+#pragma unroll
+            for (int q = 0; q < PSAC_R / 4; ++q) {
+              const uint2 bl = pbasis[q * D + basis_row(c)], bh = pbasis[q * D + basis_row(c + 8)];
+              const uint32_t wl[2] = {bl.x, bl.y}, wh[2] = {bh.x, bh.y};
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {  // bf16 k of the plane's row: the high or low half of word k / 2
+                const uint32_t sh = (k & 1) ? 0u : 16u;
+                lo += coef[4 * q + k] * __uint_as_float((wl[k >> 1] << sh) & 0xFFFF0000u);
+                hi += coef[4 * q + k] * __uint_as_float((wh[k >> 1] << sh) & 0xFFFF0000u);
+              }
+            }
+            pv[row * (D / 2) + i] = pack_half2(lo, hi);
           }
-          pv[i] = pack_half2(lo, hi);
         }
         __syncwarp();
       }
@@ -886,13 +906,24 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           uint32_t ar[NB][2][2];  // [block][e][row t0 | t1]
+          // the k-step's two positions jl = 2 m + 1 - e sit in one word pair of each table: one 8-byte load each
+          const int m = 2 * (ks >> 1) + 1 - (ks & 1);
+          uint2 cen[2][NB], rcos[2], rsin[2];
+#pragma unroll
+          for (int r2 = 0; r2 < 2; ++r2) {
+            const int t = t0 + 8 * r2;
+            rcos[r2] = pair_at(rot_words, D / 4, t, 8 * tig + 2 * m);
+            rsin[r2] = pair_at(rot_words + P * D / 4, D / 4, t, 8 * tig + 2 * m);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+              if (K_CENT) cen[r2][b] = pair_at(cvt, D / 2, ids[r2], 8 * (4 * b + tig) + 2 * m);
+          }
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int p = 2 * ks + e;
             const int jl = 4 * (p >> 2) + 3 - (p & 3);
 #pragma unroll
             for (int r2 = 0; r2 < 2; ++r2) {
-              const int t = t0 + 8 * r2;
               __half2 val[NB];
 #pragma unroll
               for (int b = 0; b < NB; ++b) {
@@ -900,11 +931,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                 const int at = (b * 4 + ks) * 2 + e;
                 val[b] = __hfma2(as_half2(codes_at(w, p & 3)), as_half2(sz[at * 32 + lane]),
                                  as_half2(sz[(8 * NB + at) * 32 + lane]));
-                if (K_CENT) val[b] = __hadd2(val[b], as_half2(cvt[ids[r2] * (D / 2) + swz(8 * (4 * b + tig) + jl, ids[r2])]));
+                if (K_CENT) val[b] = __hadd2(val[b], as_half2(e ? cen[r2][b].x : cen[r2][b].y));
                 if (PSAC_R && prow[r2] >= 0)
                   val[b] = __hadd2(val[b], as_half2(pv[prow[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
               }
-              const __half2 cs = rot_cos[t * (D / 4) + swz(8 * tig + jl, t)], sn = rot_sin[t * (D / 4) + swz(8 * tig + jl, t)];
+              const __half2 cs = as_half2(e ? rcos[r2].x : rcos[r2].y), sn = as_half2(e ? rsin[r2].x : rsin[r2].y);
               ar[0][e][r2] = as_u32(__hsub2(__hmul2(val[0], cs), __hmul2(val[NB - 1], sn)));
               ar[NB - 1][e][r2] = as_u32(__hfma2(val[NB - 1], cs, __hmul2(val[0], sn)));
             }
