@@ -1027,15 +1027,21 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         for (int e = 0; e < 2; ++e)
           *reinterpret_cast<float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig) = make_float2(0.f, 0.f);
       __syncwarp();
-      // lane (column lane % 8, slice lane / 8) adds the products of its tokens (16-token tiles mt with mt % 4 ==
-      // slice) in index order: one writer per cell, no atomics, the same sums on every run
-      const int col = lane & 7, slice = lane >> 3;
-      if (col < a.group) {
-        for (int o = 0; o < OUT_N; ++o) {
-          const int t = ((out[o] >> (((o * a.H + h) & 1) * 16)) & 0xFFFF) / D;
-          if (t >= P || ((t >> 4) & 3) != slice) continue;
-          corr[t * N + col] += term[o * N + col];
+      // per round of 32 outliers (o = c0 + lane), the lane of the first outlier of the round at its token (the
+      // lanes at the same token: __match_any_sync) adds that round's products at the token in index order: one
+      // writer per cell and round, rounds in order, no atomics: the sums of a serial pass, on every run
+      for (int c0 = 0; c0 < OUT_N; c0 += 32) {
+        const int o = c0 + lane;
+        const int t = o < OUT_N ? ((out[o] >> (((o * a.H + h) & 1) * 16)) & 0xFFFF) / D : P;
+        const unsigned same = __match_any_sync(0xffffffffu, o < OUT_N ? t : -1 - lane);
+        if (o < OUT_N && t < P && (same & ((1u << lane) - 1u)) == 0u) {
+          for (int col = 0; col < a.group; ++col) {
+            float sum = corr[t * N + col];
+            for (unsigned m = same; m; m &= m - 1u) sum += term[(c0 + __ffs(m) - 1) * N + col];
+            corr[t * N + col] = sum;
+          }
         }
+        if (c0 + 32 < OUT_N) __syncwarp();
       }
       __syncwarp();
 #pragma unroll

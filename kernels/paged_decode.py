@@ -336,7 +336,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     if mma and target_programs is None:
         per_split, splits = plan.splits(h, mma_decode.wave_programs(
             k_scheme, v_scheme, p, d, q.dtype, dense.dtype, num_stages, num_warps, levers, q.device,
-            (mma_options or {}).get("min_blocks", 0)))
+            (mma_options or {}).get("min_blocks", mma_decode.DEFAULT_MIN_BLOCKS)))
     o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
