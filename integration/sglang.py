@@ -185,20 +185,34 @@ class KVBackendStorage(HiCacheStorage):
         return list(blobs)
 
     def _decode_batch(self, blobs: List[torch.Tensor]) -> torch.Tensor:
-        """Pages [N, 2, L, P, H, D] from blobs `_is_page_of` accepted, in one codec call."""
+        """Pages [N, 2, L, P, H, D] from blobs `_is_page_of` accepted, in one codec call: every layer of every
+        page as pages of one chunk (page-local codecs), or as one-page units with their own codebooks
+        (`Codec.decode_units`; each blob carries its layers' codebooks)."""
         start = time.perf_counter()
-        g, lay = self.geometry, self.layout
+        g, lay, group = self.geometry, self.layout, self.group
         n = len(blobs)
-        body = torch.stack([b[: self.group.pages_bytes] for b in blobs],
-                           out=self.device.staging((n, self.group.pages_bytes), torch.uint8))
+        body = torch.stack([b[: group.pages_bytes] for b in blobs],
+                           out=self.device.staging((n, group.pages_bytes), torch.uint8))
         body = body.view(n * g.num_layers, lay.page_bytes)
         shape = (n, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
+        if group.has_codebooks:  # one layout for every layer: the codebooks are [L, codebook_bytes] per blob
+            books = torch.stack([b[group.books_offset : group.blob_bytes] for b in blobs],
+                                out=self.device.staging((n, group.blob_bytes - group.books_offset), torch.uint8))
+            units = (n, g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
 
-        def decode(body):
-            k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, body.new_empty(0)), 0)
-            return torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
+            def decode(body, books):
+                k, v = self.frame.from_stored(*self.codec.decode_units(
+                    lay, body, books.view(n * g.num_layers, lay.codebook_bytes)), 0)
+                return torch.stack([k.reshape(units)[:, :, : self.page_size],
+                                    v.reshape(units)[:, :, : self.page_size]], dim=1).to(g.dtype)
 
-        out = self.device("decode", decode, body)
+            out = self.device("decode", decode, body, books)
+        else:
+            def decode(body):
+                k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, body.new_empty(0)), 0)
+                return torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
+
+            out = self.device("decode", decode, body)
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out
@@ -206,6 +220,11 @@ class KVBackendStorage(HiCacheStorage):
     def _batched(self) -> bool:
         """Whether pages are decoded in batches (page-local codecs without codebooks)."""
         return self.codec is not None and self.codec.page_local and not self.group.has_codebooks
+
+    def _batched_decode(self) -> bool:
+        """Whether pages are decoded in batches: `_batched`, or a codec with codebooks (each page carries its own;
+        every layer of every page of a batch is a unit of one `Codec.decode_units` call)."""
+        return self._batched() or (self.codec is not None and self.persistent is None and self.group.has_codebooks)
 
     def _batched_encode(self) -> bool:
         """Whether pages are encoded in batches: `_batched`, or a codec that encodes one-page chunks together."""
@@ -325,18 +344,24 @@ class KVBackendStorage(HiCacheStorage):
         with self._lock:
             self._stats["read_s"] += time.perf_counter() - start
         pages: list[Optional[torch.Tensor]] = []
-        if self._batched():
+        batched = self._batched_decode()
+        if batched:
             valid = [i for i, (buffer, good, key) in enumerate(zip(buffers, found, ints))
                      if good and buffer.numel() == self.blob_bytes and self._is_page_of(buffer, key)]
             pages = [None] * len(buffers)
-            for at in range(0, len(valid), BATCH_PAGES):  # a batch that fails is a miss for its pages alone
+            for at in range(0, len(valid), BATCH_PAGES):
                 rows = valid[at : at + BATCH_PAGES]
                 try:
                     for i, page in zip(rows, self._decode_batch([buffers[i] for i in rows])):
                         pages[i] = page
-                except Exception as exc:
+                except Exception as exc:  # page by page: a page that cannot be decoded is a miss alone
                     self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
-        for buffer, good, key in zip(buffers, found, ints) if not self._batched() else ():
+                    for i in rows if len(rows) > 1 else ():
+                        try:
+                            pages[i] = self._decode_batch([buffers[i]])[0]
+                        except Exception:  # noqa: BLE001 - logged once above
+                            pages[i] = None
+        for buffer, good, key in zip(buffers, found, ints) if not batched else ():
             if not good or buffer.numel() == 0:
                 pages.append(None)
                 continue

@@ -419,6 +419,44 @@ def test_codecs_with_codebooks_store_batches_as_page_by_page(tmp_path, monkeypat
         assert float(error) < 0.35, (i, error)
 
 
+def test_codecs_with_codebooks_load_batches_as_page_by_page(tmp_path, monkeypatch):
+    """Pages of a codec with codebooks are decoded BATCH_PAGES at a time (every layer of every page a unit of
+    one `Codec.decode_units` call): the values of page-by-page decoding; a batch that fails goes page by page,
+    so a page that cannot be decoded is a miss alone."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 3)
+    codec = "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
+    host = HostPool("page_first", pages=16)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, codec, device="cpu")
+    assert backend._batched_decode() and not backend._batched()
+    keys = [f"p{i}" for i in range(7)]
+    assert backend.batch_set_v1(keys, host_indices(range(7))) == [True] * 7
+    blobs = []
+    for key in keys:
+        blob = torch.empty(backend.tier.blob_size(backend._key(key)), dtype=torch.uint8)
+        assert backend.tier.get([backend._key(key)], [blob]).result() == [True]
+        blobs.append(blob)
+    calls = []
+    decode_units = backend.codec.decode_units
+    monkeypatch.setattr(backend.codec, "decode_units", lambda *a: calls.append(a[1].shape[0]) or decode_units(*a))
+    got = backend._load(keys)
+    assert calls == [3 * 3, 3 * 3, 3]  # units: pages x 3 layers, batches of 3, 3 and 1 pages
+    for i, key in enumerate(keys):
+        assert torch.equal(got[i], backend._decode(blobs[i], backend._key(key))), i
+
+    def flaky(layout, pages, books):  # the units of page 4 (its first layer's page bytes) cannot be decoded
+        if any(torch.equal(pages[j], blobs[4][: pages.shape[1]]) for j in range(pages.shape[0])):
+            raise RuntimeError("cannot decode")
+        return decode_units(layout, pages, books)
+
+    monkeypatch.setattr(backend.codec, "decode_units", flaky)
+    again = backend._load(keys)
+    assert again[4] is None
+    assert all(torch.equal(again[i], got[i]) for i in (0, 1, 2, 3, 5, 6))
+
+
 @pytest.mark.parametrize("device,message", [("gpu", "device must be"), ("cuda:x", "device must be"), (3, "device must be"),
                                             ("meta", "device must be")])
 def test_a_bad_device_is_refused_at_start(tmp_path, device, message):
