@@ -65,6 +65,36 @@ def test_file_round_trip_restart_and_permissions(tmp_path):
     assert other.contains(keys) == 0 and len(os.listdir(tmp_path)) == 2
 
 
+def test_a_large_get_is_read_in_parts_with_results_in_order(tmp_path):
+    """A get of many blobs is split over the tier's readers; results (hits, misses, a corrupt blob, a wrong
+    expected length) come back in the caller's order, each blob in its own buffer."""
+    tier = FileTier(str(tmp_path), 10**8, FINGERPRINT, workers=3)
+    keys = list(range(40))
+    for k in keys:  # one file per blob: a flip in one file spoils one blob
+        assert tier.put([k], [blob_for(k)]).result() == [True]
+    corrupt = 17
+    path = next(p for p in tmp_path.iterdir() if tier.contains([corrupt]) and _holds(tier, p, corrupt))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    asked = keys[:25] + [999] + keys[25:]  # 999 was never stored
+    lengths = [blob_for(k).numel() if k != 33 else 5 for k in keys[:25]] + [None] + [
+        blob_for(k).numel() if k != 33 else 5 for k in keys[25:]]
+    out = [torch.full((4000,), 7, dtype=torch.uint8) for _ in asked]
+    handle = tier.get(asked, out, expected_len=lengths)
+    assert len(getattr(handle, "_parts", [handle])) == 3
+    got = handle.result()
+    for k, o, good in zip(asked, out, got):
+        assert good == (k not in (999, corrupt, 33)), k
+        if good:
+            assert torch.equal(o[: blob_for(k).numel()], blob_for(k))
+
+
+def _holds(tier, path, key) -> bool:
+    with tier._lock:
+        return tier._index[key].path == str(path)
+
+
 def test_budget_evicts_lru_files(tmp_path):
     tier = FileTier(str(tmp_path), 8000, FINGERPRINT)
     tier.put([1], [blob_for(1)]).wait()

@@ -67,6 +67,9 @@ class _Location:
     crc: int
 
 
+READS_PER_WORKER = 4  # a get of fewer blobs per worker stays on one worker
+
+
 class FileTier:
     name = "file"
 
@@ -90,7 +93,8 @@ class FileTier:
         self._reserved = 0  # bytes of writes in flight (counted against the budget until they land or fail)
         self._hits = self._misses = self._evictions = self._failures = 0
         self._logged: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbackend-file")
+        self._workers = max(1, int(workers))
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvbackend-file")
         self._scan()
 
     # -- start-up -------------------------------------------------------------------------
@@ -298,7 +302,13 @@ class FileTier:
                 raise ValueError(f"file tier buffers are 1-D uint8 tensors, got "
                                  f"{getattr(out, 'dtype', type(out))} of shape {tuple(getattr(out, 'shape', ()))}")
         wanted = list(expected_len) if expected_len is not None else [None] * len(keys)
-        return Handle(self._pool.submit(self._get_now, list(keys), list(into), wanted))
+        keys, into = list(keys), list(into)
+        # many blobs: consecutive parts read by the workers side by side (reads and checksums release the GIL)
+        parts = max(1, min(self._workers, len(keys) // READS_PER_WORKER))
+        step = -(-len(keys) // parts) if keys else 1
+        return Handle.combine([Handle(self._pool.submit(self._get_now, keys[at : at + step], into[at : at + step],
+                                                        wanted[at : at + step]))
+                               for at in range(0, max(len(keys), 1), step)])
 
     def _get_now(self, keys: list[int], into: list[torch.Tensor], wanted: list[int | None]) -> list[bool]:
         results = []
