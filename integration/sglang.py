@@ -24,6 +24,7 @@ and this backend's format version; a blob of another length than this configurat
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -334,7 +335,25 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["failures"] += results.count(False)
         return results
 
-    def _load(self, keys: List[str]) -> List[Optional[torch.Tensor]]:
+    def _decode_rows(self, rows: List[int], buffers: List[torch.Tensor]) -> List[tuple[int, Optional[torch.Tensor]]]:
+        """(row, page or None) of valid blobs ``buffers[row]``, decoded in one batch; a batch that fails goes
+        page by page, so a page that cannot be decoded is a miss alone."""
+        try:
+            return list(zip(rows, self._decode_batch([buffers[i] for i in rows])))
+        except Exception as exc:  # noqa: BLE001 - one page at a time below
+            self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
+        decoded = []
+        for i in rows if len(rows) > 1 else ():
+            try:
+                decoded.append((i, self._decode_batch([buffers[i]])[0]))
+            except Exception:  # noqa: BLE001 - logged once above
+                pass
+        return decoded
+
+    def _load(self, keys: List[str], deliver=None) -> list:
+        """The pages of ``keys`` (None for a miss). With ``deliver(row, page)``, each page is handed over as soon
+        as its batch is decoded, while the next batch decodes beside it (on the device codec's stream), and the
+        list holds True in its place."""
         ints = [self._key(k) for k in keys]
         sizes = [self.tier.blob_size(i) or 0 for i in ints]
         if self.blob_bytes is not None:  # a blob of another length is not a page of this configuration
@@ -350,27 +369,34 @@ class KVBackendStorage(HiCacheStorage):
             valid = [i for i, (buffer, good, key) in enumerate(zip(buffers, found, ints))
                      if good and buffer.numel() == self.blob_bytes and self._is_page_of(buffer, key)]
             pages = [None] * len(buffers)
-            for at in range(0, len(valid), BATCH_PAGES):
-                rows = valid[at : at + BATCH_PAGES]
-                try:
-                    for i, page in zip(rows, self._decode_batch([buffers[i] for i in rows])):
-                        pages[i] = page
-                except Exception as exc:  # page by page: a page that cannot be decoded is a miss alone
-                    self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
-                    for i in rows if len(rows) > 1 else ():
-                        try:
-                            pages[i] = self._decode_batch([buffers[i]])[0]
-                        except Exception:  # noqa: BLE001 - logged once above
-                            pages[i] = None
+            batches = [valid[at : at + BATCH_PAGES] for at in range(0, len(valid), BATCH_PAGES)]
+            if deliver is None or len(batches) < 2:
+                for rows in batches:
+                    for i, page in self._decode_rows(rows, buffers):
+                        pages[i] = page if deliver is None else deliver(i, page) or True
+            else:  # batch j + 1 decodes in a helper thread while batch j is delivered here
+                with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvbackend-decode") as helper:
+                    ahead = helper.submit(self._decode_rows, batches[0], buffers)
+                    for j in range(len(batches)):
+                        done = ahead.result()
+                        if j + 1 < len(batches):
+                            ahead = helper.submit(self._decode_rows, batches[j + 1], buffers)
+                        for i, page in done:
+                            deliver(i, page)
+                            pages[i] = True
         for buffer, good, key in zip(buffers, found, ints) if not batched else ():
             if not good or buffer.numel() == 0:
                 pages.append(None)
                 continue
             try:
-                pages.append(self._decode(buffer, key))
+                page = self._decode(buffer, key)
             except Exception as exc:
                 self._log_once("decode", f"kvbackend storage: decoding a page failed: {exc!r}")
                 pages.append(None)
+                continue
+            if deliver is not None:
+                deliver(len(pages), page)
+            pages.append(page if deliver is None else True)
         with self._lock:
             hits = sum(p is not None for p in pages)
             self._stats["hits"] += hits
@@ -387,17 +413,16 @@ class KVBackendStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         try:
             self._require_pool()
-            pages = self._load(list(keys))
-            results = []
-            start = time.perf_counter()
-            for i, page in enumerate(pages):
-                if page is None:
-                    results.append(False)
-                    continue
+            copying = [0.0]
+
+            def deliver(i: int, page: torch.Tensor) -> None:  # into the host pool as soon as it is decoded
+                start = time.perf_counter()
                 self._page_to_pool(int(host_indices[i * self.page_size]), page)
-                results.append(True)
+                copying[0] += time.perf_counter() - start
+
+            results = [page is not None for page in self._load(list(keys), deliver)]
             with self._lock:
-                self._stats["to_pool_s"] += time.perf_counter() - start
+                self._stats["to_pool_s"] += copying[0]
             return results
         except Exception as exc:  # never None, never an exception into SGLang's I/O threads
             self._log_once("get_v1", f"kvbackend storage: batch_get_v1 failed: {exc!r}")

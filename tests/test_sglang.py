@@ -419,6 +419,41 @@ def test_codecs_with_codebooks_store_batches_as_page_by_page(tmp_path, monkeypat
         assert float(error) < 0.35, (i, error)
 
 
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16"])
+def test_get_delivers_batches_while_the_next_decodes(tmp_path, monkeypatch, codec):
+    """batch_get_v1 over several decode batches (the next one decoding beside the delivery of the last) fills
+    the host pool with exactly the pages of one-batch loading; a missing and a corrupt page are misses alone and
+    their slots stay untouched."""
+    import kvbackend.integration.sglang as module
+
+    host = HostPool("layer_first", pages=24)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, codec, device="cpu")
+    keys = [f"p{i}" for i in range(7)]
+    assert backend.batch_set_v1(keys[:3], host_indices(range(3))) == [True] * 3
+    assert backend.batch_set_v1(keys[3:4], host_indices(range(3, 4))) == [True]  # a file of its own
+    assert backend.batch_set_v1(keys[4:], host_indices(range(4, 7))) == [True] * 3
+    where = backend.tier._index[backend._key("p3")]  # one bit of p3's blob
+    data = bytearray(open(where.path, "rb").read())
+    data[where.offset + where.length // 2] ^= 0x10
+    open(where.path, "wb").write(bytes(data))
+    asked = keys[:5] + ["never"] + keys[5:]
+    expected = [True] * 3 + [False, True, False, True, True]
+    monkeypatch.setattr(module, "BATCH_PAGES", 64)
+    assert backend.batch_get_v1(asked, host_indices(range(8, 16))) == expected
+    want = host.kv_buffer[:, :, 8 * 16 : 16 * 16].clone()
+    monkeypatch.setattr(module, "BATCH_PAGES", 2)
+    host.kv_buffer[:, :, 16 * 16 :] = 7.0
+    assert backend.batch_get_v1(asked, host_indices(range(16, 24))) == expected
+    got = host.kv_buffer[:, :, 16 * 16 :]
+    for slot in range(8):
+        rows = slice(slot * 16, (slot + 1) * 16)
+        if not expected[slot]:
+            assert torch.all(got[:, :, rows] == 7.0), slot
+        else:
+            assert torch.equal(got[:, :, rows], want[:, :, rows]), slot
+
+
 def test_codecs_with_codebooks_load_batches_as_page_by_page(tmp_path, monkeypatch):
     """Pages of a codec with codebooks are decoded BATCH_PAGES at a time (every layer of every page a unit of
     one `Codec.decode_units` call): the values of page-by-page decoding; a batch that fails goes page by page,
