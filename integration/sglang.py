@@ -53,7 +53,11 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 DEFAULTS = {"codec": "kivi:bits=4,group=32", "directory": "/tmp/kvbackend_hicache", "budget_gb": 64.0, "device": "auto"}
-BATCH_PAGES = 32  # pages encoded or decoded in one codec call by a page-local codec (64 MiB of an 8B model's bf16)
+BATCH_PAGES = 32  # pages encoded or decoded in one codec call on a GPU (64 MiB of an 8B model's bf16 at 16 tokens)
+# On the CPU smaller batches are faster (their intermediates stay in cache; one core, Llama-8B pages of 64 tokens,
+# perf/NOTES.md session 13): decode 1 page at a time (kivi-2 1.93 against 1.36 GB/s at 32, the recipe's codec 0.62
+# against 0.30), encode 4 (kivi-2 1.42 against 1.14 GB/s)
+CPU_BATCH_PAGES = {"encode": 4, "decode": 1}
 FORMAT_VERSION = 2  # of a stored page's bytes (a page group, kvbackend.page_group); enters the fingerprint
 
 
@@ -223,6 +227,12 @@ class KVBackendStorage(HiCacheStorage):
         """Whether pages are decoded in batches (page-local codecs without codebooks)."""
         return self.codec is not None and self.codec.page_local and not self.group.has_codebooks
 
+    def _batch_pages(self, kind: str) -> int:
+        """Pages per codec call for ``kind`` ("encode" or "decode"): BATCH_PAGES on a GPU, fewer on the CPU."""
+        if self.device.device.type == "cuda":
+            return BATCH_PAGES
+        return max(1, min(BATCH_PAGES, CPU_BATCH_PAGES[kind]))
+
     def _batched_decode(self) -> bool:
         """Whether pages are decoded in batches: `_batched`, or a codec with codebooks (each page carries its own;
         every layer of every page of a batch is a unit of one `Codec.decode_units` call)."""
@@ -290,7 +300,7 @@ class KVBackendStorage(HiCacheStorage):
         """(blobs, integer keys, encoded?) of ``pages``: in batches when the codec is page-local; a batch
         that fails (a page with non-finite values, ...) goes page by page, so a bad page fails alone."""
         blobs, ints, ok = [], [], []
-        step = BATCH_PAGES if self._batched_encode() else 1
+        step = self._batch_pages("encode") if self._batched_encode() else 1
         for at in range(0, len(pages), step):
             part = [self._key(k) for k in keys[at : at + step]]
             if step > 1:
@@ -369,7 +379,8 @@ class KVBackendStorage(HiCacheStorage):
             valid = [i for i, (buffer, good, key) in enumerate(zip(buffers, found, ints))
                      if good and buffer.numel() == self.blob_bytes and self._is_page_of(buffer, key)]
             pages = [None] * len(buffers)
-            batches = [valid[at : at + BATCH_PAGES] for at in range(0, len(valid), BATCH_PAGES)]
+            step = self._batch_pages("decode")
+            batches = [valid[at : at + step] for at in range(0, len(valid), step)]
             if deliver is None or len(batches) < 2:
                 for rows in batches:
                     for i, page in self._decode_rows(rows, buffers):

@@ -349,7 +349,8 @@ def test_batched_pages_store_the_bytes_of_page_by_page(tmp_path, codec, monkeypa
     on disk and the pages read back are those of the page-by-page path; a non-finite page fails alone."""
     import kvbackend.integration.sglang as module
 
-    monkeypatch.setattr(module, "BATCH_PAGES", 3)  # several batches of a 7-page set
+    monkeypatch.setattr(module, "BATCH_PAGES", 3)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 64, "decode": 64})  # the same batches on the CPU  # several batches of a 7-page set
     host = HostPool("page_first", pages=16)
     host.kv_buffer.normal_()
     host.kv_buffer[:, 6 * 16 + 3] = float("nan")  # page 6 cannot be stored
@@ -381,6 +382,7 @@ def test_codecs_with_codebooks_store_batches_as_page_by_page(tmp_path, monkeypat
     import kvbackend.integration.sglang as module
 
     monkeypatch.setattr(module, "BATCH_PAGES", 3)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 64, "decode": 64})  # the same batches on the CPU
     codec = "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
     host = HostPool("layer_first", pages=16)
     host.kv_buffer.normal_()
@@ -439,7 +441,8 @@ def test_get_delivers_batches_while_the_next_decodes(tmp_path, monkeypatch, code
     open(where.path, "wb").write(bytes(data))
     asked = keys[:5] + ["never"] + keys[5:]
     expected = [True] * 3 + [False, True, False, True, True]
-    monkeypatch.setattr(module, "BATCH_PAGES", 64)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 64, "decode": 64})
+    monkeypatch.setattr(module, "BATCH_PAGES", 64)  # one batch
     assert backend.batch_get_v1(asked, host_indices(range(8, 16))) == expected
     want = host.kv_buffer[:, :, 8 * 16 : 16 * 16].clone()
     monkeypatch.setattr(module, "BATCH_PAGES", 2)
@@ -454,6 +457,35 @@ def test_get_delivers_batches_while_the_next_decodes(tmp_path, monkeypatch, code
             assert torch.equal(got[:, :, rows], want[:, :, rows]), slot
 
 
+def test_the_cpu_decodes_a_page_per_call_and_a_gpu_a_batch(tmp_path, monkeypatch):
+    """Batch sizes follow the device: on the CPU one page per decode call (its intermediates stay in cache),
+    four per encode call; on a GPU BATCH_PAGES per call."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 32)
+    host = HostPool("layer_first", pages=12)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=2,group=16", device="cpu")
+    assert (backend._batch_pages("decode"), backend._batch_pages("encode")) == (1, 4)
+    calls = []
+    for name in ("decode_pages", "encode"):
+        original = getattr(backend.codec, name)
+        monkeypatch.setattr(backend.codec, name, lambda *a, f=original, n=name: calls.append(
+            (n, a[0 if n == "encode" else 1].shape[0])) or f(*a))  # tokens encoded, pages decoded
+    keys = [f"p{i}" for i in range(6)]
+    assert backend.batch_set_v1(keys, host_indices(range(6))) == [True] * 6
+    assert backend.batch_get_v1(keys, host_indices(range(6, 12))) == [True] * 6
+    layers = host.layer_num
+    assert [c for c in calls if c[0] == "decode_pages"] == [("decode_pages", layers)] * 6
+    assert [c for c in calls if c[0] == "encode"] == [("encode", 4 * layers * 16), ("encode", 2 * layers * 16)]
+    for i in range(6):
+        want, got = host.page(16 * i).float(), host.page(16 * (6 + i)).float()
+        assert float((got - want).norm() / want.norm()) < 0.7, i
+    if torch.cuda.is_available():
+        gpu = make_backend(tmp_path / "gpu", host, "kivi:bits=2,group=16", device="cuda")
+        assert (gpu._batch_pages("decode"), gpu._batch_pages("encode")) == (32, 32)
+
+
 def test_codecs_with_codebooks_load_batches_as_page_by_page(tmp_path, monkeypatch):
     """Pages of a codec with codebooks are decoded BATCH_PAGES at a time (every layer of every page a unit of
     one `Codec.decode_units` call): the values of page-by-page decoding; a batch that fails goes page by page,
@@ -461,6 +493,7 @@ def test_codecs_with_codebooks_load_batches_as_page_by_page(tmp_path, monkeypatc
     import kvbackend.integration.sglang as module
 
     monkeypatch.setattr(module, "BATCH_PAGES", 3)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 64, "decode": 64})  # the same batches on the CPU
     codec = "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
     host = HostPool("page_first", pages=16)
     host.kv_buffer.normal_()
