@@ -9,7 +9,7 @@ the pure-Python subset below cannot load it; the JSON says which raw rows ran.
 
 Chunks: one worker's 32 layers of 8 KV heads x 128 in bf16, 4 blocks of 16 tokens per chunk (8 MiB each), in the
 engine's HND layout. Needs vLLM's offloading interface importable; a machine without vLLM can use the pure-Python
-files it takes (`bash perf/vllm_subset.sh .vllm_min` where vLLM is installed, then ``PYTHONPATH=.vllm_min``).
+files it takes (`python perf/vllm_subset.py .vllm_min` where vLLM is installed, then ``PYTHONPATH=.vllm_min``).
 Figures are GB/s of raw KV per job of all chunks (one `submit_store` or `submit_load`, waited for), medians of
 three rounds (fresh keys for every store round; loads read what the last store wrote, so from the OS page cache
 for both tiers).

@@ -350,7 +350,7 @@ def test_batched_pages_store_the_bytes_of_page_by_page(tmp_path, codec, monkeypa
     import kvbackend.integration.sglang as module
 
     monkeypatch.setattr(module, "BATCH_PAGES", 3)
-    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 64, "decode": 64})  # the same batches on the CPU  # several batches of a 7-page set
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 64, "decode": 64})  # the same batches on the CPU
     host = HostPool("page_first", pages=16)
     host.kv_buffer.normal_()
     host.kv_buffer[:, 6 * 16 + 3] = float("nan")  # page 6 cannot be stored

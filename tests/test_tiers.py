@@ -90,6 +90,48 @@ def test_a_large_get_is_read_in_parts_with_results_in_order(tmp_path):
             assert torch.equal(o[: blob_for(k).numel()], blob_for(k))
 
 
+def test_split_reads_beside_evicting_writes_never_serve_wrong_bytes(tmp_path):
+    """Gets of many blobs (read in parts by several workers) while other threads write new blobs into a budget
+    that evicts the oldest files: every blob served is exactly its own; evicted ones are misses."""
+    tier = FileTier(str(tmp_path), 60 * 3100, FINGERPRINT, fsync=False, workers=3)
+    written = list(range(40))
+    for k in written:
+        assert tier.put([k], [blob_for(k)]).result() == [True]
+    lock, errors, served, stop = threading.Lock(), [], [0], threading.Event()
+
+    def reader(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            with lock:
+                known = list(written)
+            asked = rng.sample(known, min(len(known), rng.randint(8, 24)))
+            out = [torch.full((3100,), 7, dtype=torch.uint8) for _ in asked]
+            for k, o, good in zip(asked, out, tier.get(asked, out).result()):
+                if good:
+                    with lock:
+                        served[0] += 1
+                    if not torch.equal(o[: blob_for(k).numel()], blob_for(k)):
+                        errors.append(k)
+
+    def writer(start):
+        for k in range(start, start + 120, 2):
+            tier.put([k], [blob_for(k)]).result()
+            with lock:
+                written.append(k)
+
+    readers = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+    writers = [threading.Thread(target=writer, args=(s,)) for s in (1000, 1001)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors[:5]
+    assert served[0] > 100 and tier.stats().evictions > 50  # reads hit while files were being evicted
+
+
 def _holds(tier, path, key) -> bool:
     with tier._lock:
         return tier._index[key].path == str(path)
