@@ -106,6 +106,24 @@ def test_seeding_repeats_each_problems_draws():
         kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator(), repeat=5)
 
 
+@pytest.mark.parametrize("rows,points,dim,centroids,repeat", [(70, 24, 16, 8, 1), (64, 24, 16, 8, 2), (9, 6, 4, 8, 1)])
+def test_seeding_in_blocks_of_rows_picks_what_one_block_picks(monkeypatch, rows, points, dim, centroids, repeat):
+    """On the CPU, k-means++ seeds blocks of rows one after another (their points stay in cache): every row gets
+    the seeds of seeding all rows at once, with far points (float32-overflowing distances) and duplicates too."""
+    import kvbackend.codecs.kmeans as kmeans
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, points, dim, generator=gen)
+    x[3, 5] = 3e19  # a distance past float32's range
+    x[5] = 1.0  # a row of duplicates
+    monkeypatch.setattr(kmeans, "_SEED_BLOCK_BYTES", 1 << 40)  # one block
+    whole = kmeanspp_init(x, centroids, torch.Generator().manual_seed(7), repeat=repeat)
+    for rows_per_block in (1, 3, 7):
+        monkeypatch.setattr(kmeans, "_SEED_BLOCK_BYTES", rows_per_block * points * dim * 4)
+        assert torch.equal(kmeanspp_init(x, centroids, torch.Generator().manual_seed(7), repeat=repeat), whole)
+    assert kmeanspp_init(x[:0], centroids, torch.Generator().manual_seed(7)).shape == (0, centroids, dim)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_units_on_the_gpu_decode_like_the_cpu():
     """On CUDA the batched pass runs there; sums may be ordered otherwise than on the CPU, so the bytes may
