@@ -123,7 +123,8 @@ class KVBackendStorage(HiCacheStorage):
             self.blob_bytes = self.group.blob_bytes
         self._private_directories()
         # readers side by side for a batch's blobs (up to 8, one per core)
-        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint, workers=max(2, min(8, os.cpu_count() or 2)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint, workers=max(2, min(8, cores)))
 
     def _private_directories(self) -> None:
         """``directory`` and this namespace's directory in it: created 0700 if absent, refused if unsafe."""

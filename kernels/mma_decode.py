@@ -37,6 +37,12 @@ SOURCE = Path(__file__).with_suffix(".cu")
 # admits; on the H200 (B=8, L=32K) 7% faster on the lever-free layout and 2-5% on the lever layouts than 0
 # (perf/NOTES.md, session 13)
 DEFAULT_MIN_BLOCKS = 2
+
+
+def default_min_blocks(warps: int) -> int:
+    """`DEFAULT_MIN_BLOCKS` where it only caps registers at 255 (up to 4 warps: 2 x 128 threads x 255 fit the
+    register file), else 0: with 8 warps two blocks would cap a thread at 128 registers and spill."""
+    return DEFAULT_MIN_BLOCKS if DEFAULT_MIN_BLOCKS * warps * 32 * 255 <= 65536 else 0
 MAX_GROUP = 8  # query heads per KV head: the product's N
 _KINDS = (0, 1, 2)  # fp8 e4m3, fp16, bf16 scales and zeros
 _DTYPE_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -175,7 +181,7 @@ class Config:
     dense_kind: int
     stages: int = 2
     warps: int = 4
-    min_blocks: int = 0  # CTAs per SM the registers must allow (0: the compiler chooses; see DEFAULT_MIN_BLOCKS)
+    min_blocks: int = 0  # CTAs per SM the registers must allow (0: the compiler chooses; see default_min_blocks)
     k_chan: bool = False  # key scales and zeros per channel and page
     centroids: int = 0  # key centroids per chunk (one stage; 0 = none)
     c_kind: int = 0  # centroids: 0 fp8 e4m3 (with a scale per stage and head), 2 bf16
@@ -356,8 +362,11 @@ def _function(config: Config, device: torch.device) -> ctypes.c_void_p:
 
 @functools.lru_cache(maxsize=256, typed=True)  # asked on every call of every layer; typed: True is not 1 here
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
-               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int = DEFAULT_MIN_BLOCKS,
+               dense_dtype: torch.dtype, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
                levers: LeverScheme | None = None) -> Config:
+    """The variant for a layout; ``min_blocks`` None: `default_min_blocks` of ``warps``."""
+    if min_blocks is None and isinstance(warps, int):
+        min_blocks = default_min_blocks(warps)
     for name, value, low, high in (("stages", stages, 1, 4), ("warps", warps, 1, 16), ("min_blocks", min_blocks, 0, 8)):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ValueError(f"the tensor-core decode kernel takes {name} from {low} to {high}, got {value!r}")
@@ -409,7 +418,7 @@ def _shared_memory(index: int) -> tuple[int, int]:
 
 def wave_programs(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
                   dense_dtype: torch.dtype, stages: int, warps: int, levers: LeverScheme | None, device: torch.device,
-                  min_blocks: int = DEFAULT_MIN_BLOCKS) -> int:
+                  min_blocks: int | None = None) -> int:
     """Programs of one full wave of this variant on ``device``: SMs x the blocks an SM holds at once. The split-K
     grid aims at it when the caller names no program count: on the H200 (B=8, L=32K) one wave of two blocks per SM
     measured 3-5% faster than two waves and 25-30% faster than 1.5, and the Triton kernels' 1024 programs are about four (perf/NOTES.md,
@@ -428,7 +437,7 @@ def _wave_programs(config: Config, index: int) -> int:
 
 def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per_split: int, splits: int,
            schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4,
-           min_blocks: int = DEFAULT_MIN_BLOCKS, codebooks: torch.Tensor | None = None,
+           min_blocks: int | None = None, codebooks: torch.Tensor | None = None,
            levers: LeverScheme | None = None, tables=None, prerope: bool | None = None,
            psac: bool | None = None) -> None:
     """Write the split partials of decode attention (as the Triton kernels do) for a supported layout.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -286,9 +287,15 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         raise ValueError("q must be contiguous and on the pools' device")
     if b and plan.min_pages == 0:
         raise ValueError("every request in a decode batch needs at least one token")
-    if target_programs is not None and (isinstance(target_programs, bool) or not isinstance(target_programs, int)
-                                        or target_programs < 1):
-        raise ValueError(f"target_programs must be a positive int or None (the default grid), not {target_programs!r}")
+    if target_programs is not None:  # any integer type (numpy's, torch's), not a float or a bool
+        try:
+            programs = operator.index(target_programs)
+        except TypeError:
+            programs = 0
+        if isinstance(target_programs, bool) or programs < 1:
+            raise ValueError(f"target_programs must be a positive int or None (the default grid), not "
+                             f"{target_programs!r}")
+        target_programs = programs
     group = hq // h
     per_split, splits = plan.splits(h, target_programs if target_programs is not None else 1024)
     u8, i16, i32 = pool_views(pages)
@@ -336,7 +343,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     if mma and target_programs is None:
         per_split, splits = plan.splits(h, mma_decode.wave_programs(
             k_scheme, v_scheme, p, d, q.dtype, dense.dtype, num_stages, num_warps, levers, q.device,
-            (mma_options or {}).get("min_blocks", mma_decode.DEFAULT_MIN_BLOCKS)))
+            (mma_options or {}).get("min_blocks")))
     o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)

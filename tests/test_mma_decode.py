@@ -179,6 +179,16 @@ def test_refuses_bad_launch_options():
         mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.float32)
 
 
+def test_default_min_blocks_never_squeezes_wide_blocks():
+    """Unless the caller names it, two blocks per SM are asked of the compiler only where that caps registers at
+    255 (up to 4 warps); 8 or 16 warps get the compiler's own choice (two blocks would cap them at 128 or 64)."""
+    cache, _ = filled_cache("rtn:bits=2,group=64", 64, 16, [40], heads=2, layers=1)
+    k, v = kernel_schemes(cache.codec, cache.layout)
+    got = {w: mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.bfloat16, 1, w).min_blocks for w in (2, 4, 8, 16)}
+    assert got == {2: mma_decode.DEFAULT_MIN_BLOCKS, 4: mma_decode.DEFAULT_MIN_BLOCKS, 8: 0, 16: 0}
+    assert mma_decode.config_for(k, v, 16, 64, torch.bfloat16, torch.bfloat16, 1, 8, 3).min_blocks == 3  # as named
+
+
 def test_not_preferred_for_dtypes_it_cannot_read(monkeypatch):
     """fp32 KV pools are a valid geometry: the default path must not pick a kernel that refuses them."""
     cache, _ = filled_cache("rtn:bits=2,group=64", 64, 16, [40], heads=2, layers=1)

@@ -370,6 +370,6 @@ def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
     stages = mma_decode.default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 4, levers, cuda)
     assert stages == 1
     mma_decode._failed.add((0, mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, stages, 4,
-                                                     mma_decode.DEFAULT_MIN_BLOCKS, levers)))
+                                                     mma_decode.default_min_blocks(4), levers)))
     assert not mma_decode.preferred(*args)
     assert mma_decode.preferred(*args, stages=2)  # another variant is still asked about as itself

@@ -104,6 +104,10 @@ def test_rejects_bad_query():
     for bad in (0, -4, 2.5, True):  # 0 once meant 1024 programs silently
         with pytest.raises(ValueError, match="target_programs must be a positive int"):
             paged_decode(q, *args, target_programs=bad)
+    import numpy as np
+
+    assert torch.equal(paged_decode(q, *args, target_programs=np.int64(3))[0],
+                       paged_decode(q, *args, target_programs=3)[0])  # numpy's integers are integers
     out, _ = paged_decode(q, *args, target_programs=1)
     assert torch.allclose(out, paged_decode(q, *args)[0], atol=1e-3)  # one split against the default grid
 
