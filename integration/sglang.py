@@ -46,8 +46,8 @@ from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
-from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
-                                                   private_directory)
+from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, io_workers,
+                                                   path_option, private_directory)
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,7 @@ class KVBackendStorage(HiCacheStorage):
             self.blob_bytes = self.group.blob_bytes
         self._private_directories()
         # readers side by side for a batch's blobs (up to 8, one per core)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint, workers=max(2, min(8, cores)))
+        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint, workers=io_workers())
 
     def _private_directories(self) -> None:
         """``directory`` and this namespace's directory in it: created 0700 if absent, refused if unsafe."""

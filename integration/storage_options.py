@@ -53,6 +53,14 @@ def private_directory(path: str, option: str) -> None:
                          "use a directory only you can write (chmod 700)")
 
 
+def io_workers(most: int = 8) -> int:
+    """File-tier workers of an adapter: the cores this process may run on, between 2 and ``most``."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, min(most, cores))
+
+
 def codec_device(value) -> "torch.device":
     """Where an adapter runs its codec on whole batches of pages: ``"auto"`` (the current CUDA device where
     there is one, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; a ValueError naming the option
@@ -91,21 +99,36 @@ class DeviceCodec:
         self._stream = None
         self._logged: set[str] = set()
 
-    def run(self, fn, *tensors):
-        """``fn(*tensors moved to the device)`` -> its tensor result back on the host (or a tuple of them)."""
+    def run(self, fn, *tensors, into=None):
+        """``fn(*tensors moved to the device)`` -> its tensor result back on the host (or a tuple of them). With
+        ``into`` (host tensors), row ``i`` of the result is copied into ``into[i]`` instead (straight from the
+        device, asynchronously where ``into[i]`` is page-locked) and None is returned."""
         import torch
 
         if self.device.type == "cpu":
-            return fn(*tensors)
+            return self._deliver(fn(*tensors), into)
         with self._lock, torch.cuda.device(self.device):
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
             with torch.cuda.stream(self._stream):
                 moved = [t.to(self.device, non_blocking=t.is_pinned()) for t in tensors]
                 out = fn(*moved)
-                result = tuple(self._to_host(o) for o in out) if isinstance(out, tuple) else self._to_host(out)
+                if into is not None:
+                    result = self._deliver(out, into)
+                else:
+                    result = tuple(self._to_host(o) for o in out) if isinstance(out, tuple) else self._to_host(out)
             self._stream.synchronize()  # the copies above are complete before anyone reads the results
         return result
+
+    @staticmethod
+    def _deliver(out, into):
+        if into is None:
+            return out
+        if len(into) != len(out):
+            raise ValueError(f"{len(out)} results for {len(into)} destinations")
+        for row, dest in zip(out, into):
+            dest.copy_(row, non_blocking=dest.is_pinned() and row.device.type != "cpu")
+        return None
 
     @staticmethod
     def _to_host(tensor):
@@ -133,13 +156,13 @@ class DeviceCodec:
                 pass
         return torch.empty(shape, dtype=dtype)
 
-    def __call__(self, what: str, fn, *tensors):
+    def __call__(self, what: str, fn, *tensors, into=None):
         """`run`, except that where the device fails (out of memory, a lost context, ...) this batch runs on
         the CPU (the same bytes) and the failure is logged once. Errors of the pages themselves
         (``ValueError``: non-finite values, damaged bytes) are raised as on the CPU."""
         if self.device.type != "cpu":
             try:
-                return self.run(fn, *tensors)
+                return self.run(fn, *tensors, into=into)
             except ValueError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the CPU path below gives the same bytes
@@ -147,4 +170,4 @@ class DeviceCodec:
                     self._logged.add(what)
                     self._log.error(f"kvbackend storage: {what} on {self.device} failed, using the CPU for this "
                                     f"batch: {exc!r}")
-        return fn(*tensors)
+        return self._deliver(fn(*tensors), into)

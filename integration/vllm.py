@@ -53,8 +53,8 @@ from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.levers import rotate_values
 from kvbackend.tiers.file import FileTier
-from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
-                                                   private_directory)
+from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, io_workers,
+                                                   path_option, private_directory)
 from kvbackend.integration.vllm_layout import BlockLayout, block_layout
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 ROW_CODECS = ("rtn", "fp8", "fp16", "bf16", "identity")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ROWS_PER_PAGE = 64
+BATCH_BYTES = 256 << 20  # raw KV per codec call on a GPU (32 chunks of 8 MiB)
+WINDOW_BYTES = 1 << 30  # stored bytes a load reads ahead of its decoding (page-locked on a GPU)
 FORMAT_VERSION = 2  # of a stored chunk's bytes; enters the fingerprint (2: the blocks mode)
 
 
@@ -118,7 +120,7 @@ class KVBackendTier(SecondaryTierManager):
         self.fingerprint = self._fingerprint(offloading_spec)
         self.directory = os.path.join(self.root_dir, self.fingerprint)
         self._private_directories()
-        self.store = FileTier(self.directory, budget, self.fingerprint)
+        self.store = FileTier(self.directory, budget, self.fingerprint, workers=io_workers())
         self._pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="kvbackend-vllm")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
@@ -186,12 +188,9 @@ class KVBackendTier(SecondaryTierManager):
             k = kv[:, :, 0].reshape(-1, block.kv_heads, block.head_dim)
             v = kv[:, :, 1].reshape(-1, block.kv_heads, block.head_dim)
 
-            def encode(k, v):
-                if rotate:
-                    v = rotate_values(v)
-                return self.codec.encode(k, v, self.layout).pages
-
-            pages = self.device("encode", encode, k, v)
+            if rotate:
+                v = rotate_values(v)
+            pages = self.codec.encode(k, v, self.layout).pages
             return torch.cat([pages.reshape(-1), raw[block.used_bytes :].clone()])
         units = []
         for w in range(block.workers):
@@ -219,14 +218,10 @@ class KVBackendTier(SecondaryTierManager):
         at = 0
         if self._batched():
             count = block.workers * block.layers * pages
-
-            def decode(body):
-                k, v = self.codec.decode_pages(layout, body, body[:0])
-                if self.codec.levers.vrot == "hadamard":
-                    v = rotate_values(v)
-                return k, v
-
-            k, v = self.device("decode", decode, blob[: count * layout.page_bytes].view(count, -1))
+            body = blob[: count * layout.page_bytes].view(count, -1)
+            k, v = self.codec.decode_pages(layout, body, body[:0])
+            if self.codec.levers.vrot == "hadamard":
+                v = rotate_values(v)
             whole = (block.workers, block.layers) + shape
             kv[:, :, 0].copy_(k.reshape(whole))
             kv[:, :, 1].copy_(v.reshape(whole))
@@ -274,30 +269,102 @@ class KVBackendTier(SecondaryTierManager):
         out[body:].copy_(blob[: out.numel() - body])
 
     # -- jobs ---------------------------------------------------------------------------------
+    def _batch_chunks(self) -> int:
+        """Chunks per codec call: about BATCH_BYTES of raw KV on a GPU (one transfer each way), one on the CPU."""
+        if self.device.device.type == "cpu":
+            return 1
+        return max(1, BATCH_BYTES // self.chunk_bytes)
+
+    def _encode_chunks(self, *raws: torch.Tensor) -> torch.Tensor:
+        """``[len(raws), blob_bytes]``: the blobs of raw chunks, on whatever device they are."""
+        return torch.stack([self._encode(raw) for raw in raws])
+
+    def _decode_chunks(self, blobs: torch.Tensor) -> torch.Tensor:
+        """``[n, chunk_bytes]``: the chunks of ``blobs`` ``[n, blob_bytes]``, on their device."""
+        out = torch.empty((blobs.shape[0], self.chunk_bytes), dtype=torch.uint8, device=blobs.device)
+        for blob, chunk in zip(blobs, out):
+            self._decode_into(blob, chunk)
+        return out
+
     def _store_job(self, keys: list[OffloadKey], chunk_ids: list[int]) -> bool:
-        blobs = [self._encode(self._chunk(cid)) for cid in chunk_ids]
-        if any(b.numel() != self.blob_bytes for b in blobs):  # a blob this tier could never load back
-            raise RuntimeError(f"a chunk encoded to a blob other than the {self.blob_bytes} bytes expected")
+        """Encodes the chunks in batches (on the tier's device) and hands each batch's blobs to the file tier as
+        soon as they are made, so the writes of one batch overlap the encoding of the next."""
         self._private_directories()  # recreated if it was removed while running
-        ok = self.store.put([self._key(k) for k in keys], blobs).result()
+        ints, step, writes = [self._key(k) for k in keys], self._batch_chunks(), []
+        try:
+            for at in range(0, len(chunk_ids), step):
+                raws = [self._chunk(cid) for cid in chunk_ids[at : at + step]]
+                blobs = self.device("encode", self._encode_chunks, *raws)
+                if blobs.shape != (len(raws), self.blob_bytes):  # a blob this tier could never load back
+                    raise RuntimeError(f"chunks encoded to blobs of shape {tuple(blobs.shape)}, expected "
+                                       f"{(len(raws), self.blob_bytes)}")
+                writes.append(self.store.put(ints[at : at + step], list(blobs)))
+        finally:
+            ok = [r for w in writes for r in w.result()]  # every write started is waited for, even on failure
         with self._lock:
             self._stats["chunks_stored"] += sum(ok)
             self._stats["raw_bytes_stored"] += sum(ok) * self.chunk_bytes
-        return all(ok)
+        return len(ok) == len(keys) and all(ok)
+
+    def _read_window(self, ints: list[int]):
+        """(buffers ``[n, blob_bytes]``, the file tier's handle) of a read of ``ints``, into page-locked memory
+        where the codec runs on a GPU."""
+        buffers = self.device.staging((len(ints), self.blob_bytes), torch.uint8)
+        return buffers, self.store.get(ints, list(buffers), expected_len=[self.blob_bytes] * len(ints))
+
+    def _deliver(self, blobs: torch.Tensor, chunk_ids: list[int]) -> int:
+        """Decodes ``blobs`` into the primary chunks ``chunk_ids``; how many, in order, before the first failure.
+        A batch that fails goes chunk by chunk, so the chunks before a bad one still load."""
+        if self.device.device.type == "cpu":  # straight into the primary tier
+            for n, (blob, cid) in enumerate(zip(blobs, chunk_ids)):
+                try:
+                    self._decode_into(blob, self._chunk(cid))
+                except Exception as exc:  # noqa: BLE001 - a chunk that cannot be decoded ends the prefix
+                    log.error("kvbackend vLLM tier: decoding a chunk failed: %r", exc)
+                    return n
+            return len(chunk_ids)
+        try:  # straight from the device into the primary chunks
+            self.device("decode", self._decode_chunks, blobs, into=[self._chunk(cid) for cid in chunk_ids])
+        except Exception as exc:  # noqa: BLE001 - one chunk at a time below
+            if len(chunk_ids) == 1:
+                log.error("kvbackend vLLM tier: decoding a chunk failed: %r", exc)
+                return 0
+            for n, cid in enumerate(chunk_ids):
+                if self._deliver(blobs[n : n + 1], [cid]) == 0:
+                    return n
+            return len(chunk_ids)
+        return len(chunk_ids)
 
     def _load_job(self, keys: list[OffloadKey], chunk_ids: list[int]) -> int:
-        """Loads chunks in order; returns how many loaded before the first failure."""
-        for n, (key, cid) in enumerate(zip(keys, chunk_ids)):
-            ikey = self._key(key)
-            if self.store.blob_size(ikey) != self.blob_bytes:
-                return n  # missing, or written for another configuration: never decoded into the primary tier
-            buffer = torch.empty(self.blob_bytes, dtype=torch.uint8)
-            if not self.store.get([ikey], [buffer], expected_len=[self.blob_bytes]).result()[0]:
-                return n  # corrupt (or replaced meanwhile): never decoded into the primary tier
-            self._decode_into(buffer, self._chunk(cid))
-            with self._lock:
-                self._stats["chunks_loaded"] += 1
-        return len(keys)
+        """Loads chunks in order; returns how many loaded before the first failure. Blobs are read in windows of
+        about WINDOW_BYTES (the next window's reads run while this one decodes) and decoded in batches."""
+        ints = [self._key(k) for k in keys]
+        n = 0  # missing, or written for another configuration: never decoded into the primary tier
+        while n < len(ints) and self.store.blob_size(ints[n]) == self.blob_bytes:
+            n += 1
+        window = max(1, WINDOW_BYTES // self.blob_bytes)
+        step = self._batch_chunks()
+        windows = [(at, min(n, at + window)) for at in range(0, n, window)]
+        ahead = self._read_window(ints[slice(*windows[0])]) if windows else None
+        done = 0
+        for w, (lo, hi) in enumerate(windows):
+            buffers, handle = ahead
+            found = handle.result()
+            ahead = self._read_window(ints[slice(*windows[w + 1])]) if w + 1 < len(windows) else None
+            good = next((i for i, f in enumerate(found) if not f), len(found))  # corrupt, or replaced meanwhile
+            for at in range(0, good, step):
+                end = min(good, at + step)
+                loaded = self._deliver(buffers[at:end], chunk_ids[lo + at : lo + end])
+                done += loaded
+                with self._lock:
+                    self._stats["chunks_loaded"] += loaded
+                if loaded < end - at:
+                    break
+            if done < hi:  # a failure ends the prefix; the read ahead is waited for, not used
+                if ahead is not None:
+                    ahead[1].result()
+                return done
+        return done
 
     def _submit(self, job: TransferJob, store: bool) -> None:
         keys, chunk_ids = list(job.keys), [int(c) for c in job.chunk_ids]

@@ -7,6 +7,7 @@ the pure-Python subset below cannot load it; the JSON says which raw rows ran.
 
     python3 perf/bench_vllm_gpu.py --out $OUT/bench_vllm_gpu.json [--chunks 64]
 
+The primary buffer is page-locked on a CUDA machine, as vLLM's CPU tier allocates it (``--pageable``: plain memory).
 Chunks: one worker's 32 layers of 8 KV heads x 128 in bf16, 4 blocks of 16 tokens per chunk (8 MiB each), in the
 engine's HND layout. Needs vLLM's offloading interface importable; a machine without vLLM can use the pure-Python
 files it takes (`python perf/vllm_subset.py .vllm_min` where vLLM is installed, then ``PYTHONPATH=.vllm_min``).
@@ -37,7 +38,10 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 LAYERS, HEADS, HEAD_DIM, TOKENS_PER_BLOCK, BLOCKS_PER_CHUNK = 32, 8, 128, 16, 4
 BLOCK_BYTES = LAYERS * HEADS * TOKENS_PER_BLOCK * 2 * HEAD_DIM * 2  # K and V of every layer, bf16
 CHUNK_BYTES = BLOCKS_PER_CHUNK * BLOCK_BYTES
-CODECS = ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64")
+CODECS = ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64",
+          # the recommended spec as a page codec: PSAC rows need queries and sinks or pre-RoPE keys positions, which
+          # an offloading tier never sees
+          "quantwm:kchannel=64,rank=0,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16")
 
 
 def offloading_spec():
@@ -82,12 +86,16 @@ def main():
     parser.add_argument("--codecs", default="|".join(CODECS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where both tiers write (default: a temporary folder)")
+    parser.add_argument("--pageable", action="store_true", help="a primary buffer that is not page-locked")
     args = parser.parse_args()
     n = args.chunks
     # the primary tier: n chunks to store, then n slots loads fill
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(2 * n, CHUNK_BYTES // 2, generator=gen).bfloat16()
-    buffer = values.view(torch.uint8).numpy().reshape(2 * n, CHUNK_BYTES).copy()
+    pinned = torch.cuda.is_available() and not args.pageable  # vLLM's CPU tier pins its buffer where it can
+    primary = torch.empty((2 * n, CHUNK_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    primary.copy_(values.view(torch.uint8).view(2 * n, CHUNK_BYTES))
+    buffer = primary.numpy()
     view = memoryview(buffer)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-vllm-"))
     spec = offloading_spec()
@@ -144,7 +152,8 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "chunks": n,
-                   "chunk_bytes": CHUNK_BYTES, "fs_tier_not_measured": skipped, "rows": rows}, f, indent=1)
+                   "chunk_bytes": CHUNK_BYTES, "primary_pinned": pinned, "fs_tier_not_measured": skipped,
+                   "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,23 @@ def test_on_the_cpu_it_is_a_plain_call():
     assert runner("encode", lambda t: t * 2, x).tolist() == [0, 2, 4, 6, 8, 10]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_results_go_straight_into_host_destinations(device):
+    """``into=``: row i of the result lands in destination i (page-locked or not, any strides), None returned;
+    a count that does not match is an error, never a partial copy passed off as done."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runner = DeviceCodec(torch.device(device))
+    x = torch.arange(12, dtype=torch.int32).view(3, 4)
+    dests = [torch.zeros(4, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)[::2],
+             runner.staging((4,), torch.int32).zero_()]
+    assert runner("decode", lambda t: t * 3 + 1, x, into=dests) is None
+    for i, d in enumerate(dests):
+        assert d.tolist() == (x[i] * 3 + 1).tolist()
+    with pytest.raises(ValueError, match="destinations"):
+        runner("decode", lambda t: t, x, into=dests[:2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("spec", CODECS)
 def test_the_gpu_encodes_and_decodes_the_bytes_of_the_cpu(spec):
