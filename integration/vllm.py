@@ -164,7 +164,7 @@ class KVBackendTier(SecondaryTierManager):
         """Rows of head_dim values, split in two halves passed as the codec's K and V, plus a raw tail (rows
         mode); or every worker's and layer's K and V, then the chunk's padding (blocks mode)."""
         if self.block is not None:
-            return self._encode_blocks(raw)
+            return self._encode_blocks([raw])[0]
         rows = raw.numel() // self._row_bytes
         half = rows // 2
         values = raw[: 2 * half * self._row_bytes].view(self.dtype).view(2, half, 1, -1)
@@ -180,79 +180,60 @@ class KVBackendTier(SecondaryTierManager):
         return (self.codec.page_local and self.layout.codebook_bytes == 0
                 and self.block.tokens % self.layout.page_size == 0)
 
-    def _encode_blocks(self, raw: torch.Tensor) -> torch.Tensor:
-        block, parts = self.block, []
-        kv = block.kv(raw, self.dtype)
-        rotate = self.codec.levers.vrot == "hadamard"
-        if self._batched():  # every worker's and layer's pages in one codec call: the same bytes, in order
-            k = kv[:, :, 0].reshape(-1, block.kv_heads, block.head_dim)
-            v = kv[:, :, 1].reshape(-1, block.kv_heads, block.head_dim)
+    def _encode_blocks(self, raws: list[torch.Tensor]) -> torch.Tensor:
+        """``[len(raws), blob_bytes]``: each chunk's every worker's and layer's pages (and codebook slot), then its
+        padding. The chunks' units go through the codec in one call where it encodes units side by side: the same
+        bytes as one chunk at a time."""
+        block = self.block
+        kv = torch.stack([block.kv(raw, self.dtype) for raw in raws])  # [n, W, L, 2, blocks, tokens/block, H, D]
+        tails = torch.stack([raw[block.used_bytes :] for raw in raws])
+        n = len(raws)
+        k = kv[:, :, :, 0].reshape(n * block.workers * block.layers, block.tokens, block.kv_heads, block.head_dim)
+        v = kv[:, :, :, 1].reshape(k.shape)
+        if self.codec.levers.vrot == "hadamard":  # the stored frame of `kvbackend.frames`: values times Hadamard
+            v = rotate_values(v)
+        if self._batched():  # every page in one codec call
+            pages = self.codec.encode(k.flatten(0, 1), v.flatten(0, 1), self.layout).pages
+            return torch.cat([pages.reshape(n, -1), tails], 1)
+        if self.codec.batch_encodes and len(k) > 1:  # every unit (worker and layer of a chunk) in one pass
+            pages, books = self.codec.encode_units(k, v, self.layout)
+            units = torch.cat([pages.flatten(1), books], 1)  # each unit's pages, then its codebook slot
+        else:
+            units = torch.stack([torch.cat([c.pages.reshape(-1), c.codebook.reshape(-1)])
+                                 for c in (self.codec.encode(ku, vu, self.layout) for ku, vu in zip(k, v))])
+        return torch.cat([units.reshape(n, -1), tails], 1)
 
-            if rotate:
-                v = rotate_values(v)
-            pages = self.codec.encode(k, v, self.layout).pages
-            return torch.cat([pages.reshape(-1), raw[block.used_bytes :].clone()])
-        units = []
-        for w in range(block.workers):
-            for layer in range(block.layers):
-                k = kv[w, layer, 0].flatten(0, 1)  # [tokens, kv_heads, head_dim] (a copy)
-                v = kv[w, layer, 1].flatten(0, 1)
-                if rotate:  # the stored frame of `kvbackend.frames`: values times the Hadamard matrix
-                    v = rotate_values(v)
-                units.append((k, v))
-        if self.codec.batch_encodes and len(units) > 1:  # every worker's and layer's chunk in one pass, same bytes
-            pages, books = self.codec.encode_units(torch.stack([u[0] for u in units]),
-                                                   torch.stack([u[1] for u in units]), self.layout)
-            parts = [torch.cat([pages.flatten(1), books], 1).reshape(-1)]  # each chunk's pages, then its slot
-        for k, v in units if not parts else ():
-            chunk = self.codec.encode(k, v, self.layout)
-            parts += [chunk.pages.reshape(-1), chunk.codebook.reshape(-1)]
-        return torch.cat(parts + [raw[block.used_bytes :].clone()])
-
-    def _decode_blocks(self, blob: torch.Tensor, out: torch.Tensor) -> None:
+    def _decode_blocks(self, blobs: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        """Inverse of `_encode_blocks`: ``blobs`` ``[n, blob_bytes]`` into the chunks ``outs``, in one codec call
+        where the codec allows."""
         block, layout = self.block, self.layout
-        pages = -(-block.tokens // layout.page_size)
-        size = pages * layout.page_bytes
-        kv = block.kv(out, self.dtype)
-        shape = (block.blocks, block.tokens_per_block, block.kv_heads, block.head_dim)
-        at = 0
+        n, pages = len(outs), -(-block.tokens // layout.page_size)
+        units = n * block.workers * block.layers
+        size, unit = pages * layout.page_bytes, pages * layout.page_bytes + layout.codebook_bytes
+        body = blobs[:, : (block.workers * block.layers) * unit].reshape(units, unit)
         if self._batched():
-            count = block.workers * block.layers * pages
-            body = blob[: count * layout.page_bytes].view(count, -1)
-            k, v = self.codec.decode_pages(layout, body, body[:0])
-            if self.codec.levers.vrot == "hadamard":
-                v = rotate_values(v)
-            whole = (block.workers, block.layers) + shape
-            kv[:, :, 0].copy_(k.reshape(whole))
-            kv[:, :, 1].copy_(v.reshape(whole))
-            out[block.used_bytes :].copy_(blob[count * layout.page_bytes :])
-            return
-        if self.codec.per_page_codebooks and layout.codebook_bytes:  # every worker's and layer's pages in one pass
-            units, unit = block.workers * block.layers, size + layout.codebook_bytes
-            body = blob[: units * unit].view(units, unit)
+            k, v = self.codec.decode_pages(layout, body.reshape(units * pages, -1), body[:0, :0].reshape(-1))
+        elif self.codec.per_page_codebooks and layout.codebook_bytes:  # each page with its unit's codebook slot
             k, v = self.codec.decode_units(layout, body[:, :size].reshape(units * pages, -1),
-                                           body[:, size:].repeat_interleave(pages, dim=0))  # each page its chunk's slot
-            if self.codec.levers.vrot == "hadamard":
-                v = rotate_values(v)
-            whole = (block.workers, block.layers, pages * layout.page_size, block.kv_heads, block.head_dim)
-            kv[:, :, 0].copy_(k.reshape(whole)[:, :, : block.tokens].reshape((block.workers, block.layers) + shape))
-            kv[:, :, 1].copy_(v.reshape(whole)[:, :, : block.tokens].reshape((block.workers, block.layers) + shape))
-            out[block.used_bytes :].copy_(blob[units * unit :])
-            return
-        for w in range(block.workers):
-            for layer in range(block.layers):
-                k, v = self.codec.decode_pages(layout, blob[at : at + size].view(pages, -1),
-                                               blob[at + size : at + size + layout.codebook_bytes])
-                at += size + layout.codebook_bytes
-                if self.codec.levers.vrot == "hadamard":
-                    v = rotate_values(v)
-                kv[w, layer, 0].copy_(k[: block.tokens].reshape(shape))
-                kv[w, layer, 1].copy_(v[: block.tokens].reshape(shape))
-        out[block.used_bytes :].copy_(blob[at:])
+                                           body[:, size:].repeat_interleave(pages, dim=0))
+        else:
+            parts = [self.codec.decode_pages(layout, u[:size].view(pages, -1), u[size:]) for u in body]
+            k, v = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        if self.codec.levers.vrot == "hadamard":
+            v = rotate_values(v)
+        whole = (n, block.workers, block.layers, pages * layout.page_size, block.kv_heads, block.head_dim)
+        shape = (block.blocks, block.tokens_per_block, block.kv_heads, block.head_dim)
+        k = k.reshape(whole)[:, :, :, : block.tokens].reshape((n, block.workers, block.layers) + shape)
+        v = v.reshape(whole)[:, :, :, : block.tokens].reshape(k.shape)
+        for i, out in enumerate(outs):
+            kv = block.kv(out, self.dtype)
+            kv[:, :, 0].copy_(k[i])
+            kv[:, :, 1].copy_(v[i])
+            out[block.used_bytes :].copy_(blobs[i, (block.workers * block.layers) * unit :])
 
     def _decode_into(self, blob: torch.Tensor, out: torch.Tensor) -> None:
         if self.block is not None:
-            self._decode_blocks(blob, out)
+            self._decode_blocks(blob.unsqueeze(0), [out])
             return
         rows = out.numel() // self._row_bytes
         half = rows // 2
@@ -277,11 +258,16 @@ class KVBackendTier(SecondaryTierManager):
 
     def _encode_chunks(self, *raws: torch.Tensor) -> torch.Tensor:
         """``[len(raws), blob_bytes]``: the blobs of raw chunks, on whatever device they are."""
+        if self.block is not None:
+            return self._encode_blocks(list(raws))
         return torch.stack([self._encode(raw) for raw in raws])
 
     def _decode_chunks(self, blobs: torch.Tensor) -> torch.Tensor:
         """``[n, chunk_bytes]``: the chunks of ``blobs`` ``[n, blob_bytes]``, on their device."""
         out = torch.empty((blobs.shape[0], self.chunk_bytes), dtype=torch.uint8, device=blobs.device)
+        if self.block is not None:
+            self._decode_blocks(blobs, list(out))
+            return out
         for blob, chunk in zip(blobs, out):
             self._decode_into(blob, chunk)
         return out

@@ -563,3 +563,34 @@ def test_batched_load_stops_at_the_first_bad_chunk_and_keeps_the_ones_before(tmp
     assert not result.success and list(result.successful_keys or ()) == ks[:bad]
     assert np.array_equal(buf[10 : 10 + bad], want[:bad]) and np.all(buf[10 + bad] == 0x55)
     tier.shutdown()
+
+
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=32,vrot=hadamard",
+                                   "quantwm:kchannel=32,rank=0,centroids=8,clip=true,vcluster=false,vrot=hadamard,"
+                                   "cdtype=fp8,outliers=8"])
+def test_blocks_mode_batches_of_chunks_give_the_bytes_of_one_chunk_at_a_time(tmp_path, monkeypatch, codec):
+    """Blocks mode with the GPU's batches (3 chunks per codec call, every chunk's units in one call): the blobs
+    written and the chunks restored are bit for bit those of the CPU's one chunk at a time."""
+    from kvbackend.integration import vllm as tier_module
+
+    buf, view, _, _ = block_primary("HND", chunks=10, seed=5)
+    cpu = make_tier_with(tmp_path / "cpu", view, block_spec("HND"), codec=codec, kv_heads=HEADS, page_tokens=32)
+    ks = keys(5)
+    assert run(cpu, 1, ks, list(range(5)), promotion=False).success
+    assert run(cpu, 2, ks, list(range(5, 10)), promotion=True).success
+    want_rows = buf[5:].copy()
+    want_blobs = [cpu._encode(cpu._chunk(i)).clone() for i in range(5)]
+    cpu.shutdown()
+    calls = _working_device(monkeypatch)
+    monkeypatch.setattr(tier_module, "BATCH_BYTES", 3 * BLOCK_CHUNK)
+    gpu = make_tier_with(tmp_path / "gpu", view, block_spec("HND"), codec=codec, kv_heads=HEADS, page_tokens=32)
+    assert run(gpu, 1, ks, list(range(5)), promotion=False).success
+    for i, k in enumerate(ks):
+        got = torch.empty(gpu.blob_bytes, dtype=torch.uint8)
+        assert gpu.store.get([gpu._key(k)], [got]).result() == [True]
+        assert torch.equal(got, want_blobs[i]), i
+    buf[5:] = 0
+    assert run(gpu, 2, ks, list(range(5, 10)), promotion=True).success
+    assert calls == [3, 2, 3, 2]  # two encode calls, two decode calls
+    assert np.array_equal(buf[5:], want_rows)
+    gpu.shutdown()
