@@ -127,6 +127,9 @@ class DeviceCodec:
         if len(into) != len(out):
             raise ValueError(f"{len(out)} results for {len(into)} destinations")
         for row, dest in zip(out, into):
+            if row.shape != dest.shape:  # never broadcast into a destination of another shape
+                raise ValueError(f"a result row of shape {tuple(row.shape)} for a destination of {tuple(dest.shape)}")
+        for row, dest in zip(out, into):
             dest.copy_(row, non_blocking=dest.is_pinned() and row.device.type != "cpu")
         return None
 

@@ -63,7 +63,7 @@ ROW_CODECS = ("rtn", "fp8", "fp16", "bf16", "identity")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ROWS_PER_PAGE = 64
 BATCH_BYTES = 256 << 20  # raw KV per codec call on a GPU (32 chunks of 8 MiB)
-WINDOW_BYTES = 1 << 30  # stored bytes a load reads ahead of its decoding (page-locked on a GPU)
+WINDOW_BYTES = 256 << 20  # stored bytes a load reads ahead of its decoding (page-locked on a GPU): two per job
 FORMAT_VERSION = 2  # of a stored chunk's bytes; enters the fingerprint (2: the blocks mode)
 
 
@@ -273,23 +273,35 @@ class KVBackendTier(SecondaryTierManager):
         return out
 
     def _store_job(self, keys: list[OffloadKey], chunk_ids: list[int]) -> bool:
-        """Encodes the chunks in batches (on the tier's device) and hands each batch's blobs to the file tier as
-        soon as they are made, so the writes of one batch overlap the encoding of the next."""
+        """Encodes the chunks in batches (on the tier's device) and hands the blobs to the file tier in groups of
+        about BATCH_BYTES of raw KV as they are made, so the writes of one group overlap the encoding of the next.
+        Every write started is waited for, and counted, whatever fails after it."""
         self._private_directories()  # recreated if it was removed while running
-        ints, step, writes = [self._key(k) for k in keys], self._batch_chunks(), []
+        ints, step, writes, blobs = [self._key(k) for k in keys], self._batch_chunks(), [], []
+        group = max(step, BATCH_BYTES // self.chunk_bytes)
         try:
             for at in range(0, len(chunk_ids), step):
                 raws = [self._chunk(cid) for cid in chunk_ids[at : at + step]]
-                blobs = self.device("encode", self._encode_chunks, *raws)
-                if blobs.shape != (len(raws), self.blob_bytes):  # a blob this tier could never load back
-                    raise RuntimeError(f"chunks encoded to blobs of shape {tuple(blobs.shape)}, expected "
+                batch = self.device("encode", self._encode_chunks, *raws)
+                if batch.shape != (len(raws), self.blob_bytes):  # a blob this tier could never load back
+                    raise RuntimeError(f"chunks encoded to blobs of shape {tuple(batch.shape)}, expected "
                                        f"{(len(raws), self.blob_bytes)}")
-                writes.append(self.store.put(ints[at : at + step], list(blobs)))
+                blobs += list(batch)
+                if len(blobs) >= group or at + step >= len(chunk_ids):  # one file per group of chunks
+                    first = at + len(raws) - len(blobs)
+                    writes.append(self.store.put(ints[first : first + len(blobs)], blobs))
+                    blobs = []
         finally:
-            ok = [r for w in writes for r in w.result()]  # every write started is waited for, even on failure
-        with self._lock:
-            self._stats["chunks_stored"] += sum(ok)
-            self._stats["raw_bytes_stored"] += sum(ok) * self.chunk_bytes
+            ok = []
+            for write in writes:
+                try:
+                    ok += write.result()
+                except Exception as exc:  # noqa: BLE001 - a write that raised stored nothing; the rest are waited for
+                    log.error("kvbackend vLLM tier: a write failed: %r", exc)
+                    ok.append(False)
+            with self._lock:
+                self._stats["chunks_stored"] += sum(ok)
+                self._stats["raw_bytes_stored"] += sum(ok) * self.chunk_bytes
         return len(ok) == len(keys) and all(ok)
 
     def _read_window(self, ints: list[int]):
@@ -322,8 +334,9 @@ class KVBackendTier(SecondaryTierManager):
         return len(chunk_ids)
 
     def _load_job(self, keys: list[OffloadKey], chunk_ids: list[int]) -> int:
-        """Loads chunks in order; returns how many loaded before the first failure. Blobs are read in windows of
-        about WINDOW_BYTES (the next window's reads run while this one decodes) and decoded in batches."""
+        """Loads chunks in order; returns how many loaded before the first failure (a missing or corrupt blob, a
+        decode error, or an error of the job itself, such as no memory for a window). Blobs are read in windows
+        of about WINDOW_BYTES (the next window's reads run while this one decodes) and decoded in batches."""
         ints = [self._key(k) for k in keys]
         n = 0  # missing, or written for another configuration: never decoded into the primary tier
         while n < len(ints) and self.store.blob_size(ints[n]) == self.blob_bytes:
@@ -331,31 +344,48 @@ class KVBackendTier(SecondaryTierManager):
         window = max(1, WINDOW_BYTES // self.blob_bytes)
         step = self._batch_chunks()
         windows = [(at, min(n, at + window)) for at in range(0, n, window)]
-        ahead = self._read_window(ints[slice(*windows[0])]) if windows else None
-        done = 0
-        for w, (lo, hi) in enumerate(windows):
-            buffers, handle = ahead
-            found = handle.result()
-            ahead = self._read_window(ints[slice(*windows[w + 1])]) if w + 1 < len(windows) else None
-            good = next((i for i, f in enumerate(found) if not f), len(found))  # corrupt, or replaced meanwhile
-            for at in range(0, good, step):
-                end = min(good, at + step)
-                loaded = self._deliver(buffers[at:end], chunk_ids[lo + at : lo + end])
-                done += loaded
-                with self._lock:
-                    self._stats["chunks_loaded"] += loaded
-                if loaded < end - at:
+        done, ahead = 0, None
+        try:
+            ahead = self._read_window(ints[slice(*windows[0])]) if windows else None
+            for w, (lo, hi) in enumerate(windows):
+                (buffers, handle), ahead = ahead, None
+                found = handle.result()
+                last = w + 1 == len(windows)
+                if not last:
+                    try:
+                        ahead = self._read_window(ints[slice(*windows[w + 1])])
+                    except Exception as exc:  # noqa: BLE001 - this window still loads; the job stops after it
+                        log.error("kvbackend vLLM tier: reading ahead failed, the load stops at chunk %d: %r", hi, exc)
+                        last = True
+                good = next((i for i, f in enumerate(found) if not f), len(found))  # corrupt, or replaced meanwhile
+                for at in range(0, good, step):
+                    end = min(good, at + step)
+                    loaded = self._deliver(buffers[at:end], chunk_ids[lo + at : lo + end])
+                    done += loaded
+                    with self._lock:
+                        self._stats["chunks_loaded"] += loaded
+                    if loaded < end - at:
+                        break
+                if done < hi or last:  # a failure ends the prefix
                     break
-            if done < hi:  # a failure ends the prefix; the read ahead is waited for, not used
-                if ahead is not None:
+        except Exception as exc:  # noqa: BLE001 - the chunks delivered so far stay loaded and are reported
+            log.error("kvbackend vLLM tier: a load stopped after %d of %d chunks: %r", done, len(keys), exc)
+        finally:
+            if ahead is not None:  # a read still in flight is waited for (its buffers are not used)
+                try:
                     ahead[1].result()
-                return done
+                except Exception as exc:  # noqa: BLE001 - nothing of it is used
+                    log.debug("kvbackend vLLM tier: an unused read ahead failed: %r", exc)
         return done
 
     def _submit(self, job: TransferJob, store: bool) -> None:
         keys, chunk_ids = list(job.keys), [int(c) for c in job.chunk_ids]
         if len(keys) != len(chunk_ids):
             raise ValueError(f"{len(keys)} keys but {len(chunk_ids)} chunk ids")
+        slots = self._primary.numel() // self.chunk_bytes
+        bad = [c for c in chunk_ids if not 0 <= c < slots]
+        if bad:  # never a slice past the buffer (an empty chunk "loaded") or one counted from its end
+            raise ValueError(f"chunk ids {bad[:4]} outside the primary tier's {slots} chunks")
 
         def run() -> None:
             try:

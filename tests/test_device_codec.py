@@ -47,6 +47,9 @@ def test_results_go_straight_into_host_destinations(device):
         assert d.tolist() == (x[i] * 3 + 1).tolist()
     with pytest.raises(ValueError, match="destinations"):
         runner("decode", lambda t: t, x, into=dests[:2])
+    with pytest.raises(ValueError, match="destination of"):  # never broadcast into a destination of another shape
+        runner("decode", lambda t: t[:, :1], x, into=dests)
+    assert dests[0].tolist() == (x[0] * 3 + 1).tolist()  # nothing was copied
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -629,3 +629,134 @@ def test_blocks_mode_centroid_codec_on_the_gpu_round_trips_as_well_as_the_cpu(tm
     on_gpu = torch.from_numpy(rows["cuda"]).view(torch.bfloat16).float()
     assert float((on_cpu - on_gpu).abs().max()) <= 0.02 * float(on_gpu.abs().max())
     reader.shutdown()
+
+
+def test_a_store_that_fails_partway_counts_exactly_what_it_wrote(tmp_path, monkeypatch):
+    """Batches of 2 chunks: the second batch's encoding raises after the first was handed to the file tier. The
+    job fails, the first batch is stored and counted (hits and stats agree), nothing after it is stored."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvbackend.integration import vllm as tier_module
+
+    buf, view = primary(chunks=6)
+    _working_device(monkeypatch)
+    monkeypatch.setattr(tier_module, "BATCH_BYTES", 2 * CHUNK_BYTES)
+    tier = make_tier(tmp_path, view, "identity")
+    real, calls = tier._encode_chunks, []
+
+    def encode(*raws):
+        calls.append(len(raws))
+        if len(calls) == 2:
+            raise ValueError("non-finite values")
+        return real(*raws)
+
+    monkeypatch.setattr(tier, "_encode_chunks", encode)
+    ks = keys(6)
+    assert not run(tier, 1, ks, list(range(6)), promotion=False).success
+    hits = [tier.lookup(k, ReqContext("r")) == LookupResult.HIT for k in ks]
+    assert hits == [True, True, False, False, False, False]
+    stats = tier.get_stats()
+    assert stats["chunks_stored"] == 2 and stats["raw_bytes_stored"] == 2 * CHUNK_BYTES and stats["failed_jobs"] == 1
+    tier.shutdown()
+
+
+def test_a_store_waits_for_every_write_even_after_one_raised(tmp_path, monkeypatch):
+    """The first group's write raises, the second is slow: the job ends only after the second landed, fails, and
+    counts only what was written."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbackend.integration import vllm as tier_module
+    from kvbackend.tiers.base import Handle
+
+    buf, view = primary(chunks=4)
+    _working_device(monkeypatch)
+    monkeypatch.setattr(tier_module, "BATCH_BYTES", 2 * CHUNK_BYTES)
+    tier = make_tier(tmp_path, view, "identity")
+    pool, real_put, calls, landed = ThreadPoolExecutor(2), tier.store.put, [], threading.Event()
+
+    def put(ks, blobs):
+        calls.append(len(ks))
+        if len(calls) == 1:
+            return Handle(pool.submit(lambda: (_ for _ in ()).throw(MemoryError("copying the blobs"))))
+
+        def slow():
+            time.sleep(0.3)
+            result = real_put(ks, blobs).result()
+            landed.set()
+            return result
+        return Handle(pool.submit(slow))
+
+    monkeypatch.setattr(tier.store, "put", put)
+    assert not run(tier, 1, keys(4), [0, 1, 2, 3], promotion=False).success
+    assert landed.is_set() and calls == [2, 2]
+    assert tier.get_stats()["chunks_stored"] == 2
+    tier.shutdown()
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_load_that_fails_partway_reports_the_chunks_it_delivered(tmp_path, monkeypatch, batched):
+    """Windows of 2 blobs; the third window's buffers cannot be allocated (no memory): the job reports the first
+    four chunks as loaded (they are in the primary tier, and counted), and writes nothing after them."""
+    from kvbackend.integration import vllm as tier_module
+
+    buf, view = primary(chunks=16)
+    if batched:
+        _working_device(monkeypatch)
+        monkeypatch.setattr(tier_module, "BATCH_BYTES", 2 * CHUNK_BYTES)
+    tier = make_tier(tmp_path, view, "rtn:bits=4,group=64", **({} if batched else {"device": "cpu"}))
+    monkeypatch.setattr(tier_module, "WINDOW_BYTES", 2 * tier.blob_bytes)
+    ks = keys(8)
+    assert run(tier, 1, ks, list(range(8)), promotion=False).success
+    assert run(tier, 2, ks, list(range(8, 16)), promotion=True).success
+    want = buf[8:].copy()
+    real, calls = tier.device.staging, []
+
+    def staging(shape, dtype):
+        calls.append(shape)
+        if len(calls) == 3:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(shape, dtype)
+
+    monkeypatch.setattr(tier.device, "staging", staging)
+    buf[8:] = 0x55
+    before = tier.get_stats()["chunks_loaded"]
+    result = run(tier, 3, ks, list(range(8, 16)), promotion=True)
+    assert not result.success and list(result.successful_keys) == ks[:4]
+    assert np.array_equal(buf[8:12], want[:4]) and np.all(buf[12:] == 0x55)
+    assert tier.get_stats()["chunks_loaded"] - before == 4
+    tier.shutdown()
+
+
+@pytest.mark.parametrize("promotion", [False, True])
+@pytest.mark.parametrize("bad", [4, -1])
+def test_chunk_ids_outside_the_primary_buffer_are_refused(tmp_path, bad, promotion):
+    """A chunk id past the buffer (an empty slice: nothing written, yet "loaded") or below zero (a chunk counted
+    from the end): a clear error when the job is submitted, before anything moves."""
+    buf, view = primary(chunks=4)
+    tier = make_tier(tmp_path, view, "identity", device="cpu")
+    job = TransferJob(1, keys(2), np.asarray([2, bad]), promotion, ReqContext("req"))
+    with pytest.raises(ValueError, match="outside the primary tier's 4 chunks"):
+        (tier.submit_load if promotion else tier.submit_store)(job)
+    assert not tier.has_pending_work()
+    tier.shutdown()
+
+
+def test_a_store_on_the_cpu_writes_groups_of_chunks_not_a_file_each(tmp_path, monkeypatch):
+    """One chunk per codec call on the CPU, but the blobs go to the file tier in groups of about BATCH_BYTES of
+    raw KV: 10 chunks in groups of 4 are three files (each with its own fsyncs), all loadable."""
+    from kvbackend.integration import vllm as tier_module
+
+    buf, view = primary(chunks=20)
+    monkeypatch.setattr(tier_module, "BATCH_BYTES", 4 * CHUNK_BYTES)
+    tier = make_tier(tmp_path, view, "rtn:bits=4,group=64", device="cpu")
+    puts, real_put = [], tier.store.put
+    monkeypatch.setattr(tier.store, "put", lambda ks, blobs: puts.append(len(ks)) or real_put(ks, blobs))
+    ks = keys(10)
+    assert run(tier, 1, ks, list(range(10)), promotion=False).success
+    assert puts == [4, 4, 2] and len(tier.store._files) == 3
+    assert run(tier, 2, ks, list(range(10, 20)), promotion=True).success
+    assert tier.get_stats()["chunks_stored"] == 10 and tier.get_stats()["chunks_loaded"] == 10
+    tier.shutdown()
