@@ -4,6 +4,7 @@ index rebuild. Every blob served must be exactly the bytes that were put; anythi
 
 import builtins
 import errno
+import fcntl
 import logging
 import os
 import random
@@ -276,8 +277,11 @@ def test_startup_never_deletes_files_it_does_not_own(tmp_path, caplog):
     }
     for name, data in foreign.items():
         (tmp_path / name).write_bytes(data)
+    live = os.open(tmp_path / ("a" * 32 + SUFFIX + f".tmp.{os.getpid()}.1"), os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_EX)  # its writer holds the file's lock while it writes
     with caplog.at_level(logging.INFO, logger=LOGGER):
         tier = FileTier(str(tmp_path), 10**7, FINGERPRINT)
+    os.close(live)
     for name in [*foreign, *theirs]:
         assert (tmp_path / name).exists(), f"{name} was deleted"
     assert any(r.name == LOGGER for r in caplog.records)
@@ -438,3 +442,60 @@ def test_fuzz_index_rebuild_serves_exact_bytes_or_misses(tmp_path):
         shutil.rmtree(directory)
     assert seen == set(MUTATIONS)
     assert time.time() - start < 20
+
+
+def test_startup_removes_a_leftover_temp_file_whose_pid_was_reused(tmp_path):
+    """A crashed writer's temporary file whose pid now belongs to a live process (this one; in a container a
+    restarted server often gets its predecessor's pid) holds no writer's lock: it is removed, not kept forever
+    outside the budget. The same file while a writer holds its lock is kept."""
+    name = "b" * 32 + SUFFIX + f".tmp.{os.getpid()}.7"
+    (tmp_path / name).write_bytes(b"half of a group")
+    held = os.open(tmp_path / name, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    FileTier(str(tmp_path), 10**7, FINGERPRINT).close()
+    assert (tmp_path / name).exists()  # a live writer's
+    os.close(held)
+    FileTier(str(tmp_path), 10**7, FINGERPRINT).close()
+    assert not (tmp_path / name).exists()  # nobody's
+
+
+def test_a_blob_file_replaced_by_a_link_is_a_miss_and_can_be_stored_again(tmp_path):
+    """A blob's file replaced by a symbolic link (never followed: the open fails with ELOOP) is gone, not a transient
+    I/O error: its keys leave the index (the link is left in place), so `contains` stops answering for them and
+    a later put writes them again and serves them."""
+    tier = FileTier(str(tmp_path), 10**7, FINGERPRINT, fsync=False)
+    assert tier.put([1, 2], [blob_for(1), blob_for(2)]).result() == [True, True]
+    path = tier._index[1].path
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    shutil.copy(path, elsewhere)
+    os.remove(path)
+    os.symlink(elsewhere, path)
+    assert served(tier, [1, 2]) == set() and tier.contains([1]) == 0 and tier.contains([2]) == 0
+    assert os.path.islink(path)  # nothing of someone else's deleted or followed
+    assert tier.put([1, 2], [blob_for(1), blob_for(2)]).result() == [True, True]
+    assert served(tier, [1, 2]) == {1, 2}
+    tier.close()
+
+
+def test_a_group_that_cannot_fit_beside_writes_in_flight_evicts_nothing(tmp_path, monkeypatch):
+    """Budget of three one-blob groups; a two-blob write is in flight (its bytes reserved) and one group is stored.
+    A second two-blob write cannot fit even with every file evicted: it fails without evicting the stored one."""
+    tier = FileTier(str(tmp_path), 3 * (HEADER + ENTRY + 307), FINGERPRINT, fsync=False, workers=2)
+    assert tier.put([1], [blob_for(1)]).result() == [True]
+    release, entered, original = threading.Event(), threading.Event(), tier._write_file
+
+    def slow(path, parts):
+        entered.set()
+        release.wait(10)
+        original(path, parts)
+
+    monkeypatch.setattr(tier, "_write_file", slow)
+    in_flight = tier.put([14, 21], [blob_for(14), blob_for(21)])  # 300 bytes each (key % 7 == 0)
+    assert entered.wait(10)
+    monkeypatch.setattr(tier, "_write_file", original)
+    assert tier.put([28, 35], [blob_for(28), blob_for(35)]).result() == [False, False]
+    assert tier.contains([1]) == 1, "a stored group was evicted for a write that failed anyway"
+    release.set()
+    assert in_flight.result() == [True, True]
+    assert served(tier, [1, 14, 21]) == {1, 14, 21}
+    tier.close()

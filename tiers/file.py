@@ -37,6 +37,11 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: temporary files of a live pid are kept, as before
+    fcntl = None
+
 from kvbackend.errors import CorruptStream
 from kvbackend.tiers.base import Handle, TierStats, check_pairs, prefix_length
 from kvbackend.tiers.persist import BlobFormat
@@ -54,6 +59,7 @@ _TEMP_NAMES = (
     re.compile(re.escape(TEMP_PREFIX) + r"[0-9a-f]{32}\.([0-9]{1,10})\.[0-9]{1,20}" + re.escape(SUFFIX) + r"\.tmp\Z"),
     re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.tmp\.([0-9]{1,10})\.[0-9]{1,20}\Z"),  # earlier versions
 )
+_NOT_OURS = {errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO}  # open errors of a path replaced meanwhile
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 _HIT, _IO_ERROR, _GONE, _CORRUPT = "hit", "io error", "gone", "corrupt"  # outcomes of one blob read
@@ -144,9 +150,9 @@ class FileTier:
         """Remove one of our temporary files whose writer is gone; the reason it was kept otherwise."""
         if not entry.is_file(follow_symlinks=False):
             return "entries that are not regular files"
-        if _process_alive(_temp_writer(entry.name)):
+        if _process_alive(_temp_writer(entry.name)) and _locked(entry.path):
             return "temporary files of a running writer"
-        _remove(entry.path)
+        _remove(entry.path)  # its writer is gone (a live pid of another process, or a writer that no longer holds it)
         return None
 
     def _read_table(self, path: str) -> tuple[str, list, int]:
@@ -266,7 +272,7 @@ class FileTier:
     def _reserve(self, size: int) -> bool:
         """Under the lock: hold ``size`` bytes of the budget, evicting LRU files for room; False if the
         group cannot fit (larger than the budget, or writes in flight hold the rest of it)."""
-        if size > self.budget_bytes:
+        if self._reserved + size > self.budget_bytes:  # no eviction could make room: evict nothing for it
             return False
         while self._used + self._reserved + size > self.budget_bytes:
             if not self._evict_file():
@@ -277,6 +283,11 @@ class FileTier:
     def _write_file(self, path: str, parts: list[bytes]) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
+            # locked while it is written: another process's start-up scan (`_clean_temp`) sees a live writer even
+            # where this pid is reused. Between the close and the rename such a scan may still take the file for a
+            # leftover; the rename then fails and so does this write (nothing is indexed, nothing served).
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
             for part in parts:
                 view = memoryview(part)
                 while view:
@@ -351,6 +362,9 @@ class FileTier:
         except FileNotFoundError:
             return _GONE
         except OSError as exc:
+            if exc.errno in _NOT_OURS:  # replaced by a link, a directory, ...: its entries go (nothing is deleted)
+                self._log_once(f"read {exc.errno}", "file tier: %s is no longer a file of ours: %s", where.path, exc)
+                return _GONE
             self._log_once(f"read {exc.errno}", "file tier: reading %s failed: %s (a miss)", where.path, exc)
             return _IO_ERROR
         try:
@@ -431,6 +445,25 @@ def _temp_writer(name: str) -> int | None:
         if match:
             return int(match.group(1))
     return None
+
+
+def _locked(path: str) -> bool:
+    """Whether a writer holds ``path``'s lock (True where that cannot be told: the file is then kept)."""
+    if fcntl is None:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by its writer (or locks unsupported here)
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _process_alive(pid: int | None) -> bool:
