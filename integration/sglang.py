@@ -125,6 +125,11 @@ class KVBackendStorage(HiCacheStorage):
         # readers side by side for a batch's blobs (up to 8, one per core)
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint, workers=io_workers())
 
+    def _raw_page_bytes(self) -> int:
+        """Bytes of one page of the host pool: K and V of every layer."""
+        g = self.geometry
+        return 2 * g.num_layers * self.page_size * g.num_kv_heads * g.head_dim * g.dtype.itemsize
+
     def _private_directories(self) -> None:
         """``directory`` and this namespace's directory in it: created 0700 if absent, refused if unsafe."""
         private_directory(self.root, "directory")
@@ -384,7 +389,7 @@ class KVBackendStorage(HiCacheStorage):
             if deliver is None or len(batches) < 2:
                 for rows in batches:
                     for i, page in self._decode_rows(rows, buffers):
-                        pages[i] = page if deliver is None else deliver(i, page) or True
+                        pages[i] = page if deliver is None else self._hand_over(deliver, i, page)
             else:  # batch j + 1 decodes in a helper thread while batch j is delivered here
                 with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvbackend-decode") as helper:
                     ahead = helper.submit(self._decode_rows, batches[0], buffers)
@@ -393,8 +398,7 @@ class KVBackendStorage(HiCacheStorage):
                         if j + 1 < len(batches):
                             ahead = helper.submit(self._decode_rows, batches[j + 1], buffers)
                         for i, page in done:
-                            deliver(i, page)
-                            pages[i] = True
+                            pages[i] = self._hand_over(deliver, i, page)
         for buffer, good, key in zip(buffers, found, ints) if not batched else ():
             if not good or buffer.numel() == 0:
                 pages.append(None)
@@ -405,14 +409,21 @@ class KVBackendStorage(HiCacheStorage):
                 self._log_once("decode", f"kvbackend storage: decoding a page failed: {exc!r}")
                 pages.append(None)
                 continue
-            if deliver is not None:
-                deliver(len(pages), page)
-            pages.append(page if deliver is None else True)
+            pages.append(page if deliver is None else self._hand_over(deliver, len(pages), page))
         with self._lock:
             hits = sum(p is not None for p in pages)
             self._stats["hits"] += hits
             self._stats["misses"] += len(pages) - hits
         return pages
+
+    def _hand_over(self, deliver, row: int, page: torch.Tensor) -> Optional[bool]:
+        """``deliver(row, page)``: True, or None (a miss of this page alone) where the host pool refuses it."""
+        try:
+            deliver(row, page)
+        except Exception as exc:  # noqa: BLE001 - a bad host index or a pool error: this page alone misses
+            self._log_once("deliver", f"kvbackend storage: copying a page into the host pool failed: {exc!r}")
+            return None
+        return True
 
     def _log_once(self, kind: str, message: str) -> None:
         if kind not in self._logged:
@@ -437,6 +448,8 @@ class KVBackendStorage(HiCacheStorage):
             return results
         except Exception as exc:  # never None, never an exception into SGLang's I/O threads
             self._log_once("get_v1", f"kvbackend storage: batch_get_v1 failed: {exc!r}")
+            with self._lock:  # (`_load` counts its own pages and never raises past its reads)
+                self._stats["misses"] += len(keys)
             return [False] * len(keys)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -444,12 +457,24 @@ class KVBackendStorage(HiCacheStorage):
         try:
             self._require_pool()
             start = time.perf_counter()
-            pages = [self._page_from_pool(int(host_indices[i * self.page_size])) for i in range(len(keys))]
+            rows, pages = [], []
+            for i in range(len(keys)):  # a page the pool cannot give (a bad host index) fails alone
+                try:
+                    pages.append(self._page_from_pool(int(host_indices[i * self.page_size])))
+                    rows.append(i)
+                except Exception as exc:  # noqa: BLE001 - logged once, that page is False
+                    self._log_once("from_pool", f"kvbackend storage: reading a page from the host pool failed: {exc!r}")
             with self._lock:
                 self._stats["from_pool_s"] += time.perf_counter() - start
-            return self._store(list(keys), pages)
+                self._stats["failures"] += len(keys) - len(rows)
+            results = [False] * len(keys)
+            for i, stored in zip(rows, self._store([keys[i] for i in rows], pages) if rows else ()):
+                results[i] = stored
+            return results
         except Exception as exc:
             self._log_once("set_v1", f"kvbackend storage: batch_set_v1 failed: {exc!r}")
+            with self._lock:
+                self._stats["failures"] += len(keys)
             return [False] * len(keys)
 
     # -- the generic interface (flat data pages as SGLang's host pool returns them) ------------
@@ -494,11 +519,15 @@ class KVBackendStorage(HiCacheStorage):
             self.tier.evict(1 << 62)
 
     def get_stats(self) -> dict:
-        stored = self.tier.stats().bytes_used if self.tier is not None else 0
+        held = self.tier.stats() if self.tier is not None else None
+        stored = held.bytes_used if held is not None else 0
         with self._lock:
             stats = dict(self._stats)
+        # raw bytes of the pages the tier holds now (pages set again, or evicted, are not counted twice) over the
+        # bytes their files take
+        raw = held.blobs * self._raw_page_bytes() if held is not None else 0
         stats.update(bytes_stored=stored, codec=self.codec_spec, device=str(self.device.device),
-                     compression_ratio=stats["raw_bytes_set"] / stored if stored else None)
+                     compression_ratio=raw / stored if stored else None)
         return stats
 
 

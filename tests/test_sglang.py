@@ -611,3 +611,73 @@ def test_rotated_values_on_the_gpu_decode_as_on_the_cpu(tmp_path):
     original = torch.stack(pages).float()
     assert float((b - a).norm() / original.norm()) < 0.02  # 2-bit error is about 0.3 of the norm
     assert float((b - original).norm() / original.norm()) < 1.05 * float((a - original).norm() / original.norm())
+
+
+def test_a_page_the_host_pool_refuses_misses_alone(tmp_path):
+    """Host indices one page short: the pages before it load (pipelined decode batches on the CPU), the last one
+    is a miss alone, and the hit and miss counts say exactly that."""
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=4,group=16", device="cpu")
+    keys = ["a", "b", "c"]
+    assert backend.batch_set_v1(keys, host_indices(range(3))) == [True] * 3
+    host.kv_buffer[:, :, 48:].fill_(7.0)
+    assert backend.batch_get_v1(keys, host_indices([3, 4])) == [True, True, False]  # one page short
+    assert not torch.all(host.page(16 * 3) == 7.0) and not torch.all(host.page(16 * 4) == 7.0)  # both written
+    again = backend.batch_get_v1(keys[:2], host_indices([5, 6]))  # the same pages again: the same values
+    assert again == [True, True] and all(torch.equal(host.page(16 * a), host.page(16 * b)) for a, b in ((3, 5), (4, 6)))
+    stats = backend.get_stats()
+    assert stats["hits"] == 4 and stats["misses"] == 1
+
+
+def test_a_page_the_host_pool_refuses_misses_alone_without_batches(tmp_path):
+    """The same on the page-by-page path (error-bounded pages): the pool refuses the second page only."""
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "alignpred:error=4x", device="cpu")
+    assert backend.batch_set_v1(["a", "b"], host_indices(range(2))) == [True, True]
+    original, calls = host.set_from_flat_data_page, []
+
+    def refuse_second(index, data):
+        calls.append(index)
+        if len(calls) == 2:
+            raise RuntimeError("the pool refuses this slot")
+        original(index, data)
+
+    host.set_from_flat_data_page = refuse_second
+    assert backend.batch_get_v1(["a", "b"], host_indices([2, 3])) == [True, False]
+    stats = backend.get_stats()
+    assert stats["hits"] == 1 and stats["misses"] == 1
+
+
+def test_a_page_the_host_pool_cannot_give_fails_alone(tmp_path):
+    """A set whose host indices are one page short: the pages it can read are stored, the last is False."""
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=4,group=16", device="cpu")
+    assert backend.batch_set_v1(["a", "b", "c"], host_indices([0, 1])) == [True, True, False]
+    assert backend.batch_exists(["a", "b", "c"]) == 2
+    stats = backend.get_stats()
+    assert stats["pages_set"] == 2 and stats["failures"] == 1
+
+
+def test_the_compression_ratio_is_that_of_the_pages_held(tmp_path):
+    """Raw pages stored as they are (identity) hold about 1x, whether a page is set again or pages are evicted to
+    fit the budget: the ratio is of what the tier holds, not of every set ever made."""
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    page_bytes = host.page(0).nbytes
+    backend = make_backend(tmp_path / "again", host, "identity", device="cpu")
+    for _ in range(4):
+        assert backend.batch_set_v1(["a"], host_indices([0])) == [True]
+    assert 0.95 < backend.get_stats()["compression_ratio"] <= 1.0
+    small = make_backend(tmp_path / "evicting", host, "identity", device="cpu",
+                         budget_gb=(2 * page_bytes + 400) / 2**30)
+    for i in range(6):
+        assert small.batch_set_v1([f"p{i}"], host_indices([i])) == [True]
+    stats = small.get_stats()
+    assert small.tier.stats().evictions >= 4 and 0.95 < stats["compression_ratio"] <= 1.0
+    packed = make_backend(tmp_path / "kivi", host, "kivi:bits=2,group=16", device="cpu")
+    assert packed.batch_set_v1(["a", "b"], host_indices([0, 1])) == [True, True]
+    ratio = packed.get_stats()["compression_ratio"]
+    assert abs(ratio - 2 * page_bytes / packed.tier.stats().bytes_used) < 1e-9 and ratio > 3
