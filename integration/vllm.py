@@ -446,11 +446,12 @@ class KVBackendTier(SecondaryTierManager):
         self.store.close()
 
     def get_stats(self) -> Any:
-        stored = self.store.stats().bytes_used
+        held = self.store.stats()
         with self._lock:
             stats = dict(self._stats)
-        stats.update(bytes_stored=stored, codec=self.codec.spec_string,
-                     compression_ratio=stats["raw_bytes_stored"] / stored if stored else None)
+        # raw bytes of the chunks held now (a chunk stored again, or evicted, is not counted twice) over their files'
+        stats.update(bytes_stored=held.bytes_used, codec=self.codec.spec_string,
+                     compression_ratio=held.blobs * self.chunk_bytes / held.bytes_used if held.bytes_used else None)
         return stats
 
 

@@ -760,3 +760,19 @@ def test_a_store_on_the_cpu_writes_groups_of_chunks_not_a_file_each(tmp_path, mo
     assert run(tier, 2, ks, list(range(10, 20)), promotion=True).success
     assert tier.get_stats()["chunks_stored"] == 10 and tier.get_stats()["chunks_loaded"] == 10
     tier.shutdown()
+
+
+def test_the_compression_ratio_is_that_of_the_chunks_held(tmp_path):
+    """identity holds about 1x however often a chunk is stored again; rtn-4 its own ratio of the files held."""
+    buf, view = primary(chunks=4)
+    tier = make_tier(tmp_path / "raw", view, "identity", device="cpu")
+    for job in range(4):
+        assert run(tier, job, keys(1), [0], promotion=False).success
+    assert 0.95 < tier.get_stats()["compression_ratio"] <= 1.0
+    tier.shutdown()
+    packed = make_tier(tmp_path / "rtn", view, "rtn:bits=4,group=64", device="cpu")
+    assert run(packed, 1, keys(2), [0, 1], promotion=False).success
+    assert run(packed, 2, keys(2), [0, 1], promotion=False).success
+    held = packed.store.stats()
+    assert packed.get_stats()["compression_ratio"] == 2 * CHUNK_BYTES / held.bytes_used > 3
+    packed.shutdown()
