@@ -260,13 +260,38 @@ class KVBackendTier(SecondaryTierManager):
         """``[len(raws), blob_bytes]``: the blobs of raw chunks, on whatever device they are."""
         if self.block is not None:
             return self._encode_blocks(list(raws))
+        if len(raws) > 1 and self._rows_tile():  # every chunk's pages in one codec call: the same bytes
+            half, body = self._half_rows(), 2 * self._half_rows() * self._row_bytes
+            values = torch.stack([raw[:body] for raw in raws]).view(self.dtype).view(len(raws), 2, half, 1, -1)
+            k, v = values[:, 0].flatten(0, 1), values[:, 1].flatten(0, 1)
+            pages = self.codec.encode(k, v, self.layout).pages
+            return torch.cat([pages.reshape(len(raws), -1), torch.stack([raw[body:] for raw in raws])], 1)
         return torch.stack([self._encode(raw) for raw in raws])
+
+    def _half_rows(self) -> int:
+        """Rows mode: the rows of a chunk's K half (and of its V half)."""
+        return self.chunk_bytes // self._row_bytes // 2
+
+    def _rows_tile(self) -> bool:
+        """Rows mode with a page-local codec whose pages tile a chunk's halves exactly: chunks batch."""
+        return (self.block is None and self.codec.page_local and self.layout.codebook_bytes == 0
+                and self._half_rows() > 0 and self._half_rows() % _ROWS_PER_PAGE == 0)
 
     def _decode_chunks(self, blobs: torch.Tensor) -> torch.Tensor:
         """``[n, chunk_bytes]``: the chunks of ``blobs`` ``[n, blob_bytes]``, on their device."""
         out = torch.empty((blobs.shape[0], self.chunk_bytes), dtype=torch.uint8, device=blobs.device)
         if self.block is not None:
             self._decode_blocks(blobs, list(out))
+            return out
+        if len(blobs) > 1 and self._rows_tile():  # every chunk's pages in one codec call
+            n, half = len(blobs), self._half_rows()
+            pages, body = half // _ROWS_PER_PAGE, 2 * half * self._row_bytes
+            size = pages * self.layout.page_bytes
+            k, v = self.codec.decode_pages(self.layout, blobs[:, :size].reshape(n * pages, -1), blobs[:0, :0].reshape(-1))
+            values = out[:, :body].view(self.dtype).view(n, 2, half, 1, -1)
+            values[:, 0].copy_(k.view(n, half, 1, -1))
+            values[:, 1].copy_(v.view(n, half, 1, -1))
+            out[:, body:].copy_(blobs[:, size : size + self.chunk_bytes - body])
             return out
         for blob, chunk in zip(blobs, out):
             self._decode_into(blob, chunk)

@@ -488,14 +488,16 @@ def _working_device(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("codec", ["identity", "rtn:bits=2,group=64,scale=fp8"])
-def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, monkeypatch, codec):
+@pytest.mark.parametrize("head_dim", [64, 96])  # a chunk's halves tile whole pages (one codec call), or not
+@pytest.mark.parametrize("codec", ["identity", "rtn:bits=2,group=32,scale=fp8"])
+def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, monkeypatch, codec, head_dim):
     """Stores and loads in batches of 3 chunks and read windows of 4 blobs (the GPU's paths): the blobs written and
     the rows restored are those of one chunk at a time on the CPU."""
     from kvbackend.integration import vllm as tier_module
 
     buf, view = primary(chunks=20)
-    cpu = make_tier(tmp_path / "cpu", view, codec, device="cpu")
+    cpu = make_tier(tmp_path / "cpu", view, codec, device="cpu", head_dim=head_dim)
+    assert cpu._rows_tile() == (head_dim == 64)
     ks = keys(10)
     assert run(cpu, 1, ks, list(range(10)), promotion=False).success
     assert run(cpu, 2, ks, list(range(10, 20)), promotion=True).success
@@ -504,7 +506,7 @@ def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, m
     cpu.shutdown()
     calls = _working_device(monkeypatch)
     monkeypatch.setattr(tier_module, "BATCH_BYTES", 3 * CHUNK_BYTES)
-    gpu = make_tier(tmp_path / "gpu", view, codec)
+    gpu = make_tier(tmp_path / "gpu", view, codec, head_dim=head_dim)
     monkeypatch.setattr(tier_module, "WINDOW_BYTES", 4 * gpu.blob_bytes)
     assert gpu._batch_chunks() == 3
     assert run(gpu, 1, ks, list(range(10)), promotion=False).success
@@ -550,15 +552,15 @@ def test_batched_load_stops_at_the_first_bad_chunk_and_keeps_the_ones_before(tmp
     assert np.array_equal(buf[10 : 10 + bad], want[:bad]) and np.all(buf[10 + bad] == 0x55)
     # the same chunk stored again, then made undecodable (valid checksum, a decode error)
     assert run(tier, 50, [ks[bad]], [bad], promotion=False).success
-    real = tier._decode_into
+    real = tier._decode_chunks
     bad_blob = tier._encode(tier._chunk(bad)).clone()
 
-    def decode(blob, out):
-        if torch.equal(blob, bad_blob):
+    def decode(blobs):  # a batch holding the bad chunk fails (then chunk by chunk: only that one fails)
+        if any(torch.equal(blob, bad_blob) for blob in blobs):
             raise ValueError("damaged page")
-        real(blob, out)
+        return real(blobs)
 
-    monkeypatch.setattr(tier, "_decode_into", decode)
+    monkeypatch.setattr(tier, "_decode_chunks", decode)
     buf[10:] = 0x55
     result = run(tier, 60, ks, list(range(10, 20)), promotion=True)
     assert not result.success and list(result.successful_keys or ()) == ks[:bad]
