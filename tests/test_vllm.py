@@ -488,6 +488,17 @@ def _working_device(monkeypatch):
     return calls
 
 
+def _one_chunk_at_a_time(tier, buf, n):
+    """(keys, rows restored, blobs) of chunks 0..n-1 stored, then loaded into n..2n-1, by a CPU ``tier`` (one chunk
+    per codec call); the tier is shut down."""
+    ks = keys(n)
+    assert run(tier, 1, ks, list(range(n)), promotion=False).success
+    assert run(tier, 2, ks, list(range(n, 2 * n)), promotion=True).success
+    rows, blobs = buf[n : 2 * n].copy(), [tier._encode(tier._chunk(i)).clone() for i in range(n)]
+    tier.shutdown()
+    return ks, rows, blobs
+
+
 @pytest.mark.parametrize("head_dim", [64, 96])  # a chunk's halves tile whole pages (one codec call), or not
 @pytest.mark.parametrize("codec", ["identity", "rtn:bits=2,group=32,scale=fp8"])
 def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, monkeypatch, codec, head_dim):
@@ -498,12 +509,7 @@ def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, m
     buf, view = primary(chunks=20)
     cpu = make_tier(tmp_path / "cpu", view, codec, device="cpu", head_dim=head_dim)
     assert cpu._rows_tile() == (head_dim == 64)
-    ks = keys(10)
-    assert run(cpu, 1, ks, list(range(10)), promotion=False).success
-    assert run(cpu, 2, ks, list(range(10, 20)), promotion=True).success
-    want = buf[10:].copy()
-    blobs = [cpu._encode(cpu._chunk(i)).clone() for i in range(10)]
-    cpu.shutdown()
+    ks, want, blobs = _one_chunk_at_a_time(cpu, buf, 10)
     calls = _working_device(monkeypatch)
     monkeypatch.setattr(tier_module, "BATCH_BYTES", 3 * CHUNK_BYTES)
     gpu = make_tier(tmp_path / "gpu", view, codec, head_dim=head_dim)
@@ -579,12 +585,7 @@ def test_blocks_mode_batches_of_chunks_give_the_bytes_of_one_chunk_at_a_time(tmp
     buf, view, _, _ = block_primary("HND", chunks=10, seed=5)
     cpu = make_tier_with(tmp_path / "cpu", view, block_spec("HND"), codec=codec, kv_heads=HEADS, page_tokens=32,
                          device="cpu")
-    ks = keys(5)
-    assert run(cpu, 1, ks, list(range(5)), promotion=False).success
-    assert run(cpu, 2, ks, list(range(5, 10)), promotion=True).success
-    want_rows = buf[5:].copy()
-    want_blobs = [cpu._encode(cpu._chunk(i)).clone() for i in range(5)]
-    cpu.shutdown()
+    ks, want_rows, want_blobs = _one_chunk_at_a_time(cpu, buf, 5)
     calls = _working_device(monkeypatch)
     monkeypatch.setattr(tier_module, "BATCH_BYTES", 3 * BLOCK_CHUNK)
     gpu = make_tier_with(tmp_path / "gpu", view, block_spec("HND"), codec=codec, kv_heads=HEADS, page_tokens=32)
