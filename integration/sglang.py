@@ -46,8 +46,8 @@ from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
-from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, io_workers,
-                                                   path_option, private_directory)
+from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
+                                                   private_directory)
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class KVBackendStorage(HiCacheStorage):
             self.group = PageGroupFormat.of([self.layout] * g.num_layers, fingerprint)
             self.blob_bytes = self.group.blob_bytes
         self._private_directories()
-        # readers side by side for a batch's blobs (up to 8, one per core)
-        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint, workers=io_workers())
+        # readers side by side for a batch's blobs (the file tier's default: up to 8, one per core)
+        self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
 
     def _raw_page_bytes(self) -> int:
         """Bytes of one page of the host pool: K and V of every layer."""

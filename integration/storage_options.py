@@ -53,14 +53,6 @@ def private_directory(path: str, option: str) -> None:
                          "use a directory only you can write (chmod 700)")
 
 
-def io_workers(most: int = 8) -> int:
-    """File-tier workers of an adapter: the cores this process may run on, between 2 and ``most``."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(2, min(most, cores))
-
-
 def codec_device(value) -> "torch.device":
     """Where an adapter runs its codec on whole batches of pages: ``"auto"`` (the current CUDA device where
     there is one, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; a ValueError naming the option

@@ -53,8 +53,8 @@ from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.levers import rotate_values
 from kvbackend.tiers.file import FileTier
-from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, io_workers,
-                                                   path_option, private_directory)
+from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
+                                                   private_directory)
 from kvbackend.integration.vllm_layout import BlockLayout, block_layout
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class KVBackendTier(SecondaryTierManager):
         self.fingerprint = self._fingerprint(offloading_spec)
         self.directory = os.path.join(self.root_dir, self.fingerprint)
         self._private_directories()
-        self.store = FileTier(self.directory, budget, self.fingerprint, workers=io_workers())
+        self.store = FileTier(self.directory, budget, self.fingerprint)
         self._pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="kvbackend-vllm")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []

@@ -499,3 +499,17 @@ def test_a_group_that_cannot_fit_beside_writes_in_flight_evicts_nothing(tmp_path
     assert in_flight.result() == [True, True]
     assert served(tier, [1, 14, 21]) == {1, 14, 21}
     tier.close()
+
+
+def test_the_default_workers_follow_the_cores_this_process_may_use(tmp_path, monkeypatch):
+    """Reads of a large get go side by side on the tier's threads: by default one per usable core, 2 to 8."""
+    from kvbackend.tiers import file as file_module
+
+    for cores, want in ((1, 2), (4, 4), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        tier = FileTier(str(tmp_path / str(cores)), 10**6, FINGERPRINT, fsync=False)
+        assert tier._workers == want == file_module.default_workers()
+        tier.close()
+    tier = FileTier(str(tmp_path / "three"), 10**6, FINGERPRINT, fsync=False, workers=3)
+    assert tier._workers == 3
+    tier.close()

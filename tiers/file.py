@@ -80,8 +80,9 @@ class FileTier:
     name = "file"
 
     def __init__(self, directory: str, budget_bytes: int, fingerprint: str, fsync: bool = True,
-                 workers: int = 2, fmt: BlobFormat | None = None) -> None:
-        """``fmt``: how blobs are stored (default: their bytes as they are; see :mod:`.persist`)."""
+                 workers: int | None = None, fmt: BlobFormat | None = None) -> None:
+        """``fmt``: how blobs are stored (default: their bytes as they are; see :mod:`.persist`). ``workers``:
+        threads for writes and side-by-side reads (default: the cores this process may run on, 2 to 8)."""
         if len(fingerprint.encode()) != 16:
             raise ValueError(f"fingerprint must be 16 ASCII characters (PageLayout.fingerprint), got {fingerprint!r}")
         if fmt is not None:  # files of another persistent format are another layout on disk
@@ -99,7 +100,7 @@ class FileTier:
         self._reserved = 0  # bytes of writes in flight (counted against the budget until they land or fail)
         self._hits = self._misses = self._evictions = self._failures = 0
         self._logged: set[str] = set()
-        self._workers = max(1, int(workers))
+        self._workers = max(1, int(workers)) if workers is not None else default_workers()
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvbackend-file")
         self._scan()
 
@@ -436,6 +437,13 @@ class FileTier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def default_workers(most: int = 8) -> int:
+    """File-tier threads: the cores this process may run on, between 2 and ``most`` (reads and checksums release
+    the GIL, so a large get is read side by side)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, min(most, cores))
 
 
 def _temp_writer(name: str) -> int | None:
