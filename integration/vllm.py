@@ -275,7 +275,8 @@ class KVBackendTier(SecondaryTierManager):
     def _rows_tile(self) -> bool:
         """Rows mode with a page-local codec whose pages tile a chunk's halves exactly: chunks batch."""
         return (self.block is None and self.codec.page_local and self.layout.codebook_bytes == 0
-                and self._half_rows() > 0 and self._half_rows() % _ROWS_PER_PAGE == 0)
+                and self._half_rows() > 0 and self._half_rows() % _ROWS_PER_PAGE == 0
+                and self.chunk_bytes % self.dtype.itemsize == 0)  # (rows of a batch viewed in place)
 
     def _decode_chunks(self, blobs: torch.Tensor) -> torch.Tensor:
         """``[n, chunk_bytes]``: the chunks of ``blobs`` ``[n, blob_bytes]``, on their device."""
