@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 from collections.abc import Sequence
 
@@ -22,6 +23,8 @@ from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
 from kvbackend.rope import Rotary
+
+log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -114,7 +117,8 @@ class KVCache:
 
         A chunk that completes while the packed pool (or its codebook slots) is full stays in the
         dense pool as it is and is encoded by a later append once room exists: a step whose first
-        layers were appended never fails at its last one.
+        layers were appended never fails at its last one. So does a chunk whose encode fails (a device
+        out of memory, ...): the error is logged and the encode is tried again a page of tokens later.
 
         Raises:
             UnknownRequest, InvalidKV, CacheFull (the dense pool is full; nothing is written when it
@@ -200,28 +204,55 @@ class KVCache:
                 stop = min(n, (chunk + 1) * chunk_tokens - base)
                 table.states[layer].add_queries(chunk, queries[offset:stop], self.geometry.num_kv_heads)
                 offset = stop
-        table.lengths[layer] += n
-        while table.num_tokens - table.num_packed_tokens >= self.config.chunk_tokens and self._can_pack():
-            self._complete_chunk(table)
+        table.lengths[layer] += n  # the tokens are written: nothing below fails this call
+        while (table.num_tokens - table.num_packed_tokens >= self.config.chunk_tokens
+               and table.num_tokens >= table.retry_packing_at and self._can_pack()):
+            try:
+                self._complete_chunk(table)
+            except Exception as exc:  # noqa: BLE001 - the chunk stays dense (exact); tried again a page later
+                table.retry_packing_at = table.num_tokens + self.config.page_size
+                log.error("kvbackend: encoding a chunk of request %d failed; it stays in the dense pool and is "
+                          "encoded again later: %r", table.request_id, exc)
+                break
 
     def _can_pack(self) -> bool:
         """Whether one more chunk's pages and codebook slot can be allocated, exactly as
         `_complete_chunk` will allocate them: the pages first (free pages, then cached ones in LRU
-        order, whose eviction releases a slot once its last page goes), then one slot."""
-        pages, pool = self.config.chunk_pages, self.packed
-        if not pool.allocator.can_allocate(pages):
+        order, whose eviction releases a slot once its last page goes), then one slot; where neither frees a
+        slot, the cached pages of a slot none of whose pages is in use are evicted first."""
+        pool = self.packed
+        if not pool.allocator.can_allocate(self.config.chunk_pages):
             return False
-        if pool.slots.can_allocate(1):
-            return True
-        evicted: dict[int, int] = {}  # slot -> its pages the allocation would evict
-        for page in pool.allocator.eviction_order(pages):
+        return pool.slots.can_allocate(1) or self._allocation_frees_a_slot() or self._idle_slot() is not None
+
+    def _allocation_frees_a_slot(self) -> bool:
+        """Whether the cached pages `allocate(chunk_pages)` evicts include every page of some slot."""
+        pool, evicted = self.packed, {}  # slot -> its pages the allocation would evict
+        for page in pool.allocator.eviction_order(self.config.chunk_pages):
             slot = pool.slot_of_page[page]
             evicted[slot] = evicted.get(slot, 0) + 1
         return any(pool.slots.ref_count(slot) == n for slot, n in evicted.items())
 
+    def _idle_slot(self) -> int | None:
+        """A codebook slot all of whose pages are cached (none in use), least recently used first."""
+        pool, cached = self.packed, {}
+        for page in pool.allocator.cached_pages():
+            slot = pool.slot_of_page[page]
+            cached[slot] = cached.get(slot, 0) + 1
+            if cached[slot] == pool.slots.ref_count(slot):
+                return slot
+        return None
+
     def _complete_chunk(self, table: PageTable) -> None:
         cfg, pool = self.config, self.packed
         self._settle()  # the pages allocated below may have been a restore's, still being copied
+        if not pool.slots.can_allocate(1) and not self._allocation_frees_a_slot():
+            # every slot is held by chunks reduced to cached pages (their tails went to a lower tier): the least
+            # recently used such chunk's pages go, and its slot with them (`_can_pack` found one)
+            idle = self._idle_slot()
+            for page in [page for page in pool.allocator.cached_pages()
+                         if idle is not None and pool.slot_of_page[page] == idle]:
+                pool.allocator.evict_cached(page)
         chunk_dense = table.dense[: cfg.chunk_pages]
         new_pages = pool.allocator.allocate(cfg.chunk_pages)  # `_can_pack` said both allocations succeed
         (slot,) = pool.slots.allocate(1)

@@ -23,6 +23,7 @@ class PageTable:
     lengths: list[int] = field(default_factory=list)  # tokens appended so far, per layer
     states: list[CodecState] = field(default_factory=list)  # codec state per layer
     last_hash: int | None = None  # chained hash of the last packed page, if it was hashed
+    retry_packing_at: int = 0  # after a chunk's encode failed: no new attempt before this many tokens
 
     def __post_init__(self) -> None:
         if not self.lengths:

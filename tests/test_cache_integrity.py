@@ -138,7 +138,8 @@ def test_page_groups_of_another_cache_or_length_are_misses():
 
 # Defect: `_can_pack` counted cached pages as codebook slots that eviction could free, but allocation
 # takes free pages first and evicts nothing, so the slot allocation failed inside chunk completion
-# after the pages were allocated (they leaked) and `append` raised CacheFull after writing.
+# after the pages were allocated (they leaked) and `append` raised CacheFull after writing. (Since then
+# such a chunk is packed: the least recently used slot whose pages are all cached is freed first.)
 def test_append_never_fails_after_writing_when_slots_are_held_by_cached_pages():
     cache = make("identity", packed_pages=12, codebook_slots=3)
     for i in range(3):  # each request leaves one hashed (cached) page per chunk, holding that chunk's slot
@@ -150,10 +151,11 @@ def test_append_never_fails_after_writing_when_slots_are_held_by_cached_pages():
     stats = cache.stats()
     assert stats.packed_pages_cached == 3 and stats.codebook_slots_used == 3
     assert cache.packed.allocator.num_free - cache.packed.allocator.num_cached == 9  # free pages aplenty
-    rid = fill(cache, list(range(9000, 9008)), seed=9)  # a full chunk: no slot is free and none is released
+    rid = fill(cache, list(range(9000, 9008)), seed=9)  # a full chunk: no slot is free; one is made free
     cache.check()
     stats = cache.stats()
-    assert stats.deferred_chunks == 1 and stats.packed_pages_used == 0  # kept dense, nothing leaked
+    assert stats.deferred_chunks == 0 and stats.packed_pages_used == 2  # packed, nothing leaked
+    assert stats.packed_pages_cached == 2 and stats.codebook_slots_used == 3  # one remnant and its slot went
     k, v = cache.read(rid, 1)
     assert k.shape[0] == 8
     cache.free(rid)
@@ -353,3 +355,75 @@ def test_decode_refuses_queries_that_do_not_match_the_plan():
             cache.decode(plan, 0, q)
     out, lse = cache.decode(plan, 0, torch.randn(2, 4, 16))
     assert out.shape == (2, 4, 16) and lse.shape == (2, 4)
+
+
+# Every codebook slot held by chunks reduced to one cached page each (their tails offloaded or dropped) left no
+# slot for a new chunk although the packed pool had free pages: the chunk stayed dense and the next append raised
+# CacheFull("dense") with room to spare. Now the least recently used such chunk's cached pages go, and its slot.
+def test_slots_held_by_cached_remnants_never_stop_packing():
+    geometry = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cache = KVCache(geometry, CacheConfig(codec="identity", page_size=4, chunk_pages=2, dense_pages=3,
+                                          packed_pages=12))  # 7 codebook slots
+    for i in range(7):
+        rid = fill(cache, list(range(100 * i, 100 * i + 9)), i, geometry)
+        tail = cache.page_table(rid).packed[-1]
+        cache.free(rid)
+        cache.drop_cached(tail)  # its bytes moved to a lower tier, as an offload of that page does
+    assert cache.packed.slots.num_free == 0 and cache.packed.allocator.num_cached == 7
+    rid, _ = cache.add_request()
+    gen = torch.Generator().manual_seed(99)
+    k, v = torch.randn(16, 2, 16, generator=gen), torch.randn(16, 2, 16, generator=gen)
+    for layer in range(2):
+        cache.append(rid, layer, k[:8], v[:8])
+    assert len(cache.page_table(rid).packed) == 2  # packed at once, not deferred
+    assert cache.packed.allocator.num_cached == 6  # one remnant (the least recently used) made room
+    for layer in range(2):
+        cache.append(rid, layer, k[8:], v[8:])  # needs the dense pages the packed chunk gave back
+    for layer in range(2):
+        got = cache.read(rid, layer)
+        assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    assert len(cache.page_table(rid).packed) == 4 and cache.packed.allocator.num_cached == 5
+    cache.check()
+
+
+# A chunk whose encode failed (a device out of memory at its second layer) made `append` raise after its tokens were
+# written: a caller that retried the call held them twice. Now the call returns, the chunk stays dense (exact), the
+# error is logged, and the encode is tried again a page later, to the bytes of a cache that never failed.
+def test_a_failed_chunk_encode_keeps_the_tokens_once_and_packs_later(caplog):
+    geometry = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 16, 2, 16, generator=gen), torch.randn(2, 16, 2, 16, generator=gen)
+    ref = make(geometry=geometry)
+    r, _ = ref.add_request()
+    for layer in range(2):
+        ref.append(r, layer, k[layer], v[layer])
+    cache = make(geometry=geometry)
+    backend, calls = cache.backends[1], []
+    original = backend.encode_chunk
+
+    def encode_chunk(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first chunk, at its second layer
+            raise torch.OutOfMemoryError("simulated")
+        return original(*args)
+
+    backend.encode_chunk = encode_chunk  # layers share one backend object per spec
+    rid, _ = cache.add_request()
+    cache.append(rid, 0, k[0, :8], v[0, :8])
+    with caplog.at_level("ERROR", logger="kvbackend.manager"):
+        cache.append(rid, 1, k[1, :8], v[1, :8])  # returns: the tokens are in, once
+    assert "stays in the dense pool" in caplog.text
+    table = cache.page_table(rid)
+    assert table.lengths == [8, 8] and not table.packed and cache.stats().deferred_chunks == 1
+    for layer in range(2):
+        got = cache.read(rid, layer)
+        assert torch.equal(got[0], k[layer, :8]) and torch.equal(got[1], v[layer, :8])  # exact while dense
+    cache.append(rid, 0, k[0, 8:12], v[0, 8:12])
+    cache.append(rid, 1, k[1, 8:12], v[1, 8:12])  # a page later: encoded again, now packed
+    cache.append(rid, 0, k[0, 12:], v[0, 12:])
+    cache.append(rid, 1, k[1, 12:], v[1, 12:])
+    assert len(cache.page_table(rid).packed) == 4
+    for layer in range(2):
+        a, b = cache.read(rid, layer), ref.read(r, layer)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    cache.check()
