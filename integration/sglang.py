@@ -265,7 +265,8 @@ class KVBackendStorage(HiCacheStorage):
             k, v = self.persistent.decode(blob[8:].numpy(), shape=shape)  # another shape: refused before decoding
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise ValueError(f"a stored page decoded to {tuple(k.shape)}, not {shape}")
-            out = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).to(g.dtype)
+            big = torch.finfo(g.dtype).max  # values within the bound past the pool dtype's range saturate, never inf
+            out = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).clamp_(-big, big).to(g.dtype)
             with self._lock:
                 self._stats["decode_s"] += time.perf_counter() - start
             return out

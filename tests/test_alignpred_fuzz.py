@@ -398,3 +398,86 @@ def test_fuzz_persistent_format_is_a_miss_or_exact(page_format):
         except Exception as exc:  # noqa: BLE001
             pytest.fail(f"iteration {it}: {what}: {type(exc).__name__}: {exc}")
         assert torch.equal(out, expected), f"iteration {it}: {what}: other bytes in the page"
+
+
+# Finite values near float32's limit gave a lattice step past float32's range: the encoder wrote a stream its own
+# decoder refuses (a miss on every read, and the file tier deletes it). Now the encode refuses with a ValueError
+# (the file tier keeps the caller's blob and writes nothing).
+_RNG = np.random.default_rng(0)
+_LARGE = {"1e38 constant, 1x, lattice": ("alignpred:error=1x,quant=lattice", np.full((1, 4, 1, 8), 1e38, np.float32)),
+          "1e37 gaussian, 100x, lattice": ("alignpred:error=100x,quant=lattice",
+                                           (_RNG.standard_normal((2, 8, 2, 8)) * 1e37).astype(np.float32)),
+          "1e37 gaussian, 100x, trellis": ("alignpred:error=100x",
+                                           (_RNG.standard_normal((2, 8, 2, 8)) * 1e37).astype(np.float32)),
+          "float32 max, 1x, trellis": ("alignpred:error=1x", np.full((2, 1, 2, 1), np.finfo(np.float32).max,
+                                                                      np.float32))}
+
+
+@pytest.mark.parametrize("name", list(_LARGE))
+def test_the_encoder_never_writes_a_stream_its_decoder_refuses(name):
+    from kvbackend.alignpred import AlignPredCodec, CorruptStream
+
+    spec, x = _LARGE[name]
+    codec = AlignPredCodec(spec)
+    with np.errstate(all="ignore"):
+        try:
+            blob = codec.encode(x, x)
+        except ValueError:
+            return  # refused at encode: the file tier keeps the caller's blob, nothing is written
+        try:
+            kh, _ = codec.decode(blob, shape=x.shape)
+        except CorruptStream as exc:
+            pytest.fail(f"the encoder wrote a stream its own decoder refuses: {exc}")
+    assert np.abs(x.astype(np.float64) - kh).max() <= codec.max_errors(blob)[0]
+
+
+# A spec built in Python with fit=frozen and another alignment than layers was accepted (parsing refuses it), and its
+# spec string, which names the file tier's format, did not parse back.
+@pytest.mark.parametrize("align", ["none", "heads"])
+def test_a_frozen_spec_built_in_python_is_checked_like_a_parsed_one(align):
+    from kvbackend.alignpred import AlignPredSpec, ErrorBudget
+    from kvbackend.alignpred.spec import parse_alignpred
+    from kvbackend.errors import SpecError
+
+    with pytest.raises(SpecError, match="align=layers"):
+        parse_alignpred(f"alignpred:error=1x,align={align},fit=frozen")
+    with pytest.raises(SpecError, match="align=layers"):
+        AlignPredSpec(ErrorBudget(1.0, True), align=align, fit="frozen")
+
+
+# A 584-byte stream (container checksum valid, every count consistent) claiming 2^25 values per kind in classes
+# without raw low bits and one-symbol tables made `decode(blob)` without a shape decode 2^24 rANS symbols from one
+# word: 0.7 s and about 640 MiB before the lattice checksum refused it. Without a shape a group now holds at most
+# MAX_UNSHAPED_VALUES per kind.
+_BOMB = textwrap.dedent("""
+    import json, resource, time
+    import numpy as np
+    from kvbackend.alignpred import AlignPredCodec, CorruptStream
+    from kvbackend.alignpred.stream import pack, unpack
+
+    codec = AlignPredCodec("alignpred:error=1x,quant=lattice")
+    z = np.zeros((1, 4, 1, 32), np.float32)  # every class is class 0 (no low bits), one-symbol tables
+    a = {n: np.array(x) for n, x in unpack(codec.encode(z, z)).items()}
+    T = 1 << 20  # 32 channels x 2^20 tokens = 2^25 values per kind
+    a["shape"][1] = T
+    for t in "kv":
+        a[t + ".cnt"][:] = [32, 32, 32 * T]
+    blob = pack(a)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    try:
+        codec.decode(blob)
+        outcome = "decoded"
+    except CorruptStream:
+        outcome = "CorruptStream"
+    print(json.dumps({"bytes": len(blob), "outcome": outcome, "s": time.perf_counter() - t0,
+                      "rss_growth_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before}))
+""")
+
+
+def test_a_tiny_crafted_stream_cannot_make_the_decoder_work_in_proportion_to_its_claims():
+    proc = subprocess.run([sys.executable, "-c", _BOMB], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bytes"] < 1024 and out["outcome"] == "CorruptStream", out
+    assert out["s"] < 0.2 and out["rss_growth_kib"] < 32 * 1024, out

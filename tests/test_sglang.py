@@ -681,3 +681,16 @@ def test_the_compression_ratio_is_that_of_the_pages_held(tmp_path):
     assert packed.batch_set_v1(["a", "b"], host_indices([0, 1])) == [True, True]
     ratio = packed.get_stats()["compression_ratio"]
     assert abs(ratio - 2 * page_bytes / packed.tier.stats().bytes_used) < 1e-9 and ratio > 3
+
+
+def test_error_bounded_pages_at_the_edge_of_fp16_stay_finite(tmp_path):
+    """Values at fp16's largest finite value decode within their error bound to just past it; the page the pool
+    gets saturates there, never inf (a page of inf K/V would be served as a hit)."""
+    host = HostPool("layer_first", pages=4, dtype=torch.float16)
+    flat = host.kv_buffer.view(-1)
+    flat.copy_(torch.where(torch.rand(flat.shape, generator=torch.Generator().manual_seed(0)) < 0.5, 65504.0, -65504.0))
+    backend = make_backend(tmp_path, host, "alignpred:error=1x", device="cpu")
+    assert backend.batch_set_v1(["edge"], host_indices([0])) == [True]
+    assert backend.batch_get_v1(["edge"], host_indices([1])) == [True]
+    page = host.page(16)
+    assert torch.isfinite(page).all() and page.abs().max() == 65504.0

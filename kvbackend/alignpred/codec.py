@@ -41,6 +41,7 @@ from kvbackend.alignpred.spec import AlignPredSpec, parse_alignpred
 from kvbackend.alignpred.stream import CorruptStream, pack, unpack
 
 _MAX_INDEX = 1 << 24  # lattice indices stay far inside int32 (and exact in float32)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def fp8_nrmse(x: np.ndarray) -> float:
@@ -166,6 +167,9 @@ def _encode_kind(x: np.ndarray, spec: AlignPredSpec, tag: str,
     else:
         n, step, err = _lattice(x, target)
         xhat = _dequant(n, step)
+    if not 0.0 < step <= _F32_MAX:  # a stream its own decoder would refuse (values near float32's limit)
+        raise ValueError(f"AlignPred cannot code these values within {target:.3g}: the lattice step {step:.3g} "
+                         "leaves float32's range")
     reached = float(np.abs(x.astype(np.float64) - xhat).max(initial=0.0))
     if spec.quant == "trellis":
         max_error = reached  # the trellis bounds a value's error only by two fine steps: store what it reached
@@ -313,7 +317,8 @@ class AlignPredCodec:
         """(K, V) as float32 [L, T, H, D].
 
         ``shape`` is the [L, T, H, D] the caller expects (a stream of another shape is refused);
-        without it a group may hold up to ``MAX_GROUP_VALUES`` values per kind.
+        without it a group may hold up to ``MAX_UNSHAPED_VALUES`` (2^20) values per kind (larger groups decode
+        with their shape given).
 
         Raises:
             CorruptStream: on any damage or malformation (and on nothing else), and when the stream

@@ -3,7 +3,7 @@
 :func:`read_header` turns the arrays of a container (whose crc32c already held) into a
 :class:`StreamHeader`: every entry must be present with its exact dtype and shape, every count must
 add up to what the group's shape needs, every length must match the bytes the stream holds, and the
-group may not be larger than the caller expects (its shape, or :data:`MAX_GROUP_VALUES` values per
+group may not be larger than the caller expects (its shape, or :data:`MAX_UNSHAPED_VALUES` values per
 kind). So the decoder never allocates more than a small multiple of the group it returns, and a
 malformed stream is a :class:`CorruptStream`, never another exception.
 
@@ -27,7 +27,10 @@ from kvbackend.alignpred.stream import CorruptStream
 ALIGN_CODES = {"none": 0, "heads": 1, "layers": 2}
 PREDICT_CODES = {"mean": 0, "prev": 1}
 QUANT_CODES = {"lattice": 0, "trellis": 1}  # byte 6 of "spec"; streams of six bytes are lattice streams
-MAX_GROUP_VALUES = 1 << 25  # values per kind of a group when the caller gives no expected shape (128 MiB of float32)
+MAX_GROUP_VALUES = 1 << 25  # values per kind of a group the encoder takes (128 MiB of float32)
+# values per kind of a stream decoded without an expected shape: a crafted stream of a few hundred bytes can make the
+# decoder work in proportion to the count it claims (a one-symbol table decodes any count from one rANS word)
+MAX_UNSHAPED_VALUES = 1 << 20
 _F32_MAX = float(np.finfo(np.float32).max)
 KIND_FIELDS = ("f", "i", "cls", "cnt", "tab", "lo", "w", "esc")  # plus "rot" when blocks are aligned
 
@@ -75,7 +78,7 @@ def _entry(a: dict[str, np.ndarray], name: str, dtype: str, shape: tuple[int | N
 
 
 def group_shape(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
-                max_values: int = MAX_GROUP_VALUES) -> tuple[int, int, int, int]:
+                max_values: int = MAX_UNSHAPED_VALUES) -> tuple[int, int, int, int]:
     """The stored [L, T, H, D], which must equal ``expected`` (when given) and hold at most
     ``max_values`` values (otherwise)."""
     shape = tuple(int(s) for s in _entry(a, "shape", "uint32", (4,)))
@@ -149,7 +152,7 @@ def _kind(a: dict[str, np.ndarray], tag: str, shape: tuple[int, int, int, int], 
 
 
 def read_header(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
-                max_values: int = MAX_GROUP_VALUES) -> StreamHeader:
+                max_values: int = MAX_UNSHAPED_VALUES) -> StreamHeader:
     """Check every entry of a stream against the others and the expected shape.
 
     Raises:

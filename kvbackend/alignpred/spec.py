@@ -42,6 +42,8 @@ class AlignPredSpec:
         for name, valid in (("align", ALIGNS), ("predict", PREDICTS), ("fit", FITS), ("quant", QUANTS)):
             if getattr(self, name) not in valid:
                 raise SpecError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+        if self.fit == "frozen" and self.align != "layers":
+            raise SpecError("fit=frozen needs align=layers (frozen predictors map each layer from the one before)")
 
     @property
     def spec_string(self) -> str:
