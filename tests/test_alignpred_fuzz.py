@@ -481,3 +481,84 @@ def test_a_tiny_crafted_stream_cannot_make_the_decoder_work_in_proportion_to_its
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bytes"] < 1024 and out["outcome"] == "CorruptStream", out
     assert out["s"] < 0.2 and out["rss_growth_kib"] < 32 * 1024, out
+
+
+# Cross-block predictions were float32 BLAS products rounded to integers: another BLAS kernel (another CPU) or another
+# thread count rounded some differently, so valid streams failed their lattice checksum where they were read back
+# (and the file tier deleted them as corrupt). They are exact fixed-point products now (`align.exact_product`).
+_PORTABLE = textwrap.dedent("""
+    import sys, numpy as np
+    from kvbackend.alignpred import AlignPredCodec, Calibration, CorruptStream
+
+    def kv(L, T, H, D, seed):
+        r = np.random.default_rng(seed)
+        base = r.standard_normal((L, T, 1, D)).astype(np.float32) * 3
+        return (base + 0.3 * r.standard_normal((L, T, H, D))).astype(np.float32)
+
+    cal = Calibration.load(sys.argv[3])
+    codecs = [AlignPredCodec("alignpred:error=0.5x,align=layers,fit=frozen,quant=lattice", cal),
+              AlignPredCodec("alignpred:error=0.5x,align=heads,quant=lattice")]
+    path = sys.argv[2]
+    if sys.argv[1] == "encode":
+        blobs = [c.encode(kv(4, 64, 4, 32, s), kv(4, 64, 4, 32, s + 50)) for c in codecs for s in range(4)]
+        np.savez(path, *[np.frombuffer(b, np.uint8) for b in blobs])
+    else:
+        f = np.load(path)
+        refused = []
+        for i, name in enumerate(f.files):
+            try:
+                codecs[i // 4].decode(f[name].tobytes(), shape=(4, 64, 4, 32))
+            except CorruptStream as exc:
+                refused.append(i)
+        print("REFUSED", refused)
+""")
+
+
+@pytest.mark.parametrize("writer, reader", [
+    ({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"},
+     {"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_NUM_THREADS": "1"}),  # another CPU's kernels (no FMA)
+    ({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2"},
+     {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}),  # another thread count
+], ids=["another-cpu-kernel", "another-thread-count"])
+def test_a_stream_decodes_under_another_blas_configuration(tmp_path, writer, reader):
+    import os
+
+    from kvbackend.alignpred import Calibration
+
+    def kv(L, T, H, D, seed):
+        r = np.random.default_rng(seed)
+        base = r.standard_normal((L, T, 1, D)).astype(np.float32) * 3
+        return (base + 0.3 * r.standard_normal((L, T, H, D))).astype(np.float32)
+
+    cal, path = str(tmp_path / "cal.npz"), str(tmp_path / "streams.npz")
+    Calibration.fit(kv(4, 256, 4, 32, 7), kv(4, 256, 4, 32, 8)).save(cal)
+
+    def run(env, *args):
+        proc = subprocess.run([sys.executable, "-c", _PORTABLE, *args], env=dict(os.environ, **env),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    run(writer, "encode", path, cal)
+    assert "REFUSED []" in run(writer, "decode", path, cal)
+    assert "REFUSED []" in run(reader, "decode", path, cal)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 192, 1024])
+def test_exact_products_equal_integer_arithmetic(rows):
+    """The fixed-point product is exact at the bounds it allows (centered indices near 2^25, up to 1024 rows): the
+    float64 result equals int64 arithmetic on the same fixed-point weights, whatever order BLAS sums in."""
+    import math
+
+    from kvbackend.alignpred.align import exact_product
+
+    rng = np.random.default_rng(rows)
+    x = rng.integers(-(2**25) + 1, 2**25, size=(64, rows)).astype(np.float64)
+    x[0] = 2**25 - 1  # a row at the bound
+    w = rng.standard_normal((rows, 8)) * 3.0
+    got = exact_product(x, w)
+    shift = (53 - 25 - max(1, math.ceil(math.log2(rows)))) - (math.floor(math.log2(float(np.abs(w).max()))) + 1)
+    fixed = np.rint(w * 2.0**shift).astype(np.int64)
+    want = (x.astype(np.int64) @ fixed).astype(object)
+    assert all(int(g * 2.0**shift) == int(t) for g, t in zip(got.ravel(), want.ravel()))
+    assert np.abs(got - x @ w).max() <= np.abs(x).sum(1).max() * 2.0**-shift  # the fixed point's rounding only

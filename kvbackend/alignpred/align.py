@@ -9,6 +9,7 @@ counted in the stored bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import crc32c
@@ -22,13 +23,37 @@ def procrustes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def centered(n: np.ndarray) -> np.ndarray:
-    """Integer lattice of blocks [..., T, D] minus its per-channel rounded mean, as float32."""
-    return (n - np.rint(n.mean(-2, keepdims=True))).astype(np.float32)
+    """Integer lattice of blocks [..., T, D] minus its per-channel rounded mean (the sums are exact in float64,
+    so the mean is the same on every machine), as float64 integers."""
+    return n - np.rint(n.mean(-2, keepdims=True, dtype=np.float64))
+
+
+# Centered lattice indices stay below 2^25 in magnitude (indices below 2^24): with the weights in fixed point of
+# 53 - 25 - log2(rows) bits, every product and partial sum of `exact_product` is an integer below 2^53.
+_CENTERED_BITS = 25
+
+
+def exact_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` for integer-valued ``x`` (|x| < 2^25) and real ``w`` [..., C, E], with the same bits on every
+    machine: ``w`` is rounded to the finest fixed point (a power-of-two step, about 2^-20 of its largest entry for
+    C = 192) that keeps every product and partial sum an integer below 2^53, exact in float64 whatever the BLAS
+    kernel, thread count or summation order; the result is then scaled back by that power of two. (Float32
+    products rounded to integers differ between BLAS builds and thread counts, and the decoder must repeat the
+    encoder's predictions exactly.)"""
+    rows = w.shape[-2]
+    budget = 53 - _CENTERED_BITS - max(1, math.ceil(math.log2(rows)))  # bits of |w| in fixed point
+    peak = float(np.abs(w).max()) if w.size else 0.0
+    if not peak > 0.0 or not math.isfinite(peak):  # all zero (or a damaged stream: its checksum refuses it)
+        return np.zeros(x.shape[:-1] + w.shape[-1:], np.float64) if peak == 0.0 else np.full(
+            x.shape[:-1] + w.shape[-1:], np.nan)
+    shift = budget - (math.floor(math.log2(peak)) + 1)  # peak * 2^shift < 2^budget
+    fixed = np.rint(w.astype(np.float64) * 2.0**shift)
+    return (x.astype(np.float64) @ fixed) * 2.0**-shift
 
 
 def cross_prediction(ref: np.ndarray, rot: np.ndarray, blend: float) -> np.ndarray:
     """``rint(blend * centered(ref) @ rot)`` for stacks of blocks: ref [..., T, D], rot [..., D, D]."""
-    return np.rint(np.float32(blend) * (centered(ref) @ rot.astype(np.float32))).astype(np.int32)
+    return np.rint(float(np.float32(blend)) * exact_product(centered(ref), rot)).astype(np.int32)
 
 
 def pairs(align: str, layers: int, heads: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -83,4 +108,4 @@ class Calibration:
 def frozen_prediction(prev: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Prediction of one layer's lattice [T, H, D] from the previous layer's decoded lattice."""
     t = prev.shape[0]
-    return np.rint(centered(prev.reshape(t, -1)) @ w).astype(np.int32).reshape(prev.shape)
+    return np.rint(exact_product(centered(prev.reshape(t, -1)), w)).astype(np.int32).reshape(prev.shape)

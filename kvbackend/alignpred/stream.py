@@ -21,7 +21,7 @@ import numpy as np
 from kvbackend.errors import CorruptStream  # raised here; defined with the other errors
 
 MAGIC = b"KVAP"
-VERSION = 2
+VERSION = 3  # 3: cross-block predictions in exact fixed point (`align.exact_product`), the same on every machine
 MAX_NDIM = 4
 _DTYPES = [np.dtype(t) for t in ("uint8", "uint16", "uint32", "int32", "int64", "float32", "float64", "float16")]
 
