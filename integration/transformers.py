@@ -408,6 +408,8 @@ class KVBackendCache(Cache):
         self.attached = False  # attach() routes attention through this cache (paged decode steps)
         self.query_aware = any(c.uses_queries for c in parsed)
         self.warned = False  # the missing attach() is reported once per cache
+        self.warned_padding = False  # sinks of left-padded rows are reported once per cache
+        self.rows_sized = 0  # the batch the pools were sized for (at the first forward call)
         super().__init__(layers=[KVBackendLayer(self, i, c.levers) for i, c in enumerate(parsed)])
 
     @classmethod
@@ -453,6 +455,8 @@ class KVBackendCache(Cache):
             if name in model_kwargs:
                 raise ValueError(f"prefill takes input_ids (and position_ids) only, not {name}")
         positions = model_kwargs.pop("position_ids", None)
+        if attention_mask is not None and attention_mask.dim() == 2 and self.get_seq_length() == 0:
+            self._check_sinks(attention_mask)
         chunk = self.options.page_size * self.options.chunk_pages
         keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         start, total, output = 0, input_ids.shape[1], None
@@ -478,6 +482,9 @@ class KVBackendCache(Cache):
         def attention(module, query, key, value, attention_mask, **kwargs):
             layer = self.layers[module.layer_idx]
             layer.attention_seen = True
+            if (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+                    and kwargs.get("sliding_window") is None):  # (a window hides the first positions anyway)
+                self._check_sinks(attention_mask[:, 0, -1])  # what the call's last query may attend: [B, K]
             if layer._paged_step:
                 return layer.attend_paged(module, query, attention_mask, sdpa_attention_forward, **kwargs), None
             layer.observe_queries(query)
@@ -517,6 +524,17 @@ class KVBackendCache(Cache):
             if layer.is_initialized:
                 layer.flush_pending()
 
+    def _check_sinks(self, visible: torch.Tensor) -> None:
+        """Warn once where a row's first positions are padding (``visible`` [B, K], True where a token may be
+        attended): ``sink=S`` keeps each stored row's first S positions exact, so there it keeps padding."""
+        sink = self.layers[0].sink
+        if sink and not self.warned_padding and not bool(visible[:, :sink].bool().all()):
+            self.warned_padding = True
+            warnings.warn(f"sink={sink} keeps each row's first {sink} positions at 16 bits; in a left-padded batch "
+                          "those are padding, and the row's first real tokens are compressed like the rest (lower "
+                          "quality for the padded rows). Batch prompts of equal length, or pad on the right, to keep "
+                          "the sinks", UserWarning, stacklevel=3)
+
     def _ensure_engine(self, key_states: torch.Tensor) -> None:
         if self.engine is not None:
             return
@@ -532,6 +550,7 @@ class KVBackendCache(Cache):
                              device=str(key_states.device), backend=opts.backend)
         self.engine = KVCache(geometry, config, rotary=self.rotary)
         self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
+        self.rows_sized = batch
 
     def reset(self) -> None:
         """Forget every token: the rows' requests are freed and the next forward call starts afresh."""
@@ -546,6 +565,10 @@ class KVBackendCache(Cache):
         """Make batch row i a copy of old row ``rows[i]``: packed pages are shared, active chunks copied."""
         if self.engine is None:
             return
+        if len(rows) > self.rows_sized:  # the packed pool holds compressed chunks for rows_sized rows only
+            raise ValueError(f"this cache's pools were sized for a batch of {self.rows_sized} rows at its first "
+                             f"forward call; a batch of {len(rows)} needs a cache built (or reset) at that batch "
+                             "(generate expands beams and return sequences before its first call)")
         self._flush()
         old, engine = self.request_ids, self.engine
         first = {}  # old row -> the new row that takes its request as it is; later copies fork it

@@ -160,10 +160,8 @@ def test_a_forward_that_failed_between_layers_is_refused_until_reset(model, monk
 
 def test_beam_reorders_fit_one_chunk_per_row_and_fail_whole(model):
     """Reordering rows reuses each surviving row's request and frees dropped rows before copying, so a
-    dense pool of one chunk per row serves beam search for any number of steps; a reshuffle that cannot
-    fit raises CacheFull before changing anything (no orphan requests)."""
-    from kvbackend.errors import CacheFull
-
+    dense pool of one chunk per row serves beam search for any number of steps; a reshuffle to more rows than
+    the pools were sized for is refused before changing anything (no orphan requests)."""
     torch.manual_seed(5)
     ids = torch.randint(0, 256, (3, 16), device=DEVICE)
     cache = KVBackendCache(model.config, codec="identity", page_size=4, chunk_pages=4, max_tokens=64, dense_tokens=16)
@@ -181,8 +179,8 @@ def test_beam_reorders_fit_one_chunk_per_row_and_fail_whole(model):
             exact.reorder_cache(order)
             token = want.argmax(-1, keepdim=True)[order]
         before = (list(cache.request_ids), cache.engine.dense.allocator.num_free)
-        with pytest.raises(CacheFull, match="dense_tokens"):
-            cache.batch_repeat_interleave(3)  # 9 rows' active chunks in a pool sized for 3
+        with pytest.raises(ValueError, match="sized for a batch of 3 rows"):
+            cache.batch_repeat_interleave(3)  # 9 rows in pools sized for 3 (the packed pool as well as the dense)
         assert (list(cache.request_ids), cache.engine.dense.allocator.num_free) == before
         assert len(cache.engine.request_ids) == 3
     cache.engine.check()
@@ -388,3 +386,29 @@ def test_a_per_head_plan_runs_in_the_cache_as_its_base_codec_would(model):
     assert wider.kv_bytes()["packed"] > base.kv_bytes()["packed"]
     kl = float((want.exp() * (want - got["wider"].log_softmax(-1))).sum())
     assert 0 <= kl < 0.05
+
+
+@pytest.mark.parametrize("attach", [True, False])
+def test_sinks_of_left_padded_rows_are_reported_once(model, attach):
+    """`sink=S` keeps each stored row's first S positions exact; in a left-padded row those are padding (its first
+    real tokens are compressed): a UserWarning says so once per cache, where the mask is seen (the attached
+    attention, or `prefill`'s mask). An unpadded batch warns nothing."""
+    import warnings
+
+    torch.manual_seed(9)
+    ids = torch.randint(1, 256, (2, 24), device=DEVICE)
+    padded = torch.ones_like(ids)
+    padded[1, :5] = 0
+    for mask, want in ((torch.ones_like(ids), 0), (padded, 1)):
+        cache = KVBackendCache(model.config, codec="kivi:bits=2,group=16", page_size=16, chunk_pages=1, sink=4,
+                               max_tokens=64)
+        if attach:
+            cache.attach(model)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            cache.prefill(model, ids, attention_mask=mask)
+            step = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            model(ids[:, :1], attention_mask=step, use_cache=True, **cache_argument(model, cache))
+        if attach:
+            cache.detach(model)
+        assert sum("left-padded" in str(w.message) for w in caught) == want
