@@ -8,6 +8,7 @@ reference codecs. `choose` picks Triton on CUDA when the codec's layout is one t
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -105,6 +106,9 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout):
         return TorchBackend()
     if not has_triton:
         raise SpecError("backend 'triton' needs the triton package (pip install 'kvbackend[gpu]')")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":  # (the interpreter runs on the CPU)
+        raise SpecError(f"backend 'triton' runs on a CUDA device, not {device.type!r}: use backend='auto' or 'torch' "
+                        "(or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
     if not kernels_can_serve(codec, layout):
         raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
                         f"{layout.page_size} and head_dim {layout.geometry.head_dim}: use backend='auto' or 'torch'")

@@ -21,7 +21,7 @@ class Geometry:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Geometry.{name} must be a positive int, got {value!r}")
         if self.head_dim % 8:
             raise ValueError(f"Geometry.head_dim must be a multiple of 8 for bit packing, got {self.head_dim}")
@@ -60,10 +60,24 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.layer_codecs must be a sequence of codec spec strings, got "
                              f"{self.layer_codecs!r}")
         object.__setattr__(self, "layer_codecs", tuple(self.layer_codecs))  # a list is accepted, kept hashable
+        if not isinstance(self.codec, str):
+            raise ValueError(f"CacheConfig.codec must be a codec spec string, got {self.codec!r}")
         for name in ("page_size", "chunk_pages", "dense_pages", "packed_pages"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        slots = self.codebook_slots
+        if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots <= 0):
+            raise ValueError(f"CacheConfig.codebook_slots must be None (one per possible chunk) or a positive int, "
+                             f"got {slots!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"CacheConfig.check_finite must be True or False, got {self.check_finite!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"CacheConfig.device {self.device!r} is not a device: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"CacheConfig.device={self.device!r}, but this machine has no CUDA device; use 'cpu'")
 
     @property
     def chunk_tokens(self) -> int:

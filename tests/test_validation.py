@@ -249,3 +249,72 @@ def test_from_plan_rejects_what_is_not_a_plan(plan, shown):
     with pytest.raises(SpecError) as err:
         KVBackendCache.from_plan(config, plan)
     assert shown in str(err.value)
+
+
+# -- found by an adversarial pass over inputs (each failed before its fix) -------------------------------------
+@pytest.mark.parametrize("command", [["eval", "--text", TEXT, "--codec", "fp8"], ["probe", "--text", TEXT,
+                                     "--codec", "fp8"], ["demo", "--codec", "fp8"]])
+@pytest.mark.parametrize("device", ["foo", "cuda:99" if torch.cuda.is_available() else "cuda", "meta"])
+def test_a_bad_device_is_refused_by_the_parser(no_model, capsys, command, device):
+    """`--device` was never checked: the model loaded (seconds), then a traceback from deep inside."""
+    from kvbackend.tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--device", device])
+    assert exit_.value.code == 2 and "--device" in capsys.readouterr().err and not no_model
+
+
+@pytest.mark.parametrize("command", [["probe", "--text", TEXT], ["demo"]])
+def test_probe_and_demo_check_specs_against_the_model_before_it_loads(no_model, capsys, command):
+    """`eval` refused a spec the model's pages cannot take before loading it; probe and demo loaded it first."""
+    from kvbackend.tools.cli import main
+
+    assert main([*command, "--codec", "kivi:group=33"]) == 2
+    assert "group=33" in capsys.readouterr().err and not no_model
+
+
+def test_probe_refuses_a_folder_for_json_before_the_model_loads(no_model, tmp_path):
+    """The probe ran for minutes, then failed to write its JSON into a folder."""
+    from kvbackend.tools.cli import main
+
+    assert main(["probe", "--text", TEXT, "--codec", "fp8", "--json", str(tmp_path)]) == 2 and not no_model
+
+
+@pytest.mark.parametrize("field, value", [("codebook_slots", -1), ("codebook_slots", 0), ("codebook_slots", 1.5),
+                                          ("codebook_slots", "4"), ("page_size", True), ("check_finite", "no"),
+                                          ("codec", 5), ("codec", None), ("codec", b"kivi"), ("device", "foo"),
+                                          ("device", "cuda:99" if torch.cuda.is_available() else "cuda")])
+def test_cache_config_refuses_nonsense_with_the_field_named(field, value):
+    """These passed the config and failed later, deep inside (a RuntimeError from the pool, an AttributeError from
+    the codec registry), or never (codebook_slots=0: no chunk ever packed; check_finite='no': still checked)."""
+    with pytest.raises(ValueError, match=field):
+        CacheConfig(**{field: value})
+
+
+def test_geometry_refuses_bools_as_sizes():
+    with pytest.raises(ValueError, match="num_layers"):
+        Geometry(True, 2, 64)
+
+
+def test_a_spec_object_that_is_not_a_codec_spec_is_a_spec_error():
+    for bad in (5, None, b"kivi", ["kivi"]):
+        with pytest.raises(SpecError, match="codec spec"):
+            codecs.get(bad)
+
+
+def test_the_triton_backend_on_the_cpu_is_refused_outside_the_interpreter(monkeypatch):
+    """Every chunk encode failed and was only logged: the cache never compressed anything."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pytest.importorskip("triton")
+    with pytest.raises(SpecError, match="CUDA device"):
+        KVCache(Geometry(1, 2, 64, torch.bfloat16), CacheConfig(codec="kivi:bits=2,group=16", page_size=16,
+                                                                chunk_pages=2, backend="triton"))
+
+
+def test_bpv_refuses_levers_it_would_not_measure(capsys):
+    """`kvbackend bpv --codec kivi:sink=4,vrot=hadamard` printed the levers' spec beside the plain codec's bytes and
+    error (no sink bytes counted, no rotation applied)."""
+    from kvbackend.tools.cli import main
+
+    assert main(["bpv", "--codec", "kivi:bits=2,group=64,sink=4,vrot=hadamard"]) == 2
+    assert "levers" in capsys.readouterr().err

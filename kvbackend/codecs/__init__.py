@@ -77,6 +77,8 @@ def get(spec: str | Any) -> Codec:
     """A codec instance for a spec string (or an already parsed spec)."""
     if isinstance(spec, Codec):
         return spec
+    if not isinstance(spec, str) and getattr(spec, "name", None) not in _REGISTRY:
+        raise SpecError(f"a codec spec is a string such as 'kivi:bits=2' (or a parsed spec), got {spec!r}")
     parsed, levers = _parse_with_levers(spec) if isinstance(spec, str) else (spec, Levers())
     codec = _REGISTRY[parsed.name].codec_type(parsed)
     codec.levers = levers

@@ -60,9 +60,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return run_eval_cli(args)
 
 
+def _device(text: str) -> str:
+    """``--device``: a torch device this machine has, checked before any model loads."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N): {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device; use cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the model runs on cpu or cuda")
+    return text
+
+
 def _model_options(parser: argparse.ArgumentParser) -> None:
     """``--device`` and ``--model-dir``, shared by the commands that load the model."""
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", type=_device)
     parser.add_argument("--model-dir", default=None, help="directory holding a GGUF model (default: the shipped one)")
 
 

@@ -142,8 +142,11 @@ def run_demo(args) -> int:
 
     console = Console(width=max(Console().width, 140))
     codecs_to_run = args.codec or list(DEFAULT_CODECS)
-    for spec in codecs_to_run:
-        registry.parse(spec)  # a bad spec fails before the model loads
+    from kvbackend.tools.evaluate import model_geometry
+
+    geometry = model_geometry(args.model_dir)
+    for spec in codecs_to_run:  # a bad spec, or one the model's pages cannot take, fails before the model loads
+        registry.get(spec).layout(geometry, PAGE_SIZE)
     chunk_pages = args.chunk_pages
     with console.status("loading SmolLM2-135M-Instruct from its GGUF file"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)

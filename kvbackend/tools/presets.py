@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbackend import codecs
+from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 
 DEFAULT_SPECS = ("fp16", "fp8", "rtn:bits=2,group=64", "rtn:bits=4,group=64", "kivi:bits=2,group=32",
@@ -33,6 +34,9 @@ def measure(spec: str, head_dim: int, tokens: int, heads: int = 8, page_size: in
     k = (torch.randn(tokens, heads, head_dim, generator=gen) + offsets).bfloat16()
     v = torch.randn(tokens, heads, head_dim, generator=gen).bfloat16()
     codec = codecs.get(spec)
+    if codec.levers.active:  # measured here they would be ignored, yet printed with the spec
+        raise SpecError(f"{spec!r}: `bpv` measures a codec's own pages; its levers (sink=, prerope=, pagerope=, "
+                        "vrot=) are applied by the paged cache: `kvbackend eval` measures them")
     layout = codec.layout(geometry, page_size)
     chunk = codec.encode(k, v, layout)
     kh, vh = codec.decode(chunk)

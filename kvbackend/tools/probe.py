@@ -131,7 +131,6 @@ def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_p
 
 def run_probe_cli(args) -> int:
     import json
-    import os
 
     from rich.console import Console
     from rich.progress import Progress
@@ -143,15 +142,19 @@ def run_probe_cli(args) -> int:
     from kvbackend.errors import SpecError
     from kvbackend.tools.auto import parse_auto
 
-    for spec in args.codec:
-        if parse_auto(spec) is None:  # a bad spec fails before the model loads (an auto: spec parses here too)
-            registry.parse(spec)
+    from kvbackend.tools.evaluate import model_geometry, prepare_output
+
+    geometry = None
+    for spec in args.codec:  # a bad spec, or one the model's pages cannot take, fails before the model loads
+        if parse_auto(spec) is None:
+            geometry = geometry or model_geometry(args.model_dir)
+            registry.get(spec).layout(geometry, 64)
         elif parse_auto(spec).kl > 0:
             raise SpecError(f"{spec}: the probe takes auto:bpv=B plans; auto:kl=K needs `kvbackend eval`")
     with open(args.text, encoding="utf-8") as f:
         filler = f.read()
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        prepare_output(args.json, "--json")
     console = Console(width=max(Console().width, 120))
     with console.status("loading SmolLM2-135M-Instruct from its GGUF file"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
