@@ -183,3 +183,20 @@ def test_a_query_moment_of_another_head_count_is_refused():
     with pytest.raises(ValueError, match=r"\[KV heads, D, D\] = \[3, 64, 64\]"):
         het.encode(k, v, het.layout(GEOM, 16), CodecState(query_moment=moment))
     het.encode(k, v, het.layout(GEOM, 16), CodecState(query_moment=moment[:3]))  # pooled: taken
+
+
+# Found by an adversarial pass: the base was kept as typed, so spellings of one codec had their own layout fingerprints
+# (pages of one model never shared across them), and a base option also given per head was dropped without a word.
+@pytest.mark.parametrize("base", ["KIVI:group=64", "kivi:group = 64", "kivi:bits=2;group=64", "kivi:group=0064"])
+def test_spellings_of_one_base_share_a_fingerprint(base):
+    geometry = Geometry(1, 2, 64, torch.bfloat16)
+    want = codecs.get("heads:base=kivi:group=64,kbits=3-2")
+    got = codecs.get(f"heads:base={base},kbits=3-2")
+    assert got.spec_string == want.spec_string
+    assert got.layout(geometry, 64).fingerprint == want.layout(geometry, 64).fingerprint
+    assert codecs.get(got.spec_string).spec_string == got.spec_string  # the canonical string parses back to itself
+
+
+def test_an_option_given_in_the_base_and_per_head_is_refused():
+    with pytest.raises(SpecError, match="kbits is given per head"):
+        codecs.get("heads:base=kivi:group=64;kbits=4,kbits=3-2")

@@ -67,6 +67,10 @@ def head_specs(spec: HeadsSpec) -> list[str]:
         lists[key] = parts
     if not lists:
         raise SpecError(f"heads: give at least one of {', '.join(PER_HEAD)} per KV head (dash-separated)")
+    for key in lists:  # never silently overridden
+        if key in options:
+            raise SpecError(f"heads: {key} is given per head ({key}={getattr(spec, key)}) and in base={spec.base!r}; "
+                            "give it once")
     counts = {len(parts) for parts in lists.values()}
     if len(counts) > 1:
         raise SpecError(f"heads: the per-head lists differ in length: "
@@ -81,9 +85,16 @@ class HeadsCodec(Codec):
 
     def __init__(self, spec: HeadsSpec, make: Callable[[str], Codec]) -> None:
         """``make``: the registry's codec factory (`kvbackend.codecs.get`), for each head's codec."""
+        texts = head_specs(spec)
+        # the base in its canonical spelling (without the options given per head), so spellings of one codec share
+        # one spec string and one layout fingerprint
+        name, options = split_spec(make(spec.base.replace(";", ",")).spec_string)
+        listed = {key for key in PER_HEAD if getattr(spec, key)}
+        spec = dataclasses.replace(spec, base=f"{name}:" + ";".join(f"{k}={v}" for k, v in options.items()
+                                                                     if k not in listed))
         super().__init__(spec)
         self.heads = []
-        for i, text in enumerate(head_specs(spec)):
+        for i, text in enumerate(texts):
             try:
                 self.heads.append(make(text))
             except SpecError as exc:
