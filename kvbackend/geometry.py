@@ -73,11 +73,9 @@ class CacheConfig:
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"CacheConfig.check_finite must be True or False, got {self.check_finite!r}")
         try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"CacheConfig.device {self.device!r} is not a device: {exc}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"CacheConfig.device={self.device!r}, but this machine has no CUDA device; use 'cpu'")
+            check_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"CacheConfig.device: {exc}") from None
 
     @property
     def chunk_tokens(self) -> int:
@@ -89,3 +87,22 @@ class CacheConfig:
         if self.codebook_slots is not None:
             return self.codebook_slots
         return -(-self.packed_pages // self.chunk_pages) + 1
+
+
+def check_device(value) -> torch.device:
+    """``value`` as a device this machine has: the CPU or a CUDA device present (the pools live on one of them).
+
+    Raises:
+        ValueError: not a device, another kind of device, or a CUDA device this machine does not have.
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{value!r} is not a device (cpu, cuda, cuda:N): {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{value!r}: kvbackend runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{value!r}: this machine has no CUDA device; use cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -62,18 +62,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _device(text: str) -> str:
     """``--device``: a torch device this machine has, checked before any model loads."""
-    import torch
+    from kvbackend.geometry import check_device
 
     try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N): {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device; use cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the model runs on cpu or cuda")
+        check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -19,6 +19,7 @@ import torch
 NAMES = ("Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ines", "Jonas",
          "Kalani", "Lucia", "Mateo", "Noor", "Oskar", "Priya")
 ANSWER_TOKENS = 6  # greedy tokens read for an answer (4 digits and some slack)
+PAGE_SIZE = 64  # tokens per page of the caches the probe builds
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def probe_rows(tokenizer, filler: str, prefix_tokens: int, questions: int, seed:
                                                f"Answer: the passcode of {names[i]} is") for i in order]
 
 
-def plan_layers(model, tokenizer, text: str, spec: str, tokens: int, page_size: int = 64,
+def plan_layers(model, tokenizer, text: str, spec: str, tokens: int, page_size: int = PAGE_SIZE,
                 chunk_tokens: int = 2048) -> list[str]:
     """The per-layer specs of an ``auto:bpv=B`` spec, planned as `kvbackend eval` plans them on its prefix: from
     the exact queries, keys and values of the first ``tokens`` tokens of ``text`` (the probe's filler, before
@@ -118,7 +119,8 @@ def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_p
     results = [score("exact (DynamicCache)", exact, exact, 0)]
     for spec in codecs:
         layers = (plans or {}).get(spec, spec)
-        cache = KVBackendCache(model.config, codec=layers, chunk_pages=chunk_pages, max_tokens=length + 2 * 64)
+        cache = KVBackendCache(model.config, codec=layers, page_size=PAGE_SIZE, chunk_pages=chunk_pages,
+                               max_tokens=length + 2 * PAGE_SIZE)
         cache.attach(model)
         try:
             got = answers(cache)
@@ -148,7 +150,7 @@ def run_probe_cli(args) -> int:
     for spec in args.codec:  # a bad spec, or one the model's pages cannot take, fails before the model loads
         if parse_auto(spec) is None:
             geometry = geometry or model_geometry(args.model_dir)
-            registry.get(spec).layout(geometry, 64)
+            registry.get(spec).layout(geometry, PAGE_SIZE)
         elif parse_auto(spec).kl > 0:
             raise SpecError(f"{spec}: the probe takes auto:bpv=B plans; auto:kl=K needs `kvbackend eval`")
     with open(args.text, encoding="utf-8") as f:
