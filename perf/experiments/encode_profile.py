@@ -97,8 +97,8 @@ def main() -> None:
             "GBps_bf16_input": gbps,
             "top_level_ops": sum(top_level.values()),
             "syncs": {n: c for n, c in top_level.items() if n in SYNC_OPS},
-            "kernel_launches": sum(e.count for e in events if e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel"))),
-            "top_ops": [{"name": e.name, "count": e.count, "us": (getattr(e, key, 0.0) or 0.0)} for e in by_time],
+            "kernel_launches": sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))),
+            "top_ops": [{"name": e.key, "count": e.count, "us": (getattr(e, key, 0.0) or 0.0)} for e in by_time],
         }
         print(f"{name}: {rows[name]['ms_median']:.2f} ms ({gbps:.2f} GB/s of bf16 input), "
               f"{rows[name]['top_level_ops']} operators, launches {rows[name]['kernel_launches']}, "
