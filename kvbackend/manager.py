@@ -262,6 +262,8 @@ class KVCache:
         first = table.num_packed_tokens  # position of the chunk's first token
         chunk_index = first // cfg.chunk_tokens
         try:
+            groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # layers encoded in one pass
+            sinks = []  # (layer, slot, exact K and V of the sequence's first tokens)
             for layer in range(self.geometry.num_layers):
                 table.states[layer].close_chunk(chunk_index)
                 kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
@@ -271,11 +273,19 @@ class KVCache:
                 ks, vs = frame.to_stored(k, v, first) if frame.levers.active else (k, v)
                 if frame.levers.sink and first == 0:  # exact sinks replace these rows on read: keep them
                     ks, vs = without_sinks(ks, vs, frame.levers.sink)  # out of the codec's statistics
-                self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], ks, vs, table.states[layer],
-                                                  pool.pages[layer], page_ids, book)
-                if frame.levers.sink and first == 0:  # the sequence's first tokens, exact, with the chunk
-                    for name, x in zip(SINK_FIELDS, (k, v)):
-                        self.layouts[layer].codebook.view(book, name).copy_(x[: frame.levers.sink])
+                key = self._encode_group(layer)
+                if key is not None:
+                    groups.setdefault(key, []).append((layer, ks, vs))
+                else:
+                    self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], ks, vs,
+                                                      table.states[layer], pool.pages[layer], page_ids, book)
+                if frame.levers.sink and first == 0:
+                    sinks.append((layer, book, k[: frame.levers.sink], v[: frame.levers.sink]))
+            for members in groups.values():
+                self._encode_layers(table, members, page_ids, slot)
+            for layer, book, k, v in sinks:  # the sequence's first tokens, exact, with the chunk (after its codebook)
+                for name, x in zip(SINK_FIELDS, (k, v)):
+                    self.layouts[layer].codebook.view(book, name).copy_(x)
         except BaseException:
             for page in new_pages:  # the chunk stays dense; its pages (and with them the slot) go back
                 pool.allocator.decref(page)
@@ -289,6 +299,31 @@ class KVCache:
         for page in reversed(chunk_dense):
             self.dense.allocator.decref(page)
         self.index.publish(table, new_pages, first_token)
+
+    def _encode_group(self, layer: int) -> tuple | None:
+        """The key of the layers whose chunks `_encode_layers` encodes in one pass with ``layer``'s (one codec
+        spec and byte layout, encoded by the torch reference, which batches them: `Codec.encode_units`), or None
+        where ``layer`` encodes alone (a GPU encode kernel, or a codec that does not batch)."""
+        codec, backend = self.codecs[layer], self.backends[layer]
+        if not codec.batch_encodes or (backend.name != "torch" and codec.kernel_encodes):
+            return None
+        return codec.spec_string, self.layouts[layer].fingerprint
+
+    def _encode_layers(self, table: PageTable, members: list[tuple[int, torch.Tensor, torch.Tensor]],
+                       page_ids: torch.Tensor, slot: int) -> None:
+        """Encode one chunk of several layers (``members``: (layer, stored K, stored V)) in one codec pass, each
+        layer from its own state (warm starts, query statistics): the bytes a layer-by-layer encode writes,
+        with one pass's host overhead instead of one per layer (the reference encoder is launch-bound on a GPU)."""
+        first = members[0][0]
+        codec, layout = self.codecs[first], self.layouts[first]
+        layers = [layer for layer, _, _ in members]
+        pages, books = codec.encode_units(torch.stack([ks for _, ks, _ in members]),
+                                          torch.stack([vs for _, _, vs in members]), layout,
+                                          [table.states[layer] for layer in layers])
+        pool, rows = self.packed, page_ids.long()
+        for i, layer in enumerate(layers):
+            pool.pages[layer][rows] = pages[i]
+            pool.codebooks[layer][slot].copy_(books[i])
 
     # -- reading ----------------------------------------------------------------------------
     def read(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

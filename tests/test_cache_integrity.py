@@ -398,16 +398,29 @@ def test_a_failed_chunk_encode_keeps_the_tokens_once_and_packs_later(caplog):
     for layer in range(2):
         ref.append(r, layer, k[layer], v[layer])
     cache = make(geometry=geometry)
-    backend, calls = cache.backends[1], []
-    original = backend.encode_chunk
+    calls = []
+    if cache._encode_group(0) is None:  # layer by layer: the first chunk fails at its second layer
+        backend = cache.backends[1]
+        original = backend.encode_chunk
 
-    def encode_chunk(*args):
-        calls.append(1)
-        if len(calls) == 2:  # the first chunk, at its second layer
-            raise torch.OutOfMemoryError("simulated")
-        return original(*args)
+        def encode_chunk(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("simulated")
+            return original(*args)
 
-    backend.encode_chunk = encode_chunk  # layers share one backend object per spec
+        backend.encode_chunk = encode_chunk  # layers share one backend object per spec
+    else:  # every layer in one pass (`KVCache._encode_layers`): the first chunk's pass fails
+        codec = cache.codecs[0]
+        original = codec.encode_units
+
+        def encode_units(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("simulated")
+            return original(*args)
+
+        codec.encode_units = encode_units
     rid, _ = cache.add_request()
     cache.append(rid, 0, k[0, :8], v[0, :8])
     with caplog.at_level("ERROR", logger="kvbackend.manager"):

@@ -167,3 +167,121 @@ def test_seeding_of_keys_beyond_float32_squared_range_stays_distinct():
     seeds = kmeanspp_init(x, 6, torch.Generator().manual_seed(1))
     for row in range(2):
         assert torch.unique(seeds[row], dim=0).shape[0] == 6
+
+
+# -- chunks with their own states: one request's layers (`KVCache` encodes a chunk of every layer in one pass) --
+
+STATED = [
+    "qvg:stages=2,centroids=8,cdtype=fp8",
+    "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16",
+    "quantwm:kchannel=0,candidates=4,rank=2,keep=0.25,centroids=8,outliers=3",  # QSAC: per-token key groups
+    "qvg:init=random,centroids=4",  # cold chunks loop (random seeding), warm ones batch
+]
+
+
+def _moment(gen, heads=3, d=64):
+    q = torch.randn(heads, 40, d, generator=gen) * torch.linspace(0.2, 3, d)
+    return q.transpose(1, 2) @ q / 40
+
+
+@pytest.mark.parametrize("spec", STATED)
+def test_units_with_states_encode_to_the_bytes_of_encodes_with_those_states(spec):
+    """Three chunks in a row of five layers, the later ones warm-started and with query statistics (QSAC, PSAC,
+    weighted outliers): every chunk's bytes and every state's centroids as five separate encodes give them."""
+    from kvbackend.codecs.base import CodecState
+
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOMETRY, PAGE)
+    gen = torch.Generator().manual_seed(3)
+    batched, separate = [CodecState() for _ in range(5)], [CodecState() for _ in range(5)]
+    for chunk in range(3):
+        k, v = _chunks(5, 2 * PAGE + 3, seed=chunk)
+        if chunk:
+            for a, b in zip(batched, separate):
+                a.query_moment = _moment(gen)
+                b.query_moment = a.query_moment.clone()
+        pages, books = codec.encode_units(k, v, layout, batched)
+        for u in range(5):
+            alone = codec.encode(k[u], v[u], layout, separate[u])
+            assert torch.equal(pages[u], alone.pages), (spec, chunk, u)
+            assert torch.equal(books[u], alone.codebook), (spec, chunk, u)
+            assert batched[u].centroids.keys() == separate[u].centroids.keys()
+            for name, cents in separate[u].centroids.items():
+                assert torch.equal(batched[u].centroids[name], cents), (spec, chunk, u, name)
+
+
+def test_states_that_differ_are_encoded_one_by_one_to_the_same_bytes(monkeypatch):
+    """A warm and a cold chunk (or one with query statistics beside one without) cannot share one pass: the
+    batched pass refuses them before touching any state, and the loop gives each its own bytes."""
+    from kvbackend.codecs.base import CodecState
+
+    codec = codecs.get(STATED[1])
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = (x[:2] for x in _chunks(3, PAGE))
+    warm = CodecState()
+    codec.encode(k[0], v[0], layout, warm)
+    mixed, alone = [warm.clone(), CodecState()], [warm.clone(), CodecState()]
+    mixed[1].query_moment = alone[1].query_moment = _moment(torch.Generator().manual_seed(0))
+    encode_units = codec._encode_units
+    refused = []
+    monkeypatch.setattr(codec, "_encode_units", lambda *a: refused.append(encode_units(*a)) or False)
+    pages, books = codec.encode_units(k, v, layout, mixed)
+    assert refused == [False]
+    for u in range(2):
+        chunk = codec.encode(k[u], v[u], layout, alone[u])
+        assert torch.equal(pages[u], chunk.pages) and torch.equal(books[u], chunk.codebook)
+
+
+def test_states_must_be_one_per_chunk():
+    from kvbackend.codecs.base import CodecState
+
+    codec = codecs.get(STATED[0])
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(3, PAGE)
+    with pytest.raises(ValueError, match="2 states for 3 chunks"):
+        codec.encode_units(k, v, layout, [CodecState(), CodecState()])
+
+
+@pytest.mark.parametrize("spec", [
+    "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+    "cdtype=fp8,outliers=16",
+    "qvg:stages=2,centroids=8",
+])
+def test_kv_cache_encodes_every_layer_of_a_chunk_in_one_pass_to_the_layer_by_layer_bytes(spec, monkeypatch):
+    """`KVCache` encodes a completed chunk of all its layers in one `encode_units` pass (the reference encoder's
+    host overhead once per chunk, not once per layer): the pages, codebook slots (sinks included) and reads are
+    those of layer-by-layer encodes, over warm chunks with query statistics."""
+    from kvbackend.geometry import CacheConfig
+    from kvbackend.manager import KVCache
+    from kvbackend.rope import Rotary
+
+    layers, heads, d = 4, 2, 64
+    config = CacheConfig(codec=spec, page_size=16, chunk_pages=2, dense_pages=16, packed_pages=16)
+
+    def run(batched: bool):
+        cache = KVCache(Geometry(layers, heads, d, torch.float32), config, rotary=Rotary.default(d, 10000.0))
+        passes = []
+        if batched:
+            encode_units = cache.codecs[0].encode_units
+            monkeypatch.setattr(cache.codecs[0], "encode_units",
+                                lambda k, *a: passes.append(k.shape[0]) or encode_units(k, *a))
+        else:
+            monkeypatch.setattr(cache, "_encode_group", lambda layer: None)
+        gen = torch.Generator().manual_seed(5)
+        rid, _ = cache.add_request()
+        for _ in range(5):  # 5 x 20 tokens: three 32-token chunks complete (the first with its sinks)
+            for layer in range(layers):
+                k, v = torch.randn(20, heads, d, generator=gen) * 3, torch.randn(20, heads, d, generator=gen)
+                cache.append(rid, layer, k, v, queries=torch.randn(20, 2 * heads, d, generator=gen))
+        reads = [cache.read(rid, layer) for layer in range(layers)]
+        return cache, rid, reads, passes
+
+    one, rid1, reads1, passes = run(True)
+    alone, rid2, reads2, _ = run(False)
+    assert passes == [layers] * 3
+    assert one.page_table(rid1).packed == alone.page_table(rid2).packed
+    pages = one.page_table(rid1).packed
+    for layer in range(layers):
+        assert torch.equal(one.packed.pages[layer][pages], alone.packed.pages[layer][pages]), layer
+        assert torch.equal(one.packed.codebooks[layer], alone.packed.codebooks[layer]), layer
+        assert torch.equal(reads1[layer][0], reads2[layer][0]) and torch.equal(reads1[layer][1], reads2[layer][1])

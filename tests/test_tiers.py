@@ -13,6 +13,7 @@ import torch
 from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.page_group import TRAILER_BYTES
 from kvbackend.tiers.file import FileTier
+from kvbackend.tiers.base import TierError
 from kvbackend.tiers.host import HostTier
 from kvbackend.tiers.policy import OffloadPolicy
 from kvbackend.tiers.prefetch import TieredCache
@@ -615,3 +616,149 @@ def test_decode_steps_through_the_tiered_cache_while_the_worker_offloads(tmp_pat
         assert tiered.offloaded_pages > 0
     finally:
         tiered.close()
+
+
+# -- the host tier's failure paths: nothing stays locked, nothing is evicted for a put that cannot succeed --------
+
+def _host(slots=3, slot=1000):
+    return HostTier(capacity_bytes=slots * slot, slot_bytes=slot, pin=False)
+
+
+def _blob(n, fill):
+    return torch.full((n,), fill, dtype=torch.uint8)
+
+
+def test_a_put_that_cannot_fit_evicts_nothing():
+    host = _host()
+    assert host.put([1, 2, 3], [_blob(1000, i) for i in (1, 2, 3)]).result() == [True] * 3
+    assert host.put([9], [_blob(4000, 9)]).result() == [False]  # larger than the tier
+    reading = host.read_layered([1], torch.empty(1, 1000, dtype=torch.uint8), [0])  # one blob busy
+    assert host.put([8], [_blob(3000, 8)]).result() == [False]  # fits the tier, not beside the busy blob
+    reading.close()
+    stats = host.stats()
+    assert (stats.blobs, stats.evictions, stats.failures) == (3, 0, 2)
+    for key in (1, 2, 3):
+        out = torch.empty(1000, dtype=torch.uint8)
+        assert host.get([key], [out]).result() == [True] and torch.equal(out, _blob(1000, key))
+    host.check()
+
+
+def test_a_copy_that_fails_in_the_worker_leaves_no_entry_behind(monkeypatch):
+    host = _host()
+    scatter, calls = host._scatter, []
+
+    def failing(blob, entry, non_blocking=False):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+        scatter(blob, entry, non_blocking)
+
+    monkeypatch.setattr(host, "_scatter", failing)
+    handle = host.put([1, 2, 3], [_blob(1000, i) for i in (1, 2, 3)])
+    assert handle.accepted == [True] * 3  # admitted at once ...
+    assert handle.result() == [True, False, False]  # ... the failed copy and those after it are not stored
+    assert host.contains([1]) == 1 and host.stats().blobs == 1 and host.stats().failures == 2
+    monkeypatch.setattr(host, "_scatter", scatter)
+    assert host.put([2], [_blob(1000, 2)]).result() == [True]  # the key is writable again, and readable
+    out = torch.empty(1000, dtype=torch.uint8)
+    assert host.get([2], [out]).result() == [True] and torch.equal(out, _blob(1000, 2))
+    # a get whose copy fails (a buffer torch refuses to write) misses and releases its entry
+    assert host.get([2], [torch.zeros(1, dtype=torch.uint8).expand(1000)]).result() == [False]
+    assert host.evict(10) == 2
+    host.check()
+
+
+def test_cancelled_operations_release_what_they_registered():
+    host = _host()
+    assert host.put([1], [_blob(1000, 1)]).result() == [True]
+    gate = threading.Event()
+    blockers = [host._pool.submit(gate.wait) for _ in range(2)]  # both copy workers busy: the next calls queue
+    put = host.put([2], [_blob(1000, 2)])
+    get = host.get([1], [torch.empty(1000, dtype=torch.uint8)])
+    put.cancel()
+    get.cancel()
+    gate.set()
+    for b in blockers:
+        b.result()
+    assert put.wait() and get.wait()  # a cancelled operation is finished
+    assert host.contains([2]) == 0 and host.evict(10) == 1  # key 2 never held; key 1 idle again
+    host.check()
+
+
+def test_calls_after_close_and_bad_inputs_raise_clearly():
+    host = _host()
+    with pytest.raises(ValueError, match="keys are integers"):
+        host.put([torch.tensor(1)], [_blob(10, 1)])
+    with pytest.raises(ValueError, match="keys are integers"):
+        host.get([None], [torch.empty(10, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="must hold bytes"):
+        host.put([1], [_blob(0, 0)])
+    with pytest.raises(ValueError, match="capacity_bytes must be an int"):
+        HostTier(capacity_bytes=3000.0, slot_bytes=1000, pin=False)
+    assert host.put([1], [_blob(10, 1)]).result() == [True]
+    layered = host.read_layered([1], torch.zeros(2, 10, dtype=torch.uint8), [1])
+    with pytest.raises(ValueError, match="outside rows"):
+        layered.copy_range(-5, 10)
+    layered.close()
+    host.close()
+    with pytest.raises(TierError, match="closed"):
+        host.put([2], [_blob(10, 2)])
+    with pytest.raises(TierError, match="closed"):
+        host.get([1], [torch.empty(10, dtype=torch.uint8)])
+    assert host.stats().blobs == 1
+
+
+def test_a_combined_wait_keeps_one_deadline():
+    from concurrent.futures import Future
+
+    from kvbackend.tiers.base import Handle
+
+    never = [Handle(Future()) for _ in range(4)]
+    start = time.monotonic()
+    assert Handle.combine(never).wait(timeout=0.2) is False
+    assert time.monotonic() - start < 0.6  # not 4 x 0.2 s
+
+
+def _tiered_prompt(host, file=None, n=70):
+    cache = KVCache(Geometry(2, 2, 64, torch.bfloat16),
+                    CacheConfig(codec="qvg", page_size=16, chunk_pages=2, dense_pages=32, packed_pages=16, device="cpu"))
+    host = host(cache) if callable(host) else host
+    tiered = TieredCache(cache, host, file(cache) if callable(file) else file, background=False)
+    tokens = list(range(n))
+    gen = torch.Generator().manual_seed(0)
+    rid, _ = tiered.add_request(tokens)
+    for layer in range(2):
+        tiered.append(rid, layer, torch.randn(n, 2, 64, generator=gen).bfloat16(),
+                      torch.randn(n, 2, 64, generator=gen).bfloat16())
+    tiered.free(rid)
+    return cache, tiered, tokens
+
+
+def test_offload_keeps_on_the_device_the_pages_the_host_refused():
+    """A host tier with room for 2 of 4 page groups: the 2 it refused stay cached on the device, and only the
+    pages stored below are counted as moved."""
+    cache, tiered, tokens = _tiered_prompt(lambda c: HostTier(2 * c.blob_bytes, c.blob_bytes, pin=False))
+    keys = cache.prefix_keys(tokens)
+    moved = tiered.offload(max_pages=100)
+    tiered.flush()
+    assert moved == tiered.offloaded_pages == tiered.host.stats().blobs == 2
+    assert all(tiered.host.contains([k]) or cache.device_prefix([k]) for k in keys)
+    tiered.close()
+
+
+def test_a_restore_that_fails_while_staging_releases_the_host_blobs(tmp_path):
+    cache, tiered, tokens = _tiered_prompt(lambda c: HostTier(10 * c.blob_bytes, c.blob_bytes, pin=False),
+                                           lambda c: FileTier(str(tmp_path), 10**8, c.fingerprint, fsync=False))
+    keys = cache.prefix_keys(tokens)
+    assert tiered.offload(max_pages=100) == 4
+    tiered.flush()
+    tiered.host.discard(keys[2:])  # pages 0-1 on the host, 2-3 in the file tier only
+
+    def failing_get(*args, **kwargs):
+        raise RuntimeError("simulated read failure")
+
+    tiered.file.get = failing_get
+    with pytest.raises(RuntimeError, match="simulated"):
+        tiered.prefetch(tokens).wait(timeout=30)
+    assert tiered.host.evict(10) == 2  # released, not held READING for good
+    tiered.close()

@@ -6,8 +6,9 @@ A blob is one page group: every layer's packed page bytes plus the chunk's codeb
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +28,14 @@ def prefix_length(keys: Sequence[int], present) -> int:
 def check_pairs(keys: Sequence[int], items: Sequence, what: str) -> None:
     if len(keys) != len(items):
         raise ValueError(f"{len(keys)} keys but {len(items)} {what}")
+    check_keys(keys)
+
+
+def check_keys(keys: Sequence[int]) -> None:
+    """Keys are integers (page hashes): a tensor, None or a bool would be stored under a key nobody finds."""
+    for key in keys:
+        if isinstance(key, bool) or not hasattr(key, "__index__") or isinstance(key, torch.Tensor):
+            raise ValueError(f"tier keys are integers (page hashes), got {key!r} of type {type(key).__name__}")
 
 
 class TierError(RuntimeError):
@@ -38,10 +47,15 @@ class Handle:
     was moved intact, False when it was missing, corrupt, cancelled or could not be written."""
 
     def __init__(self, future: Future | None = None, results: list[bool] | None = None,
-                 events: list | None = None) -> None:
+                 events: list | None = None, accepted: list[bool] | None = None,
+                 on_cancel: Callable[[], None] | None = None) -> None:
         self._future = future
         self._results = results
         self.events = events or []  # CUDA events, one per blob, when copies ran on a stream
+        # per key, known when the call returns: whether the tier took the blob (or held it already); None where a
+        # tier learns it only when the write ends (the file tier)
+        self.accepted = accepted
+        self._on_cancel = on_cancel  # undoes the bookkeeping of an operation cancelled before it started
 
     @staticmethod
     def finished(results: list[bool]) -> "Handle":
@@ -64,14 +78,16 @@ class Handle:
                 self._future.result(timeout=timeout)
             except TimeoutError:
                 return False
+            except CancelledError:  # a cancelled operation is finished
+                return True
         for event in self.events:
             event.synchronize()
         return True
 
     def cancel(self) -> None:
         """Drop the operation if it has not started (a started copy runs to completion)."""
-        if self._future is not None:
-            self._future.cancel()
+        if self._future is not None and self._future.cancel() and self._on_cancel is not None:
+            self._on_cancel()
 
     def result(self, timeout: float | None = None) -> list[bool]:
         if self._future is not None:
@@ -84,14 +100,18 @@ class Handle:
 
 class _Combined(Handle):
     def __init__(self, parts: list[Handle]) -> None:
-        super().__init__(events=[e for p in parts for e in p.events])
+        accepted = None if any(p.accepted is None for p in parts) else [a for p in parts for a in p.accepted]
+        super().__init__(events=[e for p in parts for e in p.events], accepted=accepted)
         self._parts = parts
 
     def done(self) -> bool:
         return all(p.done() for p in self._parts)
 
     def wait(self, timeout: float | None = None) -> bool:
-        return all([p.wait(timeout) for p in self._parts])
+        if timeout is None:
+            return all([p.wait() for p in self._parts])
+        deadline = time.monotonic() + timeout  # one deadline for the whole call, not one per part
+        return all([p.wait(max(0.0, deadline - time.monotonic())) for p in self._parts])
 
     def cancel(self) -> None:
         for p in self._parts:

@@ -9,6 +9,7 @@ so the same code is exercised on machines without a GPU.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbackend.tiers.base import Handle, TierStats, check_pairs, prefix_length
+from kvbackend.tiers.base import Handle, TierError, TierStats, check_keys, check_pairs, prefix_length
 from kvbackend.tiers.copy2d import copy_2d
 
 DEBUG = os.environ.get("KVBACKEND_DEBUG_TIERS") == "1"
+log = logging.getLogger(__name__)
 # Blobs per batch of one put/get: each batch's copies are enqueued before the next batch's bookkeeping,
 # so the host-side work (about 7-10 us a blob) overlaps the transfers instead of adding to them.
 BATCH = 32
@@ -45,6 +47,9 @@ class HostTier:
     name = "host"
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, pin: bool | None = None) -> None:
+        for name, value in (("capacity_bytes", capacity_bytes), ("slot_bytes", slot_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"host tier {name} must be an int, got {value!r}")
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
             raise ValueError(f"host tier needs capacity_bytes >= slot_bytes > 0, got {capacity_bytes}, {slot_bytes}")
         pin = torch.cuda.is_available() if pin is None else pin
@@ -57,15 +62,21 @@ class HostTier:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbackend-host")
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._hits = self._misses = self._evictions = self._failures = 0
+        self._closed = False
 
     # -- bookkeeping (always under the lock) ---------------------------------------------
     def _slot_view(self, slot: int, nbytes: int) -> torch.Tensor:
         return self.buffer[slot * self.slot_bytes : slot * self.slot_bytes + nbytes]
 
     def _take_slots(self, count: int) -> list[int] | None:
-        while len(self._free) < count:
-            if not self._evict_one():
+        """``count`` slots, evicting least recently used blobs as needed; None (and nothing evicted) where even
+        every idle blob's slots would not be enough."""
+        if len(self._free) < count:
+            idle = sum(len(e.slots) for e in self._entries.values() if e.state is SlotState.READY and e.readers == 0)
+            if len(self._free) + idle < count:
                 return None
+        while len(self._free) < count:
+            self._evict_one()
         return [self._free.pop() for _ in range(count)]
 
     def _evict_one(self) -> bool:
@@ -85,6 +96,7 @@ class HostTier:
 
     # -- protocol -------------------------------------------------------------------------
     def contains(self, keys: Sequence[int]) -> int:
+        check_keys(keys)
         with self._lock:
             return prefix_length(keys, self._readable)
 
@@ -92,12 +104,23 @@ class HostTier:
         entry = self._entries.get(key)
         return entry is not None and entry.state is not SlotState.WRITING
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError("the host tier is closed")
+
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
+        """Store blobs (1-D uint8, not empty, on the CPU or a CUDA device) asynchronously. The handle's
+        ``accepted`` says at once which keys the tier took or held already; a copy that fails later drops its
+        entry (that key's result is False)."""
+        self._check_open()
         check_pairs(keys, blobs, "blobs")
         for key, blob in zip(keys, blobs):  # every blob checked before any entry is registered
             if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
                 raise ValueError(f"blob for key {key} must be 1-D uint8, got {getattr(blob, 'dtype', type(blob))} "
                                  f"{tuple(getattr(blob, 'shape', ()))}")
+            if blob.numel() == 0 or blob.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"blob for key {key} must hold bytes on the CPU or a CUDA device, got "
+                                 f"{blob.numel()} bytes on {blob.device}")
         return Handle.combine([self._put_batch(keys[i : i + BATCH], blobs[i : i + BATCH])
                                for i in range(0, max(len(keys), 1), BATCH)])
 
@@ -123,23 +146,46 @@ class HostTier:
             if DEBUG:
                 self._check()
         results = [item is not None or key in self._entries for item, key in zip(plan, keys)]
-        work = [item for item in plan if item is not None]
-        if any(b.is_cuda for _, b, _ in work) and self._stream is not None:
-            return self._put_cuda(work, results)
-        future = self._pool.submit(self._copy_in, work, results)
-        return Handle(future)
+        work = [(i, *item) for i, item in enumerate(plan) if item is not None]
+        accepted = list(results)
+
+        def undo():  # the batch's entries go, as if it had never been called
+            self._drop_written(work, results)
+
+        try:
+            if any(b.is_cuda for _, _, b, _ in work) and self._stream is not None:
+                return self._put_cuda(work, results, accepted, undo)
+            return Handle(self._pool.submit(self._copy_in, work, results), accepted=accepted, on_cancel=undo)
+        except BaseException:
+            undo()
+            raise
+
+    def _drop_written(self, work, results) -> None:
+        """Drop the WRITING entries of ``work`` whose copy did not complete (their slots go back)."""
+        with self._lock:
+            for i, key, _, entry in work:
+                if self._entries.get(key) is entry and entry.state is SlotState.WRITING:
+                    del self._entries[key]
+                    self._free.extend(entry.slots)
+                    self._failures += 1
+                    results[i] = False
 
     def _copy_in(self, work, results) -> list[bool]:
-        for key, blob, entry in work:
-            self._scatter(blob, entry)
+        for n, (i, key, blob, entry) in enumerate(work):
+            try:
+                self._scatter(blob, entry)
+            except Exception as exc:  # noqa: BLE001 - this blob and those not copied yet are not stored
+                self._drop_written(work[n:], results)
+                log.error("kvbackend host tier: copying a blob in failed (%d keys not stored): %r", len(work) - n, exc)
+                return results
             with self._lock:
                 entry.state = SlotState.READY
         return results
 
-    def _put_cuda(self, work, results) -> Handle:
+    def _put_cuda(self, work, results, accepted, undo) -> Handle:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for blob, entries in self._runs([(blob, entry) for _, blob, entry in work]):
+            for blob, entries in self._runs([(blob, entry) for _, _, blob, entry in work]):
                 blob.record_stream(self._stream)
                 if len(entries) == 1 and len(entries[0].slots) > 1:
                     self._scatter(blob, entries[0], non_blocking=True)
@@ -149,13 +195,17 @@ class HostTier:
             event.record(self._stream)
 
         def mark_ready():
-            event.synchronize()
+            try:
+                event.synchronize()
+            except BaseException:
+                undo()
+                return results
             with self._lock:
-                for _, _, entry in work:
+                for _, _, _, entry in work:
                     entry.state = SlotState.READY
             return results
 
-        return Handle(self._pool.submit(mark_ready), events=[event])
+        return Handle(self._pool.submit(mark_ready), events=[event], accepted=accepted)
 
     def _runs(self, pairs):
         """Merge (device tensor, entry) pairs into runs that are adjacent both in device memory and in
@@ -196,6 +246,7 @@ class HostTier:
             self._slot_view(slot, part.numel()).copy_(part, non_blocking=non_blocking)
 
     def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
+        self._check_open()
         check_pairs(keys, into, "buffers")
         for out in into:  # a bad buffer must fail here, not in a worker holding an entry in READING
             if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1:
@@ -207,42 +258,64 @@ class HostTier:
     def _get_batch(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
         work, results = [], []
         with self._lock:
-            for key, out in zip(keys, into):
+            for i, (key, out) in enumerate(zip(keys, into)):
                 entry = self._begin_read(key, out.numel())
                 results.append(entry is not None)
                 if entry is not None:
-                    work.append((key, out, entry))
-        if any(out.is_cuda for _, out, _ in work) and self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                for out, entries in self._runs([(out, entry) for _, out, entry in work]):
-                    if len(entries) == 1 and len(entries[0].slots) > 1:
-                        self._gather(out, entries[0], non_blocking=True)
-                    else:
-                        out.copy_(self._host_run(entries), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+                    work.append((i, out, entry))
+        def release_all():  # a batch cancelled before it started, or whose copies could not be enqueued
+            for _, _, entry in work:
+                self._release(entry)
 
-            def release():
+        try:
+            if any(out.is_cuda for _, out, _ in work) and self._stream is not None:
+                return self._get_cuda(work, results)
+            return Handle(self._pool.submit(self._copy_out, work, results), on_cancel=release_all)
+        except BaseException:
+            release_all()
+            raise
+
+    def _copy_out(self, work, results) -> list[bool]:
+        """The CPU copies of a get: every entry is released, whatever happens; a copy that fails is a miss."""
+        for i, out, entry in work:
+            try:
+                self._gather(out, entry)
+            except Exception:  # noqa: BLE001 - the caller's buffer refused the bytes: that key misses
+                with self._lock:
+                    self._hits -= 1
+                    self._misses += 1
+                results[i] = False
+            finally:
+                self._release(entry)
+        return results
+
+    def _get_cuda(self, work, results) -> Handle:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for out, entries in self._runs([(out, entry) for _, out, entry in work]):
+                out.record_stream(self._stream)  # the caller's buffer outlives the copy into it
+                if len(entries) == 1 and len(entries[0].slots) > 1:
+                    self._gather(out, entries[0], non_blocking=True)
+                else:
+                    out.copy_(self._host_run(entries), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+
+        def release():
+            try:
                 event.synchronize()
+            finally:
                 for _, _, entry in work:
                     self._release(entry)
-                return results
-
-            return Handle(self._pool.submit(release), events=[event])
-
-        def copy_out():
-            for _, out, entry in work:
-                self._gather(out, entry)
-                self._release(entry)
             return results
 
-        return Handle(self._pool.submit(copy_out))
+        return Handle(self._pool.submit(release), events=[event])
 
     def read_layered(self, keys: Sequence[int], out: torch.Tensor, rows: Sequence[int]) -> "LayeredRead | None":
         """Start a read of ``keys`` into rows ``rows`` of ``out`` [N, row_bytes] in byte ranges of the
         caller's choice (`LayeredRead.copy_range`), so each layer can be used as soon as it landed.
         Returns None (and takes nothing) when a blob spans several slots: use `get` then."""
+        self._check_open()
         check_pairs(keys, rows, "rows")
         if out.dim() != 2 or out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous uint8 [N, row_bytes] buffer, got {out.dtype} {tuple(out.shape)}")
@@ -314,6 +387,8 @@ class HostTier:
             self._check()
 
     def close(self) -> None:
+        """Finish the copies in flight; later calls raise `TierError`."""
+        self._closed = True
         self._pool.shutdown(wait=True)
 
 
@@ -353,6 +428,8 @@ class LayeredRead:
         page that carries no codebook moves no codebook bytes). Rows consecutive in the buffer and in
         host slots, with one clipped width, move as one strided copy."""
         pitch, slot_bytes = self.out.shape[1], self.tier.slot_bytes
+        if offset < 0 or width < 0 or offset + width > pitch:
+            raise ValueError(f"copy_range({offset}, {width}) is outside rows of {pitch} bytes")
         if offset + width <= self._min_bytes:  # every blob holds the whole range (layers): the fixed runs
             runs = [(row, slot, count, width) for row, slot, count, _ in self._runs]
         else:

@@ -78,14 +78,17 @@ class TieredCache:
             # Issue the writes before the device pages go, under the lock: a page is always either on
             # the device or registered (WRITING or READY) below, so admission can wait for it.
             first = self.host.put(keys, blobs) if self.host is not None else self.file.put(keys, blobs)
-            for page, _ in victims:
-                self.cache.drop_cached(page)
+            # a page the tier refused at once (the host tier full of blobs being read) stays on the device
+            taken = [i for i in range(len(victims)) if first.accepted is None or first.accepted[i]]
+            for i in taken:
+                self.cache.drop_cached(victims[i][0])
             self._track([first])
-        if self.host is not None and self.file is not None and self.policy.write_through_to_file:
+        if self.host is not None and self.file is not None and self.policy.write_through_to_file and taken:
             first.wait()
-            self._track([self.file.put(keys, [b.cpu() if b.is_cuda else b for b in blobs])])
-        self.offloaded_pages += len(victims)
-        return len(victims)
+            self._track([self.file.put([keys[i] for i in taken],
+                                       [blobs[i].cpu() if blobs[i].is_cuda else blobs[i] for i in taken])])
+        self.offloaded_pages += len(taken)
+        return len(taken)
 
     def _track(self, handles: list[Handle]) -> None:
         with self._pending_lock:
@@ -102,7 +105,12 @@ class TieredCache:
     def restore(self, token_ids: Sequence[int], cancel: threading.Event | None = None) -> RestoreReport:
         """Bring the lower-tier part of a prompt's prefix back to the device as cached pages."""
         transfer = Transfer.locate(self.cache, self.host, self.file, token_ids, self.lock)
-        transfer.stage(self.cache, self.host, self.file, cancel)  # file reads and copies without the lock
+        try:
+            transfer.stage(self.cache, self.host, self.file, cancel)  # file reads and copies without the lock
+        except BaseException:
+            if transfer.layered is not None:  # the host blobs it was reading are released
+                transfer.layered.close()
+            raise
         if transfer.warm is not None:
             self._track([transfer.warm])
         with self.lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -19,6 +19,9 @@ FieldSpecs = list[tuple[str, torch.dtype, tuple[int, ...]]]
 # `Codec.encode_units` on the CPU encodes at most this many K values per pass: the k-means temporaries of larger
 # batches fall out of the caches and cost more than the per-call overhead they save
 CPU_UNIT_VALUES = 1 << 20
+# key values `Codec.encode_units` encodes in one pass on a GPU (float32 K and V and the encoder's temporaries: a few
+# GiB at most; 32 layers of a 2048-token chunk of Llama-8B geometry fit in one)
+DEVICE_UNIT_VALUES = 1 << 26
 
 
 @dataclass
@@ -194,33 +197,43 @@ class Codec(ABC):
     batch_encodes = False
 
     def _encode_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
-                      codebooks: torch.Tensor) -> bool:
+                      codebooks: torch.Tensor, states: Sequence[CodecState] | None = None) -> bool:
         """Fill ``pages [U*n, page_bytes]`` and ``codebooks [U, codebook_bytes]`` from float32 K/V ``[U*n*P, H,
-        D]`` (U chunks of n whole pages, each encoded from a fresh state), or return False where this spec
-        cannot, before writing anything."""
+        D]`` (U chunks of n whole pages, each encoded from a fresh state, or from ``states[u]``, which it updates
+        as `encode` does), or return False where this spec cannot, before writing or updating anything."""
         return False
 
-    def encode_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode U independent chunks of one length, ``k`` and ``v`` of shape ``[U, N, H, D]``, each from a fresh
-        `CodecState` (no warm start, no query statistics): one-page chunks, as a storage backend keeps them, or
-        one page of each of several layers. Returns ``(pages [U, n, page_bytes], codebooks [U, codebook_bytes])``,
-        the bytes `encode` gives chunk by chunk. One pass where the codec can (`batch_encodes`; on the CPU in
-        slices of at most `CPU_UNIT_VALUES` key values), else a loop.
+    def encode_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout,
+                     states: Sequence[CodecState] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode U independent chunks of one length, ``k`` and ``v`` of shape ``[U, N, H, D]``: one-page chunks,
+        as a storage backend keeps them, or one chunk of each of several layers. Each chunk starts from a fresh
+        `CodecState` (no warm start, no query statistics), or from ``states[u]`` (a request's layers: their warm
+        starts and query statistics), which is updated as `encode` updates it. Returns ``(pages [U, n,
+        page_bytes], codebooks [U, codebook_bytes])``, the bytes `encode` gives chunk by chunk. One pass where the
+        codec can (`batch_encodes`, and states alike: all warm or all cold, all with query statistics or none; on
+        the CPU in slices of at most `CPU_UNIT_VALUES` key values, on a device `DEVICE_UNIT_VALUES`), else a loop.
 
         Raises:
             InvalidKV: wrong shapes or dtypes, or non-finite values in any chunk (nothing is returned).
+            ValueError: ``states`` not one per chunk.
         """
         if k.dim() != 4 or v.dim() != 4 or k.shape[0] == 0:
             raise InvalidKV(f"encode_units needs k and v of shape [units, tokens, heads, head_dim], got "
                             f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}")
         units, n = k.shape[:2]
+        if states is not None and len(states) != units:
+            raise ValueError(f"encode_units: {len(states)} states for {units} chunks")
         check_kv(k.reshape(units * n, *k.shape[2:]), v.reshape(units * v.shape[1], *v.shape[2:]), layout.geometry)
         _check_values(k, v)
-        step = units if k.device.type != "cpu" else max(1, CPU_UNIT_VALUES // k[0].numel())
-        parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout) for at in range(0, units, step)]
+        budget = CPU_UNIT_VALUES if k.device.type == "cpu" else DEVICE_UNIT_VALUES
+        step = max(1, budget // k[0].numel())
+        parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout,
+                                     None if states is None else states[at : at + step])
+                 for at in range(0, units, step)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-    def _encoded_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encoded_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout,
+                       states: Sequence[CodecState] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_units` of checked K/V, in one pass where the codec can."""
         units = k.shape[0]
         if self.batch_encodes and units > 1:
@@ -228,9 +241,9 @@ class Codec(ABC):
             pages = torch.zeros(units * num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
             codebooks = torch.zeros(units, layout.codebook_bytes, dtype=torch.uint8, device=k.device)
             flat = (units * num_pages * layout.page_size, *k.shape[2:])
-            if self._encode_units(kf.reshape(flat), vf.reshape(flat), layout, pages, codebooks):
+            if self._encode_units(kf.reshape(flat), vf.reshape(flat), layout, pages, codebooks, states):
                 return pages.view(units, num_pages, -1), codebooks
-        chunks = [self.encode(k[u], v[u], layout) for u in range(units)]
+        chunks = [self.encode(k[u], v[u], layout, None if states is None else states[u]) for u in range(units)]
         return torch.stack([c.pages for c in chunks]), torch.stack([c.codebook for c in chunks])
 
     def decode(self, chunk: EncodedChunk) -> tuple[torch.Tensor, torch.Tensor]:

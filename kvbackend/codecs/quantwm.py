@@ -134,45 +134,52 @@ class QuantWMCodec(QVGCodec):
             page += [("k_out_index", torch.int16, (n, h)), ("k_out_value", torch.float16, (n, h))]
         return page, book
 
-    def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
+    def _assign(self, prefix: str, residual, cents, nearest, moment: torch.Tensor | None):
         s = self.spec
-        if prefix != "k" or state.query_moment is None or s.candidates < 2 or s.kchannel:
+        if prefix != "k" or moment is None or s.candidates < 2 or s.kchannel:
             return nearest
-        weights = channel_weights(state.query_moment.to(residual.device).float())
-        return qsac_assign(residual, cents, weights, s.candidates, s.group)
+        return qsac_assign(residual, cents, channel_weights(moment), s.candidates, s.group)
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
         super()._encode(k, v, layout, pages, codebook, state)
-        moment = state.query_moment.to(k.device).float() if state.query_moment is not None else None
-        if self.spec.outliers:
-            self._encode_outliers(k, layout, pages, codebook, moment)
-        if self.spec.rank and moment is not None:
-            self._encode_psac(k, layout, pages, codebook, moment)
+        self._encode_keys(k, layout, pages, codebook, [state])
 
-    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks) -> bool:
-        """Fresh one-chunk encodes have no query statistics: no QSAC, and PSAC rows stay empty (as in
-        `_encode` without them); outliers are chosen per page as there."""
-        if not super()._encode_units(k, v, layout, pages, codebooks):
+    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
+        """Chunks from fresh states have no query statistics: no QSAC, and PSAC rows stay empty (as in `_encode`
+        without them); outliers are chosen per page as there."""
+        states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
+        if not super()._encode_units(k, v, layout, pages, codebooks, states):
             return False
-        if self.spec.outliers:
-            units = codebooks.shape[0]
-            per_page = codebooks.repeat_interleave(pages.shape[0] // units, 0)  # each page reads its chunk's slot
-            self._encode_outliers(k, layout, pages, per_page, None, units)
+        self._encode_keys(k, layout, pages, codebooks, states)
         return True
 
-    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor | None,
+    def _encode_keys(self, k, layout: PageLayout, pages, codebook, states) -> None:
+        """The key outliers and PSAC rows of ``len(states)`` chunks encoded by QVG (``codebook`` [bytes] for one
+        chunk, [U, bytes] for U), each with its own chunk's query statistics."""
+        moments = self._stacked_moments(states, k.device)  # [U, H, D, D] or None
+        units = len(states)
+        if self.spec.outliers:
+            per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
+            self._encode_outliers(k, layout, pages, per_page, moments, units)
+        if self.spec.rank and moments is not None:
+            self._encode_psac(k, layout, pages, codebook, moments)
+
+    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None,
                          units: int = 1) -> None:
         """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
-        channel weights when the chunk has query statistics) store their error exactly (fp16). ``k`` holds
-        ``units`` chunks of equal length (`_encode_units`; ``codebook`` then has a slot per page)."""
+        channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]) store their
+        error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page)."""
         p, (_, h, d) = layout.page_size, k.shape
         approx, _ = super()._decode(layout, pages, codebook)
         error = _by_head(k - approx, p)  # [N, H, P*D]
-        weights = channel_weights(moment) if moment is not None else torch.ones(h, d, device=k.device)
-        score = error.reshape(-1, h, p, d) ** 2 * weights[None, :, None, :]
+        n = k.shape[0] // units
+        if moments is None:
+            weights = torch.ones(1, h, 1, d, device=k.device)
+        else:  # each page takes its chunk's weights
+            weights = channel_weights(moments).repeat_interleave(n // p, 0)[:, :, None, :]  # [N, H, 1, D]
+        score = error.reshape(-1, h, p, d) ** 2 * weights
         # `Codec.encode` pads a partial last page with copies of the last token: they share its errors, so
         # only the first of a trailing run of identical rows (within each chunk's last page) may take outlier slots
-        n = k.shape[0] // units
         last = k.reshape(units, n, h, d)[:, -p:]
         same = (last == last[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # [U, P]: the trailing run, from the end
         for unit, copies in enumerate((same.sum(1) - 1).tolist()):
@@ -195,26 +202,35 @@ class QuantWMCodec(QVGCodec):
         flat = _by_head(k, p).scatter_add(2, index, value)
         return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3)), v
 
-    def _encode_psac(self, k, layout: PageLayout, pages, codebook, moment: torch.Tensor) -> None:
+    def _encode_psac(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor) -> None:
+        """PSAC rows of ``U = len(moments)`` chunks (``moments`` [U, H, D, D]; ``codebook`` [bytes] for one chunk,
+        [U, bytes] for U), each with the basis of its own chunk's queries."""
         r, p = self.spec.rank, layout.page_size
-        approx, _ = self._decode_base(layout, pages, codebook)  # keys without the correction
-        basis = principal_directions(moment, r).to(torch.bfloat16)  # [H, D, r] as stored
-        u = basis.float()
-        error = (k - approx).transpose(0, 1)  # [H, T, D]
-        coeff = error @ u  # [H, T, r]
+        units, h, d = moments.shape[0], moments.shape[1], moments.shape[-1]
+        t = k.shape[0] // units
+        per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
+        approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
+        basis = principal_directions(moments.reshape(units * h, d, d), r).view(units, h, d, r).to(torch.bfloat16)
+        u = basis.float()  # [U, H, D, r] as stored
+        error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
+        coeff = error @ u  # [U, H, T, r]
         scale = round_to((coeff.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
         codes = torch.round(coeff / scale.unsqueeze(-1)).clamp(-127, 127)
-        fix = (codes * scale.float().unsqueeze(-1)) @ u.transpose(1, 2)  # [H, T, D]
-        before = torch.einsum("htd,hde,hte->ht", error, moment, error)
+        fix = (codes * scale.float().unsqueeze(-1)) @ u.transpose(-1, -2)  # [U, H, T, D]
+        before = torch.einsum("uhtd,uhde,uhte->uht", error, moments, error)
         after_e = error - fix
-        after = torch.einsum("htd,hde,hte->ht", after_e, moment, after_e)
+        after = torch.einsum("uhtd,uhde,uhte->uht", after_e, moments, after_e)
         keep = after < before  # rows that lower the query-weighted error
         scale = torch.where(keep, scale.float(), torch.zeros_like(scale.float())).to(torch.float16)
         codes = torch.where(keep.unsqueeze(-1), codes, torch.zeros_like(codes)).to(torch.int8)
-        layout.codebook.view(codebook, "k_psac_basis").copy_(basis)
-        codes, scale = to_pages(codes.transpose(0, 1), p), to_pages(scale.transpose(0, 1), p)  # [N, P, H, ...]
+        layout.codebook.view(codebook, "k_psac_basis").copy_(basis[0] if codebook.dim() == 1 else basis)
+
+        def by_token(x):  # [U, H, T, ...] -> pages [U*T/P, P, H, ...]
+            return to_pages(x.transpose(1, 2).reshape(units * t, h, *x.shape[3:]), p)
+
+        codes, scale = by_token(codes), by_token(scale)
         if self.spec.sparse:  # per page and head, the rows that lower the error most
-            gain = to_pages((before - after).clamp_min(0).transpose(0, 1), p)  # [N, P, H]
+            gain = by_token((before - after).clamp_min(0))  # [N, P, H]
             token = gain.topk(self.spec.psac_rows(p), dim=1).indices  # [N, n, H]
             codes = torch.gather(codes, 1, token.unsqueeze(-1).expand(-1, -1, -1, r))
             scale = torch.gather(scale, 1, token)

@@ -109,30 +109,54 @@ class QVGCodec(Codec):
         return page, book
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
-        self._encode_chunks(k, v, layout, pages, codebook, state, 1)
+        self._encode_chunks(k, v, layout, pages, codebook, [state])
 
-    batch_encodes = True  # `_encode_units`: many fresh one-chunk encodes in one pass
+    batch_encodes = True  # `_encode_units`: many one-chunk encodes in one pass
 
-    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks) -> bool:
-        if self.spec.init != "kmeans++":  # random seeding draws a permutation per row: no shared stream
+    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
+        states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
+        if not self._states_alike(states):
             return False
-        self._encode_chunks(k, v, layout, pages, codebooks, CodecState(), codebooks.shape[0])
+        if self.spec.init != "kmeans++" and not states[0].centroids:
+            return False  # random seeding draws a permutation per row: no shared stream
+        self._encode_chunks(k, v, layout, pages, codebooks, states)
         return True
 
-    def _encode_chunks(self, k, v, layout: PageLayout, pages, codebook, state: CodecState, units: int) -> None:
-        """`_encode` of ``units`` chunks of equal length at once (K/V ``[U*N, H, D]``, ``pages [U*n, bytes]``,
-        ``codebook [U, bytes]`` for U > 1): each head of each chunk is its own k-means problem, and every
-        chunk draws the seeds a fresh encode of it alone draws (`kmeanspp_init`'s ``repeat``)."""
+    @staticmethod
+    def _states_alike(states) -> bool:
+        """Whether chunks with these states encode in one pass: all warm-started for the same tensors or none,
+        all with query statistics or none."""
+        first = states[0]
+        return all(set(s.centroids) == set(first.centroids) and (s.query_moment is None) == (first.query_moment is None)
+                   for s in states)
+
+    @staticmethod
+    def _stacked_moments(states, device) -> torch.Tensor | None:
+        """The chunks' query moments as one float32 tensor [U, H, D, D] on ``device`` (None without statistics)."""
+        if states[0].query_moment is None:
+            return None
+        return torch.stack([s.query_moment.to(device).float() for s in states])
+
+    def _encode_chunks(self, k, v, layout: PageLayout, pages, codebook, states) -> None:
+        """`_encode` of ``len(states)`` chunks of equal length at once (K/V ``[U*N, H, D]``, ``pages [U*n, bytes]``,
+        ``codebook [U, bytes]`` for U > 1), chunk u from ``states[u]`` (`_states_alike`): each head of each chunk is
+        its own k-means problem, warm-started from its own state's centroids, and every cold chunk draws the seeds
+        a fresh encode of it alone draws (`kmeanspp_init`'s ``repeat``)."""
         s = self.spec
+        units = len(states)
         generator = torch.Generator().manual_seed(s.seed)
         h = k.shape[1]
         n = k.shape[0] // units
+        moments = self._stacked_moments(states, k.device)
+        moment = None if moments is None else moments.flatten(0, 1)  # [U*H, D, D], as the k-means rows
         for prefix, x in (("k", k), ("v", v)):
             if not self._clustered(prefix):
                 self._quantize_residual(x, layout, pages, prefix)
                 continue
             residual = x.reshape(units, n, h, -1).transpose(1, 2).reshape(units * h, n, -1)  # [U*H, N, D]
-            warm = state.centroids.get(prefix)
+            warm = None
+            if prefix in states[0].centroids:
+                warm = states[0].centroids[prefix] if units == 1 else torch.cat([st.centroids[prefix] for st in states], 1)
             stored, assigns = [], []
             for stage in range(s.stages):
                 if warm is not None:
@@ -142,14 +166,17 @@ class QVGCodec(Codec):
                 else:
                     init = _INITS[s.init](residual, s.centroids, generator)
                 result = kmeans(residual, init.to(residual.device), s.iters)
-                state.iterations.append(result.iterations)
+                for st in states:
+                    st.iterations.append(result.iterations)
                 cents = self._store_centroids(result.centroids)  # as decoding will see them
-                assign = self._assign(prefix, residual, cents, result.assign, state)
+                assign = self._assign(prefix, residual, cents, result.assign, moment)
                 residual = residual - torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
                 stored.append(cents)
                 assigns.append(assign.reshape(units, h, n).transpose(1, 2).reshape(units * n, h))
-            state.centroids[prefix] = torch.stack(stored)  # [S, U*H, C, D]
-            by_unit = state.centroids[prefix].reshape(s.stages, units, h, *stored[0].shape[1:]).transpose(0, 1)
+            every = torch.stack(stored)  # [S, U*H, C, D]
+            for u, st in enumerate(states):
+                st.centroids[prefix] = every if units == 1 else every[:, u * h : (u + 1) * h].clone()
+            by_unit = every.reshape(s.stages, units, h, *stored[0].shape[1:]).transpose(0, 1)
             self._write_centroids(layout, codebook, prefix, by_unit[0] if codebook.dim() == 1 else by_unit)
             assign = torch.stack(assigns)  # [S, T, H]
             view = layout.page.view(pages, f"{prefix}_assign")  # [n, S, P, H]
@@ -206,9 +233,9 @@ class QVGCodec(Codec):
             return rows * scale[..., None]
         return raw.view(torch.int16)[page, stage, heads, ids].view(torch.bfloat16).float()
 
-    def _assign(self, prefix: str, residual, cents, nearest, state: CodecState):
-        """Centroid index per point of one stage: the k-means (nearest) assignment; subclasses may
-        choose otherwise (QuantWM's QSAC)."""
+    def _assign(self, prefix: str, residual, cents, nearest, moment: torch.Tensor | None):
+        """Centroid index per point of one stage (rows ``[U*H, N, D]``): the k-means (nearest) assignment;
+        subclasses may choose otherwise with the rows' query moments ``[U*H, D, D]`` (QuantWM's QSAC)."""
         return nearest
 
     def _quantize_residual(self, x, layout: PageLayout, pages, prefix: str) -> None:
