@@ -467,12 +467,13 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
         else:
             l_acc += tl.where(tl.arange(0, BT)[None, :] == 0, tl.sum(p.to(tl.float32), 1)[:, None], 0.0)
         values = dense + ((page * 2 + 1) * P + t[:, None]) * (H * D) + h * D + vj[None, :]
-        a0 = tl.dot(p, tl.load(values).to(tl.float16), a0)
+        rows = t[:, None] < n  # rows past n are another request's leftovers: p = 0 there, and 0 x inf is NaN
+        a0 = tl.dot(p, tl.load(values, mask=rows, other=0.0).to(tl.float16), a0)
         if VNG > 1:
-            a1 = tl.dot(p, tl.load(values + VG).to(tl.float16), a1)
+            a1 = tl.dot(p, tl.load(values + VG, mask=rows, other=0.0).to(tl.float16), a1)
         if VNG > 2:
-            a2 = tl.dot(p, tl.load(values + 2 * VG).to(tl.float16), a2)
-            a3 = tl.dot(p, tl.load(values + 3 * VG).to(tl.float16), a3)
+            a2 = tl.dot(p, tl.load(values + 2 * VG, mask=rows, other=0.0).to(tl.float16), a2)
+            a3 = tl.dot(p, tl.load(values + 3 * VG, mask=rows, other=0.0).to(tl.float16), a3)
 
     part = (r * (H * GROUP) + heads) * num_splits + s
     tl.store(m_part + part, m_i, mask=live)

@@ -143,8 +143,10 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
     total = plan.num_tokens
     k_out, v_out = out if out is not None else (torch.empty(total, h, d, dtype=out_dtype, device=pages.device),
                                                 torch.empty(total, h, d, dtype=out_dtype, device=pages.device))
-    if out is not None and (k_out.shape != (total, h, d) or not k_out.is_contiguous()):
-        raise ValueError(f"output buffers must be contiguous [{total}, {h}, {d}]")
+    for buffer in (k_out, v_out) if out is not None else ():
+        if buffer.shape != (total, h, d) or not buffer.is_contiguous() or buffer.device != pages.device:
+            raise ValueError(f"output buffers must be contiguous [{total}, {h}, {d}] on {pages.device}, got "
+                             f"{tuple(buffer.shape)} on {buffer.device}")
     work = plan.page_ids.numel()
     if work == 0:
         return k_out, v_out

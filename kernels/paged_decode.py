@@ -181,7 +181,8 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
         page = tl.load(page_ids + start + j).to(tl.int64)
         n = tl.load(valid + start + j)
         k = load_dense(dense, page, h, 0, H, P, D)
-        v = load_dense(dense, page, h, 1, H, P, D)
+        # the page's rows past n are another request's leftovers: masked scores give them p = 0, but 0 x inf is NaN
+        v = tl.where(tl.arange(0, P)[:, None] < n, load_dense(dense, page, h, 1, H, P, D), 0.0)
         m_i, l_i, acc = _attend(q_tile, k, v, n, m_i, l_i, acc, scale_log2, P)
     part = (r * (H * GROUP) + heads) * num_splits + s
     mask = i < GROUP
@@ -214,7 +215,8 @@ def _merge_kernel(o_part, m_part, l_part, out, lse, num_splits, q, book_i16, slo
         has = tl.load(req_packed + r) > 0
         slot = tl.load(slots + tl.load(req_start + r)).to(tl.int64)
         sk = sink_tile(book_i16, slot, h, SINK_K, BOOK_BYTES, H, D, SINK, SINK_ROWS, SINK_KIND)
-        sv = sink_tile(book_i16, slot, h, SINK_V, BOOK_BYTES, H, D, SINK, SINK_ROWS, SINK_KIND)
+        # a request without packed pages reads some other chunk's slot here: its sinks must not reach the sum
+        sv = tl.where(has, sink_tile(book_i16, slot, h, SINK_V, BOOK_BYTES, H, D, SINK, SINK_ROWS, SINK_KIND), 0.0)
         qv = tl.load(q + row * D + d).to(tl.float32)
         ts = tl.arange(0, SINK_ROWS)
         sink_scores = tl.where(has & (ts < SINK), tl.sum(sk * qv[None, :], 1) * scale_log2, float("-inf"))

@@ -99,15 +99,17 @@ def _values(b, scale, zero, p, o, z, BITS: tl.constexpr, G: tl.constexpr, SYMMET
 
 
 @triton.jit
-def _dense_values(dense, page, h, g, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+def _dense_values(dense, page, h, g, n, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                   G: tl.constexpr):
-    """Dense values^T [G, P] fp16 of channel group g, channels in the same plane order as `_values`."""
+    """Dense values^T [G, P] fp16 of channel group g, channels in the same plane order as `_values`; tokens past
+    the page's ``n`` read as zero (another request's leftovers: p = 0 there, and 0 x inf is NaN)."""
     PER: tl.constexpr = 8 // BITS
     GB: tl.constexpr = G * BITS // 8
     c = tl.arange(0, G)
     channel = g * G + PER * (c % GB) + c // GB
     t = tl.arange(0, P)
-    return tl.load(dense + ((page * 2 + 1) * P + t[None, :]) * (H * D) + h * D + channel[:, None]).to(tl.float16)
+    return tl.load(dense + ((page * 2 + 1) * P + t[None, :]) * (H * D) + h * D + channel[:, None],
+                   mask=t[None, :] < n, other=0.0).to(tl.float16)
 
 
 @triton.jit
@@ -199,9 +201,9 @@ def _planar_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, dense, page_i
         l_acc = l_acc * alpha[None, :] + p
         z0 = z0 * alpha[None, :]
         z1 = z1 * alpha[None, :]
-        o0 = tl.dot(_dense_values(dense, page, h, 0, H, P, D, V_BITS, VG), p.to(tl.float16), o0 * alpha[None, :])
+        o0 = tl.dot(_dense_values(dense, page, h, 0, n, H, P, D, V_BITS, VG), p.to(tl.float16), o0 * alpha[None, :])
         if VNG > 1:
-            o1 = tl.dot(_dense_values(dense, page, h, 1, H, P, D, V_BITS, VG), p.to(tl.float16), o1 * alpha[None, :])
+            o1 = tl.dot(_dense_values(dense, page, h, 1, n, H, P, D, V_BITS, VG), p.to(tl.float16), o1 * alpha[None, :])
 
     part = (r * (H * GROUP) + heads) * num_splits + s
     tl.store(m_part + part, m_i, mask=live)

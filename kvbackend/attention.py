@@ -25,4 +25,6 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
         scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
         lses.append(torch.logsumexp(scores, -1))
         outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    if not outs:  # an empty batch
+        return q.new_empty(0, hq, d, dtype=torch.float32), q.new_empty(0, hq, dtype=torch.float32)
     return torch.stack(outs), torch.stack(lses)

@@ -33,6 +33,10 @@ class TorchBackend:
 
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         reads = [cache.read(rid, layer) for rid in plan.request_ids]
+        if not reads:  # an empty batch, as the kernels answer it
+            g = cache.geometry
+            empty = torch.empty(0, g.num_kv_heads, g.head_dim, dtype=g.dtype, device=cache.dense.data.device)
+            return empty, empty.clone()
         return torch.cat([r[0] for r in reads]), torch.cat([r[1] for r in reads])
 
     def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):

@@ -285,7 +285,9 @@ class KVCache:
                 self._encode_layers(table, members, page_ids, slot)
             for layer, book, k, v in sinks:  # the sequence's first tokens, exact, with the chunk (after its codebook)
                 for name, x in zip(SINK_FIELDS, (k, v)):
-                    self.layouts[layer].codebook.view(book, name).copy_(x)
+                    field = self.layouts[layer].codebook.view(book, name)
+                    big = torch.finfo(field.dtype).max  # a float32 cache's sinks are 16-bit: saturate, never inf
+                    field.copy_(x.clamp(-big, big))
         except BaseException:
             for page in new_pages:  # the chunk stays dense; its pages (and with them the slot) go back
                 pool.allocator.decref(page)
