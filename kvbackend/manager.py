@@ -263,7 +263,7 @@ class KVCache:
         chunk_index = first // cfg.chunk_tokens
         try:
             groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # layers encoded in one pass
-            sinks = []  # (layer, slot, exact K and V of the sequence's first tokens)
+            sinks = []  # (layer, its codebook slot, exact K and V of the sequence's first tokens)
             for layer in range(self.geometry.num_layers):
                 table.states[layer].close_chunk(chunk_index)
                 kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]

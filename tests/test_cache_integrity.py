@@ -398,29 +398,21 @@ def test_a_failed_chunk_encode_keeps_the_tokens_once_and_packs_later(caplog):
     for layer in range(2):
         ref.append(r, layer, k[layer], v[layer])
     cache = make(geometry=geometry)
-    calls = []
-    if cache._encode_group(0) is None:  # layer by layer: the first chunk fails at its second layer
-        backend = cache.backends[1]
-        original = backend.encode_chunk
+    # layer by layer, the first chunk fails at its second layer; in one pass for every layer
+    # (`KVCache._encode_layers`), that pass fails
+    if cache._encode_group(0) is None:
+        owner, name, failing_call = cache.backends[1], "encode_chunk", 2  # layers share one backend object per spec
+    else:
+        owner, name, failing_call = cache.codecs[0], "encode_units", 1
+    original, calls = getattr(owner, name), []
 
-        def encode_chunk(*args):
-            calls.append(1)
-            if len(calls) == 2:
-                raise torch.OutOfMemoryError("simulated")
-            return original(*args)
+    def encode(*args):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise torch.OutOfMemoryError("simulated")
+        return original(*args)
 
-        backend.encode_chunk = encode_chunk  # layers share one backend object per spec
-    else:  # every layer in one pass (`KVCache._encode_layers`): the first chunk's pass fails
-        codec = cache.codecs[0]
-        original = codec.encode_units
-
-        def encode_units(*args):
-            calls.append(1)
-            if len(calls) == 1:
-                raise torch.OutOfMemoryError("simulated")
-            return original(*args)
-
-        codec.encode_units = encode_units
+    setattr(owner, name, encode)
     rid, _ = cache.add_request()
     cache.append(rid, 0, k[0, :8], v[0, :8])
     with caplog.at_level("ERROR", logger="kvbackend.manager"):
