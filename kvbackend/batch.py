@@ -32,6 +32,8 @@ class BatchPlan:
     max_pages: int  # most work pages of any request
     page_size: int
     min_pages: int = 1  # fewest work pages of any request (host-side, so launchers need no device sync)
+    # each request's page table and its version when planned (`KVCache` refuses the plan once either changed)
+    tables: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +92,8 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     fields = [join(ids), join(kinds), join(slots), join(valid), rows, position, np.array(starts, np.int64),
               np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
     views = ints_on_device(fields, cache.dense.data.device)
-    return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0))
+    tables = tuple((cache.page_table(rid), cache.page_table(rid).version) for rid in request_ids)
+    return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0), tables)
 
 
 def ints_on_device(fields: list, device: torch.device) -> list[torch.Tensor]:

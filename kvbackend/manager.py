@@ -298,6 +298,7 @@ class KVCache:
         first_token = table.num_packed_tokens
         table.packed.extend(new_pages)
         table.dense = table.dense[cfg.chunk_pages :]
+        table.version += 1  # plans of the dense pages freed below are stale
         for page in reversed(chunk_dense):
             self.dense.allocator.decref(page)
         self.index.publish(table, new_pages, first_token)
@@ -397,15 +398,27 @@ class KVCache:
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
         self._check_layer(layer)
+        self._check_plan(plan)
         self.wait_layer(layer)
         return self.backends[layer].gather(self, plan, layer)
 
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
         self._check_layer(layer)
+        self._check_plan(plan)
         plan.check_queries(q, self.geometry.num_kv_heads, self.geometry.head_dim)
         self.wait_layer(layer)
         return self.backends[layer].decode(self, plan, layer, q, scale)
+
+    def _check_plan(self, plan: BatchPlan) -> None:
+        """Refuse a plan whose requests were freed or packed a chunk since: its page ids may name pages another
+        request holds now (the kernels would read them; a plan is for one step, made after its appends)."""
+        for rid, (table, version) in zip(plan.request_ids, plan.tables):
+            if self._tables.get(rid) is not table:
+                raise UnknownRequest(f"the plan is stale: request {rid} was freed after it was planned")
+            if table.version != version:
+                raise InvalidKV(f"the plan is stale: request {rid} packed a chunk after it was planned "
+                                f"(its dense pages went back to the pool); plan the batch again")
 
     def page_table(self, request_id: int) -> PageTable:
         return self._table(request_id)

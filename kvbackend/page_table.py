@@ -24,6 +24,9 @@ class PageTable:
     states: list[CodecState] = field(default_factory=list)  # codec state per layer
     last_hash: int | None = None  # chained hash of the last packed page, if it was hashed
     retry_packing_at: int = 0  # after a chunk's encode failed: no new attempt before this many tokens
+    # bumped whenever pages leave the table (a chunk packed: its dense pages freed), so a plan of the pages
+    # before is refused (`KVCache.decode`/`gather`): those pages may hold another request's tokens by then
+    version: int = 0
 
     def __post_init__(self) -> None:
         if not self.lengths:

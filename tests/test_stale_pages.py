@@ -105,3 +105,30 @@ def test_the_torch_backend_answers_an_empty_batch():
     out, lse = cache.decode(plan, 0, torch.empty(0, 4, 32, dtype=torch.bfloat16))
     k, v = cache.gather(plan, 0)
     assert out.shape == (0, 4, 32) and lse.shape == (0, 4) and k.shape == v.shape == (0, 2, 32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_plan_made_before_its_request_was_freed_or_packed_is_refused(backend):
+    """A plan names page ids: once its request is freed (or packs a chunk, freeing its dense pages), another request
+    may hold those pages, and the kernels would read that request's tokens. Both backends refuse the plan alike."""
+    from kvbackend.errors import InvalidKV, UnknownRequest
+
+    cache = KVCache(Geometry(1, 2, 16, torch.float32), CacheConfig(
+        codec="identity", page_size=16, chunk_pages=2, dense_pages=2, packed_pages=4, backend=backend, device=DEVICE))
+    a, _ = cache.add_request()
+    cache.append(a, 0, torch.zeros(5, 2, 16, device=DEVICE), torch.zeros(5, 2, 16, device=DEVICE))
+    stale = cache.plan([a], 0)
+    cache.free(a)
+    b, _ = cache.add_request()
+    cache.append(b, 0, torch.full((5, 2, 16), 7.0, device=DEVICE), torch.full((5, 2, 16), 7.0, device=DEVICE))
+    with pytest.raises(UnknownRequest, match="stale"):
+        cache.gather(stale, 0)
+    with pytest.raises(UnknownRequest, match="stale"):
+        cache.decode(stale, 0, torch.randn(1, 4, 16, device=DEVICE))
+    before = cache.plan([b], 0)
+    cache.append(b, 0, torch.ones(27, 2, 16, device=DEVICE), torch.ones(27, 2, 16, device=DEVICE))  # packs a chunk
+    assert cache.page_table(b).packed
+    with pytest.raises(InvalidKV, match="packed a chunk"):
+        cache.gather(before, 0)
+    k, v = cache.gather(cache.plan([b], 0), 0)  # planned again: served
+    assert k.shape == (32, 2, 16) and torch.equal(k[:5], torch.full((5, 2, 16), 7.0, device=DEVICE))
