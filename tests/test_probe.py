@@ -18,20 +18,34 @@ def model_and_tokenizer():
     return load_model()
 
 
-def test_rows_plant_every_passcode_once_and_ask_each(model_and_tokenizer):
+def test_rows_plant_each_passcode_before_the_filler_and_ask_it(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     rows = probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=3, seed=1)
-    assert len({row.name for row in rows}) == 3 and len({row.prompt.split("Question:")[0] for row in rows}) == 1
-    context = rows[0].prompt.split("Question:")[0]
+    assert len({row.name for row in rows}) == 3 and len({row.truth for row in rows}) <= 3
     for row in rows:
-        assert f"the passcode of {row.name} is {row.truth}." in context  # planted before the filler
+        context = row.prompt.split("Question:")[0]
+        assert context.startswith(f"Remember: the passcode of {row.name} is {row.truth}.\n")
+        assert context.count("Remember:") == 1  # no distractors by default
         assert row.prompt.endswith(f"Answer: the passcode of {row.name} is")
-        assert context.index(row.truth) < 200  # early: the filler comes after every fact
     assert rows == probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=3, seed=1)  # seeded
     with pytest.raises(ValueError, match="fewer than --prefix"):
         probe_rows(tokenizer, FILLER, prefix_tokens=10**6, questions=3)
     with pytest.raises(ValueError, match="questions"):
         probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=0)
+    with pytest.raises(ValueError, match="distractors"):
+        probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=3, distractors=3)
+
+
+def test_distractors_plant_other_rows_passcodes_beside_the_asked_one(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    rows = probe_rows(tokenizer, FILLER, prefix_tokens=150, questions=4, seed=2, distractors=2)
+    truths = {row.name: row.truth for row in rows}
+    for row in rows:
+        facts = [line for line in row.prompt.split("Question:")[0].splitlines() if line.startswith("Remember:")]
+        assert len(facts) == 3 and f"Remember: the passcode of {row.name} is {row.truth}." in facts
+        for line in facts:  # every planted fact is another row's true passcode
+            name, code = line.removeprefix("Remember: the passcode of ").rstrip(".").split(" is ")
+            assert truths[name] == code
 
 
 def test_lossless_cache_recalls_as_the_exact_one_through_packed_pages(model_and_tokenizer):

@@ -117,11 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")
     ev.set_defaults(func=_cmd_eval)
 
-    pr = sub.add_parser("probe", help="far-away recall: passcodes planted before a long text, asked at its end")
+    pr = sub.add_parser("probe", help="far-away recall: a passcode planted before a long text, asked at its end")
     pr.add_argument("--text", required=True, help="filler text (UTF-8 file) placed between the facts and the questions")
     pr.add_argument("--codec", action="append", required=True, help="codec spec (repeatable)")
     pr.add_argument("--prefix", type=_int_at_least(1), default=6144, help="tokens of filler text")
-    pr.add_argument("--questions", type=_int_at_least(1), default=4, help="passcodes planted and asked (rows)")
+    pr.add_argument("--questions", type=_int_at_least(1), default=8, help="rows: each asks one person's passcode")
+    pr.add_argument("--distractors", type=_int_at_least(0), default=0,
+                    help="other people's passcodes planted beside each row's own (default 0: a probe the exact "
+                         "cache passes; with more, SmolLM2-135M confuses people even with the exact cache)")
     pr.add_argument("--chunk-pages", type=_int_at_least(1), default=32, help="64-token pages per chunk")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--json", help="write the answers and scores as JSON here")

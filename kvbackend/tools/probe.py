@@ -1,11 +1,16 @@
 """`kvbackend probe`: far-away recall through a compressed cache.
 
-Passcodes of a few people are planted at the start of a long context (then ``--prefix`` tokens of a
-filler text); at the end each row asks for one of them. The model answers greedily with the exact
-cache and with each codec through a `KVBackendCache` (the paged cache, chunks packed as an engine
-packs them). A codec that breaks long-range recall answers differently from the exact cache even where
-short-prefix KL looks fine, so the score is agreement with the exact run's answers; whether those
-answers are right is reported beside it (a small model misses some with the exact cache too).
+Each row plants one person's passcode at the start of a long context (then ``--prefix`` tokens of a
+filler text) and asks for it at the end; ``distractors`` other people's passcodes may be planted beside it.
+The model answers greedily with the exact cache and with each codec through a `KVBackendCache` (the paged
+cache, chunks packed as an engine packs them), one row at a time (no padding: sink tokens are the row's
+own first tokens). A codec that breaks long-range recall answers differently from the exact cache even
+where short-prefix KL looks fine, so the score is agreement with the exact run's answers; whether those
+answers are right is reported beside it.
+
+The default (no distractors) is a probe SmolLM2-135M passes with the exact cache (8 of 8 rows at 2048
+tokens of GPL-3); with distractors it confuses people even with the exact cache (3 of 8), and agreement
+then also counts which wrong passcode a confused model picks.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 NAMES = ("Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ines", "Jonas",
-         "Kalani", "Lucia", "Mateo", "Noor", "Oskar", "Priya")
+         "Kalani", "Lucia", "Mateo", "Noor", "Oskar", "Priya", "Quentin", "Rosa", "Samir", "Tamsin", "Ulrich",
+         "Vera", "Wendell", "Yasmin")
 ANSWER_TOKENS = 6  # greedy tokens read for an answer (4 digits and some slack)
 PAGE_SIZE = 64  # tokens per page of the caches the probe builds
 
@@ -38,27 +44,35 @@ class ProbeResult:
     packed_tokens: int  # per row: tokens held in packed pages
 
 
-def probe_rows(tokenizer, filler: str, prefix_tokens: int, questions: int, seed: int = 0) -> list[ProbeRow]:
-    """``questions`` prompts sharing one context: passcodes of ``questions`` people, then ``prefix_tokens``
-    tokens of ``filler``, then a question about one of them (each row asks about another person).
+def probe_rows(tokenizer, filler: str, prefix_tokens: int, questions: int, seed: int = 0,
+               distractors: int = 0) -> list[ProbeRow]:
+    """``questions`` prompts, each asking for the passcode of another person: that passcode (and those of
+    ``distractors`` other people, in a random order) planted first, then ``prefix_tokens`` tokens of
+    ``filler``, then the question.
 
     Raises:
-        ValueError: ``questions`` outside 1..len(NAMES), or a filler shorter than ``prefix_tokens`` tokens.
+        ValueError: ``questions`` outside 1..len(NAMES), ``distractors`` outside 0..questions-1, or a filler
+            shorter than ``prefix_tokens`` tokens.
     """
     if not 1 <= questions <= len(NAMES):
         raise ValueError(f"questions must be in 1..{len(NAMES)}, got {questions}")
+    if not 0 <= distractors < questions:
+        raise ValueError(f"distractors must be in 0..{questions - 1} (other rows' people), got {distractors}")
     ids = tokenizer(filler).input_ids
     if len(ids) < prefix_tokens:
         raise ValueError(f"the filler text has {len(ids)} tokens, fewer than --prefix {prefix_tokens}")
     rng = random.Random(seed)
     names = rng.sample(NAMES, questions)
     codes = [f"{rng.randrange(1000, 10000)}" for _ in names]
-    facts = "".join(f"Remember: the passcode of {name} is {code}.\n" for name, code in zip(names, codes))
-    context = facts + "\n" + tokenizer.decode(ids[:prefix_tokens]) + "\n\n"
-    order = list(range(questions))
-    rng.shuffle(order)
-    return [ProbeRow(names[i], codes[i], context + f"Question: what is the passcode of {names[i]}? "
-                                               f"Answer: the passcode of {names[i]} is") for i in order]
+    body = "\n" + tokenizer.decode(ids[:prefix_tokens]) + "\n\n"
+    rows = []
+    for i in range(questions):
+        planted = [i] + rng.sample([j for j in range(questions) if j != i], distractors)
+        rng.shuffle(planted)
+        facts = "".join(f"Remember: the passcode of {names[j]} is {codes[j]}.\n" for j in planted)
+        rows.append(ProbeRow(names[i], codes[i], facts + body + f"Question: what is the passcode of {names[i]}? "
+                                                          f"Answer: the passcode of {names[i]} is"))
+    return rows
 
 
 def plan_layers(model, tokenizer, text: str, spec: str, tokens: int, page_size: int = PAGE_SIZE,
@@ -97,36 +111,38 @@ def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_p
     from kvbackend.integration.transformers import KVBackendCache
     from kvbackend.tools.models import cache_argument
 
-    tokenizer.padding_side = "left"
-    batch = tokenizer([row.prompt for row in rows], return_tensors="pt", padding=True).to(model.device)
-    length = batch["input_ids"].shape[1]
+    prompts = [tokenizer(row.prompt, return_tensors="pt").to(model.device) for row in rows]
     truths = [row.truth for row in rows]
     advance = (lambda: None) if progress is None else progress
 
-    def answers(cache) -> list[str]:
+    def answer(prompt, cache) -> str:
+        length = prompt["input_ids"].shape[1]
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=ANSWER_TOKENS, do_sample=False,
+            out = model.generate(**prompt, max_new_tokens=ANSWER_TOKENS, do_sample=False,
                                  pad_token_id=model.config.pad_token_id, **cache_argument(model, cache))
-        return [_answer(tokenizer.decode(row[length:], skip_special_tokens=True)) for row in out]
+        return _answer(tokenizer.decode(out[0, length:], skip_special_tokens=True))
 
     def score(name: str, got: list[str], exact: list[str], packed: int) -> ProbeResult:
         agree = sum(a == b for a, b in zip(got, exact)) / len(rows)
         correct = sum(a == t for a, t in zip(got, truths)) / len(rows)
         return ProbeResult(name, got, agree, correct, packed)
 
-    exact = answers(DynamicCache(config=model.config))
+    exact = [answer(prompt, DynamicCache(config=model.config)) for prompt in prompts]
     advance()
     results = [score("exact (DynamicCache)", exact, exact, 0)]
     for spec in codecs:
         layers = (plans or {}).get(spec, spec)
-        cache = KVBackendCache(model.config, codec=layers, page_size=PAGE_SIZE, chunk_pages=chunk_pages,
-                               max_tokens=length + 2 * PAGE_SIZE)
-        cache.attach(model)
-        try:
-            got = answers(cache)
-        finally:
-            cache.detach(model)
-        results.append(score(spec, got, exact, cache.engine.stats().packed_tokens // len(rows)))
+        got, packed = [], 0
+        for prompt in prompts:
+            cache = KVBackendCache(model.config, codec=layers, page_size=PAGE_SIZE, chunk_pages=chunk_pages,
+                                   max_tokens=prompt["input_ids"].shape[1] + 2 * PAGE_SIZE)
+            cache.attach(model)
+            try:
+                got.append(answer(prompt, cache))
+            finally:
+                cache.detach(model)
+            packed += cache.engine.stats().packed_tokens
+        results.append(score(spec, got, exact, packed // len(rows)))
         advance()
     return results
 
@@ -160,7 +176,7 @@ def run_probe_cli(args) -> int:
     console = Console(width=max(Console().width, 120))
     with console.status("loading SmolLM2-135M-Instruct from its GGUF file"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
-    rows = probe_rows(tokenizer, filler, args.prefix, args.questions, args.seed)
+    rows = probe_rows(tokenizer, filler, args.prefix, args.questions, args.seed, args.distractors)
     plans = {}
     for spec in args.codec:
         if parse_auto(spec) is not None:
@@ -178,9 +194,14 @@ def run_probe_cli(args) -> int:
         table.add_row(r.cache, f"{r.packed_tokens:,}", f"{r.agree:.0%}", f"{r.correct:.0%}", " ".join(a or "-" for a in r.answers))
     console.print(table)
     console.print("planted: " + " ".join(f"{row.name}={row.truth}" for row in rows))
+    if results[0].correct < 0.95:
+        console.print(f"[yellow]the exact cache answers only {results[0].correct:.0%} of the rows correctly: the model "
+                      "does not pass this probe, so agreement also counts which wrong answer a confused model "
+                      "picks (fewer --distractors, or a shorter --prefix, gives a probe it passes)[/yellow]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": args.text, "prefix": args.prefix, "questions": len(rows), "seed": args.seed,
+                       "distractors": args.distractors,
                        "truth": [row.truth for row in rows], "results": [r.__dict__ for r in results],
                        "plans": plans}, f, indent=1)
     return 0
