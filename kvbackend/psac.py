@@ -22,14 +22,66 @@ class Correction:
     stored_bytes: int  # INT8 coefficients + fp16 scales + bf16 bases, as stored
 
 
-def principal_directions(moment: torch.Tensor, rank: int) -> torch.Tensor:
+SUBSPACE_STEPS = 8  # block power steps of the device solver
+SUBSPACE_WIDTH = 4  # its block holds this many columns per direction kept (oversampling)
+
+
+def principal_directions(moment: torch.Tensor, rank: int, method: str = "auto") -> torch.Tensor:
     """The ``rank`` leading eigenvectors of each symmetric ``moment`` [H, D, D] (ascending order, as
     `torch.linalg.eigh` gives them): [H, D, rank] float32 on ``moment``'s device.
 
-    Solved on the host: a batched eigh of a few 128 x 128 matrices takes about 22 ms on an H200 (one
-    solver kernel per sweep) and a few ms in LAPACK, and the basis is then the same on every device."""
+    ``method``: ``"eigh"`` solves every matrix whole with LAPACK on the host (about 1 ms per 128 x 128 matrix:
+    255 of the 328 ms that a warm 2048-token chunk of Llama-8B's 32 layers took to encode on the H200);
+    ``"subspace"`` runs block subspace iteration on the moment's device (`subspace_directions`: batched
+    products and small factorizations, no host round trip); ``"auto"`` takes ``"subspace"`` on a GPU and
+    ``"eigh"`` on the CPU, where the small factorizations cost as much as LAPACK's whole solve. The two
+    agree on the subspace, not bit for bit (nor do the CPU's and a GPU's k-means), so the bytes a chunk
+    encodes to depend on the device."""
+    if method == "auto":
+        method = "eigh" if moment.device.type == "cpu" else "subspace"
+    if method == "subspace":
+        return subspace_directions(moment, rank)
+    if method != "eigh":
+        raise ValueError(f"method must be 'auto', 'eigh' or 'subspace', got {method!r}")
     _, vectors = torch.linalg.eigh(moment.detach().float().cpu())  # ascending eigenvalues
     return vectors[:, :, -rank:].to(moment.device)
+
+
+def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_STEPS,
+                        width: int = SUBSPACE_WIDTH) -> torch.Tensor:
+    """`principal_directions` by block subspace iteration with a Rayleigh-Ritz step, in float64 on
+    ``moment``'s device: a block of ``width * rank`` columns (at most D) from a fixed seed, ``steps`` times
+    multiplied by the moment and orthonormalized (Cholesky QR), then the leading ``rank`` Ritz vectors.
+
+    On SmolLM2's query moments (30 layers x 3 heads, prefixes of 512-2048 tokens of GPL-3; ratio of the
+    5th to the 4th eigenvalue 0.87 at the median, 0.998 at worst) the basis captures at least 99.9% of
+    the query energy that the exact top-4 eigenvectors capture (mean 99.999%). The moment is shifted by
+    1e-6 of its mean eigenvalue (the eigenvectors stay; every block stays well conditioned, a moment of
+    zero included); a matrix whose factorization still fails, or whose basis is not finite, is solved by
+    LAPACK instead (one check per call, the only host round trip)."""
+    h, d, _ = moment.shape
+    rank = min(rank, d)
+    m = moment.detach().to(torch.float64)
+    eye = torch.eye(d, dtype=m.dtype, device=m.device)
+    shift = m.diagonal(dim1=-2, dim2=-1).sum(-1).abs() * (1e-6 / d) + 1e-30
+    m = m + shift.view(h, 1, 1) * eye
+    block = min(d, width * rank)
+    seed = torch.Generator().manual_seed(0)
+    x = torch.randn(d, block, generator=seed, dtype=m.dtype).to(m.device).expand(h, d, block)
+    failed = torch.zeros(h, dtype=torch.bool, device=m.device)
+    for _ in range(steps):
+        y = m @ x
+        y = y / y.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        factor, info = torch.linalg.cholesky_ex(y.transpose(1, 2) @ y)
+        x = torch.linalg.solve_triangular(factor, y.transpose(1, 2), upper=False).transpose(1, 2)
+        failed |= info != 0
+    ritz = x.transpose(1, 2) @ m @ x
+    _, vectors = torch.linalg.eigh((ritz + ritz.transpose(1, 2)) / 2)  # ascending
+    basis = (x @ vectors[:, :, -rank:]).float()
+    failed |= ~torch.isfinite(basis).flatten(1).all(1)
+    if bool(failed.any()):
+        basis[failed] = principal_directions(moment[failed], rank, "eigh")
+    return basis
 
 
 def query_second_moment(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
