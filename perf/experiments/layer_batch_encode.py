@@ -40,34 +40,34 @@ def run(batched: bool, args, device: str) -> dict:
         cache._encode_group = lambda layer: None
     gen = torch.Generator().manual_seed(0)
     rid, _ = cache.add_request()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def next_chunk(timed) -> None:
+        """Append one chunk layer by layer; ``timed()`` wraps the last layer's append, which completes the chunk
+        (every layer encodes)."""
+        kv = [(torch.randn(args.chunk, heads, d, generator=gen).bfloat16().to(device),
+               torch.randn(args.chunk, heads, d, generator=gen).bfloat16().to(device),
+               torch.randn(args.chunk, qheads, d, generator=gen).to(device)) for _ in range(layers)]
+        for layer in range(layers - 1):
+            cache.append(rid, layer, *kv[layer][:2], queries=kv[layer][2])
+        sync()
+        timed(lambda: (cache.append(rid, layers - 1, *kv[-1][:2], queries=kv[-1][2]), sync()))
+
     times = []
-    for _ in range(args.chunks):
-        kv = [(torch.randn(args.chunk, heads, d, generator=gen).bfloat16().to(device),
-               torch.randn(args.chunk, heads, d, generator=gen).bfloat16().to(device),
-               torch.randn(args.chunk, qheads, d, generator=gen).to(device)) for _ in range(layers)]
-        for layer in range(layers - 1):
-            cache.append(rid, layer, *kv[layer][:2], queries=kv[layer][2])
-        if device == "cuda":
-            torch.cuda.synchronize()
+
+    def clocked(fn):
         start = time.perf_counter()
-        cache.append(rid, layers - 1, *kv[-1][:2], queries=kv[-1][2])  # completes the chunk: every layer encodes
-        if device == "cuda":
-            torch.cuda.synchronize()
+        fn()
         times.append(time.perf_counter() - start)
+
+    for _ in range(args.chunks):
+        next_chunk(clocked)
     if batched and args.profile and not args.profile_done:
-        kv = [(torch.randn(args.chunk, heads, d, generator=gen).bfloat16().to(device),
-               torch.randn(args.chunk, heads, d, generator=gen).bfloat16().to(device),
-               torch.randn(args.chunk, qheads, d, generator=gen).to(device)) for _ in range(layers)]
-        for layer in range(layers - 1):
-            cache.append(rid, layer, *kv[layer][:2], queries=kv[layer][2])
-        if device == "cuda":
-            torch.cuda.synchronize()
         profiler = cProfile.Profile()
-        profiler.enable()
-        cache.append(rid, layers - 1, *kv[-1][:2], queries=kv[-1][2])
-        if device == "cuda":
-            torch.cuda.synchronize()
-        profiler.disable()
+        next_chunk(lambda fn: profiler.runcall(fn))
         text = io.StringIO()
         for order in ("cumulative", "tottime"):
             pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
