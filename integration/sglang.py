@@ -24,8 +24,10 @@ and this backend's format version; a blob of another length than this configurat
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -46,6 +48,7 @@ from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
+from kvbackend.integration.pool_writer import PoolWriter
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
                                                    private_directory)
 
@@ -58,6 +61,7 @@ BATCH_PAGES = 32  # pages encoded or decoded in one codec call on a GPU (64 MiB 
 # perf/NOTES.md session 13): decode 1 page at a time (kivi-2 1.93 against 1.36 GB/s at 32, the recipe's codec 0.62
 # against 0.30), encode 4 (kivi-2 1.42 against 1.14 GB/s)
 CPU_BATCH_PAGES = {"encode": 4, "decode": 1}
+READ_AHEAD = 2  # decode batches whose file reads run while the current batch decodes (gets into the host pool)
 FORMAT_VERSION = 2  # of a stored page's bytes (a page group, kvbackend.page_group); enters the fingerprint
 
 
@@ -91,6 +95,7 @@ class KVBackendStorage(HiCacheStorage):
         self._private_directories()  # an unsafe directory is refused here, at start-up
         self.blob_bytes: int | None = None  # length of every blob of a registered pool (None: it varies)
         self.mem_pool_host = None
+        self.writer: PoolWriter | None = None  # decoded pages straight into the pool's buffer, where it allows
         self.tier: FileTier | None = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -121,6 +126,7 @@ class KVBackendStorage(HiCacheStorage):
         if self.layout is not None:  # each SGLang page is a one-page chunk: its group always carries its codebooks
             self.group = PageGroupFormat.of([self.layout] * g.num_layers, fingerprint)
             self.blob_bytes = self.group.blob_bytes
+        self.writer = PoolWriter.of(mem_pool_host, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
         self._private_directories()
         # readers side by side for a batch's blobs (the file tier's default: up to 8, one per core)
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
@@ -195,35 +201,34 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["encode_s"] += time.perf_counter() - start
         return list(blobs)
 
-    def _decode_batch(self, blobs: List[torch.Tensor]) -> torch.Tensor:
-        """Pages [N, 2, L, P, H, D] from blobs `_is_page_of` accepted, in one codec call: every layer of every
-        page as pages of one chunk (page-local codecs), or as one-page units with their own codebooks
-        (`Codec.decode_units`; each blob carries its layers' codebooks)."""
+    def _decode_batch(self, blobs, sink=None) -> Optional[torch.Tensor]:
+        """Pages [N, 2, L, P, H, D] from blobs `_is_page_of` accepted (a list, or a [N, blob_bytes] tensor), in one
+        codec call: every layer of every page as pages of one chunk (page-local codecs), or as one-page units
+        with their own codebooks (`Codec.decode_units`; each blob carries its layers' codebooks). With ``sink``,
+        ``sink(pages)`` takes them where they were decoded (on the codec's device and stream) and None is
+        returned."""
         start = time.perf_counter()
         g, lay, group = self.geometry, self.layout, self.group
-        n = len(blobs)
-        body = torch.stack([b[: group.pages_bytes] for b in blobs],
-                           out=self.device.staging((n, group.pages_bytes), torch.uint8))
-        body = body.view(n * g.num_layers, lay.page_bytes)
+        if isinstance(blobs, torch.Tensor):
+            stacked = blobs
+        else:
+            stacked = torch.stack([b[: group.blob_bytes] for b in blobs],
+                                  out=self.device.staging((len(blobs), group.blob_bytes), torch.uint8))
+        n = stacked.shape[0]
         shape = (n, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
-        if group.has_codebooks:  # one layout for every layer: the codebooks are [L, codebook_bytes] per blob
-            books = torch.stack([b[group.books_offset : group.blob_bytes] for b in blobs],
-                                out=self.device.staging((n, group.blob_bytes - group.books_offset), torch.uint8))
-            units = (n, g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
+        units = (n, g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
 
-            def decode(body, books):
-                k, v = self.frame.from_stored(*self.codec.decode_units(
-                    lay, body, books.view(n * g.num_layers, lay.codebook_bytes)), 0)
+        def decode(blobs):  # on the codec's device: the page bytes and codebooks are cut from the blobs there
+            body = blobs[:, : group.pages_bytes].reshape(n * g.num_layers, lay.page_bytes)
+            if group.has_codebooks:  # one layout for every layer: the codebooks are [L, codebook_bytes] per blob
+                books = blobs[:, group.books_offset : group.blob_bytes].reshape(n * g.num_layers, lay.codebook_bytes)
+                k, v = self.frame.from_stored(*self.codec.decode_units(lay, body, books), 0)
                 return torch.stack([k.reshape(units)[:, :, : self.page_size],
                                     v.reshape(units)[:, :, : self.page_size]], dim=1).to(g.dtype)
+            k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, body.new_empty(0)), 0)
+            return torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
 
-            out = self.device("decode", decode, body, books)
-        else:
-            def decode(body):
-                k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, body.new_empty(0)), 0)
-                return torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
-
-            out = self.device("decode", decode, body)
+        out = self.device("decode", decode, stacked, sink=sink)
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out
@@ -417,6 +422,73 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["misses"] += len(pages) - hits
         return pages
 
+    def _load_into_pool(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        """batch_get_v1 for batched codecs and a pool `PoolWriter` can write: blobs are read a batch at a time into
+        (page-locked) staging rows, READ_AHEAD batches ahead of the decode; each batch is decoded in one codec
+        call and its pages are copied from where they were decoded straight into the pool's slots (on a GPU:
+        one asynchronous strided copy per page, no host copy). A page with a bad host index, a missing, short,
+        corrupt or foreign blob, or a page that cannot be decoded is a miss alone; its slot is not written."""
+        n, p = len(keys), self.page_size
+        ints = [self._key(k) for k in keys]
+        starts: list[Optional[int]] = []
+        for i in range(n):
+            try:
+                starts.append(self.writer.slot(host_indices[i * p]))
+            except Exception as exc:  # noqa: BLE001 - a bad or missing host index: that page alone misses
+                self._log_once("deliver", f"kvbackend storage: a page cannot go into the host pool: {exc!r}")
+                starts.append(None)
+        rows = [i for i in range(n) if starts[i] is not None and self.tier.blob_size(ints[i]) == self.blob_bytes]
+        step = self._batch_pages("decode")
+        batches = iter([rows[at : at + step] for at in range(0, len(rows), step)])
+
+        def read(batch):
+            staging = self.device.staging((len(batch), self.blob_bytes), torch.uint8)
+            return batch, staging, self.tier.get([ints[i] for i in batch], list(staging),
+                                                 expected_len=[self.blob_bytes] * len(batch))
+
+        pending = collections.deque(read(b) for b in itertools.islice(batches, READ_AHEAD))
+        results = [False] * n
+        read_s = 0.0
+        while pending:
+            batch, staging, handle = pending.popleft()
+            following = next(batches, None)
+            if following is not None:
+                pending.append(read(following))
+            start = time.perf_counter()
+            found = handle.result()
+            read_s += time.perf_counter() - start
+            good = [j for j, i in enumerate(batch) if found[j] and self._is_page_of(staging[j], ints[i])]
+            if len(good) < len(batch):  # the rows that read well, packed together (page-locked again)
+                staging = torch.index_select(staging, 0, torch.tensor(good, dtype=torch.long),
+                                             out=self.device.staging((len(good), self.blob_bytes), torch.uint8))
+            for j in self._decode_into_pool(staging, [starts[batch[j]] for j in good]):
+                results[batch[good[j]]] = True
+        with self._lock:
+            self._stats["read_s"] += read_s
+            hits = sum(results)
+            self._stats["hits"] += hits
+            self._stats["misses"] += n - hits
+        return results
+
+    def _decode_into_pool(self, blobs: torch.Tensor, starts: List[int]) -> List[int]:
+        """Rows of ``blobs`` decoded into the pool at ``starts``: those that made it. A batch that fails goes
+        page by page, so a page that cannot be decoded is a miss alone."""
+        if not starts:
+            return []
+        try:
+            self._decode_batch(blobs, sink=lambda pages: self.writer.write(pages, starts))
+            return list(range(len(starts)))
+        except Exception as exc:  # noqa: BLE001 - one page at a time below
+            self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
+        done = []
+        for j in range(len(starts)) if len(starts) > 1 else ():
+            try:
+                self._decode_batch(blobs[j : j + 1], sink=lambda pages, at=starts[j]: self.writer.write(pages, [at]))
+                done.append(j)
+            except Exception:  # noqa: BLE001 - logged once above
+                pass
+        return done
+
     def _hand_over(self, deliver, row: int, page: torch.Tensor) -> Optional[bool]:
         """``deliver(row, page)``: True, or None (a miss of this page alone) where the host pool refuses it."""
         try:
@@ -436,6 +508,8 @@ class KVBackendStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         try:
             self._require_pool()
+            if self.writer is not None and self._batched_decode():
+                return self._load_into_pool(list(keys), host_indices)
             copying = [0.0]
 
             def deliver(i: int, page: torch.Tensor) -> None:  # into the host pool as soon as it is decoded

@@ -91,29 +91,34 @@ class DeviceCodec:
         self._stream = None
         self._logged: set[str] = set()
 
-    def run(self, fn, *tensors, into=None):
+    def run(self, fn, *tensors, into=None, sink=None):
         """``fn(*tensors moved to the device)`` -> its tensor result back on the host (or a tuple of them). With
         ``into`` (host tensors), row ``i`` of the result is copied into ``into[i]`` instead (straight from the
-        device, asynchronously where ``into[i]`` is page-locked) and None is returned."""
+        device, asynchronously where ``into[i]`` is page-locked) and None is returned. With ``sink``,
+        ``sink(result)`` is called on the device's stream (its copies may be asynchronous there) and None is
+        returned once the stream has finished."""
         import torch
 
         if self.device.type == "cpu":
-            return self._deliver(fn(*tensors), into)
+            return self._deliver(fn(*tensors), into, sink)
         with self._lock, torch.cuda.device(self.device):
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
             with torch.cuda.stream(self._stream):
                 moved = [t.to(self.device, non_blocking=t.is_pinned()) for t in tensors]
                 out = fn(*moved)
-                if into is not None:
-                    result = self._deliver(out, into)
+                if into is not None or sink is not None:
+                    result = self._deliver(out, into, sink)
                 else:
                     result = tuple(self._to_host(o) for o in out) if isinstance(out, tuple) else self._to_host(out)
             self._stream.synchronize()  # the copies above are complete before anyone reads the results
         return result
 
     @staticmethod
-    def _deliver(out, into):
+    def _deliver(out, into, sink=None):
+        if sink is not None:
+            sink(out)
+            return None
         if into is None:
             return out
         if len(into) != len(out):
@@ -151,13 +156,13 @@ class DeviceCodec:
                 pass
         return torch.empty(shape, dtype=dtype)
 
-    def __call__(self, what: str, fn, *tensors, into=None):
+    def __call__(self, what: str, fn, *tensors, into=None, sink=None):
         """`run`, except that where the device fails (out of memory, a lost context, ...) this batch runs on
         the CPU (the same bytes) and the failure is logged once. Errors of the pages themselves
         (``ValueError``: non-finite values, damaged bytes) are raised as on the CPU."""
         if self.device.type != "cpu":
             try:
-                return self.run(fn, *tensors, into=into)
+                return self.run(fn, *tensors, into=into, sink=sink)
             except ValueError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the CPU path below gives the same bytes
@@ -165,4 +170,4 @@ class DeviceCodec:
                     self._logged.add(what)
                     self._log.error(f"kvbackend storage: {what} on {self.device} failed, using the CPU for this "
                                     f"batch: {exc!r}")
-        return self._deliver(fn(*tensors), into)
+        return self._deliver(fn(*tensors), into, sink)

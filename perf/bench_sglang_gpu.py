@@ -2,13 +2,14 @@
 `KVBackendStorage` (its codec on the GPU when there is one: the backend's ``device`` option, ``auto``) against
 SGLang's own `HiCacheFile` writing the raw pages, on the same pages and the same disk, in one run.
 
-    python3 perf/bench_sglang_gpu.py --out $OUT/bench_sglang_gpu.json [--pages 64] [--page-size 64]
+    python3 perf/bench_sglang_gpu.py --out $OUT/bench_sglang_gpu.json [--pages 64] [--page-size 64] [--pageable-pool]
 
 Needs SGLang's storage interface importable. A machine without SGLang can use the three pure-Python files it takes
 (`bash perf/sglang_subset.sh .sglang_min` where SGLang is installed, then ``PYTHONPATH=.sglang_min``).
 Figures are GB/s of raw KV (bf16 K and V of every layer) per call of `batch_set_v1` / `batch_get_v1`, medians of
 three rounds (fresh keys for every set round; gets read what the last set wrote, so from the OS page cache on both
-sides).
+sides). The host pool is page-locked where CUDA is present, as SGLang allocates it (``--pageable-pool``: plain
+memory); HiCacheFile's targets are of the same kind.
 """
 
 from __future__ import annotations
@@ -52,11 +53,22 @@ def main() -> None:
     parser.add_argument("--codecs", default="|".join(CODECS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where both backends write (default: a temporary folder)")
+    parser.add_argument("--pageable-pool", action="store_true",
+                        help="a host pool in pageable memory (SGLang page-locks its host pool where it can: the default "
+                             "here too, where CUDA is present)")
+    parser.add_argument("--batch-pages", type=int, default=None, help="pages per GPU codec call (the backend's default)")
     args = parser.parse_args()
     from sglang.srt.mem_cache import hicache_storage as hicache
 
+    import kvbackend.integration.sglang as module
+
+    if args.batch_pages:
+        module.BATCH_PAGES = args.batch_pages
     n, p = args.pages, args.page_size
     host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
+    pinned = torch.cuda.is_available() and not args.pageable_pool
+    if pinned:
+        host.kv_buffer = host.kv_buffer.pin_memory()
     host.kv_buffer.normal_()
     page_bytes = 2 * args.layers * p * 8 * 128 * 2
     raw = n * page_bytes
@@ -70,7 +82,7 @@ def main() -> None:
         extra_config={"file_storage_path": str(root / "hicachefile")})
     reference = hicache.HiCacheFile(config)
     pages = [host.get_data_page(i * p, flat=True) for i in range(n)]
-    targets = [torch.empty_like(pages[0]) for _ in range(n)]
+    targets = [torch.empty(pages[0].shape, dtype=pages[0].dtype, pin_memory=pinned) for _ in range(n)]
     set_s = median_time(lambda r: reference.batch_set([f"r{r}-{i}" for i in range(n)], pages), args.rounds)
     last = args.rounds - 1
     get_s = median_time(lambda r: reference.batch_get([f"r{last}-{i}" for i in range(n)], targets), args.rounds)
@@ -94,6 +106,9 @@ def main() -> None:
                "get_GBps": raw / get_s / 1e9,
                "bytes_per_page": stored, "bits_per_value": 8 * stored / (page_bytes / 2), "rms_error": error}
         row["get_vs_hicachefile"] = row["get_GBps"] / rows[0]["get_GBps"]
+        # whether gets decode straight into the pool (`PoolWriter`), asynchronously (a page-locked pool)
+        row["into_pool"] = "direct" if backend.writer is not None and backend.writer.direct else (
+            "strided host copy" if backend.writer is not None else "set_from_flat_data_page")
         # where the time of every round went (seconds summed over the warm-up, the set and the get rounds)
         row["seconds"] = {key: stats[key] for key in ("from_pool_s", "encode_s", "write_s", "read_s", "decode_s",
                                                      "to_pool_s") if key in stats}
@@ -105,7 +120,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                   "pages": n, "page_size": p, "layers": args.layers, "rows": rows}, f, indent=1)
+                   "pages": n, "page_size": p, "layers": args.layers, "pool_pinned": pinned,
+                   "batch_pages": module.BATCH_PAGES, "read_ahead": module.READ_AHEAD, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -553,7 +553,7 @@ def test_a_device_that_fails_falls_back_to_the_cpu(tmp_path, monkeypatch, caplog
     calls = []
 
     class Broken(DeviceCodec):
-        def run(self, fn, *tensors, into=None):
+        def run(self, fn, *tensors, into=None, sink=None):
             calls.append(fn)
             raise RuntimeError("CUDA error: out of memory")
 
@@ -569,7 +569,7 @@ def test_a_device_that_fails_falls_back_to_the_cpu(tmp_path, monkeypatch, caplog
     assert torch.equal(failing._decode_batch(want), cpu._decode_batch(want))
 
     class Refusing(Broken):
-        def run(self, fn, *tensors, into=None):
+        def run(self, fn, *tensors, into=None, sink=None):
             raise ValueError("non-finite values")
 
     failing.device = Refusing(torch.device("cuda", 0))
@@ -694,3 +694,137 @@ def test_error_bounded_pages_at_the_edge_of_fp16_stay_finite(tmp_path):
     assert backend.batch_get_v1(["edge"], host_indices([1])) == [True]
     page = host.page(16)
     assert torch.isfinite(page).all() and page.abs().max() == 65504.0
+
+
+# -- decoded pages straight into the host pool (`kvbackend.integration.pool_writer`) ------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_pool_writer_writes_what_the_pool_itself_would(layout):
+    """`PoolWriter.write` of pages at any slots leaves the pool as `set_from_flat_data_page` of the same pages
+    does, and touches nothing else."""
+    from kvbackend.integration.pool_writer import PoolWriter
+
+    pool, reference = HostPool(layout, pages=6, layers=3), HostPool(layout, pages=6, layers=3)
+    pool.kv_buffer.normal_()
+    reference.kv_buffer.copy_(pool.kv_buffer)
+    writer = PoolWriter.of(pool, 3, 2, 64, torch.bfloat16)
+    assert writer is not None and writer.layout == layout
+    pages = torch.randn(3, 2, 3, 16, 2, 64).to(torch.bfloat16)
+    starts = [writer.slot(s) for s in (80, 3, 40)]  # any token slot, not only page-aligned ones
+    writer.write(pages, starts)
+    for page, start in zip(pages, starts):
+        ordered = page.transpose(1, 2) if layout == "page_first" else page
+        reference.set_from_flat_data_page(start, ordered.contiguous().flatten())
+    assert torch.equal(pool.kv_buffer, reference.kv_buffer)
+    for bad in (-1, 96 - 15, 10**6):
+        with pytest.raises(ValueError, match="outside the host pool"):
+            writer.slot(bad)
+    with pytest.raises(ValueError, match="for 2 slots"):
+        writer.write(pages, starts[:2])
+
+
+def test_the_pool_writer_declines_pools_it_cannot_address():
+    """Another dtype, a buffer that is not one contiguous tensor of the layout's shape, or no buffer at all: no
+    writer (the backend then goes through the pool's own methods)."""
+    from kvbackend.integration.pool_writer import PoolWriter
+
+    pool = HostPool("layer_first", pages=4, layers=3)
+    assert PoolWriter.of(pool, 3, 2, 64, torch.float16) is None
+    assert PoolWriter.of(pool, 4, 2, 64, torch.bfloat16) is None
+    pool.kv_buffer = pool.kv_buffer.transpose(1, 2)
+    assert PoolWriter.of(pool, 3, 2, 64, torch.bfloat16) is None
+    pool.kv_buffer = [torch.zeros(2)]
+    assert PoolWriter.of(pool, 3, 2, 64, torch.bfloat16) is None
+    pool.layout = "page_first_direct"
+    assert PoolWriter.of(pool, 3, 2, 64, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16"])
+@pytest.mark.parametrize("batch,ahead", [(1, 1), (2, 2), (3, 5), (64, 2)])
+def test_gets_into_the_pool_hold_the_pages_of_one_by_one_loading(tmp_path, monkeypatch, layout, codec, batch, ahead):
+    """batch_get_v1 through the pool writer (reads `READ_AHEAD` batches ahead of the decode) fills every slot
+    with exactly the page `_load` decodes for its key; a missing blob, a corrupt one, one filed under another
+    key and a host index outside the pool are misses alone, and their slots are not written."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 4, "decode": batch})
+    monkeypatch.setattr(module, "BATCH_PAGES", batch)
+    monkeypatch.setattr(module, "READ_AHEAD", ahead)
+    host = HostPool(layout, pages=24)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, codec, device="cpu")
+    assert backend.writer is not None
+    keys = [f"p{i}" for i in range(7)]
+    assert backend.batch_set_v1(keys[:3], host_indices(range(3))) == [True] * 3
+    assert backend.batch_set_v1(keys[3:4], host_indices(range(3, 4))) == [True]  # a file of its own
+    assert backend.batch_set_v1(keys[4:], host_indices(range(4, 7))) == [True] * 3
+    want = backend._load(keys)
+    where = backend.tier._index[backend._key("p3")]  # one bit of p3's blob
+    data = bytearray(open(where.path, "rb").read())
+    data[where.offset + where.length // 2] ^= 0x10
+    open(where.path, "wb").write(bytes(data))
+    blob = torch.empty(backend.blob_bytes, dtype=torch.uint8)  # p1's bytes filed under q: the trailer names p1
+    assert backend.tier.get([backend._key("p1")], [blob]).result() == [True]
+    assert backend.tier.put([backend._key("q")], [blob]).result() == [True]
+    asked = ["p0", "p1", "p2", "p3", "never", "p4", "q", "p6", "p0"]
+    slots = [8, 9, 10, 11, 12, 13, 14, 15, 99]  # the last: outside the pool of 24 pages
+    before = HostPool(layout, pages=24)
+    before.kv_buffer = host.kv_buffer.clone()
+    counted = backend.get_stats()
+    indices = torch.cat([host_indices(slots[:-1]), torch.arange(99 * 16, 100 * 16)])
+    expected = [True, True, True, False, False, True, False, True, False]
+    assert backend.batch_get_v1(asked, indices) == expected
+    for slot, key, hit in zip(slots[:-1], asked, expected):
+        got = host.page(16 * slot)
+        if hit:
+            assert torch.equal(got, want[keys.index(key)]), (slot, key)
+        else:
+            assert torch.equal(got, before.page(16 * slot)), slot
+    untouched = torch.ones(host.kv_buffer.shape[2 if layout == "layer_first" else 1], dtype=torch.bool)
+    untouched[8 * 16 : 16 * 16] = False
+    index = [slice(None)] * 5
+    index[2 if layout == "layer_first" else 1] = untouched
+    assert torch.equal(host.kv_buffer[tuple(index)], before.kv_buffer[tuple(index)])  # nothing outside the asked slots
+    stats = backend.get_stats()
+    assert (stats["hits"] - counted["hits"], stats["misses"] - counted["misses"]) == (5, 4)
+
+
+def test_a_pool_the_writer_cannot_address_goes_through_the_pool(tmp_path, monkeypatch):
+    """Where no writer applies, batch_get_v1 delivers through `set_from_flat_data_page`, with the same values."""
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=4,group=16", device="cpu")
+    assert backend.batch_set_v1(["a", "b"], host_indices(range(2))) == [True, True]
+    assert backend.batch_get_v1(["a", "b"], host_indices([2, 3])) == [True, True]
+    via_writer = host.kv_buffer[:, :, 32:64].clone()
+    backend.writer, calls = None, []
+    original = host.set_from_flat_data_page
+    host.set_from_flat_data_page = lambda index, data: calls.append(index) or original(index, data)
+    host.kv_buffer[:, :, 64:96] = 7.0
+    assert backend.batch_get_v1(["a", "b"], host_indices([4, 5])) == [True, True]
+    assert calls == [64, 80] and torch.equal(host.kv_buffer[:, :, 64:96], via_writer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "rtn:bits=2,group=64,scale=fp8"])
+def test_the_gpu_decodes_straight_into_a_page_locked_pool(tmp_path, layout, codec):
+    """A page-locked pool (as SGLang allocates it) is written from the GPU by asynchronous strided copies: the
+    values equal the CPU backend's, in every asked slot, and a bad slot is a miss alone."""
+    host = HostPool(layout, pages=80)
+    host.kv_buffer = host.kv_buffer.pin_memory()
+    host.kv_buffer.normal_()
+    cpu = make_backend(tmp_path / "cpu", host, codec, device="cpu")
+    gpu = make_backend(tmp_path / "gpu", host, codec, device="cuda")
+    assert gpu.writer is not None and gpu.writer.direct
+    names = [f"p{i}" for i in range(37)]
+    assert gpu.batch_set_v1(names, host_indices(range(37))) == [True] * 37
+    want = gpu._load(names)
+    indices = torch.cat([host_indices(range(40, 76)), torch.arange(10**6, 10**6 + 16)])
+    assert gpu.batch_get_v1(names, indices) == [True] * 36 + [False]
+    for i in range(36):
+        assert torch.equal(host.page(16 * (40 + i)), want[i]), i
+    assert cpu.batch_set_v1(names[:3], host_indices(range(3))) == [True] * 3
+    assert cpu.batch_get_v1(names[:3], host_indices(range(76, 79))) == [True] * 3
+    for i in range(3):
+        assert torch.equal(host.page(16 * (76 + i)), want[i]), i
