@@ -508,7 +508,11 @@ class KVBackendStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         try:
             self._require_pool()
-            if self.writer is not None and self._batched_decode():
+            # straight into the pool where the copies can be asynchronous (a page-locked pool) or are host copies
+            # anyway (the CPU); a GPU into a pageable pool goes through page-locked staging (below), which the
+            # driver's own staging of each strided copy would make slower (1.72x HiCacheFile's get against 2.18x)
+            if self.writer is not None and self._batched_decode() and (
+                    self.writer.direct or self.device.device.type == "cpu"):
                 return self._load_into_pool(list(keys), host_indices)
             copying = [0.0]
 
