@@ -162,7 +162,8 @@ class DeviceCodec:
         (``ValueError``: non-finite values, damaged bytes) are raised as on the CPU."""
         if self.device.type != "cpu":
             try:
-                return self.run(fn, *tensors, into=into, sink=sink)
+                # (``sink`` only where given: `run` overrides written before it keep working)
+                return self.run(fn, *tensors, into=into, **({"sink": sink} if sink is not None else {}))
             except ValueError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the CPU path below gives the same bytes

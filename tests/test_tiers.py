@@ -762,3 +762,121 @@ def test_a_restore_that_fails_while_staging_releases_the_host_blobs(tmp_path):
         tiered.prefetch(tokens).wait(timeout=30)
     assert tiered.host.evict(10) == 2  # released, not held READING for good
     tiered.close()
+
+
+# -- file reads through reused windows (`kvbackend.tiers.bounce`) ------------------------------------------
+def test_a_bounce_ring_reuses_its_windows_and_never_hands_one_out_twice():
+    from kvbackend.tiers.bounce import BounceRing
+
+    ring = BounceRing(window_bytes=1000, windows=2, pinned=False)
+    a, b = ring.take(10), ring.take(1000)
+    assert a.data.data_ptr() != b.data.data_ptr() and ring.allocated == 2
+    assert ring.take(10, block=False) is None  # both out: a non-blocking take goes without
+    waited = []
+
+    class Reading:  # a tier operation still reading the window
+        def wait(self, timeout=None):
+            waited.append(True)
+            return True
+
+    ring.give(a, handles=[Reading()])
+    again = ring.take(500)
+    assert again is a and waited == [True] and ring.allocated == 2  # the same memory, once its reader finished
+    big = ring.take(5000)  # a run larger than a window: a buffer of its own, not kept
+    assert big.data.numel() == 5000 and big.owned and ring.allocated == 2
+    ring.give(big)
+    assert ring.take(1, block=False) is None
+    with pytest.raises(ValueError, match="positive"):
+        BounceRing(window_bytes=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("window_blobs", [0.5, 1, 1.5, 3, 100])
+def test_file_restores_through_small_windows_give_the_same_pages(tmp_path, device, window_blobs):
+    """A restore from the file tier reads its rows in runs of at most one window (reused, READ_AHEAD runs
+    ahead): every page comes back with the bytes it left with, whatever the window, with a host tier
+    warmed behind it; a second restore through the same ring allocates no new window."""
+    from kvbackend.tiers.bounce import BounceRing
+
+    cache = filled(MIXED, packed_pages=24, device=device)
+    tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), FileTier(str(tmp_path), 10**8, cache.fingerprint),
+                         background=False)
+    tiered._bounce = BounceRing(window_bytes=max(1, int(window_blobs * cache.blob_bytes)), windows=3,
+                                pinned=device == "cuda")
+    tokens = list(range(200))  # 12 packed pages of 16 tokens (6 chunks)
+    rid = fill(tiered, tokens)
+    before_bytes = [cache.export_page(p) for p in cache.page_table(rid).packed]
+    before = [tiered.read(rid, layer) for layer in range(2)]
+    tiered.free(rid)
+    assert tiered.offload(max_pages=100) == 12
+    tiered.flush()
+    tiered.host.evict(100)
+    rid2, hit = tiered.add_request(tokens)
+    assert hit == 192
+    assert all(torch.equal(a, b) for a, b in zip(before_bytes, [cache.export_page(p) for p in cache.page_table(rid2).packed]))
+    for layer in range(2):
+        k, v = tiered.read(rid2, layer)
+        assert torch.equal(k, before[layer][0][:192]) and torch.equal(v, before[layer][1][:192])
+    tiered.flush()
+    assert tiered.host.contains(cache.prefix_keys(tokens)) == 12  # warm copies of every run
+    allocated = tiered._bounce.allocated
+    assert 1 <= allocated <= 3
+    tiered.free(rid2)
+    assert tiered.offload(max_pages=100) == 12
+    tiered.flush()
+    tiered.host.evict(100)
+    _, hit = tiered.add_request(tokens)
+    assert hit == 192 and tiered._bounce.allocated == allocated
+    cache.check()
+    tiered.close()
+
+
+def test_a_corrupt_file_row_stops_the_restore_there_whatever_the_window(tmp_path):
+    """A run whose middle blob is damaged: the pages before it are restored, none from it on (a prefix), and
+    no window is left held."""
+    from kvbackend.tiers.bounce import BounceRing
+
+    cache = filled("kivi:bits=2,group=16", packed_pages=24)
+    file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
+    tiered = TieredCache(cache, None, file, background=False)
+    tiered._bounce = BounceRing(window_bytes=2 * cache.blob_bytes, windows=2, pinned=False)
+    tokens = list(range(200))
+    tiered.free(fill(tiered, tokens))
+    assert tiered.offload(max_pages=100) == 12
+    tiered.flush()
+    keys = cache.prefix_keys(tokens)
+    where = file._index[keys[5]]
+    data = bytearray(open(where.path, "rb").read())
+    data[where.offset + where.length // 2] ^= 0x01
+    open(where.path, "wb").write(bytes(data))
+    _, hit = tiered.add_request(tokens)
+    assert hit == 5 * 16
+    assert [tiered._bounce.take(1, block=False) is not None for _ in range(2)] == [True, True]  # both given back
+    tiered.close()
+
+
+def test_concurrent_restores_share_one_window_without_deadlock(tmp_path):
+    """Restores of two prompts at once through a ring of a single window: both complete with their pages."""
+    from kvbackend.tiers.bounce import BounceRing
+
+    cache = filled("kivi:bits=2,group=16", packed_pages=48)
+    tiered = TieredCache(cache, None, FileTier(str(tmp_path), 10**8, cache.fingerprint), background=False)
+    tiered._bounce = BounceRing(window_bytes=cache.blob_bytes, windows=1, pinned=False)
+    prompts = [list(range(200)), list(range(1000, 1200))]
+    for seed, prompt in enumerate(prompts):
+        tiered.free(fill(tiered, prompt, seed=seed))
+    assert tiered.offload(max_pages=100) == 24
+    tiered.flush()
+    reports = [None, None]
+
+    def restore(i):
+        reports[i] = tiered.restore(prompts[i])
+
+    threads = [threading.Thread(target=restore, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert [r.restored_from_file for r in reports] == [12, 12]
+    tiered.close()

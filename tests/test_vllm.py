@@ -442,7 +442,7 @@ def test_blocks_mode_falls_back_to_the_cpu_where_the_device_fails(tmp_path, monk
     _, want_blob, want_rows = _blocks_round_trip(tmp_path / "cpu", "cpu")
     calls = []
 
-    def broken(self, fn, *tensors, into=None):
+    def broken(self, fn, *tensors, into=None, sink=None):
         calls.append(fn)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 

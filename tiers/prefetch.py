@@ -21,6 +21,7 @@ import torch
 from kvbackend.manager import KVCache
 
 from kvbackend.tiers.base import Handle
+from kvbackend.tiers.bounce import BounceRing
 from kvbackend.tiers.file import FileTier
 from kvbackend.tiers.host import HostTier
 from kvbackend.tiers.policy import OffloadPolicy
@@ -47,6 +48,8 @@ class TieredCache:
         self._prefetches: dict[int, list[Prefetch]] = {}  # request id -> its prefetches; under _pending_lock
         self.offloaded_pages = 0
         self._install_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        # windows file reads land in on their way to the device: page-locked once, reused by every restore
+        self._bounce = BounceRing(pinned=cache.dense.data.device.type == "cuda")
         self._worker = None
         if background:
             self._worker = threading.Thread(target=self._offload_loop, name="kvbackend-offload", daemon=True)
@@ -106,7 +109,7 @@ class TieredCache:
         """Bring the lower-tier part of a prompt's prefix back to the device as cached pages."""
         transfer = Transfer.locate(self.cache, self.host, self.file, token_ids, self.lock)
         try:
-            transfer.stage(self.cache, self.host, self.file, cancel)  # file reads and copies without the lock
+            transfer.stage(self.cache, self.host, self.file, cancel, self._bounce)  # reads and copies without the lock
         except BaseException:
             if transfer.layered is not None:  # the host blobs it was reading are released
                 transfer.layered.close()

@@ -11,6 +11,7 @@ attention of that layer when it may read (`KVCache.set_layer_events`).
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 from collections.abc import Sequence
@@ -21,10 +22,12 @@ import torch
 
 from kvbackend.manager import KVCache
 from kvbackend.tiers.base import Handle
+from kvbackend.tiers.bounce import BounceRing
 from kvbackend.tiers.file import FileTier
 from kvbackend.tiers.host import HostTier, LayeredRead
 
 MIN_ROW_BYTES = 64 * 1024  # host copies move whole layers in rows of at least this many bytes per page
+READ_AHEAD = 2  # runs of file rows read ahead of the one being copied to the device (windows permitting)
 
 
 class Source(enum.Enum):
@@ -100,9 +103,9 @@ class Transfer:
         return [i for i, s in enumerate(self.sources) if s is source]
 
     def stage(self, cache: KVCache, host: HostTier | None, file: FileTier | None,
-              cancel: threading.Event | None = None) -> None:
-        """Issue every read into `staged` (host rows on the host tier's stream, file rows through a pinned
-        bounce buffer) and start the warm copy of file rows to the host tier."""
+              cancel: threading.Event | None = None, bounce: BounceRing | None = None) -> None:
+        """Issue every read into `staged` (host rows on the host tier's stream, file rows through the windows
+        of ``bounce``, a run of rows per window) and start the warm copy of file rows to the host tier."""
         size, layers = cache.blob_bytes, cache.geometry.num_layers
         self.staged = torch.empty(len(self.keys), size, dtype=torch.uint8, device=cache.dense.data.device)
         self.ok = [s is Source.DEVICE for s in self.sources]
@@ -129,18 +132,70 @@ class Transfer:
             for i, good in zip(host_rows, got):
                 self.ok[i] = good
         if file_rows and not (cancel is not None and cancel.is_set()):
-            bounce = torch.empty(len(file_rows), size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            expected = [-1 if self.sizes[i] is None else self.sizes[i] for i in file_rows]  # another length: a miss
-            got = file.get([self.keys[i] for i in file_rows], list(bounce), expected_len=expected).result()
-            for j, (i, good) in enumerate(zip(file_rows, got)):
-                self.ok[i] = good
-                if good:
-                    self.staged[i].copy_(bounce[j], non_blocking=True)
-            good = [j for j, g in enumerate(got) if g]
-            if host is not None and good:  # a warm copy one tier up; admission does not wait for it
-                self.warm = host.put([self.keys[file_rows[j]] for j in good],
-                                     [bounce[j, : self.sizes[file_rows[j]]] for j in good])
+            self._read_files(file, host, file_rows, bounce or BounceRing(pinned=torch.cuda.is_available()), cancel)
         self.cancelled = cancel is not None and cancel.is_set()
+
+    def _read_files(self, file: FileTier, host: HostTier | None, rows: list[int], bounce: BounceRing,
+                    cancel: threading.Event | None) -> None:
+        """File rows in runs that fill a window each: a run is read (the file tier's workers side by side)
+        while the copies of the run before it go to the device; READ_AHEAD runs are read ahead where the
+        ring has a free window. Each window goes back to the ring with the event after its copies and its
+        warm copy to the host tier (the next taker waits for both)."""
+        sizes = [0 if self.sizes[i] is None else self.sizes[i] for i in rows]
+        runs, start, filled = [], 0, 0
+        for j, size in enumerate(sizes):
+            if j > start and filled + size > bounce.window_bytes:
+                runs.append((start, j))
+                start, filled = j, 0
+            filled += size
+        runs.append((start, len(rows)))
+        warm: list[Handle] = []
+        issued: collections.deque = collections.deque()
+
+        def issue(run, block: bool) -> bool:
+            lo, hi = run
+            window = bounce.take(max(sum(sizes[lo:hi]), 1), block=block)
+            if window is None:
+                return False
+            views, at = [], 0
+            for size in sizes[lo:hi]:
+                views.append(window.data[at : at + size])
+                at += size
+            expected = [-1 if self.sizes[i] is None else self.sizes[i] for i in rows[lo:hi]]  # another length: a miss
+            handle = file.get([self.keys[i] for i in rows[lo:hi]], views, expected_len=expected)
+            issued.append((run, window, views, handle))
+            return True
+
+        pending = collections.deque(runs)
+        try:
+            while pending or issued:
+                if not issued:
+                    if cancel is not None and cancel.is_set():
+                        break
+                    issue(pending.popleft(), block=True)  # holding no window: may wait for one
+                while pending and len(issued) < READ_AHEAD and issue(pending[0], block=False):
+                    pending.popleft()
+                (lo, hi), window, views, handle = issued.popleft()
+                handles = []
+                try:
+                    got = handle.result()
+                    for i, view, good in zip(rows[lo:hi], views, got):
+                        self.ok[i] = good
+                        if good:
+                            self.staged[i, : view.numel()].copy_(view, non_blocking=True)
+                    good = [j for j, g in enumerate(got) if g]
+                    if host is not None and good:  # a warm copy one tier up; admission does not wait for it
+                        handles.append(host.put([self.keys[rows[lo + j]] for j in good], [views[j] for j in good]))
+                        warm.append(handles[-1])
+                finally:
+                    bounce.give(window, _record(torch.cuda.current_stream()) if self.staged.is_cuda else None,
+                                handles)
+        finally:
+            for _, window, _, handle in issued:  # runs read ahead when a cancel or an error stopped the loop
+                handle.wait()
+                bounce.give(window)
+        if warm:
+            self.warm = Handle.combine(warm)
 
     def usable(self) -> int:
         """How many rows (a prefix) can be installed: up to the first hole; none once cancelled."""
