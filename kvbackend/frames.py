@@ -42,15 +42,15 @@ def rope_positions(levers: Levers, positions: torch.Tensor, page_size: int) -> t
 
 
 def without_sinks(k: torch.Tensor, v: torch.Tensor, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's first chunk ``[T, H, D]`` for its codec, the ``sink`` first tokens (kept exact
-    elsewhere, and written over the decoded rows on read) replaced by copies of the next token, so
-    their often huge values set no scale, centroid or correction of the tokens that are decoded."""
-    sink = min(sink, k.shape[0] - 1)
+    """A sequence's first chunk ``[T, H, D]`` (or ``[L, T, H, D]``, several layers) for its codec, the ``sink``
+    first tokens (kept exact elsewhere, and written over the decoded rows on read) replaced by copies of the next
+    token, so their often huge values set no scale, centroid or correction of the tokens that are decoded."""
+    sink = min(sink, k.shape[-3] - 1)
     if sink <= 0:
         return k, v
     k, v = k.clone(), v.clone()
-    k[:sink] = k[sink]
-    v[:sink] = v[sink]
+    k[..., :sink, :, :] = k[..., sink : sink + 1, :, :]
+    v[..., :sink, :, :] = v[..., sink : sink + 1, :, :]
     return k, v
 
 
@@ -92,10 +92,13 @@ class LeverFrame:
         return rope_positions(self.levers, torch.arange(first, first + n, device=device), self.page_size)
 
     def to_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32)."""
+        """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32). Leading dims
+        are batches of the same positions (``[L, T, H, D]``: one chunk of several layers with these levers):
+        every element as `to_stored` of its own ``[T, H, D]`` gives it, bit for bit."""
         k, v = k.float(), v.float()
         if self.levers.rope:
-            k = self.rotary.derotate(k.transpose(0, 1), self._positions(first, k.shape[0], k.device)).transpose(0, 1)
+            t = k.shape[-3]
+            k = self.rotary.derotate(k.transpose(-3, -2), self._positions(first, t, k.device)).transpose(-3, -2)
         if self.levers.vrot == "hadamard":
             v = rotate_values(v)
         return k.contiguous(), v.contiguous()

@@ -270,19 +270,20 @@ class KVCache:
                 k = kv[:, 0].reshape(-1, *kv.shape[-2:])
                 v = kv[:, 1].reshape(-1, *kv.shape[-2:])
                 frame, book = self.frames[layer], pool.codebooks[layer][slot]
-                ks, vs = frame.to_stored(k, v, first) if frame.levers.active else (k, v)
-                if frame.levers.sink and first == 0:  # exact sinks replace these rows on read: keep them
-                    ks, vs = without_sinks(ks, vs, frame.levers.sink)  # out of the codec's statistics
                 key = self._encode_group(layer)
-                if key is not None:
-                    groups.setdefault(key, []).append((layer, ks, vs))
+                if key is not None:  # into the stored frame with the group's other layers, in one pass
+                    groups.setdefault(key, []).append((layer, k, v))
                 else:
+                    ks, vs = self._stored(layer, k, v, first)
                     self.backends[layer].encode_chunk(self.codecs[layer], self.layouts[layer], ks, vs,
                                                       table.states[layer], pool.pages[layer], page_ids, book)
                 if frame.levers.sink and first == 0:
                     sinks.append((layer, book, k[: frame.levers.sink], v[: frame.levers.sink]))
             for members in groups.values():
-                self._encode_layers(table, members, page_ids, slot)
+                layers = [layer for layer, _, _ in members]
+                ks, vs = self._stored(layers, torch.stack([k for _, k, _ in members]),
+                                      torch.stack([v for _, _, v in members]), first)
+                self._encode_layers(table, layers, ks, vs, page_ids, slot)
             for layer, book, k, v in sinks:  # the sequence's first tokens, exact, with the chunk (after its codebook)
                 for name, x in zip(SINK_FIELDS, (k, v)):
                     field = self.layouts[layer].codebook.view(book, name)
@@ -312,17 +313,24 @@ class KVCache:
             return None
         return codec.spec_string, self.layouts[layer].fingerprint
 
-    def _encode_layers(self, table: PageTable, members: list[tuple[int, torch.Tensor, torch.Tensor]],
+    def _stored(self, layers, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's K and V (``[T, H, D]`` of one layer, or ``[L, T, H, D]`` of ``layers``, which share one codec
+        spec and so one set of levers) in the stored frame, with a sequence's exact sink tokens taken out of the
+        codec's statistics (they replace these rows on read). Several layers go in one pass: the bits of one
+        layer at a time (`LeverFrame.to_stored`)."""
+        frame = self.frames[layers[0] if isinstance(layers, list) else layers]
+        ks, vs = frame.to_stored(k, v, first) if frame.levers.active else (k, v)
+        if frame.levers.sink and first == 0:
+            ks, vs = without_sinks(ks, vs, frame.levers.sink)
+        return ks, vs
+
+    def _encode_layers(self, table: PageTable, layers: list[int], ks: torch.Tensor, vs: torch.Tensor,
                        page_ids: torch.Tensor, slot: int) -> None:
-        """Encode one chunk of several layers (``members``: (layer, stored K, stored V)) in one codec pass, each
+        """Encode one chunk of several ``layers`` (stored K and V ``[L, T, H, D]``) in one codec pass, each
         layer from its own state (warm starts, query statistics): the bytes a layer-by-layer encode writes,
         with one pass's host overhead instead of one per layer (the reference encoder is launch-bound on a GPU)."""
-        first = members[0][0]
-        codec, layout = self.codecs[first], self.layouts[first]
-        layers = [layer for layer, _, _ in members]
-        pages, books = codec.encode_units(torch.stack([ks for _, ks, _ in members]),
-                                          torch.stack([vs for _, _, vs in members]), layout,
-                                          [table.states[layer] for layer in layers])
+        codec, layout = self.codecs[layers[0]], self.layouts[layers[0]]
+        pages, books = codec.encode_units(ks, vs, layout, [table.states[layer] for layer in layers])
         pool, rows = self.packed, page_ids.long()
         for i, layer in enumerate(layers):
             pool.pages[layer][rows] = pages[i]

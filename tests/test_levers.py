@@ -332,3 +332,29 @@ def test_value_rotation_gives_the_same_bits_on_the_gpu():
 def test_value_rotation_overflows_no_sooner_than_the_matrix_product():
     v = torch.full((3, 64), 3e37)  # the matrix product's largest entry is 8 x 3e37: finite; sums first would not be
     assert torch.isfinite(rotate_values(v)).all() and torch.isfinite(v @ hadamard(64)).all()
+
+
+@pytest.mark.parametrize("levers", ["sink=4,vrot=hadamard,prerope=true", "pagerope=true", "vrot=hadamard", "sink=2"])
+def test_a_chunk_of_several_layers_goes_to_the_stored_frame_as_each_layer_alone(levers):
+    """`LeverFrame.to_stored` and `without_sinks` of ``[L, T, H, D]`` (one chunk of several layers, converted in one
+    pass when the cache completes a chunk) give each layer's ``[T, H, D]`` conversion bit for bit, and the sink rows
+    hold copies of the first token after them."""
+    from kvbackend.frames import LeverFrame
+    from kvbackend.levers import split_levers
+    from kvbackend.rope import Rotary
+
+    _, parsed = split_levers(dict(item.split("=") for item in levers.split(",")), "test")
+    frame = LeverFrame(parsed, Rotary.default(64, 10000.0), 16)
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(3, 32, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    for first in (0, 32, 96):
+        ks, vs = frame.to_stored(k, v, first)
+        for layer in range(3):
+            one_k, one_v = frame.to_stored(k[layer], v[layer], first)
+            assert torch.equal(ks[layer], one_k) and torch.equal(vs[layer], one_v), (layer, first)
+    ks, vs = without_sinks(*frame.to_stored(k, v, 0), 4)
+    for layer in range(3):
+        one_k, one_v = without_sinks(*frame.to_stored(k[layer], v[layer], 0), 4)
+        assert torch.equal(ks[layer], one_k) and torch.equal(vs[layer], one_v), layer
+        assert torch.equal(one_k[:4], one_k[4:5].expand(4, -1, -1)) and torch.equal(one_k[4:], frame.to_stored(
+            k[layer], v[layer], 0)[0][4:])
