@@ -446,7 +446,7 @@ class KVBackendStorage(HiCacheStorage):
             return batch, staging, self.tier.get([ints[i] for i in batch], list(staging),
                                                  expected_len=[self.blob_bytes] * len(batch))
 
-        pending = collections.deque(read(b) for b in itertools.islice(batches, READ_AHEAD))
+        pending = collections.deque(read(b) for b in itertools.islice(batches, max(1, READ_AHEAD)))
         results = [False] * n
         read_s = 0.0
         while pending:

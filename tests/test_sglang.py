@@ -740,7 +740,7 @@ def test_the_pool_writer_declines_pools_it_cannot_address():
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16"])
-@pytest.mark.parametrize("batch,ahead", [(1, 1), (2, 2), (3, 5), (64, 2)])
+@pytest.mark.parametrize("batch,ahead", [(1, 1), (2, 2), (3, 5), (64, 2), (2, 0)])
 def test_gets_into_the_pool_hold_the_pages_of_one_by_one_loading(tmp_path, monkeypatch, layout, codec, batch, ahead):
     """batch_get_v1 through the pool writer (reads `READ_AHEAD` batches ahead of the decode) fills every slot
     with exactly the page `_load` decodes for its key; a missing blob, a corrupt one, one filed under another

@@ -880,3 +880,83 @@ def test_concurrent_restores_share_one_window_without_deadlock(tmp_path):
     assert not any(t.is_alive() for t in threads)
     assert [r.restored_from_file for r in reports] == [12, 12]
     tiered.close()
+
+
+def test_a_read_that_fails_to_start_loses_no_window(tmp_path):
+    """`file.get` raising for one run (its executor refusing work, say): that restore raises, its window goes back
+    to the ring, and the next restore completes (a lost window would block every later restore forever)."""
+    from kvbackend.tiers.bounce import BounceRing
+
+    cache = filled("kivi:bits=2,group=16", packed_pages=24)
+    file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
+    tiered = TieredCache(cache, None, file, background=False)
+    tiered._bounce = BounceRing(window_bytes=4 * cache.blob_bytes, windows=1, pinned=False)
+    tokens = list(range(200))
+    tiered.free(fill(tiered, tokens))
+    assert tiered.offload(max_pages=100) == 12
+    tiered.flush()
+    real_get, calls = file.get, []
+
+    def flaky_get(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("cannot schedule new futures")
+        return real_get(*args, **kwargs)
+
+    file.get = flaky_get
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        tiered.restore(tokens)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(tiered.restore(tokens)), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and done[0].restored_from_file == 12
+    tiered.close()
+
+
+def test_a_file_blob_longer_than_a_page_group_is_a_miss(tmp_path):
+    """A blob of the cache's fingerprint longer than its page groups (a foreign or crafted file) under a prompt's
+    key: the pages before it are restored, none from it on, and nothing raises."""
+    cache = filled("kivi:bits=2,group=16", packed_pages=24)
+    file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
+    tiered = TieredCache(cache, None, file, background=False)
+    tokens = list(range(200))
+    rid = fill(tiered, tokens)
+    keys = cache.prefix_keys(tokens)
+    blob = cache.export_page(cache.page_table(rid).packed[5]).clone()
+    longer = torch.cat([blob, torch.zeros(cache.blob_bytes + 100 - blob.numel(), dtype=torch.uint8)])
+    assert file.put([keys[5]], [longer]).result() == [True]  # filed first: the offload below keeps it
+    tiered.free(rid)
+    assert tiered.offload(max_pages=100) == 12
+    tiered.flush()
+    assert file.blob_size(keys[5]) == cache.blob_bytes + 100
+    _, hit = tiered.add_request(tokens)
+    assert hit == 5 * 16
+    cache.check()
+    tiered.close()
+
+
+def test_a_cancel_stops_the_file_reads_not_yet_issued(tmp_path):
+    """A restore cancelled while its first run is read issues no further reads and installs nothing."""
+    from kvbackend.tiers.bounce import BounceRing
+
+    cache = filled("kivi:bits=2,group=16", packed_pages=24)
+    file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
+    tiered = TieredCache(cache, None, file, background=False)
+    tiered._bounce = BounceRing(window_bytes=cache.blob_bytes, windows=3, pinned=False)  # a run per page
+    tokens = list(range(200))
+    tiered.free(fill(tiered, tokens))
+    assert tiered.offload(max_pages=100) == 12
+    tiered.flush()
+    cancel, calls, real_get = threading.Event(), [], file.get
+
+    def get(*args, **kwargs):
+        calls.append(1)
+        cancel.set()  # cancelled as soon as the first run is asked for
+        return real_get(*args, **kwargs)
+
+    file.get = get
+    report = tiered.restore(tokens, cancel)
+    assert len(calls) == 1 and report.restored_from_file == 0
+    assert [tiered._bounce.take(1, block=False) is not None for _ in range(3)] == [True] * 3  # none held
+    tiered.close()

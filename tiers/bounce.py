@@ -70,11 +70,15 @@ class BounceRing:
             window = self._free.get(block=block)
         except queue.Empty:
             return None
-        if window is None:
-            window = Window(self._new(self.window_bytes), owned=False)
-            with self._lock:
-                self.allocated += 1
-        window.settle()
+        try:
+            if window is None:
+                window = Window(self._new(self.window_bytes), owned=False)
+                with self._lock:
+                    self.allocated += 1
+            window.settle()
+        except BaseException:  # back to the ring (still to settle), never lost to it
+            self._free.put(window)
+            raise
         return window
 
     def give(self, window: Window, event: "torch.cuda.Event | None" = None, handles=()) -> None:

@@ -141,7 +141,8 @@ class Transfer:
         while the copies of the run before it go to the device; READ_AHEAD runs are read ahead where the
         ring has a free window. Each window goes back to the ring with the event after its copies and its
         warm copy to the host tier (the next taker waits for both)."""
-        sizes = [0 if self.sizes[i] is None else self.sizes[i] for i in rows]
+        room = self.staged.shape[1]  # a blob longer than a staged row (a foreign or crafted file) is a miss
+        sizes = [0 if self.sizes[i] is None or self.sizes[i] > room else self.sizes[i] for i in rows]
         runs, start, filled = [], 0, 0
         for j, size in enumerate(sizes):
             if j > start and filled + size > bounce.window_bytes:
@@ -157,23 +158,28 @@ class Transfer:
             window = bounce.take(max(sum(sizes[lo:hi]), 1), block=block)
             if window is None:
                 return False
-            views, at = [], 0
-            for size in sizes[lo:hi]:
-                views.append(window.data[at : at + size])
-                at += size
-            expected = [-1 if self.sizes[i] is None else self.sizes[i] for i in rows[lo:hi]]  # another length: a miss
-            handle = file.get([self.keys[i] for i in rows[lo:hi]], views, expected_len=expected)
+            try:
+                views, at = [], 0
+                for size in sizes[lo:hi]:
+                    views.append(window.data[at : at + size])
+                    at += size
+                expected = [-1 if size == 0 else size for size in sizes[lo:hi]]  # unknown or too long: a miss
+                handle = file.get([self.keys[i] for i in rows[lo:hi]], views, expected_len=expected)
+            except BaseException:  # never a window lost to the ring (later restores would wait for it forever)
+                bounce.give(window)
+                raise
             issued.append((run, window, views, handle))
             return True
 
+        def stopped() -> bool:
+            return cancel is not None and cancel.is_set()
+
         pending = collections.deque(runs)
         try:
-            while pending or issued:
+            while (pending and not stopped()) or issued:  # a cancel stops the reads not yet issued
                 if not issued:
-                    if cancel is not None and cancel.is_set():
-                        break
                     issue(pending.popleft(), block=True)  # holding no window: may wait for one
-                while pending and len(issued) < READ_AHEAD and issue(pending[0], block=False):
+                while pending and not stopped() and len(issued) < READ_AHEAD and issue(pending[0], block=False):
                     pending.popleft()
                 (lo, hi), window, views, handle = issued.popleft()
                 handles = []
@@ -191,9 +197,12 @@ class Transfer:
                     bounce.give(window, _record(torch.cuda.current_stream()) if self.staged.is_cuda else None,
                                 handles)
         finally:
-            for _, window, _, handle in issued:  # runs read ahead when a cancel or an error stopped the loop
-                handle.wait()
-                bounce.give(window)
+            while issued:  # runs read ahead when an error stopped the loop: every window goes back
+                _, window, _, handle = issued.popleft()
+                try:
+                    handle.wait()
+                finally:
+                    bounce.give(window)
         if warm:
             self.warm = Handle.combine(warm)
 
