@@ -831,20 +831,29 @@ def test_file_restores_through_small_windows_give_the_same_pages(tmp_path, devic
     tiered.close()
 
 
-def test_a_corrupt_file_row_stops_the_restore_there_whatever_the_window(tmp_path):
-    """A run whose middle blob is damaged: the pages before it are restored, none from it on (a prefix), and
-    no window is left held."""
+def _on_file(tmp_path, window_blobs=None, windows=3):
+    """A two-layer kivi-2 cache whose 200-token prompt's 12 packed pages went to a file tier only (no host
+    tier); with ``window_blobs``, restores read through a ring of ``windows`` windows of that many page groups.
+    Returns (tiered cache, file tier, prompt)."""
     from kvbackend.tiers.bounce import BounceRing
 
     cache = filled("kivi:bits=2,group=16", packed_pages=24)
     file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
     tiered = TieredCache(cache, None, file, background=False)
-    tiered._bounce = BounceRing(window_bytes=2 * cache.blob_bytes, windows=2, pinned=False)
+    if window_blobs is not None:
+        tiered._bounce = BounceRing(window_bytes=window_blobs * cache.blob_bytes, windows=windows, pinned=False)
     tokens = list(range(200))
     tiered.free(fill(tiered, tokens))
     assert tiered.offload(max_pages=100) == 12
     tiered.flush()
-    keys = cache.prefix_keys(tokens)
+    return tiered, file, tokens
+
+
+def test_a_corrupt_file_row_stops_the_restore_there_whatever_the_window(tmp_path):
+    """A run whose middle blob is damaged: the pages before it are restored, none from it on (a prefix), and
+    no window is left held."""
+    tiered, file, tokens = _on_file(tmp_path, window_blobs=2, windows=2)
+    keys = tiered.cache.prefix_keys(tokens)
     where = file._index[keys[5]]
     data = bytearray(open(where.path, "rb").read())
     data[where.offset + where.length // 2] ^= 0x01
@@ -885,16 +894,7 @@ def test_concurrent_restores_share_one_window_without_deadlock(tmp_path):
 def test_a_read_that_fails_to_start_loses_no_window(tmp_path):
     """`file.get` raising for one run (its executor refusing work, say): that restore raises, its window goes back
     to the ring, and the next restore completes (a lost window would block every later restore forever)."""
-    from kvbackend.tiers.bounce import BounceRing
-
-    cache = filled("kivi:bits=2,group=16", packed_pages=24)
-    file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
-    tiered = TieredCache(cache, None, file, background=False)
-    tiered._bounce = BounceRing(window_bytes=4 * cache.blob_bytes, windows=1, pinned=False)
-    tokens = list(range(200))
-    tiered.free(fill(tiered, tokens))
-    assert tiered.offload(max_pages=100) == 12
-    tiered.flush()
+    tiered, file, tokens = _on_file(tmp_path, window_blobs=4, windows=1)
     real_get, calls = file.get, []
 
     def flaky_get(*args, **kwargs):
@@ -938,16 +938,7 @@ def test_a_file_blob_longer_than_a_page_group_is_a_miss(tmp_path):
 
 def test_a_cancel_stops_the_file_reads_not_yet_issued(tmp_path):
     """A restore cancelled while its first run is read issues no further reads and installs nothing."""
-    from kvbackend.tiers.bounce import BounceRing
-
-    cache = filled("kivi:bits=2,group=16", packed_pages=24)
-    file = FileTier(str(tmp_path), 10**8, cache.fingerprint)
-    tiered = TieredCache(cache, None, file, background=False)
-    tiered._bounce = BounceRing(window_bytes=cache.blob_bytes, windows=3, pinned=False)  # a run per page
-    tokens = list(range(200))
-    tiered.free(fill(tiered, tokens))
-    assert tiered.offload(max_pages=100) == 12
-    tiered.flush()
+    tiered, file, tokens = _on_file(tmp_path, window_blobs=1, windows=3)  # a run per page
     cancel, calls, real_get = threading.Event(), [], file.get
 
     def get(*args, **kwargs):
