@@ -359,17 +359,25 @@ class KVBackendStorage(HiCacheStorage):
     def _decode_rows(self, rows: List[int], buffers: List[torch.Tensor]) -> List[tuple[int, Optional[torch.Tensor]]]:
         """(row, page or None) of valid blobs ``buffers[row]``, decoded in one batch; a batch that fails goes
         page by page, so a page that cannot be decoded is a miss alone."""
+        done = self._batch_or_one_by_one(len(rows), lambda: self._decode_batch([buffers[i] for i in rows]),
+                                         lambda j: self._decode_batch([buffers[rows[j]]])[0])
+        return [(rows[j], page) for j, page in done]
+
+    def _batch_or_one_by_one(self, count: int, batch, one) -> list:
+        """(j, result) for j in 0..count-1: ``batch()`` decodes all of them (its row j, or None where it returns
+        None); where it fails, ``one(j)`` decodes each alone and a row that fails again is left out (a miss)."""
         try:
-            return list(zip(rows, self._decode_batch([buffers[i] for i in rows])))
+            out = batch()
+            return [(j, None if out is None else out[j]) for j in range(count)]
         except Exception as exc:  # noqa: BLE001 - one page at a time below
             self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
-        decoded = []
-        for i in rows if len(rows) > 1 else ():
+        done = []
+        for j in range(count) if count > 1 else ():
             try:
-                decoded.append((i, self._decode_batch([buffers[i]])[0]))
+                done.append((j, one(j)))
             except Exception:  # noqa: BLE001 - logged once above
                 pass
-        return decoded
+        return done
 
     def _load(self, keys: List[str], deliver=None) -> list:
         """The pages of ``keys`` (None for a miss). With ``deliver(row, page)``, each page is handed over as soon
@@ -475,19 +483,10 @@ class KVBackendStorage(HiCacheStorage):
         page by page, so a page that cannot be decoded is a miss alone."""
         if not starts:
             return []
-        try:
-            self._decode_batch(blobs, sink=lambda pages: self.writer.write(pages, starts))
-            return list(range(len(starts)))
-        except Exception as exc:  # noqa: BLE001 - one page at a time below
-            self._log_once("decode", f"kvbackend storage: decoding pages failed: {exc!r}")
-        done = []
-        for j in range(len(starts)) if len(starts) > 1 else ():
-            try:
-                self._decode_batch(blobs[j : j + 1], sink=lambda pages, at=starts[j]: self.writer.write(pages, [at]))
-                done.append(j)
-            except Exception:  # noqa: BLE001 - logged once above
-                pass
-        return done
+        done = self._batch_or_one_by_one(
+            len(starts), lambda: self._decode_batch(blobs, sink=lambda pages: self.writer.write(pages, starts)),
+            lambda j: self._decode_batch(blobs[j : j + 1], sink=lambda pages: self.writer.write(pages, [starts[j]])))
+        return [j for j, _ in done]
 
     def _hand_over(self, deliver, row: int, page: torch.Tensor) -> Optional[bool]:
         """``deliver(row, page)``: True, or None (a miss of this page alone) where the host pool refuses it."""
