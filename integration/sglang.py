@@ -375,8 +375,8 @@ class KVBackendStorage(HiCacheStorage):
         for j in range(count) if count > 1 else ():
             try:
                 done.append((j, one(j)))
-            except Exception:  # noqa: BLE001 - logged once above
-                pass
+            except Exception:  # noqa: BLE001 - logged once above; this row is a miss
+                continue
         return done
 
     def _load(self, keys: List[str], deliver=None) -> list:
