@@ -1,4 +1,4 @@
-"""Decoded pages straight into an engine's host pool: one strided copy per page.
+"""Decoded pages straight into an engine's host pool (one strided copy per page), and its pages read in place.
 
 SGLang's host pool (`MHATokenToKVPoolHost`) keeps K and V of every layer in one page-locked tensor,
 ``[2, L, tokens, H, D]`` (``layer_first``) or ``[2, tokens, L, H, D]`` (``page_first``). A page of
@@ -60,6 +60,16 @@ class PoolWriter:
             raise ValueError(f"host index {start} is outside the host pool of {self.tokens} tokens "
                              f"(pages of {self.page_size})")
         return start
+
+    def page(self, start: int) -> torch.Tensor:
+        """The page at token slot ``start`` (from `slot`) as a view ``[2, L, P, H, D]`` of the pool: read in
+        place (a store copies it once, into its codec's staging), never copied out first."""
+        p = self.page_size
+        if self.layout == "layer_first":  # [2, L, tokens, H, D]
+            view = self.buffer[:, :, start : start + p]
+        else:  # [2, tokens, L, H, D]
+            view = self.buffer[:, start : start + p].transpose(1, 2)
+        return view
 
     def write(self, pages: torch.Tensor, starts: list[int], stream: "torch.cuda.Stream | None" = None) -> None:
         """Pages ``[N, 2, L, P, H, D]`` (on a device or the host) into the pool at token slots ``starts``

@@ -307,54 +307,66 @@ class KVBackendStorage(HiCacheStorage):
     def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
         self.mem_pool_host.set_from_flat_data_page(index, self._flat_from_page(page))
 
-    def _encode_all(self, keys: List[str], pages: List[torch.Tensor]) -> tuple[list, list, list]:
-        """(blobs, integer keys, encoded?) of ``pages``: in batches when the codec is page-local; a batch
-        that fails (a page with non-finite values, ...) goes page by page, so a bad page fails alone."""
-        blobs, ints, ok = [], [], []
-        step = self._batch_pages("encode") if self._batched_encode() else 1
-        for at in range(0, len(pages), step):
-            part = [self._key(k) for k in keys[at : at + step]]
-            if step > 1:
-                try:
-                    batch = self._encode_batch(pages[at : at + step], part)
-                except Exception:  # a page with non-finite values, ...: page by page below, so it fails alone
-                    batch = None
-                if batch is not None:
-                    blobs += batch
-                    ints += part
-                    ok += [True] * len(part)
-                    continue
-            for key, page in zip(part, pages[at : at + step]):
-                try:
-                    blobs.append(self._encode(page, key))
-                    ints.append(key)
-                    ok.append(True)
-                except Exception as exc:  # a bad page fails alone, never the I/O thread
-                    self._log_once("encode", f"kvbackend storage: encoding a page failed: {exc!r}")
-                    ok.append(False)
-        return blobs, ints, ok
-
-    def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
-        blobs, ints, ok = self._encode_all(keys, pages)
-        if not ints:
-            return ok
+    def _store(self, keys: List[str], page_of) -> List[bool]:
+        """Encode and write the pages ``page_of(i)`` of ``keys[i]`` (a page that cannot be had, or encoded, fails
+        alone), a batch at a time: a batch's blobs go to the file tier's writer threads while the next batch
+        is read and encoded; the results are waited for at the end."""
+        n = len(keys)
         try:
             self._private_directories()  # recreated if it was removed while running
         except (OSError, ValueError) as exc:  # unsafe or impossible to create: nothing is written there
             self._log_once("directory", f"kvbackend storage: {exc}")
             with self._lock:
-                self._stats["failures"] += len(keys)
-            return [False] * len(keys)
+                self._stats["failures"] += n
+            return [False] * n
+        step = self._batch_pages("encode") if self._batched_encode() else 1
+        writes = []  # (positions, handle) of the batches handed to the tier
+        from_pool = 0.0
+        for at in range(0, n, step):
+            start = time.perf_counter()
+            rows, pages = [], []
+            for i in range(at, min(at + step, n)):
+                try:
+                    pages.append(page_of(i))
+                    rows.append(i)
+                except Exception as exc:  # noqa: BLE001 - a page the pool cannot give (a bad host index) fails alone
+                    self._log_once("from_pool", f"kvbackend storage: reading a page from the host pool failed: {exc!r}")
+            from_pool += time.perf_counter() - start
+            blobs, encoded = self._encode_part([keys[i] for i in rows], pages)
+            if blobs:
+                positions = [i for i, good in zip(rows, encoded) if good]
+                writes.append((positions, self.tier.put([self._key(keys[i]) for i in positions], blobs)))
+        results = [False] * n
         start = time.perf_counter()
-        written = iter(self.tier.put(ints, blobs).result())
+        for positions, handle in writes:
+            for i, written in zip(positions, handle.result()):
+                results[i] = written
         with self._lock:
-            self._stats["write_s"] += time.perf_counter() - start
-        results = [next(written) if good else False for good in ok]
-        with self._lock:
+            self._stats["from_pool_s"] += from_pool
+            self._stats["write_s"] += time.perf_counter() - start  # waiting for writes the encodes did not hide
             self._stats["pages_set"] += sum(results)
-            self._stats["raw_bytes_set"] += sum(p.nbytes for p, r in zip(pages, results) if r)
+            self._stats["raw_bytes_set"] += sum(results) * self._raw_page_bytes()
             self._stats["failures"] += results.count(False)
         return results
+
+    def _encode_part(self, keys: List[str], pages: List[torch.Tensor]) -> tuple[list, list]:
+        """(blobs, encoded?) of one batch of ``pages``: in one codec call where the codec allows; a batch that
+        fails (a page with non-finite values, ...) goes page by page, so a bad page fails alone."""
+        ints = [self._key(k) for k in keys]
+        if pages and self._batched_encode() and self._batch_pages("encode") > 1:
+            try:
+                return self._encode_batch(pages, ints), [True] * len(pages)
+            except Exception:  # noqa: BLE001 - page by page below, so it fails alone
+                pass
+        blobs, encoded = [], []
+        for key, page in zip(ints, pages):
+            try:
+                blobs.append(self._encode(page, key))
+                encoded.append(True)
+            except Exception as exc:  # a bad page fails alone, never the I/O thread
+                self._log_once("encode", f"kvbackend storage: encoding a page failed: {exc!r}")
+                encoded.append(False)
+        return blobs, encoded
 
     def _decode_rows(self, rows: List[int], buffers: List[torch.Tensor]) -> List[tuple[int, Optional[torch.Tensor]]]:
         """(row, page or None) of valid blobs ``buffers[row]``, decoded in one batch; a batch that fails goes
@@ -534,21 +546,14 @@ class KVBackendStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         try:
             self._require_pool()
-            start = time.perf_counter()
-            rows, pages = [], []
-            for i in range(len(keys)):  # a page the pool cannot give (a bad host index) fails alone
-                try:
-                    pages.append(self._page_from_pool(int(host_indices[i * self.page_size])))
-                    rows.append(i)
-                except Exception as exc:  # noqa: BLE001 - logged once, that page is False
-                    self._log_once("from_pool", f"kvbackend storage: reading a page from the host pool failed: {exc!r}")
-            with self._lock:
-                self._stats["from_pool_s"] += time.perf_counter() - start
-                self._stats["failures"] += len(keys) - len(rows)
-            results = [False] * len(keys)
-            for i, stored in zip(rows, self._store([keys[i] for i in rows], pages) if rows else ()):
-                results[i] = stored
-            return results
+            p, writer = self.page_size, self.writer
+
+            def page_of(i: int) -> torch.Tensor:  # read in place where the pool allows, else copied out of it
+                if writer is not None:
+                    return writer.page(writer.slot(host_indices[i * p]))
+                return self._page_from_pool(int(host_indices[i * p]))
+
+            return self._store(list(keys), page_of)
         except Exception as exc:
             self._log_once("set_v1", f"kvbackend storage: batch_set_v1 failed: {exc!r}")
             with self._lock:
@@ -582,7 +587,7 @@ class KVBackendStorage(HiCacheStorage):
         self._require_pool()
         if values is None or len(values) != len(keys):
             raise ValueError(f"batch_set needs one value per key ({len(keys)} keys)")
-        return all(self._store(list(keys), [self._page_from_flat(v) for v in values]))
+        return all(self._store(list(keys), lambda i: self._page_from_flat(values[i])))
 
     def exists(self, key: str) -> bool:
         self._require_pool()

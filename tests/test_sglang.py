@@ -722,6 +722,99 @@ def test_the_pool_writer_writes_what_the_pool_itself_would(layout):
         writer.write(pages, starts[:2])
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_pool_writer_reads_pages_in_place(layout):
+    """`PoolWriter.page` is the pool's page at any token slot, as a view of the pool's own memory (no copy)."""
+    from kvbackend.integration.pool_writer import PoolWriter
+
+    pool = HostPool(layout, pages=6, layers=3)
+    pool.kv_buffer.normal_()
+    writer = PoolWriter.of(pool, 3, 2, 64, torch.bfloat16)
+    for start in (0, 3, 40, 80):
+        page = writer.page(writer.slot(start))
+        assert tuple(page.shape) == (2, 3, 16, 2, 64) and torch.equal(page, pool.page(start))
+        assert page.untyped_storage().data_ptr() == pool.kv_buffer.untyped_storage().data_ptr()
+    page = writer.page(16)
+    pool.set_from_flat_data_page(16, torch.full((2 * 3 * 16 * 2 * 64,), 5.0, dtype=torch.bfloat16))
+    assert bool((page == 5.0).all())
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16"])
+def test_sets_read_the_pool_in_place_and_store_the_bytes_of_its_copies(tmp_path, monkeypatch, layout, codec):
+    """batch_set_v1 reads pages where they lie in the pool (never through `get_data_page`) and stores the blobs
+    that copies of them give; a host index outside the pool fails alone."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 3)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 3, "decode": 3})
+    host = HostPool(layout, pages=8)
+    host.kv_buffer.normal_()
+    in_place = make_backend(tmp_path / "a", host, codec, device="cpu")
+    copied = make_backend(tmp_path / "b", host, codec, device="cpu")
+    copied.writer = None
+    assert in_place.writer is not None
+    reads = []
+    original = host.get_data_page
+    host.get_data_page = lambda index, flat=True: reads.append(index) or original(index, flat)
+    keys = [f"p{i}" for i in range(6)]
+    indices = torch.cat([host_indices([0, 1, 2, 7, 5]), torch.arange(8 * 16, 9 * 16)])  # the last is outside
+    assert in_place.batch_set_v1(keys, indices) == [True] * 5 + [False]
+    assert reads == []
+    assert copied.batch_set_v1(keys, indices)[:5] == [True] * 5
+    assert reads  # the pool's own copies
+    for key in keys[:5]:
+        size = in_place.tier.blob_size(in_place._key(key))
+        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+        assert in_place.tier.get([in_place._key(key)], buffers[:1]).result() == [True]
+        assert copied.tier.get([copied._key(key)], buffers[1:]).result() == [True]
+        assert torch.equal(buffers[0], buffers[1]), key
+    assert in_place.get_stats()["pages_set"] == 5
+
+
+def test_a_set_hands_each_batch_to_the_writer_before_encoding_the_next(tmp_path, monkeypatch):
+    """Batches are written on the file tier's threads while the next batch encodes: every put comes before the
+    next batch's encode and no result is waited for until all are handed over; a batch whose write fails is
+    False alone."""
+    import kvbackend.integration.sglang as module
+    from kvbackend.tiers.base import Handle
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 2)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 2, "decode": 2})
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=2,group=16", device="cpu")
+    events = []
+    encode, put = backend._encode_batch, backend.tier.put
+
+    def encode_batch(pages, ints):
+        events.append(("encode", len(pages)))
+        return encode(pages, ints)
+
+    class Later(Handle):  # a handle whose result is only asked for at the end
+        def __init__(self, inner, fail):
+            super().__init__(results=None)
+            self.inner, self.fail = inner, fail
+
+        def result(self):
+            events.append(("wait",))
+            out = self.inner.result()
+            return [False] * len(out) if self.fail else out
+
+    def put_batch(keys, blobs):
+        events.append(("put", len(keys)))
+        return Later(put(keys, blobs), fail=len([e for e in events if e[0] == "put"]) == 2)
+
+    monkeypatch.setattr(backend, "_encode_batch", encode_batch)
+    monkeypatch.setattr(backend.tier, "put", put_batch)
+    keys = [f"p{i}" for i in range(5)]
+    assert backend.batch_set_v1(keys, host_indices(range(5))) == [True, True, False, False, True]
+    assert events == [("encode", 2), ("put", 2), ("encode", 2), ("put", 2), ("encode", 1), ("put", 1),
+                      ("wait",), ("wait",), ("wait",)]
+    stats = backend.get_stats()
+    assert stats["pages_set"] == 3 and stats["failures"] == 2
+
+
 def test_the_pool_writer_declines_pools_it_cannot_address():
     """Another dtype, a buffer that is not one contiguous tensor of the layout's shape, or no buffer at all: no
     writer (the backend then goes through the pool's own methods)."""

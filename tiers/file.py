@@ -218,10 +218,11 @@ class FileTier:
         return Handle(self._pool.submit(self._put_now, list(keys), fresh))
 
     def _put_now(self, keys: list[int], fresh) -> list[bool]:
-        payloads = [b.detach().to("cpu").contiguous().numpy().tobytes() for _, b in fresh]
+        # written from the blobs' own memory (a uint8 array each), not from a copy of it
+        payloads = [b.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for _, b in fresh]
         if self.fmt is not None:
             try:
-                payloads = [self.fmt.encode(p) for p in payloads]
+                payloads = [self.fmt.encode(p.tobytes()) for p in payloads]
             except ValueError:  # a blob this format cannot hold: nothing is written, the caller keeps it
                 with self._lock:
                     self._failures += 1
@@ -230,9 +231,9 @@ class FileTier:
         with self._lock:
             return [ok or k in self._index for k in keys]
 
-    def write_group(self, keys: list[int], payloads: list[bytes]) -> bool:
-        """Write one page group synchronously; False (and nothing indexed) if it could not be written,
-        including a group larger than the whole budget."""
+    def write_group(self, keys: list[int], payloads: list) -> bool:
+        """Write one page group synchronously (``payloads``: bytes or 1-D uint8 arrays); False (and nothing
+        indexed) if it could not be written, including a group larger than the whole budget."""
         size = _HEADER.size + len(keys) * _ENTRY.size + sum(len(p) for p in payloads)
         with self._lock:
             if not self._reserve(size):
