@@ -310,7 +310,7 @@ class KVBackendStorage(HiCacheStorage):
     def _store(self, keys: List[str], page_of) -> List[bool]:
         """Encode and write the pages ``page_of(i)`` of ``keys[i]`` (a page that cannot be had, or encoded, fails
         alone), a batch at a time: a batch's blobs go to the file tier's writer threads while the next batch
-        is read and encoded; the results are waited for at the end."""
+        is read and encoded. Every write handed over is waited for and counted, whatever fails after it; never raises."""
         n = len(keys)
         try:
             self._private_directories()  # recreated if it was removed while running
@@ -321,29 +321,38 @@ class KVBackendStorage(HiCacheStorage):
             return [False] * n
         step = self._batch_pages("encode") if self._batched_encode() else 1
         writes = []  # (positions, handle) of the batches handed to the tier
-        from_pool = 0.0
-        for at in range(0, n, step):
-            start = time.perf_counter()
-            rows, pages = [], []
-            for i in range(at, min(at + step, n)):
-                try:
-                    pages.append(page_of(i))
-                    rows.append(i)
-                except Exception as exc:  # noqa: BLE001 - a page the pool cannot give (a bad host index) fails alone
-                    self._log_once("from_pool", f"kvbackend storage: reading a page from the host pool failed: {exc!r}")
-            from_pool += time.perf_counter() - start
-            blobs, encoded = self._encode_part([keys[i] for i in rows], pages)
-            if blobs:
-                positions = [i for i, good in zip(rows, encoded) if good]
-                writes.append((positions, self.tier.put([self._key(keys[i]) for i in positions], blobs)))
         results = [False] * n
+        from_pool = 0.0
+        try:
+            for at in range(0, n, step):
+                start = time.perf_counter()
+                rows, pages = [], []
+                for i in range(at, min(at + step, n)):
+                    try:
+                        pages.append(page_of(i))
+                        rows.append(i)
+                    except Exception as exc:  # noqa: BLE001 - a page the pool cannot give (a bad host index) fails alone
+                        self._log_once("from_pool", f"kvbackend storage: reading a page from the host pool failed: {exc!r}")
+                from_pool += time.perf_counter() - start
+                blobs, encoded = self._encode_part([keys[i] for i in rows], pages)
+                if blobs:
+                    positions = [i for i, good in zip(rows, encoded) if good]
+                    writes.append((positions, self.tier.put([self._key(keys[i]) for i in positions], blobs)))
+        except Exception as exc:  # noqa: BLE001 - the pages not handed over fail; those that were are counted below
+            self._log_once("store", f"kvbackend storage: storing pages failed: {exc!r}")
         start = time.perf_counter()
         for positions, handle in writes:
-            for i, written in zip(positions, handle.result()):
-                results[i] = written
+            try:
+                written = handle.result()
+            except Exception as exc:  # noqa: BLE001 - a write that raised stored nothing; the rest are waited for
+                self._log_once("write", f"kvbackend storage: writing pages failed: {exc!r}")
+                continue
+            for i, ok in zip(positions, written):
+                results[i] = ok
+        waited = time.perf_counter() - start
         with self._lock:
             self._stats["from_pool_s"] += from_pool
-            self._stats["write_s"] += time.perf_counter() - start  # waiting for writes the encodes did not hide
+            self._stats["write_s"] += waited  # waiting for writes the encodes did not hide
             self._stats["pages_set"] += sum(results)
             self._stats["raw_bytes_set"] += sum(results) * self._raw_page_bytes()
             self._stats["failures"] += results.count(False)

@@ -815,6 +815,41 @@ def test_a_set_hands_each_batch_to_the_writer_before_encoding_the_next(tmp_path,
     assert stats["pages_set"] == 3 and stats["failures"] == 2
 
 
+@pytest.mark.parametrize("failure", ["submit", "result"])
+def test_a_write_that_fails_midway_counts_the_pages_written_before_it(tmp_path, monkeypatch, failure):
+    """The second batch's write raises (when handed over, or when its result is asked for): the first batch is on
+    disk and reported True, every other page False, each failure counted once, and nothing raises into SGLang."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 2)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 2, "decode": 2})
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=2,group=16", device="cpu")
+    put, calls = backend.tier.put, []
+
+    class Raising:
+        def result(self):
+            raise RuntimeError("the disk went away")
+
+    def put_batch(keys, blobs):
+        calls.append(len(keys))
+        if len(calls) == 2:
+            if failure == "submit":
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            return Raising()
+        return put(keys, blobs)
+
+    monkeypatch.setattr(backend.tier, "put", put_batch)
+    keys = [f"p{i}" for i in range(5)]
+    want = [True, True, False, False, False] if failure == "submit" else [True, True, False, False, True]
+    assert backend.batch_set_v1(keys, host_indices(range(5))) == want
+    assert calls == ([2, 2] if failure == "submit" else [2, 2, 1])
+    assert [backend.exists(k) for k in keys] == want
+    stats = backend.get_stats()
+    assert stats["pages_set"] == sum(want) and stats["failures"] == 5 - sum(want)
+
+
 def test_the_pool_writer_declines_pools_it_cannot_address():
     """Another dtype, a buffer that is not one contiguous tensor of the layout's shape, or no buffer at all: no
     writer (the backend then goes through the pool's own methods)."""
