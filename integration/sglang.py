@@ -201,12 +201,12 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["encode_s"] += time.perf_counter() - start
         return list(blobs)
 
-    def _decode_batch(self, blobs, sink=None) -> Optional[torch.Tensor]:
+    def _decode_batch(self, blobs, sink=None, defer=False) -> Optional[torch.Tensor]:
         """Pages [N, 2, L, P, H, D] from blobs `_is_page_of` accepted (a list, or a [N, blob_bytes] tensor), in one
         codec call: every layer of every page as pages of one chunk (page-local codecs), or as one-page units
         with their own codebooks (`Codec.decode_units`; each blob carries its layers' codebooks). With ``sink``,
         ``sink(pages)`` takes them where they were decoded (on the codec's device and stream) and None is
-        returned."""
+        returned; with ``defer`` too, its copies may still run when this returns (`DeviceCodec.finish` waits)."""
         start = time.perf_counter()
         g, lay, group = self.geometry, self.layout, self.group
         if isinstance(blobs, torch.Tensor):
@@ -228,7 +228,7 @@ class KVBackendStorage(HiCacheStorage):
             k, v = self.frame.from_stored(*self.codec.decode_pages(lay, body, body.new_empty(0)), 0)
             return torch.stack([k.reshape(shape), v.reshape(shape)], dim=1)
 
-        out = self.device("decode", decode, stacked, sink=sink)
+        out = self.device("decode", decode, stacked, sink=sink, defer=defer)
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out
@@ -478,20 +478,23 @@ class KVBackendStorage(HiCacheStorage):
         pending = collections.deque(read(b) for b in itertools.islice(batches, max(1, READ_AHEAD)))
         results = [False] * n
         read_s = 0.0
-        while pending:
-            batch, staging, handle = pending.popleft()
-            following = next(batches, None)
-            if following is not None:
-                pending.append(read(following))
-            start = time.perf_counter()
-            found = handle.result()
-            read_s += time.perf_counter() - start
-            good = [j for j, i in enumerate(batch) if found[j] and self._is_page_of(staging[j], ints[i])]
-            if len(good) < len(batch):  # the rows that read well, packed together (page-locked again)
-                staging = torch.index_select(staging, 0, torch.tensor(good, dtype=torch.long),
-                                             out=self.device.staging((len(good), self.blob_bytes), torch.uint8))
-            for j in self._decode_into_pool(staging, [starts[batch[j]] for j in good]):
-                results[batch[good[j]]] = True
+        try:
+            while pending:
+                batch, staging, handle = pending.popleft()
+                following = next(batches, None)
+                if following is not None:
+                    pending.append(read(following))
+                start = time.perf_counter()
+                found = handle.result()
+                read_s += time.perf_counter() - start
+                good = [j for j, i in enumerate(batch) if found[j] and self._is_page_of(staging[j], ints[i])]
+                if len(good) < len(batch):  # the rows that read well, packed together (page-locked again)
+                    staging = torch.index_select(staging, 0, torch.tensor(good, dtype=torch.long),
+                                                 out=self.device.staging((len(good), self.blob_bytes), torch.uint8))
+                for j in self._decode_into_pool(staging, [starts[batch[j]] for j in good]):
+                    results[batch[good[j]]] = True
+        finally:  # no copy into the pool outlives the call, even one that fails (its slots may be reused at once)
+            self.device.finish()
         with self._lock:
             self._stats["read_s"] += read_s
             hits = sum(results)
@@ -504,9 +507,10 @@ class KVBackendStorage(HiCacheStorage):
         page by page, so a page that cannot be decoded is a miss alone."""
         if not starts:
             return []
-        done = self._batch_or_one_by_one(
-            len(starts), lambda: self._decode_batch(blobs, sink=lambda pages: self.writer.write(pages, starts)),
-            lambda j: self._decode_batch(blobs[j : j + 1], sink=lambda pages: self.writer.write(pages, [starts[j]])))
+        done = self._batch_or_one_by_one(  # copies into the pool overlap the next batch (`_load_into_pool` waits)
+            len(starts), lambda: self._decode_batch(blobs, sink=lambda pages: self.writer.write(pages, starts), defer=True),
+            lambda j: self._decode_batch(blobs[j : j + 1], sink=lambda pages: self.writer.write(pages, [starts[j]]),
+                                         defer=True))
         return [j for j, _ in done]
 
     def _hand_over(self, deliver, row: int, page: torch.Tensor) -> Optional[bool]:

@@ -89,14 +89,17 @@ class DeviceCodec:
         self._log = log or logging.getLogger(__name__)
         self._lock = threading.Lock()
         self._stream = None
+        self._copies = None  # where deferred copies out run (`run(defer=True)`)
         self._logged: set[str] = set()
 
-    def run(self, fn, *tensors, into=None, sink=None):
+    def run(self, fn, *tensors, into=None, sink=None, defer=False):
         """``fn(*tensors moved to the device)`` -> its tensor result back on the host (or a tuple of them). With
         ``into`` (host tensors), row ``i`` of the result is copied into ``into[i]`` instead (straight from the
         device, asynchronously where ``into[i]`` is page-locked) and None is returned. With ``sink``,
         ``sink(result)`` is called on the device's stream (its copies may be asynchronous there) and None is
-        returned once the stream has finished."""
+        returned once the stream has finished. With ``defer`` (and ``into`` or ``sink``) those copies run on a
+        stream of their own once ``fn``'s work is done, and `run` returns without waiting for them, so the next
+        call's transfers and kernels overlap them: the caller calls `finish` before it reads the destinations."""
         import torch
 
         if self.device.type == "cpu":
@@ -107,12 +110,34 @@ class DeviceCodec:
             with torch.cuda.stream(self._stream):
                 moved = [t.to(self.device, non_blocking=t.is_pinned()) for t in tensors]
                 out = fn(*moved)
-                if into is not None or sink is not None:
+                if defer and (into is not None or sink is not None):
+                    result = self._deliver_later(out, into, sink)
+                elif into is not None or sink is not None:
                     result = self._deliver(out, into, sink)
                 else:
                     result = tuple(self._to_host(o) for o in out) if isinstance(out, tuple) else self._to_host(out)
-            self._stream.synchronize()  # the copies above are complete before anyone reads the results
+            self._stream.synchronize()  # the copies above (all but deferred ones) are complete before anyone reads
         return result
+
+    def _deliver_later(self, out, into, sink):
+        """`_deliver` on the copy stream, after the work queued so far on the device's stream."""
+        import torch
+
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(self.device)
+        self._copies.wait_stream(self._stream)
+        with torch.cuda.stream(self._copies):
+            result = self._deliver(out, into, sink)
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                tensor.record_stream(self._copies)  # its memory is not reused before the copies read it
+        return result
+
+    def finish(self) -> None:
+        """Wait for the copies `run` deferred (none on the CPU); a device error in them is raised here."""
+        copies = self._copies
+        if copies is not None:
+            copies.synchronize()
 
     @staticmethod
     def _deliver(out, into, sink=None):
@@ -156,14 +181,15 @@ class DeviceCodec:
                 pass
         return torch.empty(shape, dtype=dtype)
 
-    def __call__(self, what: str, fn, *tensors, into=None, sink=None):
+    def __call__(self, what: str, fn, *tensors, into=None, sink=None, defer=False):
         """`run`, except that where the device fails (out of memory, a lost context, ...) this batch runs on
         the CPU (the same bytes) and the failure is logged once. Errors of the pages themselves
         (``ValueError``: non-finite values, damaged bytes) are raised as on the CPU."""
         if self.device.type != "cpu":
             try:
-                # (``sink`` only where given: `run` overrides written before it keep working)
-                return self.run(fn, *tensors, into=into, **({"sink": sink} if sink is not None else {}))
+                # (``sink`` and ``defer`` only where given: `run` overrides written before them keep working)
+                return self.run(fn, *tensors, into=into, **({"sink": sink} if sink is not None else {}),
+                                **({"defer": True} if defer else {}))
             except ValueError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the CPU path below gives the same bytes

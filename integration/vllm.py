@@ -348,7 +348,8 @@ class KVBackendTier(SecondaryTierManager):
                     return n
             return len(chunk_ids)
         try:  # straight from the device into the primary chunks
-            self.device("decode", self._decode_chunks, blobs, into=[self._chunk(cid) for cid in chunk_ids])
+            # (the copies into the primary chunks overlap the next batch; `_load_job` waits for them)
+            self.device("decode", self._decode_chunks, blobs, into=[self._chunk(cid) for cid in chunk_ids], defer=True)
         except Exception as exc:  # noqa: BLE001 - one chunk at a time below
             if len(chunk_ids) == 1:
                 log.error("kvbackend vLLM tier: decoding a chunk failed: %r", exc)
@@ -369,6 +370,8 @@ class KVBackendTier(SecondaryTierManager):
             n += 1
         window = max(1, WINDOW_BYTES // self.blob_bytes)
         step = self._batch_chunks()
+        if self.device.device.type != "cpu":  # a window per decode batch: the next one is read while this decodes
+            window = min(window, step)
         windows = [(at, min(n, at + window)) for at in range(0, n, window)]
         done, ahead = 0, None
         try:
@@ -397,6 +400,11 @@ class KVBackendTier(SecondaryTierManager):
         except Exception as exc:  # noqa: BLE001 - the chunks delivered so far stay loaded and are reported
             log.error("kvbackend vLLM tier: a load stopped after %d of %d chunks: %r", done, len(keys), exc)
         finally:
+            try:  # the deferred copies into the primary chunks land before any chunk is reported loaded
+                self.device.finish()
+            except Exception as exc:  # noqa: BLE001 - which chunks landed is unknown: none is reported
+                log.error("kvbackend vLLM tier: copying chunks into the primary tier failed: %r", exc)
+                done = 0
             if ahead is not None:  # a read still in flight is waited for (its buffers are not used)
                 try:
                     ahead[1].result()

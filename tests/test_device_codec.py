@@ -86,3 +86,32 @@ def test_host_buffers_are_page_locked_where_they_can_be():
     out, twice = runner.run(lambda t: (t + 1, t * 2), x)
     assert out.device.type == "cpu" and out.is_pinned() and twice.is_pinned()
     assert torch.equal(out, x + 1) and torch.equal(twice, x * 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_deferred_copies_have_landed_once_finish_returns(device):
+    """``defer=True``: the copies into the destinations run after the device's work on a stream of their own (a sink
+    sees that stream as current), the call returns without waiting for them, and after `finish` every destination
+    holds the last call's rows; on the CPU it is a plain call."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runner = DeviceCodec(torch.device(device))
+    x = torch.randn(6, 1 << 18)
+    dests = [runner.staging((1 << 18,), torch.float32).zero_() for _ in range(6)]
+    for factor in (2.0, 3.0, 5.0):  # each call overwrites the last one's rows, in order
+        assert runner("decode", lambda t: t * factor, x, into=dests, defer=True) is None
+    runner.finish()
+    for i, d in enumerate(dests):
+        assert torch.equal(d, x[i] * 5.0), i
+    streams = []
+
+    def sink(out):
+        if device == "cuda":
+            streams.append(torch.cuda.current_stream())
+        dests[0].copy_(out[0], non_blocking=device == "cuda")
+
+    assert runner("decode", lambda t: t + 1, x, sink=sink, defer=True) is None
+    runner.finish()
+    assert torch.equal(dests[0], x[0] + 1)
+    if device == "cuda":
+        assert streams[0] != runner._stream and streams[0] == runner._copies

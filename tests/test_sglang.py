@@ -553,7 +553,7 @@ def test_a_device_that_fails_falls_back_to_the_cpu(tmp_path, monkeypatch, caplog
     calls = []
 
     class Broken(DeviceCodec):
-        def run(self, fn, *tensors, into=None, sink=None):
+        def run(self, fn, *tensors, into=None, sink=None, defer=False):
             calls.append(fn)
             raise RuntimeError("CUDA error: out of memory")
 
@@ -569,7 +569,7 @@ def test_a_device_that_fails_falls_back_to_the_cpu(tmp_path, monkeypatch, caplog
     assert torch.equal(failing._decode_batch(want), cpu._decode_batch(want))
 
     class Refusing(Broken):
-        def run(self, fn, *tensors, into=None, sink=None):
+        def run(self, fn, *tensors, into=None, sink=None, defer=False):
             raise ValueError("non-finite values")
 
     failing.device = Refusing(torch.device("cuda", 0))

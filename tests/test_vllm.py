@@ -442,7 +442,7 @@ def test_blocks_mode_falls_back_to_the_cpu_where_the_device_fails(tmp_path, monk
     _, want_blob, want_rows = _blocks_round_trip(tmp_path / "cpu", "cpu")
     calls = []
 
-    def broken(self, fn, *tensors, into=None, sink=None):
+    def broken(self, fn, *tensors, into=None, sink=None, defer=False):
         calls.append(fn)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -477,11 +477,11 @@ def _working_device(monkeypatch):
     def on_cuda(self, device, log=None):
         real(self, torch.device("cuda", 0), log)
 
-    def direct(self, fn, *tensors, into=None):
+    def direct(self, fn, *tensors, into=None, defer=False):
         calls.append(len(tensors) if fn.__name__ == "_encode_chunks" else len(tensors[0]))  # chunks per call
         cpu = copy.copy(self)
         cpu.device = torch.device("cpu")
-        return real_run(cpu, fn, *tensors, into=into)
+        return real_run(cpu, fn, *tensors, into=into, defer=defer)
 
     monkeypatch.setattr(DeviceCodec, "__init__", on_cuda)
     monkeypatch.setattr(DeviceCodec, "run", direct)
@@ -524,7 +524,7 @@ def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, m
     buf[10:] = 0
     calls.clear()
     assert run(gpu, 2, ks, list(range(10, 20)), promotion=True).success
-    assert calls == [3, 1, 3, 1, 2]  # decode batches inside windows of 4, 4 and 2 blobs
+    assert calls == [3, 3, 3, 1]  # windows of 4 blobs capped at one decode batch: 3, 3, 3 and 1
     assert np.array_equal(buf[10:], want)
     assert gpu.get_stats()["chunks_loaded"] == 10
     gpu.shutdown()
