@@ -349,6 +349,8 @@ class KVBackendStorage(HiCacheStorage):
                 continue
             for i, ok in zip(positions, written):
                 results[i] = ok
+        # a later batch's write may have evicted an earlier batch's pages: only pages held now count as stored
+        results = [ok and self.tier.blob_size(self._key(keys[i])) is not None for i, ok in enumerate(results)]
         waited = time.perf_counter() - start
         with self._lock:
             self._stats["from_pool_s"] += from_pool

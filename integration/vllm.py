@@ -315,16 +315,18 @@ class KVBackendTier(SecondaryTierManager):
                 blobs += list(batch)
                 if len(blobs) >= group or at + step >= len(chunk_ids):  # one file per group of chunks
                     first = at + len(raws) - len(blobs)
-                    writes.append(self.store.put(ints[first : first + len(blobs)], blobs))
+                    writes.append((len(blobs), self.store.put(ints[first : first + len(blobs)], blobs)))
                     blobs = []
         finally:
             ok = []
-            for write in writes:
+            for count, write in writes:
                 try:
                     ok += write.result()
                 except Exception as exc:  # noqa: BLE001 - a write that raised stored nothing; the rest are waited for
                     log.error("kvbackend vLLM tier: a write failed: %r", exc)
-                    ok.append(False)
+                    ok += [False] * count
+            # a later group's write may have evicted an earlier group's chunks: only chunks held now count as stored
+            ok = [good and self.store.blob_size(key) is not None for good, key in zip(ok, ints)]
             with self._lock:
                 self._stats["chunks_stored"] += sum(ok)
                 self._stats["raw_bytes_stored"] += sum(ok) * self.chunk_bytes

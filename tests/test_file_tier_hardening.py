@@ -513,3 +513,28 @@ def test_the_default_workers_follow_the_cores_this_process_may_use(tmp_path, mon
     tier = FileTier(str(tmp_path / "three"), 10**6, FINGERPRINT, fsync=False, workers=3)
     assert tier._workers == 3
     tier.close()
+
+
+def test_put_never_reports_a_held_key_that_its_own_write_evicted(tmp_path):
+    """Key 1 is held, so `put([2, 1])` writes only 2, and making room for it evicts 1's file: 1 is reported False."""
+    blob = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    one_file = 48 + 40 + blob.numel()  # header, one table entry, one blob
+    tier = FileTier(str(tmp_path), int(one_file * 1.5), FINGERPRINT, fsync=False)
+    assert tier.put([1], [blob]).result() == [True]
+    assert tier.put([2, 1], [blob.clone(), blob]).result() == [True, False]
+    assert [tier.contains([k]) for k in (2, 1)] == [1, 0]
+
+
+def test_a_file_removed_behind_the_tiers_back_is_written_again(tmp_path):
+    """A held key whose file was deleted by someone else is not skipped as held: the put writes it again and it
+    reads back."""
+    blob = torch.arange(300, dtype=torch.int32).to(torch.uint8)
+    tier = FileTier(str(tmp_path), 1 << 20, FINGERPRINT, fsync=False)
+    assert tier.put([1, 2], [blob, blob.flip(0)]).result() == [True, True]
+    for name in os.listdir(tmp_path):
+        os.remove(tmp_path / name)
+    assert tier.put([1, 3], [blob, blob]).result() == [True, True]
+    out = torch.empty(300, dtype=torch.uint8)
+    assert tier.get([1], [out]).result() == [True] and torch.equal(out, blob)
+    assert tier.get([2], [out]).result() == [False]  # 2 was not written again: its read misses
+    assert tier.contains([2]) == 0

@@ -850,6 +850,63 @@ def test_a_write_that_fails_midway_counts_the_pages_written_before_it(tmp_path, 
     assert stats["pages_set"] == sum(want) and stats["failures"] == 5 - sum(want)
 
 
+def test_a_set_never_reports_pages_that_its_own_later_batches_evicted(tmp_path, monkeypatch):
+    """A call whose pages exceed the budget: its later batches' files evict its earlier ones before it returns.
+    Every page reported stored is held when the call returns, and the prefix SGLang looks up is as long as the
+    call said."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 2)
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 2, "decode": 2})
+    host = HostPool("layer_first", pages=16)
+    host.kv_buffer.normal_()
+    probe = make_backend(tmp_path / "probe", host, "kivi:bits=2,group=16", device="cpu")
+    assert probe.batch_set_v1(["a", "b"], host_indices([0, 1])) == [True, True]
+    group = probe.tier.stats().bytes_used  # one file of two pages
+    backend = make_backend(tmp_path / "small", host, "kivi:bits=2,group=16", device="cpu",
+                           budget_gb=2.5 * group / 2**30)  # room for two such files, not four
+    keys = [f"p{i}" for i in range(8)]
+    results = backend.batch_set_v1(keys, host_indices(range(8)))
+    held = [backend.exists(k) for k in keys]
+    assert results == held and sum(held) == 4, (results, held)
+    assert backend.batch_exists(keys) == next((i for i, r in enumerate(results) if not r), len(keys))
+    assert backend.get_stats()["pages_set"] == 4
+
+
+def test_a_set_never_reports_a_held_page_that_its_own_write_evicted(tmp_path, monkeypatch):
+    """"old" is held, so only "new" is written, and that write evicts "old"'s file: "old" is not reported stored."""
+    import kvbackend.integration.sglang as module
+
+    monkeypatch.setattr(module, "CPU_BATCH_PAGES", {"encode": 4, "decode": 4})
+    host = HostPool("layer_first", pages=4)
+    host.kv_buffer.normal_()
+    probe = make_backend(tmp_path / "probe", host, "kivi:bits=2,group=16", device="cpu")
+    assert probe.batch_set_v1(["old"], host_indices([0])) == [True]
+    one_file = probe.tier.stats().bytes_used
+    backend = make_backend(tmp_path / "small", host, "kivi:bits=2,group=16", device="cpu",
+                           budget_gb=1.5 * one_file / 2**30)
+    assert backend.batch_set_v1(["old"], host_indices([0])) == [True]
+    assert backend.batch_set_v1(["new", "old"], host_indices([1, 0])) == [True, False]
+    assert [backend.exists(k) for k in ("new", "old")] == [True, False]
+
+
+def test_a_set_after_the_directory_was_removed_writes_its_pages_again(tmp_path):
+    """The storage directory cleaned while serving: pages stored before are written again (not skipped as held
+    by an index that still lists their files), and every page reported stored loads."""
+    import shutil
+
+    host = HostPool("layer_first", pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, "kivi:bits=2,group=16", device="cpu")
+    keys = ["p0", "p1", "p2"]
+    assert backend.batch_set_v1(keys[:2], host_indices([0, 1])) == [True, True]
+    shutil.rmtree(backend.directory)
+    assert backend.batch_set_v1(keys, host_indices([0, 1, 2])) == [True, True, True]
+    assert backend.batch_get_v1(keys, host_indices([4, 5, 6])) == [True, True, True]
+    for i in range(3):
+        assert torch.equal(host.page(16 * (4 + i)), backend._load([keys[i]])[0])
+
+
 def test_the_pool_writer_declines_pools_it_cannot_address():
     """Another dtype, a buffer that is not one contiguous tensor of the layout's shape, or no buffer at all: no
     writer (the backend then goes through the pool's own methods)."""

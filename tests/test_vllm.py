@@ -779,3 +779,22 @@ def test_the_compression_ratio_is_that_of_the_chunks_held(tmp_path):
     held = packed.store.stats()
     assert packed.get_stats()["compression_ratio"] == 2 * CHUNK_BYTES / held.bytes_used > 3
     packed.shutdown()
+
+
+def test_a_store_whose_later_groups_evict_its_earlier_ones_is_not_reported_stored(tmp_path, monkeypatch):
+    """Groups of 2 chunks (the GPU's batched path, run here on the CPU) under a budget of about two groups: the
+    job's later writes evict its first group before it finishes, so the job fails and counts only what is held."""
+    from kvbackend.integration import vllm as tier_module
+
+    buf, view = primary(chunks=8)
+    _working_device(monkeypatch)
+    probe = make_tier(tmp_path / "probe", view, "identity")
+    monkeypatch.setattr(tier_module, "BATCH_BYTES", 2 * CHUNK_BYTES)
+    assert run(probe, 1, keys(2), [0, 1], promotion=False).success
+    group = probe.store.stats().bytes_used
+    probe.shutdown()
+    tier = make_tier(tmp_path / "small", view, "identity", budget_gb=2.5 * group / 2**30)
+    assert not run(tier, 2, keys(8, salt=1), list(range(8)), promotion=False).success
+    held = sum(tier.lookup(k, ReqContext("req")) != LookupResult.MISS for k in keys(8, salt=1))
+    assert held == 4 and tier.get_stats()["chunks_stored"] == held
+    tier.shutdown()

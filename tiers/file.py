@@ -212,6 +212,11 @@ class FileTier:
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
         check_pairs(keys, blobs, "blobs")
         with self._lock:
+            # a file removed behind the tier's back (its directory cleaned while running) holds nothing: its keys
+            # are written again rather than skipped as held
+            for path in {self._index[k].path for k in keys if k in self._index}:
+                if not os.path.exists(path):
+                    self._drop_file(path)
             fresh = [(k, b) for k, b in zip(keys, blobs) if k not in self._index]
         if not fresh:
             return Handle.finished([True] * len(keys))
@@ -227,9 +232,9 @@ class FileTier:
                 with self._lock:
                     self._failures += 1
                     return [k in self._index for k in keys]
-        ok = self.write_group([k for k, _ in fresh], payloads)
-        with self._lock:
-            return [ok or k in self._index for k in keys]
+        self.write_group([k for k, _ in fresh], payloads)
+        with self._lock:  # held now: a key skipped as held may have been evicted to make room for this very write
+            return [k in self._index for k in keys]
 
     def write_group(self, keys: list[int], payloads: list) -> bool:
         """Write one page group synchronously (``payloads``: bytes or 1-D uint8 arrays); False (and nothing
