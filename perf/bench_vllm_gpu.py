@@ -1,9 +1,8 @@
 """The vLLM secondary tier at storage speed (#20): store and load of Llama-8B-shaped chunks through
 `KVBackendTier` (its codec on the GPU when there is one: the tier's ``device`` option, ``auto``) against raw
 chunks on the same primary buffer and the same disk, in one run: vLLM's own file-system tier (``fs``,
-`FileSystemTierManager`) where it can be imported, and always the same tier with ``identity`` (raw bytes through
-kvbackend's file tier). vLLM's ``fs`` tier imports the engine's entry points and their third-party packages, so
-the pure-Python subset below cannot load it; the JSON says which raw rows ran.
+`FileSystemTierManager`) where it can be imported (the subset below carries it), and always the same tier with
+``identity`` (raw bytes through kvbackend's file tier); the JSON says which raw rows ran.
 
     python3 perf/bench_vllm_gpu.py --out $OUT/bench_vllm_gpu.json [--chunks 64]
 
@@ -12,14 +11,17 @@ Chunks: one worker's 32 layers of 8 KV heads x 128 in bf16, 4 blocks of 16 token
 engine's HND layout. Needs vLLM's offloading interface importable; a machine without vLLM can use the pure-Python
 files it takes (`python perf/vllm_subset.py .vllm_min` where vLLM is installed, then ``PYTHONPATH=.vllm_min``).
 Figures are GB/s of raw KV per job of all chunks (one `submit_store` or `submit_load`, waited for), medians of
-three rounds (fresh keys for every store round; loads read what the last store wrote, so from the OS page cache
-for both tiers).
+three rounds (fresh keys for every store round; loads read what the last store wrote). Loads are timed twice: from
+the OS page cache as the store left it, and from the disk (every file under the run's folder synced and evicted
+from the page cache before each round, untimed). vLLM's fs tier reads with O_DIRECT where the file system allows,
+so its loads come from the disk either way: `load_cold_vs_raw` compares like with like.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import tempfile
@@ -70,9 +72,24 @@ def run_job(tier, job_id: int, keys, chunk_ids, promotion: bool) -> bool:
     raise TimeoutError(f"job {job_id} did not finish")
 
 
-def median_time(fn, rounds: int) -> float:
+def drop_page_cache(folder: Path) -> None:
+    """Evict the files under ``folder`` from the OS page cache (synced first: clean pages go), so the next reads
+    come from the disk, as reads of vLLM's fs tier do (O_DIRECT)."""
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def median_time(fn, rounds: int, before=None) -> float:
     times = []
     for i in range(rounds):
+        if before is not None:
+            before()  # not timed
         start = time.perf_counter()
         assert fn(i), "a job failed"
         times.append(time.perf_counter() - start)
@@ -93,7 +110,11 @@ def main():
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(2 * n, CHUNK_BYTES // 2, generator=gen).bfloat16()
     pinned = torch.cuda.is_available() and not args.pageable  # vLLM's CPU tier pins its buffer where it can
-    primary = torch.empty((2 * n, CHUNK_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    if pinned:  # page-locked memory is page-aligned
+        primary = torch.empty((2 * n, CHUNK_BYTES), dtype=torch.uint8, pin_memory=True)
+    else:  # page-aligned too (vLLM's fs tier reads and writes it with O_DIRECT where the file system allows)
+        primary = torch.from_numpy(np.frombuffer(mmap.mmap(-1, 2 * n * CHUNK_BYTES), dtype=np.uint8)
+                                   .reshape(2 * n, CHUNK_BYTES))
     primary.copy_(values.view(torch.uint8).view(2 * n, CHUNK_BYTES))
     buffer = primary.numpy()
     view = memoryview(buffer)
@@ -117,13 +138,14 @@ def main():
         run_job(tier, 10**6, [make_offload_key(b"warm".ljust(16, b"."), 0)], [0], promotion=False)  # first use
         store_s = median_time(store, args.rounds)
         load_s = median_time(load, args.rounds)
+        cold_s = median_time(load, args.rounds, before=lambda: drop_page_cache(root))  # from the disk
         sent = torch.from_numpy(buffer[:n]).view(torch.bfloat16).float()
         back = torch.from_numpy(buffer[n:]).view(torch.bfloat16).float()
         error = float((back - sent).pow(2).mean().sqrt())
-        row = {"tier": name, "store_GBps": raw / store_s / 1e9, "load_GBps": raw / load_s / 1e9, "rms_error": error,
-               **extra}
-        print(f"{name}: store {row['store_GBps']:.2f} GB/s, load {row['load_GBps']:.2f} GB/s, rms error {error:.3f}",
-              flush=True)
+        row = {"tier": name, "store_GBps": raw / store_s / 1e9, "load_GBps": raw / load_s / 1e9,
+               "load_cold_GBps": raw / cold_s / 1e9, "rms_error": error, **extra}
+        print(f"{name}: store {row['store_GBps']:.2f} GB/s, load {row['load_GBps']:.2f} GB/s (from the page cache), "
+              f"{row['load_cold_GBps']:.2f} GB/s (from the disk), rms error {error:.3f}", flush=True)
         tier.shutdown()
         return row
 
@@ -148,6 +170,7 @@ def main():
             assert row["rms_error"] == 0.0, "the raw tier must give the bytes back"
         rows.append(row)
         row["load_vs_raw"] = row["load_GBps"] / rows[0]["load_GBps"]  # the first raw row: vLLM's fs, else identity
+        row["load_cold_vs_raw"] = row["load_cold_GBps"] / rows[0]["load_cold_GBps"]  # both from the disk
         row["store_vs_raw"] = row["store_GBps"] / rows[0]["store_GBps"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -19,7 +19,8 @@ import sys
 
 # (vLLM's own file-system tier is not among them: its imports reach the engine's entry points and their
 # third-party packages, which this subset cannot carry)
-ENTRY_POINTS = ("vllm.v1.kv_offload.tiering.factory", "vllm.v1.kv_offload.config", "kvbackend.integration.vllm")
+ENTRY_POINTS = ("vllm.v1.kv_offload.tiering.factory", "vllm.v1.kv_offload.config", "kvbackend.integration.vllm",
+                "vllm.v1.kv_offload.tiering.fs.manager")
 MISSING = re.compile(r"No module named '(vllm[\w.]*)'")
 SUBMODULE = re.compile(r"cannot import name '(\w+)' from '(vllm[\w.]*)'")
 
@@ -35,9 +36,13 @@ def copy_module(source: str, out: str, module: str) -> None:
         if not os.path.exists(init):
             open(init, "w").close()
     real = os.path.join(source, *parts[1:])
-    if os.path.isdir(real):
+    if os.path.isdir(real):  # a package: an empty __init__ first (the real one may import the whole engine)
         os.makedirs(os.path.join(out, *parts), exist_ok=True)
-        shutil.copy(os.path.join(real, "__init__.py"), os.path.join(out, *parts, "__init__.py"))
+        init = os.path.join(out, *parts, "__init__.py")
+        if not os.path.exists(init):
+            open(init, "w").close()
+        else:  # asked for again: a name its own __init__ defines
+            shutil.copy(os.path.join(real, "__init__.py"), init)
     else:
         shutil.copy(real + ".py", os.path.join(out, *parts[:-1], parts[-1] + ".py"))
 
@@ -67,6 +72,10 @@ def main(out: str) -> None:
             real = os.path.join(source, *module.split(".")[1:])
             if os.path.isdir(real) or os.path.exists(real + ".py"):
                 copy_module(source, out, module)
+                continue
+            package = os.path.join(out, *name.group(2).split("."), "__init__.py")
+            if os.path.exists(package) and not os.path.getsize(package):  # a name the package's __init__ defines
+                copy_module(source, out, name.group(2))
                 continue
         if found is None:
             sys.exit(f"a check failed for another reason than a missing vLLM module:\n{(run.stdout + run.stderr)[-3000:]}")
