@@ -527,6 +527,13 @@ def test_batched_jobs_store_and_load_the_bytes_of_the_one_chunk_path(tmp_path, m
     assert calls == [3, 3, 3, 1]  # windows of 4 blobs capped at one decode batch: 3, 3, 3 and 1
     assert np.array_equal(buf[10:], want)
     assert gpu.get_stats()["chunks_loaded"] == 10
+    monkeypatch.setattr(tier_module, "WINDOW_BYTES", 2 * gpu.blob_bytes)  # windows smaller than a decode batch
+    buf[10:] = 0
+    calls.clear()
+    assert run(gpu, 3, ks, list(range(10, 20)), promotion=True).success
+    assert calls == [2, 2, 2, 2, 2]  # decode batches inside windows of 2 blobs
+    assert np.array_equal(buf[10:], want)
+    assert gpu.get_stats()["chunks_loaded"] == 20
     gpu.shutdown()
 
 
