@@ -126,10 +126,26 @@ class KVBackendStorage(HiCacheStorage):
         if self.layout is not None:  # each SGLang page is a one-page chunk: its group always carries its codebooks
             self.group = PageGroupFormat.of([self.layout] * g.num_layers, fingerprint)
             self.blob_bytes = self.group.blob_bytes
+            self._warn_codebooks_per_page()
         self.writer = PoolWriter.of(mem_pool_host, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
         self._private_directories()
         # readers side by side for a batch's blobs (the file tier's default: up to 8, one per core)
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
+
+    def _warn_codebooks_per_page(self) -> None:
+        """Log once where codebooks sized for long chunks (centroids, PSAC bases) dominate a storage page: each
+        SGLang page is its own chunk, so a page of 64 tokens carries all 32 centroids of the recommended spec. On
+        SmolLM2's KV (perf/NOTES.md, session 19) that page codec stored 4.9 bits per value at KL 0.063, where
+        kivi:bits=4,group=64 stored 4.5 at KL 0.0076."""
+        book, codes = self.layout.codebook_bytes, self.layout.page_bytes
+        if book * 4 <= codes:
+            return
+        g = self.geometry
+        bpv = 8 * self.blob_bytes / (2 * g.num_layers * self.page_size * g.num_kv_heads * g.head_dim)
+        log.warning("kvbackend storage: %r stores %.2f bits per value on %d-token pages: its codebooks (%d bytes per "
+                    "layer) outweigh a page's codes (%d bytes), since every page is its own chunk here. Page-local "
+                    "codecs do better per byte on pages (e.g. kivi:bits=4,group=64 or "
+                    "kivi:bits=3,group=64,kbits=4,vrot=hadamard).", self.codec_spec, bpv, self.page_size, book, codes)
 
     def _raw_page_bytes(self) -> int:
         """Bytes of one page of the host pool: K and V of every layer."""

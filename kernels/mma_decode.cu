@@ -26,7 +26,8 @@
 //   - K_CENT: one stage of K_CENT (<= 32) key centroids per chunk: a table q . centroid[j] per query row,
 //     built on tensor cores when the chunk's codebook slot changes (every page with page-relative keys), and
 //     one lookup by the token's assignment byte;
-//   - OUT_N: sparse key outliers per page and head (a score term q[d] * value, through shared memory);
+//   - OUT_N: sparse key outliers per page and head (a score term q[d] * value, on tensor cores: a one-hot A of
+//     the outliers' values by token, the query at their channels as B);
 //   - SINK: a request's first SINK tokens masked (the merge kernel attends to the exact sinks);
 //   - VROT: Hadamard-rotated values: each warp keeps its packed pages' output apart from the dense pages',
 //     and rotates it back once (a fast Walsh-Hadamard transform in shared memory) before the merge;
@@ -989,70 +990,70 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         }
       }
     }
-    if (OUT_N) {  // key outliers: S[t][n] += q_page[n][d] * value, summed through shared memory
-      float* corr = reinterpret_cast<float*>(sp);  // [P][N]; sp is free until softmax_stage
-      float* term = corr + P * N;                  // [OUT_N][N]: each outlier's product per query column
+    if (OUT_N) {  // key outliers: S[t][n] += q_page[n][d] * value, as tensor-core products (swap-AB, like the keys)
+      // Per 16 outliers, A[token][j] = value_j where outlier j sits at the tile's token (else 0; exact in fp16) and
+      // B[j][n] = query row n at outlier j's channel, in the page's frame and log2 units, split in two fp16 parts
+      // (hi + lo: about fp32's precision); the accumulator has the score tile's layout, so the terms add in place.
+      // A lane holds outliers 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of each 16 (the fragments' k slots).
       const uint32_t* out = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES);
       const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
-      // every (outlier, column) product once, spread over the lanes so that their query loads overlap
-      for (int i = lane; i < OUT_N * a.group; i += 32) {
-        const int o = i / a.group, col = i % a.group;
-        const int half = ((o * a.H + h) & 1) * 16;
-        const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
-        const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
-        const float value = __half2float(*reinterpret_cast<const __half*>(&vb));
-        const int t = pos / D, d = pos % D;
-        float prod = 0.f;
-        if (t < P) {
-          const int64_t row = (static_cast<int64_t>(r) * Hq + h * a.group + col) * D;
-          float qd = load_float<Q_KIND>(a.q, row + d);
-          if (PAGE_ROPE) {
-            const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, row + d + D / 2) : -load_float<Q_KIND>(a.q, row + d - D / 2);
-            qd = qd * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
+      const int64_t qrow = (static_cast<int64_t>(r) * Hq + h * a.group + gid) * D;
+#pragma unroll
+      for (int c0 = 0; c0 < OUT_N; c0 += 16) {
+        int tok[4];
+        float val[4], qd[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int o = c0 + 2 * tig + (x & 1) + 8 * (x >> 1);
+          tok[x] = -1;
+          val[x] = 0.f;
+          qd[x] = 0.f;
+          if (o < OUT_N) {
+            const int half = ((o * a.H + h) & 1) * 16;
+            const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
+            const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
+            const int t = pos / D, d = pos % D;
+            if (t < P) {
+              tok[x] = t;
+              val[x] = __half2float(*reinterpret_cast<const __half*>(&vb));
+              if (live_row) {
+                float q = load_float<Q_KIND>(a.q, qrow + d);
+                if (PAGE_ROPE) {
+                  const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, qrow + d + D / 2)
+                                                  : -load_float<Q_KIND>(a.q, qrow + d - D / 2);
+                  q = q * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
+                }
+                if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
+                  const int i0 = d % (D / 2);
+                  const float qlo = load_float<Q_KIND>(a.q, qrow + i0), qhi = load_float<Q_KIND>(a.q, qrow + i0 + D / 2);
+                  const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
+                  const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
+                  q = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
+                }
+                qd[x] = q * a.scale_log2;
+              }
+            }
           }
-          if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
-            const int i0 = d % (D / 2);
-            const float qlo = load_float<Q_KIND>(a.q, row + i0), qhi = load_float<Q_KIND>(a.q, row + i0 + D / 2);
-            const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
-            const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
-            qd = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
-          }
-          prod = qd * a.scale_log2 * value;
         }
-        term[o * N + col] = prod;
+        float lo[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) lo[x] = qd[x] - __half2float(__float2half_rn(qd[x]));
+        const uint32_t bh0 = pack_half2(qd[0], qd[1]), bh1 = pack_half2(qd[2], qd[3]);
+        const uint32_t bl0 = pack_half2(lo[0], lo[1]), bl1 = pack_half2(lo[2], lo[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int t0 = 16 * mt + gid, t1 = t0 + 8;
+          const uint32_t a0 = pack_half2(tok[0] == t0 ? val[0] : 0.f, tok[1] == t0 ? val[1] : 0.f);
+          const uint32_t a1 = pack_half2(tok[0] == t1 ? val[0] : 0.f, tok[1] == t1 ? val[1] : 0.f);
+          const uint32_t a2 = pack_half2(tok[2] == t0 ? val[2] : 0.f, tok[3] == t0 ? val[3] : 0.f);
+          const uint32_t a3 = pack_half2(tok[2] == t1 ? val[2] : 0.f, tok[3] == t1 ? val[3] : 0.f);
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          mma16816(acc, a0, a1, a2, a3, bh0, bh1);
+          mma16816(acc, a0, a1, a2, a3, bl0, bl1);
+#pragma unroll
+          for (int x = 0; x < 4; ++x) S[mt][x] += acc[x];
+        }
       }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          *reinterpret_cast<float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig) = make_float2(0.f, 0.f);
-      __syncwarp();
-      // per round of 32 outliers (o = c0 + lane), the lane of the first outlier of the round at its token (the
-      // lanes at the same token: __match_any_sync) adds that round's products at the token in index order: one
-      // writer per cell and round, rounds in order, no atomics: the sums of a serial pass, on every run
-      for (int c0 = 0; c0 < OUT_N; c0 += 32) {
-        const int o = c0 + lane;
-        const int t = o < OUT_N ? ((out[o] >> (((o * a.H + h) & 1) * 16)) & 0xFFFF) / D : P;
-        const unsigned same = __match_any_sync(0xffffffffu, o < OUT_N ? t : -1 - lane);
-        if (o < OUT_N && t < P && (same & ((1u << lane) - 1u)) == 0u) {
-          for (int col = 0; col < a.group; ++col) {
-            float sum = corr[t * N + col];
-            for (unsigned m = same; m; m &= m - 1u) sum += term[(c0 + __ffs(m) - 1) * N + col];
-            corr[t * N + col] = sum;
-          }
-        }
-        if (c0 + 32 < OUT_N) __syncwarp();
-      }
-      __syncwarp();
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float2 cv = *reinterpret_cast<const float2*>(corr + (16 * mt + gid + 8 * e) * N + 2 * tig);
-          S[mt][2 * e] += cv.x;
-          S[mt][2 * e + 1] += cv.y;
-        }
-      __syncwarp();  // every lane has read its terms before softmax_stage writes over them
     }
     if (SINK > 0 && jpage == 0) {  // the exact sinks are attended by the merge kernel
 #pragma unroll

@@ -1,5 +1,6 @@
 """kvbackend as an SGLang HiCache storage backend, created through SGLang's own factory."""
 
+import logging
 import threading
 
 import pytest
@@ -1013,3 +1014,19 @@ def test_the_gpu_decodes_straight_into_a_page_locked_pool(tmp_path, layout, code
     assert cpu.batch_get_v1(names[:3], host_indices(range(76, 79))) == [True] * 3
     for i in range(3):
         assert torch.equal(host.page(16 * (76 + i)), want[i]), i
+
+
+def test_codebooks_that_outweigh_a_page_are_named_at_start_up(tmp_path, caplog):
+    """Each storage page is its own chunk: 32 centroids on a 16-token page cost more than the page's codes. The
+    backend says so once, with the bits per value it will store; page-local codecs start without a word."""
+    recipe = "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16,vcluster=false"
+    with caplog.at_level(logging.WARNING, logger="kvbackend.integration.sglang"):
+        make_backend(tmp_path / "a", HostPool("layer_first"), "kivi:bits=4,group=16")
+        make_backend(tmp_path / "b", HostPool("layer_first"), "quantwm:kchannel=16,centroids=1,cdtype=fp8,vcluster=false,rank=0")
+        assert not caplog.records
+        backend = make_backend(tmp_path / "c", HostPool("layer_first"), recipe)
+    (record,) = caplog.records
+    message = record.getMessage()
+    bpv = 8 * backend.blob_bytes / (2 * backend.geometry.num_layers * backend.page_size * backend.geometry.num_kv_heads
+                                    * backend.geometry.head_dim)
+    assert bpv > 4 and f"{bpv:.2f} bits per value" in message and "16-token pages" in message, message
