@@ -306,7 +306,7 @@ def test_the_simulation_matches_a_16_bit_cache_with_rope_frames(dtype):
         assert torch.equal(sim.k, rk) and torch.equal(sim.v, rv), frame
 
 
-@pytest.mark.parametrize("rows,dim", [(1, 8), (37, 64), (700, 128), (3, 256)])
+@pytest.mark.parametrize("rows,dim", [(1, 8), (37, 64), (700, 128), (3, 256), (9000, 4), (3000, 16), (1500, 32)])
 def test_value_rotation_is_the_hadamard_product_and_its_own_inverse(rows, dim, monkeypatch):
     """`rotate_values` is ``v @ hadamard(D)`` (to float32 rounding), undoes itself, and its torch butterflies and
     the fused CPU loop give the same bits (no sum reordered)."""
