@@ -4,14 +4,18 @@ over the layer's channels). An estimate for the stream, not a codec.
 
     .venv/bin/python perf/experiments/alignpred_context_entropy.py TEXT TOKENS
 """
-import sys, math
-import numpy as np, torch
-sys.path.insert(0, "perf")
-from bench_alignpred import capture
-from kvbackend.tools.models import load_model
-from kvbackend.alignpred import AlignPredCodec
-import kvbackend.alignpred.codec as C
-from kvbackend.alignpred.entropy import class_of, low_bits
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_alignpred import capture  # noqa: E402
+
+import kvbackend.alignpred.codec as C  # noqa: E402
+from kvbackend.alignpred import AlignPredCodec  # noqa: E402
+from kvbackend.alignpred.entropy import class_of, low_bits  # noqa: E402
+from kvbackend.tools.models import load_model  # noqa: E402
 
 model, tok = load_model()
 k, v = capture(model, tok, sys.argv[1], int(sys.argv[2]))
