@@ -170,6 +170,7 @@ def _eval(*args: str) -> list[str]:
     ("--continue", "1", "--continue: must be an integer >= 2, got '1'"),
     ("--prefix", "1e3", "--prefix: must be an integer >= 1, got '1e3'"),
     ("--seeds", "0", "--seeds: must be an integer >= 1, got '0'"),
+    ("--chunk", "32", "--chunk: must be an integer >= 64, got '32'"),
 ])
 def test_eval_numeric_arguments_are_checked_by_the_parser(no_model, capsys, option, value, shown):
     from kvbackend.tools.cli import main
@@ -188,6 +189,16 @@ def test_eval_settings_reject_numbers_no_run_can_use():
         EvalSettings(cont=1)
     with pytest.raises(ValueError, match="queries=300 must be at most tokens=256"):
         EvalSettings(tokens=256, queries=300)
+    with pytest.raises(ValueError, match="chunk_tokens=96 must be a multiple of page_size=64"):
+        EvalSettings(chunk_tokens=96)
+    assert EvalSettings(chunk_tokens=64).chunk_tokens == 64  # one page per chunk, as SGLang stores pages
+
+
+def test_eval_chunk_that_splits_a_page_is_refused_before_the_model_loads(no_model, capsys):
+    from kvbackend.tools.cli import main
+
+    assert main(_eval("--codec", "fp8", "--chunk", "96")) != 0
+    assert "chunk_tokens=96 must be a multiple of page_size=64" in capsys.readouterr().err and not no_model
 
 
 @pytest.mark.parametrize("spec, shown", [
@@ -318,3 +329,27 @@ def test_bpv_refuses_levers_it_would_not_measure(capsys):
 
     assert main(["bpv", "--codec", "kivi:bits=2,group=64,sink=4,vrot=hadamard"]) == 2
     assert "levers" in capsys.readouterr().err
+
+
+def test_eval_chunk_reaches_the_settings(no_model, monkeypatch):
+    """``--chunk`` sets the codec chunk of the run (it decides where every codebook is shared)."""
+    import kvbackend.tools.evaluate
+    import kvbackend.tools.models
+    from kvbackend.tools.cli import main
+
+    seen = []
+
+    class Tokens:
+        def __call__(self, text, return_tensors):
+            return type("Ids", (), {"input_ids": torch.zeros(1, 400, dtype=torch.long)})()
+
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None):
+        seen.append(settings)
+        raise _Loaded()
+
+    monkeypatch.setattr(kvbackend.tools.models, "load_model", lambda **kwargs: (None, Tokens()))
+    monkeypatch.setattr(kvbackend.tools.evaluate, "evaluate", evaluate)
+    for chunk, want in ((None, 2048), ("64", 64), ("192", 192)):
+        with pytest.raises(_Loaded):
+            main(_eval("--codec", "fp8", *(("--chunk", chunk) if chunk else ())))
+        assert seen[-1].chunk_tokens == want

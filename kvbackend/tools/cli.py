@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prefix", type=_int_at_least(1), default=1536, help="tokens cached through the codec")
     ev.add_argument("--continue", dest="cont", type=_int_at_least(2), default=512,
                     help="tokens teacher-forced after the prefix (at least 2: the first has no scored target)")
+    ev.add_argument("--chunk", type=_int_at_least(64), default=2048,
+                    help="tokens per codec chunk, a multiple of the 64-token page (default 2048, as the cache); "
+                         "--chunk 64 makes every page its own chunk, as the SGLang storage backend stores pages")
     ev.add_argument("--json", help="write the figures as JSON here (its folder is created before the run)")
     ev.add_argument("--plot", help="write a Pareto plot (PNG) here (its folder is created before the run)")
     ev.add_argument("--seeds", type=_int_at_least(1), default=1,

@@ -58,6 +58,8 @@ class EvalSettings:
                 raise ValueError(f"{name}={value!r} must be an integer >= {least}")
         if self.queries > self.tokens:
             raise ValueError(f"queries={self.queries} must be at most tokens={self.tokens}")
+        if self.chunk_tokens % self.page_size:
+            raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={self.page_size}")
         if self.path not in PATHS:
             raise ValueError(f"path={self.path!r}; valid: {', '.join(PATHS)}")
 
@@ -486,7 +488,8 @@ def run_eval_cli(args) -> int:
     console = Console(width=max(Console().width, 150))
     # Everything that can be checked is checked before the model loads: numbers, specs, files.
     settings = EvalSettings(tokens=args.tokens, prefix=args.prefix, cont=args.cont,
-                            queries=min(128, args.tokens), device=args.device, path=getattr(args, "path", "paged"))
+                            queries=min(128, args.tokens), chunk_tokens=getattr(args, "chunk", 2048),
+                            device=args.device, path=getattr(args, "path", "paged"))
     runs = expand(args.codec, getattr(args, "seeds", 1))  # (spec as given, spec run): seeded specs once per seed
     specs = [run for _, run in runs]
     frozen = check_specs(specs, settings)
