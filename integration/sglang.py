@@ -162,7 +162,8 @@ class KVBackendStorage(HiCacheStorage):
             raise RuntimeError("register_mem_pool_host must be called before storage operations")
 
     def _key(self, key: str) -> int:
-        digest = hashlib.blake2b(f"{self.namespace}/{key}".encode(), digest_size=8).digest()
+        # every str hashes (a lone surrogate too); any other str gives the bytes of a strict encode, as before
+        digest = hashlib.blake2b(f"{self.namespace}/{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 1
 
     # -- page <-> blob ------------------------------------------------------------------------

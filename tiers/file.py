@@ -211,6 +211,9 @@ class FileTier:
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
         check_pairs(keys, blobs, "blobs")
+        bad = [k for k in keys if not 0 <= k < 1 << 64]
+        if bad:  # a key the file's table (u64) cannot hold: refused here, before any budget is reserved
+            raise ValueError(f"file tier keys are unsigned 64-bit integers, got {bad[:4]}")
         with self._lock:
             # a file removed behind the tier's back (its directory cleaned while running) holds nothing: its keys
             # are written again rather than skipped as held
@@ -240,10 +243,7 @@ class FileTier:
         """Write one page group synchronously (``payloads``: bytes or 1-D uint8 arrays); False (and nothing
         indexed) if it could not be written, including a group larger than the whole budget."""
         size = _HEADER.size + len(keys) * _ENTRY.size + sum(len(p) for p in payloads)
-        with self._lock:
-            if not self._reserve(size):
-                self._failures += 1
-                return False
+        # the table, header and names first: whatever they raise (a key no u64 holds) raises before any reservation
         table, offset, rows = bytearray(), _HEADER.size + len(keys) * _ENTRY.size, []
         for key, payload in zip(keys, payloads):
             crc = crc32c.crc32c(payload)
@@ -254,19 +254,28 @@ class FileTier:
         stem = hashlib.blake2b(self.fingerprint + struct.pack(f"<{len(keys)}Q", *keys), digest_size=16).hexdigest()
         path = os.path.join(self.directory, stem + SUFFIX)
         temp = os.path.join(self.directory, f"{TEMP_PREFIX}{stem}.{os.getpid()}.{threading.get_ident()}{SUFFIX}.tmp")
+        with self._lock:
+            if not self._reserve(size):
+                self._failures += 1
+                return False
+        held = True  # the reservation, until the file is indexed or the write has failed
         try:
             self._write_file(temp, [header, bytes(table), *payloads])
             with self._lock:  # renamed and indexed at once: an eviction cannot fall in between
                 os.replace(temp, path)
                 self._reserved -= size
+                held = False
                 if path in self._files:  # the same group written again: the new file replaced the old
                     self._drop_file(path)
                 self._adopt(path, rows, size)
-        except OSError as exc:
-            _remove(temp)
-            with self._lock:
-                self._reserved -= size
-                self._failures += 1
+        except BaseException as exc:  # any failure (MemoryError too) gives its reservation back and leaves no temp
+            if held:
+                _remove(temp)
+                with self._lock:
+                    self._reserved -= size
+                    self._failures += 1
+            if not isinstance(exc, OSError):
+                raise
             self._log_once(f"write {exc.errno}", "file tier: writing %s failed: %s", path, exc)
             return False
         if self.fsync:
