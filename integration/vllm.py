@@ -117,6 +117,7 @@ class KVBackendTier(SecondaryTierManager):
         self._primary = torch.from_numpy(np.frombuffer(primary_kv_view, dtype=np.uint8))  # shares the buffer
         self._row_bytes = int(head_dim) * self.geometry.dtype.itemsize
         self.blob_bytes = self._blob_bytes()
+        self._warn_codebooks_per_chunk()
         self.fingerprint = self._fingerprint(offloading_spec)
         self.directory = os.path.join(self.root_dir, self.fingerprint)
         self._private_directories()
@@ -126,6 +127,22 @@ class KVBackendTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._inflight: dict[int, Future] = {}
         self._stats = {"chunks_stored": 0, "chunks_loaded": 0, "failed_jobs": 0, "raw_bytes_stored": 0}
+
+    def _warn_codebooks_per_chunk(self) -> None:
+        """Log once where codebooks sized for long chunks (centroids, PSAC bases) outweigh a quarter of the codes
+        they serve: a vLLM chunk is a block of a few dozen tokens, and each carries its own codebooks (the
+        recommended spec's codec stored 4.3 bits per value on 64-token chunks, perf/NOTES.md session 19)."""
+        if self.block is not None:
+            codes = -(-self.block.tokens // self.layout.page_size) * self.layout.page_bytes
+        else:
+            codes = -(-(self.chunk_bytes // self._row_bytes // 2) // _ROWS_PER_PAGE) * self.layout.page_bytes
+        if self.layout.codebook_bytes * 4 <= codes:
+            return
+        bpv = 8 * self.blob_bytes / (self.chunk_bytes / self.dtype.itemsize)
+        log.warning("kvbackend vLLM tier: %r stores %.2f bits per value: its codebooks (%d bytes per layer and "
+                    "worker) outweigh the codes they serve (%d bytes), since every chunk carries its own. Page-local "
+                    "codecs do better per byte here (e.g. rtn:bits=4,group=64 or kivi:bits=4,group=64).",
+                    self.codec.spec_string, bpv, self.layout.codebook_bytes, codes)
 
     def _fingerprint(self, spec) -> str:
         """16 hex characters naming everything that shapes a stored chunk's bytes."""

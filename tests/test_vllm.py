@@ -1,6 +1,7 @@
 """kvbackend as a vLLM secondary offloading tier, created through vLLM's own factory."""
 
 import copy
+import logging
 import os
 
 import numpy as np
@@ -804,4 +805,22 @@ def test_a_store_whose_later_groups_evict_its_earlier_ones_is_not_reported_store
     assert not run(tier, 2, keys(8, salt=1), list(range(8)), promotion=False).success
     held = sum(tier.lookup(k, ReqContext("req")) != LookupResult.MISS for k in keys(8, salt=1))
     assert held == 4 and tier.get_stats()["chunks_stored"] == held
+    tier.shutdown()
+
+
+def test_codebooks_that_outweigh_a_chunk_are_named_at_start_up(tmp_path, caplog):
+    """A vLLM chunk carries its own codebooks: 32 centroids per chunk of a few dozen tokens cost more than its codes.
+    The tier says so once, with the bits per value it will store; page-local codecs start without a word."""
+    _, view, _, _ = block_primary("NHD", seed=5)
+    with caplog.at_level(logging.WARNING, logger="kvbackend.integration.vllm"):
+        make_tier_with(tmp_path / "a", view, block_spec("NHD"), codec="kivi:bits=2,group=32", kv_heads=HEADS,
+                       page_tokens=32, device="cpu").shutdown()
+        make_tier_with(tmp_path / "b", view, block_spec("NHD"), codec="quantwm:kchannel=32,rank=0,centroids=1,"
+                       "vcluster=false,cdtype=fp8", kv_heads=HEADS, page_tokens=32, device="cpu").shutdown()
+        assert not [r for r in caplog.records if r.name == "kvbackend.integration.vllm"]
+        tier = make_tier_with(tmp_path / "c", view, block_spec("NHD"), codec="quantwm:kchannel=32,rank=0,"
+                              "centroids=32,vcluster=false,cdtype=fp8", kv_heads=HEADS, page_tokens=32, device="cpu")
+    (record,) = [r for r in caplog.records if r.name == "kvbackend.integration.vllm"]
+    bpv = 8 * tier.blob_bytes / (tier.chunk_bytes / 2)
+    assert bpv > 4 and f"{bpv:.2f} bits per value" in record.getMessage(), record.getMessage()
     tier.shutdown()
