@@ -1,3 +1,5 @@
+# Session 19 device call, kept as run. The other source (--source) was kernels/mma_decode.cu at be1e13d:
+#   git show be1e13d:kernels/mma_decode.cu > <path given to --source>
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1

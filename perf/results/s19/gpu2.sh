@@ -1,3 +1,6 @@
+# Session 19 device call, kept as run. 'main' was a variant (outlier operands read before the keys) since
+# dropped; the other source ('noho') was kernels/mma_decode.cu as committed at 0a880b3:
+#   git show 0a880b3:kernels/mma_decode.cu > <path given to --source>
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
