@@ -144,9 +144,7 @@ constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16
                                                                                           // token words per row
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
 constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
-constexpr int SP0_BYTES = VG * P * N * 2;                            // P'^T per value scale group, fp16 [token][q]
-// with outliers also their score terms [P][N] f32 and each outlier's products [OUT_N][N] f32
-constexpr int SP_BYTES = (OUT_N && (P + OUT_N) * N * 4 > SP0_BYTES) ? (P + OUT_N) * N * 4 : SP0_BYTES;
+constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per value scale group, fp16 [token][q]
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
 constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? 32 * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs

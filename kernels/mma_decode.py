@@ -214,8 +214,6 @@ class Config:
                  + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0))
         stage = 2 * p * (d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
-        if self.outliers:
-            sp = max(sp, (p + self.outliers) * n * 4)
         if self.rope_token:  # centroid values as fp16 pairs; each lane's scale and zero pairs
             table = 32 * d * 2 if self.centroids else 0
             table += 2 * 8 * (d // 64) * 32 * 4
