@@ -50,7 +50,7 @@ from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.pool_writer import PoolWriter
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
-                                                   private_directory)
+                                                   private_directory, warn_codebooks_outweigh)
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +133,12 @@ class KVBackendStorage(HiCacheStorage):
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
 
     def _warn_codebooks_per_page(self) -> None:
-        """Log once where codebooks sized for long chunks (centroids, PSAC bases) dominate a storage page: each
-        SGLang page is its own chunk, so a page of 64 tokens carries all 32 centroids of the recommended spec. On
-        SmolLM2's KV (perf/NOTES.md, session 19) that page codec stored 4.9 bits per value at KL 0.063, where
-        kivi:bits=4,group=64 stored 4.5 at KL 0.0076."""
-        book, codes = self.layout.codebook_bytes, self.layout.page_bytes
-        if book * 4 <= codes:
-            return
+        """Each SGLang page is its own chunk: a page of 64 tokens carries all 32 centroids of the recommended spec."""
         g = self.geometry
         bpv = 8 * self.blob_bytes / (2 * g.num_layers * self.page_size * g.num_kv_heads * g.head_dim)
-        log.warning("kvbackend storage: %r stores %.2f bits per value on %d-token pages: its codebooks (%d bytes per "
-                    "layer) outweigh a page's codes (%d bytes), since every page is its own chunk here. Page-local "
-                    "codecs do better per byte on pages (e.g. kivi:bits=4,group=64 or "
-                    "kivi:bits=3,group=64,kbits=4,vrot=hadamard).", self.codec_spec, bpv, self.page_size, book, codes)
+        warn_codebooks_outweigh(log, f"kvbackend storage ({self.page_size}-token pages)", self.codec_spec, bpv,
+                                self.layout.codebook_bytes, self.layout.page_bytes,
+                                "kivi:bits=4,group=64 or kivi:bits=3,group=64,kbits=4,vrot=hadamard")
 
     def _raw_page_bytes(self) -> int:
         """Bytes of one page of the host pool: K and V of every layer."""

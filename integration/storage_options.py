@@ -1,5 +1,6 @@
 """Options both engine adapters read from their engine's config: a storage directory only this user
-may write, and a storage budget. Checked at construction, with errors that name the option."""
+may write, and a storage budget. Checked at construction, with errors that name the option; and the start-up
+warning both give for codecs whose codebooks outweigh what they store."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def budget_bytes(budget_gb) -> int:
     if not math.isfinite(gb) or gb <= 0:
         raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
     return int(gb * 2**30)
+
+
+def warn_codebooks_outweigh(log, where: str, spec: str, bpv: float, book: int, codes: int, suggestion: str) -> bool:
+    """Log (and return True) where a stored unit's codebooks (centroids, PSAC bases: sized for the cache's long
+    chunks) outweigh a quarter of the codes they serve: engines store small units (a 64-token page or block), each
+    carrying its own codebooks. On SmolLM2's KV the recommended spec's codec stored 4.9 bits per value on 64-token
+    pages, with 8-10x the next-token KL of kivi:bits=4,group=64 at 4.5 (perf/NOTES.md, session 19)."""
+    if book * 4 <= codes:
+        return False
+    log.warning("%s: %r stores %.2f bits per value: its codebooks (%d bytes per layer) outweigh the codes they serve "
+                "(%d bytes), since every stored unit carries its own. Page-local codecs do better per byte here "
+                "(e.g. %s).", where, spec, bpv, book, codes, suggestion)
+    return True
 
 
 def private_directory(path: str, option: str) -> None:

@@ -54,7 +54,7 @@ from kvbackend.geometry import Geometry
 from kvbackend.levers import rotate_values
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
-                                                   private_directory)
+                                                   private_directory, warn_codebooks_outweigh)
 from kvbackend.integration.vllm_layout import BlockLayout, block_layout
 
 log = logging.getLogger(__name__)
@@ -129,20 +129,14 @@ class KVBackendTier(SecondaryTierManager):
         self._stats = {"chunks_stored": 0, "chunks_loaded": 0, "failed_jobs": 0, "raw_bytes_stored": 0}
 
     def _warn_codebooks_per_chunk(self) -> None:
-        """Log once where codebooks sized for long chunks (centroids, PSAC bases) outweigh a quarter of the codes
-        they serve: a vLLM chunk is a block of a few dozen tokens, and each carries its own codebooks (the
-        recommended spec's codec stored 4.3 bits per value on 64-token chunks, perf/NOTES.md session 19)."""
+        """A vLLM chunk is a block of a few dozen tokens, and each carries its own codebooks."""
         if self.block is not None:
             codes = -(-self.block.tokens // self.layout.page_size) * self.layout.page_bytes
         else:
             codes = -(-(self.chunk_bytes // self._row_bytes // 2) // _ROWS_PER_PAGE) * self.layout.page_bytes
-        if self.layout.codebook_bytes * 4 <= codes:
-            return
         bpv = 8 * self.blob_bytes / (self.chunk_bytes / self.dtype.itemsize)
-        log.warning("kvbackend vLLM tier: %r stores %.2f bits per value: its codebooks (%d bytes per layer and "
-                    "worker) outweigh the codes they serve (%d bytes), since every chunk carries its own. Page-local "
-                    "codecs do better per byte here (e.g. rtn:bits=4,group=64 or kivi:bits=4,group=64).",
-                    self.codec.spec_string, bpv, self.layout.codebook_bytes, codes)
+        warn_codebooks_outweigh(log, "kvbackend vLLM tier", self.codec.spec_string, bpv, self.layout.codebook_bytes,
+                                codes, "rtn:bits=4,group=64 or kivi:bits=4,group=64")
 
     def _fingerprint(self, spec) -> str:
         """16 hex characters naming everything that shapes a stored chunk's bytes."""
