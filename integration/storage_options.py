@@ -31,14 +31,14 @@ def budget_bytes(budget_gb) -> int:
 
 def warn_codebooks_outweigh(log, where: str, spec: str, bpv: float, book: int, codes: int, suggestion: str) -> bool:
     """Log (and return True) where a stored unit's codebooks (centroids, PSAC bases: sized for the cache's long
-    chunks) outweigh a quarter of the codes they serve: engines store small units (a 64-token page or block), each
+    chunks) exceed a quarter of the codes they serve: engines store small units (a 64-token page or block), each
     carrying its own codebooks. On SmolLM2's KV the recommended spec's codec stored 4.9 bits per value on 64-token
     pages, with 8-10x the next-token KL of kivi:bits=4,group=64 at 4.5 (perf/NOTES.md, session 19)."""
     if book * 4 <= codes:
         return False
-    log.warning("%s: %r stores %.2f bits per value: its codebooks (%d bytes per layer) outweigh the codes they serve "
-                "(%d bytes), since every stored unit carries its own. Page-local codecs do better per byte here "
-                "(e.g. %s).", where, spec, bpv, book, codes, suggestion)
+    log.warning("%s: %r stores %.2f bits per value: its codebooks (%d bytes per layer) exceed a quarter of the codes "
+                "they serve (%d bytes), since every stored unit carries its own. Page-local codecs do better per byte "
+                "here (e.g. %s).", where, spec, bpv, book, codes, suggestion)
     return True
 
 

@@ -992,7 +992,9 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       // Per 16 outliers, A[token][j] = value_j where outlier j sits at the tile's token (else 0; exact in fp16) and
       // B[j][n] = query row n at outlier j's channel, in the page's frame and log2 units, split in two fp16 parts
       // (hi + lo: about fp32's precision); the accumulator has the score tile's layout, so the terms add in place.
-      // A lane holds outliers 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of each 16 (the fragments' k slots).
+      // A lane holds outliers 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 of each 16 (the fragments' k slots). Like the
+      // keys' fp16 query fragments, B overflows for |q . scale_log2| past 65504 (about |q| > 4e5 at head_dim 128),
+      // and then gives NaN, never a finite wrong score (tests/test_kernel_known_limits.py).
       const uint32_t* out = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES);
       const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
       const int64_t qrow = (static_cast<int64_t>(r) * Hq + h * a.group + gid) * D;

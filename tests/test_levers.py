@@ -306,12 +306,18 @@ def test_the_simulation_matches_a_16_bit_cache_with_rope_frames(dtype):
         assert torch.equal(sim.k, rk) and torch.equal(sim.v, rv), frame
 
 
-@pytest.mark.parametrize("rows,dim", [(1, 8), (37, 64), (700, 128), (3, 256), (9000, 4), (3000, 16), (1500, 32)])
+@pytest.mark.parametrize("rows,dim", [(1, 8), (2048, 8), (256, 64), (700, 128), (64, 256), (9000, 4), (3000, 16),
+                                      (1500, 32)])
 def test_value_rotation_is_the_hadamard_product_and_its_own_inverse(rows, dim, monkeypatch):
     """`rotate_values` is ``v @ hadamard(D)`` (to float32 rounding), undoes itself, and its torch butterflies and
-    the fused CPU loop give the same bits (no sum reordered)."""
+    the fused CPU loop give the same bits (no sum reordered). Every shape but the first is large enough for the
+    fused loop, which the test checks ran (where numba is installed)."""
+    from kvbackend import fastquant
+
     gen = torch.Generator().manual_seed(rows)
     v = torch.randn(2, rows, dim, generator=gen) * torch.logspace(-3, 3, dim)
+    if fastquant.numba is not None and rows > 1:
+        assert fastquant.hadamard_rows(v.reshape(-1, dim), torch.tensor(0.5)) is not None
     fused = rotate_values(v.bfloat16())
     assert fused.dtype == torch.float32 and fused.shape == v.shape
     want = v.bfloat16().float() @ hadamard(dim)

@@ -207,23 +207,26 @@ from kvbackend.tiers.file import FileTier  # noqa: E402
 
 @pytest.mark.parametrize("key", [-1, 2**64])
 def test_file_tier_bad_key_never_leaks_its_budget(tmp_path, key):
-    """A key the file format cannot hold (not a u64) must be refused without keeping its reservation: otherwise the
-    budget shrinks for good and later puts that fit are refused."""
+    """A key the file format cannot hold (not a u64) is refused by `put`, and a direct `write_group` fails before
+    it reserves anything: otherwise the budget would shrink for good and later puts that fit would be refused."""
+    import struct
+
     blob = torch.arange(1000, dtype=torch.int32).to(torch.uint8)
     one = 48 + 40 + 1000
     tier = FileTier(str(tmp_path), 3 * one, "0123456789abcdef", fsync=False)
     for _ in range(3):
-        try:
-            r = tier.put([key], [blob]).result()
-            assert r == [False]
-        except ValueError:
-            pass
-    assert tier._reserved == 0
+        with pytest.raises(ValueError, match="unsigned 64-bit"):
+            tier.put([key], [blob])
+        with pytest.raises(struct.error):
+            tier.write_group([key], [blob.numpy()])
+    assert tier._reserved == 0 and not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     assert tier.put([1], [blob]).result() == [True]
     tier.close()
 
 
 def test_file_tier_writer_raising_midway_releases_its_reservation(tmp_path, monkeypatch):
+    """A write that fails with something other than an OSError (here a MemoryError once the temp file exists) gives
+    its reservation back, removes its temp file and raises to the caller; later writes that fit succeed."""
     blob = torch.arange(1000, dtype=torch.int32).to(torch.uint8)
     one = 48 + 40 + 1000
     tier = FileTier(str(tmp_path), 2 * one, "0123456789abcdef", fsync=False)
@@ -231,16 +234,14 @@ def test_file_tier_writer_raising_midway_releases_its_reservation(tmp_path, monk
 
     def flaky(path, parts):
         calls.append(path)
+        real(path, parts)
         if len(calls) == 1:
-            raise MemoryError("bytes for the table")
-        return real(path, parts)
+            assert os.path.exists(path)  # the temp file is there when the failure comes
+            raise MemoryError("after the temp file was written")
 
     monkeypatch.setattr(tier, "_write_file", flaky)
-    h = tier.put([1], [blob])
-    try:
-        assert h.result() == [False]
-    except MemoryError:
-        pass
+    with pytest.raises(MemoryError):
+        tier.put([1], [blob]).result()
     assert tier.contains([1]) == 0
     assert tier._reserved == 0 and not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     assert tier.put([2], [blob]).result() == [True]
