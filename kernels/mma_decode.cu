@@ -40,6 +40,9 @@
 //   - PSAC_R (with ROPE_TOKEN): PSAC rows of rank PSAC_R (a multiple of 4), PSAC_ROWS per page and head
 //     (PSAC_SPARSE: each names its token; else row i is token i): each row's correction basis x codes x scale
 //     joins its token's key before RoPE, from fp16 pairs built once per page (the basis kept per slot).
+//     PSAC_FOLD (sparse rows with key centroids): each row's correction plus its token's centroid is an extra
+//     row (32 + row) of the centroid-value table, and the token reads that row instead of its centroid: the
+//     correction costs nothing per key value (no per-token row test, no second add).
 //
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
 // per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
@@ -119,6 +122,9 @@
 #ifndef PSAC_SPARSE
 #define PSAC_SPARSE 0
 #endif
+#ifndef PSAC_FOLD
+#define PSAC_FOLD 0
+#endif
 #ifndef MINB
 #define MINB 0  // CTAs per SM the register allocation must allow (__launch_bounds__); 0: the compiler's choice
 #endif
@@ -147,10 +153,11 @@ constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + R
 constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per value scale group, fp16 [token][q]
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
-constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? 32 * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
+constexpr int CV_ROWS = 32 + (PSAC_FOLD ? PSAC_ROWS : 0);  // centroid values, then the page's folded PSAC rows
+constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? CV_ROWS * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
 constexpr int SZ_BYTES = ROPE_TOKEN ? 2 * 8 * NB * 32 * 4 : 0;     // pre-RoPE keys: scale and zero pairs per lane
 // PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
-constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + PSAC_ROWS * D * 2 + (P + 15) / 16 * 16 : 0;
+constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2) + (P + 15) / 16 * 16 : 0;
 constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES + PB_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
@@ -178,6 +185,8 @@ static_assert(!PSAC_R || (ROPE_TOKEN && PSAC_R % 4 == 0 && PSAC_R <= 16 && PSAC_
               "PSAC rows: with pre-RoPE keys, rank 4/8/12/16, sparse rows <= 127 (the token -> row map is signed bytes)");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
+static_assert(!PSAC_FOLD || (PSAC_R && PSAC_SPARSE && K_CENT && ROPE_TOKEN && PSAC_ROWS <= 32),
+              "folded PSAC rows: sparse rows (at most 32) with key centroids and pre-RoPE keys");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -529,7 +538,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
   const uint2* pbasis = reinterpret_cast<const uint2*>(pbase);  // the slot's basis: [R / 4][D] (`basis_row`)
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
-  signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + PSAC_ROWS * D * 2);  // token -> row
+  signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2));
+                                                                                   // token -> row
   // R(t): [P][D / 4] pairs, pair k of token t at t * D / 4 + swz(k, t): the tokens of a load phase read different
   // banks for the same k (unswizzled, every row is 32 words long: an 8-way bank conflict)
   const uint32_t* rot_words = reinterpret_cast<const uint32_t*>(smem + RING_BYTES);  // cos rows, then sin rows
@@ -776,6 +786,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           }
         }
         for (int row = 0; row < PSAC_ROWS; ++row) {
+          int cid = 0;  // PSAC_FOLD: the centroid of the row's token, whose values the folded row adds
+          if (PSAC_FOLD) {
+            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
+            cid = tok < P ? (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF : 0;
+          }
           const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
           const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
           const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
@@ -797,7 +812,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                 hi += coef[4 * q + k] * __uint_as_float((wh[k >> 1] << sh) & 0xFFFF0000u);
               }
             }
-            pv[row * (D / 2) + i] = pack_half2(lo, hi);
+            if (PSAC_FOLD) {  // centroid (fp16 pair, as the table holds it) plus correction, rounded once to fp16
+              const float2 cen = __half22float2(as_half2(cvt[cid * (D / 2) + swz(i, cid)]));
+              cvt[(32 + row) * (D / 2) + swz(i, 32 + row)] = pack_half2(cen.x + lo, cen.y + hi);
+            } else {
+              pv[row * (D / 2) + i] = pack_half2(lo, hi);
+            }
           }
         }
         __syncwarp();
@@ -901,6 +921,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           const int t = t0 + 8 * r2;
           if (K_CENT) ids[r2] = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
           if (PSAC_R) prow[r2] = PSAC_SPARSE ? static_cast<int>(pmap[t]) : t;
+          if (PSAC_FOLD && prow[r2] >= 0) ids[r2] = 32 + prow[r2];  // the folded row: centroid plus correction
         }
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
@@ -931,7 +952,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                 val[b] = __hfma2(as_half2(codes_at(w, p & 3)), as_half2(sz[at * 32 + lane]),
                                  as_half2(sz[(8 * NB + at) * 32 + lane]));
                 if (K_CENT) val[b] = __hadd2(val[b], as_half2(e ? cen[r2][b].x : cen[r2][b].y));
-                if (PSAC_R && prow[r2] >= 0)
+                if (PSAC_R && !PSAC_FOLD && prow[r2] >= 0)
                   val[b] = __hadd2(val[b], as_half2(pv[prow[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));
               }
               const __half2 cs = as_half2(e ? rcos[r2].x : rcos[r2].y), sn = as_half2(e ? rsin[r2].x : rsin[r2].y);

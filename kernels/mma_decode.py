@@ -73,6 +73,9 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
 # to the Triton kernels.
 PREROPE = os.environ.get("KVBACKEND_MMA_PREROPE", "1") != "0"
 PSAC = PREROPE
+# Sparse PSAC rows with key centroids: each row (its token's centroid plus the correction) joins the centroid-value
+# table, so a key pays nothing for it (0 reads the corrections per key value instead; an A/B switch for probes)
+PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 
 
 @functools.lru_cache(maxsize=256)
@@ -193,6 +196,7 @@ class Config:
     psac_rank: int = 0  # PSAC rows (with rope_token): rank, rows per page, whether each names its token
     psac_rows: int = 0
     psac_sparse: bool = False
+    psac_fold: bool = False  # sparse PSAC rows folded into the centroid-value table (`PSAC_FOLD` in the source)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -203,7 +207,7 @@ class Config:
                 f"-DSINK={self.sink}", f"-DOUT_N={self.outliers}", f"-DVROT={int(self.vrot)}",
                 f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
                 f"-DPSAC_R={self.psac_rank}", f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}",
-                f"-DSMEM_EXPECTED={self.smem_bytes}"]
+                f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
     def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
@@ -215,12 +219,12 @@ class Config:
         stage = 2 * p * (d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.rope_token:  # centroid values as fp16 pairs; each lane's scale and zero pairs
-            table = 32 * d * 2 if self.centroids else 0
+            table = (32 + (self.psac_rows if self.psac_fold else 0)) * d * 2 if self.centroids else 0
             table += 2 * 8 * (d // 64) * 32 * 4
         else:  # q . centroid [32][N] and the centroids' fragments
             table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0
         if self.psac_rank:  # the slot's basis, the page's corrections, the token -> row map
-            table += d * self.psac_rank * 2 + self.psac_rows * d * 2 + -(-p // 16) * 16
+            table += d * self.psac_rank * 2 + (0 if self.psac_fold else self.psac_rows * d * 2) + -(-p // 16) * 16
         ring = self.warps * (self.stages * stage + sp + table)
         rot = 2 * p * d if self.rope_token else 0  # R(t) per CTA
         merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
@@ -378,7 +382,8 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
                   bool(k.symmetric), bool(v.symmetric), _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps,
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
                   lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
-                  lv.psac_token != NONE)
+                  lv.psac_token != NONE, PSAC_FOLD and bool(k.stages) and bool(lv.prerope) and lv.psac_rank > 0
+                  and lv.psac_token != NONE and lv.psac_rows <= 32)
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,6 +27,8 @@ VARIANTS = {  # the bench's lever rows (Llama-8B geometry, bf16 queries and dens
     "+ ... pre-RoPE keys instead": dict(LEVERS, rope_token=True),
     "+ ... pre-RoPE keys, PSAC rows (the recommended spec)": dict(LEVERS, rope_token=True, psac_rank=4, psac_rows=4,
                                                                  psac_sparse=True),
+    "+ ... PSAC rows folded into the centroid table": dict(LEVERS, rope_token=True, psac_rank=4, psac_rows=4,
+                                                         psac_sparse=True, psac_fold=True),
 }
 
 

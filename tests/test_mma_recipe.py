@@ -106,6 +106,11 @@ def test_refuses_what_it_does_not_read():
                       vrot=True, rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True),
     mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, rope_token=True, psac_rank=8,
                       psac_rows=32),
+    # sparse PSAC rows folded into the centroid-value table (fp8 centroids; bf16 centroids, 8 rows of 32-token pages)
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, outliers=16,
+                      vrot=True, rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True, psac_fold=True),
+    mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, centroids=4, c_kind=2, rope_token=True,
+                      psac_rank=8, psac_rows=8, psac_sparse=True, psac_fold=True),
     # rotated values whose packed part cannot wait in the warp's stage buffers (one 16-token stage): an area of its own
     mma_decode.Config(128, 16, 1, 2, 0, 0, False, False, 2, 2, stages=1, k_chan=True, sink=4, vrot=True),
 ])
@@ -129,6 +134,36 @@ def test_rotated_values_wait_in_the_stage_buffers_where_they_fit():
     recipe = dict(page=64, stages=1, sink=4, outliers=16, vrot=True, rope_token=True, psac_rank=4, psac_rows=4,
                   psac_sparse=True)
     assert 2 * (smem(**recipe) + 1024) <= 228 * 1024  # two CTAs per SM on a Hopper or Ampere SM (228 KiB)
+
+
+def _clear_variant_caches():
+    mma_decode.config_for.cache_clear()
+    mma_decode._default_stages.cache_clear()
+    mma_decode._wave_programs.cache_clear()
+
+
+def test_sparse_psac_rows_with_centroids_are_folded_at_no_shared_memory_cost(monkeypatch):
+    """The recommended spec's sparse PSAC rows join the centroid-value table (`PSAC_FOLD`): its variant folds them,
+    and moving the page's corrections from their own area into the table costs no shared memory. Dense rows and
+    layouts without centroids keep the per-key path; `KVBACKEND_MMA_PSAC_FOLD=0` (the module switch) turns it off."""
+    def config(codec, page_size, chunk_pages, heads):
+        cache, ids, _ = recipe_cache(codec, 128, page_size, chunk_pages, [page_size * chunk_pages], heads, 2)
+        (_, _, _, schemes, _), levers = _inputs(cache, ids)
+        return mma_decode.config_for(*schemes, page_size, 128, torch.bfloat16, torch.bfloat16, 1, 4, 0, levers)
+
+    recipe = PREROPE_CASES[3][0]
+    assert "keep=0.0625" in recipe and config(recipe, 64, 2, 2).psac_fold
+    assert config(PREROPE_CASES[4][0], 32, 2, 2).psac_fold  # 8 sparse rows of 32-token pages
+    assert not config(PREROPE_CASES[5][0], 32, 2, 2).psac_fold  # dense rows: one per token
+    folded = config(recipe, 64, 2, 2)
+    assert folded.smem_bytes == dataclasses.replace(folded, psac_fold=False).smem_bytes
+    monkeypatch.setattr(mma_decode, "PSAC_FOLD", False)
+    _clear_variant_caches()
+    try:
+        assert not config(recipe, 64, 2, 2).psac_fold
+    finally:
+        monkeypatch.undo()
+        _clear_variant_caches()
 
 
 PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): on by default since their GPU run; an env var turns them off
@@ -373,3 +408,29 @@ def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
                                                      mma_decode.default_min_blocks(4), levers)))
     assert not mma_decode.preferred(*args)
     assert mma_decode.preferred(*args, stages=2)  # another variant is still asked about as itself
+
+
+@gpu
+@pytest.mark.parametrize("case", [3, 4])
+def test_folded_psac_rows_decode_as_the_per_key_path(case, monkeypatch):
+    """Sparse PSAC rows folded into the centroid table give the per-key path's output (fp16 sums in another order:
+    within 2e-3), and both match the reference; the fold is the variant the default launch compiles."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = PREROPE_CASES[case]
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=11)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    want, _ = _reference(cache, ids, q)
+    outs = {}
+    for fold in (True, False):
+        monkeypatch.setattr(mma_decode, "PSAC_FOLD", fold)
+        _clear_variant_caches()
+        assert mma_decode.config_for(*args[3], page_size, head_dim, q.dtype, args[2].dtype, 2, 4, None,
+                                     levers).psac_fold is fold
+        outs[fold], _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                                     mma_options=OPT_IN)
+        assert float((outs[fold].float() - want).norm() / want.norm()) < 1e-2, fold
+    monkeypatch.undo()
+    _clear_variant_caches()
+    assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 2e-3

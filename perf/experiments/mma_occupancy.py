@@ -4,7 +4,7 @@ kernel sources, each timed from CUDA graphs beside SDPA on BF16 K/V in the same 
 change, not a product path.
 
     python3 perf/experiments/mma_occupancy.py --out $OUT/mma_occupancy.json [--min-blocks 0,2] [--programs 0,264,528] \
-        [--source NAME=PATH] [--variants all]
+        [--source NAME=PATH] [--variants all] [--fold 1,0]
 
 Another source (e.g. a branch's ``mma_decode.cu``) must keep the shared-memory count of ``Config.smem_bytes``: the
 kernel checks it at compile time. Session 12 ran this with the outlier-terms source, since merged.
@@ -39,6 +39,8 @@ def main():
     parser.add_argument("--min-blocks", default=",".join(map(str, MIN_BLOCKS)))
     parser.add_argument("--variants", default="quick", help="quick (bench_kernels' three levers rows) or all (every "
                         "lever row, one lever at a time included; those the kernel does not read are recorded)")
+    parser.add_argument("--fold", default="1", help="PSAC_FOLD values to time (1,0: sparse PSAC rows folded into "
+                        "the centroid table, and the per-key path)")
     parser.add_argument("--programs", default=",".join(map(str, PROGRAMS)),
                         help="program counts; 0 = paged_decode's default (one full wave)")
     args = parser.parse_args()
@@ -49,11 +51,20 @@ def main():
     sdpa_graph_ms = bk.sdpa_time(batch, hq, heads, length, dim, 2, graphs=True)
     print(f"SDPA BF16 (graphs): {sdpa_graph_ms * 1e3:.1f} us", flush=True)
     rows = []
-    variants = [(n, s) for n, s in bk.LEVER_VARIANTS if args.variants == "all" or n in bk.QUICK_LEVER_VARIANTS]
+    wanted = {"quick": bk.QUICK_LEVER_VARIANTS, "all": [n for n, _ in bk.LEVER_VARIANTS]}.get(
+        args.variants, args.variants.split("|"))  # or names joined by |
+    variants = [(n, s) for n, s in bk.LEVER_VARIANTS if n in wanted]
     original_source = mma_decode.SOURCE
     sources = [("main", str(original_source))] + [tuple(x.split("=", 1)) for x in args.source]
-    for source_name, path in sources:
+    folds = [x != "0" for x in args.fold.split(",")]
+    sources = [(f"{name}{'' if len(folds) == 1 else (' fold' if fold else ' nofold')}", path, fold)
+               for name, path in sources for fold in folds]
+    for source_name, path, fold in sources:
         mma_decode.SOURCE = Path(path)
+        mma_decode.PSAC_FOLD = fold
+        mma_decode.config_for.cache_clear()
+        mma_decode._default_stages.cache_clear()
+        mma_decode._wave_programs.cache_clear()
         mma_decode._functions.clear()
         mma_decode._failed.clear()
         for name, spec in variants:
