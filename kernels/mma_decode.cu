@@ -469,9 +469,9 @@ __device__ __forceinline__ uint2 pair_at(const uint32_t* table, int width, int r
   return *reinterpret_cast<const uint2*>(table + row * width + swz(k, row));
 }
 
-// PSAC basis [D][R] bf16 in shared memory as R / 4 planes of D 8-byte rows (4 bf16 each); row c of a plane at
-// c ^ (8 * bit 4 of c): the pairs (c, c + 16) that a half-warp's 8-byte load phase reads fall in different banks.
-__device__ __forceinline__ int basis_row(int c) { return c ^ (((c >> 4) & 1) << 3); }
+// PSAC basis in shared memory: fp16 pairs (U[c][r], U[c + 8][r]) at word i * R + r for pair i, c = 16 (i / 8) + i % 8
+// (the key operand's channel pairs), so one 16-byte load gives a pair's four ranks and one HFMA2 per rank builds its
+// correction; lanes read consecutive 16-byte rows (no bank conflict).
 
 // Pre-RoPE keys: the slot's centroids times their scale as fp16 pairs (channels c, c + 8), c = 16 w + jl:
 // cv[a * D / 2 + swz(8 w + jl, a)] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
@@ -536,7 +536,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
   uint32_t* sz = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES);
   uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
-  const uint2* pbasis = reinterpret_cast<const uint2*>(pbase);  // the slot's basis: [R / 4][D] (`basis_row`)
+  const uint4* pbasis = reinterpret_cast<const uint4*>(pbase);  // the slot's basis: [D / 2][R] fp16 pairs
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
   signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2));
                                                                                    // token -> row
@@ -764,12 +764,24 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         if (slot != ct_slot) {
           __syncwarp();
           if (K_CENT) centroid_values(cvt, a, slot, h, lane);
-          if (PSAC_R) {  // the slot's basis for this head: [D][R] bf16, contiguous, to R / 4 planes (`basis_row`)
+          if (PSAC_R) {  // the slot's basis for this head: [D][R] bf16, contiguous, to [D / 2][R] fp16 pairs
+            constexpr int QUADS = PSAC_R > 0 ? PSAC_R / 4 : 1;  // 4 ranks (8 bytes of bf16) per load
             const uint2* from = reinterpret_cast<const uint2*>(a.book + slot * a.book_bytes + a.psac_basis
                                                                + static_cast<int64_t>(h) * D * PSAC_R * 2);
-            uint2* to = reinterpret_cast<uint2*>(pbase);
-            constexpr int PLANES = PSAC_R > 0 ? PSAC_R / 4 : 1;
-            for (int i = lane; i < D * PSAC_R / 4; i += 32) to[(i % PLANES) * D + basis_row(i / PLANES)] = from[i];
+            uint4* to = reinterpret_cast<uint4*>(pbase);
+            for (int j = lane; j < (D / 2) * QUADS; j += 32) {
+              const int i = j / QUADS, q = j % QUADS, c = 16 * (i / 8) + i % 8;
+              const uint2 bl = from[c * QUADS + q], bh = from[(c + 8) * QUADS + q];
+              const uint32_t wl[2] = {bl.x, bl.y}, wh[2] = {bh.x, bh.y};
+              uint32_t pair[4];
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {  // rank 4 q + k: the low (even k) or high half of word k / 2
+                const uint32_t sh = (k & 1) ? 0u : 16u;
+                pair[k] = pack_half2(__uint_as_float((wl[k >> 1] << sh) & 0xFFFF0000u),
+                                     __uint_as_float((wh[k >> 1] << sh) & 0xFFFF0000u));
+              }
+              to[j] = make_uint4(pair[0], pair[1], pair[2], pair[3]);
+            }
           }
           __syncwarp();
           ct_slot = slot;
@@ -785,6 +797,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             if (tok < P) pmap[tok] = static_cast<signed char>(row);
           }
         }
+#pragma unroll 1
         for (int row = 0; row < PSAC_ROWS; ++row) {
           int cid = 0;  // PSAC_FOLD: the centroid of the row's token, whose values the folded row adds
           if (PSAC_FOLD) {
@@ -794,30 +807,24 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
           const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
           const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
-          float coef[PSAC_R > 0 ? PSAC_R : 1];
+          __half2 coef[PSAC_R > 0 ? PSAC_R : 1];
 #pragma unroll
           for (int rr = 0; rr < PSAC_R; ++rr)  // fp16, as the Triton path
-            coef[rr] = __half2float(__float2half_rn(static_cast<float>(codes[rr]) * scale));
+            coef[rr] = __float2half2_rn(static_cast<float>(codes[rr]) * scale);
           for (int i = lane; i < D / 2; i += 32) {
-            const int c = 16 * (i / 8) + i % 8;
-            float lo = 0.f, hi = 0.f;
+            __half2 fix = __float2half2_rn(0.f);  // the correction of channels (c, c + 8), summed in fp16
 #pragma unroll
             for (int q = 0; q < PSAC_R / 4; ++q) {
-              const uint2 bl = pbasis[q * D + basis_row(c)], bh = pbasis[q * D + basis_row(c + 8)];
-              const uint32_t wl[2] = {bl.x, bl.y}, wh[2] = {bh.x, bh.y};
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {  // bf16 k of the plane's row: the high or low half of word k / 2
-                const uint32_t sh = (k & 1) ? 0u : 16u;
-                lo += coef[4 * q + k] * __uint_as_float((wl[k >> 1] << sh) & 0xFFFF0000u);
-                hi += coef[4 * q + k] * __uint_as_float((wh[k >> 1] << sh) & 0xFFFF0000u);
-              }
+              const uint4 u = pbasis[i * (PSAC_R / 4) + q];
+              fix = __hfma2(coef[4 * q], as_half2(u.x), fix);
+              fix = __hfma2(coef[4 * q + 1], as_half2(u.y), fix);
+              fix = __hfma2(coef[4 * q + 2], as_half2(u.z), fix);
+              fix = __hfma2(coef[4 * q + 3], as_half2(u.w), fix);
             }
-            if (PSAC_FOLD) {  // centroid (fp16 pair, as the table holds it) plus correction, rounded once to fp16
-              const float2 cen = __half22float2(as_half2(cvt[cid * (D / 2) + swz(i, cid)]));
-              cvt[(32 + row) * (D / 2) + swz(i, 32 + row)] = pack_half2(cen.x + lo, cen.y + hi);
-            } else {
-              pv[row * (D / 2) + i] = pack_half2(lo, hi);
-            }
+            if (PSAC_FOLD)  // the token's centroid (as the table holds it) plus the correction
+              cvt[(32 + row) * (D / 2) + swz(i, 32 + row)] = as_u32(__hadd2(as_half2(cvt[cid * (D / 2) + swz(i, cid)]), fix));
+            else
+              pv[row * (D / 2) + i] = as_u32(fix);
           }
         }
         __syncwarp();
