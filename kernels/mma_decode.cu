@@ -125,6 +125,8 @@
 #ifndef PSAC_FOLD
 #define PSAC_FOLD 0
 #endif
+// folded rows, few of them: each lane keeps the rows' tokens in registers and compares (no token -> row map)
+#define PSAC_REGMAP (PSAC_FOLD && PSAC_ROWS <= 8)
 #ifndef MINB
 #define MINB 0  // CTAs per SM the register allocation must allow (__launch_bounds__); 0: the compiler's choice
 #endif
@@ -723,6 +725,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * P * ROWB);
     const uint8_t* extra = stage + 2 * P * ROWB + 4 * P * 4;
     const int jpage = my_first + i * NWARPS;  // the page's index in the request
+    int ptok[PSAC_REGMAP ? PSAC_ROWS : 1];  // PSAC_REGMAP: each folded row's token (-1: none)
 
     // Per-channel key scales: this page's query fragments qk (scales folded in, normalized by 2^-kexp),
     // and the zeros' score term zc per query column (2 tig, 2 tig + 1).
@@ -789,7 +792,13 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       }
       if (PSAC_R) {  // this page's corrections: basis x codes x scale, per row, as fp16 pairs (c, c + 8)
         const uint32_t* ps = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES + OUT_BYTES + ROPE_BYTES);
-        if (PSAC_SPARSE) {
+        if (PSAC_REGMAP) {
+#pragma unroll
+          for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row) {
+            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
+            ptok[row] = tok < P ? tok : -1;
+          }
+        } else if (PSAC_SPARSE) {
           for (int t = lane; t < P; t += 32) pmap[t] = -1;
           __syncwarp();
           for (int row = lane; row < PSAC_ROWS; row += 32) {
@@ -927,6 +936,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         for (int r2 = 0; r2 < 2; ++r2) {
           const int t = t0 + 8 * r2;
           if (K_CENT) ids[r2] = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+          if (PSAC_REGMAP) {  // the folded row of the token, if any (the last row naming it, as the map keeps)
+#pragma unroll
+            for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row)
+              if (ptok[row] == t) ids[r2] = 32 + row;
+            continue;
+          }
           if (PSAC_R) prow[r2] = PSAC_SPARSE ? static_cast<int>(pmap[t]) : t;
           if (PSAC_FOLD && prow[r2] >= 0) ids[r2] = 32 + prow[r2];  // the folded row: centroid plus correction
         }
