@@ -173,3 +173,34 @@ def test_key_outliers_are_a_ladder_of_the_plan():
         parse_auto("auto:bpv=3,outliers=0-16")  # the default base (kivi) stores no outliers
     with pytest.raises(SpecError, match="outliers"):
         parse_auto(f"auto:bpv=3,outliers=0-9999,base={base}")
+
+
+def test_planseeds_average_each_entry_over_seedings_and_keep_the_bases_seed():
+    """planseeds=N: every table entry's error is the mean of the entries planned from the base's seed and the N - 1
+    after it (the bytes do not move with the seed), and the specs served keep the base's own seed."""
+    from kvbackend.tools.auto import _error_table, _ladders
+
+    q, k, v = capture()
+    base = "quantwm:centroids=4,rank=2,kchannel=32,sink=4,prerope=true,vrot=hadamard,seed=5".replace(",", ";")
+    rot = Rotary.default(64, 10000.0)
+
+    def table(text):
+        spec = parse_auto(text)
+        return _error_table(spec, _ladders(spec), q, k, v, GEOM, 32, 128, rot)
+
+    averaged = table(f"auto:bpv=4.6,widths=2-4,planseeds=3,base={base}")
+    singles = [table(f"auto:bpv=4.6,widths=2-4,base={base.replace('seed=5', f'seed={s}')}") for s in (5, 6, 7)]
+    assert averaged.keys() == singles[0].keys()
+    for key, (error, stored, text) in averaged.items():
+        errors = [single[key][0] for single in singles]
+        assert error == pytest.approx(sum(errors) / 3, rel=1e-12)
+        assert stored == singles[0][key][1] == singles[2][key][1]
+        assert codecs.parse(text).seed == 5
+    assert len({round(single[key][0], 12) for single in singles for key in single}) > len(singles[0])  # seeds differ
+    planned = plan(f"auto:bpv=4.6,widths=2-4,planseeds=3,base={base}")
+    assert planned.specs == plan(f"auto:bpv=4.6,widths=2-4,planseeds=3,base={base}").specs
+    assert all(codecs.parse(s).seed == 5 for s in planned.specs) and planned.bits_per_value <= 4.6
+    with pytest.raises(SpecError, match="planseeds"):
+        parse_auto("auto:bpv=3,planseeds=2,base=kivi:group=32")  # KIVI draws no seeds
+    with pytest.raises(SpecError):
+        parse_auto(f"auto:bpv=3,planseeds=0,base={base}")

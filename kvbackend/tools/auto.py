@@ -71,6 +71,9 @@ class AutoSpec(Checked):
     # plan per (layer, KV head) instead of per layer: a layer whose heads differ becomes a heads: spec
     # (kvbackend.codecs.heads; the torch reference serves it, the kernels do not read it)
     perhead: bool = False
+    # k-means seedings each table entry is measured with (the base's seed, seed + 1, ...), errors averaged: a
+    # clustering base's plan then depends less on one draw (the served specs keep the base's own seed)
+    planseeds: int = ranged(1, 1, 16)
 
 
 def parse_auto(text: str) -> AutoSpec | None:
@@ -107,6 +110,9 @@ def parse_auto(text: str) -> AutoSpec | None:
     if spec.perhead and spec.variants != "plain":
         raise SpecError(f"auto: perhead=true plans the base's own options per head; variants={spec.variants} would let "
                         "heads of one layer pick different levers, which the cache applies per layer: use variants=plain")
+    if spec.planseeds > 1 and not hasattr(base, "seed"):
+        raise SpecError(f"auto: planseeds={spec.planseeds} averages over k-means seedings; the base {spec.base!r} "
+                        f"draws none (use a clustering base: qvg, quantwm)")
     if spec.outliers:
         if not hasattr(base, "outliers"):
             raise SpecError(f"auto: outliers={spec.outliers} needs a base with key outliers (quantwm), got {spec.base!r}")
@@ -199,12 +205,15 @@ def _error_table(spec: AutoSpec, ladders, queries, keys, values, geometry: Geome
                  chunk_tokens: int, rotary: Rotary | None) -> dict[tuple[int, tuple[int, ...]], tuple[float, int, str]]:
     """(unit, ladder values) -> (attention error, stored bytes, spec): of the variants tried (same
     bytes by construction), the one with the lowest error. A unit is an index into `_units`: a layer,
-    or one KV head of a layer (its keys and values on a one-head geometry, scored by its query group)."""
+    or one KV head of a layer (its keys and values on a one-head geometry, scored by its query group).
+    With ``planseeds=N`` each error is the mean over the base's seed and the N - 1 seeds after it (the bytes
+    do not depend on the seed; the spec kept names the base's own seed)."""
     base = codecs.parse(spec.base)
     if not (hasattr(base, "kbits") and hasattr(base, "vbits")):
         raise SpecError(f"auto: base must be a codec with kbits/vbits options (kivi, qvg, qvg-pro, quantwm), "
                         f"got {spec.base!r}")
     name, options = split_spec(spec.base)
+    first_seed = getattr(base, "seed", 0)
     group = queries[0].shape[0] // geometry.num_kv_heads
     one_head = dataclasses.replace(geometry, num_kv_heads=1)
     table: dict[tuple[int, tuple[int, ...]], tuple[float, int, str]] = {}
@@ -219,8 +228,13 @@ def _error_table(spec: AutoSpec, ladders, queries, keys, values, geometry: Geome
             chosen = {key: str(x) for (key, _), x in zip(ladders, values_of)}
             for variant in _variants(spec.variants, base.name, options):
                 text = f"{name}:" + ",".join(f"{key}={x}" for key, x in {**options, **chosen, **variant}.items())
-                rec = reconstruct_sequence(codecs.get(text), k, v, g, page_size, chunk_tokens, rotary, q)
-                entry = (_attention_error(scored, k, v, rec.k, rec.v), rec.stored_bytes, text)
+                errors = []
+                for draw in range(spec.planseeds):
+                    seeded = text if draw == 0 else f"{name}:" + ",".join(
+                        f"{key}={x}" for key, x in {**options, **chosen, **variant, "seed": str(first_seed + draw)}.items())
+                    rec = reconstruct_sequence(codecs.get(seeded), k, v, g, page_size, chunk_tokens, rotary, q)
+                    errors.append(_attention_error(scored, k, v, rec.k, rec.v))
+                entry = (sum(errors) / len(errors), rec.stored_bytes, text)
                 if (unit, values_of) not in table or entry[0] < table[unit, values_of][0]:
                     table[unit, values_of] = entry
     return table
