@@ -3,8 +3,12 @@ miss in its per-layer plan or in its encode?
 
     .venv/bin/python perf/experiments/plan_encode_swap.py EVAL_SEEDS_JSON TEXT OUT_JSON
 """
-import json, re, sys
+import json
+import re
+import sys
+
 import torch
+
 from kvbackend.tools import evaluate as ev
 from kvbackend.tools.auto import Plan
 from kvbackend.tools.models import load_model
@@ -12,11 +16,20 @@ from kvbackend.tools.models import load_model
 src, text, out = sys.argv[1], sys.argv[2], sys.argv[3]
 d = json.load(open(src))
 plans = [r["plan"] for r in d["codecs"]]
-def reseed(plan, s): return [re.sub(r"seed=\d+", f"seed={s}", p) for p in plan]
-combos = [(a, b) for a, b in [(0, 1), (1, 0), (2, 1), (1, 1)]]
+
+
+def reseed(plan, s):
+    return [re.sub(r"seed=\d+", f"seed={s}", p) for p in plan]
+
+
+combos = [(0, 1), (1, 0), (2, 1), (1, 1)]  # (plan's seed, encode's seed)
 queue = [reseed(plans[a], b) for a, b in combos]
-def fake_plan(*args, **kw):
+
+
+def fake_plan(*args, **kw):  # the evaluator's planner, answering with the queued plans in order
     return Plan(queue.pop(0), 0.0, 0.0)
+
+
 ev.plan_widths = fake_plan
 torch.manual_seed(0)
 model, tok = load_model(device="cpu")
