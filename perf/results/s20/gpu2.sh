@@ -1,4 +1,6 @@
 # Session 20 device call 2, kept as run: the PSAC basis as fp16 pairs (one HFMA2 per rank) against 3406894's kernel.
+#   the other source (--source) is kernels/mma_decode.cu at 3406894, recreated before the call with:
+#   git show 3406894:kernels/mma_decode.cu > perf/results/s20/mma_decode_3406894.cu
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
