@@ -227,11 +227,13 @@ def _error_table(spec: AutoSpec, ladders, queries, keys, values, geometry: Geome
         for values_of in itertools.product(*(ladder for _, ladder in ladders)):
             chosen = {key: str(x) for (key, _), x in zip(ladders, values_of)}
             for variant in _variants(spec.variants, base.name, options):
-                text = f"{name}:" + ",".join(f"{key}={x}" for key, x in {**options, **chosen, **variant}.items())
+                def spec_text(**extra) -> str:
+                    return f"{name}:" + ",".join(f"{key}={x}" for key, x in {**options, **chosen, **variant, **extra}.items())
+
+                text = spec_text()
                 errors = []
-                for draw in range(spec.planseeds):
-                    seeded = text if draw == 0 else f"{name}:" + ",".join(
-                        f"{key}={x}" for key, x in {**options, **chosen, **variant, "seed": str(first_seed + draw)}.items())
+                for draw in range(spec.planseeds):  # draw 0 is the spec itself; the others differ in the seed alone
+                    seeded = spec_text(seed=str(first_seed + draw)) if draw else text
                     rec = reconstruct_sequence(codecs.get(seeded), k, v, g, page_size, chunk_tokens, rotary, q)
                     errors.append(_attention_error(scored, k, v, rec.k, rec.v))
                 entry = (sum(errors) / len(errors), rec.stored_bytes, text)

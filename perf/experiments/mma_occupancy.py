@@ -54,6 +54,9 @@ def main():
     wanted = {"quick": bk.QUICK_LEVER_VARIANTS, "all": [n for n, _ in bk.LEVER_VARIANTS]}.get(
         args.variants, args.variants.split("|"))  # or names joined by |
     variants = [(n, s) for n, s in bk.LEVER_VARIANTS if n in wanted]
+    unknown = set(wanted) - {n for n, _ in variants}
+    if unknown:
+        parser.error(f"--variants: no lever row named {', '.join(sorted(unknown))}")
     original_source = mma_decode.SOURCE
     sources = [("main", str(original_source))] + [tuple(x.split("=", 1)) for x in args.source]
     folds = [x != "0" for x in args.fold.split(",")]
