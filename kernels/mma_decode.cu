@@ -711,11 +711,17 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i * NWARPS], my_first + i * NWARPS, h, lane);
     cp_async_commit();
   }
+  // The page ids and chunk slots come from global memory one page ahead of their use: a load in the page's own
+  // iteration put a global round trip in front of its copies (and of the centroid table's slot test).
+  int next_id = NSTAGE - 1 < n_mine ? a.page_ids[start + my_first + (NSTAGE - 1) * NWARPS] : 0;
+  int next_slot = (K_CENT || PSAC_R) && n_mine > 0 ? a.slots[start + my_first] : 0;
   for (int i = 0; i < n_mine; ++i) {
     int ahead = i + NSTAGE - 1;
-    if (ahead < n_mine)
-      issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, a.page_ids[start + my_first + ahead * NWARPS],
-                 my_first + ahead * NWARPS, h, lane);
+    const int page_id = next_id;
+    if (ahead + 1 < n_mine) next_id = a.page_ids[start + my_first + (ahead + 1) * NWARPS];
+    const int slot_now = next_slot;
+    if ((K_CENT || PSAC_R) && i + 1 < n_mine) next_slot = a.slots[start + my_first + (i + 1) * NWARPS];
+    if (ahead < n_mine) issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, page_id, my_first + ahead * NWARPS, h, lane);
     cp_async_commit();
     cp_async_wait<NSTAGE - 1>();
     __syncwarp();
@@ -763,7 +769,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           }
         }
       if (K_CENT || PSAC_R) {
-        const int slot = a.slots[start + jpage];
+        const int slot = slot_now;
         if (slot != ct_slot) {
           __syncwarp();
           if (K_CENT) centroid_values(cvt, a, slot, h, lane);
@@ -900,7 +906,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
       for (int c = 0; c < 2; ++c) zc[c] = __shfl_sync(0xffffffffu, zpart, 4 * (2 * tig + c));
       if (K_CENT) {  // the centroid table: per chunk, or per page where the query turns with the page
-        const int slot = a.slots[start + jpage];
+        const int slot = slot_now;
         if (PAGE_ROPE || slot != ct_slot) {
           __syncwarp();
           if (slot != ct_slot) {
@@ -1040,43 +1046,57 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       // and then gives NaN, never a finite wrong score (tests/test_kernel_known_limits.py).
       const uint32_t* out = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES);
       const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
-      const int64_t qrow = (static_cast<int64_t>(r) * Hq + h * a.group + gid) * D;
+      // Dead query rows read row 0's query (always in bounds) and score 0: every load below is unconditional, with
+      // clamped indices, so a lane's loads for its four outliers are in flight together (branches around them made
+      // each outlier's global round trip wait for the previous one's: the kernel's largest stall, ncu, session 21).
+      const int64_t qrow = (static_cast<int64_t>(r) * Hq + h * a.group + (live_row ? gid : 0)) * D;
 #pragma unroll
       for (int c0 = 0; c0 < OUT_N; c0 += 16) {
         int tok[4];
         float val[4], qd[4];
+        int dd[4], tt[4];
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           const int o = c0 + 2 * tig + (x & 1) + 8 * (x >> 1);
-          tok[x] = -1;
-          val[x] = 0.f;
-          qd[x] = 0.f;
-          if (o < OUT_N) {
-            const int half = ((o * a.H + h) & 1) * 16;
-            const int pos = (out[o] >> half) & 0xFFFF;  // t * D + d
-            const uint16_t vb = static_cast<uint16_t>(out[OUT_N + o] >> half);
-            const int t = pos / D, d = pos % D;
-            if (t < P) {
-              tok[x] = t;
-              val[x] = __half2float(*reinterpret_cast<const __half*>(&vb));
-              if (live_row) {
-                float q = load_float<Q_KIND>(a.q, qrow + d);
-                if (PAGE_ROPE) {
-                  const float partner = d < D / 2 ? load_float<Q_KIND>(a.q, qrow + d + D / 2)
-                                                  : -load_float<Q_KIND>(a.q, qrow + d - D / 2);
-                  q = q * rope[d % (D / 2)] + partner * rope[D / 2 + d % (D / 2)];
-                }
-                if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
-                  const int i0 = d % (D / 2);
-                  const float qlo = load_float<Q_KIND>(a.q, qrow + i0), qhi = load_float<Q_KIND>(a.q, qrow + i0 + D / 2);
-                  const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
-                  const float cl = a.local_cos[t * (D / 2) + i0], sl = a.local_sin[t * (D / 2) + i0];
-                  q = d < D / 2 ? blo * cl + bhi * sl : bhi * cl - blo * sl;
-                }
-                qd[x] = q * a.scale_log2;
-              }
-            }
+          const int oc = o < OUT_N ? o : 0;
+          const int half = ((oc * a.H + h) & 1) * 16;
+          const int pos = (out[oc] >> half) & 0xFFFF;  // t * D + d
+          const uint16_t vb = static_cast<uint16_t>(out[OUT_N + oc] >> half);
+          const int t = pos / D;
+          const bool ok = o < OUT_N && t < P;
+          tok[x] = ok ? t : -1;
+          val[x] = ok ? __half2float(*reinterpret_cast<const __half*>(&vb)) : 0.f;
+          dd[x] = pos % D;
+          tt[x] = ok ? t : 0;
+        }
+        float q0[4], q1[4], cl[4], sl[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // the loads, all issued before any use
+          const int d = dd[x], i0 = d % (D / 2);
+          if (ROPE_TOKEN) {
+            q0[x] = load_float<Q_KIND>(a.q, qrow + i0);
+            q1[x] = load_float<Q_KIND>(a.q, qrow + i0 + D / 2);
+            cl[x] = __ldg(a.local_cos + tt[x] * (D / 2) + i0);
+            sl[x] = __ldg(a.local_sin + tt[x] * (D / 2) + i0);
+          } else {
+            q0[x] = load_float<Q_KIND>(a.q, qrow + d);
+            q1[x] = PAGE_ROPE ? load_float<Q_KIND>(a.q, qrow + (d < D / 2 ? d + D / 2 : d - D / 2)) : 0.f;
           }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int d = dd[x], i0 = d % (D / 2);
+          float q = q0[x];
+          if (PAGE_ROPE) {
+            const float partner = d < D / 2 ? q1[x] : -q1[x];
+            q = q * rope[i0] + partner * rope[D / 2 + i0];
+          }
+          if (ROPE_TOKEN) {  // the outlier sits before RoPE: q . R(p0) R(t) e_d = (R(t)^T R(p0)^T q)_d
+            const float qlo = q0[x], qhi = q1[x];
+            const float blo = qlo * rope[i0] + qhi * rope[D / 2 + i0], bhi = qhi * rope[i0] - qlo * rope[D / 2 + i0];
+            q = d < D / 2 ? blo * cl[x] + bhi * sl[x] : bhi * cl[x] - blo * sl[x];
+          }
+          qd[x] = live_row && tok[x] >= 0 ? q * a.scale_log2 : 0.f;
         }
         float lo[4];
 #pragma unroll
