@@ -122,6 +122,24 @@ def test_eval_kl_matches_independent_computation(model_and_tokenizer, sample_ids
     assert result.top1_agree == pytest.approx(float((ref.argmax(-1) == test.argmax(-1)).float().mean()))
 
 
+def test_eval_plans_auto_specs_on_another_text(model_and_tokenizer, sample_ids):
+    """``plan_ids``: an ``auto:`` spec is planned on another text's prefix (a plan made once for the model), so
+    text A evaluated with text B's plan gets exactly the plan B gets on its own, and B's plan is served on A."""
+    from kvbackend.tools.evaluate import EvalSettings, evaluate
+
+    model, _ = model_and_tokenizer
+    a, b = sample_ids[:, :320], sample_ids[:, -320:]
+    spec = ["auto:bpv=3.2"]
+    (own_a,) = evaluate(model, a, spec, EvalSettings(**SMALL))
+    (own_b,) = evaluate(model, b, spec, EvalSettings(**SMALL))
+    (a_with_b,) = evaluate(model, a, spec, EvalSettings(**SMALL), plan_ids=b)
+    assert own_a.plan != own_b.plan  # the two prefixes plan differently, so the test can tell them apart
+    assert a_with_b.plan == own_b.plan
+    assert a_with_b.ppl_ref == pytest.approx(own_a.ppl_ref)  # still scored on A
+    with pytest.raises(ValueError, match="plan text"):
+        evaluate(model, a, spec, EvalSettings(**SMALL), plan_ids=b[:, :100])
+
+
 QUANTWM = "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true"
 
 

@@ -343,7 +343,7 @@ def test_eval_chunk_reaches_the_settings(no_model, monkeypatch):
         def __call__(self, text, return_tensors):
             return type("Ids", (), {"input_ids": torch.zeros(1, 400, dtype=torch.long)})()
 
-    def evaluate(model, ids, specs, settings, progress=None, calibration=None):
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None):
         seen.append(settings)
         raise _Loaded()
 
@@ -353,3 +353,33 @@ def test_eval_chunk_reaches_the_settings(no_model, monkeypatch):
         with pytest.raises(_Loaded):
             main(_eval("--codec", "fp8", *(("--chunk", chunk) if chunk else ())))
         assert seen[-1].chunk_tokens == want
+
+
+def test_eval_plan_text_needs_an_auto_spec_and_reaches_evaluate(no_model, monkeypatch, tmp_path):
+    """``--plan-text`` plans ``auto:`` specs on another text: refused when no codec is one, else its tokens reach
+    ``evaluate`` (and the evaluated text's tokens stay the evaluated ones)."""
+    import kvbackend.tools.evaluate
+    import kvbackend.tools.models
+    from kvbackend.tools.cli import main
+
+    plan_file = tmp_path / "plan.txt"
+    plan_file.write_text("another text")
+    seen = []
+
+    class Tokens:
+        def __call__(self, text, return_tensors):
+            n = 700 if text == "another text" else 400
+            return type("Ids", (), {"input_ids": torch.zeros(1, n, dtype=torch.long)})()
+
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None):
+        seen.append((ids.shape[1], None if plan_ids is None else plan_ids.shape[1]))
+        raise _Loaded()
+
+    monkeypatch.setattr(kvbackend.tools.models, "load_model", lambda **kwargs: (None, Tokens()))
+    monkeypatch.setattr(kvbackend.tools.evaluate, "evaluate", evaluate)
+    with pytest.raises(SystemExit, match="plan-text"):
+        main(_eval("--codec", "fp8", "--plan-text", str(plan_file)))
+    assert seen == []
+    with pytest.raises(_Loaded):
+        main(_eval("--codec", "auto:bpv=3.2", "--plan-text", str(plan_file)))
+    assert seen == [(400, 700)]

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(ev)
     ev.add_argument("--calibration", default=None,
                     help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")
+    ev.add_argument("--plan-text", default=None,
+                    help="plan auto:... specs on this text's first --prefix tokens instead of --text's own prefix "
+                         "(a plan made once for the model and served on other text)")
     ev.set_defaults(func=_cmd_eval)
 
     pr = sub.add_parser("probe", help="far-away recall: a passcode planted before a long text, asked at its end")

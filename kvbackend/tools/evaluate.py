@@ -308,10 +308,12 @@ def prepare_output(path: str, option: str) -> None:
 
 
 def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None,
-             calibration=None) -> list[CodecResult]:
+             calibration=None, plan_ids: torch.Tensor | None = None) -> list[CodecResult]:
     """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``.
 
     ``calibration`` serves ``alignpred:…,fit=frozen`` specs; fit it on other data than ``input_ids``.
+    ``plan_ids [1, >= prefix]``: ``auto:`` specs are planned on these tokens' first ``prefix`` (another text: a
+    plan made once for the model) instead of on ``input_ids``' own prefix.
     """
     s = settings
     check_specs(specs, s, geometry_from_config(model.config))  # before the model's forward passes
@@ -321,8 +323,12 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
                          f"--continue {s.cont} need {need}")
     if not 0 < s.queries <= s.tokens:
         raise ValueError(f"queries={s.queries} must be in 1..tokens={s.tokens}")
+    if plan_ids is not None and plan_ids.shape[1] < s.prefix:
+        raise ValueError(f"the plan text has {plan_ids.shape[1]} tokens; planning on --prefix {s.prefix} needs "
+                         f"{s.prefix}")
     ids = input_ids[:, :need].to(s.device)
     exact = capture_exact(model, ids)
+    plan_exact = plan_tokens = None  # captured once, for the first auto: spec
     num_layers = len(exact.k)
     heads, _, head_dim = exact.k[0].shape
     geometry = Geometry(num_layers, heads, head_dim, exact.k[0].dtype)
@@ -342,10 +348,16 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
         auto = parse_auto(spec)
         plan = calib_kl = None
         if auto is not None:
-            kl_of = _prefix_kl(model, exact, ids, s, auto.calib, geometry, rotary) if auto.kl > 0 else None
-            chosen = plan_widths(auto, [q[:, : s.prefix] for q in exact.q],
-                                 [k.transpose(0, 1)[: s.prefix] for k in exact.k],
-                                 [v.transpose(0, 1)[: s.prefix] for v in exact.v], geometry, s.page_size,
+            source, source_ids = exact, ids
+            if plan_ids is not None:
+                if plan_exact is None:
+                    plan_tokens = plan_ids[:, : s.prefix].to(s.device)
+                    plan_exact = capture_exact(model, plan_tokens)
+                source, source_ids = plan_exact, plan_tokens
+            kl_of = _prefix_kl(model, source, source_ids, s, auto.calib, geometry, rotary) if auto.kl > 0 else None
+            chosen = plan_widths(auto, [q[:, : s.prefix] for q in source.q],
+                                 [k.transpose(0, 1)[: s.prefix] for k in source.k],
+                                 [v.transpose(0, 1)[: s.prefix] for v in source.v], geometry, s.page_size,
                                  s.chunk_tokens, rotary, kl_of)
             plan, calib_kl = chosen.specs, chosen.calib_kl
         layer_specs = list(plan) if plan else [spec] * num_layers
@@ -504,6 +516,13 @@ def run_eval_cli(args) -> int:
     if frozen:
         with open(args.calibration, encoding="utf-8") as f:
             calibration_text = f.read()
+    plan_text = None
+    plan_path = getattr(args, "plan_text", None)
+    if plan_path and not any(parse_auto(spec) is not None for spec in specs):
+        raise SystemExit("--plan-text plans auto:... specs, and no --codec is one")
+    if plan_path:
+        with open(plan_path, encoding="utf-8") as f:
+            plan_text = f.read()
     check_specs(specs, settings, model_geometry(args.model_dir))
     with console.status("loading model"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
@@ -512,8 +531,9 @@ def run_eval_cli(args) -> int:
     if frozen:
         calib_ids = tokenizer(calibration_text, return_tensors="pt").input_ids.to(args.device)
         calibration = calibration_from_text(model, calib_ids)
+    plan_ids = tokenizer(plan_text, return_tensors="pt").input_ids if plan_text is not None else None
     with Progress(console=console, transient=True) as progress:
-        results = evaluate(model, ids, specs, settings, progress, calibration)
+        results = evaluate(model, ids, specs, settings, progress, calibration, plan_ids)
     table = Table(title=f"{args.text}: {settings.tokens} tokens, prefix {settings.prefix} + {settings.cont}, "
                         f"ppl_ref {results[0].ppl_ref:.2f}")
     table.add_column("spec", overflow="fold")
@@ -537,7 +557,7 @@ def run_eval_cli(args) -> int:
                 m.kl_mean, m.kl_min, m.kl_max, m.top1_mean, m.top1_min, m.top1_max)))
         console.print(seeds)
     meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
-            "calibration": args.calibration if frozen else None}
+            "calibration": args.calibration if frozen else None, "plan_text": plan_path or None}
     if summaries:
         meta["seeds"] = [asdict(m) for m in summaries]
     if args.json:
