@@ -3,6 +3,7 @@
 # mma_decode.cu take the shared-memory bank conflicts, the uncoalesced global sectors and the stalls. The kernel
 # is compiled with -lineinfo into a cubin cache of its own (perf/ncu_kernels.py --lineinfo).
 #   bash perf/ncu_source.sh $OUT ["SPEC"]      (default: the recommended spec)
+# then, on the CSV it leaves: python3 perf/ncu_lines.py $OUT/mma_source.csv.gz (stall samples per line)
 set -u
 out=${1:?output folder}
 cd "$(dirname "$0")"
