@@ -15,6 +15,7 @@ from kvbackend.batch import BatchPlan
 from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme, TensorScheme
 
+from kvbackend.kernels import gather_cuda
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants,
                                       load_hadamard, outlier_rows, outlier_tile, page_rotation, psac_fix, rope_tables, rotate_halves,
@@ -119,7 +120,7 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
                    plan: BatchPlan, out_dtype: torch.dtype = torch.bfloat16,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None,
                    unpack: int = 0, levers: LeverScheme | None = None,
-                   rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   rotary: Rotary | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstruct every token of the planned requests, ``[total_tokens, H, D]`` each for K and V.
 
     Args:
@@ -132,6 +133,8 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         num_warps, unpack: launch configuration (``unpack`` as in `dequant_tile`: 0 loads packed words
             once and broadcasts them, 1 has each element load its own word, 2/3 those with codes made
             float without an integer conversion). num_warps None = `default_warps`.
+        backend: ``"auto"`` takes the CUDA kernel (`kvbackend.kernels.gather_cuda`) for the plain layouts it reads
+            when no Triton launch option is named, else the Triton kernel; ``"triton"`` or ``"cuda"`` insist.
     """
     _check(pages, dense, plan)
     _check_launch(num_warps, unpack)
@@ -147,6 +150,15 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         if buffer.shape != (total, h, d) or not buffer.is_contiguous() or buffer.device != pages.device:
             raise ValueError(f"output buffers must be contiguous [{total}, {h}, {d}] on {pages.device}, got "
                              f"{tuple(buffer.shape)} on {buffer.device}")
+    if backend not in ("auto", "triton", "cuda"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
+    lv = levers if levers is not None and levers.active else None
+    if backend == "cuda" or (backend == "auto" and num_warps is None and unpack == 0 and gather_cuda.preferred(
+            *schemes, p, d, k_out.dtype, dense.dtype, lv, pages.device)):
+        if lv is not None:
+            raise ValueError("the CUDA gather kernel reads no levers: use backend='triton'")
+        gather_cuda.launch(pages, dense, schemes, plan, k_out, v_out)
+        return k_out, v_out
     work = plan.page_ids.numel()
     if work == 0:
         return k_out, v_out

@@ -279,10 +279,10 @@ class _Driver:
                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return blocks.value
 
-    def load(self, cubin: bytes, smem: int) -> ctypes.c_void_p:
+    def load(self, cubin: bytes, smem: int, name: bytes = b"mma_decode") -> ctypes.c_void_p:
         module, function = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
-        self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, b"mma_decode"), "cuModuleGetFunction")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, name), "cuModuleGetFunction")
         if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             self.check(self.lib.cuFuncSetAttribute(function, 8, smem), "cuFuncSetAttribute")
         return function

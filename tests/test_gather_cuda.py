@@ -1,0 +1,139 @@
+"""The CUDA gather kernel for plain layouts (`kernels/gather_dequant.cu`) against the torch reference.
+
+On a CUDA GPU it must write every planned token exactly as the reference reconstructs it (the same float32
+operations, one rounding to the output dtype). CPU runs check which layouts it claims, the argument checks, and
+compile the source for sm_90 where nvcc is installed.
+"""
+
+import pytest
+import torch
+
+from kvbackend import Geometry, codecs
+from kvbackend.scheme import kernel_schemes, lever_scheme
+from kernel_cases import DEVICE, filled_cache
+
+from kvbackend.kernels import gather_cuda, mma_decode
+
+gpu = pytest.mark.skipif(not mma_decode.available()[0] if torch.cuda.is_available() else True,
+                         reason="needs a CUDA GPU and nvcc")
+
+CASES = [  # (codec, head_dim, page_size, lengths, heads): lengths end mid-page and mid-chunk (dense tails)
+    ("rtn:bits=2,group=64,scale=fp8", 128, 64, [150, 20, 64, 301], 3),
+    ("rtn:bits=2,group=64", 64, 16, [45, 70, 3], 2),
+    ("rtn:bits=4,group=32,symmetric=true,scale=fp8", 64, 64, [130, 20], 2),
+    ("rtn:bits=8,group=64,scale=bf16", 64, 16, [37], 5),
+    ("rtn:bits=2,group=8,symmetric=true,scale=fp16", 32, 16, [33, 17], 1),
+    ("kivi:bits=2,group=16", 64, 16, [70, 5, 40], 2),
+    ("kivi:bits=4,group=32", 128, 64, [150], 3),
+    ("kivi:bits=2,group=64", 128, 64, [257, 64], 8),
+    ("fp8", 64, 16, [50], 2),
+    ("identity", 128, 16, [40, 3], 2),
+]
+
+
+def _schemes(spec, head_dim=64, page_size=16, heads=2):
+    codec = codecs.get(spec)
+    layout = codec.layout(Geometry(1, heads, head_dim, torch.bfloat16), page_size)
+    return codec, layout
+
+
+def test_claims_plain_layouts_only():
+    def claims(spec, head_dim=64, page_size=16, out=torch.bfloat16):
+        codec, layout = _schemes(spec, head_dim, page_size)
+        return gather_cuda.supports(*kernel_schemes(codec, layout), page_size, head_dim, out, torch.bfloat16)
+
+    for spec, _, page_size, _, _ in CASES:
+        assert claims(spec, 64, page_size), spec
+    assert not claims("qvg")  # centroid stages: the Triton kernel's one-hot products
+    assert not claims("qvg:kchannel=8,group=32,cdtype=fp8")
+    assert not claims("rtn:bits=2,group=4")  # a run of 8 channels would span two scale groups
+    assert not claims("rtn:bits=2,group=64,scale=fp8", out=torch.float32)  # 16-bit outputs only
+    lever_codec, lever_layout = _schemes("kivi:bits=2,group=16,sink=4,vrot=hadamard")
+    from kvbackend.frames import lever_layout as with_levers
+    lever_layout = with_levers(lever_layout, lever_codec.levers)
+    schemes = kernel_schemes(lever_codec, lever_layout, levers_read=True)
+    assert not gather_cuda.supports(*schemes, 16, 64, torch.bfloat16, torch.bfloat16,
+                                    lever_scheme(lever_codec, lever_layout))
+
+
+def test_rejects_bad_options():
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = filled_cache("rtn:bits=2,group=64", 64, 16, [20])
+    plan = cache.plan(ids, 0)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), plan)
+    with pytest.raises(ValueError, match="backend must be"):
+        gather_dequant(*args, backend="cutlass")
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="runs on CUDA pages"):
+            gather_dequant(*args, backend="cuda")
+    with pytest.raises(ValueError, match="threads must be"):
+        gather_cuda.config_for(*args[3], 16, 64, torch.bfloat16, torch.bfloat16, threads=96)
+
+
+@pytest.mark.skipif(mma_decode.nvcc() is None, reason="nvcc not installed")
+def test_source_compiles_for_each_storage_mode(tmp_path, monkeypatch):
+    """Per-token and per-channel groups, symmetric and not, 2/4/8 bits, fp8/fp16/bf16 scales, float pages, both
+    output dtypes: each variant compiles (and a second ask comes from the disk cache)."""
+    monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
+    seen = set()
+    for spec, head_dim, page_size, _, _ in CASES:
+        codec, layout = _schemes(spec, head_dim, page_size)
+        for out in (torch.bfloat16, torch.float16):
+            config = gather_cuda.config_for(*kernel_schemes(codec, layout), page_size, head_dim, out, torch.bfloat16)
+            if config in seen:
+                continue
+            seen.add(config)
+            cubin = gather_cuda.compile_cubin(config, "sm_90")
+            assert cubin[:4] == b"\x7fELF"
+    assert len(seen) >= len(CASES)
+    assert len(list(tmp_path.rglob("gather_dequant-*.cubin"))) == len(seen)
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,lengths,heads", CASES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_exactly(codec, head_dim, page_size, lengths, heads, out_dtype):
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = filled_cache(codec, head_dim, page_size, lengths, heads=heads, seed=5)
+    layer = 1
+    plan = cache.plan(ids, layer)
+    total = sum(lengths)
+    poison = tuple(torch.full((total, heads, head_dim), float("nan"), dtype=out_dtype, device=DEVICE)
+                   for _ in range(2))
+    k, v = gather_dequant(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                          kernel_schemes(cache.codec, cache.layout), plan, out=poison, backend="cuda")
+    reads = [cache.read(rid, layer) for rid in ids]
+    for got, want in ((k, torch.cat([r[0] for r in reads])), (v, torch.cat([r[1] for r in reads]))):
+        assert not torch.isnan(got).any()  # every element written
+        if out_dtype == want.dtype:  # the reference's float32 values rounded once to the cache's dtype: bit for bit
+            assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        else:  # the reference rounded to bf16, the kernel to fp16: within half a bf16 ulp plus one fp16 ulp
+            err = (got.float() - want.float()).abs()
+            assert torch.all(err <= want.float().abs() * (2**-8 + 2**-10) + 2**-24), err.max()
+
+
+@gpu
+def test_auto_takes_the_cuda_kernel_for_plain_layouts(monkeypatch):
+    from kvbackend.kernels import gather_dequant as module
+
+    calls = []
+    real = gather_cuda.launch
+    monkeypatch.setattr(gather_cuda, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    cache, ids = filled_cache("rtn:bits=2,group=64,scale=fp8", 64, 16, [45, 70])
+    plan = cache.plan(ids, 0)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), plan)
+    k, v = module.gather_dequant(*args)
+    assert calls == [1]
+    tk, tv = module.gather_dequant(*args, backend="triton")
+    assert calls == [1]
+    # the Triton kernel may fuse code * scale + zero into one rounding: within one output ulp
+    for got, want in ((k, tk), (v, tv)):
+        assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6)
+    qvg, qids = filled_cache("qvg", 64, 16, [45])
+    module.gather_dequant(qvg.packed.pages[0], qvg.packed.codebooks[0], qvg.dense.data[0],
+                          kernel_schemes(qvg.codec, qvg.layout), qvg.plan(qids, 0))
+    assert calls == [1]  # centroid stages stay with the Triton kernel
