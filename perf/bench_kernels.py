@@ -22,6 +22,7 @@ Timing: triton.testing.do_bench medians, inputs rotated so the working set excee
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -37,7 +38,7 @@ from kvbackend.attention import decode_attention
 from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.kernels.chunk_encoder import encode_chunk
-from kvbackend.kernels import folded_decode, mma_decode, planar_decode
+from kvbackend.kernels import folded_decode, gather_cuda, mma_decode, planar_decode
 from kvbackend.kernels.encode import encode_into_pages
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
@@ -382,39 +383,65 @@ def _dequant_int4_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return codes * scale + shift
 
 
+GATHER_SPECS = ("qvg", "rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64")
+# extra CUDA launch shapes (threads x unroll) timed beside the default, e.g. KVB_GATHER_VARIANTS="512x4,256x8"
+GATHER_VARIANTS = [tuple(int(x) for x in v.split("x")) for v in os.environ.get("KVB_GATHER_VARIANTS", "").split(",") if v]
+
+
 @section("gather")
 def gather(copy_bw):
     rows = []
     hq, heads, dim, p = 32, 8, 128, 64
-    for spec in ("qvg", "rtn:bits=2,group=64,scale=fp8"):
+    batch, length = 8, 32768
+    out = (torch.empty(batch * length, heads, dim, device=DEV).bfloat16(),
+           torch.empty(batch * length, heads, dim, device=DEV).bfloat16())
+    write_ms = bench(lambda: (out[0].zero_(), out[1].zero_()))  # the write-only ceiling of the same bytes
+    write_bw = 2 * out[0].nbytes / write_ms / 1e6
+    print(f"gather: write-only ceiling {write_bw:.0f} GB/s (zero_ of the output)", flush=True)
+    for spec in GATHER_SPECS:
         codec, layout, chunk = encoded_pages(spec, heads, dim, p)
         schemes = kernel_schemes(codec, layout)
-        batch, length = 8, 32768
         packed_per_req = length // p
         pages = chunk.pages.repeat(-(-batch * packed_per_req // chunk.pages.shape[0]), 1)[: batch * packed_per_req].contiguous()
         books = chunk.codebook.reshape(1, -1).contiguous()
         dense = torch.zeros(1, 2, p, heads, dim, device=DEV).bfloat16()
         plan = make_plan(batch, packed_per_req, 0, p, 0, 0)
-        out = (torch.empty(batch * length, heads, dim, device=DEV).bfloat16(),
-               torch.empty(batch * length, heads, dim, device=DEV).bfloat16())
-        ms = bench(lambda: gather_dequant(pages, books, dense, schemes, plan, out=out))
         moved = batch * packed_per_req * layout.page_bytes + 2 * batch * length * heads * dim * 2
         q = torch.randn(batch, hq, 1, dim, device=DEV).bfloat16()
-
-        def gathered_sdpa():
-            k, v = gather_dequant(pages, books, dense, schemes, plan, out=out)
-            kk = k.view(batch, length, heads, dim).transpose(1, 2)
-            vv = v.view(batch, length, heads, dim).transpose(1, 2)
-            return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
-
-        both = bench(gathered_sdpa)
         sdpa_ms = sdpa_time(batch, hq, heads, length, dim, 1)
-        row = {"codec": spec, "B": batch, "L": length, "gather_us": ms * 1e3, "gather_GBps": moved / ms / 1e6,
-               "gather_pct_of_copy": moved / ms / 1e6 / copy_bw * 100, "gather_plus_sdpa_us": both * 1e3,
-               "sdpa_us": sdpa_ms * 1e3}
-        rows.append(row)
-        print(f"gather {spec}: {row['gather_us']:.1f} us, {row['gather_GBps']:.0f} GB/s ({row['gather_pct_of_copy']:.1f}%), "
-              f"gather+SDPA {row['gather_plus_sdpa_us']:.1f} us vs SDPA {row['sdpa_us']:.1f} us", flush=True)
+        cuda_ok = gather_cuda.supports(*schemes, p, dim, torch.bfloat16, torch.bfloat16)
+        runs = [("triton", None)] + ([("cuda", None)] + [("cuda", v) for v in GATHER_VARIANTS] if cuda_ok else [])
+        want = None
+        for backend, variant in runs:
+            if variant is None:
+                call = functools.partial(gather_dequant, pages, books, dense, schemes, plan, out=out, backend=backend)
+            else:
+                call = functools.partial(gather_cuda.launch, pages, dense, schemes, plan, *out, *variant)
+            for o in out:
+                o.fill_(float("nan"))
+            call()
+            got = (out[0].float().sum().item(), out[1].float().sum().item())
+            want = want or got
+            if not all(math.isfinite(x) for x in got):  # every element written
+                raise AssertionError(f"gather {spec} {backend} {variant}: unwritten or non-finite output")
+            ms = bench(call)
+
+            def gathered_sdpa():
+                call()
+                kk = out[0].view(batch, length, heads, dim).transpose(1, 2)
+                vv = out[1].view(batch, length, heads, dim).transpose(1, 2)
+                return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+            both = bench(gathered_sdpa)
+            name = backend if variant is None else f"cuda {variant[0]}x{variant[1]}"
+            row = {"codec": spec, "backend": name, "B": batch, "L": length, "gather_us": ms * 1e3,
+                   "gather_GBps": moved / ms / 1e6, "gather_pct_of_copy": moved / ms / 1e6 / copy_bw * 100,
+                   "write_only_GBps": write_bw, "gather_plus_sdpa_us": both * 1e3, "sdpa_us": sdpa_ms * 1e3,
+                   "checksum_rel_diff_vs_triton": max(abs(a - b) / max(abs(b), 1e-9) for a, b in zip(got, want))}
+            rows.append(row)
+            print(f"gather {spec} [{name}]: {row['gather_us']:.1f} us, {row['gather_GBps']:.0f} GB/s "
+                  f"({row['gather_pct_of_copy']:.1f}% of copy), gather+SDPA {row['gather_plus_sdpa_us']:.1f} us vs SDPA "
+                  f"{row['sdpa_us']:.1f} us", flush=True)
     return rows
 
 

@@ -30,8 +30,8 @@ status=0
     if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-8}" --dist loadfile); fi
     "$python" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" tests || status=1
     # (the kernels' agreement with the torch references is the tests' job; the bench's `checks` section repeats it)
-    echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers)"
-    KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,decode,levers \
+    echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers; gather)"
+    KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,decode,levers,gather \
         --out "$results/gpu-test-bench_kernels.json" || status=1
     echo "== bench_tiers (quick: 8K-token restores)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1
