@@ -1,7 +1,9 @@
-"""Gather-dequant for plain layouts: a CUDA kernel compiled at first use (`gather_dequant.cu` says how it works).
+"""Gather-dequant as a CUDA kernel compiled at first use (`gather_dequant.cu` says how it works).
 
-It reads what the Triton kernel reads minus centroids and levers: per-token and per-channel groups of 2, 4 or 8-bit
-codes with fp8, fp16 or bf16 scales, plain fp8/fp16/bf16 pages, and dense fp16/bf16 pages, into fp16 or bf16 rows.
+It reads per-token and per-channel groups of 2, 4 or 8-bit codes with fp8, fp16 or bf16 scales, centroid stages
+(bf16, or fp8 with scales), plain fp8/fp16/bf16 pages and dense fp16/bf16 pages into fp16 or bf16 rows, with the
+levers of the recommended recipe: sinks, pre-RoPE or page-relative keys, Hadamard-rotated values, sparse PSAC rows
+and key outliers (`supports` says which layouts; the Triton kernel reads the rest).
 `gather_dequant` takes it on CUDA where `preferred` says so, and the Triton kernel everywhere else. Compilation and
 loading share `mma_decode`'s nvcc lookup, disk cache and driver calls.
 """
@@ -28,7 +30,7 @@ from kvbackend.kernels import mma_decode
 SOURCE = Path(__file__).with_name("gather_dequant.cu")
 PREFERRED = True  # `gather_dequant` takes this kernel where it can (tests may turn it off)
 _OUT_KIND = {torch.float16: 1, torch.bfloat16: 2}
-THREADS = 256  # per CTA (one work page)
+THREADS = 512  # per CTA (one work page): 512 x 4 was the fastest shape for rtn-2 and kivi-2 on the H200 (NOTES, session 22)
 UNROLL = 4  # runs of 8 elements a thread loads before it converts and stores them
 
 
@@ -38,24 +40,43 @@ class GatherConfig:
 
     head_dim: int
     page: int
-    k: tuple[int, int, int, int, int]  # (mode, bits, group, symmetric, kind)
-    v: tuple[int, int, int, int, int]
+    k: tuple[int, ...]  # (mode, bits, group, symmetric, kind, stages, centroids, fp8 centroids)
+    v: tuple[int, ...]
     out_kind: int
     dense_kind: int
     threads: int = THREADS
     unroll: int = UNROLL
+    sink: int = 0
+    sink_kind: int = 2
+    rope: bool = False
+    page_rope: bool = False
+    vrot: bool = False
+    psac_rank: int = 0
+    psac_rows: int = 0
+    psac_sparse: bool = False
+    outliers: int = 0
 
     def defines(self) -> list[str]:
         out = [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DOUT_KIND={self.out_kind}",
-               f"-DDENSE_KIND={self.dense_kind}", f"-DNTHREADS={self.threads}", f"-DUNROLL={self.unroll}"]
-        for prefix, (mode, bits, group, sym, kind) in (("K", self.k), ("V", self.v)):
+               f"-DDENSE_KIND={self.dense_kind}", f"-DNTHREADS={self.threads}", f"-DUNROLL={self.unroll}",
+               f"-DSINK={self.sink}", f"-DSINK_KIND={self.sink_kind}", f"-DROPE={int(self.rope)}",
+               f"-DPAGE_ROPE={int(self.page_rope)}", f"-DVROT={int(self.vrot)}", f"-DPSAC_R={self.psac_rank}",
+               f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}", f"-DOUT_N={self.outliers}"]
+        for prefix, (mode, bits, group, sym, kind, stages, cents, cfp8) in (("K", self.k), ("V", self.v)):
             out += [f"-D{prefix}_MODE={mode}", f"-D{prefix}_BITS={bits}", f"-D{prefix}_GROUP={group}",
-                    f"-D{prefix}_SYM={sym}", f"-D{prefix}_KIND={kind}"]
+                    f"-D{prefix}_SYM={sym}", f"-D{prefix}_KIND={kind}", f"-D{prefix}_STAGES={stages}",
+                    f"-D{prefix}_C={cents}", f"-D{prefix}_CFP8={cfp8}"]
         return out
 
 
+MAX_HEADS = 32  # KV heads whose PSAC rows and key outliers a CTA stages (`MAX_HEADS` in the source)
+_STAGED_BYTES = 24 * 1024  # shared memory for them
+
+
 def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
-    if x.stages or x.kind not in (0, 1, 2):
+    if x.kind not in (0, 1, 2):
+        return False
+    if x.stages and (x.assign < 0 or x.codebook % 16 or (x.centroid_scales != NONE and x.centroid_scales % 2)):
         return False
     esize = 1 if x.kind == 0 else 2
     if x.mode == FLOAT:
@@ -67,30 +88,50 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
     return x.mode == CHANNEL_GROUPS and page_size % x.group == 0 and esize in (1, 2)
 
 
+def _levers_ok(lv: LeverScheme, head_dim: int, heads: int) -> bool:
+    if lv.sink and (lv.sink_k % 16 or lv.sink_v % 16 or lv.sink_kind not in (1, 2)):
+        return False
+    if (lv.prerope or lv.pagerope) and head_dim % 16:  # a run of 8 channels on one side of RoPE's halves
+        return False
+    if lv.psac_rank or lv.outliers:
+        staged = (lv.psac_rows * (lv.psac_rank + 1) + 2 * lv.outliers) * MAX_HEADS * 4
+        if heads > MAX_HEADS or staged > _STAGED_BYTES or lv.psac_rank > 16:
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=256)
 def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, out_dtype: torch.dtype,
-             dense_dtype: torch.dtype, levers: LeverScheme | None = None) -> bool:
-    """Whether the kernel reads this pair of schemes into ``out_dtype`` (no levers, no centroids)."""
-    return (head_dim % 8 == 0 and (levers is None or not levers.active) and out_dtype in _OUT_KIND
-            and dense_dtype in _OUT_KIND and _tensor_ok(k, page_size, head_dim) and _tensor_ok(v, page_size, head_dim))
+             dense_dtype: torch.dtype, levers: LeverScheme | None = None, heads: int = 1) -> bool:
+    """Whether the kernel reads this pair of schemes, with ``levers``, into ``out_dtype`` (``heads`` KV heads)."""
+    return (head_dim % 8 == 0 and 32 % (head_dim // 8) == 0 and out_dtype in _OUT_KIND and dense_dtype in _OUT_KIND
+            and _levers_ok(levers or LeverScheme(), head_dim, heads)
+            and _tensor_ok(k, page_size, head_dim) and _tensor_ok(v, page_size, head_dim))
 
 
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, out_dtype: torch.dtype,
-               dense_dtype: torch.dtype, threads: int = THREADS, unroll: int = UNROLL) -> GatherConfig:
-    def spec(x: TensorScheme) -> tuple[int, int, int, int, int]:
-        return (x.mode, max(x.bits, 1), max(x.group, 1), int(bool(x.symmetric)), x.kind)
+               dense_dtype: torch.dtype, threads: int = THREADS, unroll: int = UNROLL,
+               levers: LeverScheme | None = None) -> GatherConfig:
+    def spec(x: TensorScheme) -> tuple[int, ...]:
+        return (x.mode, max(x.bits, 1), max(x.group, 1), int(bool(x.symmetric)), x.kind, x.stages,
+                max(x.centroids, 1), int(x.stages > 0 and x.centroid_scales != NONE))
     if threads not in (64, 128, 256, 512, 1024) or unroll not in (1, 2, 4, 8):
         raise ValueError(f"threads must be 64..1024 (a power of two) and unroll 1, 2, 4 or 8; got {threads}, {unroll}")
+    lv = levers or LeverScheme()
     return GatherConfig(head_dim, page_size, spec(k), spec(v), _OUT_KIND[out_dtype], _OUT_KIND[dense_dtype],
-                        threads, unroll)
+                        threads, unroll, lv.sink, lv.sink_kind if lv.sink else 2, bool(lv.prerope), bool(lv.pagerope),
+                        bool(lv.vrot), lv.psac_rank, lv.psac_rows if lv.psac_rank else 0,
+                        bool(lv.psac_rank) and lv.psac_token != NONE, lv.outliers)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in gather_dequant.cu
-    _fields_ = [("pages", ctypes.c_uint64), ("dense", ctypes.c_uint64), ("page_ids", ctypes.c_uint64),
-                ("kinds", ctypes.c_uint64), ("valid", ctypes.c_uint64), ("rows", ctypes.c_uint64),
-                ("k_out", ctypes.c_uint64), ("v_out", ctypes.c_uint64), ("page_bytes", ctypes.c_longlong),
-                ("H", ctypes.c_int), ("k_codes", ctypes.c_int), ("k_scales", ctypes.c_int), ("k_zeros", ctypes.c_int),
-                ("v_codes", ctypes.c_int), ("v_scales", ctypes.c_int), ("v_zeros", ctypes.c_int)]
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+                    "pages", "dense", "book", "page_ids", "kinds", "valid", "rows", "slots", "positions", "local_cos",
+                    "local_sin", "base_cos", "base_sin", "k_out", "v_out")] + [
+                ("page_bytes", ctypes.c_longlong), ("book_bytes", ctypes.c_longlong)] + [(name, ctypes.c_int) for name in (
+                    "H", "k_codes", "k_scales", "k_zeros", "k_assign", "k_book", "k_cscale", "v_codes", "v_scales",
+                    "v_zeros", "v_assign", "v_book", "v_cscale", "sink_k", "sink_v", "psac_codes", "psac_scale",
+                    "psac_token", "psac_basis", "out_index", "out_value")]
 
 
 def compile_cubin(config: GatherConfig, arch: str) -> bytes:
@@ -157,43 +198,62 @@ def _function(config: GatherConfig, device: torch.device) -> ctypes.c_void_p:
 
 
 def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, out_dtype: torch.dtype,
-              dense_dtype: torch.dtype, levers: LeverScheme | None, device: torch.device) -> bool:
+              dense_dtype: torch.dtype, levers: LeverScheme | None, device: torch.device, heads: int = 1) -> bool:
     """Whether `gather_dequant` takes this kernel when not told otherwise: a supported layout on a usable GPU,
     a variant that has not failed to compile or load, and not a first load during CUDA-graph capture."""
-    if not (PREFERRED and device.type == "cuda" and supports(k, v, page_size, head_dim, out_dtype, dense_dtype, levers)
+    if not (PREFERRED and device.type == "cuda"
+            and supports(k, v, page_size, head_dim, out_dtype, dense_dtype, levers, heads)
             and mma_decode.available(device)[0]):
         return False
-    key = (_index(device), config_for(k, v, page_size, head_dim, out_dtype, dense_dtype))
+    key = (_index(device), config_for(k, v, page_size, head_dim, out_dtype, dense_dtype, levers=levers))
     if key in _failed:
         return False
     return key in _functions or not torch.cuda.is_current_stream_capturing()
 
 
-def launch(pages: torch.Tensor, dense: torch.Tensor, schemes: tuple[TensorScheme, TensorScheme], plan: BatchPlan,
-           k_out: torch.Tensor, v_out: torch.Tensor, threads: int = THREADS, unroll: int = UNROLL) -> None:
-    """Write every planned token of K and V into ``k_out, v_out [tokens, H, D]`` (checked by the caller)."""
+def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, schemes: tuple[TensorScheme, TensorScheme],
+           plan: BatchPlan, k_out: torch.Tensor, v_out: torch.Tensor, levers: LeverScheme | None = None,
+           tables=None, threads: int = THREADS, unroll: int = UNROLL) -> None:
+    """Write every planned token of K and V into ``k_out, v_out [tokens, H, D]`` (checked by the caller).
+
+    ``codebooks``: the layer's codebook slots (centroids, sinks, PSAC bases); ``tables``: the lever tables
+    (`kvbackend.kernels.levers.lever_tables`) for pre-RoPE and page-relative keys."""
     k, v = schemes
     _, _, p, h, d = dense.shape
+    lv = levers if levers is not None and levers.active else LeverScheme()
     if pages.device.type != "cuda":
         raise ValueError(f"the CUDA gather kernel runs on CUDA pages, got {pages.device}")
-    if not supports(k, v, p, d, k_out.dtype, dense.dtype):
-        raise ValueError(f"the CUDA gather kernel does not read this layout ({k}, {v}; page {p}, head_dim {d}, "
-                         f"{dense.dtype} dense pages into {k_out.dtype})")
+    if not supports(k, v, p, d, k_out.dtype, dense.dtype, lv, h):
+        raise ValueError(f"the CUDA gather kernel does not read this layout ({k}, {v}, {lv}; page {p}, head_dim {d}, "
+                         f"{h} heads, {dense.dtype} dense pages into {k_out.dtype})")
     if pages.data_ptr() % 16 or pages.shape[1] % 16 or dense.data_ptr() % 16:
         raise ValueError("the CUDA gather kernel needs 16-byte aligned page and dense pools")
     if k_out.data_ptr() % 16 or v_out.data_ptr() % 16 or v_out.dtype != k_out.dtype:
         raise ValueError("the CUDA gather kernel writes 16-byte aligned K and V buffers of one dtype")
+    needs_book = k.stages or v.stages or lv.sink or lv.psac_rank
+    if needs_book and (codebooks is None or not codebooks.numel() or codebooks.data_ptr() % 16
+                       or codebooks.shape[-1] % 16):
+        raise ValueError("centroids, sinks and PSAC bases live in 16-byte aligned codebook slots: pass codebooks=")
+    if (lv.prerope or lv.pagerope) and tables is None:
+        raise ValueError("keys stored before RoPE need its tables (kvbackend.kernels.levers.lever_tables)")
     work = plan.page_ids.numel()
     if work == 0:
         return
-    config = config_for(k, v, p, d, k_out.dtype, dense.dtype, threads, unroll)
+    config = config_for(k, v, p, d, k_out.dtype, dense.dtype, threads, unroll, lv)
     function = _function(config, pages.device)
-    zero_k = k.zeros if k.zeros != NONE else 0  # symmetric or float layouts: never read
-    zero_v = v.zeros if v.zeros != NONE else 0
-    params = _Params(pages.data_ptr(), dense.data_ptr(), plan.page_ids.data_ptr(), plan.kinds.data_ptr(),
-                     plan.valid.data_ptr(), plan.rows.data_ptr(), k_out.data_ptr(), v_out.data_ptr(),
-                     int(pages.shape[1]), int(h), int(k.codes), max(int(k.scales), 0), int(zero_k), int(v.codes),
-                     max(int(v.scales), 0), int(zero_v))
+    book = codebooks if needs_book else pages  # never read without centroids, sinks or PSAC rows
+    rope = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin) if tables is not None else (pages,) * 4
+
+    def at(offset: int) -> int:  # an absent field's offset: never read
+        return max(int(offset), 0)
+    params = _Params(pages.data_ptr(), dense.data_ptr(), book.data_ptr(), plan.page_ids.data_ptr(),
+                     plan.kinds.data_ptr(), plan.valid.data_ptr(), plan.rows.data_ptr(), plan.slots.data_ptr(),
+                     plan.positions.data_ptr(), *(t.data_ptr() for t in rope), k_out.data_ptr(), v_out.data_ptr(),
+                     int(pages.shape[1]), int(book.shape[-1]), int(h),
+                     *(at(x) for x in (k.codes, k.scales, k.zeros, k.assign, k.codebook, k.centroid_scales,
+                                       v.codes, v.scales, v.zeros, v.assign, v.codebook, v.centroid_scales,
+                                       lv.sink_k, lv.sink_v, lv.psac_codes, lv.psac_scale, lv.psac_token,
+                                       lv.psac_basis, lv.out_index, lv.out_value)))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(pages.device).cuda_stream
     with torch.cuda.device(pages.device):

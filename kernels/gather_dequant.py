@@ -17,7 +17,7 @@ from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels import gather_cuda
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
-from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants,
+from kvbackend.kernels.levers import (halves, lever_tables, hadamard_apply, join_halves, lever_args, lever_constants,
                                       load_hadamard, outlier_rows, outlier_tile, page_rotation, psac_fix, rope_tables, rotate_halves,
                                       sink_tile)
 
@@ -154,10 +154,9 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         raise ValueError(f"backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
     lv = levers if levers is not None and levers.active else None
     if backend == "cuda" or (backend == "auto" and num_warps is None and unpack == 0 and gather_cuda.preferred(
-            *schemes, p, d, k_out.dtype, dense.dtype, lv, pages.device)):
-        if lv is not None:
-            raise ValueError("the CUDA gather kernel reads no levers: use backend='triton'")
-        gather_cuda.launch(pages, dense, schemes, plan, k_out, v_out)
+            *schemes, p, d, k_out.dtype, dense.dtype, lv, pages.device, h)):
+        tables = lever_tables(lv, rotary, p, d, plan.max_pages, pages.device) if lv is not None else None
+        gather_cuda.launch(pages, codebooks, dense, schemes, plan, k_out, v_out, lv, tables)
         return k_out, v_out
     work = plan.page_ids.numel()
     if work == 0:

@@ -34,10 +34,14 @@ class BatchPlan:
     min_pages: int = 1  # fewest work pages of any request (host-side, so launchers need no device sync)
     # each request's page table and its version when planned (`KVCache` refuses the plan once either changed)
     tables: tuple = ()
+    total_tokens: int | None = None  # host copy of cu_seqlens[-1] (None: read from the device when asked)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        """Tokens of the gathered output; from the host copy where the planner kept one (no device sync)."""
+        if self.total_tokens is None:
+            self.total_tokens = int(self.cu_seqlens[-1])
+        return self.total_tokens
 
     def check_queries(self, q: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
         """Raise InvalidKV unless ``q`` is one query per planned request, ``[B, Hq, D]`` with GQA heads."""
@@ -93,7 +97,7 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
               np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
     views = ints_on_device(fields, cache.dense.data.device)
     tables = tuple((cache.page_table(rid), cache.page_table(rid).version) for rid in request_ids)
-    return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0), tables)
+    return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0), tables, cu[-1])
 
 
 def ints_on_device(fields: list, device: torch.device) -> list[torch.Tensor]:

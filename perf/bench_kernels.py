@@ -117,7 +117,8 @@ def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int
         cu.append(cu[-1] + packed_per_req * page_size + dense_tokens)
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
     return BatchPlan(list(range(batch)), t(page_ids), t(kinds), t([0] * len(page_ids)), t(valid), t(rows),
-                     t(positions), t(starts), t(counts), t(packed), t(cu), max(counts), page_size, min(counts))
+                     t(positions), t(starts), t(counts), t(packed), t(cu), max(counts), page_size, min(counts),
+                     total_tokens=cu[-1])
 
 
 @section("checks")
@@ -442,6 +443,35 @@ def gather(copy_bw):
             print(f"gather {spec} [{name}]: {row['gather_us']:.1f} us, {row['gather_GBps']:.0f} GB/s "
                   f"({row['gather_pct_of_copy']:.1f}% of copy), gather+SDPA {row['gather_plus_sdpa_us']:.1f} us vs SDPA "
                   f"{row['sdpa_us']:.1f} us", flush=True)
+    # the recipe's layout with its levers (sinks, pre-RoPE keys, rotated values, PSAC rows, key outliers): each
+    # request's packed pages and one dense page, as `levers` times decode
+    rotary = Rotary.default(dim, 500000.0)
+    case = lever_case(RECOMMENDED_SPEC, batch, length, hq, heads, dim, p, rotary)
+    plan = case.plans[0]
+    packed_per_req = length // p - 1
+    moved = (batch * packed_per_req * case.layout.page_bytes + 2 * batch * p * heads * dim * 2
+             + 2 * batch * length * heads * dim * 2)
+    want = None
+    for backend in ("triton", "cuda") if gather_cuda.supports(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16,
+                                                             case.levers, heads) else ("triton",):
+        call = functools.partial(gather_dequant, case.pages, case.books, case.dense, case.schemes, plan, out=out,
+                                 levers=case.levers, rotary=rotary, backend=backend)
+        for o in out:
+            o.fill_(float("nan"))
+        call()
+        got = (out[0].float().sum().item(), out[1].float().sum().item())
+        want = want or got
+        if not all(math.isfinite(x) for x in got):
+            raise AssertionError(f"gather of the recipe [{backend}]: unwritten or non-finite output")
+        ms = bench(call)
+        row = {"codec": RECOMMENDED_SPEC, "backend": backend, "B": batch, "L": length, "gather_us": ms * 1e3,
+               "gather_GBps": moved / ms / 1e6, "gather_pct_of_copy": moved / ms / 1e6 / copy_bw * 100,
+               "write_only_GBps": write_bw,
+               "checksum_rel_diff_vs_triton": max(abs(a - b) / max(abs(b), 1e-9) for a, b in zip(got, want))}
+        rows.append(row)
+        print(f"gather the recipe [{backend}]: {row['gather_us']:.1f} us, {row['gather_GBps']:.0f} GB/s "
+              f"({row['gather_pct_of_copy']:.1f}% of copy), checksum vs Triton {row['checksum_rel_diff_vs_triton']:.2e}",
+              flush=True)
     return rows
 
 

@@ -1,8 +1,9 @@
-"""The CUDA gather kernel for plain layouts (`kernels/gather_dequant.cu`) against the torch reference.
+"""The CUDA gather kernel (`kernels/gather_dequant.cu`) against the torch reference.
 
-On a CUDA GPU it must write every planned token exactly as the reference reconstructs it (the same float32
-operations, one rounding to the output dtype). CPU runs check which layouts it claims, the argument checks, and
-compile the source for sm_90 where nvcc is installed.
+On a CUDA GPU it must write every planned token of the plain layouts exactly as the reference reconstructs them
+(the same float32 operations, one rounding to the output dtype), and the recipe's lever layouts within the
+tolerance of the Triton kernel's test. CPU runs check which layouts it claims, the argument checks, and compile the
+source for sm_90 where nvcc is installed.
 """
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from kvbackend import Geometry, codecs
 from kvbackend.scheme import kernel_schemes, lever_scheme
 from kernel_cases import DEVICE, filled_cache
+from test_kernel_levers import CASES as LEVER_CASES, RECIPE, ROTARY, kernel_inputs, lever_cache
 
 from kvbackend.kernels import gather_cuda, mma_decode
 
@@ -28,6 +30,9 @@ CASES = [  # (codec, head_dim, page_size, lengths, heads): lengths end mid-page 
     ("kivi:bits=2,group=64", 128, 64, [257, 64], 8),
     ("fp8", 64, 16, [50], 2),
     ("identity", 128, 16, [40, 3], 2),
+    ("qvg", 64, 16, [45, 70], 2),  # centroid stages: bf16 centroids for K and V
+    ("qvg:centroids=8,stages=2,kchannel=8,group=32,cdtype=fp8", 64, 16, [37], 3),  # two fp8 stages
+    ("qvg:kchannel=64,centroids=32,vcluster=false,cdtype=fp8,clip=true", 128, 64, [200, 64], 4),  # the recipe's keys
 ]
 
 
@@ -44,16 +49,21 @@ def test_claims_plain_layouts_only():
 
     for spec, _, page_size, _, _ in CASES:
         assert claims(spec, 64, page_size), spec
-    assert not claims("qvg")  # centroid stages: the Triton kernel's one-hot products
-    assert not claims("qvg:kchannel=8,group=32,cdtype=fp8")
     assert not claims("rtn:bits=2,group=4")  # a run of 8 channels would span two scale groups
     assert not claims("rtn:bits=2,group=64,scale=fp8", out=torch.float32)  # 16-bit outputs only
-    lever_codec, lever_layout = _schemes("kivi:bits=2,group=16,sink=4,vrot=hadamard")
-    from kvbackend.frames import lever_layout as with_levers
-    lever_layout = with_levers(lever_layout, lever_codec.levers)
-    schemes = kernel_schemes(lever_codec, lever_layout, levers_read=True)
-    assert not gather_cuda.supports(*schemes, 16, 64, torch.bfloat16, torch.bfloat16,
-                                    lever_scheme(lever_codec, lever_layout))
+    assert not claims("identity", head_dim=512)  # a row of 64 runs would span two warps
+
+    def lever_claims(spec, heads=2, head_dim=64):
+        from kvbackend.frames import lever_layout
+        codec, layout = _schemes(spec, head_dim, 16, heads)
+        layout = lever_layout(layout, codec.levers)
+        return gather_cuda.supports(*kernel_schemes(codec, layout, levers_read=True), 16, head_dim, torch.bfloat16,
+                                    torch.bfloat16, lever_scheme(codec, layout), heads)
+
+    assert lever_claims(RECIPE + ",cdtype=fp8,outliers=16")
+    assert lever_claims("kivi:bits=2,group=16,sink=4,vrot=hadamard")
+    assert not lever_claims(RECIPE + ",outliers=16", heads=40)  # more heads than a CTA stages rows for
+    assert not lever_claims("quantwm:rank=16,centroids=4")  # a dense row per token at rank 16: too many to stage
 
 
 def test_rejects_bad_options():
@@ -87,6 +97,16 @@ def test_source_compiles_for_each_storage_mode(tmp_path, monkeypatch):
             seen.add(config)
             cubin = gather_cuda.compile_cubin(config, "sm_90")
             assert cubin[:4] == b"\x7fELF"
+    from kvbackend.frames import lever_layout
+    for spec, page in ((RECIPE + ",cdtype=fp8,outliers=16", 16), ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,"
+                                                                  "vcluster=false,sink=4,vrot=hadamard,pagerope=true", 32)):
+        codec, layout = _schemes(spec, 64, page)
+        layout = lever_layout(layout, codec.levers)
+        config = gather_cuda.config_for(*kernel_schemes(codec, layout, levers_read=True), page, 64, torch.bfloat16,
+                                        torch.bfloat16, levers=lever_scheme(codec, layout))
+        assert config.sink and config.vrot and config.psac_rank and (config.rope or config.page_rope)
+        seen.add(config)
+        assert gather_cuda.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
     assert len(seen) >= len(CASES)
     assert len(list(tmp_path.rglob("gather_dequant-*.cubin"))) == len(seen)
 
@@ -133,7 +153,53 @@ def test_auto_takes_the_cuda_kernel_for_plain_layouts(monkeypatch):
     # the Triton kernel may fuse code * scale + zero into one rounding: within one output ulp
     for got, want in ((k, tk), (v, tv)):
         assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6)
-    qvg, qids = filled_cache("qvg", 64, 16, [45])
-    module.gather_dequant(qvg.packed.pages[0], qvg.packed.codebooks[0], qvg.dense.data[0],
-                          kernel_schemes(qvg.codec, qvg.layout), qvg.plan(qids, 0))
-    assert calls == [1]  # centroid stages stay with the Triton kernel
+    module.gather_dequant(*args, out_dtype=torch.float32, out=None)
+    assert calls == [1]  # float32 outputs stay with the Triton kernel
+    module.gather_dequant(*args, num_warps=4)
+    assert calls == [1]  # so does a Triton launch option
+
+
+@gpu
+@pytest.mark.parametrize("codec,page_size,lengths,ratio,programs", LEVER_CASES)
+def test_lever_layouts_match_the_reference(codec, page_size, lengths, ratio, programs):
+    """The recipe's levers (sinks, pre-RoPE and page-relative keys, rotated values, PSAC rows, key outliers) as
+    the Triton kernel's test holds them, and within rounding of the Triton kernel itself."""
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = lever_cache(codec, page_size, lengths, ratio, "triton")
+    layer = 1
+    args, levers = kernel_inputs(cache, ids, layer)
+    if not gather_cuda.supports(*args[3], page_size, 64, torch.bfloat16, torch.bfloat16, levers, 2):
+        pytest.skip("a layout the CUDA gather kernel leaves to the Triton kernel")
+    reads = [cache.read(rid, layer) for rid in ids]
+    k, v = gather_dequant(*args, levers=levers, rotary=ROTARY, backend="cuda")
+    assert k.dtype == torch.bfloat16 and not torch.isnan(k).any() and not torch.isnan(v).any()
+    rk, rv = torch.cat([r[0] for r in reads]).float(), torch.cat([r[1] for r in reads]).float()
+    assert float((k.float() - rk).abs().max()) <= 2e-2 * float(rk.abs().max())
+    assert float((v.float() - rv).abs().max()) <= 1e-2 * float(rv.abs().max())
+    tk, tv = gather_dequant(*args, out_dtype=torch.float32, levers=levers, rotary=ROTARY, backend="triton")
+    for got, want in ((k, tk), (v, tv)):  # both within a bf16 rounding of float32 values that agree closely
+        assert torch.all((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3 * float(want.abs().max()))
+    if levers.sink:  # the sinks are the appended tokens, bit for bit (requests whose first page is packed)
+        plan = args[-1]
+        for rid, row in zip(ids, plan.cu_seqlens[:-1].tolist()):
+            if cache.page_table(rid).packed:
+                assert torch.equal(k[row: row + levers.sink], reads[ids.index(rid)][0][: levers.sink])
+
+
+@gpu
+def test_each_lever_the_kernel_reads_changes_its_output():
+    """Turning off any one lever in the scheme changes what the kernel writes: every lever path does work."""
+    import dataclasses
+
+    from kvbackend.kernels.gather_dequant import gather_dequant
+    from kvbackend.scheme import LeverScheme
+
+    cache, ids = lever_cache(RECIPE + ",cdtype=fp8,outliers=16", 16, [140], 2, "triton")
+    args, levers = kernel_inputs(cache, ids)
+    full = gather_dequant(*args, levers=levers, rotary=ROTARY, backend="cuda")
+    for off in (dict(sink=0), dict(prerope=False), dict(vrot=False), dict(psac_rank=0), dict(outliers=0)):
+        partial = dataclasses.replace(levers, **off)
+        k, v = gather_dequant(*args, levers=partial if partial.active else LeverScheme(), rotary=ROTARY,
+                              backend="cuda")
+        assert not (torch.equal(k, full[0]) and torch.equal(v, full[1])), off
