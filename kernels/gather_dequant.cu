@@ -193,13 +193,18 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
   const int lane = threadIdx.x & 31;
   // warp-uniform trip counts: a row's runs share a warp, and every lane of a warp joins the shuffles
   for (int first = threadIdx.x; first - lane < runs; first += NTHREADS * UNROLL) {
+    constexpr int NS = S::STAGES > 0 ? S::STAGES : 1;
     uint2 code[UNROLL];
-    uint4 sraw[UNROLL], zraw[UNROLL];
+    uint4 sraw[UNROLL], zraw[UNROLL], cent[UNROLL][NS];
+    float cscale[UNROLL][NS];
+    int cid[UNROLL][NS];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int r = first + u * NTHREADS;
       code[u] = make_uint2(0u, 0u);
       sraw[u] = zraw[u] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int stage = 0; stage < NS; ++stage) cid[u][stage] = 0;
       if (r >= runs) continue;
       const int e = 8 * r;  // element (t * H + h) * D + d of the page
       if (S::MODE == 0) {
@@ -207,15 +212,36 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
         continue;
       }
       code[u] = load_codes<S::BITS>(page + o.codes + e / 8 * S::BITS);
+      const int t = e / (H * D), hd = e - t * (H * D);
+#pragma unroll
+      for (int stage = 0; stage < S::STAGES; ++stage)  // centroid ids [S, P, H]
+        cid[u][stage] = page[o.assign + (stage * P + t) * H + hd / D];
       if (S::MODE == 1) {  // [P, H, D / GROUP]
         const int g = e / S::GROUP;
         sraw[u].x = load1<S::KIND>(page + o.scales, g);
         if (!S::SYM) zraw[u].x = load1<S::KIND>(page + o.zeros, g);
       } else {  // [P / GROUP, H, D]: 8 channels' scales
-        const int t = e / (H * D), hd = e - t * (H * D);
         const int g = (t / S::GROUP) * (H * D) + hd;
         sraw[u] = load8<S::KIND>(page + o.scales + g * esize(S::KIND));
         if (!S::SYM) zraw[u] = load8<S::KIND>(page + o.zeros + g * esize(S::KIND));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // the centroid rows the ids name (a second wave of loads)
+      const int r = first + u * NTHREADS;
+#pragma unroll
+      for (int stage = 0; stage < S::STAGES; ++stage) {
+        cent[u][stage] = make_uint4(0u, 0u, 0u, 0u);
+        cscale[u][stage] = 0.f;
+        if (r >= runs) continue;
+        const int e = 8 * r, h = (e / D) % H, d = e % D;
+        const int row = ((stage * H + h) * S::C + cid[u][stage]) * D + d;
+        if (S::CFP8) {
+          cscale[u][stage] = element<1>(load1<1>(slot + o.cscale, stage * H + h));
+          cent[u][stage] = load8<0>(slot + o.book + row);
+        } else {
+          cent[u][stage] = load8<2>(slot + o.book + 2 * row);
+        }
       }
     }
 #pragma unroll
@@ -246,18 +272,10 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
 #pragma unroll
       for (int stage = S::STAGES - 1; stage >= 0; --stage) {  // + centroids, the last stage first
         if (!live) break;
-        const int id = page[o.assign + (stage * P + t) * H + h];
-        const int row = ((stage * H + h) * S::C + id) * D + d;
-        if (S::CFP8) {
-          const float cs = element<1>(load1<1>(slot + o.cscale, stage * H + h));
-          const uint4 w = load8<0>(slot + o.book + row);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) x[j] = __fadd_rn(x[j], __fmul_rn(element8<0>(w, j), cs));
-        } else {
-          const uint4 w = load8<2>(slot + o.book + 2 * row);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) x[j] = __fadd_rn(x[j], element8<2>(w, j));
-        }
+        for (int j = 0; j < 8; ++j)
+          x[j] = S::CFP8 ? __fadd_rn(x[j], __fmul_rn(element8<0>(cent[u][stage], j), cscale[u][stage]))
+                         : __fadd_rn(x[j], element8<2>(cent[u][stage], j));
       }
       if (IS_K && PSAC_R && live) {  // + the corrections of the rows naming this token (summed, as the reference)
         float fix[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

@@ -43,6 +43,7 @@ from kvbackend.kernels.encode import encode_into_pages
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
 from kvbackend.frames import lever_layout
+from kvbackend.kernels.levers import lever_tables
 from kvbackend.rope import Rotary
 from kvbackend.scheme import kernel_schemes, lever_scheme
 from kvbackend.spec import RECOMMENDED_SPEC
@@ -417,7 +418,7 @@ def gather(copy_bw):
             if variant is None:
                 call = functools.partial(gather_dequant, pages, books, dense, schemes, plan, out=out, backend=backend)
             else:
-                call = functools.partial(gather_cuda.launch, pages, dense, schemes, plan, *out, *variant)
+                call = functools.partial(gather_cuda.launch, pages, books, dense, schemes, plan, *out, None, None, *variant)
             for o in out:
                 o.fill_(float("nan"))
             call()
@@ -452,10 +453,17 @@ def gather(copy_bw):
     moved = (batch * packed_per_req * case.layout.page_bytes + 2 * batch * p * heads * dim * 2
              + 2 * batch * length * heads * dim * 2)
     want = None
-    for backend in ("triton", "cuda") if gather_cuda.supports(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16,
-                                                             case.levers, heads) else ("triton",):
-        call = functools.partial(gather_dequant, case.pages, case.books, case.dense, case.schemes, plan, out=out,
-                                 levers=case.levers, rotary=rotary, backend=backend)
+    tables = lever_tables(case.levers, rotary, p, dim, plan.max_pages, torch.device(DEV))
+    cuda_ok = gather_cuda.supports(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, case.levers, heads)
+    for backend, variant in [("triton", None)] + ([("cuda", None)] + [("cuda", v) for v in GATHER_VARIANTS]
+                                                  if cuda_ok else []):
+        if variant is None:
+            call = functools.partial(gather_dequant, case.pages, case.books, case.dense, case.schemes, plan, out=out,
+                                     levers=case.levers, rotary=rotary, backend=backend)
+        else:
+            call = functools.partial(gather_cuda.launch, case.pages, case.books, case.dense, case.schemes, plan, *out,
+                                     case.levers, tables, *variant)
+            backend = f"cuda {variant[0]}x{variant[1]}"
         for o in out:
             o.fill_(float("nan"))
         call()
