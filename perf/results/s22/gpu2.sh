@@ -4,5 +4,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 300 python3 -m pytest -q -x -n 8 tests/test_gather_cuda.py tests/test_gather_dequant.py tests/test_kernel_levers.py 2>&1 | tail -15
-KVB_GATHER_VARIANTS="128x4,256x4,256x2,1024x2" timeout 200 python3 perf/bench_kernels.py --only ceiling,gather --out $OUT/gather.json 2>&1 | grep -v "^ *{" | tail -30
+timeout 300 python3 -m pytest -q -x -n 8 tests/test_gather_cuda.py tests/test_gather_dequant.py tests/test_kernel_levers.py tests/test_paged_decode.py 2>&1 | tail -15
+KVB_GATHER_VARIANTS="256x4,1024x2" timeout 200 python3 perf/bench_kernels.py --only ceiling,gather --out $OUT/gather.json 2>&1 | grep -v "^ *{" | tail -30
