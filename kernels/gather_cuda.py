@@ -30,8 +30,20 @@ from kvbackend.kernels import mma_decode
 SOURCE = Path(__file__).with_name("gather_dequant.cu")
 PREFERRED = True  # `gather_dequant` takes this kernel where it can (tests may turn it off)
 _OUT_KIND = {torch.float16: 1, torch.bfloat16: 2}
-THREADS = 512  # per CTA (one work page): 512 x 4 was the fastest shape for rtn-2 and kivi-2 on the H200 (NOTES, session 22)
+THREADS = 512  # per CTA (one work page)
 UNROLL = 4  # runs of 8 elements a thread loads before it converts and stores them
+
+
+def default_shape(k: TensorScheme, v: TensorScheme, levers: LeverScheme | None) -> tuple[int, int]:
+    """(threads, unroll) when the caller names none. On the H200 (B=8, L=32K; perf/NOTES.md, session 22): plain
+    layouts 512 x 4 (rtn-2 and kivi-2 at 84-88% of the copy ceiling, 256 x 4 a few percent behind); centroid stages
+    256 x 4 (qvg 4% faster than 512 x 4); levers 256 x 2 (the recipe's layout 18% faster than 512 x 4: 64 and more
+    registers a thread, so more, smaller CTAs per SM)."""
+    if levers is not None and levers.active:
+        return 256, 2
+    if k.stages or v.stages:
+        return 256, 4
+    return THREADS, UNROLL
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,7 @@ class GatherConfig:
 
 
 MAX_HEADS = 32  # KV heads whose PSAC rows and key outliers a CTA stages (`MAX_HEADS` in the source)
-_STAGED_BYTES = 24 * 1024  # shared memory for them
+_STAGED_BYTES = 40 * 1024  # shared memory for them and a mask per (token, head) row
 
 
 def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
@@ -88,13 +100,13 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
     return x.mode == CHANNEL_GROUPS and page_size % x.group == 0 and esize in (1, 2)
 
 
-def _levers_ok(lv: LeverScheme, head_dim: int, heads: int) -> bool:
+def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int) -> bool:
     if lv.sink and (lv.sink_k % 16 or lv.sink_v % 16 or lv.sink_kind not in (1, 2)):
         return False
     if (lv.prerope or lv.pagerope) and head_dim % 16:  # a run of 8 channels on one side of RoPE's halves
         return False
     if lv.psac_rank or lv.outliers:
-        staged = (lv.psac_rows * (lv.psac_rank + 1) + 2 * lv.outliers) * MAX_HEADS * 4
+        staged = (lv.psac_rows * (lv.psac_rank + 1) + 2 * lv.outliers + page_size) * MAX_HEADS * 4
         if heads > MAX_HEADS or staged > _STAGED_BYTES or lv.psac_rank > 16:
             return False
     return True
@@ -105,16 +117,20 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, ou
              dense_dtype: torch.dtype, levers: LeverScheme | None = None, heads: int = 1) -> bool:
     """Whether the kernel reads this pair of schemes, with ``levers``, into ``out_dtype`` (``heads`` KV heads)."""
     return (head_dim % 8 == 0 and 32 % (head_dim // 8) == 0 and out_dtype in _OUT_KIND and dense_dtype in _OUT_KIND
-            and _levers_ok(levers or LeverScheme(), head_dim, heads)
+            and _levers_ok(levers or LeverScheme(), page_size, head_dim, heads)
             and _tensor_ok(k, page_size, head_dim) and _tensor_ok(v, page_size, head_dim))
 
 
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, out_dtype: torch.dtype,
-               dense_dtype: torch.dtype, threads: int = THREADS, unroll: int = UNROLL,
+               dense_dtype: torch.dtype, threads: int | None = None, unroll: int | None = None,
                levers: LeverScheme | None = None) -> GatherConfig:
+    """The variant for a layout; ``threads``/``unroll`` None: `default_shape`."""
     def spec(x: TensorScheme) -> tuple[int, ...]:
         return (x.mode, max(x.bits, 1), max(x.group, 1), int(bool(x.symmetric)), x.kind, x.stages,
                 max(x.centroids, 1), int(x.stages > 0 and x.centroid_scales != NONE))
+    shape = default_shape(k, v, levers)
+    threads = shape[0] if threads is None else threads
+    unroll = shape[1] if unroll is None else unroll
     if threads not in (64, 128, 256, 512, 1024) or unroll not in (1, 2, 4, 8):
         raise ValueError(f"threads must be 64..1024 (a power of two) and unroll 1, 2, 4 or 8; got {threads}, {unroll}")
     lv = levers or LeverScheme()
@@ -213,7 +229,7 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, o
 
 def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, schemes: tuple[TensorScheme, TensorScheme],
            plan: BatchPlan, k_out: torch.Tensor, v_out: torch.Tensor, levers: LeverScheme | None = None,
-           tables=None, threads: int = THREADS, unroll: int = UNROLL) -> None:
+           tables=None, threads: int | None = None, unroll: int | None = None) -> None:
     """Write every planned token of K and V into ``k_out, v_out [tokens, H, D]`` (checked by the caller).
 
     ``codebooks``: the layer's codebook slots (centroids, sinks, PSAC bases); ``tables``: the lever tables
@@ -258,5 +274,5 @@ def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, sc
     stream = torch.cuda.current_stream(pages.device).cuda_stream
     with torch.cuda.device(pages.device):
         _driver.ensure_context(_index(pages.device))
-        _driver.check(_driver.lib.cuLaunchKernel(function, work, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream),
+        _driver.check(_driver.lib.cuLaunchKernel(function, work, 1, 1, config.threads, 1, 1, 0, ctypes.c_void_p(stream),
                                                  args, None), "cuLaunchKernel")

@@ -170,7 +170,11 @@ struct Staged {
   int token[PSAC_R ? PSAC_ROWS * MAX_HEADS : 1];            // token of each row (-1: none)
   int out_at[OUT_N ? OUT_N * MAX_HEADS : 1];                // outlier position t * D + d, by head
   float out_value[OUT_N ? OUT_N * MAX_HEADS : 1];
+  // per (token, head) row: bit i when an outlier falls in run i, bit 31 when a PSAC row names the token, so a run
+  // without either (nearly all) costs one shared-memory read
+  uint32_t rowmask[(PSAC_R || OUT_N) ? P * MAX_HEADS : 1];
 };
+static_assert(RUNS <= 31, "run bits below the PSAC bit");
 
 // Storage of one tensor, as template arguments.
 template <int MODE_, int BITS_, int GROUP_, int SYM_, int KIND_, int STAGES_, int C_, int CFP8_>
@@ -277,7 +281,8 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
           x[j] = S::CFP8 ? __fadd_rn(x[j], __fmul_rn(element8<0>(cent[u][stage], j), cscale[u][stage]))
                          : __fadd_rn(x[j], element8<2>(cent[u][stage], j));
       }
-      if (IS_K && PSAC_R && live) {  // + the corrections of the rows naming this token (summed, as the reference)
+      const uint32_t mask = (IS_K && (PSAC_R || OUT_N) && live) ? st.rowmask[t * MAX_HEADS + h] : 0u;
+      if (IS_K && PSAC_R && (mask >> 31)) {  // + the corrections of the rows naming this token (summed, as the reference)
         float fix[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         bool any = false;
         for (int i = 0; i < (PSAC_R ? PSAC_ROWS : 1); ++i) {
@@ -298,7 +303,7 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
 #pragma unroll
           for (int j = 0; j < 8; ++j) x[j] = __fadd_rn(x[j], fix[j]);
       }
-      if (IS_K && OUT_N && live) {  // key outliers of this head falling in the run
+      if (IS_K && OUT_N && ((mask >> (d / 8)) & 1u)) {  // key outliers of this head falling in the run
 #pragma unroll 4
         for (int i = 0; i < (OUT_N ? OUT_N : 1); ++i) {
           const int at = st.out_at[i * MAX_HEADS + h] - (t * D + d);
@@ -346,11 +351,11 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
             }
 #pragma unroll
         for (int lanes = 1; lanes < RUNS; lanes *= 2) {
-          const bool upper = lane & lanes;
+          const float sign = (lane & lanes) ? -1.f : 1.f;  // upper lanes keep other - x, lower x + other
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const float other = __shfl_xor_sync(0xffffffffu, x[j], lanes);
-            x[j] = upper ? other - x[j] : x[j] + other;
+            x[j] = __fmaf_rn(sign, x[j], other);  // the product by +-1 is exact: one rounding, as the add
           }
         }
         const float norm = 1.0f / sqrtf(static_cast<float>(D));
@@ -405,7 +410,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Para
   const uint8_t* base = a.pages + page * a.page_bytes;
   const uint8_t* slot = a.book + static_cast<long long>(a.slots[w]) * a.book_bytes;
   const long long pos = a.positions[w];
-  if (PSAC_R || OUT_N) {  // the page's PSAC rows and key outliers, by head
+  if (PSAC_R || OUT_N) {  // the page's PSAC rows and key outliers, by head, and which rows and runs they touch
+    for (int i = threadIdx.x; i < P * MAX_HEADS; i += NTHREADS) st.rowmask[i] = 0u;
+    __syncthreads();
     for (int i = threadIdx.x; i < (PSAC_R ? PSAC_ROWS : 0) * a.H; i += NTHREADS) {
       const int row = i / a.H, h = i % a.H;
       const float scale = element<1>(load1<1>(base + a.psac_scale, i));
@@ -413,12 +420,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Para
         const float c = static_cast<float>(static_cast<int8_t>(base[a.psac_codes + i * PSAC_R + k]));
         st.coef[(row * MAX_HEADS + h) * (PSAC_R ? PSAC_R : 1) + k] = __fmul_rn(c, scale);
       }
-      st.token[row * MAX_HEADS + h] = PSAC_SPARSE ? static_cast<int>(base[a.psac_token + i]) : row;
+      const int token = PSAC_SPARSE ? static_cast<int>(base[a.psac_token + i]) : row;
+      st.token[row * MAX_HEADS + h] = token;
+      if (token < P) atomicOr(&st.rowmask[token * MAX_HEADS + h], 1u << 31);
     }
     for (int i = threadIdx.x; i < OUT_N * a.H; i += NTHREADS) {
       const int k = i / a.H, h = i % a.H;
-      st.out_at[k * MAX_HEADS + h] = static_cast<int>(load1<1>(base + a.out_index, i));
+      const int at = static_cast<int>(load1<1>(base + a.out_index, i));
+      st.out_at[k * MAX_HEADS + h] = at;
       st.out_value[k * MAX_HEADS + h] = element<1>(load1<1>(base + a.out_value, i));
+      if (at < P * D) atomicOr(&st.rowmask[(at / D) * MAX_HEADS + h], 1u << ((at % D) / 8));
     }
     __syncthreads();
   }

@@ -53,17 +53,18 @@ def test_claims_plain_layouts_only():
     assert not claims("rtn:bits=2,group=64,scale=fp8", out=torch.float32)  # 16-bit outputs only
     assert not claims("identity", head_dim=512)  # a row of 64 runs would span two warps
 
-    def lever_claims(spec, heads=2, head_dim=64):
+    def lever_claims(spec, heads=2, head_dim=64, page=16):
         from kvbackend.frames import lever_layout
-        codec, layout = _schemes(spec, head_dim, 16, heads)
+        codec, layout = _schemes(spec, head_dim, page, heads)
         layout = lever_layout(layout, codec.levers)
-        return gather_cuda.supports(*kernel_schemes(codec, layout, levers_read=True), 16, head_dim, torch.bfloat16,
+        return gather_cuda.supports(*kernel_schemes(codec, layout, levers_read=True), page, head_dim, torch.bfloat16,
                                     torch.bfloat16, lever_scheme(codec, layout), heads)
 
     assert lever_claims(RECIPE + ",cdtype=fp8,outliers=16")
     assert lever_claims("kivi:bits=2,group=16,sink=4,vrot=hadamard")
     assert not lever_claims(RECIPE + ",outliers=16", heads=40)  # more heads than a CTA stages rows for
-    assert not lever_claims("quantwm:rank=16,centroids=4")  # a dense row per token at rank 16: too many to stage
+    assert lever_claims("quantwm:rank=16,centroids=4")  # a dense row per 16-token page's token at rank 16
+    assert not lever_claims("quantwm:rank=16,centroids=4", page=64)  # 64 of them: too many to stage
 
 
 def test_rejects_bad_options():
