@@ -400,7 +400,7 @@ def gather(copy_bw):
     write_ms = bench(lambda: (out[0].zero_(), out[1].zero_()))  # the write-only ceiling of the same bytes
     write_bw = 2 * out[0].nbytes / write_ms / 1e6
     print(f"gather: write-only ceiling {write_bw:.0f} GB/s (zero_ of the output)", flush=True)
-    for spec in GATHER_SPECS:
+    for spec in GATHER_SPECS[1:2] if QUICK else GATHER_SPECS:  # `make gpu-test`: rtn-2 and the recipe
         codec, layout, chunk = encoded_pages(spec, heads, dim, p)
         schemes = kernel_schemes(codec, layout)
         packed_per_req = length // p
@@ -434,7 +434,7 @@ def gather(copy_bw):
                 vv = out[1].view(batch, length, heads, dim).transpose(1, 2)
                 return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
-            both = bench(gathered_sdpa)
+            both = float("nan") if QUICK else bench(gathered_sdpa)
             name = backend if variant is None else f"cuda {variant[0]}x{variant[1]}"
             row = {"codec": spec, "backend": name, "B": batch, "L": length, "gather_us": ms * 1e3,
                    "gather_GBps": moved / ms / 1e6, "gather_pct_of_copy": moved / ms / 1e6 / copy_bw * 100,
