@@ -116,7 +116,9 @@ def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int) -> bo
 def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, out_dtype: torch.dtype,
              dense_dtype: torch.dtype, levers: LeverScheme | None = None, heads: int = 1) -> bool:
     """Whether the kernel reads this pair of schemes, with ``levers``, into ``out_dtype`` (``heads`` KV heads)."""
-    return (head_dim % 8 == 0 and 32 % (head_dim // 8) == 0 and out_dtype in _OUT_KIND and dense_dtype in _OUT_KIND
+    # head_dim 8..128: a row's runs within one warp and their bits below the mask's PSAC bit (`rowmask`)
+    return (head_dim % 8 == 0 and 8 <= head_dim <= 128 and 32 % (head_dim // 8) == 0 and out_dtype in _OUT_KIND
+            and dense_dtype in _OUT_KIND
             and _levers_ok(levers or LeverScheme(), page_size, head_dim, heads)
             and _tensor_ok(k, page_size, head_dim) and _tensor_ok(v, page_size, head_dim))
 
@@ -256,7 +258,6 @@ def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, sc
     if work == 0:
         return
     config = config_for(k, v, p, d, k_out.dtype, dense.dtype, threads, unroll, lv)
-    function = _function(config, pages.device)
     book = codebooks if needs_book else pages  # never read without centroids, sinks or PSAC rows
     rope = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin) if tables is not None else (pages,) * 4
 
@@ -272,7 +273,8 @@ def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, sc
                                        lv.psac_basis, lv.out_index, lv.out_value)))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(pages.device).cuda_stream
-    with torch.cuda.device(pages.device):
+    with torch.cuda.device(pages.device):  # loaded and launched in the pages' device's context
+        function = _function(config, pages.device)
         _driver.ensure_context(_index(pages.device))
         _driver.check(_driver.lib.cuLaunchKernel(function, work, 1, 1, config.threads, 1, 1, 0, ctypes.c_void_p(stream),
                                                  args, None), "cuLaunchKernel")

@@ -153,11 +153,16 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
     if backend not in ("auto", "triton", "cuda"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
     lv = levers if levers is not None and levers.active else None
-    if backend == "cuda" or (backend == "auto" and num_warps is None and unpack == 0 and gather_cuda.preferred(
-            *schemes, p, d, k_out.dtype, dense.dtype, lv, pages.device, h)):
+    cuda = backend == "cuda" or (backend == "auto" and num_warps is None and unpack == 0 and gather_cuda.preferred(
+        *schemes, p, d, k_out.dtype, dense.dtype, lv, pages.device, h))
+    if cuda:
         tables = lever_tables(lv, rotary, p, d, plan.max_pages, pages.device) if lv is not None else None
-        gather_cuda.launch(pages, codebooks, dense, schemes, plan, k_out, v_out, lv, tables)
-        return k_out, v_out
+        try:
+            gather_cuda.launch(pages, codebooks, dense, schemes, plan, k_out, v_out, lv, tables)
+            return k_out, v_out
+        except RuntimeError:  # the variant did not compile or load (`preferred` says no from now on)
+            if backend == "cuda":
+                raise
     work = plan.page_ids.numel()
     if work == 0:
         return k_out, v_out

@@ -433,7 +433,8 @@ def wave_programs(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: in
 
 @functools.lru_cache(maxsize=256)
 def _wave_programs(config: Config, index: int) -> int:
-    function = _function(config, torch.device("cuda", index))
+    with torch.cuda.device(index):  # loaded in that device's context
+        function = _function(config, torch.device("cuda", index))
     blocks = _driver.resident_blocks(function, config.warps * 32, config.smem_bytes)
     return max(1, blocks) * torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -470,7 +471,6 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     if codebooks is not None and codebooks.numel() and (codebooks.data_ptr() % 16 or codebooks.shape[-1] % 16):
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned codebook slots")
     config = config_for(k, v, p, d, q.dtype, dense.dtype, stages, warps, min_blocks, levers)
-    function = _function(config, q.device)
     zero_k = k.zeros if not k.symmetric else k.scales  # a symmetric layout has no zero field: never read
     zero_v = v.zeros if not v.symmetric else v.scales
     lv = levers or LeverScheme()
@@ -491,7 +491,8 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                      max(lv.psac_basis, 0))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    with torch.cuda.device(q.device):  # the driver launches in the current context: make it q's device's
+    with torch.cuda.device(q.device):  # the driver loads and launches in the current context: make it q's device's
+        function = _function(config, q.device)
         _driver.ensure_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
         _driver.check(_driver.lib.cuLaunchKernel(function, b, h, splits, warps * 32, 1, 1, config.smem_bytes,
                                                  ctypes.c_void_p(stream), args, None), "cuLaunchKernel")

@@ -47,8 +47,9 @@ def test_claims_plain_layouts_only():
         codec, layout = _schemes(spec, head_dim, page_size)
         return gather_cuda.supports(*kernel_schemes(codec, layout), page_size, head_dim, out, torch.bfloat16)
 
-    for spec, _, page_size, _, _ in CASES:
-        assert claims(spec, 64, page_size), spec
+    for spec, head_dim, page_size, _, _ in CASES:
+        assert claims(spec, head_dim, page_size), spec
+    assert not claims("rtn:bits=2,group=64", head_dim=256)  # 32 runs a row: no bit left for the PSAC flag
     assert not claims("rtn:bits=2,group=4")  # a run of 8 channels would span two scale groups
     assert not claims("rtn:bits=2,group=64,scale=fp8", out=torch.float32)  # 16-bit outputs only
     assert not claims("identity", head_dim=512)  # a row of 64 runs would span two warps
@@ -81,6 +82,26 @@ def test_rejects_bad_options():
             gather_dequant(*args, backend="cuda")
     with pytest.raises(ValueError, match="threads must be"):
         gather_cuda.config_for(*args[3], 16, 64, torch.bfloat16, torch.bfloat16, threads=96)
+
+
+def test_auto_falls_back_to_triton_when_the_cuda_kernel_cannot_load(monkeypatch):
+    """A variant that fails to compile or load costs the call nothing under backend="auto" (the Triton kernel
+    serves it); backend="cuda" reports the failure."""
+    from kvbackend.kernels import gather_dequant as module
+
+    cache, ids = filled_cache("rtn:bits=2,group=64", 64, 16, [45, 19])
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codec, cache.layout), cache.plan(ids, 0))
+    want = module.gather_dequant(*args, backend="triton")
+
+    def broken(*a, **k):
+        raise RuntimeError("nvcc failed")
+    monkeypatch.setattr(gather_cuda, "preferred", lambda *a, **k: True)
+    monkeypatch.setattr(gather_cuda, "launch", broken)
+    got = module.gather_dequant(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="nvcc failed"):
+        module.gather_dequant(*args, backend="cuda")
 
 
 @pytest.mark.skipif(mma_decode.nvcc() is None, reason="nvcc not installed")
@@ -204,3 +225,37 @@ def test_each_lever_the_kernel_reads_changes_its_output():
         k, v = gather_dequant(*args, levers=partial if partial.active else LeverScheme(), rotary=ROTARY,
                               backend="cuda")
         assert not (torch.equal(k, full[0]) and torch.equal(v, full[1])), off
+
+
+@gpu
+@pytest.mark.parametrize("codec,heads,head_dim,page_size", [
+    (RECIPE + ",cdtype=fp8,outliers=16", 3, 128, 16),  # 16 runs a row: RoPE partners 8 lanes apart
+    (RECIPE + ",cdtype=fp8,outliers=7,group=32", 5, 32, 16),  # 4 runs a row, odd head count
+    ("kivi:bits=2,group=16,sink=3,vrot=hadamard,pagerope=true", 3, 16, 16),  # 2 runs a row
+])
+def test_lever_layouts_at_other_head_sizes_and_counts(codec, heads, head_dim, page_size):
+    from kvbackend import CacheConfig, KVCache
+    from kvbackend.kernels.gather_dequant import gather_dequant
+    from kvbackend.rope import Rotary
+    from kernel_cases import lever_request
+
+    rotary = Rotary(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), scaling=1.25)
+    gen = torch.Generator().manual_seed(7)
+    cache = KVCache(Geometry(1, heads, head_dim, torch.bfloat16),
+                    CacheConfig(codec=codec, page_size=page_size, chunk_pages=2, dense_pages=64, packed_pages=64,
+                                device=DEVICE, backend="triton"), rotary=rotary)
+    ids = []
+    for n in (75, 40):
+        rid, _ = cache.add_request()
+        k, v, q = lever_request(gen, n, heads, head_dim, 2, rotary)
+        cache.append(rid, 0, k, v, queries=q)
+        ids.append(rid)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+            kernel_schemes(cache.codecs[0], cache.layouts[0], levers_read=True), cache.plan(ids, 0))
+    levers = lever_scheme(cache.codecs[0], cache.layouts[0])
+    assert gather_cuda.supports(*args[3], page_size, head_dim, torch.bfloat16, torch.bfloat16, levers, heads)
+    k, v = gather_dequant(*args, levers=levers, rotary=rotary, backend="cuda")
+    reads = [cache.read(rid, 0) for rid in ids]
+    rk, rv = torch.cat([r[0] for r in reads]).float(), torch.cat([r[1] for r in reads]).float()
+    assert float((k.float() - rk).abs().max()) <= 2e-2 * float(rk.abs().max())
+    assert float((v.float() - rv).abs().max()) <= 1e-2 * float(rv.abs().max())

@@ -239,7 +239,7 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
       const int t = e / (H * D), hd = e - t * (H * D);
 #pragma unroll
       for (int stage = 0; stage < S::STAGES; ++stage)  // centroid ids [S, P, H]
-        cid[u][stage] = page[o.assign + (stage * P + t) * H + hd / D];
+        cid[u][stage] = page[o.assign + (stage * P + t) * H + hd / D];  // ids past C add nothing (below)
       if (S::MODE == 1) {  // [P, H, D / GROUP]
         const int g = e / S::GROUP;
         sraw[u].x = load1<S::KIND>(page + o.scales, g);
@@ -258,6 +258,7 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
         cent[u][stage] = make_uint4(0u, 0u, 0u, 0u);
         cscale[u][stage] = 0.f;
         if (r >= runs) continue;
+        if (cid[u][stage] >= S::C) continue;  // a corrupted id: no read past the stage's centroids
         const int e = 8 * r, h = (e / D) % H, d = e % D;
         const int row = ((stage * H + h) * S::C + cid[u][stage]) * D + d;
         if (S::CFP8) {
