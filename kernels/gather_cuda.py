@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,28 +151,8 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in gather_dequant.cu
 def compile_cubin(config: GatherConfig, arch: str) -> bytes:
     """The cubin of ``config`` for ``arch``, compiled once and cached on disk beside the decode kernel's. No fast
     math: float32 subnormal products must survive as the torch reference computes them."""
-    source = SOURCE.read_bytes()
-    options = ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", *config.defines()]
-    compiler = mma_decode.nvcc()
-    if compiler is None:
-        raise RuntimeError("the CUDA gather kernel needs nvcc (PATH or CUDA_HOME)")
-    version = mma_decode._nvcc_version(compiler)
-    key = hashlib.sha256(source + " ".join(options).encode() + version.encode()).hexdigest()[:24]
-    path = mma_decode.cache_dir() / f"gather_dequant-{key}.cubin"
-    if path.exists():
-        return path.read_bytes()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.cubin"
-        done = subprocess.run([compiler, *options, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"nvcc failed on {SOURCE.name} ({' '.join(config.defines())}):\n{done.stderr[-4000:]}")
-        data = out.read_bytes()
-        fd, staged = tempfile.mkstemp(dir=path.parent)  # atomic: concurrent first uses never see half a file
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(staged, path)
-    return data
+    return mma_decode.cached_cubin(SOURCE, ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", *config.defines()],
+                                   "gather_dequant")
 
 
 _lock = threading.Lock()

@@ -306,24 +306,29 @@ def _nvcc_version(compiler: str) -> str:
 
 
 def compile_cubin(config: Config, arch: str) -> bytes:
-    """The cubin of ``config`` for ``arch`` (e.g. ``sm_90``), compiled once and cached on disk (the key covers
-    the source, the options and the compiler's version)."""
-    source = SOURCE.read_bytes()
-    options = ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-use_fast_math", *config.defines()]
+    """The cubin of ``config`` for ``arch`` (e.g. ``sm_90``), compiled once and cached on disk."""
+    return cached_cubin(SOURCE, ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-use_fast_math", *config.defines()],
+                        "mma_decode")
+
+
+def cached_cubin(source: Path, options: list[str], stem: str) -> bytes:
+    """The cubin ``nvcc options source`` makes, compiled once and cached on disk as ``<stem>-<key>.cubin`` (the key
+    covers the source, the options and the compiler's version; a cached cubin serves without nvcc)."""
+    text = source.read_bytes()
     compiler = nvcc()
     version = _nvcc_version(compiler) if compiler else ""
-    key = hashlib.sha256(source + " ".join(options).encode() + version.encode()).hexdigest()[:24]
-    path = cache_dir() / f"mma_decode-{key}.cubin"
+    key = hashlib.sha256(text + " ".join(options).encode() + version.encode()).hexdigest()[:24]
+    path = cache_dir() / f"{stem}-{key}.cubin"
     if path.exists():
         return path.read_bytes()
     if compiler is None:
-        raise RuntimeError("the tensor-core decode kernel needs nvcc (PATH or CUDA_HOME)")
+        raise RuntimeError(f"the CUDA kernel {source.name} needs nvcc (PATH or CUDA_HOME)")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.cubin"
-        done = subprocess.run([compiler, *options, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *options, "-o", str(out), str(source)], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"nvcc failed on {SOURCE.name} ({' '.join(config.defines())}):\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"nvcc failed on {source.name} ({' '.join(options)}):\n{done.stderr[-4000:]}")
         data = out.read_bytes()
         fd, staged = tempfile.mkstemp(dir=path.parent)  # atomic: concurrent first uses never see half a file
         with os.fdopen(fd, "wb") as f:
