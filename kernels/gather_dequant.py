@@ -17,7 +17,7 @@ from kvbackend.scheme import LeverScheme, TensorScheme
 
 from kvbackend.kernels import gather_cuda
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
-from kvbackend.kernels.levers import (halves, lever_tables, hadamard_apply, join_halves, lever_args, lever_constants,
+from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants, lever_tables,
                                       load_hadamard, outlier_rows, outlier_tile, page_rotation, psac_fix, rope_tables, rotate_halves,
                                       sink_tile)
 
@@ -133,8 +133,10 @@ def gather_dequant(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Te
         num_warps, unpack: launch configuration (``unpack`` as in `dequant_tile`: 0 loads packed words
             once and broadcasts them, 1 has each element load its own word, 2/3 those with codes made
             float without an integer conversion). num_warps None = `default_warps`.
-        backend: ``"auto"`` takes the CUDA kernel (`kvbackend.kernels.gather_cuda`) for the plain layouts it reads
-            when no Triton launch option is named, else the Triton kernel; ``"triton"`` or ``"cuda"`` insist.
+        backend: ``"auto"`` takes the CUDA kernel (`kvbackend.kernels.gather_cuda`: plain layouts, centroid
+            stages and the recipe's levers, fp16/bf16 outputs) where it reads the layout and no Triton launch option
+            is named, and the Triton kernel otherwise (also when the CUDA variant fails to compile or load);
+            ``"triton"`` or ``"cuda"`` insist.
     """
     _check(pages, dense, plan)
     _check_launch(num_warps, unpack)
