@@ -3,6 +3,8 @@
 One program per (work page, KV head) reconstructs the page's tokens and writes them at the
 request's rows (cu_seqlens layout). Packed pages leave in the original frame: PSAC rows added,
 key outliers added, pre-RoPE and page-relative keys rotated, rotated values rotated back and sink tokens written over (`kernels/levers.py`).
+That is the Triton kernel here; on a CUDA GPU with nvcc, `gather_dequant` hands the layouts it reads to the CUDA
+kernel (`gather_cuda`, one block per work page), which writes the same values.
 """
 
 from __future__ import annotations
