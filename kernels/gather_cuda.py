@@ -86,14 +86,13 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
         return False
     if x.stages and (x.assign < 0 or x.codebook % 16 or (x.centroid_scales != NONE and x.centroid_scales % 2)):
         return False
-    esize = 1 if x.kind == 0 else 2
     if x.mode == FLOAT:
         return x.codes % 16 == 0
     if x.bits not in (2, 4, 8) or x.codes % 8 or x.scales % 16 or (not x.symmetric and x.zeros % 16):
         return False
     if x.mode == TOKEN_GROUPS:  # a run of 8 channels lies in one group
         return x.group % 8 == 0 and head_dim % x.group == 0
-    return x.mode == CHANNEL_GROUPS and page_size % x.group == 0 and esize in (1, 2)
+    return x.mode == CHANNEL_GROUPS and page_size % x.group == 0
 
 
 def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int) -> bool:

@@ -1,3 +1,5 @@
+# perf/results/s22/gather_fast.cu (not kept: the same as kernels/gather_dequant.cu plus a patch) is recreated first with
+#   cp kernels/gather_dequant.cu perf/results/s22/gather_fast.cu && patch perf/results/s22/gather_fast.cu perf/results/s22/gather_fast.patch
 # Session 22 device call 5, kept as run: (1) the CUDA tests of this session's launcher fixes (gather and decode kernels
 # loaded inside the pages' device context, head_dim <= 128, fallback to Triton); (2) a variant of the gather kernel
 # (perf/results/s22/gather_fast.cu: exact pairwise fp8 conversions, integer-free code conversion, corrupted centroid

@@ -1,3 +1,5 @@
+# perf/results/s22/gather_fast.cu (not kept: the same as kernels/gather_dequant.cu plus a patch) is recreated first with
+#   cp kernels/gather_dequant.cu perf/results/s22/gather_fast.cu && patch perf/results/s22/gather_fast.cu perf/results/s22/gather_fast.patch
 # Session 22 device call 5 (the short form that fit the last 240 s of device time), kept as run: (1) the CUDA tests of
 # this session's launcher fixes and the new lever cases at other head sizes; (2) the quick gather bench with the
 # committed kernel, then with perf/results/s22/gather_fast.cu copied over it (device copy only), then that variant's
