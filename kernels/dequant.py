@@ -175,9 +175,10 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
                                          H, C, D)
             x += (tl.dot(onehot, cents) * scale).to(XT)
         else:
-            cents, scale = centroid_rows(book_i16, slot, h, stage, ids[:, None], d[None, :], BOOK_BYTES, BOOK, CSCALE,
-                                         H, C, D)
-            x += (cents.to(tl.float32) * scale).to(XT)
+            # a corrupted id past C reads row C - 1 and adds nothing, as in the one-hot product above
+            cents, scale = centroid_rows(book_i16, slot, h, stage, tl.minimum(ids, C - 1)[:, None], d[None, :],
+                                         BOOK_BYTES, BOOK, CSCALE, H, C, D)
+            x += tl.where((ids < C)[:, None], cents.to(tl.float32) * scale, 0.0).to(XT)
     return x
 
 

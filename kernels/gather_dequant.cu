@@ -131,6 +131,25 @@ __device__ __forceinline__ float element8(const uint4& w, int i) {  // element i
   return element<KIND>(word >> (16 * (i & 1)));
 }
 
+// All 8 elements of `load8` as floats; fp8 pairs through one e4m3x2 -> f16x2 conversion each (exact).
+template <int KIND>
+__device__ __forceinline__ void unpack8(const uint4& w, float (&f)[8]) {
+  if (KIND == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t word = i < 2 ? w.x : w.y;
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xFFFF), __NV_E4M3);
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = element8<KIND>(w, i);
+  }
+}
+
 template <int KIND>
 __device__ __forceinline__ uint32_t load1(const uint8_t* p, int i) {  // element i's raw bits
   if (esize(KIND) == 1) return p[i];
@@ -161,7 +180,8 @@ __device__ __forceinline__ float code_at(const uint2& w, int j) {
   const int byte = j / PER_BYTE;
   const uint32_t word = byte < 4 ? w.x : w.y;
   const int shift = 8 * (byte & 3) + (PER_BYTE - 1 - j % PER_BYTE) * BITS;
-  return static_cast<float>((word >> shift) & ((1u << BITS) - 1));
+  // exact: the code in the mantissa of 2^23, then 2^23 off (no quarter-rate integer conversion)
+  return __uint_as_float(0x4B000000u | ((word >> shift) & ((1u << BITS) - 1))) - 8388608.0f;
 }
 
 // What a CTA stages per page: each head's PSAC coefficients and tokens, and its key outliers.
@@ -219,7 +239,7 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
       const int t = e / (H * D), hd = e - t * (H * D);
 #pragma unroll
       for (int stage = 0; stage < S::STAGES; ++stage)  // centroid ids [S, P, H]
-        cid[u][stage] = page[o.assign + (stage * P + t) * H + hd / D];
+        cid[u][stage] = page[o.assign + (stage * P + t) * H + hd / D];  // ids past C add nothing (below)
       if (S::MODE == 1) {  // [P, H, D / GROUP]
         const int g = e / S::GROUP;
         sraw[u].x = load1<S::KIND>(page + o.scales, g);
@@ -238,6 +258,7 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
         cent[u][stage] = make_uint4(0u, 0u, 0u, 0u);
         cscale[u][stage] = 0.f;
         if (r >= runs) continue;
+        if (cid[u][stage] >= S::C) continue;  // a corrupted id: no read past the stage's centroids
         const int e = 8 * r, h = (e / D) % H, d = e % D;
         const int row = ((stage * H + h) * S::C + cid[u][stage]) * D + d;
         if (S::CFP8) {
@@ -256,30 +277,35 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
       const int rr = live ? r : runs - 1;
       const int e = 8 * rr;
       const int t = e / (H * D), h = (e / D) % H, d = e % D;
-      float x[8];
+      float x[8], sv[8], zv[8];
+      if (S::MODE == 0) unpack8<S::KIND>(sraw[u], x);
+      if (S::MODE == 2) {
+        unpack8<S::KIND>(sraw[u], sv);
+        if (!S::SYM) unpack8<S::KIND>(zraw[u], zv);
+      }
+      const float s1 = S::MODE == 1 ? element<S::KIND>(sraw[u].x) : 0.f;
+      const float z1 = S::MODE == 1 && !S::SYM ? element<S::KIND>(zraw[u].x) : 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        if (S::MODE == 0) {
-          x[j] = live ? element8<S::KIND>(sraw[u], j) : 0.f;
-          continue;
-        }
-        const float c = code_at<S::BITS>(code[u], j);
-        const float s = S::MODE == 1 ? element<S::KIND>(sraw[u].x) : element8<S::KIND>(sraw[u], j);
-        if (S::SYM) {
-          x[j] = __fmul_rn(__fsub_rn(c, static_cast<float>((1 << (S::BITS - 1)) - 1)), s);
-        } else {
-          const float z = S::MODE == 1 ? element<S::KIND>(zraw[u].x) : element8<S::KIND>(zraw[u], j);
-          x[j] = __fadd_rn(__fmul_rn(c, s), z);
+        if (S::MODE != 0) {
+          const float c = code_at<S::BITS>(code[u], j);
+          const float s = S::MODE == 1 ? s1 : sv[j];
+          if (S::SYM) {
+            x[j] = __fmul_rn(__fsub_rn(c, static_cast<float>((1 << (S::BITS - 1)) - 1)), s);
+          } else {
+            x[j] = __fadd_rn(__fmul_rn(c, s), S::MODE == 1 ? z1 : zv[j]);
+          }
         }
         if (!live) x[j] = 0.f;
       }
 #pragma unroll
       for (int stage = S::STAGES - 1; stage >= 0; --stage) {  // + centroids, the last stage first
         if (!live) break;
+        float cv[8];
+        if (S::CFP8) unpack8<0>(cent[u][stage], cv); else unpack8<2>(cent[u][stage], cv);
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          x[j] = S::CFP8 ? __fadd_rn(x[j], __fmul_rn(element8<0>(cent[u][stage], j), cscale[u][stage]))
-                         : __fadd_rn(x[j], element8<2>(cent[u][stage], j));
+          x[j] = S::CFP8 ? __fadd_rn(x[j], __fmul_rn(cv[j], cscale[u][stage])) : __fadd_rn(x[j], cv[j]);
       }
       const uint32_t mask = (IS_K && (PSAC_R || OUT_N) && live) ? st.rowmask[t * MAX_HEADS + h] : 0u;
       if (IS_K && PSAC_R && (mask >> 31)) {  // + the corrections of the rows naming this token (summed, as the reference)

@@ -259,3 +259,30 @@ def test_lever_layouts_at_other_head_sizes_and_counts(codec, heads, head_dim, pa
     rk, rv = torch.cat([r[0] for r in reads]).float(), torch.cat([r[1] for r in reads]).float()
     assert float((k.float() - rk).abs().max()) <= 2e-2 * float(rk.abs().max())
     assert float((v.float() - rv).abs().max()) <= 1e-2 * float(rv.abs().max())
+
+
+@gpu
+@pytest.mark.parametrize("codec", ["qvg:centroids=8,kchannel=8,group=32", "qvg:kchannel=8,group=32,cdtype=fp8"])
+def test_corrupted_centroid_ids_add_nothing_as_in_triton(codec):
+    """Centroid ids past C (a corrupted page) read nothing past the codebook and add no centroid, as the Triton
+    kernel does (`test_gather_dequant.test_corrupted_centroid_ids_add_nothing`)."""
+    from kvbackend.batch import PACKED
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = filled_cache(codec, 64, 16, [45, 30], seed=7)
+    layer = 1
+    plan = cache.plan(ids, layer)
+    pages = cache.packed.pages[layer].clone()
+    field = cache.layout.page.fields["k_assign"]
+    C = cache.layout.codebook.fields["k_centroids"].shape[2]
+    _, P, H = field.shape
+    for p in {int(p) for p, kind in zip(plan.page_ids.tolist(), plan.kinds.tolist()) if kind == PACKED}:
+        ids_view = pages[p, field.offset:field.offset + P * H].view(P, H)
+        ids_view[::2, 0], ids_view[1::2, 0] = C, 255
+    args = (pages, cache.packed.codebooks[layer], cache.dense.data[layer], kernel_schemes(cache.codec, cache.layout),
+            plan)
+    clean = gather_dequant(cache.packed.pages[layer], *args[1:], backend="cuda")[0]
+    got = gather_dequant(*args, backend="cuda")[0]
+    want = gather_dequant(*args, backend="triton")[0]
+    assert not torch.equal(got, clean) and torch.isfinite(got.float()).all()
+    assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6)

@@ -105,3 +105,38 @@ def test_default_warps_by_layout():
     assert default_warps(*schemes("rtn:bits=2,group=64,scale=fp8")) == 8
     assert default_warps(*schemes("kivi:bits=2,group=16")) == 8
     assert default_warps(*schemes("qvg")) == 4
+
+
+@pytest.mark.parametrize("codec", ["qvg:centroids=8,kchannel=8,group=32", "qvg:kchannel=8,group=32"])
+def test_corrupted_centroid_ids_add_nothing(codec):
+    """A centroid id past the stage's C (a corrupted page) must not read past the codebook: its token's row gets no
+    centroid, whether the kernel gathers rows (C < 16) or takes a one-hot product. Every other row is unchanged, and
+    each changed row differs by exactly one centroid row of its head."""
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = filled_cache(codec, 64, 16, [45, 30], seed=7)
+    layer = 1
+    plan = cache.plan(ids, layer)
+    pages, books = cache.packed.pages[layer], cache.packed.codebooks[layer]
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    before, _ = gather_dequant(pages, books, cache.dense.data[layer], schemes, plan, backend="triton")
+    field = cache.layout.page.fields["k_assign"]
+    stages, P, H = field.shape
+    C = cache.layout.codebook.fields["k_centroids"].shape[2]
+    from kvbackend.batch import PACKED
+    used = sorted({int(p) for p, kind in zip(plan.page_ids.tolist(), plan.kinds.tolist()) if kind == PACKED})
+    assert used
+    corrupted = pages.clone()
+    for p in used:  # stage 0's ids of head 0 in every packed page: C (just past) and 255
+        ids_view = corrupted[p, field.offset:field.offset + P * H].view(P, H)
+        ids_view[::2, 0] = C
+        ids_view[1::2, 0] = 255
+    after, _ = gather_dequant(corrupted, books, cache.dense.data[layer], schemes, plan, backend="triton")
+    assert torch.isfinite(after.float()).all()
+    changed = (after != before).any(dim=-1)
+    assert changed[:, 0].sum() > 0 and not changed[:, 1:].any()  # only head 0's rows, and some of them
+    cf = cache.layout.codebook.fields["k_centroids"]
+    cents = books[:, cf.offset:cf.offset + cf.nbytes].view(torch.bfloat16).view(-1, stages, H, C, 64)[:, 0, 0].float()
+    diff = (before.float() - after.float())[changed[:, 0], 0]  # [rows, D]
+    err = (diff[:, None, None, :] - cents[None]).abs().amax(-1).flatten(1).amin(-1)  # the nearest centroid row
+    assert float(err.max()) <= 2**-6 * float(before.float().abs().max()), err.max()
