@@ -63,9 +63,10 @@ class GatherConfig:
     psac_rows: int = 0
     psac_sparse: bool = False
     outliers: int = 0
+    heads: int = 0  # KV heads, compiled in (0: read at run time)
 
     def defines(self) -> list[str]:
-        out = [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DOUT_KIND={self.out_kind}",
+        out = [f"-DHEAD_DIM={self.head_dim}", f"-DKV_HEADS={self.heads}", f"-DPAGE={self.page}", f"-DOUT_KIND={self.out_kind}",
                f"-DDENSE_KIND={self.dense_kind}", f"-DNTHREADS={self.threads}", f"-DUNROLL={self.unroll}",
                f"-DSINK={self.sink}", f"-DSINK_KIND={self.sink_kind}", f"-DROPE={int(self.rope)}",
                f"-DPAGE_ROPE={int(self.page_rope)}", f"-DVROT={int(self.vrot)}", f"-DPSAC_R={self.psac_rank}",
@@ -120,8 +121,10 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, ou
 
 def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, out_dtype: torch.dtype,
                dense_dtype: torch.dtype, threads: int | None = None, unroll: int | None = None,
-               levers: LeverScheme | None = None) -> GatherConfig:
-    """The variant for a layout; ``threads``/``unroll`` None: `default_shape`."""
+               levers: LeverScheme | None = None, heads: int = 0) -> GatherConfig:
+    """The variant for a layout; ``threads``/``unroll`` None: `default_shape`. ``heads``: the KV heads, compiled
+    in (the per-run index arithmetic then divides by constants: session 23 measured the recipe's layout's gather
+    with them read at run time as its bottleneck); 0 reads them from the launch."""
     def spec(x: TensorScheme) -> tuple[int, ...]:
         return (x.mode, max(x.bits, 1), max(x.group, 1), int(bool(x.symmetric)), x.kind, x.stages,
                 max(x.centroids, 1), int(x.stages > 0 and x.centroid_scales != NONE))
@@ -134,7 +137,7 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
     return GatherConfig(head_dim, page_size, spec(k), spec(v), _OUT_KIND[out_dtype], _OUT_KIND[dense_dtype],
                         threads, unroll, lv.sink, lv.sink_kind if lv.sink else 2, bool(lv.prerope), bool(lv.pagerope),
                         bool(lv.vrot), lv.psac_rank, lv.psac_rows if lv.psac_rank else 0,
-                        bool(lv.psac_rank) and lv.psac_token != NONE, lv.outliers)
+                        bool(lv.psac_rank) and lv.psac_token != NONE, lv.outliers, int(heads))
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in gather_dequant.cu
@@ -198,7 +201,8 @@ def preferred(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, o
             and supports(k, v, page_size, head_dim, out_dtype, dense_dtype, levers, heads)
             and mma_decode.available(device)[0]):
         return False
-    key = (_index(device), config_for(k, v, page_size, head_dim, out_dtype, dense_dtype, levers=levers))
+    key = (_index(device), config_for(k, v, page_size, head_dim, out_dtype, dense_dtype, levers=levers,
+                                             heads=heads))
     if key in _failed:
         return False
     return key in _functions or not torch.cuda.is_current_stream_capturing()
@@ -232,7 +236,7 @@ def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, sc
     work = plan.page_ids.numel()
     if work == 0:
         return
-    config = config_for(k, v, p, d, k_out.dtype, dense.dtype, threads, unroll, lv)
+    config = config_for(k, v, p, d, k_out.dtype, dense.dtype, threads, unroll, lv, h)
     book = codebooks if needs_book else pages  # never read without centroids, sinks or PSAC rows
     rope = (tables.local_cos, tables.local_sin, tables.base_cos, tables.base_sin) if tables is not None else (pages,) * 4
 

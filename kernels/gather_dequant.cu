@@ -21,7 +21,8 @@
 // (K_ and V_): MODE (0 float values, 1 token groups, 2 channel groups), BITS, GROUP, SYM, KIND (element kind of
 // scales and zeros, or of float values: 0 fp8 e4m3, 1 fp16, 2 bf16), STAGES, C (centroids per stage), CFP8 (fp8
 // centroids with an fp16 scale per stage and head); levers: SINK (tokens), SINK_KIND, ROPE (pre-RoPE keys),
-// PAGE_ROPE, VROT, PSAC_R (rank), PSAC_ROWS, PSAC_SPARSE, OUT_N (key outliers per page and head).
+// PAGE_ROPE, VROT, PSAC_R (rank), PSAC_ROWS, PSAC_SPARSE, OUT_N (key outliers per page and head); KV_HEADS (the
+// launch's KV heads, so that the per-run index arithmetic divides by constants; 0 reads them at run time).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -64,6 +65,9 @@
 #ifndef OUT_N
 #define OUT_N 0
 #endif
+#ifndef KV_HEADS
+#define KV_HEADS 0  // KV heads known at compile time (0: the launch's `H`); divisions by it become multiplies
+#endif
 
 constexpr int D = HEAD_DIM;
 constexpr int P = PAGE;
@@ -71,6 +75,7 @@ constexpr int RUNS = D / 8;  // runs of one (token, head) row: consecutive lanes
 static_assert(D % 8 == 0 && 32 % RUNS == 0 && (RUNS & (RUNS - 1)) == 0, "rows of 8-element runs within a warp");
 static_assert(!(ROPE || PAGE_ROPE) || RUNS >= 2, "RoPE's partner runs");
 constexpr int MAX_HEADS = 32;  // heads whose PSAC rows and outliers a CTA stages in shared memory
+constexpr bool ROPE_TABLE = ROPE && P * D * 4 <= 32 * 1024;  // pre-RoPE keys turn once, by a per-page table
 
 struct Params {
   const uint8_t* pages;  // [num_pages, page_bytes]
@@ -95,6 +100,8 @@ struct Params {
   int v_codes, v_scales, v_zeros, v_assign, v_book, v_cscale;
   int sink_k, sink_v, psac_codes, psac_scale, psac_token, psac_basis, out_index, out_value;
 };
+
+__device__ __forceinline__ int heads(const Params& a) { return KV_HEADS > 0 ? KV_HEADS : a.H; }
 
 template <int KIND>
 __device__ __forceinline__ float element(uint32_t raw) {  // raw: the element's bits in the low byte(s)
@@ -185,7 +192,7 @@ __device__ __forceinline__ float code_at(const uint2& w, int j) {
 }
 
 // What a CTA stages per page: each head's PSAC coefficients and tokens, and its key outliers.
-struct Staged {
+struct alignas(16) Staged {
   float coef[PSAC_R ? PSAC_ROWS * MAX_HEADS * PSAC_R : 1];  // codes * scale in float32, as the reference
   int token[PSAC_R ? PSAC_ROWS * MAX_HEADS : 1];            // token of each row (-1: none)
   int out_at[OUT_N ? OUT_N * MAX_HEADS : 1];                // outlier position t * D + d, by head
@@ -193,6 +200,9 @@ struct Staged {
   // per (token, head) row: bit i when an outlier falls in run i, bit 31 when a PSAC row names the token, so a run
   // without either (nearly all) costs one shared-memory read
   uint32_t rowmask[(PSAC_R || OUT_N) ? P * MAX_HEADS : 1];
+  // pre-RoPE keys: R(p0) R(t) = R(p0 + t) for the page's tokens, built once per page and read by all its heads
+  alignas(16) float rope_cos[ROPE_TABLE ? P * D / 2 : 1];  // read as float4
+  alignas(16) float rope_sin[ROPE_TABLE ? P * D / 2 : 1];
 };
 static_assert(RUNS <= 31, "run bits below the PSAC bit");
 
@@ -212,7 +222,7 @@ template <class S, bool IS_K, int OUT>
 __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* page, const uint8_t* slot,
                                               const Offsets& o, int n, long long pos, const Staged& st,
                                               uint8_t* out) {
-  const int H = a.H;
+  const int H = heads(a);
   const int runs = n * H * RUNS;
   const int lane = threadIdx.x & 31;
   // warp-uniform trip counts: a row's runs share a warp, and every lane of a warp joins the shuffles
@@ -345,17 +355,19 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
         const int half = d % (D / 2);
         const long long jpage = pos / P;
 #pragma unroll
-        for (int turn = ROPE ? 0 : 1; turn < 2; ++turn) {  // R(t), then R(p0)
-          const float* cs = turn == 0 ? a.local_cos + t * (D / 2) : a.base_cos + jpage * (D / 2);
-          const float* sn = turn == 0 ? a.local_sin + t * (D / 2) : a.base_sin + jpage * (D / 2);
+        for (int turn = ROPE && !ROPE_TABLE ? 0 : 1; turn < 2; ++turn) {  // R(t), then R(p0); or R(p0 + t) at once
+          const float* cs = ROPE_TABLE ? st.rope_cos + t * (D / 2)
+                            : turn == 0 ? a.local_cos + t * (D / 2) : a.base_cos + jpage * (D / 2);
+          const float* sn = ROPE_TABLE ? st.rope_sin + t * (D / 2)
+                            : turn == 0 ? a.local_sin + t * (D / 2) : a.base_sin + jpage * (D / 2);
           float partner[8];
 #pragma unroll
           for (int j = 0; j < 8; ++j) partner[j] = __shfl_xor_sync(0xffffffffu, x[j], RUNS / 2);
           if (live) {
-            const float4 c0 = __ldg(reinterpret_cast<const float4*>(cs + half));
-            const float4 c1 = __ldg(reinterpret_cast<const float4*>(cs + half + 4));
-            const float4 s0 = __ldg(reinterpret_cast<const float4*>(sn + half));
-            const float4 s1 = __ldg(reinterpret_cast<const float4*>(sn + half + 4));
+            const float4 c0 = *reinterpret_cast<const float4*>(cs + half);  // shared memory, or L1 through __ldg's
+            const float4 c1 = *reinterpret_cast<const float4*>(cs + half + 4);  // path (read-only for the kernel)
+            const float4 s0 = *reinterpret_cast<const float4*>(sn + half);
+            const float4 s1 = *reinterpret_cast<const float4*>(sn + half + 4);
             const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
             const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
 #pragma unroll
@@ -423,24 +435,36 @@ using VS = Scheme<V_MODE, V_BITS, V_GROUP, V_SYM, V_KIND, V_STAGES, V_C, V_CFP8>
 extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Params a) {
   __shared__ Staged st;
   const int w = blockIdx.x;
+  const int H = heads(a);
   const long long page = a.page_ids[w];
   const int n = a.valid[w];
-  const long long at = static_cast<long long>(a.rows[w]) * a.H * D * 2;  // bytes: 16-bit outputs
+  const long long at = static_cast<long long>(a.rows[w]) * H * D * 2;  // bytes: 16-bit outputs
   if (a.kinds[w] != 0) {
-    const long long tensor = static_cast<long long>(P) * a.H * D * 2;
+    const long long tensor = static_cast<long long>(P) * H * D * 2;
     const uint8_t* src = a.dense + page * 2 * tensor;
-    dense_tensor<DENSE_KIND, OUT_KIND>(src, a.H, n, a.k_out + at);
-    dense_tensor<DENSE_KIND, OUT_KIND>(src + tensor, a.H, n, a.v_out + at);
+    dense_tensor<DENSE_KIND, OUT_KIND>(src, H, n, a.k_out + at);
+    dense_tensor<DENSE_KIND, OUT_KIND>(src + tensor, H, n, a.v_out + at);
     return;
   }
   const uint8_t* base = a.pages + page * a.page_bytes;
   const uint8_t* slot = a.book + static_cast<long long>(a.slots[w]) * a.book_bytes;
   const long long pos = a.positions[w];
+  if (ROPE_TABLE) {  // cos and sin of (p0 + t) theta: the two rotations' angles add (their scalings multiply)
+    const float* bc = a.base_cos + pos / P * (D / 2);
+    const float* bs = a.base_sin + pos / P * (D / 2);
+    for (int i = threadIdx.x; i < P * D / 2; i += NTHREADS) {
+      const int c = i % (D / 2);
+      const float lc = __ldg(a.local_cos + i), ls = __ldg(a.local_sin + i), pc = __ldg(bc + c), ps = __ldg(bs + c);
+      st.rope_cos[i] = __fsub_rn(__fmul_rn(pc, lc), __fmul_rn(ps, ls));
+      st.rope_sin[i] = __fadd_rn(__fmul_rn(ps, lc), __fmul_rn(pc, ls));
+    }
+    if (!(PSAC_R || OUT_N)) __syncthreads();
+  }
   if (PSAC_R || OUT_N) {  // the page's PSAC rows and key outliers, by head, and which rows and runs they touch
     for (int i = threadIdx.x; i < P * MAX_HEADS; i += NTHREADS) st.rowmask[i] = 0u;
     __syncthreads();
-    for (int i = threadIdx.x; i < (PSAC_R ? PSAC_ROWS : 0) * a.H; i += NTHREADS) {
-      const int row = i / a.H, h = i % a.H;
+    for (int i = threadIdx.x; i < (PSAC_R ? PSAC_ROWS : 0) * H; i += NTHREADS) {
+      const int row = i / H, h = i % H;
       const float scale = element<1>(load1<1>(base + a.psac_scale, i));
       for (int k = 0; k < (PSAC_R ? PSAC_R : 1); ++k) {
         const float c = static_cast<float>(static_cast<int8_t>(base[a.psac_codes + i * PSAC_R + k]));
@@ -450,8 +474,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Para
       st.token[row * MAX_HEADS + h] = token;
       if (token < P) atomicOr(&st.rowmask[token * MAX_HEADS + h], 1u << 31);
     }
-    for (int i = threadIdx.x; i < OUT_N * a.H; i += NTHREADS) {
-      const int k = i / a.H, h = i % a.H;
+    for (int i = threadIdx.x; i < OUT_N * H; i += NTHREADS) {
+      const int k = i / H, h = i % H;
       const int at = static_cast<int>(load1<1>(base + a.out_index, i));
       st.out_at[k * MAX_HEADS + h] = at;
       st.out_value[k * MAX_HEADS + h] = element<1>(load1<1>(base + a.out_value, i));
