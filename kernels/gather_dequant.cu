@@ -14,7 +14,8 @@
 //   (code - qmax) * scale), + centroids of the stages from the last to the first (fp8 ones times their scale),
 //   + the key's PSAC correction (float32 coefficients times the bf16 basis, summed over the rows naming the
 //   token, as the torch reference), + key outliers,
-//   then keys rotated by R(t) and R(p0) (pre-RoPE) or R(p0) (page-relative), values rotated back by the
+//   then keys rotated by R(p0 + t) = R(p0) R(t) (pre-RoPE; one turn by a per-page table in shared memory where it
+//   fits, else R(t) then R(p0)) or R(p0) (page-relative), values rotated back by the
 //   Hadamard matrix / sqrt(D), and the first page's sink tokens written over; one rounding to the output dtype.
 //
 // Compile-time options (-D): HEAD_DIM, PAGE, NTHREADS, UNROLL, OUT_KIND / DENSE_KIND (1 fp16, 2 bf16); per tensor
@@ -75,7 +76,11 @@ constexpr int RUNS = D / 8;  // runs of one (token, head) row: consecutive lanes
 static_assert(D % 8 == 0 && 32 % RUNS == 0 && (RUNS & (RUNS - 1)) == 0, "rows of 8-element runs within a warp");
 static_assert(!(ROPE || PAGE_ROPE) || RUNS >= 2, "RoPE's partner runs");
 constexpr int MAX_HEADS = 32;  // heads whose PSAC rows and outliers a CTA stages in shared memory
-constexpr bool ROPE_TABLE = ROPE && P * D * 4 <= 32 * 1024;  // pre-RoPE keys turn once, by a per-page table
+// the staged PSAC rows, outliers and row masks (`Staged` below), in bytes
+constexpr int STAGED_BYTES = 4 * MAX_HEADS * ((PSAC_R ? PSAC_ROWS * (PSAC_R + 1) : 1) + (OUT_N ? 2 * OUT_N : 2) +
+                                              ((PSAC_R || OUT_N) ? P : 1));
+// pre-RoPE keys turn once, by a per-page table of R(p0 + t), where it fits in static shared memory beside them
+constexpr bool ROPE_TABLE = ROPE && STAGED_BYTES + 8 * P * (D / 2) + 32 <= 48 * 1024;
 
 struct Params {
   const uint8_t* pages;  // [num_pages, page_bytes]
@@ -204,6 +209,7 @@ struct alignas(16) Staged {
   alignas(16) float rope_cos[ROPE_TABLE ? P * D / 2 : 1];  // read as float4
   alignas(16) float rope_sin[ROPE_TABLE ? P * D / 2 : 1];
 };
+static_assert(!ROPE_TABLE || sizeof(Staged) <= 48 * 1024, "static shared memory");
 static_assert(RUNS <= 31, "run bits below the PSAC bit");
 
 // Storage of one tensor, as template arguments.
