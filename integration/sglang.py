@@ -46,6 +46,7 @@ from kvbackend.codecs.base import EncodedChunk
 from kvbackend.errors import CorruptStream, SpecError
 from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
+from kvbackend.page_check import PageCheck
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.pool_writer import PoolWriter
@@ -97,6 +98,7 @@ class KVBackendStorage(HiCacheStorage):
         self.mem_pool_host = None
         self.writer: PoolWriter | None = None  # decoded pages straight into the pool's buffer, where it allows
         self.tier: FileTier | None = None
+        self.page_check: PageCheck | None = None  # the index fields of a page group (`register_mem_pool_host`)
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._stats = {"hits": 0, "misses": 0, "failures": 0, "pages_set": 0, "raw_bytes_set": 0,
@@ -127,6 +129,10 @@ class KVBackendStorage(HiCacheStorage):
             self.group = PageGroupFormat.of([self.layout] * g.num_layers, fingerprint)
             self.blob_bytes = self.group.blob_bytes
             self._warn_codebooks_per_page()
+        # a blob whose index fields are out of range (crafted with a valid checksum) is corrupt: the tier refuses it
+        self.page_check = None if self.layout is None else PageCheck.of(
+            [(f"layer {layer}", self.group.page_offsets[layer], self.codec, self.layout)
+             for layer in range(g.num_layers)])
         self.writer = PoolWriter.of(mem_pool_host, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
         self._private_directories()
         # readers side by side for a batch's blobs (the file tier's default: up to 8, one per core)
@@ -261,6 +267,10 @@ class KVBackendStorage(HiCacheStorage):
     def _batched_encode(self) -> bool:
         """Whether pages are encoded in batches: `_batched`, or a codec that encodes one-page chunks together."""
         return self._batched() or (self.codec is not None and self.codec.batch_encodes)
+
+    def _check(self):
+        """What the file tier checks in each blob it reads back beyond its checksum (`kvbackend.page_check`)."""
+        return self.page_check.reason if self.page_check is not None else None
 
     def _is_page_of(self, blob: torch.Tensor, key: int) -> bool:
         """Whether ``blob`` is a page group of this configuration whose trailer names ``key``."""
@@ -422,7 +432,8 @@ class KVBackendStorage(HiCacheStorage):
             sizes = [size if size == self.blob_bytes else 0 for size in sizes]
         buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
         start = time.perf_counter()
-        found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers]).result()  # exact length
+        found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers],  # exact length
+                              check=self._check()).result()
         with self._lock:
             self._stats["read_s"] += time.perf_counter() - start
         pages: list[Optional[torch.Tensor]] = []
@@ -485,7 +496,7 @@ class KVBackendStorage(HiCacheStorage):
         def read(batch):
             staging = self.device.staging((len(batch), self.blob_bytes), torch.uint8)
             return batch, staging, self.tier.get([ints[i] for i in batch], list(staging),
-                                                 expected_len=[self.blob_bytes] * len(batch))
+                                                 expected_len=[self.blob_bytes] * len(batch), check=self._check())
 
         pending = collections.deque(read(b) for b in itertools.islice(batches, max(1, READ_AHEAD)))
         results = [False] * n

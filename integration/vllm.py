@@ -52,6 +52,7 @@ from kvbackend.codecs import get as get_codec
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.levers import rotate_values
+from kvbackend.page_check import PageCheck
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
                                                    private_directory, warn_codebooks_outweigh)
@@ -122,6 +123,8 @@ class KVBackendTier(SecondaryTierManager):
         self.directory = os.path.join(self.root_dir, self.fingerprint)
         self._private_directories()
         self.store = FileTier(self.directory, budget, self.fingerprint)
+        self.page_check = PageCheck.of([(f"page {i}", at, self.codec, self.layout)
+                                        for i, at in enumerate(self._page_offsets())])
         self._pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="kvbackend-vllm")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
@@ -170,6 +173,16 @@ class KVBackendTier(SecondaryTierManager):
         half = self.chunk_bytes // self._row_bytes // 2
         body = -(-half // _ROWS_PER_PAGE) * self.layout.page_bytes + self.layout.codebook_bytes if half else 0
         return body + self.chunk_bytes - 2 * half * self._row_bytes
+
+    def _page_offsets(self) -> list[int]:
+        """Where each packed page starts in a blob `_encode` writes (its index fields are checked on every load)."""
+        if self.block is not None:
+            pages = -(-self.block.tokens // self.layout.page_size)
+            per_layer = pages * self.layout.page_bytes + self.layout.codebook_bytes
+            return [u * per_layer + p * self.layout.page_bytes
+                    for u in range(self.block.workers * self.block.layers) for p in range(pages)]
+        half = self.chunk_bytes // self._row_bytes // 2
+        return [p * self.layout.page_bytes for p in range(-(-half // _ROWS_PER_PAGE))] if half else []
 
     def _encode(self, raw: torch.Tensor) -> torch.Tensor:
         """Rows of head_dim values, split in two halves passed as the codec's K and V, plus a raw tail (rows
@@ -347,7 +360,8 @@ class KVBackendTier(SecondaryTierManager):
         """(buffers ``[n, blob_bytes]``, the file tier's handle) of a read of ``ints``, into page-locked memory
         where the codec runs on a GPU."""
         buffers = self.device.staging((len(ints), self.blob_bytes), torch.uint8)
-        return buffers, self.store.get(ints, list(buffers), expected_len=[self.blob_bytes] * len(ints))
+        check = self.page_check.reason if self.page_check is not None else None  # crafted pages: corrupt, a miss
+        return buffers, self.store.get(ints, list(buffers), expected_len=[self.blob_bytes] * len(ints), check=check)
 
     def _deliver(self, blobs: torch.Tensor, chunk_ids: list[int]) -> int:
         """Decodes ``blobs`` into the primary chunks ``chunk_ids``; how many, in order, before the first failure.

@@ -8,15 +8,19 @@ the pages become cached). The byte format itself is `kvbackend.page_group`'s.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvbackend.hashing import token_bytes
+from kvbackend.page_check import PageCheck
 from kvbackend.page_group import PageGroupFormat, Trailer
 from kvbackend.pool import PackedPool
 from kvbackend.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,10 +50,13 @@ class InstallPlan:
 class PageGroups:
     """Export and install of page groups for one cache's packed pool."""
 
-    def __init__(self, pool: PackedPool, group: PageGroupFormat, index: PrefixIndex) -> None:
+    def __init__(self, pool: PackedPool, group: PageGroupFormat, index: PrefixIndex,
+                 check: PageCheck | None = None) -> None:
         self.pool = pool
         self.group = group  # byte offsets of a page group
         self.index = index  # restored pages are keyed into it
+        self.check = check  # the index fields of a page group (None: its layouts have none)
+        self.refused = 0  # page groups `install` refused for an index out of range
 
     def export(self, page: int) -> torch.Tensor:
         """A copy of one packed page group (uint8, 1-D). Only the chunk's first page carries the
@@ -81,9 +88,19 @@ class PageGroups:
         opens a slot from the codebook it carries; a page whose chunk's codebook is nowhere, or whose
         bytes are missing, stops the restore there; so does a row that is not a page group of this cache
         (its trailer names another fingerprint, or its stored length ``sizes[i]``, when given, is not the
-        length its trailer implies). Returns how many of ``keys`` (a prefix) are now on the device.
+        length its trailer implies), and so does a row whose index fields (centroid ids, PSAC row tokens, key
+        outlier positions) are out of range (`kvbackend.page_check`): no reader ever sees it. Returns how many
+        of ``keys`` (a prefix) are now on the device.
         """
-        plan = self.plan(keys, token_ids, self.read_trailers(blobs, len(keys), resident, sizes), first_page, hold)
+        trailers = self.read_trailers(blobs, len(keys), resident, sizes)
+        if self.check is not None:
+            bad = self.check.bad_rows(blobs[: len(keys)]) if any(t is not None for t in trailers) else []
+            for i, refused in enumerate(bad):
+                if refused and trailers[i] is not None:  # (rows marked resident carry no bytes)
+                    trailers[i] = None
+                    self.refused += 1
+                    log.warning("install: page group %d refused: %s", i, self.check.reason(blobs[i]))
+        plan = self.plan(keys, token_ids, trailers, first_page, hold)
         try:
             for layer in range(len(self.pool.pages)):
                 self.copy_layer(plan, blobs, layer)

@@ -17,6 +17,7 @@ from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import SINK_FIELDS, LeverFrame, without_sinks
 from kvbackend.install import PageGroups
 from kvbackend.layers import build_layers, cache_fingerprint
+from kvbackend.page_check import PageCheck
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.hashing import token_list
 from kvbackend.page_table import PageTable
@@ -58,7 +59,10 @@ class KVCache:
                                              rotary if any(f.levers.rope for f in self.frames) else None)
         self.group = PageGroupFormat.of(self.layouts, self.fingerprint)  # the bytes of an exported page
         self.index = PrefixIndex(self.packed.allocator, self.config.page_size, self.config.extra_keys)
-        self.groups = PageGroups(self.packed, self.group, self.index)  # export and install of page groups
+        # export and install of page groups; restored ones pass the range checks of their index fields first
+        self.page_check = PageCheck.of([(f"layer {layer}", self.group.page_offsets[layer], codec, layout)
+                                        for layer, (codec, layout) in enumerate(zip(self.codecs, self.layouts))])
+        self.groups = PageGroups(self.packed, self.group, self.index, self.page_check)
         self._tables: dict[int, PageTable] = {}
         self._ids = itertools.count()
         self._layer_events: list | None = None  # per-layer CUDA events of the last layered restore

@@ -14,8 +14,8 @@ orphaned temporary files, and files of its own fingerprint that are damaged. Eve
 (other names, other formats or fingerprints, symbolic links, which are never followed) is skipped
 and logged. Every length read from a file is bounded by the file's size.
 
-On read, a blob whose checksum fails (or whose stored stream the format rejects) is corrupt: a miss,
-and its file is removed. An I/O error is only a miss; the file and its index entries stay.
+On read, a blob whose checksum fails (or whose stored stream the format rejects, or whose contents the
+reader's check refuses: `get`'s ``check``) is corrupt: a miss, and its file is removed. An I/O error is only a miss; the file and its index entries stay.
 The byte budget is a bound: a write reserves its bytes (evicting LRU files) before it starts.
 """
 
@@ -30,7 +30,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -317,10 +317,15 @@ class FileTier:
             os.close(fd)
 
     def get(self, keys: Sequence[int], into: Sequence[torch.Tensor],
-            expected_len: Sequence[int | None] | None = None) -> Handle:
+            expected_len: Sequence[int | None] | None = None,
+            check: Callable[[torch.Tensor], str | None] | None = None) -> Handle:
         """Read blobs into 1-D uint8 buffers (at least as long as the blob; bytes past it are left
         alone). ``expected_len[i]``, when given and not None, is the exact length key ``i``'s blob must
-        have once read back (see `blob_size`): a blob of any other length is a miss, nothing copied."""
+        have once read back (see `blob_size`): a blob of any other length is a miss, nothing copied.
+        ``check(blob)``, when given, sees each blob that passed its checksum (on the host, as read back) and
+        returns why its contents are refused, or None: a refused blob is corrupt like one that fails its
+        checksum (a miss, counted as a failure, its file removed), so the tier never serves bytes its reader
+        cannot trust (`kvbackend.page_check`: crafted pages come with a valid checksum)."""
         check_pairs(keys, into, "buffers")
         if expected_len is not None:
             check_pairs(keys, expected_len, "expected lengths")
@@ -334,10 +339,11 @@ class FileTier:
         parts = max(1, min(self._workers, len(keys) // READS_PER_WORKER))
         step = -(-len(keys) // parts) if keys else 1
         return Handle.combine([Handle(self._pool.submit(self._get_now, keys[at : at + step], into[at : at + step],
-                                                        wanted[at : at + step]))
+                                                        wanted[at : at + step], check))
                                for at in range(0, max(len(keys), 1), step)])
 
-    def _get_now(self, keys: list[int], into: list[torch.Tensor], wanted: list[int | None]) -> list[bool]:
+    def _get_now(self, keys: list[int], into: list[torch.Tensor], wanted: list[int | None],
+                 check: Callable[[torch.Tensor], str | None] | None = None) -> list[bool]:
         results = []
         for key, out, want in zip(keys, into, wanted):
             with self._lock:
@@ -350,7 +356,7 @@ class FileTier:
                     self._misses += 1
                 results.append(False)
                 continue
-            outcome = self._read_into(where, out)
+            outcome, why = self._read_into(where, out, check)
             with self._lock:
                 if outcome == _HIT:
                     self._hits += 1
@@ -362,50 +368,57 @@ class FileTier:
                         if outcome == _CORRUPT:
                             _remove(where.path)
             if outcome == _CORRUPT:
-                log.warning("file tier: blob %d in %s is corrupt; file removed", key, where.path)
+                log.warning("file tier: blob %d in %s is corrupt (%s); file removed", key, where.path, why)
             results.append(outcome == _HIT)
         return results
 
-    def _read_into(self, where: _Location, out: torch.Tensor) -> str:
-        """Read one blob into ``out`` and check it; the outcome. CPU buffers (pinned or not) are filled
-        in place, device buffers through one bounce copy. On any outcome but a hit, ``out[:length]``
-        may hold garbage."""
+    def _read_into(self, where: _Location, out: torch.Tensor,
+                   check: Callable[[torch.Tensor], str | None] | None = None) -> tuple[str, str]:
+        """Read one blob into ``out`` and check it (checksum, then ``check``); the outcome and why. CPU buffers
+        (pinned or not) are filled in place, device buffers through one bounce copy. On any outcome but a hit,
+        ``out[:length]`` may hold garbage."""
         direct = out.device.type == "cpu" and out.is_contiguous() and self.fmt is None
         target = out[: where.length] if direct else torch.empty(where.length, dtype=torch.uint8)
         view = memoryview(target.numpy())
         try:
             fd = os.open(where.path, _OPEN_FLAGS)
         except FileNotFoundError:
-            return _GONE
+            return _GONE, "gone"
         except OSError as exc:
             if exc.errno in _NOT_OURS:  # replaced by a link, a directory, ...: its entries go (nothing is deleted)
                 self._log_once(f"read {exc.errno}", "file tier: %s is no longer a file of ours: %s", where.path, exc)
-                return _GONE
+                return _GONE, "gone"
             self._log_once(f"read {exc.errno}", "file tier: reading %s failed: %s (a miss)", where.path, exc)
-            return _IO_ERROR
+            return _IO_ERROR, "i/o error"
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced by something the tier never wrote
-                return _GONE
+                return _GONE, "gone"
             got = _pread_into(fd, view, where.offset)
         except OSError as exc:
             self._log_once(f"read {exc.errno}", "file tier: reading %s failed: %s (a miss)", where.path, exc)
-            return _IO_ERROR
+            return _IO_ERROR, "i/o error"
         finally:
             os.close(fd)
         if got != where.length or crc32c.crc32c(view) != where.crc:
-            return _CORRUPT
+            return _CORRUPT, "checksum"
         try:
+            why = check(target) if check is not None and self.fmt is None else None  # before any device copy
+            if why is not None:
+                return _CORRUPT, why
             if self.fmt is not None:
                 self.fmt.decode(view, out)  # host or device buffer: the format copies into it
+                why = check(out[: self.fmt.blob_bytes]) if check is not None else None
+                if why is not None:
+                    return _CORRUPT, why
             elif not direct:
                 out[: where.length].copy_(target)
-        except CorruptStream:
-            return _CORRUPT
+        except CorruptStream as exc:
+            return _CORRUPT, f"stream: {exc}"
         except Exception as exc:  # noqa: BLE001 - not proven corrupt: a miss that keeps the file
             self._log_once(f"copy {type(exc).__name__}", "file tier: delivering a blob of %s failed: %r",
                            where.path, exc)
-            return _IO_ERROR
-        return _HIT
+            return _IO_ERROR, "i/o error"
+        return _HIT, ""
 
     def blob_size(self, key: int) -> int | None:
         with self._lock:

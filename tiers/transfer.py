@@ -132,16 +132,20 @@ class Transfer:
             for i, good in zip(host_rows, got):
                 self.ok[i] = good
         if file_rows and not (cancel is not None and cancel.is_set()):
-            self._read_files(file, host, file_rows, bounce or BounceRing(pinned=torch.cuda.is_available()), cancel)
+            self._read_files(cache, file, host, file_rows, bounce or BounceRing(pinned=torch.cuda.is_available()),
+                             cancel)
         self.cancelled = cancel is not None and cancel.is_set()
 
-    def _read_files(self, file: FileTier, host: HostTier | None, rows: list[int], bounce: BounceRing,
+    def _read_files(self, cache: KVCache, file: FileTier, host: HostTier | None, rows: list[int], bounce: BounceRing,
                     cancel: threading.Event | None) -> None:
         """File rows in runs that fill a window each: a run is read (the file tier's workers side by side)
         while the copies of the run before it go to the device; READ_AHEAD runs are read ahead where the
         ring has a free window. Each window goes back to the ring with the event after its copies and its
         warm copy to the host tier (the next taker waits for both)."""
         room = self.staged.shape[1]  # a blob longer than a staged row (a foreign or crafted file) is a miss
+        # a blob whose index fields are out of range (crafted with a valid checksum) is corrupt: never staged, never
+        # copied up to the host tier (whose blobs are then all ones this process wrote or checked)
+        check = cache.page_check.reason if cache.page_check is not None else None
         sizes = [0 if self.sizes[i] is None or self.sizes[i] > room else self.sizes[i] for i in rows]
         runs, start, filled = [], 0, 0
         for j, size in enumerate(sizes):
@@ -164,7 +168,8 @@ class Transfer:
                     views.append(window.data[at : at + size])
                     at += size
                 expected = [-1 if size == 0 else size for size in sizes[lo:hi]]  # unknown or too long: a miss
-                handle = file.get([self.keys[i] for i in rows[lo:hi]], views, expected_len=expected)
+                handle = file.get([self.keys[i] for i in rows[lo:hi]], views, expected_len=expected,
+                                  check=check)
             except BaseException:  # never a window lost to the ring (later restores would wait for it forever)
                 bounce.give(window)
                 raise
