@@ -181,15 +181,24 @@ def test_transient_emfile_keeps_the_file_and_a_later_get_succeeds(tmp_path, monk
     tier.close()
 
 
-def test_checksum_failure_still_deletes_and_a_vanished_file_is_forgotten(tmp_path):
+def test_checksum_failure_drops_the_blob_then_its_file_and_a_vanished_file_is_forgotten(tmp_path):
+    """A blob failing its checksum is a miss and forgotten; its file's other blob (checksummed on its own) stays
+    served, and the file and its bytes go with the last of its blobs found corrupt."""
     tier = FileTier(str(tmp_path), 10**7, FINGERPRINT)
     tier.put([1, 2], [blob_for(1), blob_for(2)]).wait()
     tier.put([3, 4], [blob_for(3), blob_for(4)]).wait()
     first, second = sorted(os.listdir(tmp_path), key=lambda n: os.path.getmtime(tmp_path / n))
+    used = tier.stats().bytes_used
     data = bytearray((tmp_path / first).read_bytes())
     data[-1] ^= 0x01  # in blob 2's payload
     (tmp_path / first).write_bytes(bytes(data))
-    assert served(tier, [2]) == set() and not (tmp_path / first).exists() and tier.contains([1]) == 0
+    assert served(tier, [2]) == set() and tier.contains([2]) == 0 and tier.stats().failures == 1
+    assert (tmp_path / first).exists() and served(tier, [1]) == {1}  # blob 1 is intact
+    assert tier.stats().bytes_used == used  # the file's bytes stay until its last blob goes
+    data[tier._index[1].offset] ^= 0x01  # now blob 1's payload too
+    (tmp_path / first).write_bytes(bytes(data))
+    assert served(tier, [1]) == set() and not (tmp_path / first).exists() and tier.contains([1]) == 0
+    assert tier.stats().bytes_used < used
     os.remove(tmp_path / second)  # removed behind the tier's back: a miss, and no longer indexed
     assert served(tier, [3]) == set() and tier.contains([4]) == 0
     tier.close()

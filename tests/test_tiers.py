@@ -456,10 +456,17 @@ def test_file_tier_stores_dense_pages_as_alignpred(tmp_path):
     assert raw.contains(cache.prefix_keys(tokens)) == 0
     (path,) = [tmp_path / f for f in os.listdir(tmp_path)]
     data = bytearray(path.read_bytes())
-    data[len(data) - 100] ^= 0x10  # inside the last page group's stream
+    at = len(data) - 100  # inside the stream of the file's last page group
+    data[at] ^= 0x10
     path.write_bytes(bytes(data))
+    keys = cache.prefix_keys(tokens)
+    hit = [not (w.offset <= at < w.offset + w.length) for w in (reopened._index[k] for k in keys)]
+    assert hit.count(False) == 1
     outs = [torch.empty(fmt.blob_bytes, dtype=torch.uint8) for _ in range(4)]
-    assert reopened.get(cache.prefix_keys(tokens), outs).result()[-1] is False  # a miss, never wrong values
+    assert reopened.get(keys, outs).result() == hit  # that group a miss, never wrong values; the others served
+    for out, good, new in zip(outs, hit, restored):
+        if good:  # the same decoded page group as the restore above
+            assert torch.equal(out, new)
     tiered.close()
     with pytest.raises(UnsupportedLayout, match="dense float pages"):
         AlignPredFormat("alignpred:error=1x", filled("qvg").layout)

@@ -15,7 +15,9 @@ orphaned temporary files, and files of its own fingerprint that are damaged. Eve
 and logged. Every length read from a file is bounded by the file's size.
 
 On read, a blob whose checksum fails (or whose stored stream the format rejects, or whose contents the
-reader's check refuses: `get`'s ``check``) is corrupt: a miss, and its file is removed. An I/O error is only a miss; the file and its index entries stay.
+reader's check refuses: `get`'s ``check``) is corrupt: a miss, and no longer indexed; the other blobs of its file
+stay (each has its own checksum), and the file is removed with its last blob. An I/O error is only a miss; the file
+and its index entries stay.
 The byte budget is a bound: a write reserves its bytes (evicting LRU files) before it starts.
 """
 
@@ -363,12 +365,12 @@ class FileTier:
                 else:
                     self._misses += 1
                     self._failures += 1
-                    if outcome in (_CORRUPT, _GONE) and self._index.get(key) is where:  # not re-written meanwhile
+                    if outcome == _GONE and self._index.get(key) is where:  # not re-written meanwhile
                         self._drop_file(where.path)
-                        if outcome == _CORRUPT:
-                            _remove(where.path)
+                    elif outcome == _CORRUPT and self._index.get(key) is where and self._drop_blob(key, where):
+                        _remove(where.path)  # its last blob: the file goes
             if outcome == _CORRUPT:
-                log.warning("file tier: blob %d in %s is corrupt (%s); file removed", key, where.path, why)
+                log.warning("file tier: blob %d in %s is corrupt (%s); dropped", key, where.path, why)
             results.append(outcome == _HIT)
         return results
 
@@ -432,8 +434,22 @@ class FileTier:
     def _drop_file(self, path: str) -> None:
         keys, size = self._files.pop(path, ([], 0))
         for key in keys:
-            self._index.pop(key, None)
+            if key in self._index and self._index[key].path == path:  # (not a later file's blob of the key)
+                del self._index[key]
         self._used -= size
+
+    def _drop_blob(self, key: int, where: _Location) -> bool:
+        """Forget one blob found corrupt. The other blobs of its file carry checksums of their own and stay
+        served (a reader of one of them, running beside this one, must not lose it); the file, and its bytes in the
+        budget, go with its last blob. Whether that was the last."""
+        del self._index[key]
+        keys, size = self._files.get(where.path, ([], 0))
+        live = [k for k in keys if k in self._index and self._index[k].path == where.path]
+        if live:
+            self._files[where.path] = (live, size)
+            return False
+        self._drop_file(where.path)
+        return True
 
     def _evict_file(self) -> bool:
         if not self._files:
