@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvbackend.alignpred.spec import is_alignpred
 from kvbackend.codecs import get as get_codec
 from kvbackend.codecs.base import EncodedChunk
+from kvbackend.codecs.qvg_fused import decode_units_bf16
 from kvbackend.errors import CorruptStream, SpecError
 from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
@@ -238,6 +239,9 @@ class KVBackendStorage(HiCacheStorage):
             body = blobs[:, : group.pages_bytes].reshape(n * g.num_layers, lay.page_bytes)
             if group.has_codebooks:  # one layout for every layer: the codebooks are [L, codebook_bytes] per blob
                 books = blobs[:, group.books_offset : group.blob_bytes].reshape(n * g.num_layers, lay.codebook_bytes)
+                fused = self._fused_decode(body, books, n)
+                if fused is not None:
+                    return fused
                 k, v = self.frame.from_stored(*self.codec.decode_units(lay, body, books), 0)
                 return torch.stack([k.reshape(units)[:, :, : self.page_size],
                                     v.reshape(units)[:, :, : self.page_size]], dim=1).to(g.dtype)
@@ -248,6 +252,15 @@ class KVBackendStorage(HiCacheStorage):
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out
+
+    def _fused_decode(self, body: torch.Tensor, books: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+        """Pages [n, 2, L, P, H, D] of QVG-family codecs decoded on the CPU by the fused loop (`decode_units`, then
+        the value rotation, bit for bit, written once into the stacked pages); None where it does not serve."""
+        g, lay = self.geometry, self.layout
+        if lay.page_size != self.page_size or g.dtype != torch.bfloat16:
+            return None
+        out = decode_units_bf16(self.codec, lay, body, books, self.frame.levers.vrot == "hadamard", n)
+        return None if out is None else out.view(n, 2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
 
     def _batched(self) -> bool:
         """Whether pages are decoded in batches (page-local codecs without codebooks)."""
@@ -298,13 +311,17 @@ class KVBackendStorage(HiCacheStorage):
         group = self.group
         if not self._is_page_of(blob, key):
             raise CorruptStream("the stored page group is not this key's page of this configuration")
-        out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)
         spans = [(group.page_span(layer), group.book_span(layer)) for layer in range(g.num_layers)]
         pages = torch.stack([blob[s : s + n] for (s, n), _ in spans])  # every layer's page and slot: one decode
         books = torch.stack([blob[s : s + n] for _, (s, n) in spans])
-        k, v = self.frame.from_stored(*self.codec.decode_units(lay, pages, books), 0)
-        shape = (g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
-        out[0], out[1] = k.reshape(shape)[:, : self.page_size], v.reshape(shape)[:, : self.page_size]
+        fused = self._fused_decode(pages, books, 1)
+        if fused is not None:
+            out = fused[0]
+        else:
+            out = torch.empty(2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim, dtype=g.dtype)
+            k, v = self.frame.from_stored(*self.codec.decode_units(lay, pages, books), 0)
+            shape = (g.num_layers, lay.page_size, g.num_kv_heads, g.head_dim)
+            out[0], out[1] = k.reshape(shape)[:, : self.page_size], v.reshape(shape)[:, : self.page_size]
         with self._lock:
             self._stats["decode_s"] += time.perf_counter() - start
         return out

@@ -422,6 +422,36 @@ def test_codecs_with_codebooks_store_batches_as_page_by_page(tmp_path, monkeypat
         assert float(error) < 0.35, (i, error)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_fused_cpu_decode_loads_the_torch_pages(tmp_path, monkeypatch, page_size):
+    """The recommended spec's codec decodes on the CPU through the fused loop (`kvbackend.codecs.qvg_fused`), batch
+    by batch and page by page: the pool gets the bits of the torch decode and rotation."""
+    import kvbackend.integration.sglang as module
+
+    codec = (f"quantwm:kchannel={page_size},centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,"
+             "outliers=16")
+    host = HostPool("layer_first", pages=9, page_size=page_size, heads=2, head_dim=128)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path / "kv", host, codec, device="cpu")
+    keys = [f"p{i}" for i in range(3)]
+    assert backend.batch_set_v1(keys, host_indices(range(3), page_size)) == [True] * 3
+    calls = []
+    fused = module.decode_units_bf16
+    monkeypatch.setattr(module, "decode_units_bf16", lambda *a: calls.append(1) or fused(*a))
+    assert backend.batch_get_v1(keys, host_indices(range(3, 6), page_size)) == [True] * 3
+    assert calls, "the fused decode did not serve"
+    with monkeypatch.context() as patch:  # page by page (`KVBackendStorage._decode`)
+        patch.setattr(backend, "_batched_decode", lambda: False)
+        one_by_one = backend._load(keys)
+    assert len(calls) > 1
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "0")  # the torch decode
+    assert backend.batch_get_v1(keys, host_indices(range(6, 9), page_size)) == [True] * 3
+    for i in range(3):
+        want = host.page((6 + i) * page_size).view(torch.int16)
+        assert torch.equal(host.page((3 + i) * page_size).view(torch.int16), want), i
+        assert torch.equal(one_by_one[i].view(torch.int16), want), i
+
+
 @pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16"])
 def test_get_delivers_batches_while_the_next_decodes(tmp_path, monkeypatch, codec):
     """batch_get_v1 over several decode batches (the next one decoding beside the delivery of the last) fills

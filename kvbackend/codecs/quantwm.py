@@ -241,14 +241,26 @@ class QuantWMCodec(QVGCodec):
     def _decode(self, layout: PageLayout, pages, codebook):
         k, v = self._decode_base(layout, pages, codebook)
         if self.spec.rank:
-            codes = layout.page.view(pages, "k_psac").float()  # [N, n, H, r]
-            scale = layout.page.view(pages, "k_psac_scale").float()  # [N, n, H]
-            u = layout.codebook.view(codebook, "k_psac_basis").float()  # [H, D, r], or [N, H, D, r] (a slot per page)
-            equation = "pthr,phdr->pthd" if codebook.dim() == 2 else "pthr,hdr->pthd"
-            fix = torch.einsum(equation, codes * scale.unsqueeze(-1), u)  # [N, n, H, D]
-            if self.spec.sparse:  # unused rows have scale 0, so adding them anywhere changes nothing
-                token = layout.page.view(pages, "k_psac_token").long()  # [N, n, H]
-                dense = torch.zeros(fix.shape[0], layout.page_size, *fix.shape[2:], dtype=fix.dtype, device=fix.device)
-                fix = dense.scatter_add_(1, token.unsqueeze(-1).expand_as(fix), fix)
-            k = k + from_pages(fix)
+            k = k + self.psac_fix(layout, pages, codebook)
         return k, v
+
+    def psac_is_zero(self, layout: PageLayout, pages, codebook) -> bool:
+        """Whether every stored PSAC code, scale and basis entry is +0 (pages of chunks without query statistics):
+        then `psac_fix` is +0 everywhere, whatever order its sums take."""
+        fields = [layout.page.view(pages, "k_psac").view(torch.uint8),
+                  layout.page.view(pages, "k_psac_scale").view(torch.int16),
+                  layout.codebook.view(codebook, "k_psac_basis").view(torch.int16)]
+        return not any(bool(x.any()) for x in fields)
+
+    def psac_fix(self, layout: PageLayout, pages, codebook) -> torch.Tensor:
+        """The PSAC correction decoding adds to the keys, float32 ``[len(pages) * P, H, D]`` (``rank`` > 0)."""
+        codes = layout.page.view(pages, "k_psac").float()  # [N, n, H, r]
+        scale = layout.page.view(pages, "k_psac_scale").float()  # [N, n, H]
+        u = layout.codebook.view(codebook, "k_psac_basis").float()  # [H, D, r], or [N, H, D, r] (a slot per page)
+        equation = "pthr,phdr->pthd" if codebook.dim() == 2 else "pthr,hdr->pthd"
+        fix = torch.einsum(equation, codes * scale.unsqueeze(-1), u)  # [N, n, H, D]
+        if self.spec.sparse:  # unused rows have scale 0, so adding them anywhere changes nothing
+            token = layout.page.view(pages, "k_psac_token").long()  # [N, n, H]
+            dense = torch.zeros(fix.shape[0], layout.page_size, *fix.shape[2:], dtype=fix.dtype, device=fix.device)
+            fix = dense.scatter_add_(1, token.unsqueeze(-1).expand_as(fix), fix)
+        return from_pages(fix)
