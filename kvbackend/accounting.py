@@ -23,6 +23,7 @@ class CacheStats:
     packed_tokens: int  # tokens those packed pages represent
     bits_per_value: float | None  # 8 * packed_bytes / values represented; None when nothing is packed
     deferred_chunks: int = 0  # full chunks still dense because the packed pool had no room when they completed
+    refused_page_groups: int = 0  # page groups `install_pages` refused for an index field out of range (crafted)
 
 
 def cache_stats(cache: "KVCache") -> CacheStats:
@@ -44,6 +45,7 @@ def cache_stats(cache: "KVCache") -> CacheStats:
         bits_per_value=8.0 * packed_bytes / values if values else None,
         deferred_chunks=sum((t.num_tokens - t.num_packed_tokens) // cache.config.chunk_tokens
                             for t in tables),
+        refused_page_groups=cache.groups.refused,
     )
 
 

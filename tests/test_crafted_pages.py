@@ -91,7 +91,7 @@ def test_install_pages_refuses_an_index_out_of_range(codec, field, bad, good, ca
     target = cache_of(codec)
     with caplog.at_level(logging.WARNING, logger="kvbackend.install"):
         assert target.install_pages(keys, tokens, crafted, 0) == 1  # the page before it, not the crafted one
-    assert target.groups.refused == 1
+    assert target.groups.refused == 1 and target.stats().refused_page_groups == 1
     assert f"layer {layer} {field} holds an index out of range" in caplog.text
     rid, hit = target.add_request(tokens)
     assert hit == P
