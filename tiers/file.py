@@ -133,15 +133,21 @@ class FileTier:
                 reason = "entries that could not be read"
             if reason is not None:
                 skipped.setdefault(reason, []).append(entry.name)
+        tables = []
         for _, name, path in sorted(candidates):
             verdict, rows, size = self._read_table(path)
             if verdict == "ok":
-                self._adopt(path, rows, size)
+                tables.append((path, rows, size))
             elif verdict == "damaged":  # our fingerprint, so the tier wrote it
                 log.warning("file tier: removing damaged file %s", path)
                 _remove(path)
             else:
                 skipped.setdefault(verdict, []).append(name)
+        # a key in two files was put again after its copy in the older one was found corrupt (`_drop_blob` keeps a
+        # file for its other blobs, and its table still lists the bad copy): the newest copy is the one indexed
+        newest = {row[0]: path for path, rows, _ in tables for row in rows}
+        for path, rows, size in tables:  # oldest first: the LRU order
+            self._adopt(path, [row for row in rows if newest[row[0]] == path], size)
         for reason, names in skipped.items():
             level = logging.INFO if reason == "files of another layout" else logging.WARNING
             log.log(level, "file tier %s: skipped %d %s (left in place), e.g. %s", self.directory, len(names),
