@@ -116,3 +116,26 @@ def test_off_switch_takes_the_torch_path(monkeypatch):
     codec, layout, pages, books = _encoded(SPECS[0].format(p=16), 2, 128, 16, 8, queries=False, seed=13)
     monkeypatch.setenv("KVBACKEND_FASTQUANT", "0")
     assert decode_units_bf16(codec, layout, pages, books, True, 1) is None
+
+
+def test_a_nan_scale_decodes_to_nan_where_the_torch_path_does(monkeypatch):
+    """Only a crafted page holds a NaN scale (encoders refuse non-finite values); it decodes to NaN on both paths, in
+    the same places, and every other value to the same bits. (The NaN bits differ: the fused loop writes 0x7FC0, torch's
+    vectorized CPU rounding to bf16 0xFFFF on some builds, its scalar rounding 0x7FC0.)"""
+    spec = "quantwm:kchannel=16,centroids=32,clip=true,vcluster=false,cdtype=fp8,outliers=16"
+    codec = codecs.get(spec)
+    layout = codec.layout(Geometry(1, 2, 128, torch.bfloat16), 16)
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(8 * 16, 2, 128, generator=gen).bfloat16() for _ in range(2))
+    pages, books = codec.encode_units(k.view(8, 16, 2, 128), v.view(8, 16, 2, 128), layout)
+    pages, books = pages.reshape(8, -1), books.reshape(8, -1)
+    layout.page.view(pages, "k_scales").view(torch.uint8)[0, 0, 0, 0] = 0x7F  # e4m3 NaN
+    got = decode_units_bf16(codec, layout, pages, books, False, 1)
+    assert got is not None
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "0")
+    want, _ = codec.decode_units(layout, pages, books)
+    assert torch.isnan(want.float()).any()
+    got = got[:, 0].reshape(want.shape)
+    nan = torch.isnan(want.float())
+    assert torch.equal(torch.isnan(got.float()), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])

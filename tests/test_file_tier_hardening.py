@@ -547,3 +547,49 @@ def test_a_file_removed_behind_the_tiers_back_is_written_again(tmp_path):
     assert tier.get([1], [out]).result() == [True] and torch.equal(out, blob)
     assert tier.get([2], [out]).result() == [False]  # 2 was not written again: its read misses
     assert tier.contains([2]) == 0
+
+
+def test_a_blob_put_again_after_its_copy_was_found_corrupt_is_served_after_a_restart(tmp_path):
+    """A corrupt blob drops only its own entry: its file stays on disk for its other blobs, still listing the bad
+    copy. The key put again lands in a newer file. A restart must index the newer, good copy, not the older one
+    known to be bad (which would make the key a miss and leave the good file's bytes held by no entry)."""
+    tier = FileTier(str(tmp_path), 10**7, FINGERPRINT, fsync=False)
+    tier.put([1, 2], [blob_for(1), blob_for(2)]).wait()
+    (first,) = os.listdir(tmp_path)
+    data = bytearray((tmp_path / first).read_bytes())
+    data[-1] ^= 0x01  # in blob 2's payload
+    (tmp_path / first).write_bytes(bytes(data))
+    os.utime(tmp_path / first, ns=(10**18, 10**18))
+    assert served(tier, [2]) == set() and served(tier, [1]) == {1}
+    assert all(tier.put([2], [blob_for(2)]).result())  # written again, into a file of its own
+    (second,) = set(os.listdir(tmp_path)) - {first}
+    os.utime(tmp_path / second, ns=(2 * 10**18, 2 * 10**18))  # newer
+    assert served(tier, [1, 2]) == {1, 2}
+    tier.close()
+
+    again = FileTier(str(tmp_path), 10**7, FINGERPRINT, fsync=False)
+    assert served(again, [1, 2]) == {1, 2}
+    again.close()
+
+
+def test_a_file_whose_every_blob_lives_in_newer_files_is_removed_at_start_up(tmp_path):
+    """At start-up each key is indexed at its newest copy; an older file left with no blob of its own to serve is
+    removed, and its bytes are not held in the budget."""
+    older, here = tmp_path / "older", tmp_path / "here"
+    tier = FileTier(str(older), 10**7, FINGERPRINT, fsync=False)
+    tier.put([1, 2], [blob_for(1), blob_for(2)]).wait()
+    tier.close()
+    tier = FileTier(str(here), 10**7, FINGERPRINT, fsync=False)
+    tier.put([1], [blob_for(1)]).wait()
+    tier.put([2], [blob_for(2)]).wait()
+    tier.close()
+    (both,) = os.listdir(older)
+    (here / both).write_bytes((older / both).read_bytes())
+    os.utime(here / both, ns=(10**18, 10**18))
+    for name in set(os.listdir(here)) - {both}:
+        os.utime(here / name, ns=(2 * 10**18, 2 * 10**18))
+    again = FileTier(str(here), 10**7, FINGERPRINT, fsync=False)
+    assert not (here / both).exists()
+    assert served(again, [1, 2]) == {1, 2}
+    assert again.stats().bytes_used == sum(os.path.getsize(here / n) for n in os.listdir(here))
+    again.close()

@@ -147,7 +147,11 @@ class FileTier:
         # file for its other blobs, and its table still lists the bad copy): the newest copy is the one indexed
         newest = {row[0]: path for path, rows, _ in tables for row in rows}
         for path, rows, size in tables:  # oldest first: the LRU order
-            self._adopt(path, [row for row in rows if newest[row[0]] == path], size)
+            rows = [row for row in rows if newest[row[0]] == path]
+            if rows:
+                self._adopt(path, rows, size)
+            else:  # every blob of it lives in a newer file: nothing left to serve
+                _remove(path)
         for reason, names in skipped.items():
             level = logging.INFO if reason == "files of another layout" else logging.WARNING
             log.log(level, "file tier %s: skipped %d %s (left in place), e.g. %s", self.directory, len(names),
