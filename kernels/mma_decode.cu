@@ -156,7 +156,11 @@ constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
 constexpr int CV_ROWS = 32 + (PSAC_FOLD ? PSAC_ROWS : 0);  // centroid values, then the page's folded PSAC rows
-constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? CV_ROWS * D * 2 : 0;  // pre-RoPE keys: centroid values, fp16 pairs
+// The row a centroid id past K_CENT (a corrupted page) reads: zero, so it adds nothing, as in the gather kernels.
+// Rows K_CENT..31 are zero where K_CENT < 32; with 32 centroids one more zero row follows the folded rows.
+constexpr int CV_ZERO = K_CENT < 32 ? 31 : CV_ROWS;
+constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? (CV_ROWS + (K_CENT < 32 ? 0 : 1)) * D * 2 : 0;  // pre-RoPE keys:
+                                                                                    // centroid values, fp16 pairs
 constexpr int SZ_BYTES = ROPE_TOKEN ? 2 * 8 * NB * 32 * 4 : 0;     // pre-RoPE keys: scale and zero pairs per lane
 // PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
 constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2) + (P + 15) / 16 * 16 : 0;
@@ -499,6 +503,8 @@ __device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int6
     }
     cv[row * (D / 2) + swz(i % (D / 2), row)] = pack_half2(lo * cs, hi * cs);
   }
+  if (CV_ZERO >= 32)
+    for (int i = lane; i < D / 2; i += 32) cv[CV_ZERO * (D / 2) + swz(i, CV_ZERO)] = 0u;
 }
 
 // The centroid table ct[c][n] = centroid c . query row n (log2 units) times ``cs``, from the fragments above.
@@ -818,6 +824,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           if (PSAC_FOLD) {
             const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
             cid = tok < P ? (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF : 0;
+            cid = cid < K_CENT ? cid : CV_ZERO;  // a corrupted id adds no centroid
           }
           const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
           const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
@@ -941,7 +948,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
         for (int r2 = 0; r2 < 2; ++r2) {
           const int t = t0 + 8 * r2;
-          if (K_CENT) ids[r2] = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+          if (K_CENT) {
+            const int id = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+            ids[r2] = id < K_CENT ? id : CV_ZERO;  // a corrupted id reads a zero row, inside the table
+          }
           if (PSAC_REGMAP) {  // the folded row of the token, if any (the last row naming it, as the map keeps)
 #pragma unroll
             for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row)
@@ -1015,7 +1025,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           float2 cv = make_float2(0.f, 0.f);
           if (K_CENT) {
             const int id = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
-            cv = *reinterpret_cast<const float2*>(ct + id * N + 2 * tig);
+            if (id < K_CENT) cv = *reinterpret_cast<const float2*>(ct + id * N + 2 * tig);  // else corrupted: none
           }
           S[mt][2 * e] = acc[0][2 * e] * kback + zc[0] + cv.x;
           S[mt][2 * e + 1] = acc[0][2 * e + 1] * kback + zc[1] + cv.y;

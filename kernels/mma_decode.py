@@ -219,7 +219,8 @@ class Config:
         stage = 2 * p * (d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.rope_token:  # centroid values as fp16 pairs; each lane's scale and zero pairs
-            table = (32 + (self.psac_rows if self.psac_fold else 0)) * d * 2 if self.centroids else 0
+            rows = 32 + (self.psac_rows if self.psac_fold else 0) + (self.centroids >= 32)  # then a zero row
+            table = rows * d * 2 if self.centroids else 0
             table += 2 * 8 * (d // 64) * 32 * 4
         else:  # q . centroid [32][N] and the centroids' fragments
             table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0

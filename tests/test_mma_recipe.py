@@ -434,3 +434,41 @@ def test_folded_psac_rows_decode_as_the_per_key_path(case, monkeypatch):
     monkeypatch.undo()
     _clear_variant_caches()
     assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("case", [("recipe", 0), ("prerope", 0), ("prerope", 2), ("prerope", 3)])
+def test_corrupted_centroid_ids_add_nothing(case):
+    """A centroid id past the chunk's centroids (a corrupted page: 255, or C itself) reads inside the kernel's
+    tables and adds no centroid, as the Triton kernels do: the tensor-core decode of the corrupted pages agrees with
+    the Triton decode of the same pages, and differs from the decode of the intact ones (the ids are read)."""
+    from kvbackend.batch import PACKED
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    table, index = case
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = (CASES if table == "recipe"
+                                                                                 else PREROPE_CASES)[index]
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=5)
+    args, levers = _inputs(cache, ids)
+    options = {} if table == "recipe" else {"mma_options": OPT_IN}
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    intact, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True, **options)
+    pages, plan = args[0], args[4]
+    field = cache.layouts[0].page.fields["k_assign"]
+    stages, P, H = field.shape
+    C = cache.layouts[0].codebook.fields["k_centroids"].shape[2]
+    used = sorted({int(p) for p, kind in zip(plan.page_ids.tolist(), plan.kinds.tolist()) if kind == PACKED})
+    assert used
+    corrupted = pages.clone()
+    for p in used:  # head 0's ids in every packed page: C (just past the table's centroids) and 255
+        view = corrupted[p, field.offset:field.offset + P * H].view(P, H)
+        view[::2, 0] = C
+        view[1::2, 0] = 255
+    bad_args = (corrupted, *args[1:])
+    out, lse = paged_decode(q, *bad_args, target_programs=programs, levers=levers, rotary=rotary, mma=True, **options)
+    want, want_lse = paged_decode(q, *bad_args, target_programs=programs, levers=levers, rotary=rotary, mma=False,
+                                  fold=False, planar=False)
+    assert torch.isfinite(out.float()).all()
+    assert float((out.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2)
+    assert float((out.float() - intact.float()).norm() / intact.float().norm()) > 1e-3
