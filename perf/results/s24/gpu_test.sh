@@ -1,0 +1,5 @@
+# Session 24's device call: `make gpu-test` on the commit named by $1 (8 test workers, the fastest measured; without
+# bench_memory, to fit one call).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_vllm .whl_vllm/*.whl || exit
+export PYTHONPATH=.sglang_min:.vllm_min:/tmp/site:/tmp/site_vllm VLLM_CONFIGURE_LOGGING=0 PYTHONUNBUFFERED=1 GPU_TEST_WORKERS=8 GPU_TEST_MEMORY=0
+timeout 580 make gpu-test COMMIT=$1 GPU_LOG=$OUT/gpu-test.log
