@@ -243,12 +243,9 @@ def geometry_from_config(config) -> Geometry:
 
 def model_geometry(model_dir: str | None = None) -> Geometry:
     """The KV geometry of the model `load_model` would load, from its config alone (no weights)."""
-    from transformers import AutoConfig
+    from kvbackend.tools.models import load_config
 
-    from kvbackend.tools.models import locate
-
-    source = locate(model_dir=model_dir)
-    return geometry_from_config(AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file))
+    return geometry_from_config(load_config(model_dir=model_dir))
 
 
 def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry | None = None) -> bool:

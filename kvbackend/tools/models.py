@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import os
@@ -41,6 +42,20 @@ def locate(name: str = "SmolLM2-135M-Instruct", model_dir: str | None = None, gg
     return ModelSource(os.path.dirname(spec.origin), gguf_file or default_file)
 
 
+def load_config(name: str = "SmolLM2-135M-Instruct", model_dir: str | None = None):
+    """The transformers config of a model's GGUF file; cached per file, since parsing the file's metadata takes
+    seconds (the CLI checks specs against it before loading the weights, which then reuse it). Read-only: copy it
+    before changing it."""
+    return _config_of(locate(name, model_dir))
+
+
+@functools.lru_cache(maxsize=4)
+def _config_of(source: ModelSource):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+
+
 @functools.lru_cache(maxsize=2)
 def load_model(name: str = "SmolLM2-135M-Instruct", model_dir: str | None = None, device: str = "cpu"):
     """(model, tokenizer) in eval mode; cached, so tests and the CLI load each model once per process."""
@@ -49,7 +64,8 @@ def load_model(name: str = "SmolLM2-135M-Instruct", model_dir: str | None = None
 
     source = locate(name, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32,
+                                                 config=copy.deepcopy(load_config(name, model_dir)))
     model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
