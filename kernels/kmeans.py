@@ -89,8 +89,7 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
             break
         assign = new_assign
     nearest = torch.gather(centroids, 1, assign.unsqueeze(-1).expand(-1, -1, d))
-    objective = float(((x - nearest) ** 2).sum(-1).mean()) if early_stop else float("nan")
-    return KMeansResult(centroids, assign, iterations, objective)
+    return KMeansResult(centroids, assign, iterations, ((x - nearest) ** 2).sum(-1))
 
 
 @dataclass
@@ -124,4 +123,4 @@ def kmeans_graphed(x: torch.Tensor, init: torch.Tensor, steps: int) -> KMeansRes
     captured.init.copy_(init)
     captured.graph.replay()
     out = captured.result
-    return KMeansResult(out.centroids.clone(), out.assign.clone(), out.iterations, out.objective)
+    return KMeansResult(out.centroids.clone(), out.assign.clone(), out.iterations, out.distance.clone())

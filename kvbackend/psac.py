@@ -9,6 +9,7 @@ C U_r^T, so the logit error q . e shrinks where queries look.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,7 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
     shift = m.diagonal(dim1=-2, dim2=-1).sum(-1).abs() * (1e-6 / d) + 1e-30
     m = m + shift.view(h, 1, 1) * eye
     block = min(d, width * rank)
-    seed = torch.Generator().manual_seed(0)
-    x = torch.randn(d, block, generator=seed, dtype=m.dtype).to(m.device).expand(h, d, block)
+    x = _start_block(d, block, m.dtype, m.device).expand(h, d, block)
     failed = torch.zeros(h, dtype=torch.bool, device=m.device)
     for _ in range(steps):
         y = m @ x
@@ -82,6 +82,13 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
     if bool(failed.any()):
         basis[failed] = principal_directions(moment[failed], rank, "eigh")
     return basis
+
+
+@functools.lru_cache(maxsize=16)
+def _start_block(d: int, block: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The subspace iteration's fixed random start [d, block] (seed 0), made once per device: a copy from the
+    host in every call would make each encode wait for the device. Read-only."""
+    return torch.randn(d, block, generator=torch.Generator().manual_seed(0), dtype=dtype).to(device)
 
 
 def query_second_moment(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -90,7 +90,7 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         q.round_().clamp_(-qmax, qmax).add_(qmax)
         return Quantized(q.to(torch.uint8), scale.to(store), None)
     levels = (1 << bits) - 1
-    divisor = torch.tensor(float(levels), device=x.device)
+    divisor = torch.full((), float(levels), device=x.device)  # a tensor: true division (no copy from the host)
     if clip:
         lo, hi = x.amin(dim=-1), x.amax(dim=-1)
         minmax = (hi - lo) / divisor

@@ -18,7 +18,12 @@ class KMeansResult:
     centroids: torch.Tensor  # float32 [B, C, D]
     assign: torch.Tensor  # int64 [B, N]
     iterations: int  # Lloyd steps run (each = assign + update)
-    objective: float  # mean squared distance to the assigned centroid, after the last assignment
+    distance: torch.Tensor  # float32 [B, N]: squared distance to the assigned centroid, after the last assignment
+
+    @property
+    def objective(self) -> float:
+        """Mean squared distance to the assigned centroid (read from the device only when asked)."""
+        return float(self.distance.mean())
 
 
 def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,14 +94,19 @@ def _seed_rows(x: torch.Tensor, first: torch.Tensor, uniforms: torch.Tensor, num
     return torch.stack(centroids, 1)
 
 
-def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int) -> KMeansResult:
+def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool | None = None) -> KMeansResult:
     """Lloyd's algorithm from ``init`` for at most ``max_iters`` steps; stops early once no
     assignment changes. Empty clusters keep their previous centroid.
 
     Args:
         x: float32 [B, N, D] points.
         init: float32 [B, C, D] starting centroids (random points, or last chunk's centroids).
+        early_stop: test for a step that changed nothing, and stop there. The test reads the device, so on a
+            GPU (None: False there, True on the CPU) every step runs instead: once assignments stop changing a
+            step changes nothing, and the encode runs without waiting for the device.
     """
+    if early_stop is None:
+        early_stop = x.device.type == "cpu"
     centroids = init.float().clone()
     b, _, d = x.shape
     c = centroids.shape[1]
@@ -108,8 +118,8 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int) -> KMeansResult:
         centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1).unsqueeze(-1), centroids)
         iterations += 1
         new_assign, dist = assign_nearest(x, centroids)
-        changed = bool((new_assign != assign).any())
+        changed = not early_stop or bool((new_assign != assign).any())
         assign = new_assign
         if not changed:
             break
-    return KMeansResult(centroids, assign, iterations, float(dist.mean()))
+    return KMeansResult(centroids, assign, iterations, dist)

@@ -182,10 +182,10 @@ class QuantWMCodec(QVGCodec):
         # only the first of a trailing run of identical rows (within each chunk's last page) may take outlier slots
         last = k.reshape(units, n, h, d)[:, -p:]
         same = (last == last[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # [U, P]: the trailing run, from the end
-        for unit, copies in enumerate((same.sum(1) - 1).tolist()):
-            if copies:
-                rows = torch.arange((unit + 1) * n - copies, (unit + 1) * n, device=k.device)
-                score[rows // p, :, rows % p] = -1.0
+        copies = same.sum(1, keepdim=True) - 1  # [U, 1]: rows after the run's first (no read back to the host)
+        after_first = torch.arange(p, device=k.device) >= p - copies  # [U, P], in each chunk's last page
+        last_pages = score.view(units, n // p, h, p, d)[:, -1]  # [U, H, P, D], a view of score
+        last_pages.masked_fill_(after_first[:, None, :, None], -1.0)
         index = score.reshape(-1, h, p * d).topk(self.spec.outliers, dim=-1).indices  # [N, H, n]
         value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
         layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))
