@@ -68,6 +68,27 @@ def test_a_failed_factorization_falls_back_to_lapack_for_that_matrix(monkeypatch
     assert torch.equal(basis[[0, 1, 2, 4, 5]], subspace_directions(m, 4)[[0, 1, 2, 4, 5]])
 
 
+def test_inside_a_graph_capture_a_failed_factorization_keeps_unit_directions(monkeypatch):
+    """Where nothing may wait for the device (a CUDA graph capture), a matrix whose factorization fails is not
+    sent to LAPACK: it keeps the first unit directions (finite and orthonormal), and the other matrices are
+    unchanged."""
+    m, _ = _moments(heads=6)
+    real = torch.linalg.cholesky_ex
+    clean = subspace_directions(m, 4)
+
+    def failing(a):
+        factor, info = real(a)
+        info = info.clone()
+        info[3] = 1
+        return factor, info
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
+    monkeypatch.setattr(psac, "_capturing", lambda t: True)
+    basis = subspace_directions(m, 4)
+    assert torch.equal(basis[3], torch.eye(64, 4))
+    assert torch.equal(basis[[0, 1, 2, 4, 5]], clean[[0, 1, 2, 4, 5]])
+
+
 def test_the_codec_keeps_its_psac_gain_with_the_device_solver(monkeypatch):
     """PSAC through the codec, its basis from subspace iteration (what a GPU runs) against eigh: the
     query-weighted key error it leaves is within 1% of eigh's."""

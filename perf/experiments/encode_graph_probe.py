@@ -120,6 +120,21 @@ def sync_points(run) -> list[dict]:
     return [{"where": w, "count": n} for w, n in sorted(counts.items(), key=lambda x: -x[1])]
 
 
+def device_ms(run) -> tuple[float, int]:
+    """(milliseconds of device time, kernels launched) of one encode, from the profiler: what a CUDA graph of it
+    could take at best, the host's share gone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) for e in kernels)
+    return total / 1e3, len(kernels)
+
+
 def try_capture(run, eager, reps: int) -> dict:
     """Capture ``run`` in a CUDA graph (after warm-up on a side stream); its replay time and agreement, or why not."""
     stream = torch.cuda.Stream()
@@ -168,6 +183,9 @@ def main() -> None:
               f"{len(result['sync_points'])} lines", flush=True)
         for point in result["sync_points"][:20]:
             print(f"  {point['count']:4d}  {point['where']}", flush=True)
+        result["device_ms"], result["kernels"] = device_ms(run)
+        print(f"device time of one encode: {result['device_ms']:.2f} ms in {result['kernels']} kernels "
+              f"({2 * values / result['device_ms'] / 1e6:.1f} GB/s of bf16 input at that time)", flush=True)
         result["graph"] = try_capture(run, eager, args.reps)
         print("graph capture:", json.dumps(result["graph"]), flush=True)
     with open(args.out, "w") as f:
