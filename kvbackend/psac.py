@@ -53,8 +53,8 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
                         width: int = SUBSPACE_WIDTH) -> torch.Tensor:
     """`principal_directions` by block subspace iteration with a Rayleigh-Ritz step, in float64 on
     ``moment``'s device: a block of ``width * rank`` columns (at most D) from a fixed seed, ``steps`` times
-    multiplied by the moment and orthonormalized (Cholesky QR), then the leading ``rank`` Ritz vectors (by the same
-    iteration on the small Ritz matrix, so that no step reads the device from the host).
+    multiplied by the moment and orthonormalized (Cholesky QR), then the leading ``rank`` Ritz vectors (eigh; inside a
+    CUDA graph capture, where nothing may read the device, the same iteration on the small Ritz matrix).
 
     On SmolLM2's query moments (30 layers x 3 heads, prefixes of 512-2048 tokens of GPL-3; ratio of the
     5th to the 4th eigenvalue 0.87 at the median, 0.998 at worst) the basis captures at least 99.989% of
@@ -79,7 +79,10 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
         x = torch.linalg.solve_triangular(factor, y.transpose(1, 2), upper=False).transpose(1, 2)
         failed |= info != 0
     ritz = x.transpose(1, 2) @ m @ x
-    vectors, ritz_failed = _leading_ritz_vectors(ritz, rank)
+    if _capturing(m):  # eigh reads its result on the host: a short iteration instead
+        vectors, ritz_failed = _leading_ritz_vectors(ritz, rank)
+    else:
+        vectors, ritz_failed = torch.linalg.eigh((ritz + ritz.transpose(1, 2)) / 2)[1][:, :, -rank:], False
     basis = (x @ vectors).float()
     failed |= ritz_failed | ~torch.isfinite(basis).flatten(1).all(1)
     if _capturing(m):  # inside a CUDA graph nothing may wait for the device: a failed matrix keeps unit

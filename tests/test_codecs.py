@@ -228,3 +228,17 @@ def test_qvg_values_without_centroids_are_plain_token_groups():
     saved = full.page.fields["v_assign"].nbytes * 2 + full.codebook.fields["v_centroids"].nbytes  # two pages
     assert ours.encode(k, v, layout).nbytes == qvg.encode(k, v, full).nbytes - saved  # both pages and the codebook
     assert not ours.kernel_encodes
+
+
+def test_kmeans_without_the_early_stop_runs_every_step_to_the_same_clustering():
+    """What a CUDA graph capture runs (no test of the device between steps): every step, and once assignments
+    stop changing a step changes nothing, so the clustering is the early-stopped one."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 300, 16, generator=gen)
+    init = kmeanspp_init(x, 8, torch.Generator().manual_seed(1))
+    stopped = kmeans(x, init, max_iters=50)
+    assert stopped.iterations < 50  # converged: the early stop fired
+    full = kmeans(x, init, max_iters=50, early_stop=False)
+    assert full.iterations == 50
+    assert torch.equal(full.assign, stopped.assign) and torch.equal(full.centroids, stopped.centroids)
+    assert full.objective == stopped.objective

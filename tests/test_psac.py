@@ -28,8 +28,10 @@ def _captured(basis: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hdr,hde,her->h", u, m.double(), u)
 
 
+@pytest.mark.parametrize("capturing", [False, True])  # the Ritz step by eigh, or by the iteration a graph records
 @pytest.mark.parametrize("d,rank", [(64, 4), (48, 3), (16, 8)])
-def test_subspace_iteration_captures_what_the_leading_eigenvectors_capture(d, rank):
+def test_subspace_iteration_captures_what_the_leading_eigenvectors_capture(d, rank, capturing, monkeypatch):
+    monkeypatch.setattr(psac, "_capturing", lambda t: capturing)
     m, gap = _moments(d=d, rank=rank)
     basis = subspace_directions(m, rank)
     assert basis.shape == (m.shape[0], d, rank) and basis.dtype == torch.float32
@@ -74,6 +76,7 @@ def test_inside_a_graph_capture_a_failed_factorization_keeps_unit_directions(mon
     unchanged."""
     m, _ = _moments(heads=6)
     real = torch.linalg.cholesky_ex
+    monkeypatch.setattr(psac, "_capturing", lambda t: True)
     clean = subspace_directions(m, 4)
 
     def failing(a):
@@ -83,7 +86,6 @@ def test_inside_a_graph_capture_a_failed_factorization_keeps_unit_directions(mon
         return factor, info
 
     monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
-    monkeypatch.setattr(psac, "_capturing", lambda t: True)
     basis = subspace_directions(m, 4)
     assert torch.equal(basis[3], torch.eye(64, 4))
     assert torch.equal(basis[[0, 1, 2, 4, 5]], clean[[0, 1, 2, 4, 5]])

@@ -101,12 +101,12 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
     Args:
         x: float32 [B, N, D] points.
         init: float32 [B, C, D] starting centroids (random points, or last chunk's centroids).
-        early_stop: test for a step that changed nothing, and stop there. The test reads the device, so on a
-            GPU (None: False there, True on the CPU) every step runs instead: once assignments stop changing a
-            step changes nothing, and the encode runs without waiting for the device.
+        early_stop: test for a step that changed nothing, and stop there. The test reads the device, which a
+            CUDA graph capture forbids: there (None: False while capturing, else True) every step runs instead;
+            once assignments stop changing a step changes nothing.
     """
     if early_stop is None:
-        early_stop = x.device.type == "cpu"
+        early_stop = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     centroids = init.float().clone()
     b, _, d = x.shape
     c = centroids.shape[1]

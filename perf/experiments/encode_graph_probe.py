@@ -120,9 +120,9 @@ def sync_points(run) -> list[dict]:
     return [{"where": w, "count": n} for w, n in sorted(counts.items(), key=lambda x: -x[1])]
 
 
-def device_ms(run) -> tuple[float, int]:
-    """(milliseconds of device time, kernels launched) of one encode, from the profiler: what a CUDA graph of it
-    could take at best, the host's share gone."""
+def device_ms(run) -> tuple[float, int, list[dict]]:
+    """(milliseconds of device time, kernels launched, the 15 kernels of most time summed by name) of one encode,
+    from the profiler: what a CUDA graph of it could take at best, the host's share gone."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -131,8 +131,15 @@ def device_ms(run) -> tuple[float, int]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
                and str(e.device_type).endswith("CUDA")]
-    total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) for e in kernels)
-    return total / 1e3, len(kernels)
+    own = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))  # noqa: E731
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:120], [0.0, 0])
+        entry[0] += own(e)
+        entry[1] += 1
+    top = [{"kernel": name, "ms": t / 1e3, "launches": n}
+           for name, (t, n) in sorted(by_name.items(), key=lambda x: -x[1][0])[:15]]
+    return sum(own(e) for e in kernels) / 1e3, len(kernels), top
 
 
 def try_capture(run, eager, reps: int) -> dict:
@@ -183,9 +190,11 @@ def main() -> None:
               f"{len(result['sync_points'])} lines", flush=True)
         for point in result["sync_points"][:20]:
             print(f"  {point['count']:4d}  {point['where']}", flush=True)
-        result["device_ms"], result["kernels"] = device_ms(run)
+        result["device_ms"], result["kernels"], result["top_kernels"] = device_ms(run)
         print(f"device time of one encode: {result['device_ms']:.2f} ms in {result['kernels']} kernels "
               f"({2 * values / result['device_ms'] / 1e6:.1f} GB/s of bf16 input at that time)", flush=True)
+        for row in result["top_kernels"]:
+            print(f"  {row['ms']:7.3f} ms {row['launches']:5d}x  {row['kernel']}", flush=True)
         result["graph"] = try_capture(run, eager, args.reps)
         print("graph capture:", json.dumps(result["graph"]), flush=True)
     with open(args.out, "w") as f:
