@@ -27,6 +27,7 @@ statistics of its own and earlier queries). Without it such a codec runs on cold
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -117,6 +118,33 @@ def layer_specs(codec: str | tuple[str, ...], layers: int, levers: Levers,
     if len(sinks) > 1:
         raise SpecError(f"every layer of one cache keeps the same sink; the plan asks for {sinks}")
     return specs, parsed
+
+
+def previous_attention(module, implementation: str | None):
+    """The attention function ``module`` runs under ``implementation`` (the model's before `attach`): a
+    registered one (``sdpa``, flash, flex), else the eager attention of the module's own modeling file,
+    which knows the model's extras (gpt-oss sinks, Gemma 2 soft-capping); SDPA where neither exists."""
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation and implementation != "eager" and implementation in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    if implementation == "eager":
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+    return sdpa_attention_forward
+
+
+def previous_mask(implementation: str | None):
+    """The mask function transformers uses for ``implementation`` (SDPA's where it has none of its own)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if implementation and implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+        return ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    return sdpa_mask
 
 
 class KVBackendLayer(CacheLayerMixin):
@@ -213,8 +241,8 @@ class KVBackendLayer(CacheLayerMixin):
         token as given: the paged decode kernel attends to the stored tokens, the new token joins
         through the log-sum-exp, and only then is it stored (with its query). So a step whose token
         completes a chunk attends that chunk as the other layers do. A mask that hides any token
-        (padding), dropout, soft-capping or a sliding window go through ``fallback`` (the model's
-        SDPA) on K/V read from the pages instead."""
+        (padding), dropout, soft-capping, attention sinks (``s_aux``) or a sliding window go through
+        ``fallback`` (the attention the model ran before `attach`) on K/V read from the pages instead."""
         self._paged_step = False
         k_new, v_new = self._pending
         try:
@@ -231,7 +259,7 @@ class KVBackendLayer(CacheLayerMixin):
 
     def _attend_stored_and_new(self, module, query, k_new, v_new, attention_mask, fallback, **kwargs):
         engine, rows = self.owner.engine, self.owner.request_ids
-        plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None
+        plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
                  and kwargs.get("sliding_window") is None and query.shape[2] == 1)
         if plain and attention_mask is not None:
             plain = attention_mask.dtype == torch.bool and bool(attention_mask.all())
@@ -473,34 +501,37 @@ class KVBackendCache(Cache):
 
     def attach(self, model) -> str:
         """Route ``model``'s attention through a function that hands queries to this cache first
-        (needed by query-aware codecs such as ``quantwm``; harmless for others). Returns the name it
-        registered; ``detach(model)`` restores the previous implementation."""
+        (needed by query-aware codecs such as ``quantwm``; harmless for others), then runs the
+        attention the model ran before (its eager attention, SDPA, ...: sinks and soft-capping
+        included) with that implementation's mask. Returns the name it registered; ``detach(model)``
+        restores the previous implementation."""
         from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
 
         def attention(module, query, key, value, attention_mask, **kwargs):
             layer = self.layers[module.layer_idx]
             layer.attention_seen = True
+            inner = previous_attention(module, self._previous_attn)
             if (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
                     and kwargs.get("sliding_window") is None):  # (a window hides the first positions anyway)
                 self._check_sinks(attention_mask[:, 0, -1])  # what the call's last query may attend: [B, K]
             if layer._paged_step:
-                return layer.attend_paged(module, query, attention_mask, sdpa_attention_forward, **kwargs), None
+                return layer.attend_paged(module, query, attention_mask, inner, **kwargs), None
             layer.observe_queries(query)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            return inner(module, query, key, value, attention_mask, **kwargs)
 
         attached = getattr(model, "_kvbackend_cache", None)
         if attached is not None and attached is not self:
             raise ValueError("another KVBackendCache is attached to this model (its attention hands queries to that "
                              "cache alone): detach it first")
         name = f"kvbackend_{id(self):x}"
-        AttentionInterface.register(name, attention)
-        # and SDPA's mask under the same name: without one, transformers builds no mask at all (no
-        # padding mask, and a multi-token call after cached tokens would be causal from the wrong corner)
-        AttentionMaskInterface.register(name, sdpa_mask)
         if attached is None:
             self._previous_attn = model.config._attn_implementation
+        AttentionInterface.register(name, attention)
+        # and the previous implementation's mask under the same name: without one, transformers builds no
+        # mask at all (no padding mask, and a multi-token call after cached tokens would be causal from the
+        # wrong corner)
+        AttentionMaskInterface.register(name, previous_mask(self._previous_attn))
         model.set_attn_implementation(name)
         model._kvbackend_cache = self
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
@@ -552,6 +583,21 @@ class KVBackendCache(Cache):
         self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
         self.rows_sized = batch
 
+    def __deepcopy__(self, memo: dict) -> "KVBackendCache":
+        """An independent copy holding the same tokens (transformers' way to reuse a prompt's cache for
+        several continuations), attached to no model: a model's attention hands queries and paged decode
+        steps to the cache that `attach` registered, never to a copy, so the copy reads every token itself.
+        Call ``attach`` on it (after detaching the original) for query statistics or paged steps."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            setattr(clone, key, copy.deepcopy(value, memo))
+        clone.attached = clone.wants_queries = False
+        for layer in clone.layers:
+            layer.attention_seen = False
+            layer._paged_step = False
+        return clone
+
     def reset(self) -> None:
         """Forget every token: the rows' requests are freed and the next forward call starts afresh."""
         if self.engine is not None:
@@ -588,11 +634,39 @@ class KVBackendCache(Cache):
             engine.free(rid)
         self.request_ids = [old[r] if first[r] == i else engine.fork(old[r]) for i, r in enumerate(rows)]
 
+    def _row_numbers(self, indices) -> list[int]:
+        """``indices`` as row numbers in ``0..rows-1``, read as torch indexes a batch: a 1-D tensor (or
+        sequence) of integers, negative ones counting from the end, or a boolean mask over the rows.
+
+        Raises:
+            ValueError: no rows, a tensor that is not 1-D, floats, or a mask of another length.
+            IndexError: a row number outside the batch.
+        """
+        rows = len(self.request_ids)
+        picked = torch.as_tensor(indices).detach().cpu()
+        if picked.dim() != 1:
+            raise ValueError(f"row indices must be a 1-D tensor, got shape {tuple(picked.shape)}")
+        if picked.dtype == torch.bool:
+            if picked.numel() != rows:
+                raise ValueError(f"a boolean row mask of {picked.numel()} entries for a cache of {rows} rows")
+            picked = picked.nonzero().flatten()
+        elif picked.is_floating_point() or picked.is_complex():
+            raise ValueError(f"row indices must be integers or a boolean mask, got {picked.dtype}")
+        numbers = [int(i) for i in picked.tolist()]
+        if not numbers:
+            raise ValueError("the selection keeps no row; a cache holds at least one row (reset() it instead)")
+        outside = [i for i in numbers if not -rows <= i < rows]
+        if outside:
+            raise IndexError(f"row indices {outside} are outside a cache of {rows} rows")
+        return [i % rows for i in numbers]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._reselect([int(i) for i in beam_idx.tolist()])
+        if self.engine is not None:
+            self._reselect(self._row_numbers(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reselect([int(i) for i in indices.tolist()])
+        if self.engine is not None:
+            self._reselect(self._row_numbers(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._reselect([row for row in range(len(self.request_ids)) for _ in range(repeats)])

@@ -1,0 +1,160 @@
+"""Adversarial checks of the transformers integration on small random models (no downloads): the cache
+must serve what `DynamicCache` serves with a lossless codec, or refuse clearly."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvbackend.errors import InvalidKV, SpecError  # noqa: E402
+from kvbackend.integration.transformers import KVBackendCache  # noqa: E402
+from kvbackend.tools.models import cache_argument  # noqa: E402
+
+SMALL = dict(codec="identity", page_size=4, chunk_pages=2, max_tokens=64)
+
+
+def _generate(model, ids: torch.Tensor, cache, n: int = 8, **kwargs):
+    """Greedy generation of exactly ``n`` tokens with per-step logits."""
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                              **cache_argument(model, cache), **kwargs)
+
+
+def _largest_gap(got, want) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+
+
+def _gpt_oss():
+    """A tiny gpt-oss: attention sinks (``s_aux``) in every layer, eager attention, one sliding layer."""
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=256,
+                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                       max_position_embeddings=256, pad_token_id=0,
+                                       layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2.0)  # sinks that matter (they start at zero)
+    return model
+
+
+def _gemma2():
+    """A tiny Gemma 2: attention logits soft-capped (eager attention; SDPA refuses ``softcap``)."""
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=256,
+                                       sliding_window=8, max_position_embeddings=256, pad_token_id=0,
+                                       attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).float().eval()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("build", [_gpt_oss, _gemma2], ids=["gpt-oss-sinks", "gemma2-softcap"])
+def test_attach_keeps_the_models_own_attention(build, backend):
+    """attach() must wrap the attention the model runs, not swap in SDPA: gpt-oss's sinks (``s_aux``) were
+    dropped silently (different tokens), and Gemma 2's soft-capping made SDPA raise. With the Triton
+    backend a decode step must not go to the paged kernel, which knows no sinks."""
+    model = build()
+    torch.manual_seed(1)
+    ids = torch.randint(1, 256, (2, 13))
+    want = _generate(model, ids, DynamicCache(config=model.config))
+    cache = KVBackendCache(model.config, codec="identity", page_size=16, chunk_pages=1, max_tokens=64, backend=backend)
+    previous = model.config._attn_implementation
+    cache.attach(model)
+    try:
+        got = _generate(model, ids, cache)
+    finally:
+        cache.detach(model)
+    assert model.config._attn_implementation == previous
+    assert torch.equal(got.sequences, want.sequences)
+    assert _largest_gap(got, want) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return tiny_llama
+
+
+def test_a_deep_copy_of_an_attached_cache_serves_every_token(model):
+    """A deep copy (transformers' way to reuse a prompt's cache for several continuations) of an attached
+    cache is attached to no model: the model's attention hands its calls to the original. With the Triton
+    backend the copy sent its decode steps to the paged kernel anyway, and the model attended the new token
+    alone (silently wrong logits)."""
+    torch.manual_seed(1)
+    ids = torch.randint(1, 256, (2, 20))
+    cache = KVBackendCache(model.config, codec="identity", page_size=16, chunk_pages=1, max_tokens=64,
+                           backend="triton")
+    exact = DynamicCache(config=model.config)
+    cache.attach(model)
+    try:
+        with torch.no_grad():
+            for piece in (ids, ids[:, :1]):  # a prompt, then a decode step that goes on the pages
+                model(piece, **cache_argument(model, cache))
+                model(piece, **cache_argument(model, exact))
+            copied, exact_copy = copy.deepcopy(cache), copy.deepcopy(exact)
+            step = ids[:, 1:2]
+            got = model(step, **cache_argument(model, copied)).logits
+            want = model(step, **cache_argument(model, exact_copy)).logits
+            got_original = model(step, **cache_argument(model, cache)).logits
+            want_original = model(step, **cache_argument(model, exact)).logits
+    finally:
+        cache.detach(model)
+    assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+    assert float((got_original - want_original).abs().max()) < 1e-3 * float(want_original.abs().max())
+    assert copied.get_seq_length() == cache.get_seq_length() == 22
+
+
+def _three_rows(model):
+    """A cache and a DynamicCache holding the same three rows of ten tokens."""
+    torch.manual_seed(1)
+    ids = torch.randint(1, 256, (3, 10))
+    cache = KVBackendCache(model.config, **SMALL)
+    exact = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **cache_argument(model, cache))
+        model(ids, **cache_argument(model, exact))
+    return ids, cache, exact
+
+
+@pytest.mark.parametrize("indices", [[True, True, True], [True, False, True], [0, -1], [-1, 0, -3]],
+                         ids=["all-true-mask", "mask", "negative", "negatives"])
+def test_batch_select_takes_what_a_dynamic_cache_takes(model, indices):
+    """Row selection as torch indexes: a boolean mask keeps the rows it marks (it was read as row numbers, so
+    an all-True mask made every row a copy of row 1, silently), and negative numbers count from the end (row
+    -1 was freed as dropped, then used)."""
+    ids, cache, exact = _three_rows(model)
+    select = torch.tensor(indices)
+    cache.batch_select_indices(select)
+    exact.batch_select_indices(select)
+    rows = exact.layers[0].keys.shape[0]
+    assert len(cache.request_ids) == rows
+    with torch.no_grad():
+        got = model(ids[:rows, :1], **cache_argument(model, cache)).logits
+        want = model(ids[:rows, :1], **cache_argument(model, exact)).logits
+    assert float((got - want).abs().max()) < 1e-4
+    cache.engine.check()
+
+
+@pytest.mark.parametrize("indices", [[0, 3], [-4], [], [[0, 1]], [0.0, 1.0], [True, False]],
+                         ids=["past-the-end", "before-the-start", "empty", "2-d", "float", "short-mask"])
+def test_a_bad_row_selection_is_refused_before_anything_changes(model, indices):
+    """A row number out of range freed every row not named before failing with a bare IndexError (the cache
+    then held freed requests); now: a clear error, and the cache serves its rows as before."""
+    ids, cache, exact = _three_rows(model)
+    before = list(cache.request_ids)
+    with pytest.raises((ValueError, IndexError), match="row"):
+        cache.batch_select_indices(torch.tensor(indices))
+    with pytest.raises((ValueError, IndexError), match="row"):
+        cache.reorder_cache(torch.tensor(indices))
+    assert cache.request_ids == before and len(cache.engine.request_ids) == 3
+    with torch.no_grad():
+        got = model(ids[:, :1], **cache_argument(model, cache)).logits
+        want = model(ids[:, :1], **cache_argument(model, exact)).logits
+    assert float((got - want).abs().max()) < 1e-4
+    cache.engine.check()
