@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbackend import codecs
 from kvbackend.backends import BACKENDS
 from kvbackend.codecs.base import prepare_kv
-from kvbackend.errors import CacheFull, SpecError
+from kvbackend.errors import CacheFull, InvalidKV, SpecError
 from kvbackend.frames import LeverFrame
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import Levers
@@ -120,6 +120,22 @@ def layer_specs(codec: str | tuple[str, ...], layers: int, levers: Levers,
     return specs, parsed
 
 
+def layers_without_own_kv(config) -> list[tuple[int, str]]:
+    """The layers of ``config`` (a text config) that hold no K/V of their own, with their type as
+    transformers reads it: ``dummy`` (a layer reusing an earlier layer's K/V, or one without attention)
+    and linear-attention, hybrid or indexed layers. Empty where transformers cannot say."""
+    try:
+        from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, DynamicSlidingWindowLayer,
+                                              get_layer_types_and_kwargs)
+
+        types, _ = get_layer_types_and_kwargs(config)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    plain = (DynamicLayer, DynamicSlidingWindowLayer)
+    return [(i, kind) for i, kind in enumerate(types)
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in (None, *plain)]
+
+
 def previous_attention(module, implementation: str | None):
     """The attention function ``module`` runs under ``implementation`` (the model's before `attach`): a
     registered one (``sdpa``, flash, flex), else the eager attention of the module's own modeling file,
@@ -198,6 +214,10 @@ class KVBackendLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store ``[B, H, T, D]`` new keys and values; return every token's K/V of this layer
         ``[B, H, length, D]`` (a temporary of this forward call)."""
+        if key_states.dim() != 4 or value_states.shape != key_states.shape:
+            raise InvalidKV(f"layer {self.layer_idx}: keys and values must be [batch, kv_heads, tokens, head_dim] "
+                            f"tensors of one shape, got {tuple(key_states.shape)} and {tuple(value_states.shape)}; "
+                            "nothing was written")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.flush_pending()  # queries never came (attention ran without the attached function)
@@ -403,9 +423,14 @@ class KVBackendCache(Cache):
         attention.
 
         Raises:
-            SpecError: a bad spec or lever, a per-layer plan of the wrong length, differing sinks, a
-                sink longer than a page, or ``psac=``.
+            SpecError: a bad spec or lever, a codec that is neither a spec string nor a list of them, a
+                per-layer plan of the wrong length, differing sinks, a sink longer than a page, or ``psac=``.
+            ValueError: a bad size or backend, or a model with layers that hold no K/V of their own
+                (layers sharing an earlier layer's K/V, linear-attention layers).
         """
+        if not isinstance(codec, str) and not (isinstance(codec, Sequence)
+                                               and all(isinstance(spec, str) for spec in codec)):
+            raise SpecError(f"codec must be a codec spec string (or one per layer), got {codec!r}")
         codec = codec if isinstance(codec, str) else tuple(codec)
         for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages), ("max_tokens", max_tokens),
                             ("dense_tokens", 1 if dense_tokens is None else dense_tokens)):
@@ -419,6 +444,12 @@ class KVBackendCache(Cache):
         self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens, dense_tokens, backend)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = text_config.num_hidden_layers
+        others = layers_without_own_kv(text_config)
+        if others:
+            raise ValueError(f"layers {', '.join(str(i) for i, _ in others)} of this model hold no K/V of their own "
+                             f"({', '.join(sorted({kind for _, kind in others}))}: they share an earlier layer's K/V, "
+                             "have no attention or keep a recurrent state); KVBackendCache serves models whose every "
+                             "layer stores its own keys and values")
         levers = Levers(sink, pre_rope, v_rotation)  # raises SpecError for a bad lever value
         self.layer_specs, parsed = layer_specs(codec, layers, levers, layer_levers)
         self.model_config = text_config

@@ -158,3 +158,40 @@ def test_a_bad_row_selection_is_refused_before_anything_changes(model, indices):
         want = model(ids[:, :1], **cache_argument(model, exact)).logits
     assert float((got - want).abs().max()) < 1e-4
     cache.engine.check()
+
+
+def test_a_model_whose_layers_share_kv_is_refused_up_front():
+    """Gemma 3n's last layers reuse an earlier layer's K/V and never call the cache: every forward after the
+    first failed with "an earlier forward call failed ... call cache.reset()", which reset() does not cure
+    (and no chunk could ever be packed). The constructor now says what the cache cannot serve."""
+    config = transformers.Gemma3nTextConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_hidden_layers=4, vocab_size=256, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+        sliding_window=8, max_position_embeddings=256, pad_token_id=0, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, laurel_rank=4, altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4)
+    with pytest.raises(ValueError, match=r"layers 2, 3 .*share"):
+        KVBackendCache(config, **SMALL)
+
+
+@pytest.mark.parametrize("codec", [None, 4])
+def test_a_codec_that_is_not_a_spec_is_named(model, codec):
+    """``codec=None`` (as if it meant the default) failed with "'NoneType' object is not iterable"."""
+    with pytest.raises(SpecError, match="codec spec string"):
+        KVBackendCache(model.config, codec=codec)
+
+
+@pytest.mark.parametrize("shapes", [((1, 2, 3, 32), (1, 2, 2, 32)), ((1, 2, 3, 32), (1, 2, 3, 16)),
+                                    ((2, 3, 32), (2, 3, 32))], ids=["tokens", "head-dim", "3-d"])
+def test_keys_and_values_of_other_shapes_are_named(model, shapes):
+    """Keys and values whose shapes differ failed inside a reshape ("shape '[3, 2, 32]' is invalid for input
+    of size 128"), 3-D ones with "not enough values to unpack"; now an InvalidKV naming both shapes, and a
+    cache that still serves the next call."""
+    cache = KVBackendCache(model.config, **SMALL)
+    k_shape, v_shape = shapes
+    with pytest.raises(InvalidKV, match="keys and values must be"):
+        cache.layers[0].update(torch.randn(k_shape), torch.randn(v_shape))
+    k, v = torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32)
+    for layer in cache.layers:
+        keys, values = layer.update(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v) and cache.get_seq_length() == 3
