@@ -543,9 +543,11 @@ class KVBackendCache(Cache):
             layer = self.layers[module.layer_idx]
             layer.attention_seen = True
             inner = previous_attention(module, self._previous_attn)
-            if (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
-                    and kwargs.get("sliding_window") is None):  # (a window hides the first positions anyway)
-                self._check_sinks(attention_mask[:, 0, -1])  # what the call's last query may attend: [B, K]
+            if (attention_mask is not None and attention_mask.dim() == 4 and kwargs.get("sliding_window") is None
+                    and layer.sink and not self.warned_padding):  # (a window hides the first positions anyway)
+                last = attention_mask[:, 0, -1]  # what the call's last query may attend: [B, K]
+                # a boolean mask (SDPA's) or an additive one (eager's: the dtype's minimum where hidden)
+                self._check_sinks(last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2)
             if layer._paged_step:
                 return layer.attend_paged(module, query, attention_mask, inner, **kwargs), None
             layer.observe_queries(query)

@@ -195,3 +195,28 @@ def test_keys_and_values_of_other_shapes_are_named(model, shapes):
     for layer in cache.layers:
         keys, values = layer.update(k, v)
     assert torch.equal(keys, k) and torch.equal(values, v) and cache.get_seq_length() == 3
+
+
+def test_left_padded_sinks_are_reported_under_an_eager_mask():
+    """An attached model on eager attention (Gemma 2) gets additive float masks, not SDPA's boolean ones: the
+    warning that a left-padded row's sinks hold padding must still come, once, and an unpadded batch none."""
+    import warnings
+
+    model = _gemma2()
+    torch.manual_seed(9)
+    ids = torch.randint(1, 256, (2, 24))
+    padded = torch.ones_like(ids)
+    padded[1, :5] = 0
+    for mask, want in ((torch.ones_like(ids), 0), (padded, 1)):
+        cache = KVBackendCache(model.config, codec="kivi:bits=2,group=16", page_size=16, chunk_pages=1, sink=4,
+                               max_tokens=64)
+        cache.attach(model)
+        try:
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                model(ids, attention_mask=mask, **cache_argument(model, cache))
+                step = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                model(ids[:, :1], attention_mask=step, **cache_argument(model, cache))
+        finally:
+            cache.detach(model)
+        assert sum("left-padded" in str(w.message) for w in caught) == want
