@@ -44,7 +44,7 @@ from kvbackend.frames import LeverFrame
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import Levers
 from kvbackend.manager import KVCache
-from kvbackend.rope import Rotary, rotary_from_config
+from kvbackend.rope import Rotary, rope_not_undoable, rotary_from_config
 from kvbackend.spec import RECOMMENDED_SPEC, split_spec
 
 
@@ -424,7 +424,8 @@ class KVBackendCache(Cache):
 
         Raises:
             SpecError: a bad spec or lever, a codec that is neither a spec string nor a list of them, a
-                per-layer plan of the wrong length, differing sinks, a sink longer than a page, or ``psac=``.
+                per-layer plan of the wrong length, differing sinks, a sink longer than a page, ``psac=``, or
+                ``prerope=``/``pagerope=`` on a model whose RoPE one full-width rotation cannot undo.
             ValueError: a bad size or backend, or a model with layers that hold no K/V of their own
                 (layers sharing an earlier layer's K/V, linear-attention layers).
         """
@@ -454,6 +455,10 @@ class KVBackendCache(Cache):
         self.layer_specs, parsed = layer_specs(codec, layers, levers, layer_levers)
         self.model_config = text_config
         needs_rope = any(c.levers.rope for c in parsed)
+        unfit = rope_not_undoable(text_config) if needs_rope else None
+        if unfit:
+            raise SpecError(f"prerope/pagerope undo the model's RoPE with one full-width rotation, and this model's "
+                            f"RoPE is not one: {unfit}; use a spec without prerope= and pagerope=")
         self.rotary: Rotary | None = rotary_from_config(text_config) if needs_rope else None
         heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads

@@ -220,3 +220,30 @@ def test_left_padded_sinks_are_reported_under_an_eager_mask():
         finally:
             cache.detach(model)
         assert sum("left-padded" in str(w.message) for w in caught) == want
+
+
+def _phi_config():
+    """Phi rotates half of each head's channels (``partial_rotary_factor=0.5``)."""
+    return transformers.PhiConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_hidden_layers=2,
+                                  vocab_size=256, partial_rotary_factor=0.5, max_position_embeddings=256)
+
+
+def _gemma3_config():
+    """Gemma 3 gives its full-attention layers another RoPE base than its sliding ones."""
+    return transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=256,
+                                         sliding_window=8, max_position_embeddings=256,
+                                         layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("build", [_phi_config, _gemma3_config], ids=["partial-rotary", "per-layer-type-rope"])
+@pytest.mark.parametrize("lever", [dict(pre_rope=True), dict(codec="kivi:bits=2,group=4,pagerope=true")])
+def test_a_rope_the_cache_cannot_undo_is_refused_for_rope_levers(build, lever):
+    """``prerope``/``pagerope`` store keys after undoing the model's RoPE with one full-width rotation. Phi's
+    partial rotation and Gemma 3's per-layer-type bases were undone with the wrong rotation (Llama's full-width
+    RoPE at the config's first base): identity still round-tripped, but lossy codecs compressed keys in a
+    frame that is neither pre- nor post-RoPE, silently. Without those levers the cache takes these models."""
+    config = build()
+    with pytest.raises(SpecError, match="RoPE"):
+        KVBackendCache(config, **dict(SMALL, **lever))
+    KVBackendCache(config, **SMALL)  # no RoPE lever: nothing to undo
