@@ -545,9 +545,13 @@ class KVBackendCache(Cache):
         from transformers.masking_utils import AttentionMaskInterface
 
         def attention(module, query, key, value, attention_mask, **kwargs):
-            layer = self.layers[module.layer_idx]
-            layer.attention_seen = True
             inner = previous_attention(module, self._previous_attn)
+            index = getattr(module, "layer_idx", None)
+            if not (isinstance(index, int) and 0 <= index < len(self.layers) and getattr(module, "is_causal", True)):
+                # not one of the cached decoder layers (a vision tower's encoder attention): attention as before
+                return inner(module, query, key, value, attention_mask, **kwargs)
+            layer = self.layers[index]
+            layer.attention_seen = True
             if (attention_mask is not None and attention_mask.dim() == 4 and kwargs.get("sliding_window") is None
                     and layer.sink and not self.warned_padding):  # (a window hides the first positions anyway)
                 last = attention_mask[:, 0, -1]  # what the call's last query may attend: [B, K]

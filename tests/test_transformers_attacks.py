@@ -247,3 +247,37 @@ def test_a_rope_the_cache_cannot_undo_is_refused_for_rope_levers(build, lever):
     with pytest.raises(SpecError, match="RoPE"):
         KVBackendCache(config, **dict(SMALL, **lever))
     KVBackendCache(config, **SMALL)  # no RoPE lever: nothing to undo
+
+
+def test_attach_leaves_a_vision_towers_attention_alone():
+    """On a vision-language model attach() routes every attention module through the cache's function, the
+    vision tower's included: its encoder attention (no ``layer_idx``) crashed with an AttributeError. It now
+    runs as before, and generation matches a DynamicCache."""
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                           num_hidden_layers=2, image_size=28, patch_size=14)
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
+                                    pad_token_id=0)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=299,
+                                      vision_feature_layer=-1)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    ids = torch.cat([torch.full((1, 4), 299), torch.randint(1, 256, (1, 6))], 1)
+    pixels = torch.randn(1, 3, 28, 28)
+
+    def run(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True, **cache_argument(model, cache))
+
+    want = run(DynamicCache(config=config.text_config))
+    cache = KVBackendCache(config, codec="identity", page_size=4, chunk_pages=1, max_tokens=64)
+    cache.attach(model)
+    try:
+        got = run(cache)
+    finally:
+        cache.detach(model)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _largest_gap(got, want) < 1e-4
+    assert all(layer.attention_seen for layer in cache.layers)  # the decoder's layers did go through the cache
