@@ -711,6 +711,8 @@ class KVBackendCache(Cache):
             self._reselect(self._row_numbers(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive integer (each row kept that many times), got {repeats!r}")
         self._reselect([row for row in range(len(self.request_ids)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -281,3 +281,17 @@ def test_attach_leaves_a_vision_towers_attention_alone():
     assert torch.equal(got.sequences, want.sequences)
     assert _largest_gap(got, want) < 1e-4
     assert all(layer.attention_seen for layer in cache.layers)  # the decoder's layers did go through the cache
+
+
+@pytest.mark.parametrize("repeats", [0, -1])
+def test_repeating_rows_no_times_is_refused_before_anything_changes(model, repeats):
+    """``batch_repeat_interleave(0)`` freed every row's request and left a cache of no rows, whose next call failed
+    far from the cause; now a ValueError, and the rows still serve."""
+    ids, cache, exact = _three_rows(model)
+    with pytest.raises(ValueError, match="repeats"):
+        cache.batch_repeat_interleave(repeats)
+    assert len(cache.request_ids) == 3 and len(cache.engine.request_ids) == 3
+    with torch.no_grad():
+        got = model(ids[:, :1], **cache_argument(model, cache)).logits
+        want = model(ids[:, :1], **cache_argument(model, exact)).logits
+    assert float((got - want).abs().max()) < 1e-4
