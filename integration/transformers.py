@@ -464,7 +464,7 @@ class KVBackendCache(Cache):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         shape = Geometry(layers, heads, head_dim, torch.float32)
         for i, c in enumerate(parsed):  # what the paged cache would refuse, refused now
-            LeverFrame(c.levers, self.rotary, page_size).check(page_size, f"layer {i} ({self.layer_specs[i]})")
+            LeverFrame(c.levers, self.rotary, page_size).check(page_size, f"layer {i} ({self.layer_specs[i]})", head_dim)
             c.layout(shape, page_size)  # SpecError: a group or channel option that does not fit the pages
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []

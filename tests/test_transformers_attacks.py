@@ -295,3 +295,21 @@ def test_repeating_rows_no_times_is_refused_before_anything_changes(model, repea
         got = model(ids[:, :1], **cache_argument(model, cache)).logits
         want = model(ids[:, :1], **cache_argument(model, exact)).logits
     assert float((got - want).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [48, 80, 96])
+def test_a_hadamard_rotation_over_a_head_that_is_not_a_power_of_two_is_refused_up_front(head_dim):
+    """``vrot=hadamard`` on head sizes such as Phi-2's 80 or Phi-3's 96: the cache was built, and then every
+    chunk's encoding failed (a line on stderr, the chunk left in the dense pool), so nothing was ever
+    compressed. Refused when the cache is built, by the paged cache as well."""
+    from kvbackend.geometry import CacheConfig, Geometry
+    from kvbackend.manager import KVCache
+
+    config = transformers.LlamaConfig(hidden_size=2 * head_dim, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=head_dim, num_hidden_layers=2, vocab_size=256)
+    with pytest.raises(SpecError, match="power-of-two head_dim"):
+        KVBackendCache(config, **dict(SMALL, codec="kivi:bits=2,group=4"), v_rotation="hadamard")
+    with pytest.raises(SpecError, match="power-of-two head_dim"):
+        KVCache(Geometry(2, 1, head_dim, torch.float32), CacheConfig(codec="kivi:bits=2,group=4,vrot=hadamard",
+                                                                    page_size=4, chunk_pages=2))
+    KVBackendCache(config, **dict(SMALL, codec="kivi:bits=2,group=4"))  # without the rotation it is served
