@@ -282,7 +282,8 @@ class KVBackendLayer(CacheLayerMixin):
         plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
                  and kwargs.get("sliding_window") is None and query.shape[2] == 1)
         if plain and attention_mask is not None:
-            plain = attention_mask.dtype == torch.bool and bool(attention_mask.all())
+            # nothing hidden: a boolean mask (SDPA's) all True, an additive one (eager's) all zero
+            plain = bool(attention_mask.all()) if attention_mask.dtype == torch.bool else bool((attention_mask == 0).all())
         if not plain:
             keys, values = self.read()
             return fallback(module, query, torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2),

@@ -313,3 +313,39 @@ def test_a_hadamard_rotation_over_a_head_that_is_not_a_power_of_two_is_refused_u
         KVCache(Geometry(2, 1, head_dim, torch.float32), CacheConfig(codec="kivi:bits=2,group=4,vrot=hadamard",
                                                                     page_size=4, chunk_pages=2))
     KVBackendCache(config, **dict(SMALL, codec="kivi:bits=2,group=4"))  # without the rotation it is served
+
+
+def test_attached_decode_steps_of_an_eager_model_attend_on_the_pages(monkeypatch):
+    """A model on eager attention gets additive masks (zero where visible); once attach() wrapped the eager
+    attention, its unpadded decode steps must still go to the paged kernel (no dense read of the sequence) and
+    give DynamicCache's logits."""
+    from kvbackend.integration.transformers import KVBackendLayer
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=256,
+                                      max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.config._attn_implementation == "eager"
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (2, 20))
+    cache = KVBackendCache(model.config, codec="identity", page_size=16, chunk_pages=1, max_tokens=64,
+                           backend="triton")
+    exact = DynamicCache(config=model.config)
+    reads = []
+    real_read = KVBackendLayer.read
+    monkeypatch.setattr(KVBackendLayer, "read", lambda self: reads.append(self.layer_idx) or real_read(self))
+    cache.attach(model)
+    try:
+        with torch.no_grad():
+            model(ids[:, :18], **cache_argument(model, cache))
+            model(ids[:, :18], **cache_argument(model, exact))
+            reads.clear()
+            for i in range(18, 20):
+                got = model(ids[:, i:i + 1], **cache_argument(model, cache)).logits
+                want = model(ids[:, i:i + 1], **cache_argument(model, exact)).logits
+                assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+    finally:
+        cache.detach(model)
+    assert model.config._attn_implementation == "eager"
+    assert reads == []  # no dense read in the decode steps
