@@ -545,8 +545,15 @@ class KVBackendCache(Cache):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
+        attached = getattr(model, "_kvbackend_cache", None)
+        if attached is not None and attached is not self:
+            raise ValueError("another KVBackendCache is attached to this model (its attention hands queries to that "
+                             "cache alone): detach it first")
+        # kept on the model: a cache attached to two models restores each to its own
+        previous = model.config._attn_implementation if attached is None else model._kvbackend_previous_attn
+
         def attention(module, query, key, value, attention_mask, **kwargs):
-            inner = previous_attention(module, self._previous_attn)
+            inner = previous_attention(module, previous)
             index = getattr(module, "layer_idx", None)
             if not (isinstance(index, int) and 0 <= index < len(self.layers) and getattr(module, "is_causal", True)):
                 # not one of the cached decoder layers (a vision tower's encoder attention): attention as before
@@ -563,20 +570,15 @@ class KVBackendCache(Cache):
             layer.observe_queries(query)
             return inner(module, query, key, value, attention_mask, **kwargs)
 
-        attached = getattr(model, "_kvbackend_cache", None)
-        if attached is not None and attached is not self:
-            raise ValueError("another KVBackendCache is attached to this model (its attention hands queries to that "
-                             "cache alone): detach it first")
-        name = f"kvbackend_{id(self):x}"
-        if attached is None:
-            self._previous_attn = model.config._attn_implementation
+        name = f"kvbackend_{id(self):x}_{id(model):x}"
         AttentionInterface.register(name, attention)
         # and the previous implementation's mask under the same name: without one, transformers builds no
         # mask at all (no padding mask, and a multi-token call after cached tokens would be causal from the
         # wrong corner)
-        AttentionMaskInterface.register(name, previous_mask(self._previous_attn))
+        AttentionMaskInterface.register(name, previous_mask(previous))
         model.set_attn_implementation(name)
         model._kvbackend_cache = self
+        model._kvbackend_previous_attn = previous
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         self.attached = True
         for layer in self.layers:  # decode steps go on the pages once this model's attention is seen to call it
@@ -590,8 +592,9 @@ class KVBackendCache(Cache):
         self._flush()
         self.wants_queries = False
         self.attached = False
-        model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
+        model.set_attn_implementation(getattr(model, "_kvbackend_previous_attn", None) or "sdpa")
         del model._kvbackend_cache
+        del model._kvbackend_previous_attn
 
     def _flush(self) -> None:
         for layer in self.layers:

@@ -349,3 +349,27 @@ def test_attached_decode_steps_of_an_eager_model_attend_on_the_pages(monkeypatch
         cache.detach(model)
     assert model.config._attn_implementation == "eager"
     assert reads == []  # no dense read in the decode steps
+
+
+def test_one_cache_attached_to_two_models_restores_each_to_its_own_attention(model):
+    """The attention a model ran before attach() was kept on the cache: attaching the same cache to a second
+    model overwrote it, so the first model (Gemma 2, eager: soft-capping) ran SDPA while attached, which
+    refuses soft-capping, and detach() left it on SDPA for good."""
+    gemma = _gemma2()
+    torch.manual_seed(2)
+    ids = torch.randint(1, 256, (1, 12))
+    with torch.no_grad():
+        want = gemma(ids).logits
+    cache = KVBackendCache(model.config, **SMALL)
+    cache.attach(gemma)
+    cache.attach(model)  # the tiny Llama, on SDPA
+    try:
+        with torch.no_grad():
+            attached = gemma(ids, use_cache=False).logits  # the attached function, on Gemma's eager attention
+    finally:
+        cache.detach(gemma)
+        cache.detach(model)
+    assert gemma.config._attn_implementation == "eager" and model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        after = gemma(ids).logits
+    assert float((attached - want).abs().max()) < 1e-5 and float((after - want).abs().max()) < 1e-5
