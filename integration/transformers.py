@@ -27,6 +27,7 @@ statistics of its own and earlier queries). Without it such a codec runs on cold
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -38,12 +39,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbackend import codecs
 from kvbackend.backends import BACKENDS
 from kvbackend.codecs.base import prepare_kv
-from kvbackend.errors import CacheFull, SpecError
+from kvbackend.errors import CacheFull, InvalidKV, SpecError
 from kvbackend.frames import LeverFrame
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import Levers
 from kvbackend.manager import KVCache
-from kvbackend.rope import Rotary, rotary_from_config
+from kvbackend.rope import Rotary, rope_not_undoable, rotary_from_config
 from kvbackend.spec import RECOMMENDED_SPEC, split_spec
 
 
@@ -119,6 +120,49 @@ def layer_specs(codec: str | tuple[str, ...], layers: int, levers: Levers,
     return specs, parsed
 
 
+def layers_without_own_kv(config) -> list[tuple[int, str]]:
+    """The layers of ``config`` (a text config) that hold no K/V of their own, with their type as
+    transformers reads it: ``dummy`` (a layer reusing an earlier layer's K/V, or one without attention)
+    and linear-attention, hybrid or indexed layers. Empty where transformers cannot say."""
+    try:
+        from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, DynamicSlidingWindowLayer,
+                                              get_layer_types_and_kwargs)
+
+        types, _ = get_layer_types_and_kwargs(config)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    plain = (DynamicLayer, DynamicSlidingWindowLayer)
+    return [(i, kind) for i, kind in enumerate(types)
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in (None, *plain)]
+
+
+def previous_attention(module, implementation: str | None):
+    """The attention function ``module`` runs under ``implementation`` (the model's before `attach`): a
+    registered one (``sdpa``, flash, flex), else the eager attention of the module's own modeling file,
+    which knows the model's extras (gpt-oss sinks, Gemma 2 soft-capping); SDPA where neither exists."""
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation and implementation != "eager" and implementation in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    if implementation == "eager":
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+    return sdpa_attention_forward
+
+
+def previous_mask(implementation: str | None):
+    """The mask function transformers uses for ``implementation`` (SDPA's where it has none of its own)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if implementation and implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+        return ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    return sdpa_mask
+
+
 class KVBackendLayer(CacheLayerMixin):
     """One attention layer's cache, stored in the shared `KVCache` of its `KVBackendCache`.
 
@@ -170,6 +214,10 @@ class KVBackendLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store ``[B, H, T, D]`` new keys and values; return every token's K/V of this layer
         ``[B, H, length, D]`` (a temporary of this forward call)."""
+        if key_states.dim() != 4 or value_states.shape != key_states.shape:
+            raise InvalidKV(f"layer {self.layer_idx}: keys and values must be [batch, kv_heads, tokens, head_dim] "
+                            f"tensors of one shape, got {tuple(key_states.shape)} and {tuple(value_states.shape)}; "
+                            "nothing was written")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.flush_pending()  # queries never came (attention ran without the attached function)
@@ -213,8 +261,8 @@ class KVBackendLayer(CacheLayerMixin):
         token as given: the paged decode kernel attends to the stored tokens, the new token joins
         through the log-sum-exp, and only then is it stored (with its query). So a step whose token
         completes a chunk attends that chunk as the other layers do. A mask that hides any token
-        (padding), dropout, soft-capping or a sliding window go through ``fallback`` (the model's
-        SDPA) on K/V read from the pages instead."""
+        (padding), dropout, soft-capping, attention sinks (``s_aux``) or a sliding window go through
+        ``fallback`` (the attention the model ran before `attach`) on K/V read from the pages instead."""
         self._paged_step = False
         k_new, v_new = self._pending
         try:
@@ -231,10 +279,11 @@ class KVBackendLayer(CacheLayerMixin):
 
     def _attend_stored_and_new(self, module, query, k_new, v_new, attention_mask, fallback, **kwargs):
         engine, rows = self.owner.engine, self.owner.request_ids
-        plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None
+        plain = (kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
                  and kwargs.get("sliding_window") is None and query.shape[2] == 1)
         if plain and attention_mask is not None:
-            plain = attention_mask.dtype == torch.bool and bool(attention_mask.all())
+            # nothing hidden: a boolean mask (SDPA's) all True, an additive one (eager's) all zero
+            plain = bool(attention_mask.all()) if attention_mask.dtype == torch.bool else bool((attention_mask == 0).all())
         if not plain:
             keys, values = self.read()
             return fallback(module, query, torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2),
@@ -375,9 +424,15 @@ class KVBackendCache(Cache):
         attention.
 
         Raises:
-            SpecError: a bad spec or lever, a per-layer plan of the wrong length, differing sinks, a
-                sink longer than a page, or ``psac=``.
+            SpecError: a bad spec or lever, a codec that is neither a spec string nor a list of them, a
+                per-layer plan of the wrong length, differing sinks, a sink longer than a page, ``psac=``, or
+                ``prerope=``/``pagerope=`` on a model whose RoPE one full-width rotation cannot undo.
+            ValueError: a bad size or backend, or a model with layers that hold no K/V of their own
+                (layers sharing an earlier layer's K/V, linear-attention layers).
         """
+        if not isinstance(codec, str) and not (isinstance(codec, Sequence)
+                                               and all(isinstance(spec, str) for spec in codec)):
+            raise SpecError(f"codec must be a codec spec string (or one per layer), got {codec!r}")
         codec = codec if isinstance(codec, str) else tuple(codec)
         for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages), ("max_tokens", max_tokens),
                             ("dense_tokens", 1 if dense_tokens is None else dense_tokens)):
@@ -391,16 +446,26 @@ class KVBackendCache(Cache):
         self.options = CacheOptions(codec, page_size, chunk_pages, max_tokens, dense_tokens, backend)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = text_config.num_hidden_layers
+        others = layers_without_own_kv(text_config)
+        if others:
+            raise ValueError(f"layers {', '.join(str(i) for i, _ in others)} of this model hold no K/V of their own "
+                             f"({', '.join(sorted({kind for _, kind in others}))}: they share an earlier layer's K/V, "
+                             "have no attention or keep a recurrent state); KVBackendCache serves models whose every "
+                             "layer stores its own keys and values")
         levers = Levers(sink, pre_rope, v_rotation)  # raises SpecError for a bad lever value
         self.layer_specs, parsed = layer_specs(codec, layers, levers, layer_levers)
         self.model_config = text_config
         needs_rope = any(c.levers.rope for c in parsed)
+        unfit = rope_not_undoable(text_config) if needs_rope else None
+        if unfit:
+            raise SpecError(f"prerope/pagerope undo the model's RoPE with one full-width rotation, and this model's "
+                            f"RoPE is not one: {unfit}; use a spec without prerope= and pagerope=")
         self.rotary: Rotary | None = rotary_from_config(text_config) if needs_rope else None
         heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         shape = Geometry(layers, heads, head_dim, torch.float32)
         for i, c in enumerate(parsed):  # what the paged cache would refuse, refused now
-            LeverFrame(c.levers, self.rotary, page_size).check(page_size, f"layer {i} ({self.layer_specs[i]})")
+            LeverFrame(c.levers, self.rotary, page_size).check(page_size, f"layer {i} ({self.layer_specs[i]})", head_dim)
             c.layout(shape, page_size)  # SpecError: a group or channel option that does not fit the pages
         self.engine: KVCache | None = None
         self.request_ids: list[int] = []
@@ -473,36 +538,47 @@ class KVBackendCache(Cache):
 
     def attach(self, model) -> str:
         """Route ``model``'s attention through a function that hands queries to this cache first
-        (needed by query-aware codecs such as ``quantwm``; harmless for others). Returns the name it
-        registered; ``detach(model)`` restores the previous implementation."""
+        (needed by query-aware codecs such as ``quantwm``; harmless for others), then runs the
+        attention the model ran before (its eager attention, SDPA, ...: sinks and soft-capping
+        included) with that implementation's mask. Returns the name it registered; ``detach(model)``
+        restores the previous implementation."""
         from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        def attention(module, query, key, value, attention_mask, **kwargs):
-            layer = self.layers[module.layer_idx]
-            layer.attention_seen = True
-            if (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
-                    and kwargs.get("sliding_window") is None):  # (a window hides the first positions anyway)
-                self._check_sinks(attention_mask[:, 0, -1])  # what the call's last query may attend: [B, K]
-            if layer._paged_step:
-                return layer.attend_paged(module, query, attention_mask, sdpa_attention_forward, **kwargs), None
-            layer.observe_queries(query)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        from transformers.masking_utils import AttentionMaskInterface
 
         attached = getattr(model, "_kvbackend_cache", None)
         if attached is not None and attached is not self:
             raise ValueError("another KVBackendCache is attached to this model (its attention hands queries to that "
                              "cache alone): detach it first")
-        name = f"kvbackend_{id(self):x}"
+        # kept on the model: a cache attached to two models restores each to its own
+        previous = model.config._attn_implementation if attached is None else model._kvbackend_previous_attn
+
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            inner = previous_attention(module, previous)
+            index = getattr(module, "layer_idx", None)
+            if not (isinstance(index, int) and 0 <= index < len(self.layers) and getattr(module, "is_causal", True)):
+                # not one of the cached decoder layers (a vision tower's encoder attention): attention as before
+                return inner(module, query, key, value, attention_mask, **kwargs)
+            layer = self.layers[index]
+            layer.attention_seen = True
+            if (attention_mask is not None and attention_mask.dim() == 4 and kwargs.get("sliding_window") is None
+                    and layer.sink and not self.warned_padding):  # (a window hides the first positions anyway)
+                last = attention_mask[:, 0, -1]  # what the call's last query may attend: [B, K]
+                # a boolean mask (SDPA's) or an additive one (eager's: the dtype's minimum where hidden)
+                self._check_sinks(last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2)
+            if layer._paged_step:
+                return layer.attend_paged(module, query, attention_mask, inner, **kwargs), None
+            layer.observe_queries(query)
+            return inner(module, query, key, value, attention_mask, **kwargs)
+
+        name = f"kvbackend_{id(self):x}_{id(model):x}"
         AttentionInterface.register(name, attention)
-        # and SDPA's mask under the same name: without one, transformers builds no mask at all (no
-        # padding mask, and a multi-token call after cached tokens would be causal from the wrong corner)
-        AttentionMaskInterface.register(name, sdpa_mask)
-        if attached is None:
-            self._previous_attn = model.config._attn_implementation
+        # and the previous implementation's mask under the same name: without one, transformers builds no
+        # mask at all (no padding mask, and a multi-token call after cached tokens would be causal from the
+        # wrong corner)
+        AttentionMaskInterface.register(name, previous_mask(previous))
         model.set_attn_implementation(name)
         model._kvbackend_cache = self
+        model._kvbackend_previous_attn = previous
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         self.attached = True
         for layer in self.layers:  # decode steps go on the pages once this model's attention is seen to call it
@@ -516,8 +592,9 @@ class KVBackendCache(Cache):
         self._flush()
         self.wants_queries = False
         self.attached = False
-        model.set_attn_implementation(getattr(self, "_previous_attn", "sdpa"))
+        model.set_attn_implementation(getattr(model, "_kvbackend_previous_attn", None) or "sdpa")
         del model._kvbackend_cache
+        del model._kvbackend_previous_attn
 
     def _flush(self) -> None:
         for layer in self.layers:
@@ -551,6 +628,21 @@ class KVBackendCache(Cache):
         self.engine = KVCache(geometry, config, rotary=self.rotary)
         self.request_ids = [self.engine.add_request()[0] for _ in range(batch)]
         self.rows_sized = batch
+
+    def __deepcopy__(self, memo: dict) -> "KVBackendCache":
+        """An independent copy holding the same tokens (transformers' way to reuse a prompt's cache for
+        several continuations), attached to no model: a model's attention hands queries and paged decode
+        steps to the cache that `attach` registered, never to a copy, so the copy reads every token itself.
+        Call ``attach`` on it (after detaching the original) for query statistics or paged steps."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            setattr(clone, key, copy.deepcopy(value, memo))
+        clone.attached = clone.wants_queries = False
+        for layer in clone.layers:
+            layer.attention_seen = False
+            layer._paged_step = False
+        return clone
 
     def reset(self) -> None:
         """Forget every token: the rows' requests are freed and the next forward call starts afresh."""
@@ -588,13 +680,43 @@ class KVBackendCache(Cache):
             engine.free(rid)
         self.request_ids = [old[r] if first[r] == i else engine.fork(old[r]) for i, r in enumerate(rows)]
 
+    def _row_numbers(self, indices) -> list[int]:
+        """``indices`` as row numbers in ``0..rows-1``, read as torch indexes a batch: a 1-D tensor (or
+        sequence) of integers, negative ones counting from the end, or a boolean mask over the rows.
+
+        Raises:
+            ValueError: no rows, a tensor that is not 1-D, floats, or a mask of another length.
+            IndexError: a row number outside the batch.
+        """
+        rows = len(self.request_ids)
+        picked = torch.as_tensor(indices).detach().cpu()
+        if picked.dim() != 1:
+            raise ValueError(f"row indices must be a 1-D tensor, got shape {tuple(picked.shape)}")
+        if picked.dtype == torch.bool:
+            if picked.numel() != rows:
+                raise ValueError(f"a boolean row mask of {picked.numel()} entries for a cache of {rows} rows")
+            picked = picked.nonzero().flatten()
+        elif picked.is_floating_point() or picked.is_complex():
+            raise ValueError(f"row indices must be integers or a boolean mask, got {picked.dtype}")
+        numbers = [int(i) for i in picked.tolist()]
+        if not numbers:
+            raise ValueError("the selection keeps no row; a cache holds at least one row (reset() it instead)")
+        outside = [i for i in numbers if not -rows <= i < rows]
+        if outside:
+            raise IndexError(f"row indices {outside} are outside a cache of {rows} rows")
+        return [i % rows for i in numbers]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._reselect([int(i) for i in beam_idx.tolist()])
+        if self.engine is not None:
+            self._reselect(self._row_numbers(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reselect([int(i) for i in indices.tolist()])
+        if self.engine is not None:
+            self._reselect(self._row_numbers(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive integer (each row kept that many times), got {repeats!r}")
         self._reselect([row for row in range(len(self.request_ids)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:

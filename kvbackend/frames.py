@@ -74,8 +74,12 @@ class LeverFrame:
     rotary: Rotary | None = None
     page_size: int = 0  # tokens per page (needed by pagerope=true)
 
-    def check(self, page_size: int, where: str) -> None:
-        """Raise SpecError for levers the paged cache cannot serve as given."""
+    def check(self, page_size: int, where: str, head_dim: int | None = None) -> None:
+        """Raise SpecError for levers the paged cache cannot serve as given (with ``head_dim``, a Hadamard
+        rotation of values over a head size that is not a power of two, which every chunk's encoding would
+        refuse, leaving every chunk dense)."""
+        if head_dim is not None and self.levers.vrot == "hadamard" and head_dim & (head_dim - 1):
+            raise SpecError(f"{where}: vrot=hadamard needs a power-of-two head_dim, and the model's is {head_dim}")
         if self.levers.rope and self.rotary is None:
             name = "prerope" if self.levers.prerope else "pagerope"
             raise SpecError(f"{where}: {name}=true stores keys before RoPE and needs the model's RoPE: pass "

@@ -51,7 +51,7 @@ class KVCache:
         # the levers each layer applies
         self.frames = [LeverFrame(codec.levers, rotary, self.config.page_size) for codec in self.codecs]
         for layer, frame in enumerate(self.frames):
-            frame.check(self.config.page_size, f"layer {layer} ({self.codecs[layer].spec_string})")
+            frame.check(self.config.page_size, f"layer {layer} ({self.codecs[layer].spec_string})", geometry.head_dim)
         self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layouts, self.config)

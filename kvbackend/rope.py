@@ -53,6 +53,26 @@ class Rotary:
         return Rotary(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
 
 
+def rope_not_undoable(config) -> str | None:
+    """Why one `Rotary` cannot undo the RoPE of a transformers text ``config`` for every layer, or None.
+
+    `Rotary` rotates every channel of a head, one way in every layer: a model that rotates part of each
+    head (``partial_rotary_factor`` < 1: Phi, StableLM, GPT-NeoX) or gives layer types their own RoPE
+    (``rope_parameters`` per layer type, as Gemma 3's full and sliding layers) is undone wrongly, so the
+    keys a ``prerope``/``pagerope`` codec stores would be neither pre- nor post-RoPE.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(value, dict) for value in params.values()):
+        kinds = {kind: dict(value) for kind, value in params.items()}
+        if len({repr(sorted(value.items())) for value in kinds.values()}) > 1:
+            return f"its layer types have their own RoPE ({kinds})"
+        params = next(iter(kinds.values()))
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if factor is not None and float(factor) != 1.0:
+        return f"it rotates a part of each head (partial_rotary_factor={factor})"
+    return None
+
+
 def rotary_from_config(config) -> Rotary:
     """A transformers model config's RoPE (default, or any type transformers knows) as a `Rotary`."""
     params = getattr(config, "rope_parameters", None) or {}
