@@ -73,10 +73,7 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
     x = _start_block(d, block, m.dtype, m.device).expand(h, d, block)
     failed = torch.zeros(h, dtype=torch.bool, device=m.device)
     for _ in range(steps):
-        y = m @ x
-        y = y / y.norm(dim=1, keepdim=True).clamp_min(1e-300)
-        factor, info = torch.linalg.cholesky_ex(y.transpose(1, 2) @ y)
-        x = torch.linalg.solve_triangular(factor, y.transpose(1, 2), upper=False).transpose(1, 2)
+        x, info = _power_step(m, x)
         failed |= info != 0
     ritz = x.transpose(1, 2) @ m @ x
     if _capturing(m):  # eigh reads its result on the host: a short iteration instead
@@ -92,6 +89,15 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
     if bool(failed.any()):
         basis[failed] = principal_directions(moment[failed], rank, "eigh")
     return basis
+
+
+def _power_step(m: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of block subspace iteration: ``m @ x`` [B, d, k], columns normalized, then orthonormalized by
+    Cholesky QR. Returns the new block and the factorization's info (non-zero where it failed)."""
+    y = m @ x
+    y = y / y.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    factor, info = torch.linalg.cholesky_ex(y.transpose(1, 2) @ y)
+    return torch.linalg.solve_triangular(factor, y.transpose(1, 2), upper=False).transpose(1, 2), info
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -113,10 +119,7 @@ def _leading_ritz_vectors(ritz: torch.Tensor, rank: int, steps: int = RITZ_STEPS
     z = torch.eye(k, rank, dtype=t.dtype, device=t.device).expand(b, k, rank)
     failed = torch.zeros(b, dtype=torch.bool, device=t.device)
     for _ in range(steps):
-        y = t @ z
-        y = y / y.norm(dim=1, keepdim=True).clamp_min(1e-300)
-        factor, info = torch.linalg.cholesky_ex(y.transpose(1, 2) @ y)
-        z = torch.linalg.solve_triangular(factor, y.transpose(1, 2), upper=False).transpose(1, 2)
+        z, info = _power_step(t, z)
         failed |= info != 0
     return z, failed
 

@@ -53,17 +53,23 @@ def test_auto_solves_on_the_host_on_a_cpu_and_refuses_unknown_methods():
         principal_directions(m, 4, "power")
 
 
+def _failing_at(index: int):
+    """`torch.linalg.cholesky_ex` whose factorization of matrix ``index`` "fails" at every step."""
+    real = torch.linalg.cholesky_ex
+
+    def failing(a):
+        factor, info = real(a)
+        info = info.clone()
+        info[index] = 1
+        return factor, info
+
+    return failing
+
+
 def test_a_failed_factorization_falls_back_to_lapack_for_that_matrix(monkeypatch):
     m, _ = _moments(heads=6)
     real = torch.linalg.cholesky_ex
-
-    def failing(a):  # the factorization of matrix 3 "fails" at every step
-        factor, info = real(a)
-        info = info.clone()
-        info[3] = 1
-        return factor, info
-
-    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", _failing_at(3))
     basis = subspace_directions(m, 4)
     assert torch.equal(basis[3], principal_directions(m[3:4], 4, "eigh")[0])
     monkeypatch.setattr(torch.linalg, "cholesky_ex", real)
@@ -75,17 +81,9 @@ def test_inside_a_graph_capture_a_failed_factorization_keeps_unit_directions(mon
     sent to LAPACK: it keeps the first unit directions (finite and orthonormal), and the other matrices are
     unchanged."""
     m, _ = _moments(heads=6)
-    real = torch.linalg.cholesky_ex
     monkeypatch.setattr(psac, "_capturing", lambda t: True)
     clean = subspace_directions(m, 4)
-
-    def failing(a):
-        factor, info = real(a)
-        info = info.clone()
-        info[3] = 1
-        return factor, info
-
-    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", _failing_at(3))
     basis = subspace_directions(m, 4)
     assert torch.equal(basis[3], torch.eye(64, 4))
     assert torch.equal(basis[[0, 1, 2, 4, 5]], clean[[0, 1, 2, 4, 5]])
