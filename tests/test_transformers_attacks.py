@@ -379,3 +379,44 @@ def test_one_cache_attached_to_two_models_restores_each_to_its_own_attention(mod
     with torch.no_grad():
         after = gemma(ids).logits
     assert float((attached - want).abs().max()) < 1e-5 and float((after - want).abs().max()) < 1e-5
+
+
+def test_eval_captures_the_keys_and_values_the_model_computes():
+    """`kvbackend eval` captures the exact K/V by wrapping the model's attention: it ran SDPA whatever the model
+    ran, so with Gemma 2's soft-capping every layer after the first saw other hidden states, and the "exact" K/V
+    the codecs were measured against were not the model's. They are now those of a plain forward."""
+    from kvbackend.tools.evaluate import capture_exact
+
+    model = _gemma2()
+    torch.manual_seed(4)
+    ids = torch.randint(1, 256, (1, 24)).to(DEVICE)
+    exact = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **cache_argument(model, exact))
+    captured = capture_exact(model, ids)
+    assert model.config._attn_implementation == "eager"  # restored
+    for layer, (k, v) in enumerate(zip(captured.k, captured.v)):
+        want_k, want_v = exact.layers[layer].keys[0], exact.layers[layer].values[0]  # a sliding layer keeps its window
+        n = want_k.shape[1]
+        assert torch.allclose(k[:, -n:], want_k, atol=1e-5), layer
+        assert torch.allclose(v[:, -n:], want_v, atol=1e-5), layer
+
+
+@pytest.mark.parametrize("build", [_phi_config, _gemma3_config], ids=["partial-rotary", "per-layer-type-rope"])
+def test_eval_refuses_rope_levers_on_a_rope_it_cannot_undo(build):
+    """`kvbackend eval` undid any model's RoPE with one full-width rotation at one base, so pre-RoPE and
+    page-relative specs were measured with keys in a wrong frame on Phi or Gemma 3; such specs are refused, the
+    others still checked as before."""
+    from kvbackend.rope import rope_not_undoable
+    from kvbackend.tools.evaluate import EvalSettings, check_specs, geometry_from_config
+
+    config = build()
+    settings = EvalSettings(tokens=64, prefix=64, cont=8, queries=8, page_size=16, chunk_tokens=32)
+    unfit = rope_not_undoable(config)
+    assert unfit
+    for spec in ("kivi:bits=2,group=16,prerope=true", "kivi:bits=2,group=16,pagerope=true",
+                 "auto:bpv=2.6,widths=2-3,base=kivi:bits=2;group=16;prerope=true"):
+        with pytest.raises(SpecError, match="RoPE is not one"):
+            check_specs([spec], settings, geometry_from_config(config), unfit)
+    assert check_specs(["kivi:bits=2,group=16", "kivi:bits=2,group=16,sink=4"], settings,
+                       geometry_from_config(config), unfit) is False

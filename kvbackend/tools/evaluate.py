@@ -29,7 +29,7 @@ from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import hadamard
 from kvbackend.manager import KVCache
 from kvbackend.frames import LeverFrame
-from kvbackend.rope import Rotary, rotary_from_config
+from kvbackend.rope import Rotary, rope_not_undoable, rotary_from_config
 from kvbackend.tools.auto import candidate_specs, parse_auto, plan_widths
 from kvbackend.tools.reconstruct import reconstruct_sequence
 
@@ -99,16 +99,21 @@ class Capture:
 def capture_exact(model, input_ids: torch.Tensor) -> Capture:
     """Run ``model`` once and keep each layer's queries, keys and values."""
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from kvbackend.integration.transformers import previous_attention, previous_mask
 
     seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    previous = model.config._attn_implementation
 
     def capture(module, query, key, value, attention_mask, **kwargs):
         seen[module.layer_idx] = (query[0].detach(), key[0].detach(), value[0].detach())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        # the attention the model runs (its eager one keeps soft-capping and attention sinks), not always SDPA
+        return previous_attention(module, previous)(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("kvbackend_capture", capture)
-    previous = model.config._attn_implementation
+    if previous not in (None, "sdpa"):  # the implementation's own mask (SDPA's call builds its causal mask itself)
+        AttentionMaskInterface.register("kvbackend_capture", previous_mask(previous))
     model.set_attn_implementation("kvbackend_capture")
     try:
         with torch.no_grad():
@@ -232,9 +237,14 @@ def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024):
     return Calibration.fit(k, v)
 
 
+def text_config_of(config):
+    """The text model's part of a transformers config (the config itself for a text-only model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def geometry_from_config(config) -> Geometry:
     """The KV geometry (float32, as `load_model` loads) of a transformers model config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config_of(config)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return Geometry(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim,
@@ -248,10 +258,13 @@ def model_geometry(model_dir: str | None = None) -> Geometry:
     return geometry_from_config(load_config(model_dir=model_dir))
 
 
-def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry | None = None) -> bool:
+def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry | None = None,
+                rope_unfit: str | None = None) -> bool:
     """Parse every spec (bounds included); given the model's ``geometry``, also check that each codec,
     and every candidate of an ``auto:`` plan, can serve it at the eval's page size. Cheap: run it before
     loading a model. Returns whether an ``alignpred:...,fit=frozen`` spec needs a calibration text.
+    ``rope_unfit``: why the model's RoPE is not one full-width rotation (`rope_not_undoable`), which refuses
+    ``prerope=`` and ``pagerope=`` (keys would be compressed in a wrong frame).
 
     Raises:
         SpecError: the first spec that cannot run, with the reason.
@@ -271,6 +284,9 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
             if geometry is None:
                 continue
             try:
+                if rope_unfit and codec.levers.rope:
+                    raise SpecError(f"prerope/pagerope undo the model's RoPE with one full-width rotation, and this "
+                                    f"model's RoPE is not one: {rope_unfit}; use a spec without them")
                 codec.layout(geometry, settings.page_size)
                 if codec.levers.vrot == "hadamard":
                     hadamard(geometry.head_dim)
@@ -313,7 +329,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     plan made once for the model) instead of on ``input_ids``' own prefix.
     """
     s = settings
-    check_specs(specs, s, geometry_from_config(model.config))  # before the model's forward passes
+    check_specs(specs, s, geometry_from_config(model.config), rope_not_undoable(text_config_of(model.config)))
     need = max(s.tokens, s.prefix + s.cont)
     if input_ids.shape[1] < need:
         raise ValueError(f"the text has {input_ids.shape[1]} tokens; --tokens {s.tokens}, --prefix {s.prefix} and "
