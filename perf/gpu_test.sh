@@ -24,11 +24,13 @@ status=0
     "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
     "$python" -m pip install -q --no-deps --no-build-isolation -e . || exit 3
     echo "== pytest (every test; CUDA present, so GPU tests run)"
+    # PYTHONSAFEPATH (-P, as `make test`; inherited by the xdist workers): the repository root stays off sys.path,
+    # so its kernels/ folder hides no other distribution's `kernels`.
     # pytest-xdist, where installed (carried in .whl/ to the GPU machine), runs the test files on a few
     # workers: the kernels' compilation is CPU-bound and the GPU has room for several.
     workers=()
     if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-8}" --dist loadfile); fi
-    "$python" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" tests || status=1
+    PYTHONSAFEPATH=1 "$python" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" tests || status=1
     # (the kernels' agreement with the torch references is the tests' job; the bench's `checks` section repeats it)
     echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers; gather)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,decode,levers,gather \
