@@ -192,7 +192,7 @@ SGLANG_CODEC = "quantwm:centroids=4,group=16,keep=0.5,outliers=4,rank=4"
 @pytest.mark.parametrize("direct", [True, False])
 def test_sglang_load_refuses_a_crafted_page(tmp_path, field, bad, direct):
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
-    from tests.test_sglang import HostPool, host_indices, make_backend
+    from test_sglang import HostPool, host_indices, make_backend
 
     host = HostPool("layer_first", pages=8)
     host.kv_buffer.normal_()
@@ -221,7 +221,7 @@ def test_sglang_load_refuses_a_crafted_page(tmp_path, field, bad, direct):
 @pytest.mark.parametrize("field,bad", [("k_assign", 8), ("k_out_index", -1)])
 def test_vllm_load_refuses_a_crafted_chunk(tmp_path, field, bad):
     pytest.importorskip("vllm.v1.kv_offload.tiering.factory")
-    from tests.test_vllm import HEADS as VHEADS, block_primary, block_spec, keys as vkeys, make_tier_with, run
+    from test_vllm import HEADS as VHEADS, block_primary, block_spec, keys as vkeys, make_tier_with, run
 
     codec = "quantwm:kchannel=32,rank=0,centroids=8,vcluster=false,outliers=8"
 

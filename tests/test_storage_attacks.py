@@ -11,8 +11,8 @@ import torch
 
 hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from tests.test_sglang import HostPool, host_indices, make_backend  # noqa: E402
-from tests.test_vllm import keys as vkeys, make_tier, primary, run  # noqa: E402
+from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+from test_vllm import keys as vkeys, make_tier, primary, run  # noqa: E402
 
 
 def _one_file_bytes(tmp_path, codec, host):
