@@ -76,13 +76,14 @@ def subspace_directions(moment: torch.Tensor, rank: int, steps: int = SUBSPACE_S
         x, info = _power_step(m, x)
         failed |= info != 0
     ritz = x.transpose(1, 2) @ m @ x
-    if _capturing(m):  # eigh reads its result on the host: a short iteration instead
+    capturing = _capturing(m)
+    if capturing:  # eigh reads its result on the host: a short iteration instead
         vectors, ritz_failed = _leading_ritz_vectors(ritz, rank)
     else:
         vectors, ritz_failed = torch.linalg.eigh((ritz + ritz.transpose(1, 2)) / 2)[1][:, :, -rank:], False
     basis = (x @ vectors).float()
     failed |= ritz_failed | ~torch.isfinite(basis).flatten(1).all(1)
-    if _capturing(m):  # inside a CUDA graph nothing may wait for the device: a failed matrix keeps unit
+    if capturing:  # inside a CUDA graph nothing may wait for the device: a failed matrix keeps unit
         # directions (finite and orthonormal: a weaker correction, never a wrong one)
         unit = torch.eye(d, rank, dtype=basis.dtype, device=basis.device)
         return torch.where(failed.view(h, 1, 1), unit, basis)
