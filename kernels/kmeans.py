@@ -88,8 +88,6 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
             assign = new_assign
             break
         assign = new_assign
-    if not early_stop:  # the GPU encode path: no pass for a distance nobody reads there (objective NaN)
-        return KMeansResult(centroids, assign, iterations, torch.full((1,), float("nan"), device=x.device))
     nearest = torch.gather(centroids, 1, assign.unsqueeze(-1).expand(-1, -1, d))
     return KMeansResult(centroids, assign, iterations, ((x - nearest) ** 2).sum(-1))
 
