@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbackend.quant import GAUSSIAN_STEP
 from kvbackend.scheme import FLOAT, TensorScheme
 
 from kvbackend.kernels.dequant import pool_views
@@ -97,7 +98,8 @@ def _store_kind(u8, i16, i32, byte_offset, value, KIND: tl.constexpr):
         exponent = ((bits >> 23) & 0xFF) - 127
         normal = ((exponent + 7) << 3) | ((bits >> 20) & 0x7)
         subnormal = (a * 512.0).to(tl.int32)  # multiples of 2^-9
-        code = tl.where(exponent < -6, subnormal, normal) | tl.where(value < 0, 0x80, 0)
+        negative = value.to(tl.int32, bitcast=True) < 0  # the sign bit: -0 stores 0x80, as torch's cast
+        code = tl.where(exponent < -6, subnormal, normal) | tl.where(negative, 0x80, 0)
         tl.store(u8 + byte_offset, code.to(tl.uint8))
     elif KIND == 1:
         tl.store(i16 + byte_offset // 2, value.to(tl.float16).to(tl.int16, bitcast=True))
@@ -118,22 +120,25 @@ def _element_size(KIND: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, N: tl.constexpr,
+def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, err_ptr, N: tl.constexpr,
                    PAGE_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                    MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
                    KIND: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
-                   ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr):
-    j = tl.program_id(0)  # page of the chunk
+                   ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, UNIT_PAGES: tl.constexpr,
+                   CLIP: tl.constexpr, GSTEP: tl.constexpr, ERROR: tl.constexpr):
+    j = tl.program_id(0)  # page of the chunks (UNIT_PAGES pages per chunk, each with its own centroids)
     h = tl.program_id(1)
     page = tl.load(page_ids + j).to(tl.int64)
     base = page * PAGE_BYTES
     t = tl.arange(0, P)
     d = tl.arange(0, D)
     token = j * P + t
-    x = tl.load(x_ptr + (token[:, None] * H + h) * D + d[None, :]).to(tl.float32)
+    x = tl.load(x_ptr + (token[:, None].to(tl.int64) * H + h) * D + d[None, :]).to(tl.float32)
+    heads = (N // (UNIT_PAGES * P)) * H  # centroid rows per stage: one set of H per chunk
     for stage in tl.static_range(STAGES):
         ids = tl.load(assign_ptr + (stage * N + token) * H + h)  # int32 [P]
-        x -= tl.load(cent_ptr + ((stage * H + h) * C + ids[:, None]) * D + d[None, :]).to(tl.float32)
+        row = stage * heads + (j // UNIT_PAGES) * H + h
+        x -= tl.load(cent_ptr + (row * C + ids[:, None]) * D + d[None, :]).to(tl.float32)
         tl.store(u8 + base + ASSIGN + (stage * P + t) * H + h, ids.to(tl.uint8))
     esize: tl.constexpr = _element_size(KIND)
     if MODE == 1:
@@ -153,6 +158,25 @@ def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, N: tl.co
         step = tl.math.div_rn(tl.maximum(tl.abs(hi), tl.abs(lo)), qmax * 1.0)
         scale = _round_dir(tl.maximum(step, _tiny_like(step, KIND)), KIND, True)
         zero = scale * 0.0
+    elif CLIP:  # `kvbackend.quant.quantize(..., clip=True)`: the smaller of the min/max and the Gaussian step
+        levels: tl.constexpr = (1 << BITS) - 1
+        if MODE == 1:
+            mean = tl.sum(grouped, 2) / GROUP
+            deviation = grouped - mean[:, :, None]
+            variance = tl.sum(deviation * deviation, 2) / GROUP
+        else:
+            mean = tl.sum(grouped, 1) / GROUP
+            deviation = grouped - mean[:, None, :]
+            variance = tl.sum(deviation * deviation, 1) / GROUP
+        gaussian = GSTEP * tl.sqrt_rn(variance)
+        minmax = tl.math.div_rn(hi - lo, levels * 1.0)
+        finite = (tl.abs(gaussian) < float("inf")) & (tl.abs(mean) < float("inf"))  # False for NaN too
+        use_minmax = (minmax <= gaussian) | ~finite
+        step = tl.where(use_minmax, minmax, gaussian)
+        centred = tl.maximum(lo, mean - gaussian * levels / 2.0)  # never below the minimum
+        zero = _round_dir(tl.where(use_minmax, lo, centred) + 0.0, KIND, False)  # -0 -> +0, as the reference
+        scale = _round_dir(tl.maximum(step, _tiny_like(step, KIND)), KIND, True)
+        _store_kind(u8, i16, i32, where + ZEROS, zero, KIND)
     else:
         levels: tl.constexpr = (1 << BITS) - 1
         zero = _round_dir(lo + 0.0, KIND, False)  # -0 -> +0, as the reference (`quant.group_params`)
@@ -170,6 +194,12 @@ def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, N: tl.co
         q = tl.minimum(tl.maximum(_rne(tl.math.div_rn(x, full_scale)), -qmax * 1.0), qmax * 1.0) + qmax
     else:
         q = tl.minimum(tl.maximum(_rne(tl.math.div_rn(x - full_zero, full_scale)), 0.0), levels * 1.0)
+    if ERROR:  # what decoding leaves of x (its residual after the centroids), by page and head: [pages, H, P, D]
+        if SYMMETRIC:
+            approx = (q - qmax) * full_scale
+        else:
+            approx = q * full_scale + full_zero
+        tl.store(err_ptr + ((j.to(tl.int64) * H + h) * P + t[:, None]) * D + d[None, :], x - approx)
     PER: tl.constexpr = 8 // BITS
     DP: tl.constexpr = D // PER
     codes = tl.reshape(q.to(tl.int32), (P, DP, PER))
@@ -204,9 +234,55 @@ def encode_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor
         assign, centroids = assign.to(torch.int32).contiguous(), centroids.contiguous()
     else:
         assign = centroids = x  # never read
+    _launch(x, scheme, pages, page_ids, assign, centroids, page_ids.numel(), False, None)
+
+
+def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor, units: int,
+                            assign: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
+                            clip: bool = False, error: bool = False) -> torch.Tensor | None:
+    """Quantize one of K or V of ``units`` chunks of equal length into ``pages`` (their pages in order).
+
+    Args:
+        x: [U*N, H, D] float32, contiguous: chunk u is rows u*N..(u+1)*N (N a multiple of the page size).
+        pages: [U*N/P, page_bytes] uint8, written in place (only this tensor's fields).
+        assign: int32 [S, U*N, H] centroid ids per stage (schemes with stages).
+        centroids: float32 [S, U*H, C, D] as stored (chunk u's heads are rows u*H..(u+1)*H).
+        clip: asymmetric steps clipped as `kvbackend.quant.quantize(..., clip=True)`.
+        error: also return what decoding leaves of the residual, float32 [U*N/P, H, P, D].
+
+    The bytes are the reference's for the same assignments, except where float32 sums in another order
+    (the clipped steps' means and variances) round a stored scale or zero to a neighbouring value.
+    """
+    if scheme.mode == FLOAT or scheme.bits not in (2, 4, 8):
+        raise ValueError(f"encode kernel handles 2/4/8-bit group schemes, not {scheme}")
+    n, h, d = x.shape
+    count = pages.shape[0]
+    p = n // count
+    if units < 1 or count % units or p * count != n or p & (p - 1) or d & (d - 1):
+        raise ValueError(f"{n} tokens of {units} chunks do not fill {count} power-of-two pages (head_dim {d})")
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.device != pages.device:
+        raise ValueError("x must be contiguous float32 on the pool's device")
+    if scheme.stages:
+        shape = (scheme.stages, units * h, scheme.centroids, d)
+        if assign is None or centroids is None or assign.shape != (scheme.stages, n, h) or centroids.shape != shape:
+            raise ValueError(f"scheme has {scheme.stages} stages: give assign [S, N, H] and centroids {list(shape)}")
+        assign, centroids = assign.to(torch.int32).contiguous(), centroids.float().contiguous()
+    else:
+        assign = centroids = x  # never read
+    page_ids = torch.arange(count, dtype=torch.int32, device=pages.device)
+    out = torch.empty(count, h, p, d, device=x.device) if error else None
+    _launch(x, scheme, pages, page_ids, assign, centroids, count // units, clip, out)
+    return out
+
+
+def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pages: int, clip: bool, error) -> None:
+    n, h, d = x.shape
     u8, i16, i32 = pool_views(pages)
+    clip = clip and not scheme.symmetric
     _encode_kernel[(page_ids.numel(), h)](
-        x, assign, centroids, page_ids, u8, i16, i32, N=n, PAGE_BYTES=pages.shape[1], H=h, P=p, D=d,
-        MODE=scheme.mode, BITS=scheme.bits, GROUP=scheme.group, SYMMETRIC=scheme.symmetric, KIND=scheme.kind,
-        CODES=scheme.codes, SCALES=max(scheme.scales, 0), ZEROS=max(scheme.zeros, 0), ASSIGN=max(scheme.assign, 0),
-        STAGES=scheme.stages, C=max(scheme.centroids, 1))
+        x, assign, centroids, page_ids, u8, i16, i32, x if error is None else error, N=n, PAGE_BYTES=pages.shape[1],
+        H=h, P=n // page_ids.numel(), D=d, MODE=scheme.mode, BITS=scheme.bits, GROUP=scheme.group,
+        SYMMETRIC=scheme.symmetric, KIND=scheme.kind, CODES=scheme.codes, SCALES=max(scheme.scales, 0),
+        ZEROS=max(scheme.zeros, 0), ASSIGN=max(scheme.assign, 0), STAGES=scheme.stages, C=max(scheme.centroids, 1),
+        UNIT_PAGES=unit_pages, CLIP=clip, GSTEP=GAUSSIAN_STEP[1 << scheme.bits] if clip else 0.0,
+        ERROR=error is not None)

@@ -31,6 +31,10 @@ class TorchBackend:
         pages[page_ids.long()] = chunk.pages
         codebook.copy_(chunk.codebook)
 
+    def encode_units(self, codec, layout: PageLayout, k, v, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk of several layers (``[L, T, H, D]``, one codec and layout) in one pass: `Codec.encode_units`."""
+        return codec.encode_units(k, v, layout, states)
+
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         reads = [cache.read(rid, layer) for rid in plan.request_ids]
         if not reads:  # an empty batch, as the kernels answer it
@@ -63,6 +67,12 @@ class TritonBackend:
         from kvbackend.kernels.chunk_encoder import encode_chunk
 
         encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
+
+    def encode_units(self, codec, layout: PageLayout, k, v, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Codec.encode_units` with the kernels' one-pass encode first (QVG-family codecs: the recommended spec)."""
+        from kvbackend.kernels.unit_encoder import encode_units
+
+        return codec.encode_units(k, v, layout, states, encoder=encode_units)
 
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         from kvbackend.kernels.gather_dequant import gather_dequant

@@ -310,12 +310,13 @@ class KVCache:
 
     def _encode_group(self, layer: int) -> tuple | None:
         """The key of the layers whose chunks `_encode_layers` encodes in one pass with ``layer``'s (one codec
-        spec and byte layout, encoded by the torch reference, which batches them: `Codec.encode_units`), or None
-        where ``layer`` encodes alone (a GPU encode kernel, or a codec that does not batch)."""
+        spec, byte layout and backend, which batches them: `Codec.encode_units`, on the Triton backend with the
+        kernels' one-pass encode where it serves), or None where ``layer`` encodes alone (a GPU encode kernel of
+        one chunk, or a codec that does not batch)."""
         codec, backend = self.codecs[layer], self.backends[layer]
         if not codec.batch_encodes or (backend.name != "torch" and codec.kernel_encodes):
             return None
-        return codec.spec_string, self.layouts[layer].fingerprint
+        return codec.spec_string, self.layouts[layer].fingerprint, backend.name
 
     def _stored(self, layers, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's K and V (``[T, H, D]`` of one layer, or ``[L, T, H, D]`` of ``layers``, which share one codec
@@ -334,7 +335,8 @@ class KVCache:
         layer from its own state (warm starts, query statistics): the bytes a layer-by-layer encode writes,
         with one pass's host overhead instead of one per layer (the reference encoder is launch-bound on a GPU)."""
         codec, layout = self.codecs[layers[0]], self.layouts[layers[0]]
-        pages, books = codec.encode_units(ks, vs, layout, [table.states[layer] for layer in layers])
+        states = [table.states[layer] for layer in layers]
+        pages, books = self.backends[layers[0]].encode_units(codec, layout, ks, vs, states)
         pool, rows = self.packed, page_ids.long()
         for i, layer in enumerate(layers):
             pool.pages[layer][rows] = pages[i]

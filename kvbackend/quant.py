@@ -104,7 +104,7 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         use_minmax = (minmax <= gaussian) | ~torch.isfinite(gaussian) | ~torch.isfinite(mean)
         step = torch.where(use_minmax, minmax, gaussian)
         centred = torch.maximum(lo, mean - gaussian * divisor / 2)  # never below the minimum
-        zero = round_to(torch.where(use_minmax, lo, centred), store, "down")
+        zero = round_to(torch.where(use_minmax, lo, centred) + 0.0, store, "down")  # -0 -> +0, as `group_params`
         scale = round_to(step.clamp_min(tiny), store, "up")
     else:
         scale, zero = group_params(x.amin(dim=-1), x.amax(dim=-1), bits, False, store)

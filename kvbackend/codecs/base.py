@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -14,6 +14,10 @@ from kvbackend.geometry import Geometry
 from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers
 from kvbackend.spec import format_spec
+
+# A one-pass encode of U chunks with `Codec._encode_units`' contract: (codec, K, V, layout, pages, codebooks,
+# states) -> whether it encoded them (False before writing or updating anything)
+UnitEncoder = Callable[..., bool]
 
 FieldSpecs = list[tuple[str, torch.dtype, tuple[int, ...]]]
 # `Codec.encode_units` on the CPU encodes at most this many K values per pass: the k-means temporaries of larger
@@ -204,7 +208,8 @@ class Codec(ABC):
         return False
 
     def encode_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout,
-                     states: Sequence[CodecState] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     states: Sequence[CodecState] | None = None,
+                     encoder: UnitEncoder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode U independent chunks of one length, ``k`` and ``v`` of shape ``[U, N, H, D]``: one-page chunks,
         as a storage backend keeps them, or one chunk of each of several layers. Each chunk starts from a fresh
         `CodecState` (no warm start, no query statistics), or from ``states[u]`` (a request's layers: their warm
@@ -212,6 +217,8 @@ class Codec(ABC):
         page_bytes], codebooks [U, codebook_bytes])``, the bytes `encode` gives chunk by chunk. One pass where the
         codec can (`batch_encodes`, and states alike: all warm or all cold, all with query statistics or none; on
         the CPU in slices of at most `CPU_UNIT_VALUES` key values, on a device `DEVICE_UNIT_VALUES`), else a loop.
+        ``encoder``: a faster one-pass encode with `_encode_units`' contract (the GPU kernels' for this codec,
+        `kvbackend.kernels.unit_encoder.encode_units`), tried first wherever a pass is taken.
 
         Raises:
             InvalidKV: wrong shapes or dtypes, or non-finite values in any chunk (nothing is returned).
@@ -228,20 +235,24 @@ class Codec(ABC):
         budget = CPU_UNIT_VALUES if k.device.type == "cpu" else DEVICE_UNIT_VALUES
         step = max(1, budget // k[0].numel())
         parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout,
-                                     None if states is None else states[at : at + step])
+                                     None if states is None else states[at : at + step], encoder)
                  for at in range(0, units, step)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _encoded_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout,
-                       states: Sequence[CodecState] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       states: Sequence[CodecState] | None,
+                       encoder: UnitEncoder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_units` of checked K/V, in one pass where the codec can."""
         units = k.shape[0]
-        if self.batch_encodes and units > 1:
+        if self.batch_encodes and (units > 1 or encoder is not None):
             kf, vf, num_pages = self._padded(k, v, layout.page_size)
             pages = torch.zeros(units * num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
             codebooks = torch.zeros(units, layout.codebook_bytes, dtype=torch.uint8, device=k.device)
             flat = (units * num_pages * layout.page_size, *k.shape[2:])
-            if self._encode_units(kf.reshape(flat), vf.reshape(flat), layout, pages, codebooks, states):
+            kf, vf = kf.reshape(flat), vf.reshape(flat)
+            if encoder is not None and encoder(self, kf, vf, layout, pages, codebooks, states):
+                return pages.view(units, num_pages, -1), codebooks
+            if units > 1 and self._encode_units(kf, vf, layout, pages, codebooks, states):
                 return pages.view(units, num_pages, -1), codebooks
         chunks = [self.encode(k[u], v[u], layout, None if states is None else states[u]) for u in range(units)]
         return torch.stack([c.pages for c in chunks]), torch.stack([c.codebook for c in chunks])

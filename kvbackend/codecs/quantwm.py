@@ -153,25 +153,32 @@ class QuantWMCodec(QVGCodec):
         self._encode_keys(k, layout, pages, codebooks, states)
         return True
 
-    def _encode_keys(self, k, layout: PageLayout, pages, codebook, states) -> None:
+    def _encode_keys(self, k, layout: PageLayout, pages, codebook, states, error: torch.Tensor | None = None) -> None:
         """The key outliers and PSAC rows of ``len(states)`` chunks encoded by QVG (``codebook`` [bytes] for one
-        chunk, [U, bytes] for U), each with its own chunk's query statistics."""
+        chunk, [U, bytes] for U), each with its own chunk's query statistics. ``error``: what QVG's fields leave
+        of the keys, float32 [pages, H, P, D], where the encoder already has it (else decoded from the pages)."""
         moments = self._stacked_moments(states, k.device)  # [U, H, D, D] or None
         units = len(states)
+        if error is not None:
+            error = error.reshape(error.shape[0], error.shape[1], -1)  # [N, H, P*D], as `_by_head`
         if self.spec.outliers:
             per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
-            self._encode_outliers(k, layout, pages, per_page, moments, units)
+            index, value = self._encode_outliers(k, layout, pages, per_page, moments, units, error)
+            if error is not None:  # what is left once the outliers are added back
+                error = error.scatter_add(2, index, -value.float())
         if self.spec.rank and moments is not None:
-            self._encode_psac(k, layout, pages, codebook, moments)
+            self._encode_psac(k, layout, pages, codebook, moments, error)
 
     def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None,
-                         units: int = 1) -> None:
+                         units: int = 1, error: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
         channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]) store their
-        error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page)."""
+        error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page).
+        ``error``: QVG's error [N, H, P*D] where known. Returns the outliers' positions [N, H, n] and values."""
         p, (_, h, d) = layout.page_size, k.shape
-        approx, _ = super()._decode(layout, pages, codebook)
-        error = _by_head(k - approx, p)  # [N, H, P*D]
+        if error is None:
+            approx, _ = super()._decode(layout, pages, codebook)
+            error = _by_head(k - approx, p)  # [N, H, P*D]
         n = k.shape[0] // units
         if moments is None:
             weights = torch.ones(1, h, 1, d, device=k.device)
@@ -190,6 +197,7 @@ class QuantWMCodec(QVGCodec):
         value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
         layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))
         layout.page.view(pages, "k_out_value").copy_(value.transpose(1, 2))
+        return index, value
 
     def _decode_base(self, layout: PageLayout, pages, codebook):
         """QVG's reconstruction plus the key outliers (everything but the PSAC rows)."""
@@ -202,17 +210,22 @@ class QuantWMCodec(QVGCodec):
         flat = _by_head(k, p).scatter_add(2, index, value)
         return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3)), v
 
-    def _encode_psac(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor) -> None:
+    def _encode_psac(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor,
+                     error: torch.Tensor | None = None) -> None:
         """PSAC rows of ``U = len(moments)`` chunks (``moments`` [U, H, D, D]; ``codebook`` [bytes] for one chunk,
-        [U, bytes] for U), each with the basis of its own chunk's queries."""
+        [U, bytes] for U), each with the basis of its own chunk's queries. ``error``: what the fields before the
+        PSAC rows leave of the keys, [N, H, P*D], where the encoder already has it (else decoded from the pages)."""
         r, p = self.spec.rank, layout.page_size
         units, h, d = moments.shape[0], moments.shape[1], moments.shape[-1]
         t = k.shape[0] // units
-        per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
-        approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
         basis = principal_directions(moments.reshape(units * h, d, d), r).view(units, h, d, r).to(torch.bfloat16)
         u = basis.float()  # [U, H, D, r] as stored
-        error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
+        if error is None:
+            per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
+            approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
+            error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
+        else:  # [N, H, P*D] -> [U, H, T, D]
+            error = error.view(units, t // p, h, p, d).transpose(1, 2).reshape(units, h, t, d)
         coeff = error @ u  # [U, H, T, r]
         scale = round_to((coeff.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
         codes = torch.round(coeff / scale.unsqueeze(-1)).clamp(-127, 127)

@@ -1,0 +1,115 @@
+"""Encode U chunks of a QVG-family codec (QVG, QuantWM: the recommended spec) in one pass of GPU kernels.
+
+The reference (`QVGCodec._encode_chunks`, then QuantWM's key outliers and PSAC rows) is a few dozen torch passes
+over float32 chunk-sized tensors per stage, and decodes the pages twice more to find what its fields leave of the
+keys. Here each stage's k-means is the Triton k-means (`kmeans_graphed` on CUDA), and one encode kernel per tensor
+subtracts the centroids, computes the (clipped) steps, packs the codes of every page of every chunk and, for keys
+with outliers or PSAC rows, writes the error the fields leave. QuantWM's outliers and PSAC rows are then chosen
+from that error (`QuantWMCodec._encode_keys(..., error=...)`), with no decode.
+
+Same fields and layout as the reference; the bytes match it where the arithmetic is the same and differ where
+it is not: the k-means distances (TF32 on CUDA), the clipped steps' float32 sums and the outliers' error
+(the residual minus its reconstruction instead of the keys minus theirs) may resolve near-ties otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvbackend.codecs.base import CodecState
+from kvbackend.codecs.kmeans import kmeanspp_init
+from kvbackend.codecs.quantwm import QuantWMCodec
+from kvbackend.codecs.qvg import QVGCodec
+from kvbackend.errors import UnsupportedLayout
+from kvbackend.layout import PageLayout
+from kvbackend.scheme import FLOAT, kernel_schemes
+
+from kvbackend.kernels.encode import encode_units_into_pages
+from kvbackend.kernels.kmeans import kmeans, kmeans_graphed
+
+
+def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
+    """Whether `encode_units` encodes these chunks (else the reference does)."""
+    if not isinstance(codec, QVGCodec) or not codec._states_alike(states):
+        return False
+    s = codec.spec
+    cold = not states[0].centroids
+    if cold and s.init != "kmeans++":  # random seeding draws a permutation per row: no shared stream
+        return False
+    # QuantWM's query-sensitive assignment (QSAC) is not the nearest centroid: the reference chooses it
+    qsac = isinstance(codec, QuantWMCodec) and states[0].query_moment is not None and s.candidates >= 2 and not s.kchannel
+    if qsac:
+        return False
+    p, d = layout.page_size, layout.geometry.head_dim
+    if p & (p - 1) or d & (d - 1):
+        return False
+    try:
+        schemes = kernel_schemes(codec, layout, levers_read=True)
+    except UnsupportedLayout:
+        return False
+    return all(scheme.mode != FLOAT and scheme.bits in (2, 4, 8) for scheme in schemes)
+
+
+def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
+                 codebooks: torch.Tensor, states: Sequence[CodecState] | None = None) -> bool:
+    """`Codec._encode_units` on the kernels: fill ``pages [U*n, page_bytes]`` and ``codebooks [U, codebook_bytes]``
+    from float32 K/V ``[U*n*P, H, D]`` (chunk u from ``states[u]``, updated as the reference updates it), or
+    return False, before writing anything, where `supports` says no."""
+    units = codebooks.shape[0]
+    states = [CodecState() for _ in range(units)] if states is None else list(states)
+    if not supports(codec, layout, states):
+        return False
+    s = codec.spec
+    h = k.shape[1]
+    n = k.shape[0] // units
+    schemes = dict(zip("kv", kernel_schemes(codec, layout, levers_read=True)))
+    keys_error = isinstance(codec, QuantWMCodec) and (s.outliers or (s.rank and states[0].query_moment is not None))
+    generator = torch.Generator().manual_seed(s.seed)
+    errors = {}
+    for prefix, x in (("k", k), ("v", v)):
+        x = x.float().contiguous()
+        scheme = schemes[prefix]
+        want_error = prefix == "k" and bool(keys_error)
+        clip = s.clip if prefix == "k" and s.kchannel else s.clip and not s.symmetric
+        if not codec._clustered(prefix):
+            errors[prefix] = encode_units_into_pages(x, scheme, pages, units, clip=clip, error=want_error)
+            continue
+        every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator)
+        for u, st in enumerate(states):
+            st.centroids[prefix] = every[:, u * h : (u + 1) * h].clone()
+        codec._write_centroids(layout, codebooks, prefix, every.reshape(s.stages, units, h, *every.shape[2:]).transpose(0, 1))
+        errors[prefix] = encode_units_into_pages(x, scheme, pages, units, assign, every, clip=clip, error=want_error)
+    if isinstance(codec, QuantWMCodec):
+        codec._encode_keys(k.float(), layout, pages, codebooks, states, errors["k"])
+    return True
+
+
+def _cluster(codec, prefix: str, x: torch.Tensor, states, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each stage's k-means over the chunks' heads (``x`` [U, N, H, D]), warm-started as the reference does.
+    Returns the centroids as stored [S, U*H, C, D] (float32) and the ids [S, U*N, H] (int32)."""
+    s = codec.spec
+    units, n, h, d = x.shape
+    residual = x.transpose(1, 2).reshape(units * h, n, d)  # [U*H, N, D], chunk by chunk
+    warm = None
+    if prefix in states[0].centroids:
+        warm = torch.cat([st.centroids[prefix] for st in states], 1)  # [S, U*H, C, D]
+    stored, assigns = [], []
+    for stage in range(s.stages):
+        if warm is not None:
+            init = warm[stage].to(residual.device)
+        else:
+            init = kmeanspp_init(residual, s.centroids, generator, repeat=units)
+        if residual.is_cuda:  # fixed steps replayed from a CUDA graph: no host sync, few launches
+            result = kmeans_graphed(residual, init.float(), s.iters)
+        else:  # the interpreter: stop once assignments settle, as the reference does
+            result = kmeans(residual, init, s.iters)
+        for st in states:
+            st.iterations.append(result.iterations)
+        cents = codec._store_centroids(result.centroids)  # as decoding will see them
+        if stage + 1 < s.stages:
+            residual = residual - torch.gather(cents, 1, result.assign.unsqueeze(-1).expand(-1, -1, d))
+        stored.append(cents)
+        assigns.append(result.assign.view(units, h, n).transpose(1, 2).reshape(units * n, h))
+    return torch.stack(stored), torch.stack(assigns).to(torch.int32)

@@ -1,0 +1,196 @@
+"""The kernels' one-pass encode of QVG-family chunks (`kvbackend.kernels.unit_encoder`) against the reference
+`Codec.encode_units`: the same bytes in Triton's interpreter (IEEE k-means distances, the same float32 steps),
+the same error on CUDA (TF32 distances); refusals leave everything untouched and the reference encodes."""
+
+import pytest
+import torch
+
+from kvbackend import codecs
+from kvbackend.codecs.base import CodecState
+from kvbackend.geometry import Geometry
+from kvbackend.psac import query_second_moment
+from kernel_cases import DEVICE
+
+pytest.importorskip("triton")
+
+GEOMETRY = Geometry(1, 3, 64, torch.bfloat16)
+PAGE = 16
+RECIPE = ("quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,"
+          "cdtype=fp8,outliers=16")
+SPECS = [
+    RECIPE,
+    "quantwm:kchannel=16,rank=8,centroids=8,clip=true,vcluster=false,cdtype=fp8,outliers=3",  # dense PSAC rows
+    "quantwm:rank=0,centroids=4,outliers=5,bits=4,group=32,clip=true",  # token groups, clipped, both clustered
+    "qvg:stages=2,centroids=8,cdtype=fp8,clip=true",
+    "qvg:symmetric=true,scale=fp32,centroids=8",
+    "qvg",
+]
+
+
+def _chunks(units: int, tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(units, tokens, 3, 64, generator=gen) * torch.logspace(-1, 1, 64)
+    k = k + torch.randn(units, 1, 3, 64, generator=gen) * 3
+    v = torch.randn(units, tokens, 3, 64, generator=gen)
+    k[1, -4:] = k[1, -5]  # a trailing run of identical keys: only its first row may take outlier slots
+    return k.bfloat16().to(DEVICE), v.bfloat16().to(DEVICE)
+
+
+def _states(units: int, queries: bool, warm_from=None):
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for u in range(units):
+        st = CodecState() if warm_from is None else warm_from[u].clone()
+        if queries:
+            st.query_moment = query_second_moment(torch.randn(6, 40, 64, generator=gen), 3).to(DEVICE)
+        out.append(st)
+    return out
+
+
+def _encode(codec, layout, k, v, states, fast: bool):
+    from kvbackend.kernels.unit_encoder import encode_units
+
+    return codec.encode_units(k, v, layout, states, encoder=encode_units if fast else None)
+
+
+def _error(codec, layout, pages, books, k, v):
+    n = k.shape[1]
+    decoded = [codec.decode_pages(layout, pages[u], books[u]) for u in range(k.shape[0])]
+    kd = torch.stack([kv[0][:n] for kv in decoded]).float()
+    vd = torch.stack([kv[1][:n] for kv in decoded]).float()
+    return float((kd - k.float()).norm() / k.float().norm()), float((vd - v.float()).norm() / v.float().norm())
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("tokens", [PAGE, 2 * PAGE + 5])
+@pytest.mark.parametrize("queries", [False, True])
+def test_the_kernels_encode_like_the_reference(spec, tokens, queries):
+    """Cold chunks, then warm ones (the states each pass updated): in the interpreter the bytes, the states'
+    centroids and k-means steps are the reference's; on CUDA the reconstruction error is within 2% of it."""
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(3, tokens)
+    ref_states, new_states = _states(3, queries), _states(3, queries)
+    for rounds in range(2):
+        ref = _encode(codec, layout, k, v, ref_states, fast=False)
+        new = _encode(codec, layout, k, v, new_states, fast=True)
+        if DEVICE == "cpu":
+            assert torch.equal(ref[0], new[0]) and torch.equal(ref[1], new[1]), rounds
+            for a, b in zip(ref_states, new_states):
+                assert a.iterations == b.iterations
+                assert a.centroids.keys() == b.centroids.keys()
+                assert all(torch.equal(a.centroids[p], b.centroids[p]) for p in a.centroids)
+        else:
+            ref_k, ref_v = _error(codec, layout, *ref, k, v)
+            new_k, new_v = _error(codec, layout, *new, k, v)
+            assert new_k <= 1.02 * ref_k and new_v <= 1.02 * ref_v, (rounds, ref_k, new_k, ref_v, new_v)
+        k, v = _chunks(3, tokens, seed=rounds + 1)  # the next chunks start warm
+        ref_states = _states(3, queries, ref_states)
+        new_states = _states(3, queries, new_states)
+
+
+def test_the_error_the_kernel_returns_is_what_decoding_leaves():
+    """`encode_units_into_pages(..., error=True)`: the residual minus what the fields decode to, per page and
+    head, for clipped per-channel keys with centroids and for clipped per-token values."""
+    from kvbackend.codecs.qvg import QVGCodec
+    from kvbackend.kernels.encode import encode_units_into_pages
+    from kvbackend.scheme import kernel_schemes
+
+    codec = codecs.get("qvg:kchannel=16,centroids=8,clip=true,vcluster=false,cdtype=fp8")
+    layout = codec.layout(GEOMETRY, PAGE)
+    k_scheme, v_scheme = kernel_schemes(codec, layout)
+    gen = torch.Generator().manual_seed(1)
+    units, n, h, d = 2, 2 * PAGE, 3, 64
+    x = (torch.randn(units * n, h, d, generator=gen) * 2).to(DEVICE)
+    cents = torch.randn(1, units * h, 8, d, generator=gen).to(DEVICE)
+    assign = torch.randint(0, 8, (1, units * n, h), generator=gen, dtype=torch.int32).to(DEVICE)
+    pages = torch.zeros(units * n // PAGE, layout.page_bytes, dtype=torch.uint8, device=DEVICE)
+    error = encode_units_into_pages(x, k_scheme, pages, units, assign, cents, clip=True, error=True)
+    verror = encode_units_into_pages(x, v_scheme, pages, units, clip=True, error=True)
+    rows = torch.arange(units * n, device=DEVICE) // n * h  # each token's chunk's first centroid row
+    gathered = cents[0][rows[:, None] + torch.arange(h, device=DEVICE), assign[0].long()]  # [U*N, H, D]
+    residual = QVGCodec._dequantize_residual(codec, layout, pages, "k")
+    v_decoded = QVGCodec._dequantize_residual(codec, layout, pages, "v")
+
+    def by_page(t):  # [U*N, H, D] -> [pages, H, P, D]
+        return t.reshape(-1, PAGE, h, d).transpose(1, 2)
+
+    torch.testing.assert_close(error, by_page(x - gathered - residual), rtol=0, atol=1e-5)
+    torch.testing.assert_close(verror, by_page(x - v_decoded), rtol=0, atol=1e-5)
+    assert error.abs().max() > 0.05  # 2-bit codes leave an error: the comparison above is not of zeros
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("quantwm:rank=4,centroids=8,candidates=4,vcluster=false", "queries"),  # QSAC chooses the assignment
+    ("qvg:init=random,centroids=4", "cold"),  # random seeding of cold chunks
+    ("heads:base=quantwm:centroids=4;group=16;keep=0.5;rank=2,outliers=2-4-8", "any"),  # not one QVG codec
+    ("kivi:bits=2,group=16", "any"),
+])
+def test_what_the_kernels_do_not_encode_is_left_untouched(spec, why):
+    from kvbackend.kernels.unit_encoder import encode_units
+
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOMETRY, PAGE)
+    k, v = _chunks(2, PAGE)
+    states = _states(2, queries=why == "queries")
+    pages = torch.full((2, layout.page_bytes), 7, dtype=torch.uint8, device=DEVICE)
+    books = torch.full((2, layout.codebook_bytes), 7, dtype=torch.uint8, device=DEVICE)
+    flat = (2 * PAGE, 3, 64)
+    assert not encode_units(codec, k.float().reshape(flat), v.float().reshape(flat), layout, pages, books, states)
+    assert bool((pages == 7).all()) and bool((books == 7).all())
+    assert all(not st.centroids and not st.iterations for st in states)
+    # the reference still encodes them, with the encoder offered
+    ref = codec.encode_units(k, v, layout, _states(2, queries=why == "queries"))
+    out = codec.encode_units(k, v, layout, _states(2, queries=why == "queries"), encoder=encode_units)
+    assert torch.equal(ref[0], out[0]) and torch.equal(ref[1], out[1])
+
+
+def test_a_triton_cache_encodes_its_chunks_through_the_kernels(monkeypatch):
+    """`KVCache` on the Triton backend encodes a completed chunk of all its layers with the kernels' one-pass
+    encode: the recommended spec's levers (sinks, pre-RoPE keys, rotated values) and query statistics included,
+    the pages, codebooks and reads are the torch backend's (interpreter) or within its error (CUDA)."""
+    from kvbackend.geometry import CacheConfig
+    from kvbackend.kernels import unit_encoder
+    from kvbackend.manager import KVCache
+    from kvbackend.rope import Rotary
+
+    layers, heads, d = 3, 2, 64
+    spec = RECIPE.replace("vrot=hadamard", "vrot=hadamard,sink=4,prerope=true")
+    calls = []
+    original = unit_encoder.encode_units
+    monkeypatch.setattr(unit_encoder, "encode_units", lambda *a: calls.append(a[1].shape) or original(*a))
+
+    def run(backend: str):
+        config = CacheConfig(codec=spec, page_size=16, chunk_pages=2, dense_pages=16, packed_pages=16,
+                             backend=backend, device=DEVICE)
+        cache = KVCache(Geometry(layers, heads, d, torch.float32), config, rotary=Rotary.default(d, 10000.0))
+        gen = torch.Generator().manual_seed(5)
+        rid, _ = cache.add_request()
+        exact = [([], []) for _ in range(layers)]
+        for _ in range(4):  # 4 x 20 tokens: two 32-token chunks complete (the first with its sinks)
+            for layer in range(layers):
+                k, v = torch.randn(20, heads, d, generator=gen) * 3, torch.randn(20, heads, d, generator=gen)
+                cache.append(rid, layer, k.to(DEVICE), v.to(DEVICE),
+                             queries=torch.randn(20, 2 * heads, d, generator=gen).to(DEVICE))
+                exact[layer][0].append(k)
+                exact[layer][1].append(v)
+        return cache, rid, [(torch.cat(k), torch.cat(v)) for k, v in exact]
+
+    fast, rid1, exact = run("triton")
+    assert len(calls) == 2  # one pass per chunk, all layers in it
+    assert calls[0][0] == layers * 32  # [L*T, H, D]
+    ref, rid2, _ = run("torch")
+    pages = fast.page_table(rid1).packed
+    assert pages == ref.page_table(rid2).packed
+    for layer in range(layers):
+        if DEVICE == "cpu":
+            assert torch.equal(fast.packed.pages[layer][pages], ref.packed.pages[layer][pages]), layer
+            assert torch.equal(fast.packed.codebooks[layer], ref.packed.codebooks[layer]), layer
+        for x, y, original in zip(fast.read(rid1, layer), ref.read(rid2, layer), exact[layer]):
+            assert x.shape == y.shape == original.shape
+            if DEVICE == "cpu":
+                assert torch.equal(x, y)
+            else:
+                x, y = x.float().cpu(), y.float().cpu()
+                assert torch.equal(x[:4], original[:4])  # the sinks, exact
+                assert (x - original).norm() <= 1.02 * (y - original).norm()
