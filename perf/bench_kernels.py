@@ -514,7 +514,73 @@ def encode(decode_step_us):
                "fraction_of_decode_step_32_layers": (ms * 1e3) / (32 * decode_step_us) if decode_step_us else None}
         rows.append(row)
         print(f"encode {spec}: {ms:.3f} ms ({gbps:.1f} GB/s of bf16 in), torch reference {ref_ms:.3f} ms", flush=True)
+    rows += _encode_recipe(heads, dim, p, tokens)
     return rows
+
+
+def _encode_recipe(heads: int, dim: int, p: int, tokens: int) -> list[dict]:
+    """The recommended spec's warm chunk encode (query statistics, so PSAC rows too) as `KVCache` runs it on the
+    Triton backend: `Codec.encode_units` over one chunk of L layers, with the kernels' one-pass encode
+    (`kernels/unit_encoder.py`) and with the reference alone, on the same chunks and warm states; each output
+    decoded by the reference and its error against the input reported, so both sides did the same work."""
+    from kvbackend.kernels.unit_encoder import encode_units
+    from kvbackend.psac import query_second_moment
+
+    rows = []
+    codec = codecs.get(RECOMMENDED_SPEC)
+    layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), p)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for layers in (1, 8, 32):
+        n = tokens if layers * tokens * heads * dim <= 1 << 26 else 2048  # one pass (`DEVICE_UNIT_VALUES`)
+        k = torch.randn(layers, n, heads, dim, device=DEV, generator=gen)
+        k = (k * torch.linspace(0.2, 4, dim, device=DEV) + torch.randn(layers, 1, heads, dim, device=DEV, generator=gen)).bfloat16()
+        v = torch.randn(layers, n, heads, dim, device=DEV, generator=gen).bfloat16()
+        queries = torch.randn(layers, 4 * heads, 256, dim, device=DEV, generator=gen) * torch.linspace(3, 0.1, dim, device=DEV)
+        states = [CodecState(query_moment=query_second_moment(q, heads)) for q in queries]
+        codec.encode_units(k, v, layout, states)  # cold: the centroids the timed encodes warm-start from
+        warm = [st.clone() for st in states]
+        sides = {"kernels": lambda: codec.encode_units(k, v, layout, warm, encoder=encode_units),
+                 "reference": lambda: codec.encode_units(k, v, layout, warm)}
+        row = {"codec": RECOMMENDED_SPEC, "layers": layers, "tokens": n, "heads": heads, "head_dim": dim}
+        for name, fn in sides.items():
+            pages, books = fn()
+            torch.cuda.synchronize()
+            decoded = [codec.decode_pages(layout, pages[u], books[u]) for u in range(layers)]
+            row[f"{name}_key_nrmse"] = float(torch.stack([d[0] for d in decoded]).float().sub(k.float()).norm() / k.float().norm())
+            row[f"{name}_value_nrmse"] = float(torch.stack([d[1] for d in decoded]).float().sub(v.float()).norm() / v.float().norm())
+            row[f"{name}_ms"] = bench(fn, 400 if name == "kernels" else 1500)
+            row[f"{name}_GBps_bf16_in"] = 2 * k.numel() * 2 / row[f"{name}_ms"] / 1e6
+        print(f"encode the recipe, {layers} layers x {n} tokens: kernels {row['kernels_ms']:.3f} ms "
+              f"({row['kernels_GBps_bf16_in']:.1f} GB/s), reference {row['reference_ms']:.3f} ms "
+              f"({row['reference_GBps_bf16_in']:.1f} GB/s); key NRMSE {row['kernels_key_nrmse']:.4f} / "
+              f"{row['reference_key_nrmse']:.4f}, value {row['kernels_value_nrmse']:.4f} / "
+              f"{row['reference_value_nrmse']:.4f}", flush=True)
+        if layers == 32:
+            row["kernels_profile"] = _top_kernels(sides["kernels"])
+        rows.append(row)
+    return rows
+
+
+def _top_kernels(fn, top: int = 12) -> list[dict]:
+    """The device kernels of one ``fn()`` summed by name, heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            name = event.name[:90]
+            ms, count = totals.get(name, (0.0, 0))
+            totals[name] = (ms + event.device_time / 1e3, count + 1)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    print(f"  device time {sum(ms for ms, _ in totals.values()):.2f} ms in {sum(c for _, c in totals.values())} kernels")
+    for name, (ms, count) in ranked[:top]:
+        print(f"  {ms:7.3f} ms {count:5d}x {name}")
+    return [{"kernel": name, "ms": ms, "launches": count} for name, (ms, count) in ranked[:top]]
 
 
 def _without_levers(spec: str) -> str:
