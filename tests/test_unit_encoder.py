@@ -192,5 +192,5 @@ def test_a_triton_cache_encodes_its_chunks_through_the_kernels(monkeypatch):
                 assert torch.equal(x, y)
             else:
                 x, y = x.float().cpu(), y.float().cpu()
-                assert torch.equal(x[:4], original[:4])  # the sinks, exact
+                assert torch.equal(x[:4], y[:4])  # the sinks, as stored (16-bit)
                 assert (x - original).norm() <= 1.02 * (y - original).norm()
