@@ -65,7 +65,8 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
     """Same contract as `kvbackend.codecs.kmeans.kmeans`, with the assignment step in Triton.
 
     ``early_stop=False`` runs exactly ``max_iters`` steps with no host synchronisation (the GPU
-    encode path); once assignments stop changing, further steps change nothing.
+    encode path; its ``distance`` is NaN, which no encoder reads); once assignments stop changing, further steps
+    change nothing. On CUDA the centroid sums are a one-hot product (TF32 where the caller allows TF32 matmuls).
     On CUDA the distances use TF32 tensor cores, so near-ties may resolve differently from the
     float32 reference.
     """
@@ -76,11 +77,16 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
     assign = assign_nearest(x, centroids)
     iterations = 0
     offsets = (torch.arange(b, device=x.device) * c)[:, None]
+    ids = torch.arange(c, device=x.device)
     for _ in range(max_iters):
-        flat = (assign + offsets).reshape(-1)
-        sums = torch.zeros(b * c, d, device=x.device).index_add_(0, flat, x.reshape(-1, d))
-        counts = torch.zeros(b * c, device=x.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-        sums, counts = sums.view(b, c, d), counts.view(b, c, 1)
+        if x.is_cuda:  # a one-hot product: atomic adds of many points into few centroid rows serialize
+            onehot = (assign.unsqueeze(-1) == ids).float()  # [B, N, C]
+            sums, counts = onehot.transpose(1, 2) @ x, onehot.sum(1).unsqueeze(-1)
+        else:
+            flat = (assign + offsets).reshape(-1)
+            sums = torch.zeros(b * c, d, device=x.device).index_add_(0, flat, x.reshape(-1, d))
+            counts = torch.zeros(b * c, device=x.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+            sums, counts = sums.view(b, c, d), counts.view(b, c, 1)
         centroids = torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
         iterations += 1
         new_assign = assign_nearest(x, centroids)
@@ -88,6 +94,8 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
             assign = new_assign
             break
         assign = new_assign
+    if not early_stop:  # the encoders' fixed-step path reads no distance: NaN, not a pass over every point
+        return KMeansResult(centroids, assign, iterations, x.new_full(assign.shape, float("nan")))
     nearest = torch.gather(centroids, 1, assign.unsqueeze(-1).expand(-1, -1, d))
     return KMeansResult(centroids, assign, iterations, ((x - nearest) ** 2).sum(-1))
 

@@ -226,14 +226,18 @@ class QuantWMCodec(QVGCodec):
             error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
         else:  # [N, H, P*D] -> [U, H, T, D]
             error = error.view(units, t // p, h, p, d).transpose(1, 2).reshape(units, h, t, d)
-        coeff = error @ u  # [U, H, T, r]
+        # The query-weighted error e^T M e of a row falls by gain = 2 f^T M e - f^T M f once its correction
+        # f = U c is added (M symmetric): with c the stored coefficients, f^T M e = c . (e M U) and
+        # f^T M f = c^T (U^T M U) c, so one [T, D] x [D, 2r] product gives the coefficients and the gain, and
+        # no [T, D] correction or quadratic form over D is formed.
+        mu = moments @ u  # [U, H, D, r]
+        both = error @ torch.cat([u, mu], -1)  # [U, H, T, 2r]
+        coeff, projected = both[..., :r], both[..., r:]
         scale = round_to((coeff.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
         codes = torch.round(coeff / scale.unsqueeze(-1)).clamp(-127, 127)
-        fix = (codes * scale.float().unsqueeze(-1)) @ u.transpose(-1, -2)  # [U, H, T, D]
-        before = torch.einsum("uhtd,uhde,uhte->uht", error, moments, error)
-        after_e = error - fix
-        after = torch.einsum("uhtd,uhde,uhte->uht", after_e, moments, after_e)
-        keep = after < before  # rows that lower the query-weighted error
+        c = codes * scale.float().unsqueeze(-1)  # [U, H, T, r], the correction's coefficients as decoded
+        gain = 2 * (c * projected).sum(-1) - ((c @ (u.transpose(-1, -2) @ mu)) * c).sum(-1)  # [U, H, T]
+        keep = gain > 0  # rows that lower the query-weighted error
         scale = torch.where(keep, scale.float(), torch.zeros_like(scale.float())).to(torch.float16)
         codes = torch.where(keep.unsqueeze(-1), codes, torch.zeros_like(codes)).to(torch.int8)
         layout.codebook.view(codebook, "k_psac_basis").copy_(basis[0] if codebook.dim() == 1 else basis)
@@ -243,7 +247,7 @@ class QuantWMCodec(QVGCodec):
 
         codes, scale = by_token(codes), by_token(scale)
         if self.spec.sparse:  # per page and head, the rows that lower the error most
-            gain = by_token((before - after).clamp_min(0))  # [N, P, H]
+            gain = by_token(gain.clamp_min(0))  # [N, P, H]
             token = gain.topk(self.spec.psac_rows(p), dim=1).indices  # [N, n, H]
             codes = torch.gather(codes, 1, token.unsqueeze(-1).expand(-1, -1, -1, r))
             scale = torch.gather(scale, 1, token)
