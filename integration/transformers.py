@@ -55,7 +55,7 @@ class CacheOptions:
     codec: str | tuple[str, ...] = RECOMMENDED_SPEC  # codec spec as given, or one spec per layer
     page_size: int = 64  # tokens per page
     chunk_pages: int = 32  # pages per chunk (2048 tokens by default)
-    max_tokens: int = 4096  # longest sequence per batch row; sizes the packed pool
+    max_tokens: int = 4096  # tokens each row of the first call's batch is sure to hold; sizes the shared pools
     dense_tokens: int | None = None  # tokens per row the dense pool holds; None: max_tokens (any prompt at once)
     backend: str = "auto"  # the paged cache's backend: "auto" (Triton kernels on CUDA), "torch" or "triton"
 
@@ -415,6 +415,9 @@ class KVBackendCache(Cache):
         Memory: the packed pool holds ``max_tokens`` per row, compressed. The dense pool holds
         ``dense_tokens`` per row at the model's dtype (default ``max_tokens``, so a prompt of any
         length can be passed in one forward call: a chunk is packed only once every layer has it).
+        Both are sized for the batch of the first forward call and shared by its rows: ``max_tokens``
+        is what each row is sure to get, not a cap (rows that beam search drops leave their room to
+        the others); a call the pools cannot hold raises `CacheFull` before any row is written.
         For the codec's saving, give ``dense_tokens`` of two chunks and feed long prompts through
         `prefill`, which runs them chunk by chunk.
 
@@ -471,6 +474,7 @@ class KVBackendCache(Cache):
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
         self.attached = False  # attach() routes attention through this cache (paged decode steps)
+        self._models: set[int] = set()  # ids of the models whose attention is attached to this cache
         self.query_aware = any(c.uses_queries for c in parsed)
         self.warned = False  # the missing attach() is reported once per cache
         self.warned_padding = False  # sinks of left-padded rows are reported once per cache
@@ -579,6 +583,7 @@ class KVBackendCache(Cache):
         model.set_attn_implementation(name)
         model._kvbackend_cache = self
         model._kvbackend_previous_attn = previous
+        self._models.add(id(model))
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         self.attached = True
         for layer in self.layers:  # decode steps go on the pages once this model's attention is seen to call it
@@ -586,12 +591,15 @@ class KVBackendCache(Cache):
         return name
 
     def detach(self, model) -> None:
-        """Restore the attention ``model`` had before `attach` (pending tokens are stored first)."""
+        """Restore the attention ``model`` had before `attach` (pending tokens are stored first). A cache
+        attached to another model too stays attached to that one (its queries and paged steps go on)."""
         if getattr(model, "_kvbackend_cache", None) is not self:
             raise ValueError("this KVBackendCache is not attached to this model")
         self._flush()
-        self.wants_queries = False
-        self.attached = False
+        self._models.discard(id(model))
+        if not self._models:
+            self.wants_queries = False
+            self.attached = False
         model.set_attn_implementation(getattr(model, "_kvbackend_previous_attn", None) or "sdpa")
         del model._kvbackend_cache
         del model._kvbackend_previous_attn
@@ -639,6 +647,7 @@ class KVBackendCache(Cache):
         for key, value in self.__dict__.items():
             setattr(clone, key, copy.deepcopy(value, memo))
         clone.attached = clone.wants_queries = False
+        clone._models = set()
         for layer in clone.layers:
             layer.attention_seen = False
             layer._paged_step = False

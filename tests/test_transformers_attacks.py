@@ -387,6 +387,30 @@ def test_one_cache_attached_to_two_models_restores_each_to_its_own_attention(mod
     assert float((attached - want).abs().max()) < 1e-5 and float((after - want).abs().max()) < 1e-5
 
 
+def test_detaching_one_of_two_models_leaves_the_other_attached(model):
+    """detach(model_a) cleared the cache's attached flag and its wish for queries while model_b was still
+    attached: model_b's query-aware codec then got no query statistics (a silent quality loss) and its decode
+    steps left the pages. Each model now detaches alone; the cache is detached once the last one is."""
+    gemma = _gemma2()
+    cache = KVBackendCache(model.config, codec="quantwm:centroids=4,group=16,rank=2", page_size=4, chunk_pages=2,
+                           max_tokens=64)
+    cache.attach(gemma)
+    cache.attach(model)
+    cache.detach(gemma)
+    assert cache.attached and cache.wants_queries
+    assert getattr(model, "_kvbackend_cache", None) is cache
+    ids = torch.randint(1, 256, (1, 12)).to(DEVICE)
+    seen = []
+    for layer in cache.layers:
+        original = layer.observe_queries
+        layer.observe_queries = lambda q, original=original: seen.append(q.shape) or original(q)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    assert len(seen) == model.config.num_hidden_layers  # the queries still reach the cache
+    cache.detach(model)
+    assert not cache.attached and not cache.wants_queries
+
+
 def test_eval_captures_the_keys_and_values_the_model_computes():
     """`kvbackend eval` captures the exact K/V by wrapping the model's attention: it ran SDPA whatever the model
     ran, so with Gemma 2's soft-capping every layer after the first saw other hidden states, and the "exact" K/V
