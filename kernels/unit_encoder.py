@@ -26,7 +26,7 @@ from kvbackend.errors import UnsupportedLayout
 from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
-from kvbackend.kernels.encode import encode_units_into_pages
+from kvbackend.kernels.encode import KeyFields, encode_units_into_pages
 from kvbackend.kernels.kmeans import kmeans, kmeans_graphed
 
 
@@ -43,8 +43,8 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
     if qsac:
         return False
     p, d = layout.page_size, layout.geometry.head_dim
-    if p & (p - 1) or d & (d - 1):
-        return False
+    if p & (p - 1) or d & (d - 1) or (isinstance(codec, QuantWMCodec) and s.rank and d < 16):
+        return False  # (PSAC's product runs on `tl.dot`: 16 channels at least)
     try:
         schemes = kernel_schemes(codec, layout, levers_read=True)
     except UnsupportedLayout:
@@ -65,24 +65,39 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
     h = k.shape[1]
     n = k.shape[0] // units
     schemes = dict(zip("kv", kernel_schemes(codec, layout, levers_read=True)))
-    keys_error = isinstance(codec, QuantWMCodec) and (s.outliers or (s.rank and states[0].query_moment is not None))
+    quantwm = isinstance(codec, QuantWMCodec)
+    moments = codec._stacked_moments(states, k.device) if quantwm else None
+    psac = quantwm and bool(s.rank) and moments is not None
+    keys = KeyFields()
+    if quantwm and (s.outliers or psac):
+        extras = {}
+        if s.outliers:
+            weights, copies = codec.outlier_inputs(k, layout.page_size, moments, units)
+            extras.update(outliers=s.outliers, weights=weights.reshape(units * h, -1), copies=copies,
+                          index_at=layout.page.fields["k_out_index"].offset,
+                          value_at=layout.page.fields["k_out_value"].offset)
+        if psac:
+            basis, mu = codec.psac_basis(moments)
+            extras["basis"] = torch.cat([basis.float(), mu], -1).reshape(units * h, *mu.shape[2:3], -1)
+        keys = KeyFields(**extras)
     generator = torch.Generator().manual_seed(s.seed)
-    errors = {}
+    projected = None
     for prefix, x in (("k", k), ("v", v)):
         x = x.float().contiguous()
         scheme = schemes[prefix]
-        want_error = prefix == "k" and bool(keys_error)
         clip = s.clip if prefix == "k" and s.kchannel else s.clip and not s.symmetric
-        if not codec._clustered(prefix):
-            errors[prefix] = encode_units_into_pages(x, scheme, pages, units, clip=clip, error=want_error)
-            continue
-        every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator)
-        for u, st in enumerate(states):
-            st.centroids[prefix] = every[:, u * h : (u + 1) * h].clone()
-        codec._write_centroids(layout, codebooks, prefix, every.reshape(s.stages, units, h, *every.shape[2:]).transpose(0, 1))
-        errors[prefix] = encode_units_into_pages(x, scheme, pages, units, assign, every, clip=clip, error=want_error)
-    if isinstance(codec, QuantWMCodec):
-        codec._encode_keys(k.float(), layout, pages, codebooks, states, errors["k"])
+        extra = {"keys": keys} if prefix == "k" else {}
+        if codec._clustered(prefix):
+            every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator)
+            for u, st in enumerate(states):
+                st.centroids[prefix] = every[:, u * h : (u + 1) * h].clone()
+            by_unit = every.reshape(s.stages, units, h, *every.shape[2:]).transpose(0, 1)
+            codec._write_centroids(layout, codebooks, prefix, by_unit)
+            extra.update(assign=assign, centroids=every)
+        _, out = encode_units_into_pages(x, scheme, pages, units, clip=clip, **extra)
+        projected = out if prefix == "k" else projected
+    if psac:
+        codec._encode_psac(k, layout, pages, codebooks, moments, basis=(basis, mu), both=projected)
     return True
 
 

@@ -7,6 +7,7 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.codecs.base import CodecState
+from kvbackend.codecs.quantwm import QuantWMCodec, channel_weights
 from kvbackend.geometry import Geometry
 from kvbackend.psac import query_second_moment
 from kernel_cases import DEVICE
@@ -61,6 +62,45 @@ def _error(codec, layout, pages, books, k, v):
     return float((kd - k.float()).norm() / k.float().norm()), float((vd - v.float()).norm() / v.float().norm())
 
 
+def _assert_same_bytes(layout, ref, new, weights=None):
+    """Every field byte for byte, except where the key outliers tie. The outliers are compared as a set per page
+    and head (torch.topk leaves the order of equal entries unspecified, the kernel lists them by position); where
+    the last one chosen ties with one left out (bf16 keys on an fp8 centroid grid make equal errors common) the
+    two sets may differ by such entries only, and that page and head's PSAC rows are then compared by error."""
+    pages_ref, pages_new = ref[0].flatten(0, 1), new[0].flatten(0, 1)
+    assert torch.equal(ref[1], new[1])  # codebooks
+    fields = layout.page.fields
+    agree = None
+    if "k_out_index" in fields:
+        index_r = layout.page.view(pages_ref, "k_out_index").long().transpose(1, 2)  # [N, H, n]
+        index_n = layout.page.view(pages_new, "k_out_index").long().transpose(1, 2)
+        value_r = layout.page.view(pages_ref, "k_out_value").float().transpose(1, 2)
+        value_n = layout.page.view(pages_new, "k_out_value").float().transpose(1, 2)
+        d, units = layout.geometry.head_dim, ref[0].shape[0]
+        w = torch.ones(units, index_r.shape[1], d) if weights is None else weights  # [U, H, D]
+        per_unit = index_r.shape[0] // units
+        agree = torch.ones(index_r.shape[:2], dtype=torch.bool)
+        for page in range(index_r.shape[0]):
+            for head in range(index_r.shape[1]):
+                a = dict(zip(index_r[page, head].tolist(), value_r[page, head].tolist()))
+                b = dict(zip(index_n[page, head].tolist(), value_n[page, head].tolist()))
+                if a == b:
+                    continue
+                agree[page, head] = False
+                score = lambda i, v: v * v * float(w[page // per_unit, head, i % d])  # noqa: E731
+                floor = min(min(score(i, v) for i, v in a.items()), min(score(i, v) for i, v in b.items()))
+                odd = [(i, v) for i, v in a.items() if b.get(i) != v] + [(i, v) for i, v in b.items() if a.get(i) != v]
+                assert all(score(i, v) <= floor * 1.002 for i, v in odd), (page, head, odd)  # ties at the last
+    for name in fields:
+        if name in ("k_out_index", "k_out_value"):
+            continue
+        a, b = layout.page.view(pages_ref, name), layout.page.view(pages_new, name)
+        if name.startswith("k_psac") and agree is not None:  # [N, rows, H, ...]: the heads whose outliers agree
+            keep = agree[:, None, :].expand(-1, a.shape[1], -1)
+            a, b = a[keep], b[keep]
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("tokens", [PAGE, 2 * PAGE + 5])
 @pytest.mark.parametrize("queries", [False, True])
@@ -75,7 +115,13 @@ def test_the_kernels_encode_like_the_reference(spec, tokens, queries):
         ref = _encode(codec, layout, k, v, ref_states, fast=False)
         new = _encode(codec, layout, k, v, new_states, fast=True)
         if DEVICE == "cpu":
-            assert torch.equal(ref[0], new[0]) and torch.equal(ref[1], new[1]), rounds
+            weights = None
+            if queries and isinstance(codec, QuantWMCodec):
+                weights = channel_weights(torch.stack([st.query_moment for st in ref_states]))  # [U, H, D]
+            _assert_same_bytes(layout, ref, new, weights)
+            ref_k, ref_v = _error(codec, layout, *ref, k, v)
+            new_k, new_v = _error(codec, layout, *new, k, v)
+            assert new_k <= 1.0001 * ref_k and new_v == ref_v
             for a, b in zip(ref_states, new_states):
                 assert a.iterations == b.iterations
                 assert a.centroids.keys() == b.centroids.keys()
@@ -105,8 +151,8 @@ def test_the_error_the_kernel_returns_is_what_decoding_leaves():
     cents = torch.randn(1, units * h, 8, d, generator=gen).to(DEVICE)
     assign = torch.randint(0, 8, (1, units * n, h), generator=gen, dtype=torch.int32).to(DEVICE)
     pages = torch.zeros(units * n // PAGE, layout.page_bytes, dtype=torch.uint8, device=DEVICE)
-    error = encode_units_into_pages(x, k_scheme, pages, units, assign, cents, clip=True, error=True)
-    verror = encode_units_into_pages(x, v_scheme, pages, units, clip=True, error=True)
+    error, _ = encode_units_into_pages(x, k_scheme, pages, units, assign, cents, clip=True, error=True)
+    verror, _ = encode_units_into_pages(x, v_scheme, pages, units, clip=True, error=True)
     rows = torch.arange(units * n, device=DEVICE) // n * h  # each token's chunk's first centroid row
     gathered = cents[0][rows[:, None] + torch.arange(h, device=DEVICE), assign[0].long()]  # [U*N, H, D]
     residual = QVGCodec._dequantize_residual(codec, layout, pages, "k")

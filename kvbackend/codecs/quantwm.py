@@ -153,51 +153,51 @@ class QuantWMCodec(QVGCodec):
         self._encode_keys(k, layout, pages, codebooks, states)
         return True
 
-    def _encode_keys(self, k, layout: PageLayout, pages, codebook, states, error: torch.Tensor | None = None) -> None:
+    def _encode_keys(self, k, layout: PageLayout, pages, codebook, states) -> None:
         """The key outliers and PSAC rows of ``len(states)`` chunks encoded by QVG (``codebook`` [bytes] for one
-        chunk, [U, bytes] for U), each with its own chunk's query statistics. ``error``: what QVG's fields leave
-        of the keys, float32 [pages, H, P, D], where the encoder already has it (else decoded from the pages)."""
+        chunk, [U, bytes] for U), each with its own chunk's query statistics."""
         moments = self._stacked_moments(states, k.device)  # [U, H, D, D] or None
         units = len(states)
-        if error is not None:
-            error = error.reshape(error.shape[0], error.shape[1], -1)  # [N, H, P*D], as `_by_head`
         if self.spec.outliers:
             per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
-            index, value = self._encode_outliers(k, layout, pages, per_page, moments, units, error)
-            if error is not None:  # what is left once the outliers are added back
-                error = error.scatter_add(2, index, -value.float())
+            self._encode_outliers(k, layout, pages, per_page, moments, units)
         if self.spec.rank and moments is not None:
-            self._encode_psac(k, layout, pages, codebook, moments, error)
+            self._encode_psac(k, layout, pages, codebook, moments)
 
-    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None,
-                         units: int = 1, error: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
-        channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]) store their
-        error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page).
-        ``error``: QVG's error [N, H, P*D] where known. Returns the outliers' positions [N, H, n] and values."""
-        p, (_, h, d) = layout.page_size, k.shape
-        if error is None:
-            approx, _ = super()._decode(layout, pages, codebook)
-            error = _by_head(k - approx, p)  # [N, H, P*D]
+    def outlier_inputs(self, k, page_size: int, moments: torch.Tensor | None, units: int):
+        """What the outlier choice weighs by: (channel weights [U, H, D] float32, ones without query statistics;
+        the trailing rows of each chunk's last page that repeat the row before them [U] int64). `Codec.encode`
+        pads a partial last page with copies of the last token: they share its errors, so only the first of a
+        trailing run of identical rows may take outlier slots."""
+        p, (_, h, d) = page_size, k.shape
         n = k.shape[0] // units
         if moments is None:
-            weights = torch.ones(1, h, 1, d, device=k.device)
-        else:  # each page takes its chunk's weights
-            weights = channel_weights(moments).repeat_interleave(n // p, 0)[:, :, None, :]  # [N, H, 1, D]
-        score = error.reshape(-1, h, p, d) ** 2 * weights
-        # `Codec.encode` pads a partial last page with copies of the last token: they share its errors, so
-        # only the first of a trailing run of identical rows (within each chunk's last page) may take outlier slots
+            weights = torch.ones(units, h, d, device=k.device)
+        else:
+            weights = channel_weights(moments)
         last = k.reshape(units, n, h, d)[:, -p:]
         same = (last == last[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # [U, P]: the trailing run, from the end
-        copies = same.sum(1, keepdim=True) - 1  # [U, 1]: rows after the run's first (no read back to the host)
-        after_first = torch.arange(p, device=k.device) >= p - copies  # [U, P], in each chunk's last page
+        return weights, same.sum(1) - 1  # rows after the run's first (no read back to the host)
+
+    def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None,
+                         units: int = 1) -> None:
+        """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
+        channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]) store their
+        error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page)."""
+        p, (_, h, d) = layout.page_size, k.shape
+        approx, _ = super()._decode(layout, pages, codebook)
+        error = _by_head(k - approx, p)  # [N, H, P*D]
+        n = k.shape[0] // units
+        weights, copies = self.outlier_inputs(k, p, moments, units)
+        weights = weights.repeat_interleave(n // p, 0)[:, :, None, :]  # [N, H, 1, D]: each page its chunk's
+        score = error.reshape(-1, h, p, d) ** 2 * weights
+        after_first = torch.arange(p, device=k.device) >= p - copies[:, None]  # [U, P], in each chunk's last page
         last_pages = score.view(units, n // p, h, p, d)[:, -1]  # [U, H, P, D], a view of score
         last_pages.masked_fill_(after_first[:, None, :, None], -1.0)
         index = score.reshape(-1, h, p * d).topk(self.spec.outliers, dim=-1).indices  # [N, H, n]
         value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
         layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))
         layout.page.view(pages, "k_out_value").copy_(value.transpose(1, 2))
-        return index, value
 
     def _decode_base(self, layout: PageLayout, pages, codebook):
         """QVG's reconstruction plus the key outliers (everything but the PSAC rows)."""
@@ -210,28 +210,35 @@ class QuantWMCodec(QVGCodec):
         flat = _by_head(k, p).scatter_add(2, index, value)
         return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3)), v
 
+    def psac_basis(self, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stored bases [U, H, D, r] in bf16, ``moments`` [U, H, D, D] times them [U, H, D, r] in float32):
+        the product with ``[U, MU]`` gives both PSAC's coefficients and its gain (`_encode_psac`)."""
+        units, h, d = moments.shape[0], moments.shape[1], moments.shape[-1]
+        r = self.spec.rank
+        basis = principal_directions(moments.reshape(units * h, d, d), r).view(units, h, d, r).to(torch.bfloat16)
+        return basis, moments @ basis.float()
+
     def _encode_psac(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor,
-                     error: torch.Tensor | None = None) -> None:
+                     basis: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     both: torch.Tensor | None = None) -> None:
         """PSAC rows of ``U = len(moments)`` chunks (``moments`` [U, H, D, D]; ``codebook`` [bytes] for one chunk,
-        [U, bytes] for U), each with the basis of its own chunk's queries. ``error``: what the fields before the
-        PSAC rows leave of the keys, [N, H, P*D], where the encoder already has it (else decoded from the pages)."""
+        [U, bytes] for U), each with the basis of its own chunk's queries. ``basis`` (`psac_basis`) and ``both``
+        (what the fields before the PSAC rows leave of the keys, [U, H, T, D], times ``[U, MU]``: [U, H, T, 2r]),
+        where the encoder already has them; else they are computed here (the error decoded from the pages)."""
         r, p = self.spec.rank, layout.page_size
         units, h, d = moments.shape[0], moments.shape[1], moments.shape[-1]
         t = k.shape[0] // units
-        basis = principal_directions(moments.reshape(units * h, d, d), r).view(units, h, d, r).to(torch.bfloat16)
+        basis, mu = self.psac_basis(moments) if basis is None else basis
         u = basis.float()  # [U, H, D, r] as stored
-        if error is None:
-            per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
-            approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
-            error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
-        else:  # [N, H, P*D] -> [U, H, T, D]
-            error = error.view(units, t // p, h, p, d).transpose(1, 2).reshape(units, h, t, d)
         # The query-weighted error e^T M e of a row falls by gain = 2 f^T M e - f^T M f once its correction
         # f = U c is added (M symmetric): with c the stored coefficients, f^T M e = c . (e M U) and
         # f^T M f = c^T (U^T M U) c, so one [T, D] x [D, 2r] product gives the coefficients and the gain, and
         # no [T, D] correction or quadratic form over D is formed.
-        mu = moments @ u  # [U, H, D, r]
-        both = error @ torch.cat([u, mu], -1)  # [U, H, T, 2r]
+        if both is None:
+            per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
+            approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
+            error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
+            both = error @ torch.cat([u, mu], -1)  # [U, H, T, 2r]
         coeff, projected = both[..., :r], both[..., r:]
         scale = round_to((coeff.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
         codes = torch.round(coeff / scale.unsqueeze(-1)).clamp(-127, 127)
