@@ -355,4 +355,5 @@ def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pa
         SYMMETRIC=scheme.symmetric, KIND=scheme.kind, CODES=scheme.codes, SCALES=max(scheme.scales, 0),
         ZEROS=max(scheme.zeros, 0), ASSIGN=max(scheme.assign, 0), STAGES=scheme.stages, C=max(scheme.centroids, 1),
         UNIT_PAGES=unit_pages, CLIP=clip, GSTEP=GAUSSIAN_STEP[1 << scheme.bits] if clip else 0.0,
-        ERROR=error is not None, OUT_N=keys.outliers, OUT_INDEX=keys.index_at, OUT_VALUE=keys.value_at, R2=r2, BN=bn)
+        ERROR=error is not None, OUT_N=keys.outliers, OUT_INDEX=keys.index_at, OUT_VALUE=keys.value_at, R2=r2, BN=bn,
+        num_warps=8 if (keys.outliers or r2) and n // page_ids.numel() * d >= 8192 else 4)  # (the error and score tiles)

@@ -2,14 +2,15 @@
 
 The reference (`QVGCodec._encode_chunks`, then QuantWM's key outliers and PSAC rows) is a few dozen torch passes
 over float32 chunk-sized tensors per stage, and decodes the pages twice more to find what its fields leave of the
-keys. Here each stage's k-means is the Triton k-means (`kmeans_graphed` on CUDA), and one encode kernel per tensor
-subtracts the centroids, computes the (clipped) steps, packs the codes of every page of every chunk and, for keys
-with outliers or PSAC rows, writes the error the fields leave. QuantWM's outliers and PSAC rows are then chosen
-from that error (`QuantWMCodec._encode_keys(..., error=...)`), with no decode.
+keys. Here each stage's k-means is the Triton k-means (`kmeans_graphed` on CUDA), and one launch of the encode
+kernel per tensor subtracts the centroids of every chunk, computes the (clipped) steps and packs the codes; for
+QuantWM's keys the same program then chooses the page's outliers from what the codes leave of its keys and
+multiplies what is left after them by the chunk's PSAC basis, so no error tensor is formed; the PSAC rows are made
+from those products (`QuantWMCodec._encode_psac(..., both=...)`).
 
 Same fields and layout as the reference; the bytes match it where the arithmetic is the same and differ where
-it is not: the k-means distances (TF32 on CUDA), the clipped steps' float32 sums and the outliers' error
-(the residual minus its reconstruction instead of the keys minus theirs) may resolve near-ties otherwise.
+it is not: the k-means distances (TF32 on CUDA), the clipped steps' float32 sums, the order of outliers of equal
+error (and which of them is taken last), and the PSAC products' float32 sums.
 """
 
 from __future__ import annotations
