@@ -8,8 +8,6 @@ the same assignments the bytes equal the torch reference's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -122,13 +120,12 @@ def _element_size(KIND: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, err_ptr, w_ptr, copies_ptr, b_ptr, proj_ptr,
-                   N: tl.constexpr, PAGE_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, err_ptr, N: tl.constexpr,
+                   PAGE_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                    MODE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
                    KIND: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
                    ASSIGN: tl.constexpr, STAGES: tl.constexpr, C: tl.constexpr, UNIT_PAGES: tl.constexpr,
-                   CLIP: tl.constexpr, GSTEP: tl.constexpr, ERROR: tl.constexpr, OUT_N: tl.constexpr,
-                   OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr, R2: tl.constexpr, BN: tl.constexpr):
+                   CLIP: tl.constexpr, GSTEP: tl.constexpr, ERROR: tl.constexpr):
     j = tl.program_id(0)  # page of the chunks (UNIT_PAGES pages per chunk, each with its own centroids)
     h = tl.program_id(1)
     page = tl.load(page_ids + j).to(tl.int64)
@@ -197,39 +194,12 @@ def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, err_ptr,
         q = tl.minimum(tl.maximum(_rne(tl.math.div_rn(x, full_scale)), -qmax * 1.0), qmax * 1.0) + qmax
     else:
         q = tl.minimum(tl.maximum(_rne(tl.math.div_rn(x - full_zero, full_scale)), 0.0), levels * 1.0)
-    if ERROR or OUT_N > 0 or R2 > 0:  # what decoding leaves of x (its residual after the centroids)
+    if ERROR:  # what decoding leaves of x (its residual after the centroids), by page and head: [pages, H, P, D]
         if SYMMETRIC:
             approx = (q - qmax) * full_scale
         else:
             approx = q * full_scale + full_zero
-        err = x - approx
-        if ERROR:  # by page and head: [pages, H, P, D]
-            tl.store(err_ptr + ((j.to(tl.int64) * H + h) * P + t[:, None]) * D + d[None, :], err)
-        unit_head = (j // UNIT_PAGES) * H + h
-        if OUT_N > 0:  # QuantWM's key outliers: the OUT_N entries of largest weighted error keep it (fp16)
-            score = err * err * tl.load(w_ptr + unit_head * D + d)[None, :]
-            # a chunk's last page may end in copies of its last token (padding): only the first may be chosen
-            copies = tl.load(copies_ptr + j // UNIT_PAGES)
-            tail = ((j % UNIT_PAGES) == UNIT_PAGES - 1) & (t >= P - copies)
-            score = tl.where(tail[:, None], -1.0, score)
-            flat = t[:, None] * D + d[None, :]  # the stored position, token-major
-            for i in tl.static_range(OUT_N):  # largest first, ties in position order (torch.topk's is unspecified)
-                top = tl.max(tl.max(score, 1), 0)
-                pos = tl.minimum(tl.min(tl.min(tl.where(score == top, flat, P * D), 1), 0), P * D - 1)
-                hit = flat == pos
-                value = tl.sum(tl.sum(tl.where(hit, err, 0.0), 1), 0)
-                value = tl.minimum(tl.maximum(value, -65504.0), 65504.0).to(tl.float16)
-                tl.store(i16 + (base + OUT_INDEX) // 2 + i * H + h, pos.to(tl.int16))
-                tl.store(i16 + (base + OUT_VALUE) // 2 + i * H + h, value.to(tl.int16, bitcast=True))
-                err = tl.where(hit, err - value.to(tl.float32), err)  # what is left once it is added back
-                score = tl.where(hit, float("-inf"), score)
-        if R2 > 0:  # PSAC: what is left, times [U, MU] of the chunk and head -> [U, H, T, R2]
-            cols = tl.arange(0, BN)
-            basis = tl.load(b_ptr + (unit_head * D + d[:, None]) * BN + cols[None, :])  # [D, BN], zero-padded
-            both = tl.dot(err, basis, input_precision="ieee")  # [P, BN]
-            token = (j % UNIT_PAGES) * P + t
-            where_to = (unit_head.to(tl.int64) * (UNIT_PAGES * P) + token[:, None]) * R2 + cols[None, :]
-            tl.store(proj_ptr + where_to, both, mask=cols[None, :] < R2)
+        tl.store(err_ptr + ((j.to(tl.int64) * H + h) * P + t[:, None]) * D + d[None, :], x - approx)
     PER: tl.constexpr = 8 // BITS
     DP: tl.constexpr = D // PER
     codes = tl.reshape(q.to(tl.int32), (P, DP, PER))
@@ -267,29 +237,9 @@ def encode_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor
     _launch(x, scheme, pages, page_ids, assign, centroids, page_ids.numel(), False, None)
 
 
-@dataclass(frozen=True)
-class KeyFields:
-    """QuantWM's key fields made inside the encode kernel from what the codes leave of the keys.
-
-    outliers: entries per page and head keeping their error (0: none), chosen by error^2 x ``weights``
-        [U*H, D] (float32), never among the last ``copies[u]`` rows of chunk u's last page (int32 [U]);
-        stored at the page's byte offsets ``index_at`` (int16 positions) and ``value_at`` (fp16 values).
-    basis: [U*H, D, 2r] float32 ([U, MU] of `QuantWMCodec.psac_basis`) or None: the error left after the
-        outliers, times it, is returned as [U, H, T, 2r].
-    """
-
-    outliers: int = 0
-    weights: torch.Tensor | None = None
-    copies: torch.Tensor | None = None
-    index_at: int = 0
-    value_at: int = 0
-    basis: torch.Tensor | None = None
-
-
 def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor, units: int,
                             assign: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
-                            clip: bool = False, error: bool = False,
-                            keys: KeyFields | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                            clip: bool = False, error: bool = False) -> torch.Tensor | None:
     """Quantize one of K or V of ``units`` chunks of equal length into ``pages`` (their pages in order).
 
     Args:
@@ -299,11 +249,9 @@ def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.
         centroids: float32 [S, U*H, C, D] as stored (chunk u's heads are rows u*H..(u+1)*H).
         clip: asymmetric steps clipped as `kvbackend.quant.quantize(..., clip=True)`.
         error: also return what decoding leaves of the residual, float32 [U*N/P, H, P, D].
-        keys: QuantWM's key outliers and PSAC products, made in the same pass (`KeyFields`).
 
-    Returns ``(error or None, PSAC products [U, H, N, 2r] or None)``. The bytes are the reference's for the same
-    assignments, except where float32 sums in another order (the clipped steps' means and variances) round a
-    stored scale or zero to a neighbouring value, or outliers tie.
+    The bytes are the reference's for the same assignments, except where float32 sums in another order (the
+    clipped steps' means and variances) round a stored scale or zero to a neighbouring value.
     """
     if scheme.mode == FLOAT or scheme.bits not in (2, 4, 8):
         raise ValueError(f"encode kernel handles 2/4/8-bit group schemes, not {scheme}")
@@ -321,39 +269,20 @@ def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.
         assign, centroids = assign.to(torch.int32).contiguous(), centroids.float().contiguous()
     else:
         assign = centroids = x  # never read
-    keys = keys or KeyFields()
-    if keys.outliers and (keys.weights is None or keys.copies is None or keys.weights.shape != (units * h, d)
-                          or keys.index_at % 2 or keys.value_at % 2 or pages.shape[1] % 2):
-        raise ValueError("outliers need weights [U*H, D], copies [U] and 2-byte aligned fields")
     page_ids = torch.arange(count, dtype=torch.int32, device=pages.device)
     out = torch.empty(count, h, p, d, device=x.device) if error else None
-    projected = None
-    if keys.basis is not None:
-        r2 = keys.basis.shape[-1]
-        if keys.basis.shape[:2] != (units * h, d) or d < 16:
-            raise ValueError(f"PSAC basis must be [U*H, D, 2r] = [{units * h}, {d}, 2r] with D >= 16")
-        projected = torch.empty(units, h, n // units, r2, device=x.device)
-    _launch(x, scheme, pages, page_ids, assign, centroids, count // units, clip, out, keys, projected)
-    return out, projected
+    _launch(x, scheme, pages, page_ids, assign, centroids, count // units, clip, out)
+    return out
 
 
-def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pages: int, clip: bool, error,
-            keys: KeyFields | None = None, projected=None) -> None:
+def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pages: int, clip: bool, error) -> None:
     n, h, d = x.shape
     u8, i16, i32 = pool_views(pages)
     clip = clip and not scheme.symmetric
-    keys = keys or KeyFields()
-    r2 = 0 if keys.basis is None else keys.basis.shape[-1]
-    bn = max(16, triton.next_power_of_2(max(r2, 1)))
-    basis = x if keys.basis is None else torch.nn.functional.pad(keys.basis.float(), (0, bn - r2)).contiguous()
-    weights = x if not keys.outliers else keys.weights.float().contiguous()
-    copies = page_ids if not keys.outliers else keys.copies.to(torch.int32).contiguous()
     _encode_kernel[(page_ids.numel(), h)](
-        x, assign, centroids, page_ids, u8, i16, i32, x if error is None else error, weights, copies, basis,
-        x if projected is None else projected, N=n, PAGE_BYTES=pages.shape[1],
+        x, assign, centroids, page_ids, u8, i16, i32, x if error is None else error, N=n, PAGE_BYTES=pages.shape[1],
         H=h, P=n // page_ids.numel(), D=d, MODE=scheme.mode, BITS=scheme.bits, GROUP=scheme.group,
         SYMMETRIC=scheme.symmetric, KIND=scheme.kind, CODES=scheme.codes, SCALES=max(scheme.scales, 0),
         ZEROS=max(scheme.zeros, 0), ASSIGN=max(scheme.assign, 0), STAGES=scheme.stages, C=max(scheme.centroids, 1),
         UNIT_PAGES=unit_pages, CLIP=clip, GSTEP=GAUSSIAN_STEP[1 << scheme.bits] if clip else 0.0,
-        ERROR=error is not None, OUT_N=keys.outliers, OUT_INDEX=keys.index_at, OUT_VALUE=keys.value_at, R2=r2, BN=bn,
-        num_warps=8 if (keys.outliers or r2) and n // page_ids.numel() * d >= 8192 else 4)  # (the error and score tiles)
+        ERROR=error is not None)

@@ -3,14 +3,14 @@
 The reference (`QVGCodec._encode_chunks`, then QuantWM's key outliers and PSAC rows) is a few dozen torch passes
 over float32 chunk-sized tensors per stage, and decodes the pages twice more to find what its fields leave of the
 keys. Here each stage's k-means is the Triton k-means (`kmeans_graphed` on CUDA), and one launch of the encode
-kernel per tensor subtracts the centroids of every chunk, computes the (clipped) steps and packs the codes; for
-QuantWM's keys the same program then chooses the page's outliers from what the codes leave of its keys and
-multiplies what is left after them by the chunk's PSAC basis, so no error tensor is formed; the PSAC rows are made
-from those products (`QuantWMCodec._encode_psac(..., both=...)`).
+kernel per tensor subtracts the centroids of every chunk, computes the (clipped) steps, packs the codes and, for
+QuantWM's keys, writes what the codes leave of them: the outliers are chosen from that error and the PSAC rows
+made from its product with the chunk's basis (`QuantWMCodec.write_outliers`, `_encode_psac(..., both=...)`), with
+no decode of the pages.
 
 Same fields and layout as the reference; the bytes match it where the arithmetic is the same and differ where
-it is not: the k-means distances (TF32 on CUDA), the clipped steps' float32 sums, the order of outliers of equal
-error (and which of them is taken last), and the PSAC products' float32 sums.
+it is not: the k-means distances (TF32 on CUDA), the clipped steps' float32 sums, the outliers' error (the residual
+minus its reconstruction, not the keys minus theirs), and the PSAC products' float32 sums.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvbackend.errors import UnsupportedLayout
 from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
-from kvbackend.kernels.encode import KeyFields, encode_units_into_pages
+from kvbackend.kernels.encode import encode_units_into_pages
 from kvbackend.kernels.kmeans import kmeans, kmeans_graphed
 
 
@@ -44,8 +44,8 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
     if qsac:
         return False
     p, d = layout.page_size, layout.geometry.head_dim
-    if p & (p - 1) or d & (d - 1) or (isinstance(codec, QuantWMCodec) and s.rank and d < 16):
-        return False  # (PSAC's product runs on `tl.dot`: 16 channels at least)
+    if p & (p - 1) or d & (d - 1):
+        return False
     try:
         schemes = kernel_schemes(codec, layout, levers_read=True)
     except UnsupportedLayout:
@@ -69,25 +69,13 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
     quantwm = isinstance(codec, QuantWMCodec)
     moments = codec._stacked_moments(states, k.device) if quantwm else None
     psac = quantwm and bool(s.rank) and moments is not None
-    keys = KeyFields()
-    if quantwm and (s.outliers or psac):
-        extras = {}
-        if s.outliers:
-            weights, copies = codec.outlier_inputs(k, layout.page_size, moments, units)
-            extras.update(outliers=s.outliers, weights=weights.reshape(units * h, -1), copies=copies,
-                          index_at=layout.page.fields["k_out_index"].offset,
-                          value_at=layout.page.fields["k_out_value"].offset)
-        if psac:
-            basis, mu = codec.psac_basis(moments)
-            extras["basis"] = torch.cat([basis.float(), mu], -1).reshape(units * h, *mu.shape[2:3], -1)
-        keys = KeyFields(**extras)
     generator = torch.Generator().manual_seed(s.seed)
-    projected = None
+    error = None
     for prefix, x in (("k", k), ("v", v)):
         x = x.float().contiguous()
         scheme = schemes[prefix]
         clip = s.clip if prefix == "k" and s.kchannel else s.clip and not s.symmetric
-        extra = {"keys": keys} if prefix == "k" else {}
+        extra = {"error": prefix == "k" and quantwm and (bool(s.outliers) or psac)}
         if codec._clustered(prefix):
             every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator)
             for u, st in enumerate(states):
@@ -95,11 +83,28 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
             by_unit = every.reshape(s.stages, units, h, *every.shape[2:]).transpose(0, 1)
             codec._write_centroids(layout, codebooks, prefix, by_unit)
             extra.update(assign=assign, centroids=every)
-        _, out = encode_units_into_pages(x, scheme, pages, units, clip=clip, **extra)
-        projected = out if prefix == "k" else projected
-    if psac:
-        codec._encode_psac(k, layout, pages, codebooks, moments, basis=(basis, mu), both=projected)
+        out = encode_units_into_pages(x, scheme, pages, units, clip=clip, **extra)
+        error = out if prefix == "k" else error
+    if error is not None:
+        _key_fields(codec, layout, pages, codebooks, k, error, moments, units, psac)
     return True
+
+
+def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, psac: bool) -> None:
+    """QuantWM's key outliers and PSAC rows from what the codes leave of the keys, ``error`` [pages, H, P, D] (the
+    kernel's; the reference decodes its pages twice for it)."""
+    count, h, p, d = error.shape
+    flat = error.view(count, h, p * d)
+    if codec.spec.outliers:
+        index, value = codec.write_outliers(layout, pages, flat, *codec.outlier_inputs(k, p, moments, units))
+        flat.scatter_add_(2, index, -value.float())  # what is left once the outliers are added back
+    if psac:
+        basis, mu = codec.psac_basis(moments)
+        both = torch.cat([basis.float(), mu], -1)  # [U, H, D, 2r]
+        # [U, pages of a chunk, H, P, D] x [U, 1, H, D, 2r]: batched over pages and heads, no transpose of the error
+        both = error.view(units, count // units, h, p, d) @ both.unsqueeze(1)
+        both = both.transpose(1, 2).reshape(units, h, (count // units) * p, -1)  # [U, H, T, 2r]
+        codec._encode_psac(k, layout, pages, codebooks, moments, basis=(basis, mu), both=both)
 
 
 def _cluster(codec, prefix: str, x: torch.Tensor, states, generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,8 +151,8 @@ def test_the_error_the_kernel_returns_is_what_decoding_leaves():
     cents = torch.randn(1, units * h, 8, d, generator=gen).to(DEVICE)
     assign = torch.randint(0, 8, (1, units * n, h), generator=gen, dtype=torch.int32).to(DEVICE)
     pages = torch.zeros(units * n // PAGE, layout.page_bytes, dtype=torch.uint8, device=DEVICE)
-    error, _ = encode_units_into_pages(x, k_scheme, pages, units, assign, cents, clip=True, error=True)
-    verror, _ = encode_units_into_pages(x, v_scheme, pages, units, clip=True, error=True)
+    error = encode_units_into_pages(x, k_scheme, pages, units, assign, cents, clip=True, error=True)
+    verror = encode_units_into_pages(x, v_scheme, pages, units, clip=True, error=True)
     rows = torch.arange(units * n, device=DEVICE) // n * h  # each token's chunk's first centroid row
     gathered = cents[0][rows[:, None] + torch.arange(h, device=DEVICE), assign[0].long()]  # [U*N, H, D]
     residual = QVGCodec._dequantize_residual(codec, layout, pages, "k")

@@ -184,20 +184,27 @@ class QuantWMCodec(QVGCodec):
         """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
         channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]) store their
         error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page)."""
-        p, (_, h, d) = layout.page_size, k.shape
         approx, _ = super()._decode(layout, pages, codebook)
-        error = _by_head(k - approx, p)  # [N, H, P*D]
-        n = k.shape[0] // units
-        weights, copies = self.outlier_inputs(k, p, moments, units)
-        weights = weights.repeat_interleave(n // p, 0)[:, :, None, :]  # [N, H, 1, D]: each page its chunk's
-        score = error.reshape(-1, h, p, d) ** 2 * weights
-        after_first = torch.arange(p, device=k.device) >= p - copies[:, None]  # [U, P], in each chunk's last page
-        last_pages = score.view(units, n // p, h, p, d)[:, -1]  # [U, H, P, D], a view of score
+        error = _by_head(k - approx, layout.page_size)  # [N, H, P*D]
+        self.write_outliers(layout, pages, error, *self.outlier_inputs(k, layout.page_size, moments, units))
+
+    def write_outliers(self, layout: PageLayout, pages, error: torch.Tensor, weights: torch.Tensor,
+                       copies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outlier fields of ``pages`` from what the other fields leave of the keys, ``error`` [N, H, P*D]
+        (each page and head flat, position ``t * D + d``), with `outlier_inputs`' weights [U, H, D] and copies [U].
+        Returns the positions [N, H, n] (int64) and the values stored (fp16)."""
+        p, units = layout.page_size, weights.shape[0]
+        h, d = weights.shape[1], weights.shape[2]
+        pages_per_unit = error.shape[0] // units
+        score = error.reshape(-1, h, p, d) ** 2 * weights.repeat_interleave(pages_per_unit, 0)[:, :, None, :]
+        after_first = torch.arange(p, device=error.device) >= p - copies[:, None]  # [U, P], each chunk's last page
+        last_pages = score.view(units, pages_per_unit, h, p, d)[:, -1]  # [U, H, P, D], a view of score
         last_pages.masked_fill_(after_first[:, None, :, None], -1.0)
         index = score.reshape(-1, h, p * d).topk(self.spec.outliers, dim=-1).indices  # [N, H, n]
         value = torch.gather(error, 2, index).clamp(-65504.0, 65504.0).to(torch.float16)
         layout.page.view(pages, "k_out_index").copy_(index.transpose(1, 2).to(torch.int16))
         layout.page.view(pages, "k_out_value").copy_(value.transpose(1, 2))
+        return index, value
 
     def _decode_base(self, layout: PageLayout, pages, codebook):
         """QVG's reconstruction plus the key outliers (everything but the PSAC rows)."""
