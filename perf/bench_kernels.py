@@ -8,7 +8,9 @@ Sections (each guarded, so one failure still leaves the others' figures):
 3. decode: paged_decode vs SDPA BF16 (enable_gqa) at (B, L) = (1,32K), (8,32K), (32,8K), (8,128K),
    launched one by one and, both sides alike, replayed from CUDA graphs (no host launch overhead);
 4. gather: gather_dequant alone (GB/s) and gather_dequant + SDPA;
-5. encode: k-means (warm-started) + pack of a 4096-token chunk, GB/s of BF16 input;
+5. encode: k-means (warm-started) + pack of a 4096-token chunk, GB/s of BF16 input; the recommended spec's warm
+   chunk encode (`Codec.encode_units` over 1, 8 and 32 layers) with the kernels' one-pass encode and with the
+   torch reference, both outputs' error, and the heaviest GPU kernels of the 32-layer pass;
 6. levers: the recommended recipe's layout (quantwm keys per channel with centroids, PSAC rows, sinks,
    page-relative keys, Hadamard-rotated values), the recipe with pre-RoPE keys instead, and the same
    layout without PSAC, without levers and without both (its best kernel, and the plain kernel that
