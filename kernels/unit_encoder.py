@@ -69,6 +69,9 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
     quantwm = isinstance(codec, QuantWMCodec)
     moments = codec._stacked_moments(states, k.device) if quantwm else None
     psac = quantwm and bool(s.rank) and moments is not None
+    # first: the basis solve reads the device once (its failure check), which here waits for little; after the
+    # encode launches it would wait for all of them, and the rest would be launched to an idle GPU
+    basis = codec.psac_basis(moments) if psac else None
     generator = torch.Generator().manual_seed(s.seed)
     error = None
     for prefix, x in (("k", k), ("v", v)):
@@ -86,25 +89,24 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
         out = encode_units_into_pages(x, scheme, pages, units, clip=clip, **extra)
         error = out if prefix == "k" else error
     if error is not None:
-        _key_fields(codec, layout, pages, codebooks, k, error, moments, units, psac)
+        _key_fields(codec, layout, pages, codebooks, k, error, moments, units, basis)
     return True
 
 
-def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, psac: bool) -> None:
-    """QuantWM's key outliers and PSAC rows from what the codes leave of the keys, ``error`` [pages, H, P, D] (the
-    kernel's; the reference decodes its pages twice for it)."""
+def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, basis) -> None:
+    """QuantWM's key outliers and PSAC rows (``basis``: `QuantWMCodec.psac_basis`, or None without them) from what
+    the codes leave of the keys, ``error`` [pages, H, P, D] (the kernel's; the reference decodes its pages twice)."""
     count, h, p, d = error.shape
     flat = error.view(count, h, p * d)
     if codec.spec.outliers:
         index, value = codec.write_outliers(layout, pages, flat, *codec.outlier_inputs(k, p, moments, units))
         flat.scatter_add_(2, index, -value.float())  # what is left once the outliers are added back
-    if psac:
-        basis, mu = codec.psac_basis(moments)
-        both = torch.cat([basis.float(), mu], -1)  # [U, H, D, 2r]
+    if basis is not None:
+        both = torch.cat([basis[0].float(), basis[1]], -1)  # [U, H, D, 2r]
         # [U, pages of a chunk, H, P, D] x [U, 1, H, D, 2r]: batched over pages and heads, no transpose of the error
         both = error.view(units, count // units, h, p, d) @ both.unsqueeze(1)
         both = both.transpose(1, 2).reshape(units, h, (count // units) * p, -1)  # [U, H, T, 2r]
-        codec._encode_psac(k, layout, pages, codebooks, moments, basis=(basis, mu), both=both)
+        codec._encode_psac(k, layout, pages, codebooks, moments, basis=basis, both=both)
 
 
 def _cluster(codec, prefix: str, x: torch.Tensor, states, generator) -> tuple[torch.Tensor, torch.Tensor]:
