@@ -54,3 +54,20 @@ def test_random_seeding_of_a_cold_tensor_beside_a_warm_one_is_left_to_the_refere
     ref = codec.encode_units(k, v, layout, [ref_state])
     new = codec.encode_units(k, v, layout, [new_state], encoder=encode_units)
     assert torch.equal(ref[0], new[0]) and torch.equal(ref[1], new[1])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="bytes compared in the interpreter")
+def test_float32_steps_past_the_largest_float_saturate_as_the_reference_does():
+    """Finite values whose range overflows float32 (about +-2e38): the reference saturates an fp32 scale at the
+    largest finite float (`quant.round_to`); an infinite scale would decode every code of the group to NaN."""
+    from kvbackend.kernels.unit_encoder import encode_units
+
+    codec = codecs.get("qvg:centroids=4,group=16,scale=fp32,vcluster=false")
+    layout = codec.layout(Geometry(1, 2, 32, torch.float32), 16)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 16, 2, 32, generator=gen)
+    v = (torch.rand(2, 16, 2, 32, generator=gen) * 2 - 1) * 2e38
+    ref = codec.encode_units(k, v, layout)
+    new = codec.encode_units(k, v, layout, encoder=encode_units)
+    assert bool(torch.isfinite(layout.page.view(new[0].flatten(0, 1), "v_scales")).all())
+    _assert_same_bytes(layout, ref, new)
