@@ -76,8 +76,8 @@ def _round_dir(x, KIND: tl.constexpr, UP: tl.constexpr):
     else:
         eps: tl.constexpr = 0.0078125
         big: tl.constexpr = 3.3895313892515355e38
-    if KIND == 3:
-        return x
+    if KIND == 3:  # saturates at the largest finite float, as the reference (an infinite scale decodes to NaN)
+        return tl.minimum(tl.maximum(x, -3.4028234663852886e38), 3.4028234663852886e38)
     x = tl.minimum(tl.maximum(x, -big), big)
     y = _to_kind(x, KIND)
     step = tl.maximum(tl.abs(x) * eps, _tiny_like(x, KIND))

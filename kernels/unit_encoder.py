@@ -36,7 +36,7 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
     if not isinstance(codec, QVGCodec) or not codec._states_alike(states):
         return False
     s = codec.spec
-    cold = not states[0].centroids
+    cold = any(codec._clustered(prefix) and prefix not in states[0].centroids for prefix in "kv")
     if cold and s.init != "kmeans++":  # random seeding draws a permutation per row: no shared stream
         return False
     # QuantWM's query-sensitive assignment (QSAC) is not the nearest centroid: the reference chooses it

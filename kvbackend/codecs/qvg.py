@@ -117,7 +117,7 @@ class QVGCodec(Codec):
         states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
         if not self._states_alike(states):
             return False
-        if self.spec.init != "kmeans++" and not states[0].centroids:
+        if self.spec.init != "kmeans++" and any(self._clustered(p) and p not in states[0].centroids for p in "kv"):
             return False  # random seeding draws a permutation per row: no shared stream
         self._encode_chunks(k, v, layout, pages, codebooks, states)
         return True
