@@ -11,7 +11,7 @@ from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
 from kvbackend.kernels.encode import encode_into_pages
-from kvbackend.kernels.kmeans import kmeans, kmeans_graphed
+from kvbackend.kernels.kmeans import kmeans
 
 _INITS = {"kmeans++": kmeanspp_init, "random": random_init}
 
@@ -66,10 +66,9 @@ def _cluster(spec, staged, state: CodecState, heads: int):
         else:  # K's heads then V's, as the reference seeds them (same draws for one stage)
             init = torch.cat([_INITS[spec.init](part.cpu(), count, generator)
                               for part in residual.split(heads)]).to(residual.device)
-        if residual.is_cuda:  # fixed steps replayed from a CUDA graph: no host sync, few launches
-            result = kmeans_graphed(residual, init, spec.iters)
-        else:  # the interpreter: stop once assignments settle, as the reference does
-            result = kmeans(residual, init, spec.iters)
+        # CUDA: fixed steps, no host sync (a CUDA graph of them held 864 MiB per chunk shape for the process's life);
+        # the interpreter: stop once assignments settle, as the reference does
+        result = kmeans(residual, init, spec.iters, early_stop=not residual.is_cuda)
         state.iterations.append(result.iterations)
         cents = result.centroids.to(torch.bfloat16)
         residual -= torch.gather(cents.float(), 1, result.assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))

@@ -3,7 +3,9 @@
 One program per (page, KV head) writes that head's slice of every field of one of K or V straight
 into the packed pool, in the layout's places. The arithmetic mirrors `kvbackend.quant` step by step
 (IEEE division, round-half-even, scales rounded up and zeros down to their storage type), so for
-the same assignments the bytes equal the torch reference's.
+the same assignments the bytes equal the torch reference's (clipped steps: up to the order of their
+float32 sums). One launch may cover the pages of several chunks of equal length, each with its own
+centroids (`encode_units_into_pages`), and write what the codes leave of the input (its error).
 """
 
 from __future__ import annotations

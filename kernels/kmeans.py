@@ -1,14 +1,13 @@
 """Batched Lloyd's k-means on the GPU: a fused nearest-centroid kernel plus a scatter update.
 
 The assignment kernel computes ||c||^2 - 2 x.c block by block with `tl.dot` and keeps a running
-arg-min, so the N x C distance matrix never exists in memory. The update is two `index_add_`s.
-On CUDA, `kmeans_graphed` replays the fixed-step loop from a captured CUDA graph: the loop is a few
-dozen small launches, which otherwise cost more host time than GPU time (perf/NOTES.md).
+arg-min, so the N x C distance matrix never exists in memory. The update is two `index_add_`s (on CUDA, a
+one-hot product for few centroids). The encoders run fixed steps on CUDA (no host synchronisation); a CUDA graph
+of them was no faster end to end and held its memory pool (864 MiB for a 32-layer chunk) for the process's life
+(perf/NOTES.md, session 26).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -105,37 +104,3 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
         return KMeansResult(centroids, assign, iterations, x.new_full(assign.shape, float("nan")))
     nearest = torch.gather(centroids, 1, assign.unsqueeze(-1).expand(-1, -1, d))
     return KMeansResult(centroids, assign, iterations, ((x - nearest) ** 2).sum(-1))
-
-
-@dataclass
-class _Captured:
-    graph: "torch.cuda.CUDAGraph"
-    x: torch.Tensor  # static inputs, copied into before each replay
-    init: torch.Tensor
-    result: KMeansResult  # static outputs, overwritten by each replay
-
-
-_CAPTURED: dict[tuple, _Captured] = {}  # one graph per (shapes, device, steps): a cache has a few layouts
-
-
-def kmeans_graphed(x: torch.Tensor, init: torch.Tensor, steps: int) -> KMeansResult:
-    """`kmeans(x, init, steps, early_stop=False)` on CUDA, replayed from a CUDA graph captured on the
-    first call with these shapes. Returns fresh tensors (the graph's outputs are reused)."""
-    key = (tuple(x.shape), tuple(init.shape), x.device, steps)
-    captured = _CAPTURED.get(key)
-    if captured is None:
-        static_x, static_init = x.float().contiguous().clone(), init.float().contiguous().clone()
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):  # compile and warm up the kernels outside the capture
-            kmeans(static_x, static_init, steps, early_stop=False)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = kmeans(static_x, static_init, steps, early_stop=False)
-        captured = _CAPTURED[key] = _Captured(graph, static_x, static_init, result)
-    captured.x.copy_(x)
-    captured.init.copy_(init)
-    captured.graph.replay()
-    out = captured.result
-    return KMeansResult(out.centroids.clone(), out.assign.clone(), out.iterations, out.distance.clone())

@@ -2,7 +2,7 @@
 
 The reference (`QVGCodec._encode_chunks`, then QuantWM's key outliers and PSAC rows) is a few dozen torch passes
 over float32 chunk-sized tensors per stage, and decodes the pages twice more to find what its fields leave of the
-keys. Here each stage's k-means is the Triton k-means (`kmeans_graphed` on CUDA), and one launch of the encode
+keys. Here each stage's k-means is the Triton k-means (fixed steps on CUDA), and one launch of the encode
 kernel per tensor subtracts the centroids of every chunk, computes the (clipped) steps, packs the codes and, for
 QuantWM's keys, writes what the codes leave of them: the outliers are chosen from that error and the PSAC rows
 made from its product with the chunk's basis (`QuantWMCodec.write_outliers`, `_encode_psac(..., both=...)`), with
@@ -28,20 +28,14 @@ from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
 from kvbackend.kernels.encode import encode_units_into_pages
-from kvbackend.kernels.kmeans import kmeans, kmeans_graphed
+from kvbackend.kernels.kmeans import kmeans
 
 
 def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
     """Whether `encode_units` encodes these chunks (else the reference does)."""
-    if not isinstance(codec, QVGCodec) or not codec._states_alike(states):
+    if not isinstance(codec, QVGCodec) or not codec._units_encodable(states):
         return False
-    s = codec.spec
-    cold = any(codec._clustered(prefix) and prefix not in states[0].centroids for prefix in "kv")
-    if cold and s.init != "kmeans++":  # random seeding draws a permutation per row: no shared stream
-        return False
-    # QuantWM's query-sensitive assignment (QSAC) is not the nearest centroid: the reference chooses it
-    qsac = isinstance(codec, QuantWMCodec) and states[0].query_moment is not None and s.candidates >= 2 and not s.kchannel
-    if qsac:
+    if not codec._nearest_assigned("k", states[0].query_moment):  # QSAC: the reference chooses the centroids
         return False
     p, d = layout.page_size, layout.geometry.head_dim
     if p & (p - 1) or d & (d - 1):
@@ -124,10 +118,9 @@ def _cluster(codec, prefix: str, x: torch.Tensor, states, generator) -> tuple[to
             init = warm[stage].to(residual.device)
         else:
             init = kmeanspp_init(residual, s.centroids, generator, repeat=units)
-        if residual.is_cuda:  # fixed steps replayed from a CUDA graph: no host sync, few launches
-            result = kmeans_graphed(residual, init.float(), s.iters)
-        else:  # the interpreter: stop once assignments settle, as the reference does
-            result = kmeans(residual, init, s.iters)
+        # CUDA: fixed steps, no host sync (a CUDA graph of them held 864 MiB per chunk shape for the process's life);
+        # the interpreter: stop once assignments settle, as the reference does
+        result = kmeans(residual, init, s.iters, early_stop=not residual.is_cuda)
         for st in states:
             st.iterations.append(result.iterations)
         cents = codec._store_centroids(result.centroids)  # as decoding will see them

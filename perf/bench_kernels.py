@@ -517,7 +517,26 @@ def encode(decode_step_us):
         rows.append(row)
         print(f"encode {spec}: {ms:.3f} ms ({gbps:.1f} GB/s of bf16 in), torch reference {ref_ms:.3f} ms", flush=True)
     rows += _encode_recipe(heads, dim, p, tokens)
+    rows.append(_outlier_top_k(heads, dim, p))
     return rows
+
+
+def _outlier_top_k(heads: int, dim: int, p: int) -> dict:
+    """QuantWM's outlier choice for a 32-layer, 2048-token chunk (a top-16 of P*D weighted errors per page and head):
+    the full-width `torch.topk` against `top_positions` through each page's 16 tokens of largest maximum, same
+    scores, same positions checked."""
+    from kvbackend.codecs.quantwm import top_positions
+
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    score = torch.randn(32 * 2048 // p, heads, p * dim, device=DEV, generator=gen) ** 2
+    full = lambda: score.topk(16, dim=-1).indices  # noqa: E731
+    segments = lambda: top_positions(score, 16, dim)  # noqa: E731
+    same = bool(torch.equal(full().sort(-1).values, segments().sort(-1).values))
+    row = {"kernel": "outlier top-k", "rows": score.shape[0] * heads, "width": p * dim, "same_positions": same,
+           "full_ms": bench(full), "segments_ms": bench(segments)}
+    print(f"outlier top-16 of {p * dim} per page and head, {row['rows']} rows: full {row['full_ms']:.3f} ms, "
+          f"token segments {row['segments_ms']:.3f} ms (same positions: {same})", flush=True)
+    return row
 
 
 def _encode_recipe(heads: int, dim: int, p: int, tokens: int) -> list[dict]:

@@ -340,3 +340,17 @@ def test_principal_directions_are_the_leading_eigenvectors():
     assert u.shape == (3, 16, 4) and u.device == moment.device
     assert torch.allclose(moment @ u, u * values[:, None, :], atol=1e-4)  # M u = lambda u, column by column
     assert torch.allclose(u.transpose(1, 2) @ u, torch.eye(4).expand(3, 4, 4), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,n,segment", [((3, 5, 8192), 16, 128), ((7, 2, 300), 5, 10), ((4, 96), 4, 32),
+                                             ((2, 64), 8, 8), ((5, 70), 3, 7)])
+def test_top_positions_through_segments_equal_the_full_top_k(shape, n, segment):
+    from kvbackend.codecs.quantwm import top_positions
+
+    g = torch.Generator().manual_seed(sum(shape))
+    score = torch.randn(*shape, generator=g)
+    # crowd the largest entries into one segment: the segment pre-filter must still find them all
+    score[..., :segment] += 10.0
+    expected = score.topk(n, dim=-1).indices
+    assert torch.equal(top_positions(score, n, segment), expected)
+    assert torch.equal(top_positions(-score, n, segment), (-score).topk(n, dim=-1).indices)

@@ -68,7 +68,12 @@ def _assert_same_bytes(layout, ref, new, weights=None):
     the last one chosen ties with one left out (bf16 keys on an fp8 centroid grid make equal errors common) the
     two sets may differ by such entries only, and that page and head's PSAC rows are then compared by error."""
     pages_ref, pages_new = ref[0].flatten(0, 1), new[0].flatten(0, 1)
-    assert torch.equal(ref[1], new[1])  # codebooks
+    for name in layout.codebook.fields:  # the centroids up to the order of equal ones (`_assert_same_centroids`)
+        a, b = layout.codebook.view(ref[1], name), layout.codebook.view(new[1], name)
+        if name.endswith("_centroids"):
+            assert _row_multiset(a) == _row_multiset(b), name
+        else:
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
     fields = layout.page.fields
     agree = None
     if "k_out_index" in fields:
@@ -91,14 +96,43 @@ def _assert_same_bytes(layout, ref, new, weights=None):
                 floor = min(min(score(i, v) for i, v in a.items()), min(score(i, v) for i, v in b.items()))
                 odd = [(i, v) for i, v in a.items() if b.get(i) != v] + [(i, v) for i, v in b.items() if a.get(i) != v]
                 assert all(score(i, v) <= floor * 1.002 for i, v in odd), (page, head, odd)  # ties at the last
+    for prefix in "kv":
+        if f"{prefix}_assign" in fields:
+            _assert_same_centroids(layout, prefix, pages_ref, pages_new, ref[1], new[1])
     for name in fields:
-        if name in ("k_out_index", "k_out_value"):
+        if name in ("k_out_index", "k_out_value", "k_assign", "v_assign"):
             continue
         a, b = layout.page.view(pages_ref, name), layout.page.view(pages_new, name)
         if name.startswith("k_psac") and agree is not None:  # [N, rows, H, ...]: the heads whose outliers agree
             keep = agree[:, None, :].expand(-1, a.shape[1], -1)
             a, b = a[keep], b[keep]
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+def _row_multiset(centroids: torch.Tensor) -> list:
+    """Per leading index, the sorted bytes of the rows over the last two axes ([..., C, D] -> C rows each)."""
+    rows = centroids.contiguous().view(torch.uint8).reshape(-1, centroids.shape[-2], centroids.shape[-1] * centroids.element_size())
+    return [sorted(tuple(r.tolist()) for r in group) for group in rows]
+
+
+def _assert_same_centroids(layout, prefix: str, pages_ref, pages_new, books_ref, books_new):
+    """The centroid ids of ``prefix`` ([N, S, P, H] into [U, S, H, C, D]) name byte-identical stored centroids on
+    both sides. With fewer distinct points than centroids the seeding stores duplicates, and which of two equal
+    centroids is nearest is decided by the last bit of two matmul orders (the interpreter's and torch's), which
+    differ from one CPU to another: an exact tie, the same values served, the codebooks equal up to the order of
+    equal rows (and the next chunk's warm start, a permutation of the same rows, keeps it so)."""
+    ids_r = layout.page.view(pages_ref, f"{prefix}_assign").long()
+    ids_n = layout.page.view(pages_new, f"{prefix}_assign").long()
+    if torch.equal(ids_r, ids_n) and torch.equal(books_ref, books_new):
+        return
+    chosen = []
+    for ids, books in ((ids_r, books_ref), (ids_n, books_new)):
+        cents = layout.codebook.view(books, f"{prefix}_centroids")
+        cents = cents.contiguous().view(torch.uint8).reshape(*cents.shape[:4], -1)  # [U, S, H, C, bytes]
+        unit = torch.arange(ids.shape[0]) // (ids.shape[0] // cents.shape[0])  # [N]
+        stage, head = torch.arange(ids.shape[1]), torch.arange(ids.shape[3])
+        chosen.append(cents[unit[:, None, None, None], stage[None, :, None, None], head[None, None, None, :], ids])
+    assert torch.equal(chosen[0], chosen[1]), prefix  # [N, S, P, H, bytes]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -114,7 +148,11 @@ def test_the_kernels_encode_like_the_reference(spec, tokens, queries):
     for rounds in range(2):
         ref = _encode(codec, layout, k, v, ref_states, fast=False)
         new = _encode(codec, layout, k, v, new_states, fast=True)
-        if DEVICE == "cpu":
+        # fewer points than centroids: the seeding repeats points, and which of two equal centroids a point takes
+        # is decided by the last bit of two matmul orders (the interpreter's and torch's), which differ from one
+        # CPU to another; both clusterings are valid but part ways from there, so they are compared by error
+        exact = DEVICE == "cpu" and tokens >= getattr(codec.spec, "centroids", 0)
+        if exact:
             weights = None
             if queries and isinstance(codec, QuantWMCodec):
                 weights = channel_weights(torch.stack([st.query_moment for st in ref_states]))  # [U, H, D]
@@ -125,7 +163,7 @@ def test_the_kernels_encode_like_the_reference(spec, tokens, queries):
             for a, b in zip(ref_states, new_states):
                 assert a.iterations == b.iterations
                 assert a.centroids.keys() == b.centroids.keys()
-                assert all(torch.equal(a.centroids[p], b.centroids[p]) for p in a.centroids)
+                assert all(_row_multiset(a.centroids[p]) == _row_multiset(b.centroids[p]) for p in a.centroids)
         else:
             ref_k, ref_v = _error(codec, layout, *ref, k, v)
             new_k, new_v = _error(codec, layout, *new, k, v)
@@ -230,7 +268,10 @@ def test_a_triton_cache_encodes_its_chunks_through_the_kernels(monkeypatch):
     assert pages == ref.page_table(rid2).packed
     for layer in range(layers):
         if DEVICE == "cpu":
-            assert torch.equal(fast.packed.pages[layer][pages], ref.packed.pages[layer][pages]), layer
+            a, b = fast.packed.pages[layer][pages], ref.packed.pages[layer][pages]
+            for name in fast.layouts[layer].page.fields:  # ids of equal centroids may differ (`_assert_same_centroids`):
+                if not name.endswith("_assign"):  # the reads below are then compared value for value
+                    assert torch.equal(fast.layouts[layer].page.view(a, name), fast.layouts[layer].page.view(b, name)), (layer, name)
             assert torch.equal(fast.packed.codebooks[layer], ref.packed.codebooks[layer]), layer
         for x, y, original in zip(fast.read(rid1, layer), ref.read(rid2, layer), exact[layer]):
             assert x.shape == y.shape == original.shape

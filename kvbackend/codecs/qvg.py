@@ -115,11 +115,21 @@ class QVGCodec(Codec):
 
     def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
         states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
+        if not self._units_encodable(states):
+            return False
+        self._encode_chunks(k, v, layout, pages, codebooks, states)
+        return True
+
+    def _units_encodable(self, states) -> bool:
+        """Whether chunks with these states encode in one pass (this codec's and the kernels' encoders ask): alike
+        states, and no cold clustered tensor under random seeding (it draws a permutation per row: no shared
+        stream)."""
         if not self._states_alike(states):
             return False
-        if self.spec.init != "kmeans++" and any(self._clustered(p) and p not in states[0].centroids for p in "kv"):
-            return False  # random seeding draws a permutation per row: no shared stream
-        self._encode_chunks(k, v, layout, pages, codebooks, states)
+        return self.spec.init == "kmeans++" or not any(self._clustered(p) and p not in states[0].centroids for p in "kv")
+
+    def _nearest_assigned(self, prefix: str, moment: torch.Tensor | None) -> bool:
+        """Whether ``prefix``'s stages take the nearest centroid (`_assign` returns k-means' own assignment)."""
         return True
 
     @staticmethod
