@@ -7,18 +7,18 @@ import torch
 from kvbackend import codecs
 from kvbackend.geometry import Geometry
 from kernel_cases import DEVICE
-from test_unit_encoder import _assert_same_bytes
+from test_unit_encoder import _assert_same_bytes, _error
 
 pytest.importorskip("triton")
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="bytes compared in the interpreter (IEEE distances)")
-@pytest.mark.xfail(strict=True, reason="known: ||c||^2 - 2 x.c of points far from the origin cancels, so the two "
-                   "k-means' matrix products (summed in different orders) break near ties differently")
-def test_keys_far_from_the_origin_cluster_as_the_reference_clusters_them():
+@pytest.mark.skipif(DEVICE != "cpu", reason="IEEE distances in the interpreter (CUDA's are TF32: test_unit_encoder.py)")
+def test_keys_far_from_the_origin_cluster_as_well_as_the_reference_clusters_them():
     """float32 keys around 1000 (a large shared offset, as in outlier channels): their squared norms dwarf the
-    distances between centroids, and both k-means (reference and kernel) choose some centroids that are not the
-    nearest; they choose different ones, so the bytes differ (the reconstruction error does not)."""
+    distances between centroids, so ||c||^2 - 2 x.c cancels, and which near-tied centroid each k-means (reference
+    and kernel) takes depends on the order its matrix product sums in (it differs from one CPU to another, so the
+    bytes may differ). What must not differ is the quality: each side's reconstruction error within 1% of the
+    other's, with the same byte count."""
     from kvbackend.kernels.unit_encoder import encode_units
 
     codec = codecs.get("qvg:centroids=4,group=16")
@@ -28,7 +28,11 @@ def test_keys_far_from_the_origin_cluster_as_the_reference_clusters_them():
     v = torch.randn(2, 16, 2, 32, generator=gen)
     ref = codec.encode_units(k, v, layout)
     new = codec.encode_units(k, v, layout, encoder=encode_units)
-    _assert_same_bytes(layout, ref, new)
+    assert ref[0].shape == new[0].shape and ref[1].shape == new[1].shape
+    ref_k, ref_v = _error(codec, layout, *ref, k, v)
+    new_k, new_v = _error(codec, layout, *new, k, v)
+    assert 0 < new_k <= 1.01 * ref_k and 0 < ref_k <= 1.01 * new_k, (ref_k, new_k)
+    assert new_v <= 1.01 * ref_v and ref_v <= 1.01 * new_v, (ref_v, new_v)
 
 
 def test_random_seeding_of_a_cold_tensor_beside_a_warm_one_is_left_to_the_reference():
