@@ -115,27 +115,13 @@ def main():
     sys.path.insert(0, "perf/experiments")
     sys.path.insert(0, "perf")
     import bench_kernels as bk
-    from kmeans_graph_ab import graphed
+    from kmeans_graph_ab import graphed, recipe_case
 
-    from kvbackend import Geometry, codecs
-    from kvbackend.codecs.base import CodecState
     from kvbackend.kernels import unit_encoder
     from kvbackend.kernels.kmeans import kmeans
-    from kvbackend.psac import query_second_moment
-    from kvbackend.spec import RECOMMENDED_SPEC
 
-    heads, dim, p, layers, n = 8, 128, 64, 32, 2048
-    codec = codecs.get(RECOMMENDED_SPEC)
-    layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), p)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(layers, n, heads, dim, device="cuda", generator=gen)
-    k = (k * torch.linspace(0.2, 4, dim, device="cuda") + torch.randn(layers, 1, heads, dim, device="cuda", generator=gen)).bfloat16()
-    v = torch.randn(layers, n, heads, dim, device="cuda", generator=gen).bfloat16()
-    queries = torch.randn(layers, 4 * heads, 256, dim, device="cuda", generator=gen) * torch.linspace(3, 0.1, dim, device="cuda")
-    states = [CodecState(query_moment=query_second_moment(q, heads)) for q in queries]
-    codec.encode_units(k, v, layout, states)
-    warm = [st.clone() for st in states]
-    run = lambda: codec.encode_units(k, v, layout, warm, encoder=unit_encoder.encode_units)  # noqa: E731
+    codec, layout, k, run = recipe_case()
+    layers = k.shape[0]
     sides = {"eager": kmeans, "fused": kmeans_fused, "graphed": graphed}
     times, kept, nrmse = {name: [] for name in sides}, {}, {}
     for rounds in range(args.rounds):

@@ -60,12 +60,9 @@ def graphed(x, init, iters, early_stop=True):
     return kmeans_graphed(x, init, iters) if x.is_cuda and not early_stop else kmeans(x, init, iters, early_stop)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    heads, dim, p, layers, n = 8, 128, 64, 32, 2048
+def recipe_case(heads: int = 8, dim: int = 128, p: int = 64, layers: int = 32, n: int = 2048):
+    """The recommended spec's warm chunk of ``layers`` layers on CUDA, as `bench_kernels`'s encode rows make it:
+    (codec, layout, keys, a call of `Codec.encode_units` through the kernels' encoder)."""
     codec = codecs.get(RECOMMENDED_SPEC)
     layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), p)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,7 +73,15 @@ def main():
     states = [CodecState(query_moment=query_second_moment(q, heads)) for q in queries]
     codec.encode_units(k, v, layout, states)
     warm = [st.clone() for st in states]
-    run = lambda: codec.encode_units(k, v, layout, warm, encoder=unit_encoder.encode_units)  # noqa: E731
+    return codec, layout, k, lambda: codec.encode_units(k, v, layout, warm, encoder=unit_encoder.encode_units)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    run = recipe_case()[3]
     times = {"eager": [], "graphed": []}
     kept = {}
     for rounds in range(args.rounds):

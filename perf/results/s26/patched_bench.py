@@ -5,16 +5,14 @@ import sys
 
 import kvbackend.codecs.quantwm as qw
 import kvbackend.kernels.chunk_encoder as ce
-import kvbackend.kernels.kmeans as km
 import kvbackend.kernels.unit_encoder as ue
+
+sys.path.insert(0, "perf/experiments")
+from kmeans_graph_ab import graphed  # noqa: E402  (session 25's per-shape graph, removed from kernels/kmeans.py)
 
 mode = sys.argv.pop(1)
 if "graphed" in mode:  # session 25's encoders: fixed steps replayed from a CUDA graph per shape
-    def _kmeans(x, init, iters, early_stop=True):
-        if x.is_cuda and not early_stop:
-            return km.kmeans_graphed(x, init, iters)
-        return km.kmeans(x, init, iters, early_stop)
-    ue.kmeans = ce.kmeans = _kmeans
+    ue.kmeans = ce.kmeans = graphed
 if "fulltopk" in mode:  # session 25's outliers: the full-width top-k
     qw.top_positions = lambda score, n, segment: score.topk(n, dim=-1).indices
 sys.argv[0] = "perf/bench_kernels.py"
