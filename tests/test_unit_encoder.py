@@ -117,10 +117,10 @@ def _row_multiset(centroids: torch.Tensor) -> list:
 
 def _assert_same_centroids(layout, prefix: str, pages_ref, pages_new, books_ref, books_new):
     """The centroid ids of ``prefix`` ([N, S, P, H] into [U, S, H, C, D]) name byte-identical stored centroids on
-    both sides. With fewer distinct points than centroids the seeding stores duplicates, and which of two equal
-    centroids is nearest is decided by the last bit of two matmul orders (the interpreter's and torch's), which
-    differ from one CPU to another: an exact tie, the same values served, the codebooks equal up to the order of
-    equal rows (and the next chunk's warm start, a permutation of the same rows, keeps it so)."""
+    both sides. Where the seeding stored two equal centroids, which of them is nearest is decided by the last bit of
+    two matmul orders (the interpreter's and torch's), which differ from one CPU to another: an exact tie, the same
+    values served, the codebooks equal up to the order of equal rows. (Where a chunk has fewer points than
+    centroids, such ties also move the Lloyd steps apart, and the test compares errors instead.)"""
     ids_r = layout.page.view(pages_ref, f"{prefix}_assign").long()
     ids_n = layout.page.view(pages_new, f"{prefix}_assign").long()
     if torch.equal(ids_r, ids_n) and torch.equal(books_ref, books_new):
