@@ -363,15 +363,35 @@ if numba is not None:
             _hadamard_row(a)
 
 
+    @_jit
+    def _hadamard_rows_bf16(bits, scale, out):
+        # `_hadamard_rows` of bf16 rows given as their uint16 bits, each widened to float32 exactly (bits << 16) in
+        # the output row itself: no float32 copy of the input is made first
+        r_n, d_n = bits.shape
+        s = scale[0]
+        wide = out.view(np.uint32)
+        for r in range(r_n):
+            for d in range(d_n):
+                wide[r, d] = np.uint32(bits[r, d]) << np.uint32(16)
+            a = out[r]
+            for d in range(d_n):
+                a[d] = a[d] * s
+            _hadamard_row(a)
+
+
 def hadamard_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """The fast Walsh-Hadamard transform of each row of float32 ``x [R, D]`` times the float32 ``scale`` (one
-    value, applied first), the bits of `kvbackend.levers.rotate_values`'s torch path; None where the fused loops do
-    not serve."""
-    if not (_usable() and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= MIN_VALUES
-            and x.dim() == 2):
+    """The fast Walsh-Hadamard transform of each row of float32 or bfloat16 ``x [R, D]`` (bfloat16 widened exactly)
+    times the float32 ``scale`` (one value, applied first), in float32: the bits of `kvbackend.levers.rotate_values`'s
+    torch path; None where the fused loops do not serve."""
+    if not (_usable() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.numel() >= MIN_VALUES and x.dim() == 2):
         return None
     out = np.empty(tuple(x.shape), np.float32)
-    done = _run(_hadamard_rows, x.contiguous().numpy(), scale.reshape(1).numpy(), out)
+    if x.dtype == torch.bfloat16:  # a batch's float32 copy costs more (its fresh pages) than the transform
+        done = _run(_hadamard_rows_bf16, x.contiguous().view(torch.int16).numpy().view(np.uint16),
+                    scale.reshape(1).numpy(), out)
+    else:
+        done = _run(_hadamard_rows, x.contiguous().numpy(), scale.reshape(1).numpy(), out)
     return None if done is _FAILED else torch.from_numpy(out)
 
 

@@ -99,12 +99,12 @@ class LeverFrame:
         """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32). Leading dims
         are batches of the same positions (``[L, T, H, D]``: one chunk of several layers with these levers):
         every element as `to_stored` of its own ``[T, H, D]`` gives it, bit for bit."""
-        k, v = k.float(), v.float()
+        k = k.float()
         if self.levers.rope:
             t = k.shape[-3]
             k = self.rotary.derotate(k.transpose(-3, -2), self._positions(first, t, k.device)).transpose(-3, -2)
-        if self.levers.vrot == "hadamard":
-            v = rotate_values(v)
+        # rotated values are widened to float32 inside the rotation (no float32 copy of the batch first)
+        v = rotate_values(v) if self.levers.vrot == "hadamard" else v.float()
         return k.contiguous(), v.contiguous()
 
     def from_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,12 +85,11 @@ def rotate_values(v: torch.Tensor) -> torch.Tensor:
     d = v.shape[-1]
     if d & (d - 1):
         raise SpecError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
-    x = v.float().reshape(-1, d)
     scale = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
-    fused = fastquant.hadamard_rows(x, scale)
+    fused = fastquant.hadamard_rows(v.reshape(-1, d), scale)  # float32 or bfloat16 rows, widened in the loop
     if fused is not None:
         return fused.view(v.shape)
-    x = x * scale.to(x.device)
+    x = v.float().reshape(-1, d) * scale.to(v.device)
     h = 1
     while h < d:
         pairs = x.view(-1, d // (2 * h), 2, h)

@@ -318,6 +318,10 @@ def test_value_rotation_is_the_hadamard_product_and_its_own_inverse(rows, dim, m
     v = torch.randn(2, rows, dim, generator=gen) * torch.logspace(-3, 3, dim)
     if fastquant.numba is not None and rows > 1:
         assert fastquant.hadamard_rows(v.reshape(-1, dim), torch.tensor(0.5)) is not None
+        # bfloat16 rows are widened inside the loop: the bits of widening them first
+        half = v.bfloat16().reshape(-1, dim)
+        widened = fastquant.hadamard_rows(half, torch.tensor(0.5))
+        assert widened is not None and torch.equal(widened, fastquant.hadamard_rows(half.float(), torch.tensor(0.5)))
     fused = rotate_values(v.bfloat16())
     assert fused.dtype == torch.float32 and fused.shape == v.shape
     want = v.bfloat16().float() @ hadamard(dim)
