@@ -41,6 +41,58 @@ def _assign_kernel(x, centroids, c_norm, out, N, C, D: tl.constexpr, BLOCK_N: tl
     tl.store(out + b * N + rows, best_id, mask=live)
 
 
+@triton.jit
+def _update_kernel(x, assign, old, out, norms, N, C, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One Lloyd update of a block of centroids of one problem: the mean of the points assigned to each (a one-hot
+    product, full float32), or the old centroid where none is, and the new centroids' squared norms."""
+    b = tl.program_id(0)  # problem (head)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    d = tl.arange(0, D)
+    valid = cs < C
+    acc = tl.zeros((BLOCK_C, D), tl.float32)
+    count = tl.zeros((BLOCK_C,), tl.float32)
+    for start in range(0, N, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        live = rows < N
+        ids = tl.load(assign + b * N + rows, mask=live, other=-1)
+        onehot = (ids[None, :] == cs[:, None]).to(tl.float32)  # [BLOCK_C, BLOCK_N]
+        points = tl.load(x + (b * N + rows[:, None]).to(tl.int64) * D + d[None, :], mask=live[:, None], other=0.0)
+        acc += tl.dot(onehot, points, input_precision="ieee")
+        count += tl.sum(onehot, 1)
+    at = (b * C + cs[:, None]) * D + d[None, :]
+    previous = tl.load(old + at, mask=valid[:, None], other=0.0)
+    new = tl.where(count[:, None] > 0, acc / tl.maximum(count, 1.0)[:, None], previous)
+    tl.store(out + at, new, mask=valid[:, None])
+    tl.store(norms + b * C + cs, tl.sum(new * new, 1), mask=valid)
+
+
+def _block_c(c: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(c)))
+
+
+def _assign(x: torch.Tensor, centroids: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """`assign_nearest` of contiguous float32 inputs with the centroids' squared norms given: int32 ids [B, N]."""
+    b, n, d = x.shape
+    c = centroids.shape[1]
+    out = torch.empty(b, n, dtype=torch.int32, device=x.device)
+    _assign_kernel[(b, triton.cdiv(n, 64))](x, centroids, norms, out, n, c, D=d, BLOCK_N=64, BLOCK_C=_block_c(c),
+                                            PRECISION="tf32" if x.is_cuda else "ieee")
+    return out
+
+
+def lloyd_update(x: torch.Tensor, assign: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Lloyd update in one launch, no [B, N, C] one-hot tensor: (the new centroids [B, C, D], their squared
+    norms [B, C]) from contiguous float32 points [B, N, D], int32 ids [B, N] and the old centroids [B, C, D], kept
+    where a centroid has no point. The sums are full float32 (in another order than a matrix product's)."""
+    b, n, d = x.shape
+    c = centroids.shape[1]
+    out = torch.empty_like(centroids)
+    norms = torch.empty(b, c, device=x.device)
+    _update_kernel[(b, triton.cdiv(c, _block_c(c)))](x, assign, centroids, out, norms, n, c, D=d, BLOCK_N=64,
+                                                     BLOCK_C=_block_c(c))
+    return out, norms
+
+
 def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Nearest centroid ids, int64 [B, N], for float32 points [B, N, D] and centroids [B, C, D]."""
     b, n, d = x.shape
@@ -51,17 +103,12 @@ def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"head_dim must be a power of two, got {d}")
     x = x.float().contiguous()
     centroids = centroids.float().contiguous()
-    out = torch.empty(b, n, dtype=torch.int32, device=x.device)
-    block_n = 64
-    block_c = max(16, min(64, triton.next_power_of_2(c)))
-    _assign_kernel[(b, triton.cdiv(n, block_n))](x, centroids, (centroids * centroids).sum(-1).contiguous(), out, n, c,
-                                                 D=d, BLOCK_N=block_n, BLOCK_C=block_c,
-                                                 PRECISION="tf32" if x.is_cuda else "ieee")
-    return out.long()
+    return _assign(x, centroids, (centroids * centroids).sum(-1).contiguous()).long()
 
 
 # On CUDA, up to this many centroids sum their points by a one-hot product (call 2 of session 25: the recipe's 32 per
-# head 4x faster than `index_add_`); with more, fewer points share each row, and the product (N x C x D) outgrows the
+# head 4x faster than `index_add_`), inside `lloyd_update`'s one launch per step (session 26: two launches per Lloyd
+# step instead of about twelve); with more, fewer points share each row, and the product (N x C x D) outgrows the
 # atomic adds (qvg with 256 centroids: its whole chunk encode took 1.6x as long)
 ONE_HOT_CENTROIDS = 64
 
@@ -71,8 +118,8 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
 
     ``early_stop=False`` runs exactly ``max_iters`` steps with no host synchronisation (the GPU
     encode path; its ``distance`` is NaN, which no encoder reads); once assignments stop changing, further steps
-    change nothing. On CUDA the centroid sums of up to `ONE_HOT_CENTROIDS` centroids are a one-hot product (TF32 where the
-    caller allows TF32 matmuls).
+    change nothing. On CUDA the centroid sums of up to `ONE_HOT_CENTROIDS` centroids are a one-hot product in full
+    float32 (`lloyd_update`), summed in another order than the reference's.
     On CUDA the distances use TF32 tensor cores, so near-ties may resolve differently from the
     float32 reference.
     """
@@ -82,24 +129,32 @@ def kmeans(x: torch.Tensor, init: torch.Tensor, max_iters: int, early_stop: bool
     c = centroids.shape[1]
     assign = assign_nearest(x, centroids)
     iterations = 0
-    offsets = (torch.arange(b, device=x.device) * c)[:, None]
-    ids = torch.arange(c, device=x.device)
-    for _ in range(max_iters):
-        if x.is_cuda and c <= ONE_HOT_CENTROIDS:  # a one-hot product: atomic adds of many points into few rows serialize
-            onehot = (assign.unsqueeze(-1) == ids).float()  # [B, N, C]
-            sums, counts = onehot.transpose(1, 2) @ x, onehot.sum(1).unsqueeze(-1)
-        else:
+    if x.is_cuda and c <= ONE_HOT_CENTROIDS:  # two launches per step: the fused update, then the assignment
+        assign = assign.to(torch.int32)
+        centroids = centroids.contiguous()
+        for _ in range(max_iters):
+            centroids, norms = lloyd_update(x, assign, centroids)
+            iterations += 1
+            new_assign = _assign(x, centroids, norms)
+            changed = not early_stop or bool((new_assign != assign).any())
+            assign = new_assign
+            if not changed:
+                break
+        assign = assign.long()
+    else:
+        offsets = (torch.arange(b, device=x.device) * c)[:, None]
+        for _ in range(max_iters):
             flat = (assign + offsets).reshape(-1)
             sums = torch.zeros(b * c, d, device=x.device).index_add_(0, flat, x.reshape(-1, d))
             counts = torch.zeros(b * c, device=x.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-            sums, counts = sums.view(b, c, d), counts.view(b, c, 1)
-        centroids = torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
-        iterations += 1
-        new_assign = assign_nearest(x, centroids)
-        if early_stop and not bool((new_assign != assign).any()):
+            centroids = torch.where(counts.view(b, c, 1) > 0, sums.view(b, c, d) / counts.view(b, c, 1).clamp_min(1),
+                                    centroids)
+            iterations += 1
+            new_assign = assign_nearest(x, centroids)
+            if early_stop and not bool((new_assign != assign).any()):
+                assign = new_assign
+                break
             assign = new_assign
-            break
-        assign = new_assign
     if not early_stop:  # the encoders' fixed-step path reads no distance: NaN, not a pass over every point
         return KMeansResult(centroids, assign, iterations, x.new_full(assign.shape, float("nan")))
     nearest = torch.gather(centroids, 1, assign.unsqueeze(-1).expand(-1, -1, d))

@@ -125,3 +125,22 @@ def test_options_the_kernel_lacks_encode_through_the_reference(spec):
     chunk = cache.codec.encode(k[:32], v[:32], cache.layout, CodecState())
     assert torch.equal(cache.packed.pages[0][table.packed].cpu(), chunk.pages.cpu())
     assert dense_like[0].shape[0] == 40
+
+
+@pytest.mark.parametrize("b,n,c,d", [(3, 37, 5, 16), (2, 130, 32, 64), (4, 64, 20, 32), (1, 200, 64, 128)])
+def test_lloyd_update_kernel_matches_the_torch_update(b, n, c, d):
+    """`lloyd_update` (one launch: one-hot sums, counts, means or the old centroid, squared norms) against the
+    update in torch on odd shapes, the last centroid given no point (it keeps its place)."""
+    from kvbackend.kernels.kmeans import lloyd_update
+
+    gen = torch.Generator().manual_seed(b * n + c)
+    x = torch.randn(b, n, d, generator=gen) * 3
+    assign = torch.randint(0, c - 1, (b, n), generator=gen, dtype=torch.int32)
+    old = torch.randn(b, c, d, generator=gen)
+    onehot = (assign.long().unsqueeze(-1) == torch.arange(c)).double()
+    counts = onehot.sum(1).unsqueeze(-1)
+    want = torch.where(counts > 0, (onehot.transpose(1, 2) @ x.double()) / counts.clamp_min(1), old.double())
+    got, norms = lloyd_update(x.to(DEVICE), assign.to(DEVICE), old.to(DEVICE))
+    assert torch.allclose(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, -1].cpu(), old[:, -1])
+    assert torch.allclose(norms.cpu().double(), (got.cpu().double() ** 2).sum(-1), rtol=1e-5)
