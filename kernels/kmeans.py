@@ -2,9 +2,9 @@
 
 The assignment kernel computes ||c||^2 - 2 x.c block by block with `tl.dot` and keeps a running
 arg-min, so the N x C distance matrix never exists in memory. The update is two `index_add_`s (on CUDA, a
-one-hot product for few centroids). The encoders run fixed steps on CUDA (no host synchronisation); a CUDA graph
-of them was no faster end to end and held its memory pool (864 MiB for a 32-layer chunk) for the process's life
-(perf/NOTES.md, session 26).
+one-hot product for few centroids, `lloyd_update`: one launch per step). The encoders run fixed steps on CUDA (no
+host synchronisation); a CUDA graph of them saved about 2 ms per 32-layer chunk encode but held its memory pool
+(712-864 MiB for that shape) for the process's life (perf/NOTES.md, session 26).
 """
 
 from __future__ import annotations
