@@ -99,11 +99,21 @@ def test_cache_with_triton_backend_stores_the_same_bytes(spec):
 def test_qvg_through_triton_backend():
     torch_cache, ids = filled_cache("qvg", 64, 16, [70], backend="torch")
     triton_cache, _ = filled_cache("qvg", 64, 16, [70], backend="triton")
+    gen = torch.Generator().manual_seed(0)  # filled_cache's draws: the keys of each layer, then its values
     for layer in range(2):
-        want = torch_cache.read(ids[0], layer)
-        got = triton_cache.read(ids[0], layer)
-        # the same k-means steps on the same data: same reconstruction up to bf16 rounding
-        assert torch.allclose(got[0].float(), want[0].float(), rtol=2**-7, atol=1e-3)
+        exact = (torch.randn(70, 2, 64, generator=gen) * 2).to(torch.bfloat16).float()
+        torch.randn(70, 2, 64, generator=gen)
+        want = torch_cache.read(ids[0], layer)[0].float().cpu()
+        got = triton_cache.read(ids[0], layer)[0].float().cpu()
+        same = torch.isclose(got, want, rtol=2**-7, atol=1e-3).all(-1)  # [tokens, heads]
+        if DEVICE == "cpu":  # the same k-means steps on the same data: same reconstruction up to bf16 rounding
+            assert same.all()
+        else:
+            # CUDA's TF32 distances and its centroid sums (another order than the reference's) may resolve a
+            # near-tie the other way: a few rows then take another centroid, and the error must stay the same
+            assert same.float().mean() >= 0.9
+            err = [float((x - exact).norm() / exact.norm()) for x in (got, want)]
+            assert err[0] == pytest.approx(err[1], rel=0.02)
     assert triton_cache.page_table(ids[0]).states[0].centroids["k"].shape == (1, 2, 16, 64)
 
 
