@@ -124,6 +124,38 @@ def test_seeding_in_blocks_of_rows_picks_what_one_block_picks(monkeypatch, rows,
     assert kmeanspp_init(x[:0], centroids, torch.Generator().manual_seed(7)).shape == (0, centroids, dim)
 
 
+def _seeds_written_out(x, first, uniforms, num_centroids):
+    """k-means++ as its docstring states it, with a fresh distance tensor per step: what `_seed_rows` must pick."""
+    rows = torch.arange(x.shape[0])
+    picked = [x[rows, first]]
+    nearest = ((x - picked[0].unsqueeze(1)) ** 2).sum(-1)
+    for step in range(1, num_centroids):
+        weights = nearest.double()
+        far = torch.isinf(weights)
+        weights = torch.where(far.any(-1, keepdim=True), far.double(), weights)
+        weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, torch.ones_like(weights))
+        cdf = weights.cumsum(-1)
+        pick = torch.searchsorted(cdf, uniforms[step - 1] * cdf[:, -1:], right=True).clamp_max(x.shape[1] - 1)
+        picked.append(x[rows, pick.squeeze(-1)])
+        nearest = torch.minimum(nearest, ((x - picked[-1].unsqueeze(1)) ** 2).sum(-1))
+    return torch.stack(picked, 1)
+
+
+@pytest.mark.parametrize("rows,points,dim", [(32, 64, 128), (5, 37, 64), (3, 300, 16)])
+def test_seeding_with_one_distance_buffer_picks_the_written_out_seeds(rows, points, dim):
+    """`_seed_rows` reuses one buffer for every step's distances (fresh tensors cost page faults on the CPU); its
+    seeds are those of the written-out steps, bit for bit, far points and duplicates included."""
+    from kvbackend.codecs.kmeans import _seed_rows
+
+    gen = torch.Generator().manual_seed(rows + points)
+    x = torch.randn(rows, points, dim, generator=gen) * 3
+    x[0, 1] = 3e19  # a distance past float32's range
+    x[-1] = 0.5  # a row of duplicates
+    first = torch.randint(0, points, (rows,), generator=gen)
+    uniforms = torch.rand(31, rows, 1, generator=gen, dtype=torch.float64)
+    assert torch.equal(_seed_rows(x, first, uniforms, 32), _seeds_written_out(x, first, uniforms, 32))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_units_on_the_gpu_decode_like_the_cpu():
     """On CUDA the batched pass runs there; sums may be ordered otherwise than on the CPU, so the bytes may

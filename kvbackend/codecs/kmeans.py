@@ -76,8 +76,14 @@ def _seed_rows(x: torch.Tensor, first: torch.Tensor, uniforms: torch.Tensor, num
     """`kmeanspp_init`'s steps for some rows, from their first picks and their uniforms."""
     b, n, _ = x.shape
     rows = torch.arange(b, device=x.device)
+    diff = torch.empty_like(x)  # one buffer for every step: a fresh one per step cost its page faults on the CPU
+
+    def squared_distance(c: torch.Tensor) -> torch.Tensor:  # ((x - c) ** 2).sum(-1), the same operations
+        torch.sub(x, c.unsqueeze(1), out=diff)
+        return diff.mul_(diff).sum(-1)
+
     centroids = [x[rows, first]]
-    nearest = ((x - centroids[0].unsqueeze(1)) ** 2).sum(-1)  # [B, N]
+    nearest = squared_distance(centroids[0])  # [B, N]
     for step in range(1, num_centroids):
         weights = nearest.double()
         # Distances past float32's range (finite keys beyond about 1e19): draw among the points that far away.
@@ -90,7 +96,7 @@ def _seed_rows(x: torch.Tensor, first: torch.Tensor, uniforms: torch.Tensor, num
         pick = torch.searchsorted(cdf, uniforms[step - 1] * cdf[:, -1:], right=True).clamp_max(n - 1).squeeze(-1)
         c = x[rows, pick]
         centroids.append(c)
-        nearest = torch.minimum(nearest, ((x - c.unsqueeze(1)) ** 2).sum(-1))
+        nearest = torch.minimum(nearest, squared_distance(c))
     return torch.stack(centroids, 1)
 
 
