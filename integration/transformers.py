@@ -45,6 +45,7 @@ from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.levers import Levers
 from kvbackend.manager import KVCache
 from kvbackend.rope import Rotary, rope_not_undoable, rotary_from_config
+from kvbackend.depth import layer_specs as depth_layer_specs
 from kvbackend.spec import RECOMMENDED_SPEC, split_spec
 
 
@@ -96,7 +97,7 @@ def layer_specs(codec: str | tuple[str, ...], layers: int, levers: Levers,
         SpecError: a spec count other than ``layers``, a bad spec, a ``layer_levers`` entry that
             contradicts its spec, differing sinks, or the ``psac=`` lever.
     """
-    specs = [codec] * layers if isinstance(codec, str) else list(codec)
+    specs = depth_layer_specs(codec, layers)  # a depth: spec expands to its layers' specs
     if len(specs) != layers:
         raise SpecError(f"a per-layer plan of {len(specs)} specs for a model of {layers} layers")
     if layer_levers is not None:

@@ -2,8 +2,9 @@
 names them all.
 
 ``CacheConfig.layer_codecs`` gives every layer its own codec spec (a per-layer plan, such as the one
-`kvbackend eval` prints for ``auto:...``); otherwise ``CacheConfig.codec`` serves every layer. Layers of
-one spec share their codec, layout and backend objects.
+`kvbackend eval` prints for ``auto:...``); otherwise ``CacheConfig.codec`` serves every layer (a ``depth:``
+spec, `kvbackend.depth`, expands to one spec per layer). Layers of one spec share their codec, layout and
+backend objects.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import torch
 
 from kvbackend import backends, codecs
+from kvbackend.depth import layer_specs
 from kvbackend.errors import SpecError
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import lever_layout
@@ -29,7 +31,7 @@ def build_layers(geometry: Geometry, config: CacheConfig) -> tuple[list, list[Pa
         SpecError: a spec count other than the layer count, or an ``auto:`` plan (chosen on a prompt,
             not here).
     """
-    specs = config.layer_codecs or (config.codec,) * geometry.num_layers
+    specs = layer_specs(config.layer_codecs or config.codec, geometry.num_layers)
     if len(specs) != geometry.num_layers:
         raise SpecError(f"layer_codecs has {len(specs)} specs for {geometry.num_layers} layers")
     built: dict[str, tuple] = {}  # spec -> (codec, layout, backend), shared by layers of one spec

@@ -65,8 +65,10 @@ def _parse_with_levers(text: str) -> tuple[Any, Levers]:
     name, options = split_spec(text)
     entry = _REGISTRY.get(name)
     if entry is None and spec_kind(text) is not SpecKind.CODEC:
-        raise SpecError(f"{text!r} is an {name}: spec, not a page codec: `kvbackend eval` runs it (auto: plans "
-                        "are chosen on a prompt; alignpred: formats are file-tier formats, tiers.persist)")
+        raise SpecError(f"{text!r} is a {name}: spec, not a page codec: `kvbackend eval` runs it (auto: plans "
+                        "are chosen on a prompt; alignpred: formats are file-tier formats, tiers.persist; depth: "
+                        "specs give each layer its own codec: a KVCache, KVBackendCache and `kvbackend eval` "
+                        "expand them per layer)")
     if entry is None:
         raise SpecError(f"unknown codec {name!r}; valid codecs: {', '.join(names())}")
     options, levers = split_levers(options, name)

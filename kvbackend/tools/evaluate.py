@@ -31,6 +31,8 @@ from kvbackend.manager import KVCache
 from kvbackend.frames import LeverFrame
 from kvbackend.rope import Rotary, rope_not_undoable, rotary_from_config
 from kvbackend.tools.auto import candidate_specs, parse_auto, plan_widths
+from kvbackend.depth import is_depth, parse_depth
+from kvbackend.depth import layer_specs as depth_layer_specs
 from kvbackend.tools.reconstruct import reconstruct_sequence
 
 
@@ -279,7 +281,13 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
             raise SpecError(f"{spec}: auto calib={auto.calib} leaves {settings.prefix - auto.calib} prefix tokens "
                             f"to cache (--prefix {settings.prefix}), fewer than a page of {settings.page_size}; "
                             f"lower calib or raise --prefix")
-        for text in candidate_specs(auto) if auto is not None else [spec]:
+        layers = [spec]
+        if auto is not None:
+            layers = candidate_specs(auto)
+        elif is_depth(spec):  # parsing checks every band's value; with the model's layer count, each layer's spec
+            depth = parse_depth(spec)
+            layers = sorted(set(depth.layer_specs(geometry.num_layers))) if geometry else [depth.base]
+        for text in layers:
             codec = codecs.get(text)
             if geometry is None:
                 continue
@@ -294,7 +302,8 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
                     LeverFrame(codec.levers, Rotary.default(geometry.head_dim, 10000.0), settings.page_size).check(
                         settings.page_size, "--path paged")
             except SpecError as exc:
-                where = f" (a candidate of the plan: {text})" if auto is not None else ""
+                where = (f" (a candidate of the plan: {text})" if auto is not None
+                         else f" (a layer's spec: {text})" if text != spec else "")
                 raise SpecError(f"{spec}{where}: {exc}") from None
     return frozen
 
@@ -373,7 +382,7 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
                                  [v.transpose(0, 1)[: s.prefix] for v in source.v], geometry, s.page_size,
                                  s.chunk_tokens, rotary, kl_of)
             plan, calib_kl = chosen.specs, chosen.calib_kl
-        layer_specs = list(plan) if plan else [spec] * num_layers
+        layer_specs = list(plan) if plan else depth_layer_specs(spec, num_layers)
         main_path = "sim" if s.path == "sim" else "paged"
         measured = {}
         for path in (("paged", "sim") if s.path == "both" else (s.path,)):

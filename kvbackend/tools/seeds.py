@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred
+from kvbackend.depth import parse_depth
 from kvbackend.errors import SpecError
 from kvbackend.spec import split_spec
 from kvbackend.tools.auto import parse_auto
@@ -22,8 +23,8 @@ def seeded(spec: str, seed: int) -> str | None:
     if is_alignpred(spec):
         return None
     name, options = split_spec(spec)
-    if name == "auto":
-        base = seeded(parse_auto(spec).base, seed)
+    if name in ("auto", "depth"):
+        base = seeded(parse_auto(spec).base if name == "auto" else parse_depth(spec).base, seed)
         if base is None:
             return None
         options["base"] = base.replace(",", ";")  # a nested spec's commas are written as ';'

@@ -1,0 +1,120 @@
+"""`depth:` specs: a base codec with options by relative layer depth, expanded to one codec spec per layer wherever
+a codec spec is taken (the paged cache, transformers, `kvbackend eval`), and refused with a clear error elsewhere."""
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache, codecs
+from kvbackend.depth import layer_specs, parse_depth
+from kvbackend.errors import SpecError
+from kvbackend.tools.seeds import seeded
+
+BASE = "kivi:bits=2,group=16"
+SPEC = "depth:base=kivi:bits=2;group=16,kbits=3@0.25-0.5,vbits=4@0-0.25/3@0.75-1"
+
+
+def _option(spec, key):
+    return dict(part.split("=") for part in spec.partition(":")[2].split(","))[key]
+
+
+def test_bands_follow_relative_depth_on_any_layer_count():
+    for layers in (4, 8, 30):
+        specs = layer_specs(SPEC, layers)
+        assert len(specs) == layers
+        for i, spec in enumerate(specs):
+            f = i / layers
+            assert _option(spec, "kbits") == "3" if 0.25 <= f < 0.5 else "kbits" not in spec.partition(":")[2]
+            want_v = "4" if f < 0.25 else "3" if f >= 0.75 else None
+            assert (_option(spec, "vbits") if "vbits" in spec else None) == want_v
+            assert _option(spec, "group") == "16"
+
+
+def test_a_later_band_wins_where_two_overlap():
+    specs = layer_specs("depth:base=kivi:bits=2,kbits=3@0-1/4@0.5-1", 10)
+    assert [_option(s, "kbits") for s in specs] == ["3"] * 5 + ["4"] * 5
+
+
+def test_one_spec_and_a_plan_pass_through():
+    assert layer_specs(BASE, 3) == [BASE] * 3
+    assert layer_specs((BASE, "fp8"), 2) == [BASE, "fp8"]
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("depth:kbits=3@0-0.5", "needs base=SPEC"),
+    ("depth:base=kivi:bits=2", "no option set by depth"),
+    ("depth:base=auto:bpv=2.6,kbits=3@0-1", "must be a page codec"),
+    ("depth:base=nosuch,kbits=3@0-1", "nosuch"),
+    ("depth:base=kivi:bits=2,kbits=3", "VALUE@LO-HI"),
+    ("depth:base=kivi:bits=2,kbits=3@0.5", "VALUE@LO-HI"),
+    ("depth:base=kivi:bits=2,kbits=3@0.5-0.5", "VALUE@LO-HI"),
+    ("depth:base=kivi:bits=2,kbits=3@0.2-1.5", "VALUE@LO-HI"),
+    ("depth:base=kivi:bits=2,kbits=3@a-b", "VALUE@LO-HI"),
+    ("depth:base=kivi:bits=2,kbits=@0-1", "VALUE@LO-HI"),
+    ("depth:base=kivi:bits=2,kbits=5@0-1", "kbits=5 in layers 0-1"),
+    ("depth:base=kivi:bits=2,nosuch=1@0-1", "nosuch"),
+])
+def test_malformed_depth_specs_are_refused_with_the_reason(spec, match):
+    with pytest.raises(SpecError, match=match):
+        parse_depth(spec)
+
+
+def test_a_depth_spec_is_no_page_codec_and_no_layer_of_a_plan():
+    with pytest.raises(SpecError, match="depth: specs give each layer its own codec"):
+        codecs.get(SPEC)
+    with pytest.raises(SpecError, match="not a depth: spec"):
+        layer_specs((BASE, SPEC), 2)
+    with pytest.raises(SpecError, match="positive layer count"):
+        parse_depth(SPEC).layer_specs(0)
+
+
+def test_the_paged_cache_serves_the_expanded_plan():
+    """`CacheConfig(codec=depth:...)` is the per-layer plan it expands to: the same layouts, the same fingerprint,
+    and the same stored bytes and reads."""
+    geometry = Geometry(4, 2, 64, torch.float32)
+    expanded = tuple(layer_specs(SPEC, 4))
+    assert len(set(expanded)) == 4  # 4-bit values, 3-bit keys, the base, 3-bit values
+    cfg = dict(page_size=16, chunk_pages=2, dense_pages=16, packed_pages=16)
+    by_depth = KVCache(geometry, CacheConfig(codec=SPEC, **cfg))
+    by_plan = KVCache(geometry, CacheConfig(layer_codecs=expanded, **cfg))
+    assert by_depth.fingerprint == by_plan.fingerprint
+    assert [lay.page_bytes for lay in by_depth.layouts] == [codecs.get(s).layout(geometry, 16).page_bytes
+                                                             for s in expanded]
+    assert by_depth.layouts[0].page_bytes != by_depth.layouts[1].page_bytes  # 4-bit values against 3-bit keys
+    gen = torch.Generator().manual_seed(0)
+    ids = []
+    for cache in (by_depth, by_plan):
+        rid, _ = cache.add_request()
+        gen.manual_seed(0)
+        for layer in range(4):
+            cache.append(rid, layer, torch.randn(40, 2, 64, generator=gen), torch.randn(40, 2, 64, generator=gen))
+        ids.append(rid)
+    for layer in range(4):
+        a, b = by_depth.read(ids[0], layer), by_plan.read(ids[1], layer)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert by_depth.stats().packed_bytes == by_plan.stats().packed_bytes > 0
+
+
+def test_seeds_go_to_the_base():
+    spec = seeded("depth:base=qvg:centroids=4,kbits=3@0-0.5", 3)
+    assert parse_depth(spec).base.endswith("seed=3")
+    assert all(_option(s, "seed") == "3" for s in layer_specs(spec, 4))
+    assert seeded("depth:base=kivi:bits=2,kbits=3@0-0.5", 3) is None  # kivi draws no seed
+
+
+def test_eval_checks_a_depth_spec_per_layer():
+    from kvbackend.tools.evaluate import EvalSettings, check_specs
+
+    geometry = Geometry(30, 3, 64, torch.bfloat16)
+    check_specs([SPEC], EvalSettings(), geometry)
+    with pytest.raises(SpecError, match="a layer's spec"):  # 64 is no multiple of 48: only the banded layers fail
+        check_specs(["depth:base=kivi:bits=2;group=16,group=48@0.5-1"], EvalSettings(), geometry)
+
+
+def test_transformers_cache_takes_a_depth_spec(tiny_llama):
+    pytest.importorskip("transformers")
+    from kvbackend.integration.transformers import KVBackendCache
+
+    spec = "depth:base=kivi:bits=2;group=16,kbits=4@0.5-1"
+    cache = KVBackendCache(tiny_llama.config, codec=spec, page_size=16, chunk_pages=2)
+    assert cache.layer_specs == layer_specs(spec, 2)
+    assert _option(cache.layer_specs[1], "kbits") == "4" and "kbits" not in cache.layer_specs[0]
