@@ -115,3 +115,14 @@ def layer_specs(codec: str | Sequence[str], num_layers: int) -> list[str]:
         raise SpecError(f"a per-layer plan holds one codec spec per layer, not a depth: spec ({nested[0]!r}); give "
                         "the depth: spec alone as the cache's codec")
     return specs
+
+
+def check_layouts(codec: str | Sequence[str], geometry, page_size: int) -> None:
+    """Build every distinct layer's page layout for ``geometry`` (what a cache would build), so that a spec the
+    model's pages cannot take fails before a model loads.
+
+    Raises:
+        SpecError: a bad spec, or a layer's codec that cannot lay out these pages.
+    """
+    for spec in dict.fromkeys(layer_specs(codec, geometry.num_layers)):
+        codecs.get(spec).layout(geometry, page_size)

@@ -118,3 +118,13 @@ def test_transformers_cache_takes_a_depth_spec(tiny_llama):
     cache = KVBackendCache(tiny_llama.config, codec=spec, page_size=16, chunk_pages=2)
     assert cache.layer_specs == layer_specs(spec, 2)
     assert _option(cache.layer_specs[1], "kbits") == "4" and "kbits" not in cache.layer_specs[0]
+
+
+def test_layouts_are_checked_per_layer_before_a_model_loads():
+    from kvbackend.depth import check_layouts
+
+    geometry = Geometry(30, 3, 64, torch.bfloat16)
+    check_layouts(SPEC, geometry, 64)
+    check_layouts(BASE, geometry, 64)
+    with pytest.raises(SpecError):  # layers 15-29 take 48-token groups, which 64-token pages cannot hold
+        check_layouts("depth:base=kivi:bits=2;group=16,group=48@0.5-1", geometry, 64)

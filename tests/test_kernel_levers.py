@@ -22,6 +22,10 @@ CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     (RECIPE + ",cdtype=fp8", 16, [45, 70], 4, 16),  # the recipe over fp8 centroids (the recommended spec's)
     (PAGE_RECIPE + ",cdtype=fp8", 32, [75, 5], 2, 8),
     (RECIPE + ",cdtype=fp8,outliers=16", 16, [45, 70, 3], 4, 16),  # key outliers (plain kernel, RoPE halves)
+    # 4-bit keys under the recipe's levers: the layer a depth: band widens in the default spec
+    (RECIPE + ",cdtype=fp8,kbits=4,outliers=16", 16, [45, 70, 3], 4, 16),
+    ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,kbits=4", 32, [75, 40], 2, 8),
     (PAGE_RECIPE + ",outliers=5", 32, [75, 40], 2, 8),  # page-relative keys with outliers
     ("quantwm:rank=0,centroids=4,kchannel=16,outliers=40", 16, [50], 3, 4),  # outliers alone, NP = 64
     # 32-token pages: the folded kernel reads outliers too (joined to pre-RoPE keys, else a score term)

@@ -137,7 +137,7 @@ def run_demo(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from kvbackend import codecs as registry
+    from kvbackend.depth import check_layouts
     from kvbackend.tools.models import load_model
 
     console = Console(width=max(Console().width, 140))
@@ -146,7 +146,7 @@ def run_demo(args) -> int:
 
     geometry = model_geometry(args.model_dir)
     for spec in codecs_to_run:  # a bad spec, or one the model's pages cannot take, fails before the model loads
-        registry.get(spec).layout(geometry, PAGE_SIZE)
+        check_layouts(spec, geometry, PAGE_SIZE)
     chunk_pages = args.chunk_pages
     with console.status("loading SmolLM2-135M-Instruct from its GGUF file"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)

@@ -154,7 +154,7 @@ def run_probe_cli(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from kvbackend import codecs as registry
+    from kvbackend.depth import check_layouts
     from kvbackend.tools.models import load_model
 
     from kvbackend.errors import SpecError
@@ -166,7 +166,7 @@ def run_probe_cli(args) -> int:
     for spec in args.codec:  # a bad spec, or one the model's pages cannot take, fails before the model loads
         if parse_auto(spec) is None:
             geometry = geometry or model_geometry(args.model_dir)
-            registry.get(spec).layout(geometry, PAGE_SIZE)
+            check_layouts(spec, geometry, PAGE_SIZE)
         elif parse_auto(spec).kl > 0:
             raise SpecError(f"{spec}: the probe takes auto:bpv=B plans; auto:kl=K needs `kvbackend eval`")
     with open(args.text, encoding="utf-8") as f:
