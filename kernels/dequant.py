@@ -103,7 +103,8 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
     """[P, D] in XT (float32, or float16 for attention operands): head ``h`` of packed page ``page``
     (int64), reconstructed.
 
-    UNPACK 0 loads packed words and scales once and broadcasts them in registers (reshapes);
+    UNPACK 0 loads packed words and scales once and broadcasts them in registers (reshapes; 3-bit codes, 8 in 3
+    bytes, always take the per-element path with byte loads);
     UNPACK 1 has every element load its own word and scale (more loads, served by L1, no reshapes);
     UNPACK 2 as 1, with codes made float through the mantissa of 2^23 instead of an int-to-float
     conversion (a quarter-rate instruction on NVIDIA GPUs); UNPACK 3 is UNPACK 0 with that conversion.
@@ -118,14 +119,20 @@ def dequant_tile(u8, i16, i32, page, book_i16, slot, h,
     base = page * (PAGE_BYTES // ESIZE)
     if MODE == 0:  # plain floats [P, H, D]
         x = load_elements(u8, i16, i32, base + CODES // ESIZE, (t[:, None] * H + h) * D + d[None, :], KIND).to(XT)
-    elif UNPACK == 1 or UNPACK == 2:
-        PER_BYTE: tl.constexpr = 8 // BITS
-        PER_WORD: tl.constexpr = 32 // BITS
-        words = tl.load(i32 + page * (PAGE_BYTES // 4) + CODES // 4 + (t[:, None] * H + h) * (D // PER_WORD)
-                        + d[None, :] // PER_WORD)
-        j = d % PER_WORD
-        shifts = 8 * (j // PER_BYTE) + (PER_BYTE - 1 - j % PER_BYTE) * BITS
-        codes = (words >> shifts[None, :]) & ((1 << BITS) - 1)
+    elif UNPACK == 1 or UNPACK == 2 or BITS == 3:
+        if BITS == 3:  # 8 codes in 3 bytes, the first in the top bits: no word holds whole codes, so bytes are read
+            at = page * PAGE_BYTES + CODES + (t[:, None] * H + h) * (D * 3 // 8) + (d[None, :] // 8) * 3
+            word = ((tl.load(u8 + at).to(tl.int32) << 16) | (tl.load(u8 + at + 1).to(tl.int32) << 8)
+                    | tl.load(u8 + at + 2).to(tl.int32))
+            codes = (word >> (21 - 3 * (d % 8))[None, :]) & 7
+        else:
+            PER_BYTE: tl.constexpr = 8 // BITS
+            PER_WORD: tl.constexpr = 32 // BITS
+            words = tl.load(i32 + page * (PAGE_BYTES // 4) + CODES // 4 + (t[:, None] * H + h) * (D // PER_WORD)
+                            + d[None, :] // PER_WORD)
+            j = d % PER_WORD
+            shifts = 8 * (j // PER_BYTE) + (PER_BYTE - 1 - j % PER_BYTE) * BITS
+            codes = (words >> shifts[None, :]) & ((1 << BITS) - 1)
         if UNPACK == 2:
             codes = mantissa_f32(codes).to(XT)
         else:

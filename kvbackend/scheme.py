@@ -24,7 +24,7 @@ class TensorScheme:
     """How K (or V) of one token block is stored in a page; all offsets in bytes."""
 
     mode: int  # FLOAT, TOKEN_GROUPS (per token, groups of channels) or CHANNEL_GROUPS (per channel, groups of tokens)
-    bits: int  # code width (2, 4, 8); 0 in FLOAT mode
+    bits: int  # code width (2, 3, 4, 8); 0 in FLOAT mode
     group: int  # channels (TOKEN_GROUPS) or tokens (CHANNEL_GROUPS) per scale; 0 in FLOAT mode
     symmetric: bool  # codes centred on 2**(bits-1) - 1 and no zeros
     kind: int  # element kind of scales/zeros, or of the values themselves in FLOAT mode
@@ -38,7 +38,7 @@ class TensorScheme:
     centroid_scales: int = NONE  # offset of fp16 scales [S, H] of fp8 centroids (NONE: bf16 centroids)
 
     def supported_by_kernels(self) -> bool:
-        return self.mode == FLOAT or self.bits in (2, 4, 8)
+        return self.mode == FLOAT or self.bits in (2, 3, 4, 8)  # 3 bits: the Triton decode and gather kernels
 
 
 def kind_of(dtype: torch.dtype) -> int:

@@ -14,6 +14,8 @@ CASES = [  # (codec, head_dim, page_size, lengths)
     ("qvg:kchannel=8,group=32", 64, 16, [45, 30]),
     ("kivi:bits=2,group=16", 64, 16, [70, 5, 40]),
     ("kivi:bits=4,group=32", 128, 64, [150]),
+    ("kivi:bits=3,group=32", 64, 32, [90, 7]),  # 3-bit codes, 8 in 3 bytes
+    ("qvg:bits=3,kchannel=16,group=32", 128, 16, [45]),
     ("rtn:bits=4,group=32,symmetric=true,scale=fp8", 64, 64, [130, 20]),
     ("rtn:bits=8,group=64,scale=bf16", 64, 16, [37]),
     ("fp8", 64, 16, [50]),

@@ -22,7 +22,9 @@ CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     (RECIPE + ",cdtype=fp8", 16, [45, 70], 4, 16),  # the recipe over fp8 centroids (the recommended spec's)
     (PAGE_RECIPE + ",cdtype=fp8", 32, [75, 5], 2, 8),
     (RECIPE + ",cdtype=fp8,outliers=16", 16, [45, 70, 3], 4, 16),  # key outliers (plain kernel, RoPE halves)
-    # 4-bit keys under the recipe's levers: the layer a depth: band widens in the default spec
+    # 3- and 4-bit keys under the recipe's levers (the layers a depth: band widens); 3 bits: 8 codes in 3 bytes
+    (RECIPE + ",cdtype=fp8,kbits=3", 16, [45, 70, 3], 4, 16),
+    (RECIPE + ",cdtype=fp8,kbits=3,vbits=3,outliers=16", 16, [97], 1, 2),
     (RECIPE + ",cdtype=fp8,kbits=4,outliers=16", 16, [45, 70, 3], 4, 16),
     ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
      "cdtype=fp8,kbits=4", 32, [75, 40], 2, 8),

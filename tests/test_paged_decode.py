@@ -14,6 +14,8 @@ CASES = [  # (codec, head_dim, page_size, lengths, GQA ratio, target programs)
     ("qvg", 64, 16, [45, 70, 3], 3, 8),
     ("kivi:bits=2,group=16", 128, 16, [33, 64], 4, 16),
     ("kivi:bits=4,group=32", 64, 64, [150], 1, 4),
+    ("kivi:bits=3,group=32", 128, 32, [90, 40], 2, 8),  # 3-bit codes, 8 in 3 bytes: byte loads
+    ("rtn:bits=3,group=32,symmetric=true", 64, 16, [37], 4, 4),
     ("qvg-pro", 64, 16, [40], 4, 2),
     ("rtn:bits=2,group=64,scale=fp8", 128, 64, [90, 17], 1, 1),
     ("identity", 64, 16, [21, 50], 3, 64),
