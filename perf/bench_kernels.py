@@ -644,6 +644,8 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
     ("no PSAC, rotated values only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), vrot="hadamard")),
     ("no PSAC, 16 outliers only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), outliers=16)),
     ("no PSAC, page-relative keys only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), pagerope="true")),
+    # a layer a depth: band gives 3-bit keys (no outliers there): the Triton kernels read it, the tensor-core one not
+    ("recipe, 3-bit keys", _with(RECOMMENDED_SPEC, kbits=3, outliers=0)),
 )
 
 
@@ -687,7 +689,8 @@ def lever_case(spec: str, batch: int, length: int, hq: int, heads: int, dim: int
 
 LEVER_SHAPES = ((8, 32768), (1, 32768), (8, 131072))
 # `make gpu-test`: the recipe, its layout with the tensor-core kernel's levers and no PSAC rows, and the base
-QUICK_LEVER_VARIANTS = ("recipe", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC")
+QUICK_LEVER_VARIANTS = ("recipe", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC",
+                        "recipe, 3-bit keys")
 
 
 @section("levers")
