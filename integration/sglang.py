@@ -101,6 +101,7 @@ class KVBackendStorage(HiCacheStorage):
         self.tier: FileTier | None = None
         self.page_check: PageCheck | None = None  # the index fields of a page group (`register_mem_pool_host`)
         self._lock = threading.Lock()
+        self._cpu_buffers = threading.local()  # each thread's reused CPU encode buffers (`_reused`)
         self._logged: set[str] = set()
         self._stats = {"hits": 0, "misses": 0, "failures": 0, "pages_set": 0, "raw_bytes_set": 0,
                        "encode_s": 0.0, "decode_s": 0.0, "read_s": 0.0, "write_s": 0.0, "to_pool_s": 0.0,
@@ -187,6 +188,19 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["encode_s"] += time.perf_counter() - start
         return blob
 
+    def _reused(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor of this thread, kept for its next batch: a fresh buffer of a batch's size
+        costs its page faults, more than the copy into it (3.7 against 0.36 ns per value, perf/NOTES.md session 26).
+        Per thread, so concurrent stores never share one; nothing returned to a caller is a view of it."""
+        buffers = self._cpu_buffers.__dict__.setdefault("by_name", {})
+        numel = 1
+        for size in shape:
+            numel *= size
+        held = buffers.get(name)
+        if held is None or held.dtype != dtype or held.numel() < numel:
+            held = buffers[name] = torch.empty(numel, dtype=dtype)
+        return held[:numel].view(shape)
+
     def _encode_batch(self, pages: List[torch.Tensor], keys: List[int]) -> List[torch.Tensor]:
         """`_encode` of many pages in one codec call, the same bytes: a page-local codec encodes every layer of
         every page as pages of one chunk; a codec with codebooks (`Codec.batch_encodes`) encodes each layer of
@@ -194,14 +208,22 @@ class KVBackendStorage(HiCacheStorage):
         start = time.perf_counter()
         g, lay, group = self.geometry, self.layout, self.group
         n = len(pages)
+        on_cpu = self.device.device.type == "cpu"  # the CPU's buffers are reused; a GPU's staging is page-locked
+
+        def staging(i):
+            shape = (n,) + tuple(pages[0][i].shape)
+            return self._reused(f"stage{i}", shape, pages[0].dtype) if on_cpu else self.device.staging(shape, pages[0].dtype)
+
         # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
-        k, v = (torch.stack([page[i] for page in pages], out=self.device.staging((n,) + tuple(pages[0][i].shape),
-                                                                                 pages[0].dtype))
-                .reshape(-1, g.num_kv_heads, g.head_dim) for i in (0, 1))
+        k, v = (torch.stack([page[i] for page in pages], out=staging(i)).reshape(-1, g.num_kv_heads, g.head_dim)
+                for i in (0, 1))
         carries = group.has_codebooks
 
         def encode(k, v):
-            stored = self.frame.to_stored(k, v, 0) if self.frame.levers.active else (k, v)  # no copy without levers
+            out = None
+            if self.frame.levers.active and k.device.type == "cpu":  # the stored frame's float32 into reused buffers
+                out = tuple(self._reused(f"stored{i}", tuple(x.shape), torch.float32) for i, x in enumerate((k, v)))
+            stored = self.frame.to_stored(k, v, 0, out) if self.frame.levers.active else (k, v)  # no copy without levers
             if carries:  # units: one layer of one page each, page-major as `_encode` lays them out
                 units = [x.view(n * g.num_layers, self.page_size, g.num_kv_heads, g.head_dim) for x in stored]
                 packed, books = self.codec.encode_units(*units, lay)

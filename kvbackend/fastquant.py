@@ -379,20 +379,27 @@ if numba is not None:
             _hadamard_row(a)
 
 
-def hadamard_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+def hadamard_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The fast Walsh-Hadamard transform of each row of float32 or bfloat16 ``x [R, D]`` (bfloat16 widened exactly)
     times the float32 ``scale`` (one value, applied first), in float32: the bits of `kvbackend.levers.rotate_values`'s
-    torch path; None where the fused loops do not serve."""
+    torch path; None where the fused loops do not serve. ``out``: a contiguous float32 CPU tensor of ``x``'s shape,
+    not overlapping ``x``, to write into (a caller's buffer reused across batches has no fresh pages to fault in)."""
     if not (_usable() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and x.numel() >= MIN_VALUES and x.dim() == 2):
         return None
-    out = np.empty(tuple(x.shape), np.float32)
+    if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or out.device.type != "cpu"
+                            or not out.is_contiguous()):
+        raise ValueError(f"hadamard_rows: out must be a contiguous float32 CPU tensor of shape {tuple(x.shape)}")
+    target = out
+    out = np.empty(tuple(x.shape), np.float32) if target is None else target.numpy()
     if x.dtype == torch.bfloat16:  # a batch's float32 copy costs more (its fresh pages) than the transform
         done = _run(_hadamard_rows_bf16, x.contiguous().view(torch.int16).numpy().view(np.uint16),
                     scale.reshape(1).numpy(), out)
     else:
         done = _run(_hadamard_rows, x.contiguous().numpy(), scale.reshape(1).numpy(), out)
-    return None if done is _FAILED else torch.from_numpy(out)
+    if done is _FAILED:
+        return None
+    return torch.from_numpy(out) if target is None else target
 
 
 _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # every e4m3fn byte

@@ -95,16 +95,26 @@ class LeverFrame:
         """The positions keys of tokens ``first..first+n-1`` are de-rotated by in the stored frame."""
         return rope_positions(self.levers, torch.arange(first, first + n, device=device), self.page_size)
 
-    def to_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_stored(self, k: torch.Tensor, v: torch.Tensor, first: int,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32). Leading dims
         are batches of the same positions (``[L, T, H, D]``: one chunk of several layers with these levers):
-        every element as `to_stored` of its own ``[T, H, D]`` gives it, bit for bit."""
+        every element as `to_stored` of its own ``[T, H, D]`` gives it, bit for bit. ``out``: float32 buffers of
+        ``k``'s and ``v``'s shapes (not overlapping them) the results may be written into, so that a caller that
+        reuses them across batches touches no fresh memory; the results are the same bits either way."""
+        if out is not None and not self.levers.rope and k.dtype != torch.float32:
+            k = out[0].copy_(k)  # the float32 widening into the caller's buffer (RoPE's turn makes its own)
         k = k.float()
         if self.levers.rope:
             t = k.shape[-3]
             k = self.rotary.derotate(k.transpose(-3, -2), self._positions(first, t, k.device)).transpose(-3, -2)
         # rotated values are widened to float32 inside the rotation (no float32 copy of the batch first)
-        v = rotate_values(v) if self.levers.vrot == "hadamard" else v.float()
+        if self.levers.vrot == "hadamard":
+            v = rotate_values(v, None if out is None or v.device.type != "cpu" else out[1])
+        elif out is not None and v.dtype != torch.float32:
+            v = out[1].copy_(v)
+        else:
+            v = v.float()
         return k.contiguous(), v.contiguous()
 
     def from_stored(self, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:

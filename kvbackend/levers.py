@@ -76,17 +76,19 @@ def split_levers(options: dict[str, str], spec_name: str) -> tuple[dict[str, str
     return rest, Levers(**values)
 
 
-def rotate_values(v: torch.Tensor) -> torch.Tensor:
+def rotate_values(v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``v @ hadamard(D)`` over the last dim, in float32: the rotation of ``vrot=hadamard`` and its inverse (the
     matrix is symmetric and orthonormal). A fast Walsh-Hadamard transform: one product by 1/sqrt(D) (first, so
     nothing overflows where the matrix product would not), then log2(D) stages of pair sums and differences; no sum
     is reordered, so every device and the fused CPU loop (`kvbackend.fastquant.hadamard_rows`) give the same bits,
-    at D log D additions instead of D^2 products."""
+    at D log D additions instead of D^2 products. ``out``: a float32 tensor of ``v``'s shape (not overlapping it) that
+    receives the result where the fused CPU loop runs (the returned tensor is then ``out``); elsewhere a new one."""
     d = v.shape[-1]
     if d & (d - 1):
         raise SpecError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
     scale = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
-    fused = fastquant.hadamard_rows(v.reshape(-1, d), scale)  # float32 or bfloat16 rows, widened in the loop
+    rows = None if out is None else out.view(-1, d)
+    fused = fastquant.hadamard_rows(v.reshape(-1, d), scale, rows)  # float32 or bfloat16 rows, widened in the loop
     if fused is not None:
         return fused.view(v.shape)
     x = v.float().reshape(-1, d) * scale.to(v.device)

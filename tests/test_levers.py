@@ -333,6 +333,30 @@ def test_value_rotation_is_the_hadamard_product_and_its_own_inverse(rows, dim, m
         rotate_values(torch.zeros(3, 48))
 
 
+@pytest.mark.parametrize("levers", ["vrot=hadamard", "sink=2", "prerope=true,vrot=hadamard"])
+def test_the_stored_frame_into_callers_buffers_gives_the_same_bits(levers):
+    """`LeverFrame.to_stored(..., out=)` writes the float32 frame into buffers the caller reuses (the value
+    rotation's fused loop too) and returns the bits of the call without them; garbage left in the buffers changes
+    nothing, and a buffer of another shape is refused."""
+    from kvbackend import codecs, fastquant
+    from kvbackend.frames import LeverFrame
+
+    frame = LeverFrame(codecs.get(f"kivi:bits=2,group=16,{levers}").levers, ROTARY, 16)
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(4, 256, 2, 64, generator=gen).bfloat16() for _ in range(2))  # 131072 values: the fused loop
+    want = frame.to_stored(k, v, 0)
+    out = (torch.full(k.shape, float("nan")), torch.full(v.shape, float("nan")))
+    got = frame.to_stored(k, v, 0, out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if "vrot" in levers and fastquant.numba is not None:
+        assert got[1].data_ptr() == out[1].data_ptr()  # written in place, no fresh tensor
+    if "prerope" not in levers:
+        assert got[0].data_ptr() == out[0].data_ptr()
+    if fastquant.numba is not None:
+        with pytest.raises(ValueError, match="out must be"):
+            fastquant.hadamard_rows(v.reshape(-1, 64), torch.tensor(0.125), torch.empty(3, 64))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_value_rotation_gives_the_same_bits_on_the_gpu():
     v = torch.randn(5000, 128)

@@ -1060,3 +1060,50 @@ def test_codebooks_that_outweigh_a_page_are_named_at_start_up(tmp_path, caplog):
     bpv = 8 * backend.blob_bytes / (2 * backend.geometry.num_layers * backend.page_size * backend.geometry.num_kv_heads
                                     * backend.geometry.head_dim)
     assert bpv > 4 and f"{bpv:.2f} bits per value" in message and "16-token pages" in message, message
+
+
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=16,kbits=4,vrot=hadamard", "rtn:bits=2,group=16",
+                                   "quantwm:kchannel=16,rank=0,centroids=8,clip=true,vcluster=false,vrot=hadamard"])
+def test_reused_cpu_buffers_never_leak_into_blobs_or_across_threads(tmp_path, codec, monkeypatch):
+    """On the CPU a backend keeps each thread's staging and stored-frame buffers across batches (fresh ones cost their
+    page faults): a blob encoded before another batch keeps its bytes, every batch gets the bytes a fresh backend
+    gives it (the value rotation's fused loop writing into the buffer included), and threads encoding at once each
+    get their own pages' bytes."""
+    host = HostPool("layer_first", pages=40, layers=4, heads=4, head_dim=64)  # 4 pages: 65536 values, the fused loop
+    host.kv_buffer.normal_()
+    host.kv_buffer[0, 1] *= 5  # layer 1's keys larger: batches differ in scale
+    backend = make_backend(tmp_path / "reused", host, codec)
+    assert backend.device.device.type == "cpu"
+    batches = [[host.page((4 * b + p) * 16) for p in range(4)] for b in range(5)]  # token index of each page
+    keys = [[backend._key(f"b{b}p{p}") for p in range(4)] for b in range(5)]
+    first = [blob.clone() for blob in backend._encode_batch(batches[0], keys[0])]
+    kept = backend._encode_batch(batches[0], keys[0])
+    later = [backend._encode_batch(batches[b], keys[b]) for b in range(1, 5)]
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))  # later batches did not write into earlier blobs
+    fresh = make_backend(tmp_path / "fresh", host, codec)  # every buffer a new tensor, as before they were kept
+    monkeypatch.setattr(fresh, "_reused", lambda name, shape, dtype: torch.empty(shape, dtype=dtype))
+    for b in range(1, 5):
+        want = fresh._encode_batch(batches[b], keys[b])
+        assert all(torch.equal(x, y) for x, y in zip(later[b - 1], want)), b
+    decoded = backend._decode_batch(later[0])  # and the bytes are the pages': K and V each where they belong
+    for p in range(4):
+        page = batches[1][p].float()
+        assert float((decoded[p].float() - page).norm() / page.norm()) < 0.5
+    assert not torch.equal(later[0][0], later[1][0])
+    results, errors = {}, []
+
+    def worker(b):
+        try:
+            for _ in range(3):
+                results[b] = [blob.clone() for blob in backend._encode_batch(batches[b], keys[b])]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for b in range(1, 5):
+        assert all(torch.equal(x, y) for x, y in zip(results[b], later[b - 1])), b
