@@ -1072,7 +1072,7 @@ def test_reused_cpu_buffers_never_leak_into_blobs_or_across_threads(tmp_path, co
     host = HostPool("layer_first", pages=40, layers=4, heads=4, head_dim=64)  # 4 pages: 65536 values, the fused loop
     host.kv_buffer.normal_()
     host.kv_buffer[0, 1] *= 5  # layer 1's keys larger: batches differ in scale
-    backend = make_backend(tmp_path / "reused", host, codec)
+    backend = make_backend(tmp_path / "reused", host, codec, device="cpu")  # the CPU path, on a GPU machine too
     assert backend.device.device.type == "cpu"
     batches = [[host.page((4 * b + p) * 16) for p in range(4)] for b in range(5)]  # token index of each page
     keys = [[backend._key(f"b{b}p{p}") for p in range(4)] for b in range(5)]
@@ -1080,7 +1080,7 @@ def test_reused_cpu_buffers_never_leak_into_blobs_or_across_threads(tmp_path, co
     kept = backend._encode_batch(batches[0], keys[0])
     later = [backend._encode_batch(batches[b], keys[b]) for b in range(1, 5)]
     assert all(torch.equal(a, b) for a, b in zip(first, kept))  # later batches did not write into earlier blobs
-    fresh = make_backend(tmp_path / "fresh", host, codec)  # every buffer a new tensor, as before they were kept
+    fresh = make_backend(tmp_path / "fresh", host, codec, device="cpu")  # every buffer a new one, as before
     monkeypatch.setattr(fresh, "_reused", lambda name, shape, dtype: torch.empty(shape, dtype=dtype))
     for b in range(1, 5):
         want = fresh._encode_batch(batches[b], keys[b])
