@@ -38,6 +38,15 @@ _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid 
 RECOMMENDED_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
                     "vrot=hadamard,prerope=true,cdtype=fp8,outliers=16")
 
+# Quality first (perf/NOTES.md, session 27): the recommended spec with 8 Lloyd steps, 3-bit keys in the layers at
+# 20-30% and 59-62% of the depth (layers 6-8 and 18 of SmolLM2's 30) and no key outliers there nor in the first and
+# last 10%: 2.598 bpv, lower KL than the recommended spec on every text measured (code at 6144 tokens 0.034-0.038
+# against 0.053-0.063) and than per-layer plans made on each text. Not the default: the tensor-core decode kernel
+# reads 2-bit codes only, and a 3-bit layer decodes 7x slower in the Triton kernel (H200, B=8, L=32K).
+QUALITY_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids=32;clip=true;vcluster=false;sink=4;"
+                "vrot=hadamard;prerope=true;cdtype=fp8;outliers=16;iters=8,kbits=3@0.2-0.3/3@0.59-0.62,"
+                "outliers=0@0-0.1/0@0.2-0.3/0@0.59-0.62/0@0.9-1")
+
 
 @dataclass(frozen=True)
 class Range:

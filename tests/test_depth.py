@@ -128,3 +128,23 @@ def test_layouts_are_checked_per_layer_before_a_model_loads():
     check_layouts(BASE, geometry, 64)
     with pytest.raises(SpecError):  # layers 15-29 take 48-token groups, which 64-token pages cannot hold
         check_layouts("depth:base=kivi:bits=2;group=16,group=48@0.5-1", geometry, 64)
+
+
+def test_the_quality_spec_is_the_one_measured_and_documented():
+    """`QUALITY_SPEC` expands on SmolLM2's 30 layers to the plan session 27 measured (3-bit keys in layers 6-8 and
+    18, no outliers in layers 0-2, 6-8, 18 and 27-29, 16 elsewhere, 8 Lloyd steps everywhere), and the README gives
+    the same string."""
+    import pathlib
+
+    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_SPEC
+
+    specs = layer_specs(QUALITY_SPEC, 30)
+    for layer, spec in enumerate(specs):
+        parsed = codecs.parse(spec)
+        assert parsed.iters == 8 and parsed.centroids == 32 and parsed.rank == 4
+        assert parsed.kbits == (3 if layer in (6, 7, 8, 18) else 0), layer  # 0: the base's 2 bits
+        assert parsed.outliers == (0 if layer in (0, 1, 2, 6, 7, 8, 18, 27, 28, 29) else 16), layer
+        assert codecs.get(spec).levers == codecs.get(RECOMMENDED_SPEC).levers
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    if readme.exists():  # a source checkout (an installed wheel has no README beside its tests)
+        assert f"`{QUALITY_SPEC}`" in readme.read_text()
