@@ -110,7 +110,7 @@ class LeverFrame:
             k = self.rotary.derotate(k.transpose(-3, -2), self._positions(first, t, k.device)).transpose(-3, -2)
         # rotated values are widened to float32 inside the rotation (no float32 copy of the batch first)
         if self.levers.vrot == "hadamard":
-            v = rotate_values(v, None if out is None or v.device.type != "cpu" else out[1])
+            v = rotate_values(v, None if out is None else out[1])  # `out` is written only by the fused CPU loop
         elif out is not None and v.dtype != torch.float32:
             v = out[1].copy_(v)
         else:
