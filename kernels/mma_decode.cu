@@ -44,9 +44,10 @@
 //     row (32 + row) of the centroid-value table, and the token reads that row instead of its centroid: the
 //     correction costs nothing per key value (no per-token row test, no second add).
 //
-// Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KG / VG (scale groups
-// per head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric:
-// zero = -scale), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS, MINB.
+// Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KBITS (key codes: 2, or 3 with
+// ROPE_TOKEN, read 16 codes of a lane at a time from 6 bytes and dequantized in place), KG / VG (scale groups per
+// head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric: zero = -scale,
+// -3 x scale for 3-bit keys), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS, MINB.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -125,6 +126,9 @@
 #ifndef PSAC_FOLD
 #define PSAC_FOLD 0
 #endif
+#ifndef KBITS
+#define KBITS 2  // key code width: 2, or 3 with pre-RoPE keys (ROPE_TOKEN; 8 codes in 3 bytes, the first in the top bits)
+#endif
 // folded rows, few of them: each lane keeps the rows' tokens in registers and compares (no token -> row map)
 #define PSAC_REGMAP (PSAC_FOLD && PSAC_ROWS <= 8)
 #ifndef MINB
@@ -140,6 +144,9 @@ constexpr int D = HEAD_DIM;
 constexpr int P = PAGE;
 constexpr int ROWB = D / 4;        // bytes of one token's 2-bit codes for one head
 constexpr int NCH = ROWB / 16;     // 16-byte chunks per row (1 or 2)
+constexpr int KROWB = D * KBITS / 8;  // bytes of one token's key codes for one head (ROWB, or 48 at 3 bits)
+constexpr int KNCH = KROWB / 16;
+constexpr float KSYM_ZERO = static_cast<float>((1 << (KBITS - 1)) - 1);  // symmetric keys: zero = -this x scale
 constexpr int NB = D / 64;         // 64-channel blocks
 constexpr int MT = P / 16;         // token tiles per page
 constexpr int N = 8;               // query rows per MMA (the GQA group, padded)
@@ -151,7 +158,7 @@ constexpr int ROPE_BYTES = (PAGE_ROPE || ROPE_TOKEN) ? 4 * D : 0;   // R(p0): co
 constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16 * 16 : 0;  // PSAC codes, scale and
                                                                                           // token words per row
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
-constexpr int STAGE_BYTES = 2 * P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
+constexpr int STAGE_BYTES = P * (KROWB + ROWB) + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
 constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per value scale group, fp16 [token][q]
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
@@ -189,6 +196,7 @@ static_assert(!ROPE_TOKEN || (K_CHAN && D == 128 && !PAGE_ROPE), "pre-RoPE keys:
 static_assert(!PSAC_R || (ROPE_TOKEN && PSAC_R % 4 == 0 && PSAC_R <= 16 && PSAC_ROWS >= 1 && PSAC_ROWS <= P
                           && (PSAC_SPARSE ? PSAC_ROWS <= 127 : PSAC_ROWS == P)),
               "PSAC rows: with pre-RoPE keys, rank 4/8/12/16, sparse rows <= 127 (the token -> row map is signed bytes)");
+static_assert(KBITS == 2 || (KBITS == 3 && ROPE_TOKEN), "3-bit keys: pre-RoPE keys only (dequantized per key value)");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
 static_assert(!PSAC_FOLD || (PSAC_R && PSAC_SPARSE && K_CENT && ROPE_TOKEN && PSAC_ROWS <= 32),
@@ -249,6 +257,25 @@ __device__ __forceinline__ uint32_t codes_at(uint32_t w, int q) {
   }
 }
 
+// 3-bit codes i (0..3) of the two 12-bit halves of w (the first code in the top bits) as half2, exact.
+template <int i>
+__device__ __forceinline__ uint32_t codes3_x(uint32_t w) {
+  uint32_t h;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(h) : "r"(w >> (9 - 3 * i)), "n"(0x00070007u), "r"(0x64006400u));
+  __half2 x = *reinterpret_cast<__half2*>(&h);
+  x = __hsub2(x, __floats2half2_rn(1024.f, 1024.f));
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+
+__device__ __forceinline__ uint32_t codes3_at(uint32_t w, int i) {
+  switch (i) {
+    case 0: return codes3_x<0>(w);
+    case 1: return codes3_x<1>(w);
+    case 2: return codes3_x<2>(w);
+    default: return codes3_x<3>(w);
+  }
+}
+
 __device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
 __device__ __forceinline__ uint32_t as_u32(__half2 x) { return *reinterpret_cast<uint32_t*>(&x); }
 
@@ -302,6 +329,11 @@ __device__ __forceinline__ int chunk_offset(int t, int c) {
   return t * ROWB + ((NCH == 2 ? (c ^ ((t >> 2) & 1)) : c) << 4);
 }
 
+// Byte offset of 16-byte chunk c of token t's key row: as `chunk_offset` at 2 bits, in order at 3 bits.
+__device__ __forceinline__ int key_chunk_offset(int t, int c) {
+  return KBITS == 2 ? chunk_offset(t, c) : t * KROWB + (c << 4);
+}
+
 // Output channel of value-accumulator row (tile J, row gid + 8 e) and its power-of-four factor's exponent.
 __device__ __forceinline__ int value_channel(int J, int gid, int e) {
   int b = J >> 2, k = 2 * (J & 3) + e;
@@ -342,15 +374,28 @@ struct Params {
 __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane) {
   const uint8_t* base = a.pages + static_cast<int64_t>(page) * a.page_bytes;
   uint8_t* kc = stage;
-  uint8_t* vc = stage + P * ROWB;
-  uint32_t* words = reinterpret_cast<uint32_t*>(stage + 2 * P * ROWB);  // [4][P]: k scale, k zero, v scale, v zero
-  uint8_t* extra = stage + 2 * P * ROWB + 4 * P * 4;                     // per-channel key scales, outliers, R(p0)
+  uint8_t* vc = stage + P * KROWB;
+  uint32_t* words = reinterpret_cast<uint32_t*>(stage + P * (KROWB + ROWB));  // [4][P]: k scale, k zero, v scale, v zero
+  uint8_t* extra = stage + P * (KROWB + ROWB) + 4 * P * 4;                    // per-channel key scales, outliers, R(p0)
+  if (KBITS == 2) {
 #pragma unroll
-  for (int i = lane; i < P * NCH; i += 32) {
-    int t = i / NCH, c = i % NCH;
-    int64_t row = static_cast<int64_t>(t * a.H + h) * ROWB + 16 * c;
-    cp_async16(kc + chunk_offset(t, c), base + a.k_codes + row);
-    cp_async16(vc + chunk_offset(t, c), base + a.v_codes + row);
+    for (int i = lane; i < P * NCH; i += 32) {
+      int t = i / NCH, c = i % NCH;
+      int64_t row = static_cast<int64_t>(t * a.H + h) * ROWB + 16 * c;
+      cp_async16(kc + chunk_offset(t, c), base + a.k_codes + row);
+      cp_async16(vc + chunk_offset(t, c), base + a.v_codes + row);
+    }
+  } else {
+#pragma unroll
+    for (int i = lane; i < P * KNCH; i += 32) {
+      int t = i / KNCH, c = i % KNCH;
+      cp_async16(kc + key_chunk_offset(t, c), base + a.k_codes + static_cast<int64_t>(t * a.H + h) * KROWB + 16 * c);
+    }
+#pragma unroll
+    for (int i = lane; i < P * NCH; i += 32) {
+      int t = i / NCH, c = i % NCH;
+      cp_async16(vc + chunk_offset(t, c), base + a.v_codes + static_cast<int64_t>(t * a.H + h) * ROWB + 16 * c);
+    }
   }
 #pragma unroll
   for (int t = lane; t < P; t += 32) {
@@ -733,9 +778,9 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     __syncwarp();
     const uint8_t* stage = wbuf + (i % NSTAGE) * STAGE_BYTES;
     const uint8_t* kc = stage;
-    const uint8_t* vc = stage + P * ROWB;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * P * ROWB);
-    const uint8_t* extra = stage + 2 * P * ROWB + 4 * P * 4;
+    const uint8_t* vc = stage + P * KROWB;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + P * (KROWB + ROWB));
+    const uint8_t* extra = stage + P * (KROWB + ROWB) + 4 * P * 4;
     const int jpage = my_first + i * NWARPS;  // the page's index in the request
     int ptok[PSAC_REGMAP ? PSAC_ROWS : 1];  // PSAC_REGMAP: each folded row's token (-1: none)
 
@@ -766,11 +811,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           for (int b = 0; b < NB; ++b) {
             const int ch = 16 * (4 * b + tig) + jl;
             const float s0 = kchan_element(extra, 0, ch), s1 = kchan_element(extra, 0, ch + 8);
-            const float z0 = K_SYM ? -s0 : kchan_element(extra, 1, ch);
-            const float z1 = K_SYM ? -s1 : kchan_element(extra, 1, ch + 8);
+            const float z0 = K_SYM ? -KSYM_ZERO * s0 : kchan_element(extra, 1, ch);
+            const float z1 = K_SYM ? -KSYM_ZERO * s1 : kchan_element(extra, 1, ch + 8);
             const int at = (b * 4 + ks) * 2 + e;
             qk[b][ks][e] = pack_half2(x[b].x * f, x[b].y * f);
-            sz[at * 32 + lane] = pack_half2(s0 / f, s1 / f);  // the codes arrive times 4^(p % 4)
+            const float fk = KBITS == 2 ? f : 1.f;  // 2-bit codes arrive times 4^(p % 4), 3-bit codes as they are
+            sz[at * 32 + lane] = pack_half2(s0 / fk, s1 / fk);
             sz[(8 * NB + at) * 32 + lane] = pack_half2(z0, z1);
           }
         }
@@ -937,12 +983,29 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         for (int x = 0; x < 4; ++x) acc[g][x] = 0.f;
       const int t0 = 16 * mt + gid, t1 = t0 + 8;
       if (ROPE_TOKEN) {  // keys dequantized into the operand and turned by R(t): a0..a3 per k-step and block
-        uint32_t wv[NB][2];
+        uint32_t wv[NB][2];   // 2 bits: the lane's code word of channels 16 (4 b + tig) + 0..15 per row
+        uint32_t wh[NB][2];   // 3 bits: wv holds those channels' codes 0..3 of each 8 (12 bits per 16-bit half: the
+                              // first eight channels low, the next eight high) and wh codes 4..7
 #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          wv[b][0] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t0, b) + 4 * tig);
-          wv[b][1] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t1, b) + 4 * tig);
-        }
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+          for (int r2 = 0; r2 < 2; ++r2) {
+            const int t = t0 + 8 * r2;
+            if (KBITS == 2) {
+              wv[b][r2] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t, b) + 4 * tig);
+              wh[b][r2] = 0;
+            } else {  // 16 codes in 6 bytes at byte 24 b + 6 tig of the row (2-byte aligned): two aligned words
+              const int off = t * KROWB + 24 * b + 6 * tig;
+              const uint32_t* w = reinterpret_cast<const uint32_t*>(kc + (off & ~3));
+              const uint32_t lo = w[0], hi = w[1], sh = 8 * (off & 3);
+              const uint32_t x0 = __funnelshift_r(lo, hi, sh);  // bytes B0..B3
+              const uint32_t x1 = (hi >> sh) & 0xFFFFu;         // bytes B4, B5
+              const uint32_t v0 = __byte_perm(x0, 0u, 0x4012);  // B0 B1 B2 as one 24-bit number: codes 0..7
+              const uint32_t v1 = __byte_perm(x0, x1, 0x6345);  // B3 B4 B5: codes 8..15
+              wv[b][r2] = (v0 >> 12) | ((v1 << 4) & 0x0FFF0000u);
+              wh[b][r2] = (v0 & 0xFFFu) | ((v1 & 0xFFFu) << 16);
+            }
+          }
         int ids[2] = {0, 0};
         int prow[2] = {-1, -1};  // PSAC row of each token, -1 for none
 #pragma unroll
@@ -985,9 +1048,14 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
               __half2 val[NB];
 #pragma unroll
               for (int b = 0; b < NB; ++b) {
-                const uint32_t w = p < 4 ? wv[b][r2] : wv[b][r2] >> 8;
                 const int at = (b * 4 + ks) * 2 + e;
-                val[b] = __hfma2(as_half2(codes_at(w, p & 3)), as_half2(sz[at * 32 + lane]),
+                uint32_t code2;  // the codes of channels (c, c + 8) as half2
+                if (KBITS == 2) {
+                  code2 = codes_at(p < 4 ? wv[b][r2] : wv[b][r2] >> 8, p & 3);
+                } else {
+                  code2 = codes3_at(jl < 4 ? wv[b][r2] : wh[b][r2], jl & 3);
+                }
+                val[b] = __hfma2(as_half2(code2), as_half2(sz[at * 32 + lane]),
                                  as_half2(sz[(8 * NB + at) * 32 + lane]));
                 if (K_CENT) val[b] = __hadd2(val[b], as_half2(e ? cen[r2][b].x : cen[r2][b].y));
                 if (PSAC_R && !PSAC_FOLD && prow[r2] >= 0)

@@ -3,7 +3,7 @@
 `mma_decode.cu` says how the kernel works. It reads 2-bit codes with per-token channel groups for values,
 and for keys either the same or one scale and zero per channel and page (KIVI-style keys, the recommended
 recipe's), with up to 32 key centroids per chunk, key outliers, sinks, Hadamard-rotated values and
-page-relative keys (`supports_levers`); pre-RoPE keys and PSAC rows stay with the Triton kernels.
+page-relative keys, pre-RoPE keys (2- or 3-bit codes) and PSAC rows with them (`supports_levers`).
 This module decides which layouts it reads (`supports`),
 compiles one cubin per layout with ``nvcc`` (cached on disk, keyed by the source, the options and the
 compiler's version), loads it through the CUDA driver and launches it on the current stream, so CUDA
@@ -60,7 +60,9 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
                 and x.group in (64, head_dim) and head_dim % x.group == 0)
 
     def channel_keys(x: TensorScheme) -> bool:  # one scale and zero per channel and page, <= 1 centroid stage
-        return (x.mode == CHANNEL_GROUPS and x.bits == 2 and x.group == page_size and x.kind in _KINDS
+        # (3-bit codes at head_dim 128 with pre-RoPE keys alone: `supports_levers` holds them to that)
+        return (x.mode == CHANNEL_GROUPS and (x.bits == 2 or (x.bits == 3 and head_dim == 128))
+                and x.group == page_size and x.kind in _KINDS
                 and x.stages <= 1 and (not x.stages or 1 <= x.centroids <= MAX_CENTROIDS))
 
     return ((ok(k) or channel_keys(k)) and ok(v) and head_dim in (64, 128) and page_size % 16 == 0
@@ -86,9 +88,11 @@ def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int,
     scales), pre-RoPE keys where `PREROPE` (or ``prerope``) allows, and PSAC rows with pre-RoPE keys where
     `PSAC` (or ``psac``) allows."""
     if levers is None or not levers.active:
-        return True
+        return k.bits == 2  # 3-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
     rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
                                      and head_dim == 128)
+    if k.bits != 2 and not (levers.prerope and rope_ok):
+        return False
     psac_ok = not levers.psac_rank or ((PSAC if psac is None else psac) and levers.prerope and rope_ok
                                        and levers.psac_rank % 4 == 0 and levers.psac_rows <= page_size
                                        and (levers.psac_rows <= 127 if levers.psac_token != NONE
@@ -197,6 +201,7 @@ class Config:
     psac_rows: int = 0
     psac_sparse: bool = False
     psac_fold: bool = False  # sparse PSAC rows folded into the centroid-value table (`PSAC_FOLD` in the source)
+    k_bits: int = 2  # key code width (3 with rope_token only)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -207,7 +212,7 @@ class Config:
                 f"-DSINK={self.sink}", f"-DOUT_N={self.outliers}", f"-DVROT={int(self.vrot)}",
                 f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
                 f"-DPSAC_R={self.psac_rank}", f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}",
-                f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
+                f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
     def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
@@ -216,7 +221,7 @@ class Config:
         extra = ((2 * d * kes if self.k_chan else 0) + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
                  + (4 * d if self.page_rope or self.rope_token else 0)
                  + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0))
-        stage = 2 * p * (d // 4) + 4 * p * 4 + extra
+        stage = p * (d * self.k_bits // 8 + d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.rope_token:  # centroid values as fp16 pairs; each lane's scale and zero pairs
             rows = 32 + (self.psac_rows if self.psac_fold else 0) + (self.centroids >= 32)  # then a zero row
@@ -389,7 +394,7 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
                   lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
                   lv.psac_token != NONE, PSAC_FOLD and bool(k.stages) and bool(lv.prerope) and lv.psac_rank > 0
-                  and lv.psac_token != NONE and lv.psac_rows <= 32)
+                  and lv.psac_token != NONE and lv.psac_rows <= 32, k.bits)
 
 
 @functools.lru_cache(maxsize=256)
@@ -464,8 +469,8 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
         raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
                          f"head_dim {d}, {group} query heads per KV head)")
     if not supports_levers(k, levers, p, d, prerope, psac):
-        raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}); pre-RoPE keys and "
-                         "PSAC rows are read by the plain Triton kernel (mma=False)")
+        raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with {k.bits}-bit "
+                         "keys; the plain Triton kernel reads them (mma=False)")
     if (k.stages or (levers is not None and levers.psac_rank)) and (codebooks is None or not codebooks.numel()):
         raise ValueError("key centroids and PSAC bases live in the codebook slots: pass codebooks=")
     if levers is not None and (levers.pagerope or levers.prerope) and tables is None:

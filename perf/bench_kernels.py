@@ -644,7 +644,7 @@ LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame 
     ("no PSAC, rotated values only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), vrot="hadamard")),
     ("no PSAC, 16 outliers only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), outliers=16)),
     ("no PSAC, page-relative keys only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), pagerope="true")),
-    # a layer a depth: band gives 3-bit keys (no outliers there): the Triton kernels read it, the tensor-core one not
+    # a layer a depth: band gives 3-bit keys (no outliers there), as in kvbackend.spec.QUALITY_SPEC
     ("recipe, 3-bit keys", _with(RECOMMENDED_SPEC, kbits=3, outliers=0)),
 )
 

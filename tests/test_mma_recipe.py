@@ -88,6 +88,10 @@ def test_refuses_what_it_does_not_read():
     assert not claims(f"{BASE},kchannel=64,centroids=64")  # more centroids than the table holds
     assert not claims("quantwm:rank=0,kchannel=64,centroids=32")  # clustered values
     assert not claims("rtn:bits=2,group=64,pagerope=true")  # page-relative keys need per-channel key scales
+    assert not claims("kivi:bits=2,group=64,kbits=3")  # 3-bit keys: on the pre-RoPE path alone
+    assert not claims("kivi:bits=2,group=64,kbits=3,pagerope=true,sink=4")
+    assert not claims("kivi:bits=2,group=64,kbits=3,prerope=true")  # ... at head_dim 128
+    assert not claims("kivi:bits=3,group=64,prerope=true")  # 3-bit values
     assert claims("rtn:bits=2,group=64,sink=4,vrot=hadamard")
 
 
@@ -111,6 +115,11 @@ def test_refuses_what_it_does_not_read():
                       vrot=True, rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True, psac_fold=True),
     mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, k_chan=True, centroids=4, c_kind=2, rope_token=True,
                       psac_rank=8, psac_rows=8, psac_sparse=True, psac_fold=True),
+    # 3-bit pre-RoPE keys: the quality spec's layers (no outliers), with PSAC rows folded; fp16 fields, one stage
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, vrot=True,
+                      rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True, psac_fold=True, k_bits=3),
+    mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, stages=1, k_chan=True, rope_token=True, outliers=5,
+                      k_bits=3),
     # rotated values whose packed part cannot wait in the warp's stage buffers (one 16-token stage): an area of its own
     mma_decode.Config(128, 16, 1, 2, 0, 0, False, False, 2, 2, stages=1, k_chan=True, sink=4, vrot=True),
 ])
@@ -176,6 +185,11 @@ PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): on by default since their GPU
      "cdtype=fp8,outliers=16", 128, 64, 2, [700, 150, 64], 2, 4, 24),
     ("quantwm:kchannel=32,rank=8,keep=0.25,centroids=4,vcluster=false,prerope=true", 128, 32, 2, [200, 45], 2, 3, 8),
     ("quantwm:kchannel=32,rank=4,keep=1,centroids=4,vcluster=false,prerope=true", 128, 32, 2, [130], 2, 2, 8),  # dense
+    # 3-bit keys (8 codes in 3 bytes): the quality spec's 3-bit layers (no outliers), bf16 centroids with outliers, kivi
+    ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,kbits=3", 128, 64, 2, [700, 150, 64], 2, 4, 24),
+    (f"{BASE},kchannel=32,centroids=5,prerope=true,outliers=5,sink=3,kbits=3", 128, 32, 3, [150, 40], 2, 2, 64),
+    ("kivi:bits=2,group=64,kbits=3,prerope=true", 128, 64, 2, [333, 90], 3, 8, 8),  # no centroids, fp16 scales
 ]
 OPT_IN = {"prerope": True, "psac": True}  # explicit, so the tests run them whatever the env var says
 
