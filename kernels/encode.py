@@ -19,6 +19,8 @@ from kvbackend.scheme import FLOAT, TensorScheme
 
 from kvbackend.kernels.dequant import pool_views
 
+BITS = (2, 3, 4, 8)  # code widths the kernel packs (3: 8 codes in 3 bytes, the first in the top bits)
+
 
 @triton.jit
 def _rne(y):
@@ -202,12 +204,22 @@ def _encode_kernel(x_ptr, assign_ptr, cent_ptr, page_ids, u8, i16, i32, err_ptr,
         else:
             approx = q * full_scale + full_zero
         tl.store(err_ptr + ((j.to(tl.int64) * H + h) * P + t[:, None]) * D + d[None, :], x - approx)
-    PER: tl.constexpr = 8 // BITS
-    DP: tl.constexpr = D // PER
-    codes = tl.reshape(q.to(tl.int32), (P, DP, PER))
-    shifts = (PER - 1 - tl.arange(0, PER)) * BITS
-    packed = tl.sum(codes << shifts[None, None, :], 2)
-    tl.store(u8 + base + CODES + (t[:, None] * H + h) * DP + tl.arange(0, DP)[None, :], packed.to(tl.uint8))
+    if BITS == 3:  # 8 codes in 3 bytes, the first in the top bits (`kvbackend.bitpack`)
+        G: tl.constexpr = D // 8
+        codes = tl.reshape(q.to(tl.int32), (P, G, 8))
+        shifts = (7 - tl.arange(0, 8)) * 3
+        word = tl.sum(codes << shifts[None, None, :], 2)  # [P, G] 24-bit numbers
+        at = u8 + base + CODES + (t[:, None] * H + h) * (3 * G) + 3 * tl.arange(0, G)[None, :]
+        tl.store(at, ((word >> 16) & 0xFF).to(tl.uint8))
+        tl.store(at + 1, ((word >> 8) & 0xFF).to(tl.uint8))
+        tl.store(at + 2, (word & 0xFF).to(tl.uint8))
+    else:
+        PER: tl.constexpr = 8 // BITS
+        DP: tl.constexpr = D // PER
+        codes = tl.reshape(q.to(tl.int32), (P, DP, PER))
+        shifts = (PER - 1 - tl.arange(0, PER)) * BITS
+        packed = tl.sum(codes << shifts[None, None, :], 2)
+        tl.store(u8 + base + CODES + (t[:, None] * H + h) * DP + tl.arange(0, DP)[None, :], packed.to(tl.uint8))
 
 
 def encode_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor, page_ids: torch.Tensor,
@@ -222,8 +234,8 @@ def encode_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor
         assign: int32 [S, N, H] centroid ids per stage (when the scheme has stages).
         centroids: bf16 [S, H, C, D], exactly as stored in the codebook.
     """
-    if scheme.mode == FLOAT or scheme.bits not in (2, 4, 8):
-        raise ValueError(f"encode kernel handles 2/4/8-bit group schemes, not {scheme}")
+    if scheme.mode == FLOAT or scheme.bits not in BITS:
+        raise ValueError(f"encode kernel handles 2/3/4/8-bit group schemes, not {scheme}")
     n, h, d = x.shape
     p = n // page_ids.numel()
     if p * page_ids.numel() != n or p & (p - 1) or d & (d - 1):
@@ -255,8 +267,8 @@ def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.
     The bytes are the reference's for the same assignments, except where float32 sums in another order (the
     clipped steps' means and variances) round a stored scale or zero to a neighbouring value.
     """
-    if scheme.mode == FLOAT or scheme.bits not in (2, 4, 8):
-        raise ValueError(f"encode kernel handles 2/4/8-bit group schemes, not {scheme}")
+    if scheme.mode == FLOAT or scheme.bits not in BITS:
+        raise ValueError(f"encode kernel handles 2/3/4/8-bit group schemes, not {scheme}")
     n, h, d = x.shape
     count = pages.shape[0]
     p = n // count

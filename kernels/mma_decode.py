@@ -88,10 +88,10 @@ def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int,
     scales), pre-RoPE keys where `PREROPE` (or ``prerope``) allows, and PSAC rows with pre-RoPE keys where
     `PSAC` (or ``psac``) allows."""
     if levers is None or not levers.active:
-        return k.bits == 2  # 3-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
+        return k.bits != 3  # 3-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
     rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
                                      and head_dim == 128)
-    if k.bits != 2 and not (levers.prerope and rope_ok):
+    if k.bits == 3 and not (levers.prerope and rope_ok):
         return False
     psac_ok = not levers.psac_rank or ((PSAC if psac is None else psac) and levers.prerope and rope_ok
                                        and levers.psac_rank % 4 == 0 and levers.psac_rows <= page_size

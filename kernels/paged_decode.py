@@ -315,8 +315,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             raise ValueError(f"the tensor-core decode kernel cannot run here: {why}")
         options = mma_options or {}
         if not mma_decode.supports_levers(k_scheme, levers, p, d, options.get("prerope"), options.get("psac")):
-            raise ValueError("the tensor-core decode kernel does not read these levers (pre-RoPE keys and PSAC rows "
-                             "wait for their GPU tests); the plain kernel does (mma=False)")
+            raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with "
+                             f"{k_scheme.bits}-bit keys (3-bit keys: on the pre-RoPE path alone); the plain kernel "
+                             "does (mma=False)")
     if levers is not None and not mma:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
         if planar:
             raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")

@@ -13,7 +13,8 @@ triton = pytest.importorskip("triton")
 
 CODECS = ["rtn:bits=2,group=32", "rtn:bits=4,group=16,symmetric=true,scale=fp8", "kivi:bits=2,group=16",
           "kivi:bits=4,group=8,scale=bf16", "qvg", "qvg-pro", "qvg:symmetric=true,scale=fp32",
-          "rtn:bits=8,group=64,scale=fp8", "rtn:bits=2,group=64,scale=fp16"]
+          "rtn:bits=8,group=64,scale=fp8", "rtn:bits=2,group=64,scale=fp16",
+          "kivi:bits=2,group=16,kbits=3", "rtn:bits=3,group=32,symmetric=true", "qvg:bits=3"]  # 8 codes in 3 bytes
 
 
 @pytest.mark.parametrize("spec", CODECS)

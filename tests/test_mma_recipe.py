@@ -8,6 +8,7 @@ shown to be read (turning its path off changes the output).
 """
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -256,11 +257,17 @@ def test_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chunk_pag
         assert torch.isfinite(out.float()).all(), n
         assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
         assert torch.allclose(lse, want_lse, atol=2e-2), n
-    # the rotation (and the PSAC rows) are read: without either the output moves
+    # the rotation (and the PSAC rows) are read: without either the output moves (3-bit keys without the rotation
+    # are refused: the kernel reads them on the pre-RoPE path alone)
     for off in (dict(prerope=False, psac_rank=0), dict(psac_rank=0)) if levers.psac_rank else (dict(prerope=False),):
         partial = dataclasses.replace(levers, **off)
-        wrong, _ = paged_decode(q, *args, target_programs=programs, levers=partial if partial.active else LeverScheme(),
-                                rotary=rotary, mma=True, mma_options=OPT_IN)
+        call = functools.partial(paged_decode, q, *args, target_programs=programs, rotary=rotary, mma=True,
+                                 levers=partial if partial.active else LeverScheme(), mma_options=OPT_IN)
+        if args[3][0].bits == 3 and not partial.prerope:
+            with pytest.raises(ValueError, match="3-bit keys: on the pre-RoPE path alone"):
+                call()
+            continue
+        wrong, _ = call()
         assert float((wrong.float() - out.float()).norm() / out.float().norm()) > 1e-3, off
 
 

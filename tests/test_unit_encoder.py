@@ -25,6 +25,8 @@ SPECS = [
     "qvg:stages=2,centroids=8,cdtype=fp8,clip=true",
     "qvg:symmetric=true,scale=fp32,centroids=8",
     "qvg",
+    # a 3-bit-key layer of kvbackend.spec.QUALITY_SPEC (no outliers there): 8 codes in 3 bytes
+    "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,kbits=3",
 ]
 
 

@@ -1,0 +1,96 @@
+"""The recommended spec against the quality-first depth spec (`kvbackend.spec.QUALITY_SPEC`) over a 32-layer model
+of Llama-8B geometry on the GPU: one decode step at B=8, L=32K (each layer's spec through `paged_decode`'s default
+kernel, CUDA graphs, summed over the layers) and one warm 2048-token chunk completion (the layers grouped by spec as
+`KVCache` groups them, each group one `Codec.encode_units` pass with the kernels' encode), beside SDPA BF16.
+
+    python3 perf/experiments/default_step.py $OUT/default_step.json
+"""
+import collections
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench_kernels import DEV, bench, graph_time, lever_case, sdpa_time  # noqa: E402
+from kvbackend import Geometry, codecs  # noqa: E402
+from kvbackend.codecs.base import CodecState  # noqa: E402
+from kvbackend.depth import layer_specs  # noqa: E402
+from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
+from kvbackend.kernels.unit_encoder import encode_units, supports as encoder_supports  # noqa: E402
+from kvbackend.psac import query_second_moment  # noqa: E402
+from kvbackend.rope import Rotary  # noqa: E402
+from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_SPEC  # noqa: E402
+
+LAYERS, HQ, HEADS, DIM, PAGE, BATCH, LENGTH, CHUNK = 32, 32, 8, 128, 64, 8, 32768, 2048
+
+
+def decode_us(spec: str, rotary) -> tuple[float, str]:
+    case = lever_case(spec, BATCH, LENGTH, HQ, HEADS, DIM, PAGE, rotary)
+    calls = [lambda j=j: paged_decode(case.qs[j], case.pages, case.books, case.dense, case.schemes, case.plans[j],
+                                      levers=case.levers, rotary=rotary) for j in range(case.rotations)]
+    from kvbackend.kernels import mma_decode
+    kernel = "mma" if mma_decode.preferred(*case.schemes, PAGE, DIM, HQ // HEADS, torch.device(DEV), torch.bfloat16,
+                                           torch.bfloat16, case.levers) else "triton"
+    us = graph_time(calls) * 1e3
+    torch.cuda.empty_cache()
+    return us, kernel
+
+
+def encode_ms(specs: list[str]) -> dict:
+    """One warm chunk of every layer, grouped by spec; each group's pass timed and summed."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    groups = collections.defaultdict(list)
+    for layer, spec in enumerate(specs):
+        groups[spec].append(layer)
+    total, per_group = 0.0, []
+    for spec, layers in groups.items():
+        codec = codecs.get(spec)
+        layout = codec.layout(Geometry(1, HEADS, DIM, torch.bfloat16), PAGE)
+        n = len(layers)
+        k = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen)
+        k = (k * torch.linspace(0.2, 4, DIM, device=DEV) + torch.randn(n, 1, HEADS, DIM, device=DEV, generator=gen)).bfloat16()
+        v = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen).bfloat16()
+        queries = torch.randn(n, 4 * HEADS, 256, DIM, device=DEV, generator=gen) * torch.linspace(3, 0.1, DIM, device=DEV)
+        states = [CodecState(query_moment=query_second_moment(q, HEADS)) for q in queries]
+        codec.encode_units(k, v, layout, states)  # cold
+        warm = [st.clone() for st in states]
+        kernels = encoder_supports(codec, layout, warm)
+        ms = bench(lambda: codec.encode_units(k, v, layout, warm, encoder=encode_units), 400)
+        total += ms
+        per_group.append({"spec": spec, "layers": layers, "ms": ms, "kernels": kernels})
+        print(f"  encode {n} layers x {CHUNK} tokens, kernels {kernels}: {ms:.3f} ms  [{spec[-60:]}]", flush=True)
+    return {"ms": total, "groups": per_group}
+
+
+def main(out: str) -> None:
+    rotary = Rotary.default(DIM, 500000.0)
+    result = {"sdpa_graph_us_per_layer": sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3}
+    print(f"SDPA BF16 (graphs) per layer {result['sdpa_graph_us_per_layer']:.1f} us", flush=True)
+    timed = {}
+    for name, spec in (("recommended", RECOMMENDED_SPEC), ("quality", QUALITY_SPEC)):
+        specs = layer_specs(spec, LAYERS)
+        counts = collections.Counter(specs)
+        step, layers = 0.0, []
+        for layer_spec, count in counts.items():
+            if layer_spec not in timed:
+                timed[layer_spec] = decode_us(layer_spec, rotary)
+            us, kernel = timed[layer_spec]
+            step += count * us
+            layers.append({"spec": layer_spec, "count": count, "us": us, "kernel": kernel})
+            print(f"{name}: {count:2d} layers x {us:7.1f} us ({kernel})  [{layer_spec[-60:]}]", flush=True)
+        enc = encode_ms(specs)
+        result[name] = {"spec": spec, "decode_step_us": step, "layers": layers, "encode_chunk": enc,
+                        "speedup_vs_sdpa": LAYERS * result["sdpa_graph_us_per_layer"] / step}
+        print(f"{name}: decode step {step:.0f} us over {LAYERS} layers ({result[name]['speedup_vs_sdpa']:.2f}x SDPA), "
+              f"chunk encode {enc['ms']:.2f} ms", flush=True)
+    q, r = result["quality"], result["recommended"]
+    print(f"quality / recommended: decode {q['decode_step_us'] / r['decode_step_us']:.3f}x, "
+          f"encode {q['encode_chunk']['ms'] / r['encode_chunk']['ms']:.3f}x", flush=True)
+    pathlib.Path(out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
