@@ -314,6 +314,9 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         if not usable:
             raise ValueError(f"the tensor-core decode kernel cannot run here: {why}")
         options = mma_options or {}
+        if not mma_decode.supports(k_scheme, v_scheme, p, d, group):  # before a variant of it is compiled
+            raise ValueError(f"the tensor-core decode kernel does not read this layout ({k_scheme}, {v_scheme}; page "
+                             f"{p}, head_dim {d}, {group} query heads per KV head); the Triton kernels do (mma=False)")
         if not mma_decode.supports_levers(k_scheme, levers, p, d, options.get("prerope"), options.get("psac")):
             raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with "
                              f"{k_scheme.bits}-bit keys (3-bit keys: on the pre-RoPE path alone); the plain kernel "

@@ -25,27 +25,29 @@ T = TypeVar("T")
 
 _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid values
 
-# The spec measured best at about 2.6 bits per value through the paged cache (perf/NOTES.md): quantwm keys
-# (per-channel steps over 64-token groups, 32 QSAC centroids stored as fp8, a rank-4 PSAC correction, the 16
-# key entries of each page and head with the largest query-weighted error stored exactly), clipped steps, 4
-# sink tokens kept at 16 bits, Hadamard-rotated values, keys stored before RoPE. At 2.552 bpv it beats the
-# previous default (the same without fp8 centroids and outliers, 2.573 bpv) on all six texts measured: KL
-# 0.033 / 0.026 / 0.051 against 0.050 / 0.035 / 0.084 on the tuned texts (eval18), 0.036 / 0.054 / 0.037
-# against 0.045 / 0.094 / 0.050 on held-out ones (eval23), 0.026 / 0.057 / 0.062 against 0.048 / 0.072 / 0.082
-# at a 6144-token prefix (eval20), and 4 of 8 far-recall answers against 2. Its decode costs 10% more in the
-# kernels (H200, 1475 against 1339 us at B=8, L=32K). Page-relative keys (`pagerope=true`) decode faster but
-# lose 8-62% in KL at 6144 tokens (eval15, eval26). The default of `KVBackendCache` and `kvbackend demo`.
-RECOMMENDED_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
-                    "vrot=hadamard,prerope=true,cdtype=fp8,outliers=16")
+# One page codec for every layer, the best measured at about 2.55 bits per value through the paged cache
+# (perf/NOTES.md): quantwm keys (per-channel steps over 64-token groups, 32 QSAC centroids stored as fp8, a rank-4
+# PSAC correction, the 16 key entries of each page and head with the largest query-weighted error stored exactly),
+# clipped steps, 4 sink tokens kept at 16 bits, Hadamard-rotated values, keys stored before RoPE. At 2.552 bpv it
+# beats the previous page codec (the same without fp8 centroids and outliers, 2.573 bpv) on all six texts measured:
+# KL 0.033 / 0.026 / 0.051 against 0.050 / 0.035 / 0.084 on the tuned texts (eval18), 0.036 / 0.054 / 0.037 against
+# 0.045 / 0.094 / 0.050 on held-out ones (eval23), 0.026 / 0.057 / 0.062 against 0.048 / 0.072 / 0.082 at a
+# 6144-token prefix (eval20). Page-relative keys (`pagerope=true`) decode faster but lose 8-62% in KL at 6144 tokens
+# (eval15, eval26). What takes a single page codec uses it: `kvbackend.codecs.get`, the SGLang and vLLM adapters'
+# examples, the kernel benchmarks; the base of `RECOMMENDED_SPEC`.
+RECOMMENDED_PAGE_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
+                         "vrot=hadamard,prerope=true,cdtype=fp8,outliers=16")
 
-# Quality first (perf/NOTES.md, session 27): the recommended spec with 8 Lloyd steps, 3-bit keys in the layers at
-# 20-30% and 59-62% of the depth (layers 6-8 and 18 of SmolLM2's 30) and no key outliers there nor in the first and
-# last 10%: 2.598 bpv, lower KL than the recommended spec on every text measured (code at 6144 tokens 0.034-0.038
-# against 0.053-0.063) and than per-layer plans made on each text. Not the default: the tensor-core decode kernel
-# reads 2-bit codes only, and a 3-bit layer decodes 7x slower in the Triton kernel (H200, B=8, L=32K).
-QUALITY_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids=32;clip=true;vcluster=false;sink=4;"
-                "vrot=hadamard;prerope=true;cdtype=fp8;outliers=16;iters=8,kbits=3@0.2-0.3/3@0.59-0.62,"
-                "outliers=0@0-0.1/0@0.2-0.3/0@0.59-0.62/0@0.9-1")
+# The default of `KVBackendCache` and `kvbackend demo` (perf/NOTES.md, sessions 27-28): the page codec above with 8
+# Lloyd steps, 3-bit keys in the layers at 20-30% and 59-62% of the depth (layers 6-8 and 18 of SmolLM2's 30, 7-9 and
+# 19 of a 32-layer model) and no key outliers there nor in the first and last 10%: 2.598 bpv, lower KL than the page
+# codec on every text measured (code at 6144 tokens 0.034-0.038 against 0.053-0.063) and than per-layer plans made on
+# each text. On an H200 (B=8, L=32K, 32 layers of Llama-8B geometry) its decode step takes 0.99x the page codec's
+# (the tensor-core kernel reads its 3-bit keys) and its chunk encode 2.4x (three encode passes instead of one).
+RECOMMENDED_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids=32;clip=true;vcluster=false;sink=4;"
+                    "vrot=hadamard;prerope=true;cdtype=fp8;outliers=16;iters=8,kbits=3@0.2-0.3/3@0.59-0.62,"
+                    "outliers=0@0-0.1/0@0.2-0.3/0@0.59-0.62/0@0.9-1")
+QUALITY_SPEC = RECOMMENDED_SPEC  # its name while it was not the default (session 27)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from kvbackend.frames import lever_layout
 from kvbackend.kernels.levers import lever_tables
 from kvbackend.rope import Rotary
 from kvbackend.scheme import kernel_schemes, lever_scheme
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 
 import os
 import sys
@@ -449,7 +449,7 @@ def gather(copy_bw):
     # the recipe's layout with its levers (sinks, pre-RoPE keys, rotated values, PSAC rows, key outliers): each
     # request's packed pages and one dense page, as `levers` times decode
     rotary = Rotary.default(dim, 500000.0)
-    case = lever_case(RECOMMENDED_SPEC, batch, length, hq, heads, dim, p, rotary)
+    case = lever_case(RECOMMENDED_PAGE_SPEC, batch, length, hq, heads, dim, p, rotary)
     plan = case.plans[0]
     packed_per_req = length // p - 1
     moved = (batch * packed_per_req * case.layout.page_bytes + 2 * batch * p * heads * dim * 2
@@ -474,7 +474,7 @@ def gather(copy_bw):
         if not all(math.isfinite(x) for x in got):
             raise AssertionError(f"gather of the recipe [{backend}]: unwritten or non-finite output")
         ms = bench(call)
-        row = {"codec": RECOMMENDED_SPEC, "backend": backend, "B": batch, "L": length, "gather_us": ms * 1e3,
+        row = {"codec": RECOMMENDED_PAGE_SPEC, "backend": backend, "B": batch, "L": length, "gather_us": ms * 1e3,
                "gather_GBps": moved / ms / 1e6, "gather_pct_of_copy": moved / ms / 1e6 / copy_bw * 100,
                "write_only_GBps": write_bw,
                "checksum_rel_diff_vs_triton": max(abs(a - b) / max(abs(b), 1e-9) for a, b in zip(got, want))}
@@ -548,7 +548,7 @@ def _encode_recipe(heads: int, dim: int, p: int, tokens: int) -> list[dict]:
     from kvbackend.psac import query_second_moment
 
     rows = []
-    codec = codecs.get(RECOMMENDED_SPEC)
+    codec = codecs.get(RECOMMENDED_PAGE_SPEC)
     layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), p)
     gen = torch.Generator(device=DEV).manual_seed(0)
     for layers in (1, 8, 32):
@@ -562,7 +562,7 @@ def _encode_recipe(heads: int, dim: int, p: int, tokens: int) -> list[dict]:
         warm = [st.clone() for st in states]
         sides = {"kernels": lambda: codec.encode_units(k, v, layout, warm, encoder=encode_units),
                  "reference": lambda: codec.encode_units(k, v, layout, warm)}
-        row = {"codec": RECOMMENDED_SPEC, "layers": layers, "tokens": n, "heads": heads, "head_dim": dim}
+        row = {"codec": RECOMMENDED_PAGE_SPEC, "layers": layers, "tokens": n, "heads": heads, "head_dim": dim}
         for name, fn in sides.items():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -623,29 +623,29 @@ def _with(spec: str, **options) -> str:
     return ",".join(parts + [f"{name}={value}" for name, value in options.items()])
 
 
-_OTHER_ROPE = (RECOMMENDED_SPEC.replace("pagerope=true", "prerope=true") if "pagerope=true" in RECOMMENDED_SPEC
-               else RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"))
+_OTHER_ROPE = (RECOMMENDED_PAGE_SPEC.replace("pagerope=true", "prerope=true") if "pagerope=true" in RECOMMENDED_PAGE_SPEC
+               else RECOMMENDED_PAGE_SPEC.replace("prerope=true", "pagerope=true"))
 LEVER_VARIANTS = (  # (name, spec): the recipe, the recipe with the other frame for keys, the layout with parts off
-    ("recipe", RECOMMENDED_SPEC),
+    ("recipe", RECOMMENDED_PAGE_SPEC),
     ("recipe, " + ("pre-RoPE keys" if "prerope=true" in _OTHER_ROPE else "page-relative keys"), _OTHER_ROPE),
-    ("recipe without PSAC", _with(RECOMMENDED_SPEC, rank=0)),
+    ("recipe without PSAC", _with(RECOMMENDED_PAGE_SPEC, rank=0)),
     # the levers the tensor-core kernel reads: page-relative keys, no PSAC rows (its layout is the next row's)
-    ("recipe without PSAC, page-relative keys", _with(RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"), rank=0)),
-    ("recipe, no levers", _without_levers(RECOMMENDED_SPEC)),
-    ("recipe, no levers, no PSAC", _with(_without_levers(RECOMMENDED_SPEC), rank=0)),
+    ("recipe without PSAC, page-relative keys", _with(RECOMMENDED_PAGE_SPEC.replace("prerope=true", "pagerope=true"), rank=0)),
+    ("recipe, no levers", _without_levers(RECOMMENDED_PAGE_SPEC)),
+    ("recipe, no levers, no PSAC", _with(_without_levers(RECOMMENDED_PAGE_SPEC), rank=0)),
     # the default before the seventh session: bf16 centroids, no key outliers (perf/NOTES.md)
     ("previous recipe (bf16 centroids, no outliers)",
-     ",".join(p for p in RECOMMENDED_SPEC.split(",") if p.partition("=")[0] not in ("cdtype", "outliers"))),
+     ",".join(p for p in RECOMMENDED_PAGE_SPEC.split(",") if p.partition("=")[0] not in ("cdtype", "outliers"))),
     # key outliers instead of PSAC rows, page-relative keys (the folded kernel's fast lever path): eval25/26
     ("page-relative keys, outliers, no PSAC",
-     _with(RECOMMENDED_SPEC.replace("prerope=true", "pagerope=true"), rank=0, cdtype="fp8", outliers=24)),
+     _with(RECOMMENDED_PAGE_SPEC.replace("prerope=true", "pagerope=true"), rank=0, cdtype="fp8", outliers=24)),
     # one lever at a time over the layout without levers and PSAC rows: what each costs in the tensor-core kernel
-    ("no PSAC, sinks only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), sink=4)),
-    ("no PSAC, rotated values only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), vrot="hadamard")),
-    ("no PSAC, 16 outliers only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), outliers=16)),
-    ("no PSAC, page-relative keys only", _with(_with(_without_levers(RECOMMENDED_SPEC), rank=0), pagerope="true")),
+    ("no PSAC, sinks only", _with(_with(_without_levers(RECOMMENDED_PAGE_SPEC), rank=0), sink=4)),
+    ("no PSAC, rotated values only", _with(_with(_without_levers(RECOMMENDED_PAGE_SPEC), rank=0), vrot="hadamard")),
+    ("no PSAC, 16 outliers only", _with(_with(_without_levers(RECOMMENDED_PAGE_SPEC), rank=0), outliers=16)),
+    ("no PSAC, page-relative keys only", _with(_with(_without_levers(RECOMMENDED_PAGE_SPEC), rank=0), pagerope="true")),
     # a layer a depth: band gives 3-bit keys (no outliers there), as in kvbackend.spec.QUALITY_SPEC
-    ("recipe, 3-bit keys", _with(RECOMMENDED_SPEC, kbits=3, outliers=0)),
+    ("recipe, 3-bit keys", _with(RECOMMENDED_PAGE_SPEC, kbits=3, outliers=0)),
 )
 
 

@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 from kvbackend.tools.models import cache_argument
 
 CHUNK = 2048
-RECIPE = RECOMMENDED_SPEC
+RECIPE = RECOMMENDED_PAGE_SPEC
 
 
 def llama_config(tiny: bool, tokens: int):

@@ -47,10 +47,10 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.rope import rotary_from_config
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 from kvbackend.tools.llama_runner import LlamaRunner
 
-CACHES = ("identity", "rtn:bits=2,group=64", RECOMMENDED_SPEC)
+CACHES = ("identity", "rtn:bits=2,group=64", RECOMMENDED_PAGE_SPEC)
 
 
 @dataclass

@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
 
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 
 CODECS = ("rtn:bits=2,group=64,scale=fp8", "kivi:bits=2,group=64",
-          RECOMMENDED_SPEC.replace(",sink=4", "").replace(",prerope=true", ""))  # the recipe's page-local codec
+          RECOMMENDED_PAGE_SPEC.replace(",sink=4", "").replace(",prerope=true", ""))  # the recipe's page-local codec
 
 
 def median_time(fn, rounds: int) -> float:

@@ -5,7 +5,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
-REC=$(python3 -c "from kvbackend.spec import RECOMMENDED_SPEC as s; print(s)")
+REC=$(python3 -c "from kvbackend.spec import RECOMMENDED_PAGE_SPEC as s; print(s)")
 timeout 230 python3 -m pytest -q -ra -p no:cacheprovider -n 8 --dist loadfile tests/test_mma_recipe.py tests/test_mma_decode.py \
     tests/test_kernel_levers.py tests/test_paged_decode.py tests/test_kernel_known_limits.py tests/test_transformers_random.py \
     tests/test_llama_runner.py 2>&1 | tee $OUT/tests.log | tail -15

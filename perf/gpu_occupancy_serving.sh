@@ -6,7 +6,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
-REC=$(python3 -c "from kvbackend.spec import RECOMMENDED_SPEC as s; print(s)")
+REC=$(python3 -c "from kvbackend.spec import RECOMMENDED_PAGE_SPEC as s; print(s)")
 BASE="quantwm:kchannel=64,keep=0.0625,centroids=32,clip=true,vcluster=false,cdtype=fp8,rank=0"
 timeout 170 python3 perf/experiments/mma_occupancy.py --out $OUT/mma_occupancy.json \
     2>&1 | tee $OUT/occupancy.log

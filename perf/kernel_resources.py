@@ -25,7 +25,7 @@ from kvbackend.kernels import folded_decode
 from kvbackend.kernels.dequant import scheme_constants
 from kvbackend.kernels.levers import lever_constants
 from kvbackend.scheme import kernel_schemes, lever_scheme
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 HEADS, DIM, PAGE = 8, 128, 64  # Llama-8B geometry, GQA 4
@@ -35,8 +35,8 @@ POINTERS = {"q": "*bf16", "o_part": "*fp32", "m_part": "*fp32", "l_part": "*fp32
             "local_cos": "*fp32", "local_sin": "*fp32", "base_cos": "*fp32", "base_sin": "*fp32",
             "hadamard_ptr": "*fp16", "scale_log2": "fp32", "pages_per_split": "i32", "num_splits": "i32"}
 VARIANTS = {
-    "recipe": RECOMMENDED_SPEC,
-    "recipe without PSAC": RECOMMENDED_SPEC.replace("rank=4", "rank=0"),
+    "recipe": RECOMMENDED_PAGE_SPEC,
+    "recipe without PSAC": RECOMMENDED_PAGE_SPEC.replace("rank=4", "rank=0"),
     "PSAC only": "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false",
     "neither": "quantwm:kchannel=64,rank=0,centroids=32,clip=true,vcluster=false",
 }

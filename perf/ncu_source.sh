@@ -7,7 +7,7 @@
 set -u
 out=${1:?output folder}
 cd "$(dirname "$0")"
-spec=${2:-$(python3 -c "from kvbackend.spec import RECOMMENDED_SPEC as s; print(s)")}
+spec=${2:-$(python3 -c "from kvbackend.spec import RECOMMENDED_PAGE_SPEC as s; print(s)")}
 timeout 120 ncu --clock-control none --kernel-name regex:mma_decode --launch-skip 2 --launch-count 1 \
     --section SourceCounters --section WarpStateStats --section MemoryWorkloadAnalysis_Tables \
     --import-source yes -o "$out/mma_source" -f python3 ncu_kernels.py decode "$spec" --mma --levers --lineinfo \

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import Shape, fill_random, make_cache, release, requests_like, sync  # noqa: E402
 
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 from kvbackend.tools.llama_runner import LlamaRunner  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def table(prof, device: str, rows: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--caches", default=f"rtn:bits=2,group=64|{RECOMMENDED_SPEC}")
+    parser.add_argument("--caches", default=f"rtn:bits=2,group=64|{RECOMMENDED_PAGE_SPEC}")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=9)
     parser.add_argument("--context", type=int, default=32768)

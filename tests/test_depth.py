@@ -1,6 +1,8 @@
 """`depth:` specs: a base codec with options by relative layer depth, expanded to one codec spec per layer wherever
 a codec spec is taken (the paged cache, transformers, `kvbackend eval`), and refused with a clear error elsewhere."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,21 +132,24 @@ def test_layouts_are_checked_per_layer_before_a_model_loads():
         check_layouts("depth:base=kivi:bits=2;group=16,group=48@0.5-1", geometry, 64)
 
 
-def test_the_quality_spec_is_the_one_measured_and_documented():
-    """`QUALITY_SPEC` expands on SmolLM2's 30 layers to the plan session 27 measured (3-bit keys in layers 6-8 and
-    18, no outliers in layers 0-2, 6-8, 18 and 27-29, 16 elsewhere, 8 Lloyd steps everywhere), and the README gives
-    the same string."""
+def test_the_recommended_spec_is_the_one_measured_and_documented():
+    """`RECOMMENDED_SPEC` (session 27's `QUALITY_SPEC`) expands on SmolLM2's 30 layers to the plan session 27 measured
+    (3-bit keys in layers 6-8 and 18, no outliers in layers 0-2, 6-8, 18 and 27-29, 16 elsewhere, 8 Lloyd steps
+    everywhere) over the recommended page codec, and the README names it on one line."""
     import pathlib
 
-    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_SPEC
+    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC
 
-    specs = layer_specs(QUALITY_SPEC, 30)
+    assert QUALITY_SPEC == RECOMMENDED_SPEC
+    specs = layer_specs(RECOMMENDED_SPEC, 30)
+    page = codecs.parse(RECOMMENDED_PAGE_SPEC)
     for layer, spec in enumerate(specs):
         parsed = codecs.parse(spec)
         assert parsed.iters == 8 and parsed.centroids == 32 and parsed.rank == 4
         assert parsed.kbits == (3 if layer in (6, 7, 8, 18) else 0), layer  # 0: the base's 2 bits
         assert parsed.outliers == (0 if layer in (0, 1, 2, 6, 7, 8, 18, 27, 28, 29) else 16), layer
-        assert codecs.get(spec).levers == codecs.get(RECOMMENDED_SPEC).levers
+        assert dataclasses.replace(parsed, iters=page.iters, kbits=page.kbits, outliers=page.outliers) == page, layer
+        assert codecs.get(spec).levers == codecs.get(RECOMMENDED_PAGE_SPEC).levers
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     if readme.exists():  # a source checkout (an installed wheel has no README beside its tests)
-        assert f"`{QUALITY_SPEC}`" in readme.read_text()
+        assert f"\nThe recommended spec is `{RECOMMENDED_SPEC}`.\n" in readme.read_text()

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from kvbackend.integration.transformers import KVBackendCache  # noqa: E402
+from kvbackend.depth import layer_specs  # noqa: E402
 from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write one sentence about the sea. The waves of the ocean are",
@@ -468,8 +469,9 @@ def test_levers_go_into_every_layer_spec(model_and_tokenizer):
     assert KVBackendCache(model.config, codec="identity", sink=3).layer_specs[0] == "identity:sink=3"
     assert KVBackendCache(model.config, codec="fp8").layer_specs[0] == "fp8"
     assert KVBackendCache(model.config, codec="fp8").rotary is None  # no lever needs RoPE
-    default = KVBackendCache(model.config)  # the recommended spec, pre-RoPE keys included
-    assert default.layer_specs == [RECOMMENDED_SPEC] * layers and default.rotary is not None
+    default = KVBackendCache(model.config)  # the recommended spec (a depth: spec), pre-RoPE keys included
+    assert default.layer_specs == layer_specs(RECOMMENDED_SPEC, layers) and default.rotary is not None
+    assert len(set(default.layer_specs)) == 3 and all("prerope=true" in spec for spec in default.layer_specs)
     plan = [f"kivi:bits=2,prerope={i % 2 == 0}" for i in range(layers)]
     assert KVBackendCache.from_plan(model.config, plan).layer_specs == plan
     with pytest.raises(SpecError, match="exceeds the page size"):

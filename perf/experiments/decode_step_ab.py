@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_memory as bm  # noqa: E402
 
 from kvbackend.kernels import mma_decode  # noqa: E402
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 from kvbackend.tools.models import cache_argument  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main():
     total = args.tokens + args.steps + 2
 
     def recipe():
-        return KVBackendCache(config, codec=RECOMMENDED_SPEC, chunk_pages=32, max_tokens=total, dense_tokens=2048)
+        return KVBackendCache(config, codec=RECOMMENDED_PAGE_SPEC, chunk_pages=32, max_tokens=total, dense_tokens=2048)
 
     rows = [bm.run_one(model, "DynamicCache", lambda: DynamicCache(config=config), ids, args.steps, "cuda")]
     rows.append(bm.run_one(model, "recipe, default grid", recipe, ids, args.steps, "cuda"))
@@ -54,7 +54,7 @@ def main():
         print(f"{row['cache']:28s} {row['decode_ms_per_step']:7.1f} ms/step (median {row['decode_ms_median']:.1f})",
               flush=True)
     # one profiled step of the recipe after a short prefill (4096 tokens): where a step's time goes
-    cache = KVBackendCache(config, codec=RECOMMENDED_SPEC, chunk_pages=32, max_tokens=total, dense_tokens=2048)
+    cache = KVBackendCache(config, codec=RECOMMENDED_PAGE_SPEC, chunk_pages=32, max_tokens=total, dense_tokens=2048)
     cache.attach(model)
     with torch.no_grad():
         out = cache.prefill(model, ids[:, :4096], logits_to_keep=1)

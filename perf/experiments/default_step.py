@@ -1,4 +1,5 @@
-"""The recommended spec against the quality-first depth spec (`kvbackend.spec.QUALITY_SPEC`) over a 32-layer model
+"""The recommended page codec (`kvbackend.spec.RECOMMENDED_PAGE_SPEC`, one spec for every layer) against the
+recommended depth spec built on it (`RECOMMENDED_SPEC`, session 27's `QUALITY_SPEC`) over a 32-layer model
 of Llama-8B geometry on the GPU: one decode step at B=8, L=32K (each layer's spec through `paged_decode`'s default
 kernel, CUDA graphs, summed over the layers) and one warm 2048-token chunk completion (the layers grouped by spec as
 `KVCache` groups them, each group one `Codec.encode_units` pass with the kernels' encode), beside SDPA BF16.
@@ -22,7 +23,7 @@ from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.kernels.unit_encoder import encode_units, supports as encoder_supports  # noqa: E402
 from kvbackend.psac import query_second_moment  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
-from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC  # noqa: E402
 
 LAYERS, HQ, HEADS, DIM, PAGE, BATCH, LENGTH, CHUNK = 32, 32, 8, 128, 64, 8, 32768, 2048
 
@@ -70,7 +71,7 @@ def main(out: str) -> None:
     result = {"sdpa_graph_us_per_layer": sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3}
     print(f"SDPA BF16 (graphs) per layer {result['sdpa_graph_us_per_layer']:.1f} us", flush=True)
     timed = {}
-    for name, spec in (("recommended", RECOMMENDED_SPEC), ("quality", QUALITY_SPEC)):
+    for name, spec in (("recommended", RECOMMENDED_PAGE_SPEC), ("quality", RECOMMENDED_SPEC)):
         specs = layer_specs(spec, LAYERS)
         counts = collections.Counter(specs)
         step, layers = 0.0, []

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_memory as bm  # noqa: E402
 
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 
 P7 = (Path(__file__).resolve().parents[1] / "results" / "s27" / "p7.spec").read_text().strip()
 
@@ -39,7 +39,7 @@ def main():
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), device="cuda")
     total = args.tokens + args.steps + 2
     rows = [bm.run_one(model, "DynamicCache", lambda: DynamicCache(config=config), ids, args.steps, "cuda")]
-    for name, spec in (("recommended", RECOMMENDED_SPEC), ("depth P7", P7), ("recommended again", RECOMMENDED_SPEC)):
+    for name, spec in (("recommended", RECOMMENDED_PAGE_SPEC), ("depth P7", P7), ("recommended again", RECOMMENDED_PAGE_SPEC)):
         rows.append(bm.run_one(model, name, lambda spec=spec: KVBackendCache(config, codec=spec, chunk_pages=32,
                                                                                max_tokens=total, dense_tokens=2048),
                                ids, args.steps, "cuda"))

@@ -28,7 +28,7 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.rope import Rotary
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 
 
 def captured_call(args, device: str):
@@ -166,7 +166,7 @@ def try_capture(run, eager, reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--spec", default=RECOMMENDED_SPEC)
+    parser.add_argument("--spec", default=RECOMMENDED_PAGE_SPEC)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)

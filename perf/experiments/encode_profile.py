@@ -23,7 +23,7 @@ import torch
 
 from kvbackend import Geometry, codecs
 from kvbackend.codecs.base import CodecState
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 
 HEADS, HEAD_DIM, Q_HEADS = 8, 128, 32
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::masked_select",
@@ -46,7 +46,7 @@ def sync(device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--spec", default=RECOMMENDED_SPEC)
+    parser.add_argument("--spec", default=RECOMMENDED_PAGE_SPEC)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()

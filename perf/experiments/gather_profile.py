@@ -16,11 +16,11 @@ import bench_kernels as bk  # noqa: E402
 
 from kvbackend.kernels.gather_dequant import gather_dequant  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 
 
 def main() -> None:
-    spec = sys.argv[1] if len(sys.argv) > 1 else RECOMMENDED_SPEC
+    spec = sys.argv[1] if len(sys.argv) > 1 else RECOMMENDED_PAGE_SPEC
     batch, length, hq, heads, dim, p = 8, 32768, 32, 8, 128, 64
     rotary = Rotary.default(dim, 500000.0)
     case = bk.lever_case(spec, batch, length, hq, heads, dim, p, rotary)

@@ -11,7 +11,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench_kernels import RECOMMENDED_SPEC, _with, graph_time, lever_case, sdpa_time  # noqa: E402
+from bench_kernels import RECOMMENDED_PAGE_SPEC, _with, graph_time, lever_case, sdpa_time  # noqa: E402
 from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
 
@@ -20,8 +20,8 @@ def main(out):
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     rotary = Rotary.default(dim, 500000.0)
     rows = {"sdpa_graph_us": sdpa_time(batch, hq, heads, length, dim, 2, graphs=True) * 1e3}
-    for name, spec in (("recipe", RECOMMENDED_SPEC), ("recipe, 3-bit keys", _with(RECOMMENDED_SPEC, kbits=3, outliers=0)),
-                       ("recipe, 3-bit keys and outliers", _with(RECOMMENDED_SPEC, kbits=3))):
+    for name, spec in (("recipe", RECOMMENDED_PAGE_SPEC), ("recipe, 3-bit keys", _with(RECOMMENDED_PAGE_SPEC, kbits=3, outliers=0)),
+                       ("recipe, 3-bit keys and outliers", _with(RECOMMENDED_PAGE_SPEC, kbits=3))):
         case = lever_case(spec, batch, length, hq, heads, dim, p, rotary)
         for label, kw in (("default", {}), ("no tensor-core kernel", {"mma": False})):
             def call(j, kw=kw):

@@ -21,7 +21,7 @@ from kvbackend.codecs.kmeans import KMeansResult  # noqa: E402
 from kvbackend.kernels import unit_encoder  # noqa: E402
 from kvbackend.kernels.kmeans import kmeans  # noqa: E402
 from kvbackend.psac import query_second_moment  # noqa: E402
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 
 
 @dataclass
@@ -63,7 +63,7 @@ def graphed(x, init, iters, early_stop=True):
 def recipe_case(heads: int = 8, dim: int = 128, p: int = 64, layers: int = 32, n: int = 2048):
     """The recommended spec's warm chunk of ``layers`` layers on CUDA, as `bench_kernels`'s encode rows make it:
     (codec, layout, keys, a call of `Codec.encode_units` through the kernels' encoder)."""
-    codec = codecs.get(RECOMMENDED_SPEC)
+    codec = codecs.get(RECOMMENDED_PAGE_SPEC)
     layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), p)
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(layers, n, heads, dim, device="cuda", generator=gen)

@@ -26,7 +26,7 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.rope import Rotary
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC
 
 
 def run(batched: bool, args, device: str) -> dict:
@@ -83,7 +83,7 @@ def run(batched: bool, args, device: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--spec", default=RECOMMENDED_SPEC)
+    parser.add_argument("--spec", default=RECOMMENDED_PAGE_SPEC)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run)")

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_serving import Shape, llama, make_cache, prefill_all, release, sync, warm_up  # noqa: E402
 
-from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import RECOMMENDED_PAGE_SPEC  # noqa: E402
 from kvbackend.tools.llama_runner import LlamaRunner  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--caches", default="identity|" + RECOMMENDED_SPEC)
+    parser.add_argument("--caches", default="identity|" + RECOMMENDED_PAGE_SPEC)
     parser.add_argument("--lines", type=int, default=40)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
