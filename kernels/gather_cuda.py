@@ -89,7 +89,7 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
         return False
     if x.mode == FLOAT:
         return x.codes % 16 == 0
-    if x.bits not in (2, 4, 8) or x.codes % 8 or x.scales % 16 or (not x.symmetric and x.zeros % 16):
+    if x.bits not in (2, 3, 4, 8) or x.codes % 8 or x.scales % 16 or (not x.symmetric and x.zeros % 16):
         return False
     if x.mode == TOKEN_GROUPS:  # a run of 8 channels lies in one group
         return x.group % 8 == 0 and head_dim % x.group == 0

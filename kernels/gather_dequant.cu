@@ -1,4 +1,4 @@
-// Gather-dequant: packed pages (per-token or per-channel groups of 2/4/8-bit codes with fp8/fp16/bf16 scales and
+// Gather-dequant: packed pages (per-token or per-channel groups of 2/3/4/8-bit codes with fp8/fp16/bf16 scales and
 // zeros, centroid stages, and the recipe's levers) or plain float pages, and dense pages -> contiguous K/V rows.
 //
 // One CTA per work page of the plan, all KV heads. The output rows of a page's tokens are one contiguous run of
@@ -178,9 +178,13 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {  // a at the lower
   return *reinterpret_cast<const uint32_t*>(&x);
 }
 
-// Codes of a run of 8 elements: 8 * BITS bits in element order, each byte's first code in its top bits.
+// Codes of a run of 8 elements: 8 * BITS bits in element order, each byte's first code in its top bits (3 bits:
+// the run's 3 bytes as one 24-bit number, the first code in its top bits).
 template <int BITS>
 __device__ __forceinline__ uint2 load_codes(const uint8_t* p) {
+  if (BITS == 3)
+    return make_uint2((static_cast<uint32_t>(__ldg(p)) << 16) | (static_cast<uint32_t>(__ldg(p + 1)) << 8) | __ldg(p + 2),
+                      0u);
   if (BITS == 2) return make_uint2(__ldg(reinterpret_cast<const unsigned short*>(p)), 0u);
   if (BITS == 4) return make_uint2(__ldg(reinterpret_cast<const uint32_t*>(p)), 0u);
   return __ldg(reinterpret_cast<const uint2*>(p));
@@ -188,6 +192,7 @@ __device__ __forceinline__ uint2 load_codes(const uint8_t* p) {
 
 template <int BITS>
 __device__ __forceinline__ float code_at(const uint2& w, int j) {
+  if (BITS == 3) return __uint_as_float(0x4B000000u | ((w.x >> (21 - 3 * j)) & 7u)) - 8388608.0f;
   constexpr int PER_BYTE = 8 / BITS;
   const int byte = j / PER_BYTE;
   const uint32_t word = byte < 4 ? w.x : w.y;

@@ -28,6 +28,8 @@ CASES = [  # (codec, head_dim, page_size, lengths, heads): lengths end mid-page 
     ("kivi:bits=2,group=16", 64, 16, [70, 5, 40], 2),
     ("kivi:bits=4,group=32", 128, 64, [150], 3),
     ("kivi:bits=2,group=64", 128, 64, [257, 64], 8),
+    ("kivi:bits=3,group=32", 64, 32, [90, 7], 2),  # 3-bit codes, 8 in 3 bytes: byte loads
+    ("rtn:bits=3,group=32,symmetric=true,scale=fp16", 128, 16, [37, 20], 3),
     ("fp8", 64, 16, [50], 2),
     ("identity", 128, 16, [40, 3], 2),
     ("qvg", 64, 16, [45, 70], 2),  # centroid stages: bf16 centroids for K and V
@@ -106,7 +108,7 @@ def test_auto_falls_back_to_triton_when_the_cuda_kernel_cannot_load(monkeypatch)
 
 @pytest.mark.skipif(mma_decode.nvcc() is None, reason="nvcc not installed")
 def test_source_compiles_for_each_storage_mode(tmp_path, monkeypatch):
-    """Per-token and per-channel groups, symmetric and not, 2/4/8 bits, fp8/fp16/bf16 scales, float pages, both
+    """Per-token and per-channel groups, symmetric and not, 2/3/4/8 bits, fp8/fp16/bf16 scales, float pages, both
     output dtypes: each variant compiles (and a second ask comes from the disk cache)."""
     monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
     seen = set()
