@@ -38,7 +38,8 @@ class TensorScheme:
     centroid_scales: int = NONE  # offset of fp16 scales [S, H] of fp8 centroids (NONE: bf16 centroids)
 
     def supported_by_kernels(self) -> bool:
-        return self.mode == FLOAT or self.bits in (2, 3, 4, 8)  # 3 bits: the Triton decode and gather kernels
+        return self.mode == FLOAT or self.bits in (2, 3, 4, 8)  # 3 bits: the plain Triton kernels, the encode kernels,
+        # the CUDA gather and (pre-RoPE keys) the tensor-core decode kernel; each kernel's own `supports` decides
 
 
 def kind_of(dtype: torch.dtype) -> int:

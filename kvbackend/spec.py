@@ -33,8 +33,8 @@ _BOUND = "kvbackend.bound"  # dataclass field metadata key of an option's valid 
 # KL 0.033 / 0.026 / 0.051 against 0.050 / 0.035 / 0.084 on the tuned texts (eval18), 0.036 / 0.054 / 0.037 against
 # 0.045 / 0.094 / 0.050 on held-out ones (eval23), 0.026 / 0.057 / 0.062 against 0.048 / 0.072 / 0.082 at a
 # 6144-token prefix (eval20). Page-relative keys (`pagerope=true`) decode faster but lose 8-62% in KL at 6144 tokens
-# (eval15, eval26). What takes a single page codec uses it: `kvbackend.codecs.get`, the SGLang and vLLM adapters'
-# examples, the kernel benchmarks; the base of `RECOMMENDED_SPEC`.
+# (eval15, eval26). What takes a single page codec uses it (`kvbackend.codecs.get`, the kernel benchmarks; the SGLang
+# and vLLM adapters refuse its sink, prerope and rank levers); the base of `RECOMMENDED_SPEC`.
 RECOMMENDED_PAGE_SPEC = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,"
                          "vrot=hadamard,prerope=true,cdtype=fp8,outliers=16")
 
