@@ -222,7 +222,9 @@ class KVBackendStorage(HiCacheStorage):
             out = None
             if self.frame.levers.active and k.device.type == "cpu":  # the stored frame's float32 into reused buffers
                 out = tuple(self._reused(f"stored{i}", tuple(x.shape), torch.float32) for i, x in enumerate((k, v)))
-            stored = self.frame.to_stored(k, v, 0, out) if self.frame.levers.active else (k, v)  # no copy without levers
+            # keys without a RoPE lever stay bf16 for codecs that read it (their fused loops: the same bytes)
+            as_given = self.codec.any_float_input and k.device.type == "cpu"
+            stored = self.frame.to_stored(k, v, 0, out, as_given) if self.frame.levers.active else (k, v)
             if carries:  # units: one layer of one page each, page-major as `_encode` lays them out
                 units = [x.view(n * g.num_layers, self.page_size, g.num_kv_heads, g.head_dim) for x in stored]
                 packed, books = self.codec.encode_units(*units, lay)

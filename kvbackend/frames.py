@@ -96,15 +96,19 @@ class LeverFrame:
         return rope_positions(self.levers, torch.arange(first, first + n, device=device), self.page_size)
 
     def to_stored(self, k: torch.Tensor, v: torch.Tensor, first: int,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  keys_as_given: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[T, H, D]`` of positions ``first..`` into the stored frame (float32). Leading dims
         are batches of the same positions (``[L, T, H, D]``: one chunk of several layers with these levers):
         every element as `to_stored` of its own ``[T, H, D]`` gives it, bit for bit. ``out``: float32 buffers of
         ``k``'s and ``v``'s shapes (not overlapping them) the results may be written into, so that a caller that
-        reuses them across batches touches no fresh memory; the results are the same bits either way."""
-        if out is not None and not self.levers.rope and k.dtype != torch.float32:
-            k = out[0].copy_(k)  # the float32 widening into the caller's buffer (RoPE's turn makes its own)
-        k = k.float()
+        reuses them across batches touches no fresh memory; the results are the same bits either way.
+        ``keys_as_given``: without a RoPE lever the keys are returned as given, not widened (for a codec whose
+        field writers read bf16 themselves, `Codec.any_float_input`: the same values, so the same bytes)."""
+        if self.levers.rope or not keys_as_given:
+            if out is not None and not self.levers.rope and k.dtype != torch.float32:
+                k = out[0].copy_(k)  # the float32 widening into the caller's buffer (RoPE's turn makes its own)
+            k = k.float()
         if self.levers.rope:
             t = k.shape[-3]
             k = self.rotary.derotate(k.transpose(-3, -2), self._positions(first, t, k.device)).transpose(-3, -2)

@@ -357,6 +357,29 @@ def test_the_stored_frame_into_callers_buffers_gives_the_same_bits(levers):
             fastquant.hadamard_rows(v.reshape(-1, 64), torch.tensor(0.125), torch.empty(3, 64))
 
 
+@pytest.mark.parametrize("levers", ["vrot=hadamard", "sink=2,vrot=hadamard", "prerope=true,vrot=hadamard"])
+@pytest.mark.parametrize("spec", ["kivi:bits=2,group=16,kbits=4", "rtn:bits=2,group=32"])
+def test_keys_as_given_encode_to_the_same_bytes(levers, spec):
+    """`to_stored(..., keys_as_given=True)` leaves keys without a RoPE lever as given (bf16, no float32 copy) for
+    codecs that read bf16 themselves (`any_float_input`); the pages are the bytes of the widened keys'. With
+    pre-RoPE keys the rotation needs float32 and the flag changes nothing."""
+    from kvbackend import codecs
+    from kvbackend.frames import LeverFrame
+
+    codec = codecs.get(f"{spec},{levers}")
+    assert codec.any_float_input
+    layout = codec.layout(Geometry(1, 2, 64, torch.bfloat16), 16)
+    frame = LeverFrame(codec.levers, ROTARY, 16)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(1024, 2, 64, generator=gen).bfloat16() for _ in range(2))  # 131072 values: the fused loops
+    k[5, 1, 7] = 300.0  # a loud key channel: its group's step
+    widened, given = frame.to_stored(k, v, 0), frame.to_stored(k, v, 0, keys_as_given=True)
+    assert widened[0].dtype == torch.float32
+    assert given[0].dtype == (torch.float32 if codec.levers.rope else torch.bfloat16)
+    assert torch.equal(given[0].float(), widened[0]) and torch.equal(given[1], widened[1])
+    assert torch.equal(codec.encode(*given, layout).pages, codec.encode(*widened, layout).pages)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_value_rotation_gives_the_same_bits_on_the_gpu():
     v = torch.randn(5000, 128)
