@@ -1,5 +1,0 @@
-# Session 28's gpu-test (a copy of session 27's): `make gpu-test` on the commit named by $1 (8 test workers, bench_memory left out) under a
-# limit that leaves the device call room; gpu_rest.sh runs what the limit cut, on the same tree.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_vllm .whl_vllm/*.whl || exit
-export PYTHONPATH=.sglang_min:.vllm_min:/tmp/site:/tmp/site_vllm VLLM_CONFIGURE_LOGGING=0 PYTHONUNBUFFERED=1 GPU_TEST_WORKERS=8 GPU_TEST_MEMORY=0
-timeout ${LIMIT:-560} make gpu-test COMMIT=$1 GPU_LOG=$OUT/gpu-test.log
