@@ -176,7 +176,9 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001 - reported, not hidden
         quantized = f"not measured: {type(error).__name__}: {str(error)[:200]}"
     for entry in args.codecs.split("|"):
-        spec, _, pages = entry.partition("@")
+        spec, sep, pages = entry.rpartition("@")  # a depth: spec's bands hold "@" too: only a trailing integer counts
+        if not sep or not pages.isdigit():
+            spec, pages = entry, ""
         pages = int(pages or 32)
         # the dense pool holds one chunk per row: `prefill` packs each chunk before the next is read
         caches.append((f"KVBackendCache({spec}, chunk {pages * 64})",
