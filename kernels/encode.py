@@ -19,7 +19,7 @@ from kvbackend.scheme import FLOAT, TensorScheme
 
 from kvbackend.kernels.dequant import pool_views
 
-BITS = (2, 3, 4, 8)  # code widths the kernel packs (3: 8 codes in 3 bytes, the first in the top bits)
+PACKED_WIDTHS = (2, 3, 4, 8)  # code widths the kernel packs (3: 8 codes in 3 bytes, the first in the top bits)
 
 
 @triton.jit
@@ -234,7 +234,7 @@ def encode_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor
         assign: int32 [S, N, H] centroid ids per stage (when the scheme has stages).
         centroids: bf16 [S, H, C, D], exactly as stored in the codebook.
     """
-    if scheme.mode == FLOAT or scheme.bits not in BITS:
+    if scheme.mode == FLOAT or scheme.bits not in PACKED_WIDTHS:
         raise ValueError(f"encode kernel handles 2/3/4/8-bit group schemes, not {scheme}")
     n, h, d = x.shape
     p = n // page_ids.numel()
@@ -267,7 +267,7 @@ def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.
     The bytes are the reference's for the same assignments, except where float32 sums in another order (the
     clipped steps' means and variances) round a stored scale or zero to a neighbouring value.
     """
-    if scheme.mode == FLOAT or scheme.bits not in BITS:
+    if scheme.mode == FLOAT or scheme.bits not in PACKED_WIDTHS:
         raise ValueError(f"encode kernel handles 2/3/4/8-bit group schemes, not {scheme}")
     n, h, d = x.shape
     count = pages.shape[0]

@@ -27,7 +27,7 @@ from kvbackend.errors import UnsupportedLayout
 from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
 
-from kvbackend.kernels.encode import BITS, encode_units_into_pages
+from kvbackend.kernels.encode import PACKED_WIDTHS, encode_units_into_pages
 from kvbackend.kernels.kmeans import kmeans
 
 
@@ -44,7 +44,7 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
         schemes = kernel_schemes(codec, layout, levers_read=True)
     except UnsupportedLayout:
         return False
-    return all(scheme.mode != FLOAT and scheme.bits in BITS for scheme in schemes)
+    return all(scheme.mode != FLOAT and scheme.bits in PACKED_WIDTHS for scheme in schemes)
 
 
 def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
