@@ -54,11 +54,14 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, codec, layout: PageLayout) -> None:
+    def __init__(self, codec, layout: PageLayout, unit_encoder=None) -> None:
+        """``unit_encoder``: the one-pass encoder of `encode_units` (a `kvbackend.kernels.encode_graph.
+        GraphedEncoder` a cache shares between its layers' backends); None: the kernels' eager one."""
         from kvbackend.scheme import kernel_schemes, lever_scheme
 
         self.schemes = kernel_schemes(codec, layout, levers_read=True)
         self.levers = lever_scheme(codec, layout)
+        self.unit_encoder = unit_encoder
 
     def encode_chunk(self, codec, layout: PageLayout, k, v, state: CodecState, pages, page_ids, codebook) -> None:
         if not codec.kernel_encodes:  # an option the encode kernel does not implement: the reference encodes
@@ -69,10 +72,13 @@ class TritonBackend:
         encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
 
     def encode_units(self, codec, layout: PageLayout, k, v, states) -> tuple[torch.Tensor, torch.Tensor]:
-        """`Codec.encode_units` with the kernels' one-pass encode first (QVG-family codecs: the recommended spec)."""
-        from kvbackend.kernels.unit_encoder import encode_units
+        """`Codec.encode_units` with the kernels' one-pass encode first (QVG-family codecs: the recommended spec),
+        warm passes replayed from CUDA graphs where the backend was given a `GraphedEncoder`."""
+        encoder = self.unit_encoder
+        if encoder is None:
+            from kvbackend.kernels.unit_encoder import encode_units as encoder
 
-        return codec.encode_units(k, v, layout, states, encoder=encode_units)
+        return codec.encode_units(k, v, layout, states, encoder=encoder)
 
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         from kvbackend.kernels.gather_dequant import gather_dequant
@@ -105,8 +111,9 @@ def kernels_can_serve(codec, layout: PageLayout) -> bool:
     return all(s.supported_by_kernels() for s in schemes)
 
 
-def choose(name: str, device: torch.device, codec, layout: PageLayout):
-    """The backend called ``name`` ("auto", "torch" or "triton") for pools on ``device``.
+def choose(name: str, device: torch.device, codec, layout: PageLayout, unit_encoder=None):
+    """The backend called ``name`` ("auto", "torch" or "triton") for pools on ``device``; ``unit_encoder`` goes to
+    a Triton backend (`TritonBackend`).
 
     Raises:
         SpecError: an unknown name, or "triton" where Triton is missing or cannot read the layout.
@@ -126,4 +133,4 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout):
     if not kernels_can_serve(codec, layout):
         raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
                         f"{layout.page_size} and head_dim {layout.geometry.head_dim}: use backend='auto' or 'torch'")
-    return TritonBackend(codec, layout)
+    return TritonBackend(codec, layout, unit_encoder)

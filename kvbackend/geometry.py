@@ -53,6 +53,9 @@ class CacheConfig:
     device: str = "cpu"
     backend: str = "auto"  # "auto" (Triton kernels on CUDA when they read the layout), "torch" or "triton"
     check_finite: bool = True  # reject NaN/Inf in appended K/V (one device sync per append)
+    # CUDA with the Triton backend: warm chunk encodes replayed from CUDA graphs (one memory pool per cache, about
+    # one eager encode pass of its largest layer group); False: every encode eager (vLLM's enforce_eager)
+    encode_graphs: bool = True
     extra_keys: tuple = field(default_factory=tuple)  # mixed into every page hash (LoRA id, salt, ...)
 
     def __post_init__(self) -> None:
@@ -70,8 +73,9 @@ class CacheConfig:
         if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots <= 0):
             raise ValueError(f"CacheConfig.codebook_slots must be None (one per possible chunk) or a positive int, "
                              f"got {slots!r}")
-        if not isinstance(self.check_finite, bool):
-            raise ValueError(f"CacheConfig.check_finite must be True or False, got {self.check_finite!r}")
+        for name in ("check_finite", "encode_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CacheConfig.{name} must be True or False, got {getattr(self, name)!r}")
         try:
             check_device(self.device)
         except ValueError as exc:

@@ -35,6 +35,12 @@ def build_layers(geometry: Geometry, config: CacheConfig) -> tuple[list, list[Pa
     if len(specs) != geometry.num_layers:
         raise SpecError(f"layer_codecs has {len(specs)} specs for {geometry.num_layers} layers")
     built: dict[str, tuple] = {}  # spec -> (codec, layout, backend), shared by layers of one spec
+    device = torch.device(config.device)
+    graphs = None  # warm chunk encodes replayed from CUDA graphs, one memory pool for all the layers' graphs
+    if config.encode_graphs and device.type == "cuda":
+        from kvbackend.kernels.encode_graph import GraphedEncoder
+
+        graphs = GraphedEncoder()
     for spec in specs:
         if spec in built:
             continue
@@ -43,8 +49,7 @@ def build_layers(geometry: Geometry, config: CacheConfig) -> tuple[list, list[Pa
                             "kvbackend.tools.auto.plan_widths); pass its per-layer specs as CacheConfig(layer_codecs=...)")
         codec = codecs.get(spec)
         layout = lever_layout(codec.layout(geometry, config.page_size), codec.levers)
-        built[spec] = (codec, layout, backends.choose(config.backend, torch.device(config.device),
-                                                      codec, layout))
+        built[spec] = (codec, layout, backends.choose(config.backend, device, codec, layout, graphs))
     return ([built[spec][0] for spec in specs], [built[spec][1] for spec in specs],
             [built[spec][2] for spec in specs])
 

@@ -1,0 +1,161 @@
+"""Warm chunk encodes replayed from CUDA graphs.
+
+A warm one-pass encode (`kvbackend.kernels.unit_encoder.encode_units`: k-means from the last chunk's centroids,
+the encode kernels, QuantWM's outliers and PSAC rows) launches 300-400 small kernels, and on the H200 the host
+takes 2-4x longer to launch them than the device takes to run them (`perf/NOTES.md`, session 29). A chunk of the
+same layers, shape, codec and layout comes back every `chunk_tokens` tokens with the same kinds of state, so
+`GraphedEncoder` captures the pass once and replays it:
+
+- the first warm pass of a key runs eagerly (it compiles and loads every kernel, which a capture must not do);
+- the second is captured into a CUDA graph over static buffers (K, V, each chunk's warm centroids and query
+  moment in; pages, codebooks and the new centroids out), then replayed; later ones copy their inputs in, replay
+  and copy the outputs out, so no output ever aliases graph memory;
+- the static pages and codebooks are zeroed inside the graph before the encode writes them: no byte of an earlier
+  chunk can survive into a later one, whatever the encode writes;
+- cold passes (no centroids yet), CPU tensors and passes inside another capture are the eager encoder's.
+
+Inside a capture nothing may read the device, so two steps differ from an eager pass (`kvbackend.psac`): the PSAC
+basis comes from a short subspace iteration on the Ritz matrix instead of eigh (at least 99.99% of the exact
+subspace's query energy), and a moment whose factorization fails keeps unit directions instead of the host's
+LAPACK fallback. k-means runs every step on CUDA either way. The bytes therefore match an eager pass except the
+PSAC basis and the rows made from it.
+
+The graphs of one `GraphedEncoder` share one memory pool, which stays reserved while the encoder lives: about the
+peak of one eager pass of its largest key (`reserved_bytes`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvbackend.codecs.base import CodecState
+from kvbackend.layout import PageLayout
+
+from kvbackend.kernels import unit_encoder
+
+UnitEncoder = Callable[..., bool]
+
+
+@dataclass
+class _Captured:
+    """One captured pass and its static buffers."""
+
+    graph: torch.cuda.CUDAGraph
+    k: torch.Tensor
+    v: torch.Tensor
+    pages: torch.Tensor
+    codebooks: torch.Tensor
+    centroids_in: list[dict[str, torch.Tensor]]
+    moments_in: list[torch.Tensor | None]
+    centroids_out: list[dict[str, torch.Tensor]]
+    iterations: list[list[int]]  # what the pass appends to each state's `iterations`
+
+
+@dataclass
+class GraphedEncoder:
+    """A `Codec.encode_units` encoder (the ``encoder=`` contract: fill ``pages`` and ``codebooks`` and update
+    ``states``, or return False before writing anything) that replays warm passes from CUDA graphs.
+
+    ``encoder``: the eager one-pass encoder (None: `kvbackend.kernels.unit_encoder.encode_units`, looked up at each
+    call). ``max_graphs``: keys (codec, layout, shapes, dtypes, device, state kinds) captured at most; passes of
+    further keys run eagerly."""
+
+    encoder: UnitEncoder | None = None
+    max_graphs: int = 16
+    reserved_bytes: int = 0  # what the captures added to the device's reserved memory
+    replays: int = 0
+    _graphs: dict = field(default_factory=dict, repr=False)
+    _seen: set = field(default_factory=set, repr=False)
+    _failed: set = field(default_factory=set, repr=False)
+    _pool: object = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __call__(self, codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
+                 codebooks: torch.Tensor, states: Sequence[CodecState] | None = None) -> bool:
+        eager = self.encoder or unit_encoder.encode_units
+        key = self._key(codec, k, v, layout, pages, codebooks, states)
+        if key is None or not unit_encoder.supports(codec, layout, states):
+            return eager(codec, k, v, layout, pages, codebooks, states)
+        with self._lock:  # one capture or replay at a time: the static buffers are shared
+            captured = self._graphs.get(key)
+            if captured is None:
+                if key not in self._seen or key in self._failed or len(self._graphs) >= self.max_graphs:
+                    self._seen.add(key)
+                    return eager(codec, k, v, layout, pages, codebooks, states)
+                captured = self._capture(key, eager, codec, k, v, layout, pages, codebooks, states)
+                if captured is None:
+                    return eager(codec, k, v, layout, pages, codebooks, states)
+            self._replay(captured, k, v, pages, codebooks, states)
+            return True
+
+    @staticmethod
+    def _key(codec, k, v, layout, pages, codebooks, states) -> tuple | None:
+        """What a captured pass is specific to, or None where a pass is never captured."""
+        if states is None or not k.is_cuda or torch.cuda.is_current_stream_capturing():
+            return None
+        if not states[0].centroids:  # cold chunks: k-means++ seeds from the host's generator
+            return None
+        kinds = set()
+        for st in states:
+            moment = st.query_moment
+            if (moment is not None and not moment.is_cuda) or not all(t.is_cuda for t in st.centroids.values()):
+                return None
+            kinds.add((tuple((p, tuple(t.shape), t.dtype, t.device) for p, t in sorted(st.centroids.items())),
+                       None if moment is None else (tuple(moment.shape), moment.dtype)))
+        if len(kinds) != 1:
+            return None
+        return (codec.spec_string, layout.fingerprint, tuple(k.shape), k.dtype, tuple(v.shape), v.dtype,
+                tuple(pages.shape), tuple(codebooks.shape), k.device, len(states), kinds.pop())
+
+    def _capture(self, key, eager, codec, k, v, layout, pages, codebooks, states) -> _Captured | None:
+        static = [CodecState({p: t.clone() for p, t in st.centroids.items()}, [],
+                             None if st.query_moment is None else st.query_moment.clone()) for st in states]
+        centroids_in = [dict(st.centroids) for st in static]
+        moments_in = [st.query_moment for st in static]
+        sk, sv = k.clone(), v.clone()
+        spages, sbooks = torch.empty_like(pages), torch.empty_like(codebooks)
+        torch.cuda.synchronize(k.device)
+        before = torch.cuda.memory_reserved(k.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread-local: another thread's CUDA work (a tier's copies) neither breaks nor joins the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                spages.zero_()
+                sbooks.zero_()
+                ok = eager(codec, sk, sv, layout, spages, sbooks, static)
+        except Exception as exc:  # an operation that cannot be captured: this key runs eagerly from now on
+            self._failed.add(key)
+            warnings.warn(f"kvbackend: a warm chunk encode could not be captured in a CUDA graph ({exc}); "
+                          "it runs eagerly", RuntimeWarning, stacklevel=3)
+            return None
+        if not ok:
+            self._failed.add(key)
+            return None
+        self._pool = graph.pool() if self._pool is None else self._pool
+        self.reserved_bytes += torch.cuda.memory_reserved(k.device) - before
+        captured = _Captured(graph, sk, sv, spages, sbooks, centroids_in, moments_in,
+                             [dict(st.centroids) for st in static], [list(st.iterations) for st in static])
+        self._graphs[key] = captured
+        return captured
+
+    def _replay(self, c: _Captured, k, v, pages, codebooks, states) -> None:
+        c.k.copy_(k)
+        c.v.copy_(v)
+        for st, cents, moment in zip(states, c.centroids_in, c.moments_in):
+            for prefix, buffer in cents.items():
+                buffer.copy_(st.centroids[prefix])
+            if moment is not None:
+                moment.copy_(st.query_moment)
+        c.graph.replay()
+        self.replays += 1
+        pages.copy_(c.pages)
+        codebooks.copy_(c.codebooks)
+        for st, cents, steps in zip(states, c.centroids_out, c.iterations):
+            for prefix, out in cents.items():
+                st.centroids[prefix] = out.clone()
+            st.iterations.extend(steps)
