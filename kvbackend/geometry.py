@@ -53,9 +53,10 @@ class CacheConfig:
     device: str = "cpu"
     backend: str = "auto"  # "auto" (Triton kernels on CUDA when they read the layout), "torch" or "triton"
     check_finite: bool = True  # reject NaN/Inf in appended K/V (one device sync per append)
-    # CUDA with the Triton backend: warm chunk encodes replayed from CUDA graphs (one memory pool per cache, about
-    # one eager encode pass of its largest layer group); False: every encode eager (vLLM's enforce_eager)
-    encode_graphs: bool = True
+    # CUDA with the Triton backend: warm chunk encodes replayed from CUDA graphs (`kvbackend.kernels.encode_graph`).
+    # Off by default: on the H200 a 32-layer Llama-8B chunk encodes 1.2x faster (7.7 -> 6.6 ms) for a memory pool of
+    # 0.6-0.9 GiB that the cache keeps reserved (perf/NOTES.md, session 29)
+    encode_graphs: bool = False
     extra_keys: tuple = field(default_factory=tuple)  # mixed into every page hash (LoRA id, salt, ...)
 
     def __post_init__(self) -> None:
