@@ -15,6 +15,8 @@ minus its reconstruction, not the keys minus theirs), and the PSAC products' flo
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -56,10 +58,64 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
     states = [CodecState() for _ in range(units)] if states is None else list(states)
     if not supports(codec, layout, states):
         return False
+    _encode_parts([Part(codec, layout, pages, codebooks, None)], k, v, states)
+    return True
+
+
+@dataclass
+class Part:
+    """Chunks of one codec and layout within a mixed pass: ``index`` names their units in the pass's K/V and
+    states (None: all of them); ``pages`` [len(index) * n, page_bytes] and ``codebooks`` [len(index), bytes]."""
+
+    codec: object
+    layout: PageLayout
+    pages: torch.Tensor
+    codebooks: torch.Tensor
+    index: list[int] | None
+
+
+def clustering_key(codec) -> tuple | None:
+    """What chunks of different layouts must share to be clustered in one pass (`encode_mixed`): everything of the
+    codec's spec but the key code width and the key outlier count, which only the pages' packing and the outlier
+    fields read (a `depth:` spec's layers differ in those). None for codecs `encode_units` does not encode."""
+    if not isinstance(codec, QVGCodec):
+        return None
+    spec = codec.spec
+    changes = {"kbits": 0}
+    if isinstance(codec, QuantWMCodec):
+        changes["outliers"] = 0
+    return (type(codec).__name__, repr(dataclasses.replace(spec, **changes)))
+
+
+def encode_mixed(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, states: Sequence[CodecState]) -> bool:
+    """One pass over chunks of several codecs that share a `clustering_key` (a `depth:` spec's layers): the
+    k-means, the PSAC bases and the query statistics over all chunks at once, then each part's packing, outliers
+    and PSAC rows, the bytes each part's own `encode_units` writes. K/V ``[U*n*P, H, D]`` as `encode_units` takes
+    them; every unit in exactly one part. Returns False, before writing anything, where a part is not encoded by
+    `encode_units` or the parts do not share one clustering."""
+    states = list(states)
+    units = len(states)
+    seen = sorted(u for part in parts for u in part.index)
+    if seen != list(range(units)):
+        raise ValueError(f"encode_mixed: the parts' units {seen} are not each of the {units} chunks once")
+    keys = {clustering_key(part.codec) for part in parts}
+    if len(keys) != 1 or None in keys:
+        return False
+    if not all(supports(part.codec, part.layout, [states[u] for u in part.index]) for part in parts):
+        return False
+    if not supports(parts[0].codec, parts[0].layout, states):  # the states alike across the parts too
+        return False
+    _encode_parts(parts, k, v, states)
+    return True
+
+
+def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, states: list[CodecState]) -> None:
+    """The pass of `encode_units` (one part, ``index`` None) and `encode_mixed`: clustering and the PSAC bases of
+    all units by the first part's codec, packing, outliers and PSAC rows per part."""
+    codec = parts[0].codec
     s = codec.spec
-    h = k.shape[1]
+    units, h = len(states), k.shape[1]
     n = k.shape[0] // units
-    schemes = dict(zip("kv", kernel_schemes(codec, layout, levers_read=True)))
     quantwm = isinstance(codec, QuantWMCodec)
     moments = codec._stacked_moments(states, k.device) if quantwm else None
     psac = quantwm and bool(s.rank) and moments is not None
@@ -67,24 +123,40 @@ def encode_units(codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pa
     # encode launches it would wait for all of them, and the rest would be launched to an idle GPU
     basis = codec.psac_basis(moments) if psac else None
     generator = torch.Generator().manual_seed(s.seed)
-    error = None
+    index = [None if part.index is None else torch.tensor(part.index, dtype=torch.long, device=k.device)
+             for part in parts]
+    errors: list[torch.Tensor | None] = [None] * len(parts)
     for prefix, x in (("k", k), ("v", v)):
         x = x.float().contiguous()
-        scheme = schemes[prefix]
-        clip = s.clip if prefix == "k" and s.kchannel else s.clip and not s.symmetric
-        extra = {"error": prefix == "k" and quantwm and (bool(s.outliers) or psac)}
-        if codec._clustered(prefix):
+        clustered = codec._clustered(prefix)
+        if clustered:
             every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator)
             for u, st in enumerate(states):
                 st.centroids[prefix] = every[:, u * h : (u + 1) * h].clone()
-            by_unit = every.reshape(s.stages, units, h, *every.shape[2:]).transpose(0, 1)
-            codec._write_centroids(layout, codebooks, prefix, by_unit)
-            extra.update(assign=assign, centroids=every)
-        out = encode_units_into_pages(x, scheme, pages, units, clip=clip, **extra)
-        error = out if prefix == "k" else error
-    if error is not None:
-        _key_fields(codec, layout, pages, codebooks, k, error, moments, units, basis)
-    return True
+        for i, (part, at) in enumerate(zip(parts, index)):
+            ps = part.codec.spec
+            scheme = dict(zip("kv", kernel_schemes(part.codec, part.layout, levers_read=True)))[prefix]
+            clip = ps.clip if prefix == "k" and ps.kchannel else ps.clip and not ps.symmetric
+            extra = {"error": prefix == "k" and quantwm and (bool(ps.outliers) or psac)}
+            xp = x if at is None else x.view(units, n, h, -1)[at].view(-1, h, x.shape[-1])
+            count = units if at is None else len(part.index)
+            if clustered:
+                e = every if at is None else every.view(s.stages, units, h, *every.shape[2:])[:, at].flatten(1, 2)
+                a = assign if at is None else assign.view(s.stages, units, n, h)[:, at].flatten(1, 2)
+                by_unit = e.reshape(s.stages, count, h, *e.shape[2:]).transpose(0, 1)
+                part.codec._write_centroids(part.layout, part.codebooks, prefix, by_unit)
+                extra.update(assign=a, centroids=e)
+            out = encode_units_into_pages(xp, scheme, part.pages, count, clip=clip, **extra)
+            if prefix == "k":
+                errors[i] = out
+    for part, at, error in zip(parts, index, errors):
+        if error is None:
+            continue
+        kp = k if at is None else k.view(units, n, h, -1)[at].view(-1, h, k.shape[-1])
+        mp = moments if at is None or moments is None else moments[at]
+        bp = basis if at is None or basis is None else (basis[0][at], basis[1][at])
+        _key_fields(part.codec, part.layout, part.pages, part.codebooks, kp, error, mp,
+                    units if at is None else len(part.index), bp)
 
 
 def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, basis) -> None:

@@ -80,6 +80,45 @@ class TritonBackend:
 
         return codec.encode_units(k, v, layout, states, encoder=encoder)
 
+    @staticmethod
+    def clustering_key(codec) -> tuple | None:
+        """What layers of other codecs must share with this one to be encoded in one pass (`encode_mixed`), or
+        None (`kvbackend.kernels.unit_encoder.clustering_key`)."""
+        from kvbackend.kernels.unit_encoder import clustering_key
+
+        return clustering_key(codec)
+
+    def encode_mixed(self, parts, k, v, states) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """One chunk of layers of several codecs and layouts that share a `clustering_key` (a ``depth:`` spec's
+        layers) in one pass: ``parts`` [(codec, layout, indices into the layers)], stored K/V ``[L, T, H, D]``,
+        ``states`` one per layer. Returns each part's (pages [len(indices), n, page_bytes], codebooks
+        [len(indices), codebook_bytes]), the bytes its own `encode_units` gives, or None, before anything is
+        written, where the kernels do not encode them together (the caller encodes each part apart).
+
+        Raises:
+            InvalidKV: wrong shapes or dtypes, or non-finite values (nothing is written).
+        """
+        from kvbackend.codecs.base import CPU_UNIT_VALUES, DEVICE_UNIT_VALUES, _check_values, check_kv
+        from kvbackend.kernels import unit_encoder
+
+        codec, layout = parts[0][0], parts[0][1]
+        units, n = k.shape[:2]
+        budget = CPU_UNIT_VALUES if k.device.type == "cpu" else DEVICE_UNIT_VALUES
+        if units * k[0].numel() > budget or not codec.batch_encodes:
+            return None
+        check_kv(k.reshape(units * n, *k.shape[2:]), v.reshape(units * v.shape[1], *v.shape[2:]), layout.geometry)
+        _check_values(k, v)
+        kf, vf, num_pages = codec._padded(k, v, layout.page_size)
+        flat = (units * num_pages * layout.page_size, *k.shape[2:])
+        encoded = [unit_encoder.Part(c, lay, torch.zeros(len(at) * num_pages, lay.page_bytes, dtype=torch.uint8,
+                                                         device=k.device),
+                                     torch.zeros(len(at), lay.codebook_bytes, dtype=torch.uint8, device=k.device),
+                                     list(at))
+                   for c, lay, at in parts]
+        if not unit_encoder.encode_mixed(encoded, kf.reshape(flat), vf.reshape(flat), states):
+            return None
+        return [(part.pages.view(len(part.index), num_pages, -1), part.codebooks) for part in encoded]
+
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         from kvbackend.kernels.gather_dequant import gather_dequant
 

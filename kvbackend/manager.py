@@ -283,11 +283,15 @@ class KVCache:
                                                       table.states[layer], pool.pages[layer], page_ids, book)
                 if frame.levers.sink and first == 0:
                     sinks.append((layer, book, k[: frame.levers.sink], v[: frame.levers.sink]))
-            for members in groups.values():
-                layers = [layer for layer, _, _ in members]
-                ks, vs = self._stored(layers, torch.stack([k for _, k, _ in members]),
-                                      torch.stack([v for _, _, v in members]), first)
-                self._encode_layers(table, layers, ks, vs, page_ids, slot)
+            for batch in self._merged(groups):
+                stored = []
+                for members in batch:
+                    layers = [layer for layer, _, _ in members]
+                    stored.append((layers, *self._stored(layers, torch.stack([k for _, k, _ in members]),
+                                                         torch.stack([v for _, _, v in members]), first)))
+                if len(stored) == 1 or not self._encode_mixed(table, stored, page_ids, slot):
+                    for layers, ks, vs in stored:
+                        self._encode_layers(table, layers, ks, vs, page_ids, slot)
             for layer, book, k, v in sinks:  # the sequence's first tokens, exact, with the chunk (after its codebook)
                 for name, x in zip(SINK_FIELDS, (k, v)):
                     field = self.layouts[layer].codebook.view(book, name)
@@ -317,6 +321,38 @@ class KVCache:
         if not codec.batch_encodes or (backend.name != "torch" and codec.kernel_encodes):
             return None
         return codec.spec_string, self.layouts[layer].fingerprint, backend.name
+
+    def _merged(self, groups: dict) -> list[list]:
+        """The one-pass groups of `_encode_group` batched further where their backend encodes layers of several
+        codecs in one pass (`TritonBackend.encode_mixed`: a ``depth:`` spec's layers, which differ only in key
+        code width and outlier count, share one k-means pass); each batch a list of groups' members."""
+        batches: dict[tuple, list] = {}
+        for key, members in groups.items():
+            layer = members[0][0]
+            backend = self.backends[layer]
+            mix = backend.clustering_key(self.codecs[layer]) if hasattr(backend, "encode_mixed") else None
+            batches.setdefault(key if mix is None else ("mixed", backend.name, mix), []).append(members)
+        return list(batches.values())
+
+    def _encode_mixed(self, table: PageTable, stored: list, page_ids: torch.Tensor, slot: int) -> bool:
+        """Encode the chunk of several groups' layers (``stored``: (layers, K, V) of each, in the stored frame) in
+        one pass of their backend, or return False, before writing anything, where it does not take them."""
+        layers = [layer for group, _, _ in stored for layer in group]
+        parts, at = [], 0
+        for group, _, _ in stored:
+            parts.append((self.codecs[group[0]], self.layouts[group[0]], list(range(at, at + len(group)))))
+            at += len(group)
+        encoded = self.backends[layers[0]].encode_mixed(parts, torch.cat([ks for _, ks, _ in stored]),
+                                                        torch.cat([vs for _, _, vs in stored]),
+                                                        [table.states[layer] for layer in layers])
+        if encoded is None:
+            return False
+        pool, rows = self.packed, page_ids.long()
+        for (group, _, _), (pages, books) in zip(stored, encoded):
+            for i, layer in enumerate(group):
+                pool.pages[layer][rows] = pages[i]
+                pool.codebooks[layer][slot].copy_(books[i])
+        return True
 
     def _stored(self, layers, k: torch.Tensor, v: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's K and V (``[T, H, D]`` of one layer, or ``[L, T, H, D]`` of ``layers``, which share one codec

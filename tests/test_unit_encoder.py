@@ -283,3 +283,117 @@ def test_a_triton_cache_encodes_its_chunks_through_the_kernels(monkeypatch):
                 x, y = x.float().cpu(), y.float().cpu()
                 assert torch.equal(x[:4], y[:4])  # the sinks, as stored (16-bit)
                 assert (x - original).norm() <= 1.02 * (y - original).norm()
+
+
+MIXED = [RECIPE, RECIPE.replace("outliers=16", "outliers=0"), RECIPE.replace("outliers=16", "outliers=0,kbits=3")]
+
+
+@pytest.mark.parametrize("index", [[[0, 2], [1], [3]], [[3], [0, 1, 2]]])
+def test_a_mixed_pass_writes_what_each_part_writes_alone(index):
+    """`encode_mixed` over parts of a depth spec's layer codecs (other outlier counts and key widths), units in any
+    order: each part's pages, codebooks and new centroids are the bytes of its own `encode_units` (cold, then
+    warm with query statistics)."""
+    from kvbackend.kernels.unit_encoder import Part, encode_mixed, encode_units
+
+    specs = MIXED[: len(index)]
+    k, v = _chunks(4, 2 * PAGE + 5)
+    kf, vf = k.float(), v.float()
+    pad = 3 * PAGE - k.shape[1]
+    kf = torch.cat([kf, kf[:, -1:].expand(-1, pad, -1, -1)], 1)
+    vf = torch.cat([vf, vf[:, -1:].expand(-1, pad, -1, -1)], 1)
+    mixed_states = _states(4, queries=True)
+    alone_states = [st.clone() for st in mixed_states]
+    for _ in range(2):  # cold, then warm
+        parts = []
+        for spec, at in zip(specs, index):
+            codec = codecs.get(spec)
+            layout = codec.layout(GEOMETRY, PAGE)
+            parts.append(Part(codec, layout, torch.zeros(len(at) * 3, layout.page_bytes, dtype=torch.uint8, device=DEVICE),
+                              torch.zeros(len(at), layout.codebook_bytes, dtype=torch.uint8, device=DEVICE), at))
+        assert encode_mixed(parts, kf.reshape(-1, 3, 64), vf.reshape(-1, 3, 64), mixed_states)
+        for part in parts:
+            pages = torch.zeros_like(part.pages)
+            books = torch.zeros_like(part.codebooks)
+            states = [alone_states[u] for u in part.index]
+            x = kf[part.index].reshape(-1, 3, 64)
+            y = vf[part.index].reshape(-1, 3, 64)
+            assert encode_units(part.codec, x, y, part.layout, pages, books, states)
+            if DEVICE == "cpu":
+                assert torch.equal(pages, part.pages) and torch.equal(books, part.codebooks), part.codec.spec_string
+            else:  # CUDA: TF32 k-means distances may tie differently in batches of other sizes: same error
+                e_mixed = _error(part.codec, part.layout, part.pages.view(len(part.index), 3, -1), part.codebooks,
+                                 k[part.index], v[part.index])
+                e_alone = _error(part.codec, part.layout, pages.view(len(part.index), 3, -1), books,
+                                 k[part.index], v[part.index])
+                assert e_mixed[0] == pytest.approx(e_alone[0], rel=0.02) and e_mixed[1] == pytest.approx(e_alone[1], rel=0.02)
+        for a, b in zip(mixed_states, alone_states):
+            if DEVICE == "cpu":
+                assert torch.equal(a.centroids["k"], b.centroids["k"])
+            assert a.iterations == b.iterations
+
+
+def test_a_mixed_pass_refuses_parts_that_cluster_differently():
+    from kvbackend.kernels.unit_encoder import Part, encode_mixed
+
+    k, v = _chunks(2, PAGE)
+    states = _states(2, queries=True)
+    parts = []
+    for spec, at in ((RECIPE, [0]), (RECIPE.replace("centroids=32", "centroids=16"), [1])):
+        codec = codecs.get(spec)
+        layout = codec.layout(GEOMETRY, PAGE)
+        parts.append(Part(codec, layout, torch.zeros(1, layout.page_bytes, dtype=torch.uint8, device=DEVICE),
+                          torch.zeros(1, layout.codebook_bytes, dtype=torch.uint8, device=DEVICE), at))
+    assert not encode_mixed(parts, k.float().reshape(-1, 3, 64), v.float().reshape(-1, 3, 64), states)
+    assert all(not st.centroids and not st.iterations for st in states)  # nothing touched
+    assert all(not p.pages.any() and not p.codebooks.any() for p in parts)
+    parts[1].codec = parts[0].codec
+    parts[1].index = [0]
+    with pytest.raises(ValueError, match="each of the 2 chunks once"):
+        encode_mixed(parts, k.float().reshape(-1, 3, 64), v.float().reshape(-1, 3, 64), states)
+
+
+def test_a_triton_cache_encodes_a_depth_specs_layers_in_one_pass(monkeypatch):
+    """`KVCache` with layers of a depth spec's three codecs (other outlier counts and key widths, levers on):
+    one mixed pass per chunk, the pages, codebooks and reads of the same cache encoding each codec's layers apart."""
+    from kvbackend.backends import TritonBackend
+    from kvbackend.geometry import CacheConfig
+    from kvbackend.kernels import unit_encoder
+    from kvbackend.manager import KVCache
+    from kvbackend.rope import Rotary
+
+    heads, d = 2, 64
+    lever = "vrot=hadamard,sink=4,prerope=true"
+    specs = tuple(spec.replace("vrot=hadamard", lever) for spec in (MIXED[0], MIXED[1], MIXED[0], MIXED[2]))
+    passes = []
+    original = unit_encoder.encode_mixed
+    monkeypatch.setattr(unit_encoder, "encode_mixed", lambda *a: passes.append(len(a[0])) or original(*a))
+
+    def run():
+        config = CacheConfig(layer_codecs=specs, page_size=16, chunk_pages=2, dense_pages=16, packed_pages=16,
+                             backend="triton", device=DEVICE)
+        cache = KVCache(Geometry(len(specs), heads, d, torch.float32), config, rotary=Rotary.default(d, 10000.0))
+        gen = torch.Generator().manual_seed(5)
+        rid, _ = cache.add_request()
+        for _ in range(4):  # two 32-token chunks: cold, then warm
+            for layer in range(len(specs)):
+                k, v = torch.randn(20, heads, d, generator=gen) * 3, torch.randn(20, heads, d, generator=gen)
+                cache.append(rid, layer, k.to(DEVICE), v.to(DEVICE),
+                             queries=torch.randn(20, 2 * heads, d, generator=gen).to(DEVICE))
+        return cache, rid
+
+    mixed, rid1 = run()
+    assert passes == [3, 3]  # one pass per chunk, three parts
+    monkeypatch.setattr(TritonBackend, "encode_mixed", lambda *a: None)  # each codec's layers apart
+    apart, rid2 = run()
+    assert passes == [3, 3]
+    pages = mixed.page_table(rid1).packed
+    assert pages == apart.page_table(rid2).packed
+    for layer in range(len(specs)):
+        if DEVICE == "cpu":
+            assert torch.equal(mixed.packed.pages[layer][pages], apart.packed.pages[layer][pages]), layer
+            assert torch.equal(mixed.packed.codebooks[layer], apart.packed.codebooks[layer]), layer
+        for x, y in zip(mixed.read(rid1, layer), apart.read(rid2, layer)):
+            if DEVICE == "cpu":
+                assert torch.equal(x, y)
+            else:
+                assert (x.float() - y.float()).norm() <= 0.02 * y.float().norm()
