@@ -80,8 +80,9 @@ def encode_ms(specs: list[str]) -> dict:
     result = {"ms": total, "graph_ms": total_graphed, "graph_pool_bytes": graphed.reserved_bytes, "groups": per_group}
     if len(mixed) > 1:  # the groups in one pass, as `KVCache` encodes them on the Triton backend (`encode_mixed`)
         from kvbackend.backends import TritonBackend
+        from kvbackend.frames import lever_layout
 
-        backend = TritonBackend(mixed[0][0], mixed[0][1])
+        backend = TritonBackend(mixed[0][0], lever_layout(mixed[0][1], mixed[0][0].levers))
         parts, at = [], 0
         for codec, layout, k, _, _ in mixed:
             parts.append((codec, layout, list(range(at, at + k.shape[0]))))
