@@ -42,7 +42,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvbackend.alignpred.spec import is_alignpred
-from kvbackend.backends import unit_encoder_for
 from kvbackend.codecs import get as get_codec
 from kvbackend.codecs.base import EncodedChunk
 from kvbackend.codecs.qvg_fused import decode_units_bf16
@@ -228,7 +227,7 @@ class KVBackendStorage(HiCacheStorage):
             stored = self.frame.to_stored(k, v, 0, out, as_given) if self.frame.levers.active else (k, v)
             if carries:  # units: one layer of one page each, page-major as `_encode` lays them out
                 units = [x.view(n * g.num_layers, self.page_size, g.num_kv_heads, g.head_dim) for x in stored]
-                packed, books = self.codec.encode_units(*units, lay, **unit_encoder_for(units[0].device))
+                packed, books = self.codec.encode_units(*units, lay)
                 return packed.view(n, -1), books.view(n, -1)
             return self.codec.encode(*stored, lay).pages.view(n, -1)
 

@@ -48,7 +48,6 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvbackend.backends import unit_encoder_for
 from kvbackend.codecs import get as get_codec
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
@@ -221,7 +220,7 @@ class KVBackendTier(SecondaryTierManager):
             pages = self.codec.encode(k.flatten(0, 1), v.flatten(0, 1), self.layout).pages
             return torch.cat([pages.reshape(n, -1), tails], 1)
         if self.codec.batch_encodes and len(k) > 1:  # every unit (worker and layer of a chunk) in one pass
-            pages, books = self.codec.encode_units(k, v, self.layout, **unit_encoder_for(k.device))
+            pages, books = self.codec.encode_units(k, v, self.layout)
             units = torch.cat([pages.flatten(1), books], 1)  # each unit's pages, then its codebook slot
         else:
             units = torch.stack([torch.cat([c.pages.reshape(-1), c.codebook.reshape(-1)])

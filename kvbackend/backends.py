@@ -134,17 +134,6 @@ class TritonBackend:
                             rotary=cache.frames[layer].rotary)
 
 
-def unit_encoder_for(device: torch.device) -> dict:
-    """The ``encoder=`` keyword of `Codec.encode_units` for chunks on ``device``: the kernels' one-pass encode on a
-    CUDA device where Triton is installed (it declines codecs and states it does not encode: the reference then
-    encodes), nothing elsewhere. For callers outside `KVCache` (the engine adapters' page stores)."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return {}
-    from kvbackend.kernels.unit_encoder import encode_units
-
-    return {"encoder": encode_units}
-
-
 def kernels_can_serve(codec, layout: PageLayout) -> bool:
     """Whether the Triton kernels read this layout (2/4/8-bit codes or floats, power-of-two P and D,
     levers and PSAC rows as `kvbackend.scheme.lever_scheme` accepts them)."""

@@ -397,14 +397,3 @@ def test_a_triton_cache_encodes_a_depth_specs_layers_in_one_pass(monkeypatch):
                 assert torch.equal(x, y)
             else:
                 assert (x.float() - y.float()).norm() <= 0.02 * y.float().norm()
-
-
-def test_engine_adapters_take_the_kernels_encode_on_cuda_only():
-    """`unit_encoder_for`: the engine adapters' page stores encode with the kernels on a CUDA device (the kernels'
-    encode declines what it does not take, and the reference encodes it), with the reference elsewhere."""
-    from kvbackend.backends import unit_encoder_for
-    from kvbackend.kernels.unit_encoder import encode_units
-
-    assert unit_encoder_for(torch.device("cpu")) == {}
-    if torch.cuda.is_available():
-        assert unit_encoder_for(torch.device("cuda")) == {"encoder": encode_units}

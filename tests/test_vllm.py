@@ -365,7 +365,7 @@ def test_blocks_mode_with_centroid_codecs_decodes_as_the_codec(tmp_path, codec):
                           device="cpu")  # the CPU's k-means (a GPU's picks may differ in the last bits)
     assert not tier._batched() and tier.codec.per_page_codebooks  # a codebook per chunk: the one-pass path
     encode_units, calls = tier.codec.encode_units, []
-    tier.codec.encode_units = lambda *a, **kw: calls.append(a[0].shape[0]) or encode_units(*a, **kw)  # encoded in one pass too
+    tier.codec.encode_units = lambda *a: calls.append(a[0].shape[0]) or encode_units(*a)  # encoded in one pass too
     ks = keys(2)
     assert run(tier, 1, ks, [0, 1], promotion=False).success
     assert calls == [LAYERS * tier.block.workers] * 2, calls  # on the CPU: one chunk's units per call
