@@ -93,7 +93,8 @@ class GraphedEncoder:
                                    for part in parts)
         key = self._key(names, k, v, outs, states)
         eager = lambda: unit_encoder.encode_mixed(parts, k, v, states)  # noqa: E731
-        if key is None:
+        consecutive = all(part.index == list(range(part.index[0], part.index[0] + len(part.index))) for part in parts)
+        if key is None or not consecutive:  # other orders index the units by a tensor from host data: eager
             return eager()
 
         def capture(sk, sv, souts, static):
