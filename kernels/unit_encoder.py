@@ -92,11 +92,7 @@ def encode_mixed(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, states
     k-means, the PSAC bases and the query statistics over all chunks at once, then each part's packing, outliers
     and PSAC rows, the bytes each part's own `encode_units` writes. K/V ``[U*n*P, H, D]`` as `encode_units` takes
     them; every unit in exactly one part. Returns False, before writing anything, where a part is not encoded by
-    `encode_units` or the parts do not share one clustering. Each state's `iterations` records the pass's Lloyd
-    steps: with early stopping (the CPU) the pass stops once every part's units have settled, so a part that
-    settles sooner records more steps than its own pass would (a settled unit's further steps change nothing).
-    Each part's units are indexed by a tensor made from ``index`` on the device (a host-to-device copy, which a
-    CUDA graph capture of this pass would refuse)."""
+    `encode_units` or the parts do not share one clustering."""
     states = list(states)
     units = len(states)
     seen = sorted(u for part in parts for u in part.index)

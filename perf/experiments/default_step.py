@@ -43,6 +43,20 @@ def decode_us(spec: str, rotary) -> tuple[float, str]:
     return us, kernel
 
 
+def warm_chunk(spec: str, n: int, gen) -> tuple:
+    """(codec, layout, K, V, warm states): one 2048-token chunk of ``n`` layers of Llama-8B geometry (keys with
+    channel scales and offsets, Gaussian values, query statistics), its cold encode done."""
+    codec = codecs.get(spec)
+    layout = codec.layout(Geometry(1, HEADS, DIM, torch.bfloat16), PAGE)
+    k = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen)
+    k = (k * torch.linspace(0.2, 4, DIM, device=DEV) + torch.randn(n, 1, HEADS, DIM, device=DEV, generator=gen)).bfloat16()
+    v = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen).bfloat16()
+    queries = torch.randn(n, 4 * HEADS, 256, DIM, device=DEV, generator=gen) * torch.linspace(3, 0.1, DIM, device=DEV)
+    states = [CodecState(query_moment=query_second_moment(q, HEADS)) for q in queries]
+    codec.encode_units(k, v, layout, states)  # cold
+    return codec, layout, k, v, [st.clone() for st in states]
+
+
 def encode_ms(specs: list[str]) -> dict:
     """One warm chunk of every layer, grouped by spec; each group's pass timed and summed, eager and replayed
     from CUDA graphs (one `GraphedEncoder` for all groups, as `KVCache` shares one)."""
@@ -55,16 +69,8 @@ def encode_ms(specs: list[str]) -> dict:
     graphed = GraphedEncoder()
     total, total_graphed, per_group, mixed = 0.0, 0.0, [], []
     for spec, layers in groups.items():
-        codec = codecs.get(spec)
-        layout = codec.layout(Geometry(1, HEADS, DIM, torch.bfloat16), PAGE)
         n = len(layers)
-        k = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen)
-        k = (k * torch.linspace(0.2, 4, DIM, device=DEV) + torch.randn(n, 1, HEADS, DIM, device=DEV, generator=gen)).bfloat16()
-        v = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen).bfloat16()
-        queries = torch.randn(n, 4 * HEADS, 256, DIM, device=DEV, generator=gen) * torch.linspace(3, 0.1, DIM, device=DEV)
-        states = [CodecState(query_moment=query_second_moment(q, HEADS)) for q in queries]
-        codec.encode_units(k, v, layout, states)  # cold
-        warm = [st.clone() for st in states]
+        codec, layout, k, v, warm = warm_chunk(spec, n, gen)
         kernels = encoder_supports(codec, layout, warm)
         ms = bench(lambda: codec.encode_units(k, v, layout, warm, encoder=encode_units), 400)
         replays = graphed.replays

@@ -19,12 +19,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench_kernels import DEV, _with, _without_levers, bench, lever_case  # noqa: E402
-from kvbackend import Geometry, codecs  # noqa: E402
-from kvbackend.codecs.base import CodecState  # noqa: E402
+from default_step import warm_chunk  # noqa: E402
 from kvbackend.depth import layer_specs  # noqa: E402
 from kvbackend.kernels.gather_dequant import gather_dequant  # noqa: E402
 from kvbackend.kernels.unit_encoder import encode_units  # noqa: E402
-from kvbackend.psac import query_second_moment  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
 from kvbackend.spec import RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC  # noqa: E402
 
@@ -32,15 +30,7 @@ LAYERS, HQ, HEADS, DIM, PAGE, CHUNK = 32, 32, 8, 128, 64, 2048
 
 
 def encode_case(spec: str, n: int, gen):
-    codec = codecs.get(spec)
-    layout = codec.layout(Geometry(1, HEADS, DIM, torch.bfloat16), PAGE)
-    k = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen)
-    k = (k * torch.linspace(0.2, 4, DIM, device=DEV) + torch.randn(n, 1, HEADS, DIM, device=DEV, generator=gen)).bfloat16()
-    v = torch.randn(n, CHUNK, HEADS, DIM, device=DEV, generator=gen).bfloat16()
-    queries = torch.randn(n, 4 * HEADS, 256, DIM, device=DEV, generator=gen) * torch.linspace(3, 0.1, DIM, device=DEV)
-    states = [CodecState(query_moment=query_second_moment(q, HEADS)) for q in queries]
-    codec.encode_units(k, v, layout, states)  # cold
-    warm = [st.clone() for st in states]
+    codec, layout, k, v, warm = warm_chunk(spec, n, gen)
     return lambda: codec.encode_units(k, v, layout, warm, encoder=encode_units)
 
 
