@@ -451,7 +451,7 @@ def test_layers_left_cold_by_a_failed_group_are_not_mixed_with_warm_ones(monkeyp
 # -- defects found in review, and their fixes -----------------------------------------------------------------------
 def test_each_state_records_the_passs_lloyd_steps():
     """Two parts, one chunk each: part 0's keys are 8 distinct rows per head (k-means settles at once), part 1's
-    random. As `encode_mixed` documents, each state records the pass's Lloyd steps: with early stopping (the CPU)
+    random. Each state records the mixed pass's Lloyd steps (diagnostics): with early stopping (the CPU)
     the pass runs until every part has settled, so both record the slower part's count (the bytes are each part's
     own, `test_a_mixed_pass_writes_what_each_part_writes_alone`)."""
     n = 2 * PAGE
