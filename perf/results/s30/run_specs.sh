@@ -3,7 +3,9 @@
 # CHANGELOG (1536), three seeds each, one core; JSON into perf/results/s30/NAME_<text>_<prefix>.json
 core=$1; shift
 declare -A T=([code]=/root/.pyenv/versions/3.12.1/lib/python3.12/argparse.py [tech]=/usr/share/doc/dpkg/spec/triggers.txt
-              [pyenv]=/root/.pyenv/CHANGELOG.md [legal]=/usr/share/common-licenses/GPL-3)
+              [pyenv]=/root/.pyenv/CHANGELOG.md [legal]=/usr/share/common-licenses/GPL-3
+              [gfdl]=/usr/share/common-licenses/GFDL-1.3 [subprocess]=/root/.pyenv/versions/3.12.1/lib/python3.12/subprocess.py
+              [subtree]=/usr/share/doc/git/contrib/subtree/git-subtree.txt [idlenews]=/root/.pyenv/versions/3.12.1/lib/python3.12/idlelib/NEWS.txt)
 for name in "$@"; do
   for job in ${JOBS:-code:1536 code:6144 tech:1536 pyenv:1536}; do
     text=${job%%:*}; n=${job##*:}
