@@ -133,9 +133,10 @@ def test_layouts_are_checked_per_layer_before_a_model_loads():
 
 
 def test_the_recommended_spec_is_the_one_measured_and_documented():
-    """`RECOMMENDED_SPEC` (session 27's `QUALITY_SPEC`) expands on SmolLM2's 30 layers to the plan session 27 measured
-    (3-bit keys in layers 6-8 and 18, no outliers in layers 0-2, 6-8, 18 and 27-29, 16 elsewhere, 8 Lloyd steps
-    everywhere) over the recommended page codec, and the README names it on one line."""
+    """`RECOMMENDED_SPEC` expands on SmolLM2's 30 layers to the plan session 30 measured (3-bit keys in layers 7, 8, 18
+    and 20, no outliers in layers 0-2, 6-8, 18, 20 and 27-29, 16 elsewhere, 8 Lloyd steps everywhere) over the
+    recommended page codec, and on a 32-layer model to 3-bit keys in layers 8, 9, 19 and 21; the README names it on
+    one line."""
     import pathlib
 
     from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC
@@ -146,10 +147,11 @@ def test_the_recommended_spec_is_the_one_measured_and_documented():
     for layer, spec in enumerate(specs):
         parsed = codecs.parse(spec)
         assert parsed.iters == 8 and parsed.centroids == 32 and parsed.rank == 4
-        assert parsed.kbits == (3 if layer in (6, 7, 8, 18) else 0), layer  # 0: the base's 2 bits
-        assert parsed.outliers == (0 if layer in (0, 1, 2, 6, 7, 8, 18, 27, 28, 29) else 16), layer
+        assert parsed.kbits == (3 if layer in (7, 8, 18, 20) else 0), layer  # 0: the base's 2 bits
+        assert parsed.outliers == (0 if layer in (0, 1, 2, 6, 7, 8, 18, 20, 27, 28, 29) else 16), layer
         assert dataclasses.replace(parsed, iters=page.iters, kbits=page.kbits, outliers=page.outliers) == page, layer
         assert codecs.get(spec).levers == codecs.get(RECOMMENDED_PAGE_SPEC).levers
+    assert [i for i, s in enumerate(layer_specs(RECOMMENDED_SPEC, 32)) if codecs.parse(s).kbits == 3] == [8, 9, 19, 21]
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     if readme.exists():  # a source checkout (an installed wheel has no README beside its tests)
         assert f"\nThe recommended spec is `{RECOMMENDED_SPEC}`.\n" in readme.read_text()
