@@ -1,6 +1,6 @@
 """Which layers' compression changes a recall probe's answer: the probe's rows (`kvbackend probe`'s prompts)
 answered with the exact cache, the spec on every layer, and the spec with one band of layers made (nearly)
-exact: ``identity`` pages, or 8-bit keys (``kbits=8``) or values (``vbits=8``) in the band only (``--halves``),
+exact: ``identity`` pages (with the spec's sink), or 8-bit keys (``kbits=8``) or values (``vbits=8``) in the band only (``--halves``),
 or other options of the spec in the band only (``--options``, in place of the exact copy).
 
     .venv/bin/python -P perf/experiments/probe_layers.py --seed 0 --questions 8 --rows 4 --out OUT.json
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvbackend import codecs
 from kvbackend.depth import layer_specs
 from kvbackend.spec import RECOMMENDED_SPEC
 from kvbackend.tools.models import load_model
@@ -58,11 +59,13 @@ def main() -> None:
     rows = [rows[i] for i in args.rows]
     base = layer_specs(args.codec, n)
     plans = {"spec": base}
+    sink = codecs.get(base[0]).levers.sink  # one cache keeps one sink for every layer
+    exact = f"identity:sink={sink}" if sink else "identity"
     first, end = args.span or (0, n)
     for lo in range(first, end, args.band):
         band = range(lo, min(end, lo + args.band))
         if not args.options:
-            plans[f"exact L{lo}-{band[-1]}"] = ["identity:sink=4" if i in band else s for i, s in enumerate(base)]
+            plans[f"exact L{lo}-{band[-1]}"] = [exact if i in band else s for i, s in enumerate(base)]
         for options in args.options:
             changed = list(base)
             for i in band:
