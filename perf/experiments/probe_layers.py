@@ -21,17 +21,17 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.depth import layer_specs
-from kvbackend.spec import RECOMMENDED_SPEC
+from kvbackend.spec import RECOMMENDED_SPEC, split_spec
 from kvbackend.tools.models import load_model
 from kvbackend.tools.probe import probe_rows, run_probe
 
 
 def with_option(spec: str, option: str) -> str:
     """``spec`` with ``option`` (``key=value``) set, replacing the key's value where the spec has one."""
-    key = option.split("=")[0]
-    name, _, options = spec.partition(":")
-    kept = [o for o in options.split(",") if o and o.split("=")[0] != key]
-    return f"{name}:{','.join(kept + [option])}"
+    name, options = split_spec(spec)
+    key, _, value = option.partition("=")
+    options[key] = value
+    return f"{name}:" + ",".join(f"{k}={v}" for k, v in options.items())
 
 
 def main() -> None:
