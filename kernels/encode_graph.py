@@ -48,8 +48,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     k: torch.Tensor
     v: torch.Tensor
-    pages: torch.Tensor
-    codebooks: torch.Tensor
+    outs: list[torch.Tensor]  # pages and codebooks, of each part for a mixed pass
     centroids_in: list[dict[str, torch.Tensor]]
     moments_in: list[torch.Tensor | None]
     centroids_out: list[dict[str, torch.Tensor]]
@@ -59,10 +58,11 @@ class _Captured:
 @dataclass
 class GraphedEncoder:
     """A `Codec.encode_units` encoder (the ``encoder=`` contract: fill ``pages`` and ``codebooks`` and update
-    ``states``, or return False before writing anything) that replays warm passes from CUDA graphs.
+    ``states``, or return False before writing anything) that replays warm passes from CUDA graphs; `mixed` does
+    the same for `kvbackend.kernels.unit_encoder.encode_mixed` (a ``depth:`` spec's layers in one pass).
 
     ``encoder``: the eager one-pass encoder (None: `kvbackend.kernels.unit_encoder.encode_units`, looked up at each
-    call). ``max_graphs``: keys (codec, layout, shapes, dtypes, device, state kinds) captured at most; passes of
+    call). ``max_graphs``: keys (codecs, layouts, shapes, dtypes, device, state kinds) captured at most; passes of
     further keys run eagerly."""
 
     encoder: UnitEncoder | None = None
@@ -78,23 +78,47 @@ class GraphedEncoder:
     def __call__(self, codec, k: torch.Tensor, v: torch.Tensor, layout: PageLayout, pages: torch.Tensor,
                  codebooks: torch.Tensor, states: Sequence[CodecState] | None = None) -> bool:
         eager = self.encoder or unit_encoder.encode_units
-        key = self._key(codec, k, v, layout, pages, codebooks, states)
+        key = self._key(("units", codec.spec_string, layout.fingerprint), k, v, [pages, codebooks], states)
         if key is None or not unit_encoder.supports(codec, layout, states):
             return eager(codec, k, v, layout, pages, codebooks, states)
+        return self._run(key, lambda sk, sv, outs, static: eager(codec, sk, sv, layout, *outs, static),
+                         lambda: eager(codec, k, v, layout, pages, codebooks, states), k, v, [pages, codebooks],
+                         states)
+
+    def mixed(self, parts: Sequence[unit_encoder.Part], k: torch.Tensor, v: torch.Tensor,
+              states: Sequence[CodecState]) -> bool:
+        """`unit_encoder.encode_mixed` (same contract), warm passes of a key seen before replayed from a graph."""
+        outs = [t for part in parts for t in (part.pages, part.codebooks)]
+        names = ("mixed",) + tuple((part.codec.spec_string, part.layout.fingerprint, tuple(part.index))
+                                   for part in parts)
+        key = self._key(names, k, v, outs, states)
+        eager = lambda: unit_encoder.encode_mixed(parts, k, v, states)  # noqa: E731
+        consecutive = all(part.index == list(range(part.index[0], part.index[0] + len(part.index))) for part in parts)
+        if key is None or not consecutive:  # other orders index the units by a tensor from host data: eager
+            return eager()
+
+        def capture(sk, sv, souts, static):
+            static_parts = [unit_encoder.Part(part.codec, part.layout, souts[2 * i], souts[2 * i + 1], part.index)
+                            for i, part in enumerate(parts)]
+            return unit_encoder.encode_mixed(static_parts, sk, sv, static)
+
+        return self._run(key, capture, eager, k, v, outs, states)
+
+    def _run(self, key, capture, eager, k, v, outs, states) -> bool:
         with self._lock:  # one capture or replay at a time: the static buffers are shared
             captured = self._graphs.get(key)
             if captured is None:
                 if key not in self._seen or key in self._failed or len(self._graphs) >= self.max_graphs:
                     self._seen.add(key)
-                    return eager(codec, k, v, layout, pages, codebooks, states)
-                captured = self._capture(key, eager, codec, k, v, layout, pages, codebooks, states)
+                    return eager()
+                captured = self._capture(key, capture, k, v, outs, states)
                 if captured is None:
-                    return eager(codec, k, v, layout, pages, codebooks, states)
-            self._replay(captured, k, v, pages, codebooks, states)
+                    return eager()
+            self._replay(captured, k, v, outs, states)
             return True
 
     @staticmethod
-    def _key(codec, k, v, layout, pages, codebooks, states) -> tuple | None:
+    def _key(names: tuple, k, v, outs, states) -> tuple | None:
         """What a captured pass is specific to, or None where a pass is never captured."""
         if states is None or not k.is_cuda or torch.cuda.is_current_stream_capturing():
             return None
@@ -109,41 +133,41 @@ class GraphedEncoder:
                        None if moment is None else (tuple(moment.shape), moment.dtype)))
         if len(kinds) != 1:
             return None
-        return (codec.spec_string, layout.fingerprint, tuple(k.shape), k.dtype, tuple(v.shape), v.dtype,
-                tuple(pages.shape), tuple(codebooks.shape), k.device, len(states), kinds.pop())
+        return (names, tuple(k.shape), k.dtype, tuple(v.shape), v.dtype, tuple(tuple(t.shape) for t in outs),
+                k.device, len(states), kinds.pop())
 
-    def _capture(self, key, eager, codec, k, v, layout, pages, codebooks, states) -> _Captured | None:
+    def _capture(self, key, capture, k, v, outs, states) -> _Captured | None:
         static = [CodecState({p: t.clone() for p, t in st.centroids.items()}, [],
                              None if st.query_moment is None else st.query_moment.clone()) for st in states]
         centroids_in = [dict(st.centroids) for st in static]
         moments_in = [st.query_moment for st in static]
         sk, sv = k.clone(), v.clone()
-        spages, sbooks = torch.empty_like(pages), torch.empty_like(codebooks)
+        souts = [torch.empty_like(t) for t in outs]
         torch.cuda.synchronize(k.device)
         before = torch.cuda.memory_reserved(k.device)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread-local: another thread's CUDA work (a tier's copies) neither breaks nor joins the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                spages.zero_()
-                sbooks.zero_()
-                ok = eager(codec, sk, sv, layout, spages, sbooks, static)
+                for t in souts:  # nothing of an earlier chunk survives in bytes the encode leaves alone
+                    t.zero_()
+                ok = capture(sk, sv, souts, static)
         except Exception as exc:  # an operation that cannot be captured: this key runs eagerly from now on
             self._failed.add(key)
             warnings.warn(f"kvbackend: a warm chunk encode could not be captured in a CUDA graph ({exc}); "
-                          "it runs eagerly", RuntimeWarning, stacklevel=3)
+                          "it runs eagerly", RuntimeWarning, stacklevel=4)
             return None
         if not ok:
             self._failed.add(key)
             return None
         self._pool = graph.pool() if self._pool is None else self._pool
         self.reserved_bytes += torch.cuda.memory_reserved(k.device) - before
-        captured = _Captured(graph, sk, sv, spages, sbooks, centroids_in, moments_in,
+        captured = _Captured(graph, sk, sv, souts, centroids_in, moments_in,
                              [dict(st.centroids) for st in static], [list(st.iterations) for st in static])
         self._graphs[key] = captured
         return captured
 
-    def _replay(self, c: _Captured, k, v, pages, codebooks, states) -> None:
+    def _replay(self, c: _Captured, k, v, outs, states) -> None:
         c.k.copy_(k)
         c.v.copy_(v)
         for st, cents, moment in zip(states, c.centroids_in, c.moments_in):
@@ -153,8 +177,8 @@ class GraphedEncoder:
                 moment.copy_(st.query_moment)
         c.graph.replay()
         self.replays += 1
-        pages.copy_(c.pages)
-        codebooks.copy_(c.codebooks)
+        for out, static in zip(outs, c.outs):
+            out.copy_(static)
         for st, cents, steps in zip(states, c.centroids_out, c.iterations):
             for prefix, out in cents.items():
                 st.centroids[prefix] = out.clone()

@@ -92,7 +92,9 @@ def encode_mixed(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, states
     k-means, the PSAC bases and the query statistics over all chunks at once, then each part's packing, outliers
     and PSAC rows, the bytes each part's own `encode_units` writes. K/V ``[U*n*P, H, D]`` as `encode_units` takes
     them; every unit in exactly one part. Returns False, before writing anything, where a part is not encoded by
-    `encode_units` or the parts do not share one clustering."""
+    `encode_units` or the parts do not share one clustering. Each state's `iterations` records the pass's Lloyd
+    steps: with early stopping (the CPU) the pass stops once every part's units have settled, so a part that
+    settles sooner records more steps than its own pass would (a settled unit's further steps change nothing)."""
     states = list(states)
     units = len(states)
     seen = sorted(u for part in parts for u in part.index)
@@ -123,8 +125,7 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
     # encode launches it would wait for all of them, and the rest would be launched to an idle GPU
     basis = codec.psac_basis(moments) if psac else None
     generator = torch.Generator().manual_seed(s.seed)
-    index = [None if part.index is None else torch.tensor(part.index, dtype=torch.long, device=k.device)
-             for part in parts]
+    index = [_unit_index(part.index, k.device) for part in parts]
     errors: list[torch.Tensor | None] = [None] * len(parts)
     for prefix, x in (("k", k), ("v", v)):
         x = x.float().contiguous()
@@ -141,8 +142,8 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
             xp = x if at is None else x.view(units, n, h, -1)[at].view(-1, h, x.shape[-1])
             count = units if at is None else len(part.index)
             if clustered:
-                e = every if at is None else every.view(s.stages, units, h, *every.shape[2:])[:, at].flatten(1, 2)
-                a = assign if at is None else assign.view(s.stages, units, n, h)[:, at].flatten(1, 2)
+                e = every if at is None else every.view(s.stages, units, h, *every.shape[2:])[:, at].flatten(1, 2).contiguous()
+                a = assign if at is None else assign.view(s.stages, units, n, h)[:, at].flatten(1, 2).contiguous()
                 by_unit = e.reshape(s.stages, count, h, *e.shape[2:]).transpose(0, 1)
                 part.codec._write_centroids(part.layout, part.codebooks, prefix, by_unit)
                 extra.update(assign=a, centroids=e)
@@ -157,6 +158,16 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
         bp = basis if at is None or basis is None else (basis[0][at], basis[1][at])
         _key_fields(part.codec, part.layout, part.pages, part.codebooks, kp, error, mp,
                     units if at is None else len(part.index), bp)
+
+
+def _unit_index(index: list[int] | None, device: torch.device):
+    """A part's units as an indexer of the pass's unit axis: None (all), a slice where they are consecutive (as
+    `KVCache` lays parts out: no tensor from host data, which a CUDA graph capture would refuse), else a tensor."""
+    if index is None:
+        return None
+    if index == list(range(index[0], index[0] + len(index))):
+        return slice(index[0], index[0] + len(index))
+    return torch.tensor(index, dtype=torch.long, device=device)
 
 
 def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, basis) -> None:

@@ -115,7 +115,8 @@ class TritonBackend:
                                      torch.zeros(len(at), lay.codebook_bytes, dtype=torch.uint8, device=k.device),
                                      list(at))
                    for c, lay, at in parts]
-        if not unit_encoder.encode_mixed(encoded, kf.reshape(flat), vf.reshape(flat), states):
+        mixed = getattr(self.unit_encoder, "mixed", unit_encoder.encode_mixed)  # a `GraphedEncoder` replays it
+        if not mixed(encoded, kf.reshape(flat), vf.reshape(flat), states):
             return None
         return [(part.pages.view(len(part.index), num_pages, -1), part.codebooks) for part in encoded]
 

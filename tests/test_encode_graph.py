@@ -123,16 +123,21 @@ def test_a_replay_encodes_within_the_eager_error():
         assert torch.allclose(x.centroids["k"], y.centroids["k"], rtol=1e-3, atol=1e-3)
 
 
+LEVERS = SPEC.replace("vrot=hadamard", "vrot=hadamard,sink=4,prerope=true")
+# a depth spec's three layer codecs (other outlier counts and key widths): one mixed pass per chunk
+MIXED = (LEVERS, LEVERS.replace("outliers=16", "outliers=0"), LEVERS.replace("outliers=16", "outliers=0,kbits=3"))
+
+
 @CUDA
-def test_a_cache_serves_the_same_values_with_and_without_encode_graphs():
+@pytest.mark.parametrize("specs", [(LEVERS,) * 3, MIXED], ids=["one codec", "mixed pass"])
+def test_a_cache_serves_the_same_values_with_and_without_encode_graphs(specs):
     from kvbackend.manager import KVCache
     from kvbackend.rope import Rotary
 
     layers, heads, d = 3, 2, 64
-    spec = SPEC.replace("vrot=hadamard", "vrot=hadamard,sink=4,prerope=true")
 
     def run(graphs: bool):
-        config = CacheConfig(codec=spec, page_size=16, chunk_pages=2, dense_pages=32, packed_pages=32,
+        config = CacheConfig(layer_codecs=specs, page_size=16, chunk_pages=2, dense_pages=32, packed_pages=32,
                              backend="triton", device=DEVICE, encode_graphs=graphs)
         cache = KVCache(Geometry(layers, heads, d, torch.float32), config, rotary=Rotary.default(d, 10000.0))
         gen = torch.Generator().manual_seed(5)

@@ -6,7 +6,8 @@ What is attacked: specs that must not share a clustering; parts whose states dif
 statistics; levers (sink, vrot, prerope, pagerope) that differ between merged groups, in interleaved layer
 orders, in a bf16 cache; 3-bit keys; a QVG (not QuantWM) mix; partial last pages; a value budget that forces
 the per-group fallback; random seeding (cold chunks refused, warm ones mixed); keys that the stored frame
-turns non-finite; an exception midway through a pass; and the states' `iterations`.
+turns non-finite; an exception midway through a pass; the states' `iterations`; and whether the pass builds
+index tensors from host data (which a CUDA graph capture of it, `GraphedEncoder.mixed`, cannot hold).
 
 Byte-for-byte comparisons hold in Triton's interpreter only (CUDA's TF32 k-means distances tie differently),
 so the module runs on the CPU. The references: the same cache with mixing disabled (`TritonBackend.encode_mixed`
@@ -475,3 +476,39 @@ def test_each_state_records_the_passs_lloyd_steps():
                   torch.zeros(1, lb.codebook_bytes, dtype=torch.uint8), [1])]
     assert encode_mixed(parts, k, v, states)
     assert [st.iterations for st in states] == [alone[1].iterations] * 2
+
+
+class _HostTensors:
+    """`torch` as `unit_encoder` sees it, recording tensors built from host data for a device."""
+
+    def __init__(self):
+        self.built = []
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def tensor(self, data, *args, **kwargs):
+        if "device" in kwargs:
+            self.built.append(data)
+        return torch.tensor(data, *args, **kwargs)
+
+
+def test_the_mixed_pass_builds_no_tensor_from_host_data(monkeypatch):
+    """What `GraphedEncoder.mixed` captures (`encode_mixed` of a warm chunk) must not copy host data to the device:
+    inside a capture that copy is refused (`torch.tensor(..., device="cuda")` synchronizes the stream)."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(2 * 2 * PAGE, HEADS, D, generator=gen)
+    v = torch.randn(2 * 2 * PAGE, HEADS, D, generator=gen)
+    states = _moment_states(2)
+    for st in states:
+        st.centroids["k"] = torch.randn(1, HEADS, 8, D, generator=gen)
+    parts = []
+    for spec, at in ((BASE, [0]), (K3, [1])):
+        codec = codecs.get(spec)
+        layout = _layout(codec)
+        parts.append(Part(codec, layout, torch.zeros(2, layout.page_bytes, dtype=torch.uint8),
+                          torch.zeros(1, layout.codebook_bytes, dtype=torch.uint8), at))
+    host = _HostTensors()
+    monkeypatch.setattr(unit_encoder, "torch", host)
+    assert encode_mixed(parts, k, v, states)
+    assert host.built == []

@@ -98,6 +98,13 @@ def encode_ms(specs: list[str]) -> dict:
         assert backend.encode_mixed(parts, ks, vs, states) is not None, "the mixed pass was refused"
         result["mixed_ms"] = bench(lambda: backend.encode_mixed(parts, ks, vs, states), 400)
         print(f"  encode all {ks.shape[0]} layers in one mixed pass: {result['mixed_ms']:.3f} ms", flush=True)
+        mixed_graphs = GraphedEncoder()
+        backend.unit_encoder = mixed_graphs
+        result["mixed_graph_ms"] = bench(lambda: backend.encode_mixed(parts, ks, vs, states), 400)
+        result["mixed_graph_replays"] = mixed_graphs.replays
+        result["mixed_graph_pool_bytes"] = mixed_graphs.reserved_bytes
+        print(f"  encode all {ks.shape[0]} layers in one mixed pass from a CUDA graph: {result['mixed_graph_ms']:.3f} ms "
+              f"({mixed_graphs.replays} replays, pool {mixed_graphs.reserved_bytes / 2**20:.0f} MiB)", flush=True)
     return result
 
 
