@@ -26,6 +26,7 @@ peak of one eager pass of its largest key (`reserved_bytes`).
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -144,6 +145,10 @@ class GraphedEncoder:
         sk, sv = k.clone(), v.clone()
         souts = [torch.empty_like(t) for t in outs]
         torch.cuda.synchronize(k.device)
+        # `torch.cuda.graph` empties the allocator's cache before it captures: empty it first, so that what it
+        # gives back is not counted against the capture (`reserved_bytes` read negative otherwise)
+        gc.collect()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(k.device)
         graph = torch.cuda.CUDAGraph()
         try:

@@ -91,7 +91,7 @@ def test_a_replay_is_what_a_capture_gives_and_keeps_nothing_of_the_last_chunk():
     kept = first[0].clone()
     codec.encode_units(*chunks[2], layout, _snapshot(before), encoder=graphed)
     assert torch.equal(first[0], kept)
-    assert graphed.reserved_bytes >= 0
+    assert graphed.reserved_bytes > 0  # the pass's intermediates live in the graph's pool
 
 
 @CUDA
