@@ -168,10 +168,9 @@ constexpr int CV_ROWS = 32 + (PSAC_FOLD ? PSAC_ROWS : 0);  // centroid values, t
 constexpr int CV_ZERO = K_CENT < 32 ? 31 : CV_ROWS;
 constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? (CV_ROWS + (K_CENT < 32 ? 0 : 1)) * D * 2 : 0;  // pre-RoPE keys:
                                                                                     // centroid values, fp16 pairs
-constexpr int SZ_BYTES = ROPE_TOKEN ? 2 * 8 * NB * 32 * 4 : 0;     // pre-RoPE keys: scale and zero pairs per lane
 // PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
 constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2) + (P + 15) / 16 * 16 : 0;
-constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES + PB_BYTES;
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + PB_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
 // Rotated values: each warp's packed output [N][D] f32 waits, while the other warps still stream pages, in the
@@ -510,9 +509,8 @@ __device__ __noinline__ float centroid_fragments(uint32_t* cf, const Params& a, 
   return cs * 64.f;
 }
 
-// Shared-memory swizzle of the pre-RoPE tables (R(t) and the centroid values, rows of 32 or 64 words), read as
-// 8-byte pairs of words (2 m, 2 m + 1): pair m of row ``row`` lies at m ^ (row & 3), so the 4 rows of a half-warp's
-// 8-byte load phase (4 tokens, or their 4 centroids) spread over 4 bank pairs.
+// Shared-memory swizzle of R(t) (rows of 32 words), read as 8-byte pairs of words (2 m, 2 m + 1): pair m of row
+// ``row`` lies at m ^ (row & 3), so the 4 tokens of a half-warp's 8-byte load phase spread over 4 bank pairs.
 __device__ __forceinline__ int swz(int k, int row) { return k ^ ((row & 3) << 1); }
 
 // The two words (2 m, 2 m + 1) of ``row`` in a swizzled table with rows of ``width`` words.
@@ -520,12 +518,23 @@ __device__ __forceinline__ uint2 pair_at(const uint32_t* table, int width, int r
   return *reinterpret_cast<const uint2*>(table + row * width + swz(k, row));
 }
 
+// Shared-memory swizzle of the centroid values (rows of 64 words), read as 16-byte quads of words (4 q .. 4 q + 3):
+// within each 8-word group, quad q of row ``row`` lies at q ^ (row & 1), so the 2 tokens of a quarter-warp's 16-byte
+// load phase read different banks when their rows differ in the last bit (4-way choices of the 8-byte pairs gave
+// about 2x the ideal wavefronts for rows that are random centroid ids).
+__device__ __forceinline__ int swzc(int k, int row) { return k ^ ((row & 1) << 2); }
+
+// The four words 4 q .. 4 q + 3 (k = 4 q) of ``row`` in the centroid-value table.
+__device__ __forceinline__ uint4 quad_at(const uint32_t* table, int width, int row, int k) {
+  return *reinterpret_cast<const uint4*>(table + row * width + swzc(k, row));
+}
+
 // PSAC basis in shared memory: fp16 pairs (U[c][r], U[c + 8][r]) at word i * R + r for pair i, c = 16 (i / 8) + i % 8
 // (the key operand's channel pairs), so one 16-byte load gives a pair's four ranks and one HFMA2 per rank builds its
 // correction; lanes read consecutive 16-byte rows (no bank conflict).
 
 // Pre-RoPE keys: the slot's centroids times their scale as fp16 pairs (channels c, c + 8), c = 16 w + jl:
-// cv[a * D / 2 + swz(8 w + jl, a)] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
+// cv[a * D / 2 + swzc(8 w + jl, a)] for centroid a, w in 0..D/16-1, jl in 0..7; rows a >= K_CENT are zero.
 
 __device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int64_t slot, int h, int lane) {
   constexpr int CES = C_KIND == 0 ? 1 : 2;
@@ -546,10 +555,10 @@ __device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int6
         hi = element<2>(*reinterpret_cast<const uint16_t*>(at + 16), 0);
       }
     }
-    cv[row * (D / 2) + swz(i % (D / 2), row)] = pack_half2(lo * cs, hi * cs);
+    cv[row * (D / 2) + swzc(i % (D / 2), row)] = pack_half2(lo * cs, hi * cs);
   }
   if (CV_ZERO >= 32)
-    for (int i = lane; i < D / 2; i += 32) cv[CV_ZERO * (D / 2) + swz(i, CV_ZERO)] = 0u;
+    for (int i = lane; i < D / 2; i += 32) cv[CV_ZERO * (D / 2) + swzc(i, CV_ZERO)] = 0u;
 }
 
 // The centroid table ct[c][n] = centroid c . query row n (log2 units) times ``cs``, from the fragments above.
@@ -587,8 +596,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   int ct_slot = -1;
   float ct_scale = 1.f;
   uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
-  uint32_t* sz = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES);
-  uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + SZ_BYTES;
+  uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES;
   const uint4* pbasis = reinterpret_cast<const uint4*>(pbase);  // the slot's basis: [D / 2][R] fp16 pairs
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
   signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2));
@@ -789,8 +797,34 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     uint32_t qk[NB][4][2];
     float zc[2] = {0.f, 0.f};
     float kback = 1.f;  // 2^kexp: the scales' normalization, taken off the accumulators
+    // pre-RoPE keys: the scale and zero pairs (channels c, c + 8) of this lane's operand slots at (b * 4 + ks) * 2 + e,
+    // in registers for the page
+    uint32_t szr[2][ROPE_TOKEN ? 8 * NB : 1];
     if (ROPE_TOKEN) {  // pre-RoPE keys: qk is R(p0)^T q (no scales fold in); scale and zero pairs to this lane's slots
       const float* rope = reinterpret_cast<const float*>(extra + KCH_BYTES + OUT_BYTES);
+      // R(p0)'s cos and sin of this lane's channels 16 tig + 0..15 (and their partners 64 on): 16-byte loads
+      float rc[16], rs[16];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float4 c4 = *reinterpret_cast<const float4*>(rope + 16 * tig + 4 * u);
+        const float4 s4 = *reinterpret_cast<const float4*>(rope + D / 2 + 16 * tig + 4 * u);
+        rc[4 * u] = c4.x, rc[4 * u + 1] = c4.y, rc[4 * u + 2] = c4.z, rc[4 * u + 3] = c4.w;
+        rs[4 * u] = s4.x, rs[4 * u + 1] = s4.y, rs[4 * u + 2] = s4.z, rs[4 * u + 3] = s4.w;
+      }
+      // the raw scale and zero words of this lane's channels 16 (4 b + tig) + 0..15: 16-byte loads
+      uint32_t kw[NB][2][4 * KES];
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int f = 0; f < (K_SYM ? 1 : 2); ++f)
+#pragma unroll
+          for (int u = 0; u < KES; ++u) {
+            const uint4 r = *reinterpret_cast<const uint4*>(extra + (f * D + 16 * (4 * b + tig)) * KES + 16 * u);
+            kw[b][f][4 * u] = r.x;
+            kw[b][f][4 * u + 1] = r.y;
+            kw[b][f][4 * u + 2] = r.z;
+            kw[b][f][4 * u + 3] = r.w;
+          }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -802,22 +836,23 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
           for (int b = 0; b < NB; ++b) x[b] = __half22float2(*reinterpret_cast<const __half2*>(&qf[b][ks][e]));
           const float2 lo = x[0], hi = x[NB - 1];  // channels c, c + 8 and c + 64, c + 72 (c = 16 tig + jl)
-          const int idx = 16 * tig + jl;
-          x[0].x = lo.x * rope[idx] + hi.x * rope[D / 2 + idx];
-          x[0].y = lo.y * rope[idx + 8] + hi.y * rope[D / 2 + idx + 8];
-          x[NB - 1].x = hi.x * rope[idx] - lo.x * rope[D / 2 + idx];
-          x[NB - 1].y = hi.y * rope[idx + 8] - lo.y * rope[D / 2 + idx + 8];
+          x[0].x = lo.x * rc[jl] + hi.x * rs[jl];
+          x[0].y = lo.y * rc[jl + 8] + hi.y * rs[jl + 8];
+          x[NB - 1].x = hi.x * rc[jl] - lo.x * rs[jl];
+          x[NB - 1].y = hi.y * rc[jl + 8] - lo.y * rs[jl + 8];
 #pragma unroll
           for (int b = 0; b < NB; ++b) {
-            const int ch = 16 * (4 * b + tig) + jl;
-            const float s0 = kchan_element(extra, 0, ch), s1 = kchan_element(extra, 0, ch + 8);
-            const float z0 = K_SYM ? -KSYM_ZERO * s0 : kchan_element(extra, 1, ch);
-            const float z1 = K_SYM ? -KSYM_ZERO * s1 : kchan_element(extra, 1, ch + 8);
+            // channels 16 (4 b + tig) + jl and + 8 of the words above
+            const float s0 = element<K_KIND>(kw[b][0][(jl * KES) >> 2], (jl * KES) & 3);
+            const float s1 = element<K_KIND>(kw[b][0][((jl + 8) * KES) >> 2], ((jl + 8) * KES) & 3);
+            const float z0 = K_SYM ? -KSYM_ZERO * s0 : element<K_KIND>(kw[b][K_SYM ? 0 : 1][(jl * KES) >> 2], (jl * KES) & 3);
+            const float z1 = K_SYM ? -KSYM_ZERO * s1
+                                   : element<K_KIND>(kw[b][K_SYM ? 0 : 1][((jl + 8) * KES) >> 2], ((jl + 8) * KES) & 3);
             const int at = (b * 4 + ks) * 2 + e;
             qk[b][ks][e] = pack_half2(x[b].x * f, x[b].y * f);
             const float fk = KBITS == 2 ? f : 1.f;  // 2-bit codes arrive times 4^(p % 4), 3-bit codes as they are
-            sz[at * 32 + lane] = pack_half2(s0 / fk, s1 / fk);
-            sz[(8 * NB + at) * 32 + lane] = pack_half2(z0, z1);
+            szr[0][at] = pack_half2(s0 / fk, s1 / fk);
+            szr[1][at] = pack_half2(z0, z1);
           }
         }
       if (K_CENT || PSAC_R) {
@@ -890,10 +925,29 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
               fix = __hfma2(coef[4 * q + 3], as_half2(u.w), fix);
             }
             if (PSAC_FOLD)  // the token's centroid (as the table holds it) plus the correction
-              cvt[(32 + row) * (D / 2) + swz(i, 32 + row)] = as_u32(__hadd2(as_half2(cvt[cid * (D / 2) + swz(i, cid)]), fix));
+              cvt[(32 + row) * (D / 2) + swzc(i, 32 + row)] = as_u32(__hadd2(as_half2(cvt[cid * (D / 2) + swzc(i, cid)]), fix));
             else
               pv[row * (D / 2) + i] = as_u32(fix);
           }
+        }
+        __syncwarp();
+      }
+      if (K_CENT) {  // each token's centroid-value row over its assignment word, as the key loop reads it: the id
+                     // checked (a corrupted one reads the zero row, inside the table) and, with folded PSAC rows,
+                     // the last row naming the token (the reads of the ids above are behind the __syncwarp)
+        uint32_t* row_of = const_cast<uint32_t*>(words);
+        for (int t = lane; t < P; t += 32) {
+          const int id = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
+          int r = id < K_CENT ? id : CV_ZERO;
+          if (PSAC_REGMAP) {
+#pragma unroll
+            for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row)
+              if (ptok[row] == t) r = 32 + row;
+          } else if (PSAC_FOLD) {
+            const int pr = static_cast<int>(pmap[t]);
+            if (pr >= 0) r = 32 + pr;
+          }
+          row_of[t] = static_cast<uint32_t>(r);
         }
         __syncwarp();
       }
@@ -1011,24 +1065,25 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
         for (int r2 = 0; r2 < 2; ++r2) {
           const int t = t0 + 8 * r2;
-          if (K_CENT) {
-            const int id = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
-            ids[r2] = id < K_CENT ? id : CV_ZERO;  // a corrupted id reads a zero row, inside the table
-          }
-          if (PSAC_REGMAP) {  // the folded row of the token, if any (the last row naming it, as the map keeps)
-#pragma unroll
-            for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row)
-              if (ptok[row] == t) ids[r2] = 32 + row;
-            continue;
-          }
-          if (PSAC_R) prow[r2] = PSAC_SPARSE ? static_cast<int>(pmap[t]) : t;
-          if (PSAC_FOLD && prow[r2] >= 0) ids[r2] = 32 + prow[r2];  // the folded row: centroid plus correction
+          // the row the page pass wrote: the centroid (zero for a corrupted id), or the folded PSAC row
+          if (K_CENT) ids[r2] = static_cast<int>(words[t]);
+          if (PSAC_R && !PSAC_FOLD) prow[r2] = PSAC_SPARSE ? static_cast<int>(pmap[t]) : t;
         }
+        uint4 cq[2][NB];  // [row t0 | t1][block]: a k-step pair's 16-byte quads of centroid values
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           uint32_t ar[NB][2][2];  // [block][e][row t0 | t1]
-          // the k-step's two positions jl = 2 m + 1 - e sit in one word pair of each table: one 8-byte load each
+          // the k-step's two positions jl = 2 m + 1 - e (m = 2 (ks >> 1) + 1 - (ks & 1)) sit in words 2 m, 2 m + 1
+          // of each table row: one 8-byte load of R(t)'s rows; k-steps 2 kp and 2 kp + 1 share words 4 kp .. 4 kp + 3
+          // of the centroid values, one 16-byte load at the even step (words 4 kp + 2, + 3 serve it, 4 kp, + 1 the
+          // odd one)
           const int m = 2 * (ks >> 1) + 1 - (ks & 1);
+          if (K_CENT && (ks & 1) == 0) {
+#pragma unroll
+            for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+              for (int b = 0; b < NB; ++b) cq[r2][b] = quad_at(cvt, D / 2, ids[r2], 8 * (4 * b + tig) + 2 * ks);
+          }
           uint2 cen[2][NB], rcos[2], rsin[2];
 #pragma unroll
           for (int r2 = 0; r2 < 2; ++r2) {
@@ -1037,7 +1092,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             rsin[r2] = pair_at(rot_words + P * D / 4, D / 4, t, 8 * tig + 2 * m);
 #pragma unroll
             for (int b = 0; b < NB; ++b)
-              if (K_CENT) cen[r2][b] = pair_at(cvt, D / 2, ids[r2], 8 * (4 * b + tig) + 2 * m);
+              if (K_CENT) cen[r2][b] = (ks & 1) ? make_uint2(cq[r2][b].x, cq[r2][b].y) : make_uint2(cq[r2][b].z, cq[r2][b].w);
           }
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
@@ -1055,8 +1110,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                 } else {
                   code2 = codes3_at(jl < 4 ? wv[b][r2] : wh[b][r2], jl & 3);
                 }
-                val[b] = __hfma2(as_half2(code2), as_half2(sz[at * 32 + lane]),
-                                 as_half2(sz[(8 * NB + at) * 32 + lane]));
+                val[b] = __hfma2(as_half2(code2), as_half2(szr[0][at]), as_half2(szr[1][at]));
                 if (K_CENT) val[b] = __hadd2(val[b], as_half2(e ? cen[r2][b].x : cen[r2][b].y));
                 if (PSAC_R && !PSAC_FOLD && prow[r2] >= 0)
                   val[b] = __hadd2(val[b], as_half2(pv[prow[r2] * (D / 2) + 8 * (4 * b + tig) + jl]));

@@ -223,10 +223,9 @@ class Config:
                  + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0))
         stage = p * (d * self.k_bits // 8 + d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
-        if self.rope_token:  # centroid values as fp16 pairs; each lane's scale and zero pairs
+        if self.rope_token:  # centroid values as fp16 pairs
             rows = 32 + (self.psac_rows if self.psac_fold else 0) + (self.centroids >= 32)  # then a zero row
             table = rows * d * 2 if self.centroids else 0
-            table += 2 * 8 * (d // 64) * 32 * 4
         else:  # q . centroid [32][N] and the centroids' fragments
             table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0
         if self.psac_rank:  # the slot's basis, the page's corrections, the token -> row map
@@ -414,8 +413,9 @@ def _default_stages(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: 
 def default_stages(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, q_dtype: torch.dtype,
                    dense_dtype: torch.dtype, warps: int, levers: LeverScheme | None, device: torch.device) -> int:
     """Pages in flight per warp when the caller names none: two (one read while the next arrives), unless their
-    shared memory leaves room for a single block per SM where one stage leaves room for two (the recipe's pre-RoPE
-    keys with PSAC rows: warps of two blocks hide more latency than a second stage of one)."""
+    shared memory leaves room for a single block per SM where one stage leaves room for two (3-bit pre-RoPE keys
+    with PSAC rows: warps of two blocks hide more latency than a second stage of one). The recipe's 2-bit layers fit
+    two blocks at two stages; on the H200 one and two stages time the same there (perf/NOTES.md, session 31)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     per_sm, per_block = _shared_memory(index)
     if not per_sm:

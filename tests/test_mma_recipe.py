@@ -375,9 +375,12 @@ def test_large_key_scales_and_small_queries():
 
 
 @pytest.mark.parametrize("codec,stages", [
-    # pre-RoPE keys with PSAC rows: 2 stages leave room for one block per SM, 1 stage for two
+    # pre-RoPE keys with PSAC rows: 2 stages still leave room for two blocks per SM at 2 bits (each lane's key scales
+    # live in registers), not with 3-bit keys' longer rows, where 1 stage does
     ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
-     "cdtype=fp8,outliers=16", 1),
+     "cdtype=fp8,outliers=16", 2),
+    ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,outliers=0,kbits=3", 1),
     (f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16", 2),
     ("kivi:bits=2,group=64", 2),
 ])
@@ -398,10 +401,10 @@ def test_one_stage_where_only_one_fits_a_block():
     cache, ids, _ = recipe_cache(codec, 128, 64, 2, [200], 2, 4)
     (_, _, _, schemes, _), levers = _inputs(cache, ids)
     per_block = 227 * 1024
-    two, one = (mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, s, 8, 0, levers).smem_bytes
+    two, one = (mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, s, 10, 0, levers).smem_bytes
                 for s in (2, 1))
-    assert two > per_block >= one  # eight warps
-    assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 8, levers, 228 * 1024,
+    assert two > per_block >= one  # ten warps
+    assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 10, levers, 228 * 1024,
                                       per_block) == 1
 
 
@@ -424,11 +427,11 @@ def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
     args = (*schemes, 64, 128, 4, cuda, torch.bfloat16, torch.bfloat16, levers)
     assert mma_decode.preferred(*args)
     stages = mma_decode.default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 4, levers, cuda)
-    assert stages == 1
+    assert stages == 2
     mma_decode._failed.add((0, mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, stages, 4,
                                                      mma_decode.default_min_blocks(4), levers)))
     assert not mma_decode.preferred(*args)
-    assert mma_decode.preferred(*args, stages=2)  # another variant is still asked about as itself
+    assert mma_decode.preferred(*args, stages=1)  # another variant is still asked about as itself
 
 
 @gpu

@@ -2,7 +2,7 @@
 CUDA graphs, beside SDPA BF16 in the same run; the sources alternate over rounds. The base source kept each lane's
 key scale and zero pairs in shared memory (SZ_BYTES), so its launcher's shared-memory count adds them back.
 
-    python3 perf/results/s31/ab_decode.py OUT.json BASE.cu [ROUNDS]
+    python3 perf/results/s31/ab_decode.py OUT.json NAME=PATH... (NAME base: session 30's shared-memory count)
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ def _base_smem(self) -> int:  # `Config.smem_bytes` as the base source counts it
 def use(source: str, path: str) -> None:
     mma_decode.SOURCE = Path(path)
     mma_decode.Config.smem_bytes = property(_base_smem) if source == "base" else NEW_SMEM
-    if source == "new1" and mma_decode._functions:  # the same source: keep what it compiled
-        return
     mma_decode.config_for.cache_clear()
     mma_decode._default_stages.cache_clear()
     mma_decode._wave_programs.cache_clear()
@@ -61,10 +59,10 @@ def use(source: str, path: str) -> None:
 
 
 def main():
-    out, base = sys.argv[1], sys.argv[2]
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    # new: the default stage count (two where two blocks per SM still fit), new1: one stage, base: its own default
-    sources = [("new", str(mma_decode.SOURCE)), ("new1", str(mma_decode.SOURCE)), ("base", base)]
+    out = sys.argv[1]
+    rounds = 2
+    # new: this tree's kernel at its default stage count; the others at theirs
+    sources = [("new", str(mma_decode.SOURCE))] + [tuple(x.split("=", 1)) for x in sys.argv[2:]]
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     rotary = Rotary.default(dim, 500000.0)
     sdpa_us = bk.sdpa_time(batch, hq, heads, length, dim, 2, graphs=True) * 1e3
@@ -77,8 +75,8 @@ def main():
         for rnd in range(rounds):
             for source, path in sources:
                 use(source, path)
-                stages = 1 if source == "new1" else mma_decode.default_stages(
-                    *case.schemes, p, dim, torch.bfloat16, torch.bfloat16, 4, case.levers, torch.device("cuda"))
+                stages = mma_decode.default_stages(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, 4,
+                                                   case.levers, torch.device("cuda"))
 
                 def call(j):
                     return paged_decode(case.qs[j], case.pages, case.books, case.dense, case.schemes, case.plans[j],
