@@ -899,8 +899,45 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             if (tok < P) pmap[tok] = static_cast<signed char>(row);
           }
         }
+        if (PSAC_REGMAP) {  // folded rows, few: every row's loads and products first, then the stores (a store to
+                            // the table between them would keep each row's loads behind the previous row's store)
+          constexpr int RR = PSAC_REGMAP ? PSAC_ROWS : 1;
+          __half2 folded[RR][D / 64];
+#pragma unroll
+          for (int row = 0; row < RR; ++row) {
+            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
+            int cid = tok < P ? (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF : 0;
+            cid = cid < K_CENT ? cid : CV_ZERO;  // a corrupted id adds no centroid
+            const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
+            const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
+            const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
+            __half2 coef[PSAC_R > 0 ? PSAC_R : 1];
+#pragma unroll
+            for (int rr = 0; rr < PSAC_R; ++rr)  // fp16, as the Triton path
+              coef[rr] = __float2half2_rn(static_cast<float>(codes[rr]) * scale);
+#pragma unroll
+            for (int ii = 0; ii < D / 64; ++ii) {
+              const int i = lane + 32 * ii;
+              __half2 fix = __float2half2_rn(0.f);  // the correction of channels (c, c + 8), summed in fp16
+#pragma unroll
+              for (int q = 0; q < PSAC_R / 4; ++q) {
+                const uint4 u = pbasis[i * (PSAC_R / 4) + q];
+                fix = __hfma2(coef[4 * q], as_half2(u.x), fix);
+                fix = __hfma2(coef[4 * q + 1], as_half2(u.y), fix);
+                fix = __hfma2(coef[4 * q + 2], as_half2(u.z), fix);
+                fix = __hfma2(coef[4 * q + 3], as_half2(u.w), fix);
+              }
+              folded[row][ii] = __hadd2(as_half2(cvt[cid * (D / 2) + swzc(i, cid)]), fix);
+            }
+          }
+#pragma unroll
+          for (int row = 0; row < RR; ++row)
+#pragma unroll
+            for (int ii = 0; ii < D / 64; ++ii)
+              cvt[(32 + row) * (D / 2) + swzc(lane + 32 * ii, 32 + row)] = as_u32(folded[row][ii]);
+        }
 #pragma unroll 1
-        for (int row = 0; row < PSAC_ROWS; ++row) {
+        for (int row = 0; row < (PSAC_REGMAP ? 0 : PSAC_ROWS); ++row) {
           int cid = 0;  // PSAC_FOLD: the centroid of the row's token, whose values the folded row adds
           if (PSAC_FOLD) {
             const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;

@@ -1,0 +1,7 @@
+# Session 31, call 6: the folded PSAC rows' page pass unrolled (every row's loads before any store): kernel tests on
+# CUDA, then an A/B against call 5's kernel (v2).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+timeout 200 python3 -P -m pytest -q -n 8 tests/test_mma_decode.py tests/test_mma_recipe.py tests/test_kernel_known_limits.py tests/test_psac.py 2>&1 | tail -3 | tee $OUT/tests.log
+(cd perf && timeout 200 python3 results/s31/ab_decode.py $OUT/ab_decode.json v2=results/s31/mma_decode_v2.cu 2>&1 | grep -v Warn | tee $OUT/ab.log)
