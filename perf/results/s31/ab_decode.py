@@ -2,13 +2,19 @@
 CUDA graphs, beside SDPA BF16 in the same run; the sources alternate over rounds. The base source kept each lane's
 key scale and zero pairs in shared memory (SZ_BYTES), so its launcher's shared-memory count adds them back.
 
-    python3 perf/results/s31/ab_decode.py OUT.json NAME=PATH... (NAME base: session 30's shared-memory count)
+    python3 perf/results/s31/ab_decode.py OUT.json NAME=PATH|NAME=git:REV... (NAME base: session 30's shared-memory
+    count)
+
+A source ``git:REV`` is ``kernels/mma_decode.cu`` at commit REV (the session's first kernel: ``base=git:644be22``;
+call 5's: ``v2=git:bcf117e``; call 4's is that one with ``perf/results/s31/mma_decode_v1.patch`` applied).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -48,6 +54,17 @@ def _base_smem(self) -> int:  # `Config.smem_bytes` as the base source counts it
     return ring + rot + merge if self.vrot and not in_ring else max(ring + rot, merge)
 
 
+def _source(name: str, where: str) -> tuple[str, str]:
+    """(name, path of the source): ``git:REV`` is written out from the repository into a temporary file."""
+    if not where.startswith("git:"):
+        return name, where
+    text = subprocess.run(["git", "show", f"{where[4:]}:kernels/mma_decode.cu"], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[3]).stdout
+    path = Path(tempfile.mkdtemp()) / "mma_decode.cu"  # the name the launcher's includes and messages expect
+    path.write_text(text)
+    return name, str(path)
+
+
 def use(source: str, path: str) -> None:
     mma_decode.SOURCE = Path(path)
     mma_decode.Config.smem_bytes = property(_base_smem) if source == "base" else NEW_SMEM
@@ -62,7 +79,7 @@ def main():
     out = sys.argv[1]
     rounds = 2
     # new: this tree's kernel at its default stage count; the others at theirs
-    sources = [("new", str(mma_decode.SOURCE))] + [tuple(x.split("=", 1)) for x in sys.argv[2:]]
+    sources = [("new", str(mma_decode.SOURCE))] + [_source(*x.split("=", 1)) for x in sys.argv[2:]]
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     rotary = Rotary.default(dim, 500000.0)
     sdpa_us = bk.sdpa_time(batch, hq, heads, length, dim, 2, graphs=True) * 1e3
