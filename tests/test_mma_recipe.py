@@ -165,6 +165,8 @@ def test_sparse_psac_rows_with_centroids_are_folded_at_no_shared_memory_cost(mon
     assert "keep=0.0625" in recipe and config(recipe, 64, 2, 2).psac_fold
     assert config(PREROPE_CASES[4][0], 32, 2, 2).psac_fold  # 8 sparse rows of 32-token pages
     assert not config(PREROPE_CASES[5][0], 32, 2, 2).psac_fold  # dense rows: one per token
+    many = config(PREROPE_CASES[9][0], 64, 2, 4)  # 16 rows: folded, past the registers' 8
+    assert many.psac_fold and many.psac_rows == 16
     folded = config(recipe, 64, 2, 2)
     assert folded.smem_bytes == dataclasses.replace(folded, psac_fold=False).smem_bytes
     monkeypatch.setattr(mma_decode, "PSAC_FOLD", False)
@@ -191,6 +193,9 @@ PREROPE_CASES = [  # pre-RoPE keys (head_dim 128): on by default since their GPU
      "cdtype=fp8,kbits=3", 128, 64, 2, [700, 150, 64], 2, 4, 24),
     (f"{BASE},kchannel=32,centroids=5,prerope=true,outliers=5,sink=3,kbits=3", 128, 32, 3, [150, 40], 2, 2, 64),
     ("kivi:bits=2,group=64,kbits=3,prerope=true", 128, 64, 2, [333, 90], 3, 8, 8),  # no centroids, fp16 scales
+    # 16 folded PSAC rows per page: past the rows kept in registers (a token -> row map in shared memory instead)
+    ("quantwm:kchannel=64,rank=4,keep=0.25,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
+     "cdtype=fp8,outliers=16", 128, 64, 2, [700, 150, 64], 2, 4, 24),
 ]
 OPT_IN = {"prerope": True, "psac": True}  # explicit, so the tests run them whatever the env var says
 
@@ -436,7 +441,7 @@ def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("case", [3, 4])
+@pytest.mark.parametrize("case", [3, 4, 9])
 def test_folded_psac_rows_decode_as_the_per_key_path(case, monkeypatch):
     """Sparse PSAC rows folded into the centroid table give the per-key path's output (fp16 sums in another order:
     within 2e-3), and both match the reference; the fold is the variant the default launch compiles."""
@@ -462,7 +467,8 @@ def test_folded_psac_rows_decode_as_the_per_key_path(case, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("case", [("recipe", 0), ("prerope", 0), ("prerope", 2), ("prerope", 3)])
+@pytest.mark.parametrize("case", [("recipe", 0), ("prerope", 0), ("prerope", 2), ("prerope", 3), ("prerope", 4),
+                                  ("prerope", 9)])
 def test_corrupted_centroid_ids_add_nothing(case):
     """A centroid id past the chunk's centroids (a corrupted page: 255, or C itself) reads inside the kernel's
     tables and adds no centroid, as the Triton kernels do: the tensor-core decode of the corrupted pages agrees with
