@@ -1,4 +1,4 @@
-"""Print KL and top-1 per seed of eval JSONs: python3 table.py NAME... (files perf/results/s30/NAME_<text>_<n>.json,
+"""Print KL and top-1 per seed of eval JSONs: python3 table.py NAME... (files perf/results/s30/ or s31/NAME_<text>_<n>.json,
 with P7's rows from perf/results/s27 as the reference)."""
 import json
 import os
@@ -12,6 +12,9 @@ JOBS = [("code", 1536), ("code", 6144), ("tech", 1536), ("pyenv", 1536), ("legal
 def path(name, text, n):
     if name == "p7":
         return f"perf/results/s27/p7_{text}_{n}.json"
+    for folder in ("perf/results/s30", "perf/results/s31"):  # the first that holds it
+        if os.path.exists(f"{folder}/{name}_{text}_{n}.json"):
+            return f"{folder}/{name}_{text}_{n}.json"
     return f"perf/results/s30/{name}_{text}_{n}.json"
 
 
