@@ -145,8 +145,9 @@ class GraphedEncoder:
         sk, sv = k.clone(), v.clone()
         souts = [torch.empty_like(t) for t in outs]
         torch.cuda.synchronize(k.device)
-        # `torch.cuda.graph` empties the allocator's cache before it captures: empty it first, so that what it
-        # gives back is not counted against the capture (`reserved_bytes` read negative otherwise)
+        # `torch.cuda.graph` collects garbage and empties the allocator's cache before it captures: do both first,
+        # so that what it gives back is not counted against the capture (`reserved_bytes` read negative otherwise;
+        # the collection too, since a cycle it frees holds cached blocks). Once per captured key.
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(k.device)

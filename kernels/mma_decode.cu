@@ -561,6 +561,37 @@ __device__ __noinline__ void centroid_values(uint32_t* cv, const Params& a, int6
     for (int i = lane; i < D / 2; i += 32) cv[CV_ZERO * (D / 2) + swzc(i, CV_ZERO)] = 0u;
 }
 
+// A PSAC row of a page's extra block ``ps`` (codes [ROWS][R] int8, scales [ROWS] fp16, token bytes [ROWS]; ``rh``
+// = row * H + head picks a head's scale and token): the token it corrects (>= P: none), its coefficients (codes x
+// scale, fp16 pairs, as the Triton path), and its correction of channels (c, c + 8) at pair index i, summed in fp16.
+__device__ __forceinline__ int psac_token(const uint32_t* ps, int row, int rh) {
+  return (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * (rh & 3))) & 0xFF;
+}
+__device__ __forceinline__ void psac_coefs(const uint32_t* ps, int row, int rh, __half2 (&coef)[PSAC_R > 0 ? PSAC_R : 1]) {
+  const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * (rh & 1)));
+  const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
+  const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
+#pragma unroll
+  for (int rr = 0; rr < PSAC_R; ++rr) coef[rr] = __float2half2_rn(static_cast<float>(codes[rr]) * scale);
+}
+__device__ __forceinline__ __half2 psac_fix(const uint4* pbasis, int i, const __half2 (&coef)[PSAC_R > 0 ? PSAC_R : 1]) {
+  __half2 fix = __float2half2_rn(0.f);
+#pragma unroll
+  for (int q = 0; q < PSAC_R / 4; ++q) {
+    const uint4 u = pbasis[i * (PSAC_R / 4) + q];
+    fix = __hfma2(coef[4 * q], as_half2(u.x), fix);
+    fix = __hfma2(coef[4 * q + 1], as_half2(u.y), fix);
+    fix = __hfma2(coef[4 * q + 2], as_half2(u.z), fix);
+    fix = __hfma2(coef[4 * q + 3], as_half2(u.w), fix);
+  }
+  return fix;
+}
+// The centroid whose values a folded PSAC row adds: its token's id, checked (a corrupted id, or no token, adds none).
+__device__ __forceinline__ int psac_centroid(const uint32_t* words, int tok, int H, int h) {
+  int cid = tok < P ? (words[tok] >> (8 * ((tok * H + h) & 3))) & 0xFF : 0;
+  return cid < K_CENT ? cid : CV_ZERO;
+}
+
 // The centroid table ct[c][n] = centroid c . query row n (log2 units) times ``cs``, from the fragments above.
 __device__ __forceinline__ void centroid_table(float* ct, const uint32_t* cf, float cs, int gid, int tig, int lane,
                                                const uint32_t (&qb)[NB][4][2]) {
@@ -888,14 +919,14 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         if (PSAC_REGMAP) {
 #pragma unroll
           for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row) {
-            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
+            const int tok = psac_token(ps, row, row * a.H + h);
             ptok[row] = tok < P ? tok : -1;
           }
         } else if (PSAC_SPARSE) {
           for (int t = lane; t < P; t += 32) pmap[t] = -1;
           __syncwarp();
           for (int row = lane; row < PSAC_ROWS; row += 32) {
-            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
+            const int tok = psac_token(ps, row, row * a.H + h);
             if (tok < P) pmap[tok] = static_cast<signed char>(row);
           }
         }
@@ -905,29 +936,13 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           __half2 folded[RR][D / 64];
 #pragma unroll
           for (int row = 0; row < RR; ++row) {
-            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
-            int cid = tok < P ? (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF : 0;
-            cid = cid < K_CENT ? cid : CV_ZERO;  // a corrupted id adds no centroid
-            const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
-            const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
-            const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
+            const int cid = psac_centroid(words, psac_token(ps, row, row * a.H + h), a.H, h);
             __half2 coef[PSAC_R > 0 ? PSAC_R : 1];
-#pragma unroll
-            for (int rr = 0; rr < PSAC_R; ++rr)  // fp16, as the Triton path
-              coef[rr] = __float2half2_rn(static_cast<float>(codes[rr]) * scale);
+            psac_coefs(ps, row, row * a.H + h, coef);
 #pragma unroll
             for (int ii = 0; ii < D / 64; ++ii) {
               const int i = lane + 32 * ii;
-              __half2 fix = __float2half2_rn(0.f);  // the correction of channels (c, c + 8), summed in fp16
-#pragma unroll
-              for (int q = 0; q < PSAC_R / 4; ++q) {
-                const uint4 u = pbasis[i * (PSAC_R / 4) + q];
-                fix = __hfma2(coef[4 * q], as_half2(u.x), fix);
-                fix = __hfma2(coef[4 * q + 1], as_half2(u.y), fix);
-                fix = __hfma2(coef[4 * q + 2], as_half2(u.z), fix);
-                fix = __hfma2(coef[4 * q + 3], as_half2(u.w), fix);
-              }
-              folded[row][ii] = __hadd2(as_half2(cvt[cid * (D / 2) + swzc(i, cid)]), fix);
+              folded[row][ii] = __hadd2(as_half2(cvt[cid * (D / 2) + swzc(i, cid)]), psac_fix(pbasis, i, coef));
             }
           }
 #pragma unroll
@@ -938,29 +953,12 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         }
 #pragma unroll 1
         for (int row = 0; row < (PSAC_REGMAP ? 0 : PSAC_ROWS); ++row) {
-          int cid = 0;  // PSAC_FOLD: the centroid of the row's token, whose values the folded row adds
-          if (PSAC_FOLD) {
-            const int tok = (ps[PSAC_ROWS * (PSAC_R / 4 + 1) + row] >> (8 * ((row * a.H + h) & 3))) & 0xFF;
-            cid = tok < P ? (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF : 0;
-            cid = cid < K_CENT ? cid : CV_ZERO;  // a corrupted id adds no centroid
-          }
-          const uint16_t sb = static_cast<uint16_t>(ps[PSAC_ROWS * PSAC_R / 4 + row] >> (16 * ((row * a.H + h) & 1)));
-          const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
-          const signed char* codes = reinterpret_cast<const signed char*>(ps + row * (PSAC_R / 4));
+          // PSAC_FOLD: the centroid of the row's token, whose values the folded row adds
+          const int cid = PSAC_FOLD ? psac_centroid(words, psac_token(ps, row, row * a.H + h), a.H, h) : 0;
           __half2 coef[PSAC_R > 0 ? PSAC_R : 1];
-#pragma unroll
-          for (int rr = 0; rr < PSAC_R; ++rr)  // fp16, as the Triton path
-            coef[rr] = __float2half2_rn(static_cast<float>(codes[rr]) * scale);
+          psac_coefs(ps, row, row * a.H + h, coef);
           for (int i = lane; i < D / 2; i += 32) {
-            __half2 fix = __float2half2_rn(0.f);  // the correction of channels (c, c + 8), summed in fp16
-#pragma unroll
-            for (int q = 0; q < PSAC_R / 4; ++q) {
-              const uint4 u = pbasis[i * (PSAC_R / 4) + q];
-              fix = __hfma2(coef[4 * q], as_half2(u.x), fix);
-              fix = __hfma2(coef[4 * q + 1], as_half2(u.y), fix);
-              fix = __hfma2(coef[4 * q + 2], as_half2(u.z), fix);
-              fix = __hfma2(coef[4 * q + 3], as_half2(u.w), fix);
-            }
+            const __half2 fix = psac_fix(pbasis, i, coef);
             if (PSAC_FOLD)  // the token's centroid (as the table holds it) plus the correction
               cvt[(32 + row) * (D / 2) + swzc(i, 32 + row)] = as_u32(__hadd2(as_half2(cvt[cid * (D / 2) + swzc(i, cid)]), fix));
             else
