@@ -1,0 +1,98 @@
+"""Where the SGLang backend's set of the recipe's page-local codec spends its time (#20's set >= 2 GB/s of raw KV on
+the GPU): the backend's own time split (from the pool, encode, waiting for writes), the codec's one-pass encode of
+one batch alone (device tensors in, synchronized), and the top operations of one warm set under torch's profiler.
+
+    python3 perf/experiments/sglang_set_profile.py OUT_DIR [--pages 64] [--page-size 64] [--layers 32]
+
+Writes OUT_DIR/sglang_set_profile.json and OUT_DIR/sglang_set_ops.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+
+import torch  # noqa: E402
+
+from bench_sglang_gpu import CODECS  # noqa: E402
+from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--pages", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--codec", default=CODECS[-1])
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n, p = args.pages, args.page_size
+    cuda = torch.cuda.is_available()
+    host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
+    if cuda:
+        host.kv_buffer = host.kv_buffer.pin_memory()
+    host.kv_buffer.normal_()
+    raw = n * 2 * args.layers * p * 8 * 128 * 2
+    backend = make_backend(pathlib.Path(tempfile.mkdtemp()) / "kv", host, args.codec)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    assert all(backend.batch_set_v1([f"warm{i}" for i in range(n)], host_indices(range(n), p)))
+    result = {"codec": args.codec, "pages": n, "page_size": p, "layers": args.layers,
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "sets": []}
+    for r in range(3):
+        before = dict(backend.get_stats())
+        sync()
+        start = time.perf_counter()
+        assert all(backend.batch_set_v1([f"r{r}-{i}" for i in range(n)], host_indices(range(n), p)))
+        sync()
+        seconds = time.perf_counter() - start
+        after = backend.get_stats()
+        split = {k: after[k] - before.get(k, 0.0) for k in ("from_pool_s", "encode_s", "write_s") if k in after}
+        result["sets"].append({"s": seconds, "GBps": raw / seconds / 1e9, **split})
+        print(f"set {r}: {raw / seconds / 1e9:.2f} GB/s ({seconds * 1e3:.1f} ms); "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()), flush=True)
+
+    # the codec's one-pass encode of one batch, device tensors in (no staging, no trailer, no write)
+    import kvbackend.integration.sglang as module
+    batch = min(n, module.BATCH_PAGES if cuda else 4)
+    g = backend.geometry
+    dev = backend.device.device
+    k = torch.randn(batch * args.layers, p, g.num_kv_heads, g.head_dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    stored = backend.frame.to_stored(k.reshape(-1, g.num_kv_heads, g.head_dim), v.reshape(-1, g.num_kv_heads, g.head_dim),
+                                     0, None, False) if backend.frame.levers.active else (k, v)
+    units = [x.reshape(batch * args.layers, p, g.num_kv_heads, g.head_dim) for x in stored]
+    times = []
+    for _ in range(4):
+        sync()
+        start = time.perf_counter()
+        backend.codec.encode_units(*units, backend.layout)
+        sync()
+        times.append(time.perf_counter() - start)
+    enc = sorted(times)[len(times) // 2]
+    result["encode_units_batch"] = {"pages": batch, "units": batch * args.layers, "s": enc,
+                                    "GBps": batch * raw / n / enc / 1e9}
+    print(f"encode_units of {batch} pages ({batch * args.layers} units) on {dev}: {enc * 1e3:.1f} ms, "
+          f"{batch * raw / n / enc / 1e9:.2f} GB/s of raw KV", flush=True)
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        backend.batch_set_v1([f"prof{i}" for i in range(n)], host_indices(range(n), p))
+        sync()
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    text = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    text += "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    (out / "sglang_set_ops.txt").write_text(text)
+    print(text[:6000])
+    (out / "sglang_set_profile.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
