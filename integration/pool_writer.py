@@ -90,3 +90,34 @@ class PoolWriter:
         page_bytes = rows * width
         for j, start in enumerate(starts):
             copy_2d(dst, start * token, self.tokens * token, src, j * page_bytes, width, width, rows, stream)
+
+    def read(self, starts: list[int], device: torch.device, stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+        """The pages at token slots ``starts`` (from `slot`) as ``[2, N, L, P, H, D]`` on ``device`` (K, then V,
+        each contiguous), copied straight from a page-locked pool: one strided copy per page and K or V on
+        ``stream`` (default: the current one), asynchronous (the caller synchronizes before the pool's slots
+        change), and no page-locked staging copy of the pages first."""
+        n, p, e = len(starts), self.page_size, self.buffer.element_size()
+        src = self.buffer.view(-1).view(torch.uint8)
+        token = self.row_values * e  # bytes of one token of one layer
+        if self.layout == "layer_first":  # K (or V) of a page: L rows of P tokens at the pool's pitch
+            out = torch.empty((2, n, self.layers, p) + self._heads(), dtype=self.buffer.dtype, device=device)
+            dst = out.view(-1).view(torch.uint8)
+            width, half = p * token, self.layers * self.tokens * token
+            for j, start in enumerate(starts):
+                for kv in (0, 1):
+                    copy_2d(dst, (kv * n + j) * self.layers * width, width, src, kv * half + start * token,
+                            self.tokens * token, width, self.layers, stream)
+            return out
+        # page_first: K (or V) of a page is one row of P * L tokens; [2, N, P, L, H, D], then its layers first
+        out = torch.empty((2, n, p, self.layers) + self._heads(), dtype=self.buffer.dtype, device=device)
+        dst = out.view(-1).view(torch.uint8)
+        width, half = p * self.layers * token, self.tokens * self.layers * token
+        for j, start in enumerate(starts):
+            for kv in (0, 1):
+                copy_2d(dst, (kv * n + j) * width, width, src, kv * half + start * self.layers * token, width, width, 1,
+                        stream)
+        return out.transpose(2, 3).contiguous()
+
+    def _heads(self) -> tuple[int, ...]:
+        """The trailing (heads, head_dim) of the pool's buffer."""
+        return tuple(self.buffer.shape[-2:])

@@ -200,22 +200,17 @@ class KVBackendStorage(HiCacheStorage):
             held = buffers[name] = torch.empty(numel, dtype=dtype)
         return held[:numel].view(shape)
 
-    def _encode_batch(self, pages: List[torch.Tensor], keys: List[int]) -> List[torch.Tensor]:
+    def _encode_batch(self, pages: List[torch.Tensor], keys: List[int],
+                      starts: Optional[List[int]] = None) -> List[torch.Tensor]:
         """`_encode` of many pages in one codec call, the same bytes: a page-local codec encodes every layer of
         every page as pages of one chunk; a codec with codebooks (`Codec.batch_encodes`) encodes each layer of
-        each page as its own one-page chunk (`Codec.encode_units`). Raises if any page cannot be encoded."""
+        each page as its own one-page chunk (`Codec.encode_units`). ``starts``: the pages' token slots in the
+        host pool, where they are views of it (a page-locked pool is then read by the device straight, with no
+        staging copy on the host). Raises if any page cannot be encoded."""
         start = time.perf_counter()
         g, lay, group = self.geometry, self.layout, self.group
         n = len(pages)
         on_cpu = self.device.device.type == "cpu"  # the CPU's buffers are reused; a GPU's staging is page-locked
-
-        def staging(i):
-            shape = (n,) + tuple(pages[0][i].shape)
-            return self._reused(f"stage{i}", shape, pages[0].dtype) if on_cpu else self.device.staging(shape, pages[0].dtype)
-
-        # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
-        k, v = (torch.stack([page[i] for page in pages], out=staging(i)).reshape(-1, g.num_kv_heads, g.head_dim)
-                for i in (0, 1))
         carries = group.has_codebooks
 
         def encode(k, v):
@@ -231,7 +226,28 @@ class KVBackendStorage(HiCacheStorage):
                 return packed.view(n, -1), books.view(n, -1)
             return self.codec.encode(*stored, lay).pages.view(n, -1)
 
-        out = self.device("encode", encode, k, v)
+        out = None
+        if starts is not None and not on_cpu and self.writer is not None and self.writer.direct:
+            def encode_from_pool():  # on the device's stream: the pool's pages copied there, then encoded
+                both = self.writer.read(starts, self.device.device)  # [2, N, L, P, H, D], K and V contiguous
+                return encode(both[0].view(-1, g.num_kv_heads, g.head_dim), both[1].view(-1, g.num_kv_heads, g.head_dim))
+
+            try:
+                out = self.device.run(encode_from_pool)
+            except ValueError:  # the pages' own errors (non-finite values), as on the staged path
+                raise
+            except Exception as exc:  # noqa: BLE001 - the staged path below (and its CPU fallback) gives the same bytes
+                self._log_once("encode_direct", f"kvbackend storage: encoding from the page-locked pool on "
+                                                f"{self.device.device} failed, staging the pages instead: {exc!r}")
+        if out is None:
+            def staging(i):
+                shape = (n,) + tuple(pages[0][i].shape)
+                return self._reused(f"stage{i}", shape, pages[0].dtype) if on_cpu else self.device.staging(shape, pages[0].dtype)
+
+            # K and V stacked apart: each [N, L, P, H, D] contiguous, so the reshape copies nothing
+            k, v = (torch.stack([page[i] for page in pages], out=staging(i)).reshape(-1, g.num_kv_heads, g.head_dim)
+                    for i in (0, 1))
+            out = self.device("encode", encode, k, v)
         packed, books = out if carries else (out, None)  # [N, L * page_bytes], [N, L * codebook_bytes]
         trailers = torch.tensor([list(group.pack_trailer(key, 0, carries)) for key in keys], dtype=torch.uint8)
         blobs = torch.cat([packed, trailers] + ([books] if carries else []), dim=1)
@@ -367,9 +383,9 @@ class KVBackendStorage(HiCacheStorage):
     def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
         self.mem_pool_host.set_from_flat_data_page(index, self._flat_from_page(page))
 
-    def _store(self, keys: List[str], page_of) -> List[bool]:
+    def _store(self, keys: List[str], page_of, slot_of=None) -> List[bool]:
         """Encode and write the pages ``page_of(i)`` of ``keys[i]`` (a page that cannot be had, or encoded, fails
-        alone), a batch at a time: a batch's blobs go to the file tier's writer threads while the next batch
+        alone; ``slot_of(i)``: its token slot where ``page_of(i)`` is a view of the pool `writer` reads), a batch at a time: a batch's blobs go to the file tier's writer threads while the next batch
         is read and encoded. Every write handed over is waited for and counted, whatever fails after it; never raises."""
         n = len(keys)
         try:
@@ -386,15 +402,19 @@ class KVBackendStorage(HiCacheStorage):
         try:
             for at in range(0, n, step):
                 start = time.perf_counter()
-                rows, pages = [], []
+                rows, pages, slots = [], [], []
                 for i in range(at, min(at + step, n)):
                     try:
-                        pages.append(page_of(i))
+                        page = page_of(i)
+                        if slot_of is not None:
+                            slots.append(slot_of(i))
+                        pages.append(page)
                         rows.append(i)
                     except Exception as exc:  # noqa: BLE001 - a page the pool cannot give (a bad host index) fails alone
                         self._log_once("from_pool", f"kvbackend storage: reading a page from the host pool failed: {exc!r}")
                 from_pool += time.perf_counter() - start
-                blobs, encoded = self._encode_part([keys[i] for i in rows], pages)
+                blobs, encoded = self._encode_part([keys[i] for i in rows], pages,
+                                                   slots if slot_of is not None else None)
                 if blobs:
                     positions = [i for i, good in zip(rows, encoded) if good]
                     writes.append((positions, self.tier.put([self._key(keys[i]) for i in positions], blobs)))
@@ -420,13 +440,14 @@ class KVBackendStorage(HiCacheStorage):
             self._stats["failures"] += results.count(False)
         return results
 
-    def _encode_part(self, keys: List[str], pages: List[torch.Tensor]) -> tuple[list, list]:
+    def _encode_part(self, keys: List[str], pages: List[torch.Tensor],
+                     starts: Optional[List[int]] = None) -> tuple[list, list]:
         """(blobs, encoded?) of one batch of ``pages``: in one codec call where the codec allows; a batch that
         fails (a page with non-finite values, ...) goes page by page, so a bad page fails alone."""
         ints = [self._key(k) for k in keys]
         if pages and self._batched_encode() and self._batch_pages("encode") > 1:
             try:
-                return self._encode_batch(pages, ints), [True] * len(pages)
+                return self._encode_batch(pages, ints, starts), [True] * len(pages)
             except Exception:  # noqa: BLE001 - page by page below, so it fails alone
                 pass
         blobs, encoded = [], []
@@ -629,7 +650,8 @@ class KVBackendStorage(HiCacheStorage):
                     return writer.page(writer.slot(host_indices[i * p]))
                 return self._page_from_pool(int(host_indices[i * p]))
 
-            return self._store(list(keys), page_of)
+            slot_of = (lambda i: writer.slot(host_indices[i * p])) if writer is not None else None
+            return self._store(list(keys), page_of, slot_of)
         except Exception as exc:
             self._log_once("set_v1", f"kvbackend storage: batch_set_v1 failed: {exc!r}")
             with self._lock:

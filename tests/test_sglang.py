@@ -771,6 +771,109 @@ def test_the_pool_writer_reads_pages_in_place(layout):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_pool_writer_reads_pages_for_a_device(layout):
+    """`PoolWriter.read` of pages at any slots (repeated, out of order, not page-aligned) is ``[2, N, L, P, H,
+    D]``, K then V, equal to the pages stacked; on the host its strided copies are torch's."""
+    from kvbackend.integration.pool_writer import PoolWriter
+
+    pool = HostPool(layout, pages=6, layers=3)
+    pool.kv_buffer.normal_()
+    writer = PoolWriter.of(pool, 3, 2, 64, torch.bfloat16)
+    starts = [writer.slot(s) for s in (80, 3, 40, 3, 0)]
+    got = writer.read(starts, torch.device("cpu"))
+    want = torch.stack([writer.page(s) for s in starts], 1)  # [2, N, L, P, H, D]
+    assert tuple(got.shape) == (2, 5, 3, 16, 2, 64) and got.is_contiguous() and torch.equal(got, want)
+    if torch.cuda.is_available():
+        pinned = HostPool(layout, pages=6, layers=3)
+        pinned.kv_buffer = pool.kv_buffer.pin_memory()
+        on_device = PoolWriter.of(pinned, 3, 2, 64, torch.bfloat16).read(starts, torch.device("cuda"))
+        torch.cuda.synchronize()
+        assert on_device.is_cuda and torch.equal(on_device.cpu(), want)
+
+
+class _OnHost(DeviceCodec):
+    """A "device" that runs its work on the host: the direct path's logic on a machine without a GPU."""
+
+    def run(self, fn, *tensors, into=None, sink=None, defer=False):
+        return self._deliver(fn(*tensors), into, sink)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("codec", ["rtn:bits=2,group=64,scale=fp8",
+                                   "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16,vcluster=false"])
+def test_sets_from_a_page_locked_pool_are_read_by_the_device_with_the_bytes_of_staging(tmp_path, monkeypatch, caplog,
+                                                                                      layout, codec):
+    """Where the pool is page-locked and the codec runs on a device, a set's batch is copied from the pool by
+    the device itself (`PoolWriter.read`, no host staging copy): the blobs are those of the staged path, for
+    pages at any slots; a read that fails stages the pages instead (the same bytes, logged once)."""
+    import kvbackend.integration.sglang as module
+    from kvbackend.integration.pool_writer import PoolWriter
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 4)
+    host = HostPool(layout, pages=12)
+    host.kv_buffer.normal_()
+    staged = make_backend(tmp_path / "staged", host, codec, device="cpu")
+    direct = make_backend(tmp_path / "direct", host, codec, device="cpu")
+    direct.device = _OnHost(torch.device("cuda", 0))
+    monkeypatch.setattr(PoolWriter, "direct", property(lambda self: True))
+    reads, read = [], PoolWriter.read
+    monkeypatch.setattr(PoolWriter, "read", lambda self, starts, device, stream=None: reads.append(list(starts))
+                        or read(self, starts, torch.device("cpu")))
+    slots = [5, 0, 9, 2, 7, 3]
+    names = [f"p{i}" for i in range(len(slots))]
+    assert direct.batch_set_v1(names, host_indices(slots)) == [True] * len(slots)
+    assert reads == [[16 * s for s in slots[:4]], [16 * s for s in slots[4:]]]
+    assert staged.batch_set_v1(names, host_indices(slots)) == [True] * len(slots)
+    for name in names:
+        a, b = (torch.empty(x.tier.blob_size(x._key(name)), dtype=torch.uint8) for x in (staged, direct))
+        assert staged.tier.get([staged._key(name)], [a]).result() == [True]
+        assert direct.tier.get([direct._key(name)], [b]).result() == [True]
+        assert torch.equal(a, b), name
+
+    def broken(self, starts, device, stream=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(PoolWriter, "read", broken)
+    pages = [host.page(16 * s) for s in slots[:4]]
+    with caplog.at_level("ERROR"):
+        got = direct._encode_batch(pages, list(range(4)), [16 * s for s in slots[:4]])
+        again = direct._encode_batch(pages, list(range(4)), [16 * s for s in slots[:4]])
+    want = staged._encode_batch(pages, list(range(4)))
+    assert all(torch.equal(a, b) for a, b in zip(want, got)) and all(torch.equal(a, b) for a, b in zip(want, again))
+    assert sum("staging the pages instead" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_page_locked_pool_is_read_by_the_gpu_with_the_bytes_of_staging(tmp_path, monkeypatch, layout):
+    """On CUDA: a set from a page-locked pool takes the device's own copies (`PoolWriter.read`), and stores the
+    bytes the staged path stores, for a codec with codebooks (the recipe's page-local one) and one without."""
+    import kvbackend.integration.sglang as module
+    from kvbackend.integration.pool_writer import PoolWriter
+
+    monkeypatch.setattr(module, "BATCH_PAGES", 5)
+    host = HostPool(layout, pages=14)
+    host.kv_buffer = host.kv_buffer.pin_memory()
+    host.kv_buffer.normal_()
+    reads, read = [], PoolWriter.read
+    monkeypatch.setattr(PoolWriter, "read", lambda self, *a, **k: reads.append(a[0]) or read(self, *a, **k))
+    slots = [11, 0, 4, 7, 2, 9, 1]
+    for codec in ("rtn:bits=2,group=64,scale=fp8", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16,vcluster=false"):
+        gpu = make_backend(tmp_path / f"gpu{len(reads)}", host, codec, device="cuda")
+        assert gpu.writer is not None and gpu.writer.direct
+        pages = [host.page(16 * s) for s in slots]
+        starts = [16 * s for s in slots]
+        before = len(reads)
+        got = gpu._encode_batch(pages, list(range(len(slots))), starts)
+        assert len(reads) == before + 1
+        want = gpu._encode_batch(pages, list(range(len(slots))))
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(want, got))
+        names = [f"{codec}{i}" for i in range(len(slots))]
+        assert gpu.batch_set_v1(names, host_indices(slots)) == [True] * len(slots)
+        assert gpu.batch_get_v1(names, host_indices(range(len(slots)))) == [True] * len(slots)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("codec", ["kivi:bits=2,group=16", "quantwm:kchannel=16,centroids=32,cdtype=fp8,outliers=16"])
 def test_sets_read_the_pool_in_place_and_store_the_bytes_of_its_copies(tmp_path, monkeypatch, layout, codec):
     """batch_set_v1 reads pages where they lie in the pool (never through `get_data_page`) and stores the blobs
@@ -818,9 +921,9 @@ def test_a_set_hands_each_batch_to_the_writer_before_encoding_the_next(tmp_path,
     events = []
     encode, put = backend._encode_batch, backend.tier.put
 
-    def encode_batch(pages, ints):
+    def encode_batch(pages, ints, starts=None):
         events.append(("encode", len(pages)))
-        return encode(pages, ints)
+        return encode(pages, ints, starts)
 
     class Later(Handle):  # a handle whose result is only asked for at the end
         def __init__(self, inner, fail):

@@ -164,10 +164,10 @@ class QuantWMCodec(QVGCodec):
     def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
         """Chunks from fresh states have no query statistics: no QSAC, and PSAC rows stay empty (as in `_encode`
         without them); outliers are chosen per page as there."""
-        states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
         if not super()._encode_units(k, v, layout, pages, codebooks, states):
             return False
-        self._encode_keys(k, layout, pages, codebooks, states)
+        self._encode_keys(k, layout, pages, codebooks,
+                          [CodecState()] * codebooks.shape[0] if states is None else list(states))
         return True
 
     def _encode_keys(self, k, layout: PageLayout, pages, codebook, states) -> None:

@@ -114,10 +114,11 @@ class QVGCodec(Codec):
     batch_encodes = True  # `_encode_units`: many one-chunk encodes in one pass
 
     def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
+        kept = states is not None  # fresh chunks' states are nobody's: no per-chunk copy of their centroids
         states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
         if not self._units_encodable(states):
             return False
-        self._encode_chunks(k, v, layout, pages, codebooks, states)
+        self._encode_chunks(k, v, layout, pages, codebooks, states, kept)
         return True
 
     def _units_encodable(self, states) -> bool:
@@ -147,11 +148,13 @@ class QVGCodec(Codec):
             return None
         return torch.stack([s.query_moment.to(device).float() for s in states])
 
-    def _encode_chunks(self, k, v, layout: PageLayout, pages, codebook, states) -> None:
+    def _encode_chunks(self, k, v, layout: PageLayout, pages, codebook, states, kept: bool = True) -> None:
         """`_encode` of ``len(states)`` chunks of equal length at once (K/V ``[U*N, H, D]``, ``pages [U*n, bytes]``,
         ``codebook [U, bytes]`` for U > 1), chunk u from ``states[u]`` (`_states_alike`): each head of each chunk is
         its own k-means problem, warm-started from its own state's centroids, and every cold chunk draws the seeds
-        a fresh encode of it alone draws (`kmeanspp_init`'s ``repeat``)."""
+        a fresh encode of it alone draws (`kmeanspp_init`'s ``repeat``). ``kept=False``: the states are the
+        caller's scratch (one-page chunks a storage backend encodes), left without centroids or iteration counts
+        (a copy per chunk cost more than the encode's kernels on a GPU)."""
         s = self.spec
         units = len(states)
         generator = torch.Generator().manual_seed(s.seed)
@@ -176,7 +179,7 @@ class QVGCodec(Codec):
                 else:
                     init = _INITS[s.init](residual, s.centroids, generator)
                 result = kmeans(residual, init.to(residual.device), s.iters)
-                for st in states:
+                for st in states if kept else ():
                     st.iterations.append(result.iterations)
                 cents = self._store_centroids(result.centroids)  # as decoding will see them
                 assign = self._assign(prefix, residual, cents, result.assign, moment)
@@ -184,7 +187,7 @@ class QVGCodec(Codec):
                 stored.append(cents)
                 assigns.append(assign.reshape(units, h, n).transpose(1, 2).reshape(units * n, h))
             every = torch.stack(stored)  # [S, U*H, C, D]
-            for u, st in enumerate(states):
+            for u, st in enumerate(states if kept else ()):
                 st.centroids[prefix] = every if units == 1 else every[:, u * h : (u + 1) * h].clone()
             by_unit = every.reshape(s.stages, units, h, *stored[0].shape[1:]).transpose(0, 1)
             self._write_centroids(layout, codebook, prefix, by_unit[0] if codebook.dim() == 1 else by_unit)
