@@ -1,10 +1,11 @@
-"""Where the SGLang backend's set of the recipe's page-local codec spends its time (#20's set >= 2 GB/s of raw KV on
-the GPU): the backend's own time split (from the pool, encode, waiting for writes), the codec's one-pass encode of
-one batch alone (device tensors in, synchronized), and the top operations of one warm set under torch's profiler.
+"""Where the SGLang backend's set and get of the recipe's page-local codec spend their time (#20's rows on the GPU):
+the backend's own time split (set: from the pool, encode, waiting for writes; get: reads, decode, into the pool),
+the codec's one-pass encode of one batch alone (device tensors in, synchronized), and the top operations of one
+warm set and one warm get under torch's profiler.
 
     python3 perf/experiments/sglang_set_profile.py OUT_DIR [--pages 64] [--page-size 64] [--layers 32]
 
-Writes OUT_DIR/sglang_set_profile.json and OUT_DIR/sglang_set_ops.txt.
+Writes OUT_DIR/sglang_set_profile.json, OUT_DIR/sglang_set_ops.txt and OUT_DIR/sglang_get_ops.txt.
 """
 from __future__ import annotations
 
@@ -91,6 +92,28 @@ def main() -> None:
     text += "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
     (out / "sglang_set_ops.txt").write_text(text)
     print(text[:6000])
+
+    # gets of what the last set round wrote, into the second half of the pool
+    names = [f"r2-{i}" for i in range(n)]
+    result["gets"] = []
+    for r in range(3):
+        before = dict(backend.get_stats())
+        sync()
+        start = time.perf_counter()
+        assert all(backend.batch_get_v1(names, host_indices(range(n, 2 * n), p)))
+        sync()
+        seconds = time.perf_counter() - start
+        after = backend.get_stats()
+        split = {k: after[k] - before.get(k, 0.0) for k in ("read_s", "decode_s", "to_pool_s") if k in after}
+        result["gets"].append({"s": seconds, "GBps": raw / seconds / 1e9, **split})
+        print(f"get {r}: {raw / seconds / 1e9:.2f} GB/s ({seconds * 1e3:.1f} ms); "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()), flush=True)
+    with torch.profiler.profile(activities=acts) as prof:
+        backend.batch_get_v1(names, host_indices(range(n, 2 * n), p))
+        sync()
+    text = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    text += "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    (out / "sglang_get_ops.txt").write_text(text)
     (out / "sglang_set_profile.json").write_text(json.dumps(result, indent=1))
 
 
