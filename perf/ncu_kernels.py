@@ -59,15 +59,20 @@ def main():
                         help="decode --mma: compile the kernel with -lineinfo (its own cubin cache), so that the "
                              "profiler's source page maps SASS to lines of mma_decode.cu")
     parser.add_argument("--levers", action="store_true",
-                        help="decode: the codec's levers and PSAC rows read by the kernel (the bench's levers rows)")
+                        help="the codec's levers and PSAC rows read by the kernel (decode: the bench's levers rows; "
+                             "gather: its recipe rows, on the CUDA kernel)")
     args = parser.parse_args()
     hq, heads, dim, p, batch, length = 32, 8, 128, 64, 8, 32768
     if args.lineinfo:
         with_lineinfo()
     if args.levers:
-        if args.kind != "decode":
-            parser.error("--levers is for decode")
         case = bk.lever_case(args.codec, batch, length, hq, heads, dim, p, Rotary.default(dim, 500000.0))
+        if args.kind == "gather":  # the CUDA gather of the codec's layout with its levers (the bench's recipe rows)
+            for _ in range(args.launches):
+                gather_dequant(case.pages, case.books, case.dense, case.schemes, case.plans[0], levers=case.levers,
+                               rotary=Rotary.default(dim, 500000.0), backend="cuda")
+            torch.cuda.synchronize()
+            return
         for _ in range(args.launches):
             paged_decode(case.qs[0], case.pages, case.books, case.dense, case.schemes, case.plans[0],
                          target_programs=528, num_warps=args.warps, num_stages=args.stages, mma=args.mma or None,
