@@ -70,6 +70,10 @@
 #define KV_HEADS 0  // KV heads known at compile time (0: the launch's `H`); divisions by it become multiplies
 #endif
 
+// Key outliers few enough for a set of their indices per (token, head) row, in the bits below the PSAC bit: a run
+// of a row with outliers then tests only that row's outliers, not all of its head's.
+#define OUT_SET (OUT_N > 0 && OUT_N <= 31)
+
 constexpr int D = HEAD_DIM;
 constexpr int P = PAGE;
 constexpr int RUNS = D / 8;  // runs of one (token, head) row: consecutive lanes of one warp
@@ -207,8 +211,8 @@ struct alignas(16) Staged {
   int token[PSAC_R ? PSAC_ROWS * MAX_HEADS : 1];            // token of each row (-1: none)
   int out_at[OUT_N ? OUT_N * MAX_HEADS : 1];                // outlier position t * D + d, by head
   float out_value[OUT_N ? OUT_N * MAX_HEADS : 1];
-  // per (token, head) row: bit i when an outlier falls in run i, bit 31 when a PSAC row names the token, so a run
-  // without either (nearly all) costs one shared-memory read
+  // per (token, head) row: bit k when outlier k falls in the row (OUT_SET; else bit i when an outlier falls in run
+  // i), bit 31 when a PSAC row names the token, so a run without either (nearly all) costs one shared-memory read
   uint32_t rowmask[(PSAC_R || OUT_N) ? P * MAX_HEADS : 1];
   // pre-RoPE keys: R(p0) R(t) = R(p0 + t) for the page's tokens, built once per page and read by all its heads
   alignas(16) float rope_cos[ROPE_TABLE ? P * D / 2 : 1];  // read as float4
@@ -350,7 +354,19 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
 #pragma unroll
           for (int j = 0; j < 8; ++j) x[j] = __fadd_rn(x[j], fix[j]);
       }
-      if (IS_K && OUT_N && ((mask >> (d / 8)) & 1u)) {  // key outliers of this head falling in the run
+      if (IS_K && OUT_SET) {  // the row's key outliers, in index order (as the loop below adds them)
+        uint32_t set = mask & ((1u << (OUT_SET ? OUT_N : 1)) - 1u);
+        while (set) {
+          const int i = __ffs(set) - 1;
+          set &= set - 1u;
+          const int at = st.out_at[i * MAX_HEADS + h] - (t * D + d);
+          if (at >= 0 && at < 8) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              if (j == at) x[j] = __fadd_rn(x[j], st.out_value[i * MAX_HEADS + h]);
+          }
+        }
+      } else if (IS_K && OUT_N && ((mask >> (d / 8)) & 1u)) {  // key outliers of this head falling in the run
 #pragma unroll 4
         for (int i = 0; i < (OUT_N ? OUT_N : 1); ++i) {
           const int at = st.out_at[i * MAX_HEADS + h] - (t * D + d);
@@ -490,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Para
       const int at = static_cast<int>(load1<1>(base + a.out_index, i));
       st.out_at[k * MAX_HEADS + h] = at;
       st.out_value[k * MAX_HEADS + h] = element<1>(load1<1>(base + a.out_value, i));
-      if (at < P * D) atomicOr(&st.rowmask[(at / D) * MAX_HEADS + h], 1u << ((at % D) / 8));
+      if (at < P * D) atomicOr(&st.rowmask[(at / D) * MAX_HEADS + h], OUT_SET ? 1u << k : 1u << ((at % D) / 8));
     }
     __syncthreads();
   }

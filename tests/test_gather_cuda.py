@@ -233,6 +233,7 @@ def test_each_lever_the_kernel_reads_changes_its_output():
 @pytest.mark.parametrize("codec,heads,head_dim,page_size", [
     (RECIPE + ",cdtype=fp8,outliers=16", 3, 128, 16),  # 16 runs a row: RoPE partners 8 lanes apart
     (RECIPE + ",cdtype=fp8,outliers=7,group=32", 5, 32, 16),  # 4 runs a row, odd head count
+    (RECIPE + ",cdtype=fp8,outliers=40", 3, 128, 16),  # past 31 outliers: the per-run masks, not a row's outlier set
     ("kivi:bits=2,group=16,sink=3,vrot=hadamard,pagerope=true", 3, 16, 16),  # 2 runs a row
     # 16 PSAC rows a page: no shared memory left for the per-page R(p0 + t) table, so keys turn twice
     (RECIPE + ",cdtype=fp8,outliers=16", 3, 128, 64),
