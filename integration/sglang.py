@@ -385,8 +385,9 @@ class KVBackendStorage(HiCacheStorage):
 
     def _store(self, keys: List[str], page_of, slot_of=None) -> List[bool]:
         """Encode and write the pages ``page_of(i)`` of ``keys[i]`` (a page that cannot be had, or encoded, fails
-        alone; ``slot_of(i)``: its token slot where ``page_of(i)`` is a view of the pool `writer` reads), a batch at a time: a batch's blobs go to the file tier's writer threads while the next batch
-        is read and encoded. Every write handed over is waited for and counted, whatever fails after it; never raises."""
+        alone; ``slot_of(i)``: its token slot, where ``page_of(i)`` is a view of the pool `writer` reads), a batch
+        at a time: a batch's blobs go to the file tier's writer threads while the next batch is read and encoded.
+        Every write handed over is waited for and counted, whatever fails after it; never raises."""
         n = len(keys)
         try:
             self._private_directories()  # recreated if it was removed while running

@@ -114,8 +114,8 @@ class QVGCodec(Codec):
     batch_encodes = True  # `_encode_units`: many one-chunk encodes in one pass
 
     def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
-        kept = states is not None  # fresh chunks' states are nobody's: no per-chunk copy of their centroids
-        states = [CodecState() for _ in range(codebooks.shape[0])] if states is None else list(states)
+        kept = states is not None  # fresh chunks' states are nobody's: one shared scratch state, never written
+        states = [CodecState()] * codebooks.shape[0] if states is None else list(states)
         if not self._units_encodable(states):
             return False
         self._encode_chunks(k, v, layout, pages, codebooks, states, kept)
