@@ -354,3 +354,51 @@ def test_top_positions_through_segments_equal_the_full_top_k(shape, n, segment):
     expected = score.topk(n, dim=-1).indices
     assert torch.equal(top_positions(score, n, segment), expected)
     assert torch.equal(top_positions(-score, n, segment), (-score).topk(n, dim=-1).indices)
+
+
+def _skewed_moment(h=2, d=64, heavy=(3, 17, 40, 50), weight=400.0):
+    """A query second moment whose diagonal puts most of the weight on a few channels: [H, D, D]."""
+    diag = torch.ones(d)
+    diag[list(heavy)] = weight
+    return torch.diag(diag).expand(h, d, d).clone()
+
+
+def test_query_weighted_kmeans_lowers_the_query_weighted_key_error():
+    """`kmetric=1` clusters keys under the chunk's query channel weights: the decoded keys' error weighted by them
+    (the logits' error for these queries) is lower than plain k-means gives, at the same bytes; the plain
+    Euclidean error may rise."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v = _keys(t=256), _keys(t=256, seed=5)
+    moment = _skewed_moment()
+    w = channel_weights(moment)  # [H, D], mean 1
+    spec = "quantwm:centroids=8,rank=0,vcluster=false,iters=8,kchannel=16"
+    errors = {}
+    for metric in (0, 1):
+        codec = codecs.get(f"{spec},kmetric={metric}")
+        layout = codec.layout(geometry, 64)
+        chunk = codec.encode(k, v, layout, CodecState(query_moment=moment))
+        kh, _ = codec.decode(chunk)
+        e = (kh - k) ** 2  # [T, H, D]
+        errors[metric] = (float((e * w).sum()), float(e.sum()), chunk.nbytes)
+    assert errors[1][2] == errors[0][2]  # the same bytes stored
+    assert errors[1][0] < 0.8 * errors[0][0], errors
+
+
+def test_query_weighted_kmeans_needs_query_statistics_and_leaves_the_kernels_encode():
+    """Without query statistics `kmetric` changes nothing (the same bytes); with them the kernels' encoder
+    (plain Euclidean k-means) declines the keys, so the reference encodes them."""
+    from kvbackend.kernels import unit_encoder
+
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v = _keys(t=128), _keys(t=128, seed=5)
+    plain, weighted = (codecs.get(f"quantwm:centroids=8,rank=0,vcluster=false,kchannel=16,kmetric={m}") for m in (0, 1))
+    layout = plain.layout(geometry, 64)
+    assert torch.equal(plain.encode(k, v, layout, CodecState()).pages, weighted.encode(k, v, layout, CodecState()).pages)
+    with_stats = [CodecState(query_moment=_skewed_moment())]
+    assert unit_encoder.supports(plain, layout, with_stats)
+    assert not unit_encoder.supports(weighted, layout, with_stats)
+    assert unit_encoder.supports(weighted, layout, [CodecState()])
+    moment = _skewed_moment()
+    a = plain.encode(k, v, layout, CodecState(query_moment=moment)).pages
+    b = weighted.encode(k, v, layout, CodecState(query_moment=moment)).pages
+    assert not torch.equal(a, b)

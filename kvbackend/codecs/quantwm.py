@@ -55,6 +55,10 @@ class QuantWMSpec(QVGSpec):
     # sparse key outliers: per page and head, the key entries with the largest query-weighted error get
     # their error stored exactly (fp16 value, int16 position in the page): 4 bytes each (0 = off)
     outliers: int = ranged(0, 0, 4096)
+    # keys' k-means under the chunk's query channel weights w (diag of its query second moment, mean 1): distances
+    # weigh channel d by w_d ** kmetric (0 = plain Euclidean; 1 = the query-weighted error of the logits). Needs
+    # query statistics; the stored bytes keep their layout (centroids are stored unweighted)
+    kmetric: float = ranged(0.0, 0.0, 1.0)
 
     def psac_rows(self, page_size: int) -> int:
         """PSAC rows per page and head."""
@@ -148,12 +152,28 @@ class QuantWMCodec(QVGCodec):
             page += [("k_out_index", torch.int16, (n, h)), ("k_out_value", torch.float16, (n, h))]
         return page, book
 
-    def _nearest_assigned(self, prefix: str, moment: torch.Tensor | None) -> bool:
+    def _qsac(self, prefix: str, moment: torch.Tensor | None) -> bool:
         s = self.spec  # QSAC: keys with query statistics choose among the nearest candidates by query sensitivity
-        return prefix != "k" or moment is None or s.candidates < 2 or bool(s.kchannel)
+        return prefix == "k" and moment is not None and s.candidates >= 2 and not s.kchannel
+
+    def _weighted(self, prefix: str, moment: torch.Tensor | None) -> bool:
+        """Whether ``prefix``'s k-means measures distances under the query channel weights (`kmetric`)."""
+        return prefix == "k" and moment is not None and self.spec.kmetric > 0
+
+    def _nearest_assigned(self, prefix: str, moment: torch.Tensor | None) -> bool:
+        return not self._qsac(prefix, moment) and not self._weighted(prefix, moment)
+
+    def _cluster_scale(self, prefix: str, moment: torch.Tensor | None) -> torch.Tensor | None:
+        if not self._weighted(prefix, moment):
+            return None
+        w = channel_weights(moment)
+        if self.levers.rope:  # keys in a RoPE-free frame: a query meets them turned by the relative angle, which
+            half = w.shape[-1] // 2  # mixes each pair (d, d + D/2): both channels weigh the pair's mean
+            w = ((w[..., :half] + w[..., half:]) / 2).repeat(1, 2)
+        return w.clamp_min(1e-4) ** (self.spec.kmetric / 2)
 
     def _assign(self, prefix: str, residual, cents, nearest, moment: torch.Tensor | None):
-        if self._nearest_assigned(prefix, moment):
+        if not self._qsac(prefix, moment):
             return nearest
         return qsac_assign(residual, cents, channel_weights(moment), self.spec.candidates, self.spec.group)
 

@@ -130,8 +130,14 @@ class QVGCodec(Codec):
         return self.spec.init == "kmeans++" or not any(self._clustered(p) and p not in states[0].centroids for p in "kv")
 
     def _nearest_assigned(self, prefix: str, moment: torch.Tensor | None) -> bool:
-        """Whether ``prefix``'s stages take the nearest centroid (`_assign` returns k-means' own assignment)."""
+        """Whether ``prefix``'s stages take the nearest centroid by plain Euclidean distance (k-means' own
+        assignment, unweighted), as the kernels' encoder does."""
         return True
+
+    def _cluster_scale(self, prefix: str, moment: torch.Tensor | None) -> torch.Tensor | None:
+        """Per k-means row (a head of a chunk) and channel, the factor the points are scaled by before k-means
+        ([rows, D] float32: distances weigh channel d by its square), or None for plain Euclidean k-means."""
+        return None
 
     @staticmethod
     def _states_alike(states) -> bool:
@@ -170,18 +176,22 @@ class QVGCodec(Codec):
             warm = None
             if prefix in states[0].centroids:
                 warm = states[0].centroids[prefix] if units == 1 else torch.cat([st.centroids[prefix] for st in states], 1)
+            scale = self._cluster_scale(prefix, moment)  # [U*H, D] or None: the space k-means measures in
+            scale = None if scale is None else scale.to(residual.device, torch.float32).unsqueeze(1)
             stored, assigns = [], []
             for stage in range(s.stages):
+                space = residual if scale is None else residual * scale
                 if warm is not None:
-                    init = warm[stage]
+                    init = warm[stage].to(residual.device) if scale is None else warm[stage].to(residual.device) * scale
                 elif units > 1:
-                    init = kmeanspp_init(residual, s.centroids, generator, repeat=units)
+                    init = kmeanspp_init(space, s.centroids, generator, repeat=units)
                 else:
-                    init = _INITS[s.init](residual, s.centroids, generator)
-                result = kmeans(residual, init.to(residual.device), s.iters)
+                    init = _INITS[s.init](space, s.centroids, generator)
+                result = kmeans(space, init.to(residual.device), s.iters)
                 for st in states if kept else ():
                     st.iterations.append(result.iterations)
-                cents = self._store_centroids(result.centroids)  # as decoding will see them
+                centroids = result.centroids if scale is None else result.centroids / scale
+                cents = self._store_centroids(centroids)  # as decoding will see them
                 assign = self._assign(prefix, residual, cents, result.assign, moment)
                 residual = residual - torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
                 stored.append(cents)
