@@ -182,7 +182,7 @@ class QVGCodec(Codec):
             for stage in range(s.stages):
                 space = residual if scale is None else residual * scale
                 if warm is not None:
-                    init = warm[stage].to(residual.device) if scale is None else warm[stage].to(residual.device) * scale
+                    init = warm[stage].to(residual.device) * (1.0 if scale is None else scale)
                 elif units > 1:
                     init = kmeanspp_init(space, s.centroids, generator, repeat=units)
                 else:

@@ -46,19 +46,39 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     assert all(backend.batch_set_v1([f"warm{i}" for i in range(n)], host_indices(range(n), p)))
     result = {"codec": args.codec, "pages": n, "page_size": p, "layers": args.layers,
-              "device": torch.cuda.get_device_name() if cuda else "cpu", "sets": []}
-    for r in range(3):
-        before = dict(backend.get_stats())
-        sync()
-        start = time.perf_counter()
-        assert all(backend.batch_set_v1([f"r{r}-{i}" for i in range(n)], host_indices(range(n), p)))
-        sync()
-        seconds = time.perf_counter() - start
-        after = backend.get_stats()
-        split = {k: after[k] - before.get(k, 0.0) for k in ("from_pool_s", "encode_s", "write_s") if k in after}
-        result["sets"].append({"s": seconds, "GBps": raw / seconds / 1e9, **split})
-        print(f"set {r}: {raw / seconds / 1e9:.2f} GB/s ({seconds * 1e3:.1f} ms); "
-              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()), flush=True)
+              "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+    def rounds(kind: str, call, stats: tuple[str, ...]) -> list[dict]:
+        """Three timed calls of ``call(r)`` (each must succeed for every page), with the backend's time split."""
+        rows = []
+        for r in range(3):
+            before = dict(backend.get_stats())
+            sync()
+            start = time.perf_counter()
+            assert all(call(r))
+            sync()
+            seconds = time.perf_counter() - start
+            after = backend.get_stats()
+            split = {k: after[k] - before.get(k, 0.0) for k in stats if k in after}
+            rows.append({"s": seconds, "GBps": raw / seconds / 1e9, **split})
+            print(f"{kind} {r}: {raw / seconds / 1e9:.2f} GB/s ({seconds * 1e3:.1f} ms); "
+                  + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()), flush=True)
+        return rows
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+    def profiled(call, rows: int) -> str:
+        """The top operations of one ``call()`` under torch's profiler: by device (or host) time, then by own host time."""
+        with torch.profiler.profile(activities=acts) as prof:
+            call()
+            sync()
+        table = prof.key_averages().table
+        return (table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=rows, max_name_column_width=70)
+                + "\n\n" + table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+    result["sets"] = rounds("set", lambda r: backend.batch_set_v1([f"r{r}-{i}" for i in range(n)],
+                                                                  host_indices(range(n), p)),
+                            ("from_pool_s", "encode_s", "write_s"))
 
     # the codec's one-pass encode of one batch, device tensors in (no staging, no trailer, no write)
     import kvbackend.integration.sglang as module
@@ -83,36 +103,15 @@ def main() -> None:
     print(f"encode_units of {batch} pages ({batch * args.layers} units) on {dev}: {enc * 1e3:.1f} ms, "
           f"{batch * raw / n / enc / 1e9:.2f} GB/s of raw KV", flush=True)
 
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        backend.batch_set_v1([f"prof{i}" for i in range(n)], host_indices(range(n), p))
-        sync()
-    sort = "cuda_time_total" if cuda else "cpu_time_total"
-    text = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
-    text += "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    text = profiled(lambda: backend.batch_set_v1([f"prof{i}" for i in range(n)], host_indices(range(n), p)), 40)
     (out / "sglang_set_ops.txt").write_text(text)
     print(text[:6000])
 
     # gets of what the last set round wrote, into the second half of the pool
     names = [f"r2-{i}" for i in range(n)]
-    result["gets"] = []
-    for r in range(3):
-        before = dict(backend.get_stats())
-        sync()
-        start = time.perf_counter()
-        assert all(backend.batch_get_v1(names, host_indices(range(n, 2 * n), p)))
-        sync()
-        seconds = time.perf_counter() - start
-        after = backend.get_stats()
-        split = {k: after[k] - before.get(k, 0.0) for k in ("read_s", "decode_s", "to_pool_s") if k in after}
-        result["gets"].append({"s": seconds, "GBps": raw / seconds / 1e9, **split})
-        print(f"get {r}: {raw / seconds / 1e9:.2f} GB/s ({seconds * 1e3:.1f} ms); "
-              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()), flush=True)
-    with torch.profiler.profile(activities=acts) as prof:
-        backend.batch_get_v1(names, host_indices(range(n, 2 * n), p))
-        sync()
-    text = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
-    text += "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    get = lambda r=0: backend.batch_get_v1(names, host_indices(range(n, 2 * n), p))  # noqa: E731
+    result["gets"] = rounds("get", get, ("read_s", "decode_s", "to_pool_s"))
+    text = profiled(get, 30)
     (out / "sglang_get_ops.txt").write_text(text)
     (out / "sglang_set_profile.json").write_text(json.dumps(result, indent=1))
 
