@@ -37,7 +37,7 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
     """Whether `encode_units` encodes these chunks (else the reference does)."""
     if not isinstance(codec, QVGCodec) or not codec._units_encodable(states):
         return False
-    if not codec._nearest_assigned("k", states[0].query_moment):  # QSAC: the reference chooses the centroids
+    if codec._qsac("k", states[0].query_moment):  # QSAC: the reference chooses the centroids
         return False
     p, d = layout.page_size, layout.geometry.head_dim
     if p & (p - 1) or d & (d - 1):
@@ -131,7 +131,7 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
         x = x.float().contiguous()
         clustered = codec._clustered(prefix)
         if clustered:
-            every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator)
+            every, assign = _cluster(codec, prefix, x.view(units, n, h, -1), states, generator, moments)
             for u, st in enumerate(states):
                 st.centroids[prefix] = every[:, u * h : (u + 1) * h].clone()
         for i, (part, at) in enumerate(zip(parts, index)):
@@ -186,8 +186,10 @@ def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, 
         codec._encode_psac(k, layout, pages, codebooks, moments, basis=basis, both=both)
 
 
-def _cluster(codec, prefix: str, x: torch.Tensor, states, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each stage's k-means over the chunks' heads (``x`` [U, N, H, D]), warm-started as the reference does.
+def _cluster(codec, prefix: str, x: torch.Tensor, states, generator,
+             moments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each stage's k-means over the chunks' heads (``x`` [U, N, H, D]), warm-started as the reference does, in
+    the space the codec measures distances in (`_cluster_scale`, from the chunks' query ``moments`` [U, H, D, D]).
     Returns the centroids as stored [S, U*H, C, D] (float32) and the ids [S, U*N, H] (int32)."""
     s = codec.spec
     units, n, h, d = x.shape
@@ -195,18 +197,22 @@ def _cluster(codec, prefix: str, x: torch.Tensor, states, generator) -> tuple[to
     warm = None
     if prefix in states[0].centroids:
         warm = torch.cat([st.centroids[prefix] for st in states], 1)  # [S, U*H, C, D]
+    scale = codec._cluster_scale(prefix, None if moments is None else moments.flatten(0, 1))
+    scale = None if scale is None else scale.to(residual.device, torch.float32).unsqueeze(1)  # [U*H, 1, D]
     stored, assigns = [], []
     for stage in range(s.stages):
+        space = residual if scale is None else residual * scale
         if warm is not None:
-            init = warm[stage].to(residual.device)
+            init = warm[stage].to(residual.device) if scale is None else warm[stage].to(residual.device) * scale
         else:
-            init = kmeanspp_init(residual, s.centroids, generator, repeat=units)
+            init = kmeanspp_init(space, s.centroids, generator, repeat=units)
         # CUDA: fixed steps, no host sync (a CUDA graph of them held 864 MiB per chunk shape for the process's life);
         # the interpreter: stop once assignments settle, as the reference does
-        result = kmeans(residual, init, s.iters, early_stop=not residual.is_cuda)
+        result = kmeans(space, init, s.iters, early_stop=not residual.is_cuda)
         for st in states:
             st.iterations.append(result.iterations)
-        cents = codec._store_centroids(result.centroids)  # as decoding will see them
+        centroids = result.centroids if scale is None else result.centroids / scale
+        cents = codec._store_centroids(centroids)  # as decoding will see them
         if stage + 1 < s.stages:
             residual = residual - torch.gather(cents, 1, result.assign.unsqueeze(-1).expand(-1, -1, d))
         stored.append(cents)

@@ -384,9 +384,9 @@ def test_query_weighted_kmeans_lowers_the_query_weighted_key_error():
     assert errors[1][0] < 0.8 * errors[0][0], errors
 
 
-def test_query_weighted_kmeans_needs_query_statistics_and_leaves_the_kernels_encode():
-    """Without query statistics `kmetric` changes nothing (the same bytes); with them the kernels' encoder
-    (plain Euclidean k-means) declines the keys, so the reference encodes them."""
+def test_query_weighted_kmeans_needs_query_statistics_and_the_kernels_encode_it():
+    """Without query statistics `kmetric` changes nothing (the same bytes); with them the kernels' encoder takes
+    the keys too (it clusters in the same weighted space: `tests/test_unit_encoder.py` compares the bytes)."""
     from kvbackend.kernels import unit_encoder
 
     geometry = Geometry(1, 2, 64, torch.float32)
@@ -396,7 +396,7 @@ def test_query_weighted_kmeans_needs_query_statistics_and_leaves_the_kernels_enc
     assert torch.equal(plain.encode(k, v, layout, CodecState()).pages, weighted.encode(k, v, layout, CodecState()).pages)
     with_stats = [CodecState(query_moment=_skewed_moment())]
     assert unit_encoder.supports(plain, layout, with_stats)
-    assert not unit_encoder.supports(weighted, layout, with_stats)
+    assert unit_encoder.supports(weighted, layout, with_stats)
     assert unit_encoder.supports(weighted, layout, [CodecState()])
     moment = _skewed_moment()
     a = plain.encode(k, v, layout, CodecState(query_moment=moment)).pages

@@ -27,6 +27,8 @@ SPECS = [
     "qvg",
     # a 3-bit-key layer of kvbackend.spec.QUALITY_SPEC (no outliers there): 8 codes in 3 bytes
     "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,kbits=3",
+    # keys clustered under the queries' channel weights (`kmetric`), pre-RoPE pairs averaged
+    RECIPE + ",kmetric=0.5,prerope=true",
 ]
 
 

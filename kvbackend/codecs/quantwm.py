@@ -160,9 +160,6 @@ class QuantWMCodec(QVGCodec):
         """Whether ``prefix``'s k-means measures distances under the query channel weights (`kmetric`)."""
         return prefix == "k" and moment is not None and self.spec.kmetric > 0
 
-    def _nearest_assigned(self, prefix: str, moment: torch.Tensor | None) -> bool:
-        return not self._qsac(prefix, moment) and not self._weighted(prefix, moment)
-
     def _cluster_scale(self, prefix: str, moment: torch.Tensor | None) -> torch.Tensor | None:
         if not self._weighted(prefix, moment):
             return None

@@ -129,10 +129,10 @@ class QVGCodec(Codec):
             return False
         return self.spec.init == "kmeans++" or not any(self._clustered(p) and p not in states[0].centroids for p in "kv")
 
-    def _nearest_assigned(self, prefix: str, moment: torch.Tensor | None) -> bool:
-        """Whether ``prefix``'s stages take the nearest centroid by plain Euclidean distance (k-means' own
-        assignment, unweighted), as the kernels' encoder does."""
-        return True
+    def _qsac(self, prefix: str, moment: torch.Tensor | None) -> bool:
+        """Whether ``prefix``'s assignments are chosen by query sensitivity (QSAC: the reference alone does),
+        instead of being k-means' own."""
+        return False
 
     def _cluster_scale(self, prefix: str, moment: torch.Tensor | None) -> torch.Tensor | None:
         """Per k-means row (a head of a chunk) and channel, the factor the points are scaled by before k-means
