@@ -4,7 +4,10 @@ of Llama-8B geometry on the GPU: one decode step at B=8, L=32K (each layer's spe
 kernel, CUDA graphs, summed over the layers) and one warm 2048-token chunk completion (the layers grouped by spec as
 `KVCache` groups them, each group one `Codec.encode_units` pass with the kernels' encode), beside SDPA BF16.
 
-    python3 perf/experiments/default_step.py $OUT/default_step.json
+    python3 perf/experiments/default_step.py $OUT/default_step.json [SPEC ...]
+
+Each further SPEC (a depth or page spec) has its chunk encode timed beside the recommended one's (key "extra", a
+list): a lever that changes no decoded byte layout, such as `kmetric`, costs only there.
 
 JSON keys: "page_codec" and "recommended" (session 28's runs, `perf/results/s28/call{2,5}/`, wrote them as
 "recommended" and "quality").
@@ -108,7 +111,7 @@ def encode_ms(specs: list[str]) -> dict:
     return result
 
 
-def main(out: str) -> None:
+def main(out: str, extra: list[str]) -> None:
     rotary = Rotary.default(DIM, 500000.0)
     result = {"sdpa_graph_us_per_layer": sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3}
     print(f"SDPA BF16 (graphs) per layer {result['sdpa_graph_us_per_layer']:.1f} us", flush=True)
@@ -135,8 +138,16 @@ def main(out: str) -> None:
     print(f"recommended / page codec: decode {q['decode_step_us'] / r['decode_step_us']:.3f}x, "
           f"encode {q['encode_chunk']['ms'] / r['encode_chunk']['ms']:.3f}x eager, "
           f"{q['encode_chunk']['graph_ms'] / r['encode_chunk']['graph_ms']:.3f}x from graphs", flush=True)
+    result["extra"] = []
+    for spec in extra:
+        enc = encode_ms(layer_specs(spec, LAYERS))
+        result["extra"].append({"spec": spec, "encode_chunk": enc})
+        print(f"{spec[-70:]}: chunk encode {enc['ms']:.2f} ms eager ({enc['ms'] / q['encode_chunk']['ms']:.3f}x the "
+              f"recommended), {enc['graph_ms']:.2f} ms from graphs ({enc['graph_ms'] / q['encode_chunk']['graph_ms']:.3f}x)"
+              + (f", one mixed pass {enc['mixed_ms']:.2f} ms ({enc['mixed_ms'] / q['encode_chunk']['mixed_ms']:.3f}x)"
+                 if "mixed_ms" in enc and "mixed_ms" in q["encode_chunk"] else ""), flush=True)
     pathlib.Path(out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
