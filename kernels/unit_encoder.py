@@ -22,9 +22,8 @@ from typing import Sequence
 import torch
 
 from kvbackend.codecs.base import CodecState
-from kvbackend.codecs.kmeans import kmeanspp_init
 from kvbackend.codecs.quantwm import QuantWMCodec
-from kvbackend.codecs.qvg import QVGCodec
+from kvbackend.codecs.qvg import BATCHED_INITS, QVGCodec
 from kvbackend.errors import UnsupportedLayout
 from kvbackend.layout import PageLayout
 from kvbackend.scheme import FLOAT, kernel_schemes
@@ -205,7 +204,7 @@ def _cluster(codec, prefix: str, x: torch.Tensor, states, generator,
         if warm is not None:
             init = warm[stage].to(residual.device) if scale is None else warm[stage].to(residual.device) * scale
         else:
-            init = kmeanspp_init(space, s.centroids, generator, repeat=units)
+            init = BATCHED_INITS[s.init](space, s.centroids, generator, repeat=units)  # `_units_encodable`: batched
         # CUDA: fixed steps, no host sync (a CUDA graph of them held 864 MiB per chunk shape for the process's life);
         # the interpreter: stop once assignments settle, as the reference does
         result = kmeans(space, init, s.iters, early_stop=not residual.is_cuda)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbackend import codecs
-from kvbackend.codecs.kmeans import kmeanspp_init
+from kvbackend.codecs.kmeans import greedy_kmeanspp_init, kmeanspp_init
 from kvbackend.errors import InvalidKV
 from kvbackend.geometry import Geometry
 
@@ -19,6 +19,7 @@ BATCHED = [
     "qvg:kchannel=16,vcluster=false,centroids=32",  # more centroids than a page has tokens
     "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16",
     "quantwm:rank=0,centroids=4,outliers=5,bits=3,group=32",
+    "qvg:init=greedy,centroids=8",  # greedy k-means++ seeding batches as plain k-means++ does
 ]
 LOOPED = ["kivi:bits=2,group=16", "rtn:bits=2,group=32,scale=fp8", "qvg:init=random,centroids=4"]
 
@@ -91,23 +92,59 @@ def test_a_non_finite_value_in_any_chunk_refuses_the_batch():
         codec.encode_units(k, v, layout)
 
 
-def test_seeding_repeats_each_problems_draws():
+@pytest.mark.parametrize("trials", [1, 3])
+def test_seeding_repeats_each_problems_draws(trials):
     """`kmeanspp_init(repeat=U)` on U stacked problems gives each the seeds a fresh run on it alone gives; picks
-    never land on points already covered while uncovered ones remain."""
+    never land on points already covered while uncovered ones remain (greedy seeding too)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 3, 20, 8, generator=gen)  # 4 problems of 3 rows
-    together = kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator().manual_seed(9), repeat=4).view(4, 3, 6, 8)
+    together = kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator().manual_seed(9), repeat=4,
+                             trials=trials).view(4, 3, 6, 8)
     for u in range(4):
-        assert torch.equal(together[u], kmeanspp_init(x[u], 6, torch.Generator().manual_seed(9)))
-    seeds = kmeanspp_init(x[0], 20, torch.Generator().manual_seed(3))  # as many centroids as points: each once
+        assert torch.equal(together[u], kmeanspp_init(x[u], 6, torch.Generator().manual_seed(9), trials=trials))
+    seeds = kmeanspp_init(x[0], 20, torch.Generator().manual_seed(3), trials=trials)  # as many as points: each once
     for row in range(3):
         assert torch.unique(seeds[row], dim=0).shape[0] == 20
     with pytest.raises(ValueError, match="problems of equal size"):
-        kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator(), repeat=5)
+        kmeanspp_init(x.reshape(12, 20, 8), 6, torch.Generator(), repeat=5, trials=trials)
+    with pytest.raises(ValueError, match="trials=0"):
+        kmeanspp_init(x[0], 6, torch.Generator(), trials=0)
 
 
+def test_greedy_seeding_leaves_less_potential_and_k_means_ends_lower():
+    """Greedy k-means++ (the best of 2 + ln C candidates a step) seeds with a smaller sum of squared distances to
+    the nearest seed than k-means++ on every one of six seedings of clustered points with scaled channels, and
+    Lloyd's steps from its seeds end lower on average; its first candidate is k-means++'s own pick."""
+    from kvbackend.codecs.kmeans import greedy_trials, kmeans
+
+    gen = torch.Generator().manual_seed(5)
+    centers = torch.randn(4, 12, 16, generator=gen) * 4
+    x = centers[:, torch.randint(0, 12, (400,), generator=gen)] + torch.randn(4, 400, 16, generator=gen)
+    x = x * torch.linspace(0.3, 2, 16)
+
+    def potential(seeds):
+        return float(torch.cdist(x, seeds).pow(2).amin(-1).sum())
+
+    plain, greedy, plain_end, greedy_end = [], [], [], []
+    for seed in range(6):
+        a = kmeanspp_init(x, 16, torch.Generator().manual_seed(seed))
+        b = greedy_kmeanspp_init(x, 16, torch.Generator().manual_seed(seed))
+        plain.append(potential(a))
+        greedy.append(potential(b))
+        plain_end.append(kmeans(x, a, 8).objective)
+        greedy_end.append(kmeans(x, b, 8).objective)
+    assert all(g < p for g, p in zip(greedy, plain)), (greedy, plain)
+    assert sum(greedy_end) < sum(plain_end), (greedy_end, plain_end)
+    assert greedy_trials(32) == 5 and greedy_trials(1) == 2
+    # one candidate a step is plain k-means++ (the same draws, the same seeds)
+    assert torch.equal(kmeanspp_init(x, 16, torch.Generator().manual_seed(0), trials=1),
+                       kmeanspp_init(x, 16, torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("trials", [1, 3])
 @pytest.mark.parametrize("rows,points,dim,centroids,repeat", [(70, 24, 16, 8, 1), (64, 24, 16, 8, 2), (9, 6, 4, 8, 1)])
-def test_seeding_in_blocks_of_rows_picks_what_one_block_picks(monkeypatch, rows, points, dim, centroids, repeat):
+def test_seeding_in_blocks_of_rows_picks_what_one_block_picks(monkeypatch, rows, points, dim, centroids, repeat,
+                                                              trials):
     """On the CPU, k-means++ seeds blocks of rows one after another (their points stay in cache): every row gets
     the seeds of seeding all rows at once, with far points (float32-overflowing distances) and duplicates too."""
     import kvbackend.codecs.kmeans as kmeans
@@ -117,10 +154,11 @@ def test_seeding_in_blocks_of_rows_picks_what_one_block_picks(monkeypatch, rows,
     x[3, 5] = 3e19  # a distance past float32's range
     x[5] = 1.0  # a row of duplicates
     monkeypatch.setattr(kmeans, "_SEED_BLOCK_BYTES", 1 << 40)  # one block
-    whole = kmeanspp_init(x, centroids, torch.Generator().manual_seed(7), repeat=repeat)
+    whole = kmeanspp_init(x, centroids, torch.Generator().manual_seed(7), repeat=repeat, trials=trials)
     for rows_per_block in (1, 3, 7):
         monkeypatch.setattr(kmeans, "_SEED_BLOCK_BYTES", rows_per_block * points * dim * 4)
-        assert torch.equal(kmeanspp_init(x, centroids, torch.Generator().manual_seed(7), repeat=repeat), whole)
+        assert torch.equal(kmeanspp_init(x, centroids, torch.Generator().manual_seed(7), repeat=repeat, trials=trials),
+                           whole)
     assert kmeanspp_init(x[:0], centroids, torch.Generator().manual_seed(7)).shape == (0, centroids, dim)
 
 

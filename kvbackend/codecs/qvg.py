@@ -23,9 +23,10 @@ from kvbackend.spec import Checked, one_of, ranged
 from kvbackend.codecs.base import Codec, CodecState, FieldSpecs, from_pages, to_pages
 from kvbackend.codecs.groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
                      encode_token_groups, token_group_fields)
-from kvbackend.codecs.kmeans import kmeans, kmeanspp_init, random_init
+from kvbackend.codecs.kmeans import greedy_kmeanspp_init, kmeans, kmeanspp_init, random_init
 
-_INITS = {"kmeans++": kmeanspp_init, "random": random_init}
+_INITS = {"kmeans++": kmeanspp_init, "greedy": greedy_kmeanspp_init, "random": random_init}
+BATCHED_INITS = {"kmeans++": kmeanspp_init, "greedy": greedy_kmeanspp_init}  # seed U chunks in one batch (``repeat``)
 from kvbackend.codecs.rtn import check_bits_group
 from kvbackend.codecs.widths import MAX_GROUP, SPLIT_WIDTHS, WIDTHS, SplitWidths, check_split_widths
 
@@ -46,7 +47,8 @@ class QVGSpec(SplitWidths, Checked):
     symmetric: bool = False  # ternary absmax codes, or asymmetric min/max with a zero
     scale: str = one_of("fp8", SCALE_DTYPES)  # storage dtype of residual scales and zeros
     seed: int = ranged(0, 0, 2**63 - 1)  # random initialisation of the first chunk's centroids
-    init: str = one_of("kmeans++", _INITS)  # first chunk's seeding: "kmeans++" or "random" points
+    init: str = one_of("kmeans++", _INITS)  # first chunk's seeding: "kmeans++", "greedy" (greedy k-means++: the best
+    # of 2 + ln C candidates a step) or "random" points
     # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style; divides page_size)
     kchannel: int = ranged(0, 0, MAX_GROUP)
     clip: bool = False  # residual steps: MSE-optimal Gaussian step instead of min/max (asymmetric only)
@@ -127,7 +129,7 @@ class QVGCodec(Codec):
         stream)."""
         if not self._states_alike(states):
             return False
-        return self.spec.init == "kmeans++" or not any(self._clustered(p) and p not in states[0].centroids for p in "kv")
+        return self.spec.init in BATCHED_INITS or not any(self._clustered(p) and p not in states[0].centroids for p in "kv")
 
     def _qsac(self, prefix: str, moment: torch.Tensor | None) -> bool:
         """Whether ``prefix``'s assignments are chosen by query sensitivity (QSAC: the reference alone does),
@@ -184,7 +186,7 @@ class QVGCodec(Codec):
                 if warm is not None:
                     init = warm[stage].to(residual.device) * (1.0 if scale is None else scale)
                 elif units > 1:
-                    init = kmeanspp_init(space, s.centroids, generator, repeat=units)
+                    init = BATCHED_INITS[s.init](space, s.centroids, generator, repeat=units)
                 else:
                     init = _INITS[s.init](space, s.centroids, generator)
                 result = kmeans(space, init.to(residual.device), s.iters)
