@@ -119,6 +119,7 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
     n = k.shape[0] // units
     quantwm = isinstance(codec, QuantWMCodec)
     moments = codec._stacked_moments(states, k.device) if quantwm else None
+    means = codec._stacked_means(states, k.device) if quantwm else None
     psac = quantwm and bool(s.rank) and moments is not None
     # first: the basis solve reads the device once (its failure check), which here waits for little; after the
     # encode launches it would wait for all of them, and the rest would be launched to an idle GPU
@@ -154,9 +155,10 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
             continue
         kp = k if at is None else k.view(units, n, h, -1)[at].view(-1, h, k.shape[-1])
         mp = moments if at is None or moments is None else moments[at]
+        qp = means if at is None or means is None else means[at]
         bp = basis if at is None or basis is None else (basis[0][at], basis[1][at])
         _key_fields(part.codec, part.layout, part.pages, part.codebooks, kp, error, mp,
-                    units if at is None else len(part.index), bp)
+                    units if at is None else len(part.index), bp, qp)
 
 
 def _unit_index(index: list[int] | None, device: torch.device):
@@ -169,20 +171,24 @@ def _unit_index(index: list[int] | None, device: torch.device):
     return torch.tensor(index, dtype=torch.long, device=device)
 
 
-def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, basis) -> None:
+def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, basis,
+                means: torch.Tensor | None = None) -> None:
     """QuantWM's key outliers and PSAC rows (``basis``: `QuantWMCodec.psac_basis`, or None without them) from what
-    the codes leave of the keys, ``error`` [pages, H, P, D] (the kernel's; the reference decodes its pages twice)."""
+    the codes leave of the keys, ``error`` [pages, H, P, D] (the kernel's; the reference decodes its pages twice),
+    the chunks' mean queries ``means`` [U, H, D] choosing the heavy keys that take them first (`heavy`)."""
     count, h, p, d = error.shape
     flat = error.view(count, h, p * d)
+    heavy = codec.heavy_rows(k, means, units)
     if codec.spec.outliers:
-        index, value = codec.write_outliers(layout, pages, flat, *codec.outlier_inputs(k, p, moments, units))
+        index, value = codec.write_outliers(layout, pages, flat, *codec.outlier_inputs(k, p, moments, units),
+                                            heavy=heavy)
         flat.scatter_add_(2, index, -value.float())  # what is left once the outliers are added back
     if basis is not None:
         both = torch.cat([basis[0].float(), basis[1]], -1)  # [U, H, D, 2r]
         # [U, pages of a chunk, H, P, D] x [U, 1, H, D, 2r]: batched over pages and heads, no transpose of the error
         both = error.view(units, count // units, h, p, d) @ both.unsqueeze(1)
         both = both.transpose(1, 2).reshape(units, h, (count // units) * p, -1)  # [U, H, T, 2r]
-        codec._encode_psac(k, layout, pages, codebooks, moments, basis=basis, both=both)
+        codec._encode_psac(k, layout, pages, codebooks, moments, basis=basis, both=both, heavy=heavy)
 
 
 def _cluster(codec, prefix: str, x: torch.Tensor, states, generator,

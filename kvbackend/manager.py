@@ -188,11 +188,11 @@ class KVCache:
         moments, group, chunk_tokens = None, 0, self.config.chunk_tokens
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
             stored = self.frames[layer].step_queries_to_stored(queries, positions)
-            moments = query_moments(stored, self.geometry.num_kv_heads)
+            moments, sums = query_moments(stored, self.geometry.num_kv_heads)
             group = queries.shape[1] // self.geometry.num_kv_heads
         for i, table in enumerate(tables):  # each request's queries booked just before its token, as `append` does
             if moments is not None:
-                table.states[layer].add_moment(table.lengths[layer] // chunk_tokens, moments[i], group)
+                table.states[layer].add_moment(table.lengths[layer] // chunk_tokens, moments[i], group, sums[i])
             self._appended(table, layer, 1, None)
 
     def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:

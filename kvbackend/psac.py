@@ -139,6 +139,12 @@ def query_second_moment(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.transpose(1, 2) @ q / q.shape[1]
 
 
+def query_mean(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """mean(q) per KV head, float32 [H, D], from queries [Hq, T, D] (GQA groups averaged)."""
+    hq, t, d = queries.shape
+    return queries.float().reshape(kv_heads, (hq // kv_heads) * t, d).mean(1)
+
+
 def correct_keys(keys: torch.Tensor, approx: torch.Tensor, moment: torch.Tensor, rank: int) -> Correction:
     """PSAC for one chunk: ``keys``/``approx`` [n, H, D] (exact and reconstructed), ``moment`` [H, D, D]."""
     n, h, d = keys.shape

@@ -323,6 +323,11 @@ def test_append_step_is_append_per_request(codec):
                 assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
             assert (sa.query_moment is None) == (sb.query_moment is None)
             assert sa.query_moment is None or torch.equal(sa.query_moment, sb.query_moment)
+            assert sa.query_sums.keys() == sb.query_sums.keys() == sa.query_parts.keys()  # the mean query too
+            for chunk, total in sa.query_sums.items():
+                assert torch.allclose(total, sb.query_sums[chunk], rtol=1e-6, atol=1e-6)
+            assert (sa.query_mean is None) == (sb.query_mean is None)
+            assert sa.query_mean is None or torch.allclose(sa.query_mean, sb.query_mean, rtol=1e-6, atol=1e-6)
     assert packed >= 6  # the step completed chunks
     batched.check()
 

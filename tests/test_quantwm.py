@@ -7,7 +7,8 @@ from kvbackend import codecs
 from kvbackend.codecs.base import CodecState
 from kvbackend.codecs.quantwm import channel_weights, qsac_assign, qsac_score
 from kvbackend.geometry import Geometry
-from kvbackend.psac import query_second_moment
+from kvbackend.errors import SpecError
+from kvbackend.psac import query_mean, query_second_moment
 from kvbackend.tools.reconstruct import reconstruct_layer
 
 
@@ -108,6 +109,7 @@ def test_paged_cache_moments_are_causal_per_chunk():
     expected = query_second_moment(q[:64].transpose(0, 1), 2)  # the second chunk ends at token 64
     assert torch.allclose(state.query_moment, expected, rtol=1e-5, atol=1e-5)
     assert set(state.query_parts) == {1, 2}  # tokens 64..79 wait for their own chunk
+    assert torch.allclose(state.query_mean, query_mean(q[:64].transpose(0, 1), 2), rtol=1e-5, atol=1e-5)
     reference = codecs.get("quantwm")
     st = CodecState(query_moment=query_second_moment(q[:32].transpose(0, 1), 2))
     first = reference.encode(k[:32], v[:32], reference.layout(geometry, 16), st)
@@ -402,3 +404,89 @@ def test_query_weighted_kmeans_needs_query_statistics_and_the_kernels_encode_it(
     a = plain.encode(k, v, layout, CodecState(query_moment=moment)).pages
     b = weighted.encode(k, v, layout, CodecState(query_moment=moment)).pages
     assert not torch.equal(a, b)
+
+
+def test_the_mean_query_is_kept_beside_the_moment_and_unknown_when_a_part_lacks_it():
+    """`CodecState` keeps the sum of q beside q q^T: `close_chunk` sets the mean query of every query up to the
+    chunk; queries booked without their sum (`add_moment` with no ``total_q``) leave it unknown (None) from then
+    on, never a mean of some of them; `clone` copies it."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(40, 6, 64, generator=gen) + 1.5  # [T, Hq, D]
+    state = CodecState()
+    state.add_queries(0, q[:16], 2)
+    state.add_queries(1, q[16:40], 2)
+    state.close_chunk(0)
+    assert torch.allclose(state.query_mean, query_mean(q[:16].transpose(0, 1), 2), rtol=1e-5, atol=1e-5)
+    copy = state.clone()
+    state.close_chunk(1)
+    assert torch.allclose(state.query_mean, query_mean(q.transpose(0, 1), 2), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(copy.query_mean, query_mean(q[:16].transpose(0, 1), 2), rtol=1e-5, atol=1e-5)
+    partial = CodecState()
+    partial.add_queries(0, q[:8], 2)
+    one = q[8:9].float().transpose(0, 1).reshape(2, 3, 64)
+    partial.add_moment(0, one.transpose(1, 2) @ one, 3)  # no sum of q: the chunk's mean is not known
+    partial.close_chunk(0)
+    assert partial.query_moment is not None and partial.query_mean is None
+    partial.add_queries(1, q[9:20], 2)
+    partial.close_chunk(1)
+    assert partial.query_mean is None  # a later chunk's mean would leave out the queries above
+
+
+def _heavy_case(seed: int = 0):
+    """Keys with per-channel scales, queries with a strong mean, and in each head one key far along the mean
+    query (the key attention would gather on), plus sink-like copies of it ahead of it in head 0."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(256, 2, 64, generator=gen) * torch.linspace(0.2, 3, 64)
+    v = torch.randn(256, 2, 64, generator=gen)
+    q = torch.randn(6, 256, 64, generator=gen) + 2.0  # [Hq, T, D]
+    mu = query_mean(q, 2)
+    k[37] += 12 * mu / mu.norm(dim=-1, keepdim=True)
+    k[100:105, 0] = k[104, 0] + 20 * mu[0] / mu[0].norm()  # a run of five equal rows (as sink copies are)
+    return k, v, q, mu
+
+
+def test_heavy_keys_take_the_outlier_slots_and_psac_rows_first():
+    """`heavy=N`: per chunk and head the N keys of largest logit under the mean query (never a row equal to the
+    next one) take their page's outlier slots and PSAC rows before the others: their logit error under the mean
+    query falls by orders of magnitude; without the mean query, or with heavy=0, the bytes are the old ones."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v, q, mu = _heavy_case()
+    base = "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=8,clip=true,vcluster=false,cdtype=fp8,outliers=16"
+    plain, heavy = codecs.get(base), codecs.get(base + ",heavy=2")
+    layout = plain.layout(geometry, 64)
+
+    def state(mean=True):
+        return CodecState(query_moment=query_second_moment(q, 2), query_mean=query_mean(q, 2) if mean else None)
+
+    a, b = plain.encode(k, v, layout, state()), heavy.encode(k, v, layout, state())
+    assert torch.equal(plain.encode(k, v, layout, state(False)).pages, heavy.encode(k, v, layout, state(False)).pages)
+    assert torch.equal(a.pages, plain.encode(k, v, layout, state(False)).pages)  # heavy=0 ignores the mean
+    assert not torch.equal(a.pages, b.pages)
+    rows = heavy.heavy_rows(k, query_mean(q, 2)[None], 1)
+    assert rows.sum(0).tolist() == [2, 2]
+    assert rows[37].all() and rows[104, 0] and not rows[100:104, 0].any()  # copies give way to the run's last row
+    ka, kb = plain.decode(a)[0], heavy.decode(b)[0]
+    err_a = ((ka - k) * mu).sum(-1)[rows] ** 2  # logit errors of the heavy rows under the mean query
+    err_b = ((kb - k) * mu).sum(-1)[rows] ** 2
+    assert float(err_b.sum()) < 1e-3 * float(err_a.sum()), (err_a, err_b)
+    with pytest.raises(SpecError, match="heavy"):
+        codecs.get("quantwm:rank=4,keep=1,heavy=2").layout(geometry, 64)  # no outliers, every row already kept
+
+
+def test_heavy_keys_units_encode_to_the_bytes_of_separate_encodes():
+    """Chunks with mean queries encode in one pass to the bytes of separate encodes with `heavy` (each chunk its
+    own heavy keys), and states without means are not batched with states that have them."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    codec = codecs.get("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=8,clip=true,vcluster=false,cdtype=fp8,"
+                       "outliers=16,heavy=3")
+    layout = codec.layout(geometry, 64)
+    cases = [_heavy_case(seed) for seed in range(3)]
+    k = torch.stack([c[0] for c in cases])
+    v = torch.stack([c[1] for c in cases])
+    states = [CodecState(query_moment=query_second_moment(c[2], 2), query_mean=query_mean(c[2], 2)) for c in cases]
+    pages, books = codec.encode_units(k, v, layout, [st.clone() for st in states])
+    for u in range(3):
+        one = codec.encode(k[u], v[u], layout, states[u].clone())
+        assert torch.equal(pages[u], one.pages) and torch.equal(books[u], one.codebook), u
+    mixed = [states[0].clone(), CodecState(query_moment=states[1].query_moment.clone())]
+    assert not codec._states_alike(mixed)

@@ -9,7 +9,7 @@ from kvbackend import codecs
 from kvbackend.codecs.base import CodecState
 from kvbackend.codecs.quantwm import QuantWMCodec, channel_weights
 from kvbackend.geometry import Geometry
-from kvbackend.psac import query_second_moment
+from kvbackend.psac import query_mean, query_second_moment
 from kernel_cases import DEVICE
 
 pytest.importorskip("triton")
@@ -27,8 +27,9 @@ SPECS = [
     "qvg",
     # a 3-bit-key layer of kvbackend.spec.QUALITY_SPEC (no outliers there): 8 codes in 3 bytes
     "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,kbits=3",
-    # keys clustered under the queries' channel weights (`kmetric`), pre-RoPE pairs averaged
-    RECIPE + ",kmetric=0.5,prerope=true",
+    # keys clustered under the queries' channel weights (`kmetric`), pre-RoPE pairs averaged; heavy keys' outliers
+    # and PSAC rows first (`heavy`)
+    RECIPE + ",kmetric=0.5,prerope=true,heavy=4",
 ]
 
 
@@ -47,7 +48,9 @@ def _states(units: int, queries: bool, warm_from=None):
     for u in range(units):
         st = CodecState() if warm_from is None else warm_from[u].clone()
         if queries:
-            st.query_moment = query_second_moment(torch.randn(6, 40, 64, generator=gen), 3).to(DEVICE)
+            q = torch.randn(6, 40, 64, generator=gen) + torch.linspace(-2, 2, 64)  # a mean query (`heavy`)
+            st.query_moment = query_second_moment(q, 3).to(DEVICE)
+            st.query_mean = query_mean(q, 3).to(DEVICE)
         out.append(st)
     return out
 

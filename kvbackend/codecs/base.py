@@ -40,26 +40,39 @@ class CodecState:
     # running sums behind query_moment in a paged cache: chunk index -> (sum of q q^T [H, D, D], count);
     # chunks not yet encoded keep their own part, so a chunk never sees queries of later tokens
     query_parts: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # per KV head, the mean query [H, D] over the same queries as query_moment (None: not known; `quantwm:heavy`)
+    query_mean: torch.Tensor | None = None
+    # the sums of q [H, D] behind query_mean, by chunk as query_parts (a chunk whose queries came without them
+    # has none, and the mean is then not known)
+    query_sums: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def clone(self) -> "CodecState":
         moment = self.query_moment.clone() if self.query_moment is not None else None
         parts = {c: (s.clone(), n) for c, (s, n) in self.query_parts.items()}
-        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations), moment, parts)
+        mean = self.query_mean.clone() if self.query_mean is not None else None
+        return CodecState({k: t.clone() for k, t in self.centroids.items()}, list(self.iterations), moment, parts,
+                          mean, {c: s.clone() for c, s in self.query_sums.items()})
 
     def add_queries(self, chunk: int, queries: torch.Tensor, kv_heads: int) -> None:
         """Add queries [T, Hq, D] of tokens of chunk ``chunk`` (GQA groups pooled per KV head)."""
         t, hq, d = queries.shape
         q = queries.float().transpose(0, 1).reshape(kv_heads, (hq // kv_heads) * t, d)
-        self.add_moment(chunk, q.transpose(1, 2) @ q, q.shape[1])
+        self.add_moment(chunk, q.transpose(1, 2) @ q, q.shape[1], q.sum(1))
 
-    def add_moment(self, chunk: int, moment: torch.Tensor, count: int) -> None:
-        """Add a sum of q q^T [H, D, D] over ``count`` queries of chunk ``chunk`` (see `query_moments`)."""
+    def add_moment(self, chunk: int, moment: torch.Tensor, count: int, total_q: torch.Tensor | None = None) -> None:
+        """Add a sum of q q^T [H, D, D] over ``count`` queries of chunk ``chunk`` (see `query_moments`), and their
+        sum of q [H, D] where known (``total_q``)."""
         total, seen = self.query_parts.get(chunk, (None, 0))
         # kept as a copy: ``moment`` may be a view of a whole decode batch's moments, which must not stay alive
         self.query_parts[chunk] = (moment.clone() if total is None else total + moment, seen + count)
+        if total_q is not None and (total is None or chunk in self.query_sums):
+            summed = self.query_sums.get(chunk)
+            self.query_sums[chunk] = total_q.float().clone() if summed is None else summed + total_q.float()
+        else:  # some of this chunk's queries came without their sum: its mean (and every later one) is not known
+            self.query_sums.pop(chunk, None)
 
     def close_chunk(self, chunk: int) -> None:
-        """Set query_moment from the queries of chunks <= ``chunk`` and fold them into one part."""
+        """Set query_moment (and query_mean) from the queries of chunks <= ``chunk`` and fold them into one part."""
         done = [c for c in self.query_parts if c <= chunk]
         if not done:
             return
@@ -67,14 +80,21 @@ class CodecState:
         count = sum(self.query_parts.pop(c)[1] for c in done)
         self.query_parts[chunk] = (total, count)
         self.query_moment = total / max(count, 1)
+        sums = [self.query_sums.pop(c, None) for c in done]
+        if any(x is None for x in sums):
+            self.query_mean = None
+            return
+        self.query_sums[chunk] = sum(sums)
+        self.query_mean = self.query_sums[chunk] / max(count, 1)
 
 
-def query_moments(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Per row of ``queries`` [B, Hq, D] (one token each), the sum of q q^T over its GQA group per KV head:
-    [B, H, D, D], each row what `CodecState.add_queries` adds for that token, in one batched product."""
+def query_moments(queries: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``queries`` [B, Hq, D] (one token each), the sums of q q^T and of q over its GQA group per KV
+    head: ([B, H, D, D], [B, H, D]), each row what `CodecState.add_queries` adds for that token, in one batched
+    product."""
     b, hq, d = queries.shape
     q = queries.float().reshape(b * kv_heads, hq // kv_heads, d)
-    return (q.transpose(1, 2) @ q).view(b, kv_heads, d, d)
+    return (q.transpose(1, 2) @ q).view(b, kv_heads, d, d), q.sum(1).view(b, kv_heads, d)
 
 
 @dataclass

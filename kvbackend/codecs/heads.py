@@ -124,10 +124,12 @@ class HeadsCodec(Codec):
 
     @staticmethod
     def _head_state(state: CodecState, head: int) -> CodecState:
-        """Head ``head``'s view of the layer's state: its warm-start centroids and its query moment."""
+        """Head ``head``'s view of the layer's state: its warm-start centroids and its query moment and mean."""
         tag = f"h{head}:"
         moment = state.query_moment[head : head + 1] if state.query_moment is not None else None
-        return CodecState({k[len(tag):]: t for k, t in state.centroids.items() if k.startswith(tag)}, [], moment)
+        mean = state.query_mean[head : head + 1] if state.query_mean is not None else None
+        return CodecState({k[len(tag):]: t for k, t in state.centroids.items() if k.startswith(tag)}, [], moment,
+                          query_mean=mean)
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
         moment = state.query_moment

@@ -59,6 +59,11 @@ class QuantWMSpec(QVGSpec):
     # weigh channel d by w_d ** kmetric (0 = plain Euclidean; 1 = the query-weighted error of the logits). Needs
     # query statistics; the stored bytes keep their layout (centroids are stored unweighted)
     kmetric: float = ranged(0.0, 0.0, 1.0)
+    # per chunk and KV head, the `heavy` keys with the largest logit under the chunk's mean query (the tokens
+    # attention gathers on beyond the sinks: a few take most of its mass in some layers) take their page's outlier
+    # slots and PSAC rows before any other key. Needs the mean query (`CodecState.query_mean`); no byte changes
+    # layout (0 = off)
+    heavy: int = ranged(0, 0, 1 << 20)
 
     def psac_rows(self, page_size: int) -> int:
         """PSAC rows per page and head."""
@@ -111,6 +116,11 @@ def qsac_score(x: torch.Tensor, cents: torch.Tensor, assign: torch.Tensor, weigh
     return (weights.reshape(h, 1, d // group, group).sum(-1) * (r.amax(-1) - r.amin(-1)) ** 2).sum(-1)
 
 
+# what a heavy key's outlier score and PSAC gain are scaled by (`heavy`): a power of two, so their order among
+# themselves is exact, far above other keys' scores, and inside float32 for key errors below 2^41
+HEAVY_RANK = 2.0**40
+
+
 def _by_head(x: torch.Tensor, page_size: int) -> torch.Tensor:
     """Keys ``[N*P, H, D]`` as ``[N, H, P*D]``: each page and head flat, position ``t * D + d`` (as stored)."""
     _, h, d = x.shape
@@ -134,6 +144,9 @@ class QuantWMCodec(QVGCodec):
             raise SpecError(f"quantwm: keep={s.keep} must be a fraction in (0, 1]")
         if s.sparse and page_size > 256:
             raise SpecError(f"quantwm: keep < 1 stores uint8 token indices, so page_size={page_size} must be <= 256")
+        if s.heavy and not (s.outliers or (s.rank and s.sparse)):
+            raise SpecError(f"quantwm: heavy={s.heavy} gives heavy keys the outlier slots and PSAC rows first; "
+                            "it needs outliers > 0, or rank > 0 with keep < 1")
         if s.outliers and (s.outliers > page_size * geometry.head_dim or page_size * geometry.head_dim > 1 << 15):
             raise SpecError(f"quantwm: outliers={s.outliers} must be at most page_size * head_dim "
                             f"({page_size * geometry.head_dim}), which must be at most 32768 (int16 positions)")
@@ -192,11 +205,36 @@ class QuantWMCodec(QVGCodec):
         chunk, [U, bytes] for U), each with its own chunk's query statistics."""
         moments = self._stacked_moments(states, k.device)  # [U, H, D, D] or None
         units = len(states)
+        heavy = self.heavy_rows(k, self._stacked_means(states, k.device), units)
         if self.spec.outliers:
             per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
-            self._encode_outliers(k, layout, pages, per_page, moments, units)
+            self._encode_outliers(k, layout, pages, per_page, moments, units, heavy)
         if self.spec.rank and moments is not None:
-            self._encode_psac(k, layout, pages, codebook, moments)
+            self._encode_psac(k, layout, pages, codebook, moments, heavy=heavy)
+
+    @staticmethod
+    def _stacked_means(states, device) -> torch.Tensor | None:
+        """The chunks' mean queries as one float32 tensor [U, H, D] on ``device`` (None where a chunk has none)."""
+        if any(st.query_mean is None for st in states):
+            return None
+        return torch.stack([st.query_mean.to(device).float() for st in states])
+
+    def heavy_rows(self, k, means: torch.Tensor | None, units: int) -> torch.Tensor | None:
+        """Which rows of ``k`` [U*n, H, D] (``units`` chunks) are heavy keys (`heavy`): per chunk and head, the
+        ``heavy`` largest logits under the chunk's mean query ``means`` [U, H, D], as bool [U*n, H]; None when off
+        or without means. A row equal to the next one (the copies standing in for sink tokens, the padding of a
+        partial last page) is never chosen: the run's last row is."""
+        if not self.spec.heavy or means is None:
+            return None
+        n, h, d = k.shape[0] // units, k.shape[1], k.shape[2]
+        x = k.float().reshape(units, n, h, d)
+        logit = torch.einsum("unhd,uhd->unh", x, means.float())
+        copy = torch.zeros(units, n, h, dtype=torch.bool, device=k.device)
+        copy[:, :-1] = (x[:, :-1] == x[:, 1:]).all(-1)
+        logit = logit.masked_fill(copy, float("-inf"))
+        top = logit.topk(min(self.spec.heavy, n), dim=1).indices  # [U, N, H]
+        rows = torch.zeros(units, n, h, dtype=torch.bool, device=k.device).scatter_(1, top, True)
+        return rows.view(units * n, h)
 
     def outlier_inputs(self, k, page_size: int, moments: torch.Tensor | None, units: int):
         """What the outlier choice weighs by: (channel weights [U, H, D] float32, ones without query statistics;
@@ -214,23 +252,28 @@ class QuantWMCodec(QVGCodec):
         return weights, same.sum(1) - 1  # rows after the run's first (no read back to the host)
 
     def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None,
-                         units: int = 1) -> None:
+                         units: int = 1, heavy: torch.Tensor | None = None) -> None:
         """Per page and head, the ``outliers`` key entries of largest error (weighted by the query
-        channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]) store their
-        error exactly (fp16). ``k`` holds ``units`` chunks of equal length (``codebook`` then has a slot per page)."""
+        channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]; the rows
+        ``heavy`` marks first) store their error exactly (fp16). ``k`` holds ``units`` chunks of equal length
+        (``codebook`` then has a slot per page)."""
         approx, _ = super()._decode(layout, pages, codebook)
         error = _by_head(k - approx, layout.page_size)  # [N, H, P*D]
-        self.write_outliers(layout, pages, error, *self.outlier_inputs(k, layout.page_size, moments, units))
+        self.write_outliers(layout, pages, error, *self.outlier_inputs(k, layout.page_size, moments, units),
+                            heavy=heavy)
 
     def write_outliers(self, layout: PageLayout, pages, error: torch.Tensor, weights: torch.Tensor,
-                       copies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       copies: torch.Tensor, heavy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The outlier fields of ``pages`` from what the other fields leave of the keys, ``error`` [N, H, P*D]
-        (each page and head flat, position ``t * D + d``), with `outlier_inputs`' weights [U, H, D] and copies [U].
+        (each page and head flat, position ``t * D + d``), with `outlier_inputs`' weights [U, H, D] and copies [U],
+        and `heavy_rows`' rows [N*P, H] (or None), whose entries rank above all others of their page and head.
         Returns the positions [N, H, n] (int64) and the values stored (fp16)."""
         p, units = layout.page_size, weights.shape[0]
         h, d = weights.shape[1], weights.shape[2]
         pages_per_unit = error.shape[0] // units
         score = error.reshape(-1, h, p, d) ** 2 * weights.repeat_interleave(pages_per_unit, 0)[:, :, None, :]
+        if heavy is not None:  # scaled by 2^40 (exact: the order among them stays), above any other error's score
+            score = torch.where(to_pages(heavy, p).transpose(1, 2)[..., None], score * HEAVY_RANK, score)
         after_first = torch.arange(p, device=error.device) >= p - copies[:, None]  # [U, P], each chunk's last page
         last_pages = score.view(units, pages_per_unit, h, p, d)[:, -1]  # [U, H, P, D], a view of score
         last_pages.masked_fill_(after_first[:, None, :, None], -1.0)
@@ -265,11 +308,12 @@ class QuantWMCodec(QVGCodec):
 
     def _encode_psac(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor,
                      basis: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     both: torch.Tensor | None = None) -> None:
+                     both: torch.Tensor | None = None, heavy: torch.Tensor | None = None) -> None:
         """PSAC rows of ``U = len(moments)`` chunks (``moments`` [U, H, D, D]; ``codebook`` [bytes] for one chunk,
         [U, bytes] for U), each with the basis of its own chunk's queries. ``basis`` (`psac_basis`) and ``both``
         (what the fields before the PSAC rows leave of the keys, [U, H, T, D], times ``[U, MU]``: [U, H, T, 2r]),
-        where the encoder already has them; else they are computed here (the error decoded from the pages)."""
+        where the encoder already has them; else they are computed here (the error decoded from the pages).
+        With ``keep`` < 1, the rows ``heavy`` marks ([U*T, H], `heavy_rows`) are kept first where they gain."""
         r, p = self.spec.rank, layout.page_size
         units, h, d = moments.shape[0], moments.shape[1], moments.shape[-1]
         t = k.shape[0] // units
@@ -300,6 +344,8 @@ class QuantWMCodec(QVGCodec):
         codes, scale = by_token(codes), by_token(scale)
         if self.spec.sparse:  # per page and head, the rows that lower the error most
             gain = by_token(gain.clamp_min(0))  # [N, P, H]
+            if heavy is not None:
+                gain = torch.where(to_pages(heavy, p), gain * HEAVY_RANK, gain)
             token = gain.topk(self.spec.psac_rows(p), dim=1).indices  # [N, n, H]
             codes = torch.gather(codes, 1, token.unsqueeze(-1).expand(-1, -1, -1, r))
             scale = torch.gather(scale, 1, token)

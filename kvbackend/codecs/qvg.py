@@ -144,10 +144,10 @@ class QVGCodec(Codec):
     @staticmethod
     def _states_alike(states) -> bool:
         """Whether chunks with these states encode in one pass: all warm-started for the same tensors or none,
-        all with query statistics or none."""
+        all with query statistics (and mean queries) or none."""
         first = states[0]
         return all(set(s.centroids) == set(first.centroids) and (s.query_moment is None) == (first.query_moment is None)
-                   for s in states)
+                   and (s.query_mean is None) == (first.query_mean is None) for s in states)
 
     @staticmethod
     def _stacked_moments(states, device) -> torch.Tensor | None:

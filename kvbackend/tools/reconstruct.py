@@ -15,7 +15,7 @@ from kvbackend.codecs.base import CodecState
 from kvbackend.frames import rope_positions, without_sinks
 from kvbackend.geometry import Geometry
 from kvbackend.levers import rotate_values
-from kvbackend.psac import correct_keys, query_second_moment
+from kvbackend.psac import correct_keys, query_mean, query_second_moment
 from kvbackend.rope import Rotary
 
 
@@ -41,6 +41,7 @@ def reconstruct_layer(codec: codecs.Codec, k: torch.Tensor, v: torch.Tensor, geo
         if codec.uses_queries and queries is not None:
             end = min(start + chunk_tokens, k.shape[0])
             state.query_moment = query_second_moment(queries[:, :end], geometry.num_kv_heads)
+            state.query_mean = query_mean(queries[:, :end], geometry.num_kv_heads)
         chunk = codec.encode(k[start : start + chunk_tokens], v[start : start + chunk_tokens], layout, state)
         kh, vh = codec.decode(chunk)
         keys.append(kh)
