@@ -1,4 +1,4 @@
-"""Upper bound of keeping a few heavily attended keys exact: a spec's paged reconstruction of a text's prefix on
+"""Upper bound of keeping a few heavily attended keys (and or their values) exact: a spec's paged reconstruction of a text's prefix on
 SmolLM2, then per layer and KV head the N keys chosen by a score replaced by the exact ones, and the continuation's
 KL against the exact cache measured as `kvbackend eval` does (1536-token prefix, 512 teacher-forced tokens).
 
@@ -7,6 +7,7 @@ encoder holding the chunk's queries could compute), "mean" = the key's logit und
 "mean_pre" = the same with queries and keys before RoPE (what a `prerope` codec sees), "none" = the spec alone. Sink tokens are never chosen (the spec keeps them).
 
     python3 perf/experiments/heavy_keys.py TEXT SPEC OUT.json [--seeds 0,1] [--n 4,8] [--kinds mass,mean,mean_pre]
+        [--what k,v,kv]
 """
 import argparse
 import json
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--n", default="4,8")
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--kinds", default="mass,mean,mean_pre")
+    ap.add_argument("--what", default="k", help="which rows to keep exact: k, v or kv, comma-separated")
     args = ap.parse_args()
     spec = pathlib.Path(args.spec).read_text().strip() if pathlib.Path(args.spec).exists() else args.spec
     model, tokenizer = load_model()
@@ -77,20 +79,27 @@ def main():
                                               n, rotary)
         for kind, counts in [("none", [0])] + [(kind, [int(x) for x in args.n.split(",")]) for kind in chosen]:
             for count in counts:
-                keys = []
-                for i in range(layers):
-                    kh = ks[i].transpose(0, 1).clone()  # [H, T, D]
-                    if count:
-                        top = chosen[kind][i].topk(count, -1).indices  # [H, N]
-                        for h in range(heads):
-                            kh[h, top[h]] = exact.k[i][h, top[h]].to(kh.dtype)
-                    keys.append(kh)
-                test = _continuation_logits(model, keys, [v.transpose(0, 1) for v in vs], cont_ids)
-                kl, agree, _, _ = _next_token_metrics(ref, test, targets)
-                extra = count * heads * layers * dim * 2  # fp16 keys; positions not counted
-                bpv = 8.0 * (stored + extra) / (n * layers * geometry.values_per_token)
-                rows.append({"seed": seed, "kind": kind, "n": count, "kl": kl, "top1": agree, "bpv_keys_fp16": bpv})
-                print(f"seed {seed} {kind:>4} N={count}: KL {kl:.4f} top-1 {100 * agree:.1f}%  bpv {bpv:.4f}", flush=True)
+                for what in (["k"] if not count else args.what.split(",")):
+                    keys, values = [], []
+                    for i in range(layers):
+                        kh, vh = ks[i].transpose(0, 1).clone(), vs[i].transpose(0, 1).clone()  # [H, T, D]
+                        if count:
+                            top = chosen[kind][i].topk(count, -1).indices  # [H, N]
+                            for h in range(heads):
+                                if "k" in what:
+                                    kh[h, top[h]] = exact.k[i][h, top[h]].to(kh.dtype)
+                                if "v" in what:
+                                    vh[h, top[h]] = exact.v[i][h, top[h]].to(vh.dtype)
+                        keys.append(kh)
+                        values.append(vh)
+                    test = _continuation_logits(model, keys, values, cont_ids)
+                    kl, agree, _, _ = _next_token_metrics(ref, test, targets)
+                    extra = len(what) * count * heads * layers * dim * 2  # fp16 rows; positions not counted
+                    bpv = 8.0 * (stored + extra) / (n * layers * geometry.values_per_token)
+                    rows.append({"seed": seed, "kind": kind, "n": count, "exact": what, "kl": kl, "top1": agree,
+                                 "bpv_rows_fp16": bpv})
+                    print(f"seed {seed} {kind:>8} N={count} exact {what:>2}: KL {kl:.4f} top-1 {100 * agree:.1f}%  "
+                          f"bpv {bpv:.4f}", flush=True)
     pathlib.Path(args.out).write_text(json.dumps({"spec": spec, "text": args.text, "rows": rows}, indent=1))
 
 
