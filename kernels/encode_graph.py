@@ -52,6 +52,7 @@ class _Captured:
     outs: list[torch.Tensor]  # pages and codebooks, of each part for a mixed pass
     centroids_in: list[dict[str, torch.Tensor]]
     moments_in: list[torch.Tensor | None]
+    means_in: list[torch.Tensor | None]  # the chunks' mean queries (`quantwm:heavy`)
     centroids_out: list[dict[str, torch.Tensor]]
     iterations: list[list[int]]  # what the pass appends to each state's `iterations`
 
@@ -127,11 +128,13 @@ class GraphedEncoder:
             return None
         kinds = set()
         for st in states:
-            moment = st.query_moment
-            if (moment is not None and not moment.is_cuda) or not all(t.is_cuda for t in st.centroids.values()):
+            moment, mean = st.query_moment, st.query_mean
+            if any(t is not None and not t.is_cuda for t in (moment, mean)) or \
+                    not all(t.is_cuda for t in st.centroids.values()):
                 return None
             kinds.add((tuple((p, tuple(t.shape), t.dtype, t.device) for p, t in sorted(st.centroids.items())),
-                       None if moment is None else (tuple(moment.shape), moment.dtype)))
+                       None if moment is None else (tuple(moment.shape), moment.dtype),
+                       None if mean is None else (tuple(mean.shape), mean.dtype)))
         if len(kinds) != 1:
             return None
         return (names, tuple(k.shape), k.dtype, tuple(v.shape), v.dtype, tuple(tuple(t.shape) for t in outs),
@@ -139,9 +142,11 @@ class GraphedEncoder:
 
     def _capture(self, key, capture, k, v, outs, states) -> _Captured | None:
         static = [CodecState({p: t.clone() for p, t in st.centroids.items()}, [],
-                             None if st.query_moment is None else st.query_moment.clone()) for st in states]
+                             None if st.query_moment is None else st.query_moment.clone(),
+                             query_mean=None if st.query_mean is None else st.query_mean.clone()) for st in states]
         centroids_in = [dict(st.centroids) for st in static]
         moments_in = [st.query_moment for st in static]
+        means_in = [st.query_mean for st in static]
         sk, sv = k.clone(), v.clone()
         souts = [torch.empty_like(t) for t in outs]
         torch.cuda.synchronize(k.device)
@@ -168,7 +173,7 @@ class GraphedEncoder:
             return None
         self._pool = graph.pool() if self._pool is None else self._pool
         self.reserved_bytes += torch.cuda.memory_reserved(k.device) - before
-        captured = _Captured(graph, sk, sv, souts, centroids_in, moments_in,
+        captured = _Captured(graph, sk, sv, souts, centroids_in, moments_in, means_in,
                              [dict(st.centroids) for st in static], [list(st.iterations) for st in static])
         self._graphs[key] = captured
         return captured
@@ -176,11 +181,13 @@ class GraphedEncoder:
     def _replay(self, c: _Captured, k, v, outs, states) -> None:
         c.k.copy_(k)
         c.v.copy_(v)
-        for st, cents, moment in zip(states, c.centroids_in, c.moments_in):
+        for st, cents, moment, mean in zip(states, c.centroids_in, c.moments_in, c.means_in):
             for prefix, buffer in cents.items():
                 buffer.copy_(st.centroids[prefix])
             if moment is not None:
                 moment.copy_(st.query_moment)
+            if mean is not None:
+                mean.copy_(st.query_mean)
         c.graph.replay()
         self.replays += 1
         for out, static in zip(outs, c.outs):

@@ -123,6 +123,43 @@ def test_a_replay_encodes_within_the_eager_error():
         assert torch.allclose(x.centroids["k"], y.centroids["k"], rtol=1e-3, atol=1e-3)
 
 
+@CUDA
+def test_a_replay_reads_each_chunks_own_mean_query():
+    """`heavy` picks keys by the chunk's mean query: a replay copies the new chunk's means into the graph, so it
+    gives the bytes a capture made with them gives, not those of the means it was captured with."""
+    from kvbackend.kernels.encode_graph import GraphedEncoder
+    from kvbackend.psac import query_mean
+
+    codec, layout, chunks, states = _case()
+    codec = codecs.get(SPEC + ",heavy=3")
+    gen = torch.Generator().manual_seed(11)
+
+    def with_means(sts, shift):
+        out = _snapshot(sts)
+        for st in out:
+            q = torch.randn(2 * HEADS, 40, DIM, generator=gen) + shift * torch.linspace(-3, 3, DIM)
+            st.query_mean = query_mean(q, HEADS).to(DEVICE)
+        return out
+
+    codec.encode_units(*chunks[0], layout, states, encoder=GraphedEncoder())  # cold and warm-up: eager
+    a, b = with_means(states, 1.0), with_means(states, -1.0)
+    graphed = GraphedEncoder()
+    for _ in range(2):
+        codec.encode_units(*chunks[1], layout, _snapshot(a), encoder=graphed)  # captured with a's means
+    replayed = codec.encode_units(*chunks[1], layout, _snapshot(b), encoder=graphed)
+    assert len(graphed._graphs) == 1 and graphed.replays >= 2
+    fresh = GraphedEncoder()
+    for _ in range(2):
+        want = codec.encode_units(*chunks[1], layout, _snapshot(b), encoder=fresh)  # captured with b's means
+    stale = codec.encode_units(*chunks[1], layout, _snapshot(a), encoder=fresh)
+    assert torch.equal(replayed[0], want[0]) and torch.equal(replayed[1], want[1])
+    assert not torch.equal(stale[0], want[0])  # the means choose other heavy keys: other bytes
+    # states without a mean are another graph, never a replay of one made with means
+    codec.encode_units(*chunks[1], layout, _snapshot(states), encoder=graphed)
+    codec.encode_units(*chunks[1], layout, _snapshot(states), encoder=graphed)
+    assert len(graphed._graphs) == 2
+
+
 LEVERS = SPEC.replace("vrot=hadamard", "vrot=hadamard,sink=4,prerope=true")
 # a depth spec's three layer codecs (other outlier counts and key widths): one mixed pass per chunk
 MIXED = (LEVERS, LEVERS.replace("outliers=16", "outliers=0"), LEVERS.replace("outliers=16", "outliers=0,kbits=3"))
