@@ -465,6 +465,9 @@ def test_heavy_keys_take_the_outlier_slots_and_psac_rows_first():
     rows = heavy.heavy_rows(k, query_mean(q, 2)[None], 1)
     assert rows.sum(0).tolist() == [2, 2]
     assert rows[37].all() and rows[104, 0] and not rows[100:104, 0].any()  # copies give way to the run's last row
+    # heavyz: only logits far above the chunk's own; head 1 has one planted key, so only one of its two is kept
+    far = codecs.get(base + ",heavy=2,heavyz=4").heavy_rows(k, query_mean(q, 2)[None], 1)
+    assert far.sum(0).tolist() == [2, 1] and far[37].all() and far[104, 0]
     ka, kb = plain.decode(a)[0], heavy.decode(b)[0]
     err_a = ((ka - k) * mu).sum(-1)[rows] ** 2  # logit errors of the heavy rows under the mean query
     err_b = ((kb - k) * mu).sum(-1)[rows] ** 2

@@ -64,6 +64,9 @@ class QuantWMSpec(QVGSpec):
     # slots and PSAC rows before any other key. Needs the mean query (`CodecState.query_mean`); no byte changes
     # layout (0 = off)
     heavy: int = ranged(0, 0, 1 << 20)
+    # a heavy key's logit must also stand this many standard deviations above the mean of its chunk and head's
+    # logits (0 = the `heavy` largest, whatever they are)
+    heavyz: float = ranged(0.0, 0.0, 1e3)
 
     def psac_rows(self, page_size: int) -> int:
         """PSAC rows per page and head."""
@@ -223,7 +226,8 @@ class QuantWMCodec(QVGCodec):
         """Which rows of ``k`` [U*n, H, D] (``units`` chunks) are heavy keys (`heavy`): per chunk and head, the
         ``heavy`` largest logits under the chunk's mean query ``means`` [U, H, D], as bool [U*n, H]; None when off
         or without means. A row equal to the next one (the copies standing in for sink tokens, the padding of a
-        partial last page) is never chosen: the run's last row is."""
+        partial last page) is never chosen: the run's last row is. With `heavyz`, only those whose logit is that many
+        standard deviations above the mean of the chunk and head's logits."""
         if not self.spec.heavy or means is None:
             return None
         n, h, d = k.shape[0] // units, k.shape[1], k.shape[2]
@@ -231,9 +235,18 @@ class QuantWMCodec(QVGCodec):
         logit = torch.einsum("unhd,uhd->unh", x, means.float())
         copy = torch.zeros(units, n, h, dtype=torch.bool, device=k.device)
         copy[:, :-1] = (x[:, :-1] == x[:, 1:]).all(-1)
+        found = torch.zeros(units, n, h, dtype=torch.bool, device=k.device)
+        if self.spec.heavyz:  # only logits far above the chunk's own (a chunk need not hold any heavy key)
+            kept = (~copy).float()
+            count = kept.sum(1, keepdim=True).clamp_min(1)
+            mean = (logit * kept).sum(1, keepdim=True) / count
+            std = (((logit - mean) ** 2 * kept).sum(1, keepdim=True) / count).sqrt()
+            far = logit > mean + self.spec.heavyz * std
         logit = logit.masked_fill(copy, float("-inf"))
         top = logit.topk(min(self.spec.heavy, n), dim=1).indices  # [U, N, H]
-        rows = torch.zeros(units, n, h, dtype=torch.bool, device=k.device).scatter_(1, top, True)
+        rows = found.scatter_(1, top, True)
+        if self.spec.heavyz:
+            rows &= far & ~copy
         return rows.view(units * n, h)
 
     def outlier_inputs(self, k, page_size: int, moments: torch.Tensor | None, units: int):
