@@ -28,7 +28,7 @@ SMOLLM2 = Geometry(30, 3, 64, torch.float32)  # the shipped model's KV geometry
     ("qvg:iters=-1", "iters=-1 is out of range; valid: 0..1000"),
     ("qvg:seed=-1", "seed=-1 is out of range"),
     ("qvg:kchannel=-8", "kchannel=-8 is out of range; valid: 0..1024"),
-    ("qvg:init=zeros", "init='zeros' is not supported; valid: kmeans++, random"),
+    ("qvg:init=zeros", "init='zeros' is not supported; valid: kmeans++, greedy, random"),
     ("rtn:scale=fp4", "scale='fp4' is not supported; valid: fp8, fp16, bf16, fp32"),
     ("quantwm:candidates=0", "candidates=0 is out of range; valid: 1..256"),
     ("quantwm:rank=-1", "rank=-1 is out of range; valid: 0..1024"),
