@@ -235,18 +235,15 @@ class QuantWMCodec(QVGCodec):
         logit = torch.einsum("unhd,uhd->unh", x, means.float())
         copy = torch.zeros(units, n, h, dtype=torch.bool, device=k.device)
         copy[:, :-1] = (x[:, :-1] == x[:, 1:]).all(-1)
-        found = torch.zeros(units, n, h, dtype=torch.bool, device=k.device)
+        kept = ~copy
         if self.spec.heavyz:  # only logits far above the chunk's own (a chunk need not hold any heavy key)
-            kept = (~copy).float()
-            count = kept.sum(1, keepdim=True).clamp_min(1)
-            mean = (logit * kept).sum(1, keepdim=True) / count
-            std = (((logit - mean) ** 2 * kept).sum(1, keepdim=True) / count).sqrt()
-            far = logit > mean + self.spec.heavyz * std
-        logit = logit.masked_fill(copy, float("-inf"))
-        top = logit.topk(min(self.spec.heavy, n), dim=1).indices  # [U, N, H]
-        rows = found.scatter_(1, top, True)
-        if self.spec.heavyz:
-            rows &= far & ~copy
+            weight = kept.float()
+            count = weight.sum(1, keepdim=True).clamp_min(1)
+            mean = (logit * weight).sum(1, keepdim=True) / count
+            std = (((logit - mean) ** 2 * weight).sum(1, keepdim=True) / count).sqrt()
+            kept = kept & (logit > mean + self.spec.heavyz * std)
+        top = logit.masked_fill(copy, float("-inf")).topk(min(self.spec.heavy, n), dim=1).indices  # [U, N, H]
+        rows = torch.zeros(units, n, h, dtype=torch.bool, device=k.device).scatter_(1, top, True) & kept
         return rows.view(units * n, h)
 
     def outlier_inputs(self, k, page_size: int, moments: torch.Tensor | None, units: int):
