@@ -260,7 +260,9 @@ def _folded_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, den
                           PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                           PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
                           PSAC_BASIS: tl.constexpr, OUT_N: tl.constexpr, OUT_NP: tl.constexpr,
-                          OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr):
+                          OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr, WHOLE_N: tl.constexpr,
+                          WHOLE_CODES: tl.constexpr, WHOLE_SCALE: tl.constexpr,
+                          WHOLE_TOKEN: tl.constexpr):  # WHOLE_N is 0 here: whole key rows take the plain kernel
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     # Levers (`kernels/levers.py`; `supports_levers`): per-channel keys are rebuilt explicitly when
     # each key must be rotated (pre-RoPE), in RoPE's two halves; page-relative keys take the query
@@ -523,6 +525,8 @@ def supports_levers(k: TensorScheme, levers) -> bool:
     (the query rotated per page) with per-channel keys."""
     if levers is None or not levers.active:
         return True
+    if levers.whole:  # whole key rows: the plain kernel reads them
+        return False
     return k.mode == CHANNEL_GROUPS or not (levers.prerope or levers.pagerope)
 
 

@@ -97,6 +97,8 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
 
 
 def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int) -> bool:
+    if lv.whole:  # whole key rows: the Triton gather reads them
+        return False
     if lv.sink and (lv.sink_k % 16 or lv.sink_v % 16 or lv.sink_kind not in (1, 2)):
         return False
     if (lv.prerope or lv.pagerope) and head_dim % 16:  # a run of 8 channels on one side of RoPE's halves

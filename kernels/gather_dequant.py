@@ -21,7 +21,7 @@ from kvbackend.kernels import gather_cuda
 from kvbackend.kernels.dequant import UNPACK_MODES, dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, lever_constants, lever_tables,
                                       load_hadamard, outlier_rows, outlier_tile, page_rotation, psac_fix, rope_tables, rotate_halves,
-                                      sink_tile)
+                                      sink_tile, whole_tile)
 
 
 @triton.jit
@@ -40,7 +40,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
                            PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                            PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
                            PSAC_BASIS: tl.constexpr, OUT_N: tl.constexpr, OUT_NP: tl.constexpr,
-                           OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr):
+                           OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr, WHOLE_N: tl.constexpr,
+                           WHOLE_CODES: tl.constexpr, WHOLE_SCALE: tl.constexpr, WHOLE_TOKEN: tl.constexpr):
     w = tl.program_id(0)
     h = tl.program_id(1)
     page = tl.load(page_ids + w).to(tl.int64)
@@ -64,6 +65,8 @@ def _gather_dequant_kernel(u8, i16, i32, book_i16, dense, page_ids, slots, kinds
         if OUT_N:  # key outliers, in the stored frame like the rest of the key
             onehot, channel, value = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX, OUT_VALUE)
             k += outlier_tile(onehot, channel, value, 0, D)
+        if WHOLE_N:  # whole key rows, in the stored frame too
+            k += whole_tile(u8, i16, page, h, t, PAGE_BYTES, H, D, WHOLE_N, WHOLE_CODES, WHOLE_SCALE, WHOLE_TOKEN, 0, D)
         if ROPE:  # R(p0 + t) = R(p0) R(t)
             cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
             cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)

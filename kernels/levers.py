@@ -14,6 +14,8 @@
   the accumulator back once per program (``acc @ H``; H is symmetric), gather rotates each page.
   The ±1 matrix is exact in fp16; the operand is split into two fp16 halves, so the product keeps
   about 22 bits, and ``1/sqrt(D)`` is applied in float32.
+- Whole key rows: each packed page adds its rows (``codes * scale`` at their tokens) to the keys in the stored
+  frame, beside the PSAC correction and the outliers (`whole_tile`, one row at a time).
 - Sinks: decode masks the first ``sink`` tokens of a request's first packed page and the merge
   kernel attends to the exact sink tokens in the codebook slot; gather writes them over the page.
 
@@ -110,6 +112,8 @@ def lever_constants(levers: LeverScheme | None) -> Mapping[str, int]:
         "PSAC_SCALE": max(lv.psac_scale, 0), "PSAC_TOKEN": max(lv.psac_token, 0), "PSAC_BASIS": max(lv.psac_basis, 0),
         "OUT_N": lv.outliers, "OUT_NP": max(16, triton.next_power_of_2(max(lv.outliers, 1))),
         "OUT_INDEX": max(lv.out_index, 0), "OUT_VALUE": max(lv.out_value, 0),
+        "WHOLE_N": lv.whole, "WHOLE_CODES": max(lv.whole_codes, 0), "WHOLE_SCALE": max(lv.whole_scale, 0),
+        "WHOLE_TOKEN": max(lv.whole_token, 0),
     })
 
 
@@ -134,6 +138,23 @@ def outlier_tile(onehot, channel, value, C0: tl.constexpr, W: tl.constexpr):
     c = C0 + tl.arange(0, W)
     spread = tl.where(channel[:, None] == c[None, :], value[:, None], 0.0).to(tl.float16)  # [NP, W]
     return tl.dot(onehot, spread)
+
+
+@triton.jit
+def whole_tile(u8, i16, page, h, t, PAGE_BYTES: tl.constexpr, H: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+               CODES: tl.constexpr, SCALE: tl.constexpr, TOKEN: tl.constexpr, C0: tl.constexpr, W: tl.constexpr):
+    """Channels C0 .. C0 + W - 1 of what the whole key rows of head ``h`` of packed page ``page`` add to tokens
+    ``t`` [BT]: [BT, W] float32, each row ``codes * scale`` (exact in float32) added at its token, one row after
+    another from zero, as the torch reference sums them."""
+    c = C0 + tl.arange(0, W)
+    fix = tl.zeros((t.shape[0], W), tl.float32)
+    for i in tl.static_range(N):
+        token = tl.load(u8 + page * PAGE_BYTES + TOKEN + i * H + h).to(tl.int32)
+        scale = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALE // 2 + i * H + h).to(tl.float16, bitcast=True)
+        codes = tl.load(u8 + page * PAGE_BYTES + CODES + (i * H + h) * D + c).to(tl.int8, bitcast=True)
+        row = codes.to(tl.float32) * scale.to(tl.float32)
+        fix += tl.where(t[:, None] == token, row[None, :], 0.0)
+    return fix
 
 
 @triton.jit

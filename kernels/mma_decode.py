@@ -89,6 +89,8 @@ def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int,
     `PSAC` (or ``psac``) allows."""
     if levers is None or not levers.active:
         return k.bits != 3  # 3-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
+    if levers.whole:  # whole key rows: the Triton kernels read them
+        return False
     rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
                                      and head_dim == 128)
     if k.bits == 3 and not (levers.prerope and rope_ok):

@@ -30,7 +30,8 @@ from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, sche
 from kvbackend.kernels.gather_dequant import _check, _check_launch
 from kvbackend.kernels.levers import (hadamard_apply, lever_args, lever_constants, lever_tables, load_hadamard,
                                       outlier_rows, outlier_tile, page_rotation, psac_basis, psac_rows,
-                                      query_and_partner, query_to_page, rope_tables, rotate_halves, sink_tile)
+                                      query_and_partner, query_to_page, rope_tables, rotate_halves, sink_tile,
+                                      whole_tile)
 
 _LOG2E = 1.4426950408889634
 MERGE_SPLITS = 128  # the merge kernel reads at least this many splits (masked), so it rarely recompiles as requests grow
@@ -76,7 +77,8 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                          PSAC_R: tl.constexpr, PSAC_N: tl.constexpr, PSAC_NP: tl.constexpr, PSAC_SPARSE: tl.constexpr,
                          PSAC_CODES: tl.constexpr, PSAC_SCALE: tl.constexpr, PSAC_TOKEN: tl.constexpr,
                          PSAC_BASIS: tl.constexpr, OUT_N: tl.constexpr, OUT_NP: tl.constexpr,
-                         OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr):
+                         OUT_INDEX: tl.constexpr, OUT_VALUE: tl.constexpr, WHOLE_N: tl.constexpr,
+                         WHOLE_CODES: tl.constexpr, WHOLE_SCALE: tl.constexpr, WHOLE_TOKEN: tl.constexpr):
     r, h, s, start, first, last, packed = program_pages(req_start, req_pages, req_packed, pages_per_split)
     i = tl.arange(0, ROWS)
     d = tl.arange(0, D)
@@ -84,7 +86,7 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
     heads = h * GROUP + i
     q_rows = (r * (H * GROUP) + heads) * D
     q_tile = tl.load(q + q_rows[:, None] + d[None, :], mask=(i < GROUP)[:, None], other=0.0).to(tl.float16)
-    LEVERS: tl.constexpr = ROPE or PAGE_ROPE or PSAC_R > 0 or SINK > 0 or OUT_N > 0
+    LEVERS: tl.constexpr = ROPE or PAGE_ROPE or PSAC_R > 0 or SINK > 0 or OUT_N > 0 or WHOLE_N > 0
     if PAGE_ROPE:  # the query and its RoPE partners, rotated by R(p0)^T once per page
         q_x, q_partner = query_and_partner(q, q_rows, i < GROUP, D)
     if ROPE:  # query halves in float32, rotated by R(p0) each page; keys by the loop-invariant R(t) (fp16)
@@ -127,6 +129,11 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                                                           OUT_VALUE)
                     k_lo += outlier_tile(onehot, channel, value, 0, D // 2).to(tl.float16)
                     k_hi += outlier_tile(onehot, channel, value, D // 2, D // 2).to(tl.float16)
+                if WHOLE_N:
+                    k_lo += whole_tile(u8, i16, page, h, t, PAGE_BYTES, H, D, WHOLE_N, WHOLE_CODES, WHOLE_SCALE,
+                                       WHOLE_TOKEN, 0, D // 2).to(tl.float16)
+                    k_hi += whole_tile(u8, i16, page, h, t, PAGE_BYTES, H, D, WHOLE_N, WHOLE_CODES, WHOLE_SCALE,
+                                       WHOLE_TOKEN, D // 2, D // 2).to(tl.float16)
                 cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
                 qb_lo = (q_lo * cos_0[None, :] + q_hi * sin_0[None, :]).to(tl.float16)
                 qb_hi = (q_hi * cos_0[None, :] - q_lo * sin_0[None, :]).to(tl.float16)
@@ -142,6 +149,9 @@ def _paged_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dens
                     onehot, channel, value = outlier_rows(i16, page, h, t, PAGE_BYTES, H, D, OUT_N, OUT_NP, OUT_INDEX,
                                                           OUT_VALUE)
                     k += outlier_tile(onehot, channel, value, 0, D).to(tl.float16)
+                if WHOLE_N:
+                    k += whole_tile(u8, i16, page, h, t, PAGE_BYTES, H, D, WHOLE_N, WHOLE_CODES, WHOLE_SCALE,
+                                    WHOLE_TOKEN, 0, D).to(tl.float16)
                 if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored: one query rotation per page
                     q_page = query_to_page(q_x, q_partner, base_cos, base_sin, j, D).to(tl.float16)
                     scores = tl.dot(q_page, tl.trans(k)) * scale_log2

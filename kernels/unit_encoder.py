@@ -38,6 +38,8 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
         return False
     if codec._qsac("k", states[0].query_moment):  # QSAC: the reference chooses the centroids
         return False
+    if getattr(codec.spec, "whole", 0):  # whole key rows: the reference writes them
+        return False
     p, d = layout.page_size, layout.geometry.head_dim
     if p & (p - 1) or d & (d - 1):
         return False

@@ -7,6 +7,7 @@ fields are indices, and an index out of its range is not a value:
 
 - ``{k,v}_assign`` (uint8 ``[S, P, H]``): centroid ids, below the ``C`` centroids of ``{k,v}_centroids``;
 - ``k_psac_token`` (uint8 ``[rows, H]``): the token a sparse PSAC row corrects, below ``P``;
+- ``k_whole_token`` (uint8 ``[W, H]``): the token a whole key row belongs to, below ``P``;
 - ``k_out_index`` (int16 ``[n, H]``): a key outlier's position ``t * D + d`` in the page, in ``[0, P * D)``.
 
 The torch reference raises on such an index (IndexError on the CPU; on a GPU PyTorch's indexing kernels assert
@@ -55,9 +56,10 @@ def index_fields(codec, layout: PageLayout) -> list[IndexField]:
         if assign is not None:
             centroids = book[f"{prefix}_centroids"].shape[2]
             out.append(IndexField(assign.name, assign.offset, assign.nbytes, 1, centroids))
-    token = page.get("k_psac_token")
-    if token is not None:
-        out.append(IndexField(token.name, token.offset, token.nbytes, 1, layout.page_size))
+    for name in ("k_psac_token", "k_whole_token"):
+        token = page.get(name)
+        if token is not None:
+            out.append(IndexField(token.name, token.offset, token.nbytes, 1, layout.page_size))
     outliers = page.get("k_out_index")
     if outliers is not None:
         out.append(IndexField(outliers.name, outliers.offset, outliers.nbytes // 2, 2,

@@ -71,6 +71,10 @@ class LeverScheme:
     outliers: int = 0  # key outliers per page and head (0 = none): int16 positions t * D + d, fp16 errors
     out_index: int = NONE
     out_value: int = NONE
+    whole: int = 0  # whole key rows per page and head (0 = none): int8 [W, H, D] codes, fp16 [W, H] scales,
+    whole_codes: int = NONE  # uint8 [W, H] tokens; a row adds codes * scale to its token's key
+    whole_scale: int = NONE
+    whole_token: int = NONE
 
     @property
     def active(self) -> bool:
@@ -78,12 +82,14 @@ class LeverScheme:
 
 
 # Every field some kernel reads; a layout with any other field is refused by `kernel_schemes`.
-PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token", "k_out_index", "k_out_value"}
+PAGE_FIELDS_READ = frozenset({"k", "v", "k_psac", "k_psac_scale", "k_psac_token", "k_out_index", "k_out_value",
+                              "k_whole", "k_whole_scale", "k_whole_token"}
                              | {f"{x}_{n}" for x in "kv" for n in ("codes", "scales", "zeros", "assign")})
 BOOK_FIELDS_READ = frozenset({"k_centroids", "v_centroids", "k_centroid_scales", "v_centroid_scales", "k_psac_basis",
                               "sink_k", "sink_v"})
 MAX_KERNEL_PSAC_RANK = 16  # the kernels pad the rank to one 16-wide tensor-core operand
 MAX_KERNEL_OUTLIERS = 64  # key outliers per page and head the kernels hold as one [page, outliers] one-hot
+MAX_KERNEL_WHOLE = 8  # whole key rows per page and head the Triton kernels add, one row at a time
 
 
 def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
@@ -91,8 +97,8 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
 
     Raises:
         UnsupportedLayout: for a lever no kernel reads (the sequence-level ``psac=`` lever, a PSAC rank
-            above `MAX_KERNEL_PSAC_RANK`, more key outliers than `MAX_KERNEL_OUTLIERS`, or a rotation
-            other than Hadamard).
+            above `MAX_KERNEL_PSAC_RANK`, more key outliers than `MAX_KERNEL_OUTLIERS`, more whole key rows
+            than `MAX_KERNEL_WHOLE`, or a rotation other than Hadamard).
     """
     levers, page, book = codec.levers, layout.page.fields, layout.codebook.fields
     if levers.psac:
@@ -120,6 +126,12 @@ def lever_scheme(codec, layout: PageLayout) -> LeverScheme:
                                     f"got {page['k_out_index'].shape[0]}")
         fields.update(outliers=page["k_out_index"].shape[0], out_index=page["k_out_index"].offset,
                       out_value=page["k_out_value"].offset)
+    if "k_whole" in page:
+        if page["k_whole"].shape[0] > MAX_KERNEL_WHOLE:
+            raise UnsupportedLayout(f"the kernels add at most {MAX_KERNEL_WHOLE} whole key rows per page and head, "
+                                    f"got {page['k_whole'].shape[0]}")
+        fields.update(whole=page["k_whole"].shape[0], whole_codes=page["k_whole"].offset,
+                      whole_scale=page["k_whole_scale"].offset, whole_token=page["k_whole_token"].offset)
     return LeverScheme(prerope=levers.prerope, pagerope=levers.pagerope, vrot=levers.vrot == "hadamard", **fields)
 
 
@@ -138,9 +150,9 @@ def kernel_schemes(codec, layout: PageLayout, levers_read: bool = False) -> tupl
     if unread:  # a field no kernel reads would be ignored, and its pages served wrong
         raise UnsupportedLayout(f"no kernel reads the fields {', '.join(unread)} of {codec.spec_string!r}; "
                                 "the torch reference serves it")
-    if not levers_read and ("k_psac" in page or "k_out_index" in page or codec.levers.active):
-        raise UnsupportedLayout(f"{codec.spec_string!r} has levers, PSAC rows or key outliers: pass levers_read=True "
-                                "and the kernels `levers=lever_scheme(codec, layout)`")
+    if not levers_read and ("k_psac" in page or "k_out_index" in page or "k_whole" in page or codec.levers.active):
+        raise UnsupportedLayout(f"{codec.spec_string!r} has levers, PSAC rows, key outliers or whole key rows: pass "
+                                "levers_read=True and the kernels `levers=lever_scheme(codec, layout)`")
     out = []
     for prefix in ("k", "v"):
         if prefix in page:  # identity / fp16 / bf16 / fp8: plain values

@@ -18,6 +18,7 @@ from kvbackend.tiers.prefetch import TieredCache
 P, D, H = 16, 32, 2
 QUANTWM = "quantwm:centroids=4,group=16,keep=0.5,outliers=4,rank=4"
 HEADS = "heads:base=quantwm:centroids=4;group=16;keep=0.5;rank=2,outliers=2-4"  # each head its own page bytes
+WHOLE = "quantwm:centroids=4,group=16,rank=0,whole=2"
 
 # (codec, field, a value out of range, the same field's largest value in range); C = 4 centroids of QUANTWM
 CRAFTED = [
@@ -30,6 +31,8 @@ CRAFTED = [
     (QUANTWM, "k_out_index", -32768, 0),
     (HEADS, "h1.k_assign", 8, 3),
     (HEADS, "h1.k_out_index", -2, P * D - 1),
+    (WHOLE, "k_whole_token", P, P - 1),
+    (WHOLE, "k_whole_token", 200, 0),
 ]
 
 
@@ -71,6 +74,9 @@ def test_index_fields_of_each_codec():
     assert {n: (f.width, f.limit) for n, f in fields.items()} == {
         "k_assign": (1, 4), "v_assign": (1, 4), "k_psac_token": (1, P), "k_out_index": (2, P * D)}
     assert fields["k_out_index"].count == 4 * H and fields["k_psac_token"].count == 8 * H
+    whole = cache_of(WHOLE)
+    fields = {f.name: f for f in index_fields(whole.codec, whole.layout)}
+    assert (fields["k_whole_token"].width, fields["k_whole_token"].limit, fields["k_whole_token"].count) == (1, P, 2 * H)
     heads = cache_of(HEADS)
     assert [f.name for f in index_fields(heads.codec, heads.layout)] == [
         f"h{i}.{name}" for i in range(2) for name in ("k_assign", "v_assign", "k_psac_token", "k_out_index")]

@@ -83,6 +83,17 @@ def test_fused_decode_with_psac_rows(spec):
     _check(codec, layout, pages, books, rotate=True)
 
 
+@pytest.mark.parametrize("spec", ["quantwm:kchannel=16,centroids=32,clip=true,vcluster=false,cdtype=fp8,outliers=16,rank=4,"
+                                  "keep=0.125,whole=2",
+                                  "quantwm:centroids=16,cdtype=fp8,rank=0,whole=1"])
+@pytest.mark.parametrize("queries", [False, True])
+def test_fused_decode_with_whole_keys(spec, queries):
+    """Whole keys join the PSAC rows in the one correction the fused loop adds (`QuantWMCodec.key_fix`)."""
+    codec, layout, pages, books = _encoded(spec, 4, 64, 16, 16, queries=queries, seed=4)
+    assert bool(layout.page.view(pages, "k_whole_scale").float().abs().gt(0).any())
+    _check(codec, layout, pages, books, rotate=True)
+
+
 def test_groups_are_storage_blobs():
     """``groups``: each group of consecutive units is one blob's layers, K then V."""
     codec, layout, pages, books = _encoded(SPECS[0].format(p=16), 2, 128, 16, 12, queries=False, seed=5)

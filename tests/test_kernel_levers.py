@@ -48,6 +48,12 @@ CASES = [  # (codec, page size, lengths, GQA ratio, target programs)
     ("rtn:bits=2,group=32,pagerope=true", 16, [70], 2, 8),  # per-token key groups: the plain kernel only
     ("quantwm:rank=4,keep=0.5,centroids=4", 32, [90, 40], 2, 8),  # PSAC rows with per-token key groups, folded
     ("identity:sink=5,pagerope=true,vrot=hadamard", 16, [90], 2, 8),
+    # whole key rows (the plain kernel and the Triton gather; heavy keys first): in RoPE's halves, in the stored
+    # frame, with page-relative keys, and alone
+    (RECIPE + ",cdtype=fp8,outliers=16,heavy=2,whole=2", 16, [45, 70, 3], 4, 16),
+    ("quantwm:rank=4,keep=0.5,centroids=4,outliers=8,whole=1", 32, [90, 40], 2, 8),
+    (PAGE_RECIPE + ",outliers=5,whole=3", 32, [75, 40], 2, 8),
+    ("quantwm:rank=0,centroids=4,kchannel=16,whole=8", 16, [50], 3, 4),
 ]
 
 
@@ -114,7 +120,8 @@ def test_decode_and_gather_read_levers_like_the_reference(codec, page_size, leng
 
 @pytest.mark.parametrize("codec,page_size,rope,fold", [(RECIPE, 16, "prerope", False),
                                                        (PAGE_RECIPE, 32, "pagerope", False),
-                                                       (PAGE_RECIPE, 32, "pagerope", True)])
+                                                       (PAGE_RECIPE, 32, "pagerope", True),
+                                                       (RECIPE + ",whole=2", 16, "prerope", False)])
 def test_a_lever_the_kernels_ignore_would_change_the_output(codec, page_size, rope, fold):
     """Without the lever scheme the same pages decode to something else: each lever path does work."""
     from kvbackend.kernels.paged_decode import paged_decode
@@ -125,7 +132,8 @@ def test_a_lever_the_kernels_ignore_would_change_the_output(codec, page_size, ro
     q = torch.randn(1, 4, 64, device=DEVICE).bfloat16()
     args, levers = kernel_inputs(cache, ids)
     full, _ = paged_decode(q, *args, levers=levers, rotary=ROTARY, fold=fold)
-    for off in (dict(sink=0), {rope: False}, dict(vrot=False), dict(psac_rank=0)):
+    offs = [dict(sink=0), {rope: False}, dict(vrot=False), dict(psac_rank=0)] + ([dict(whole=0)] if levers.whole else [])
+    for off in offs:
         partial = dataclasses.replace(levers, **off)
         out, _ = paged_decode(q, *args, levers=partial if partial.active else LeverScheme(), rotary=ROTARY, fold=fold)
         assert float((out.float() - full.float()).norm() / full.float().norm()) > 1e-3, off  # same kernel, same splits
@@ -208,3 +216,34 @@ def test_the_plain_kernel_with_levers_defaults_to_one_stage(monkeypatch):
     plain_args, _ = kernel_inputs(plain, plain_ids)
     module.paged_decode(q, *plain_args, fold=False, planar=False, mma=False)
     assert launched == [1, 2, 2]
+
+
+def test_whole_key_rows_are_declined_by_the_kernels_that_do_not_add_them():
+    """Whole key rows are added by the plain Triton decode and the Triton gather; the folded and CUDA decode
+    kernels, the CUDA gather and the encode kernels decline such layouts (never read them while dropping the
+    rows), so the plain kernel, the Triton gather and the reference encoder serve them."""
+    import dataclasses
+
+    from kvbackend import codecs
+    from kvbackend.codecs.base import CodecState
+    from kvbackend.kernels import folded_decode, gather_cuda, mma_decode, unit_encoder
+
+    from kvbackend.frames import lever_layout
+
+    def layout_of(spec):
+        codec = codecs.get(spec)
+        return codec, lever_layout(codec.layout(Geometry(1, 2, 128, torch.bfloat16), 32), codec.levers)
+
+    recipe = ("quantwm:kchannel=32,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,"
+              "prerope=true,cdtype=fp8,outliers=16")
+    codec, layout = layout_of(recipe + ",whole=1")
+    schemes = kernel_schemes(codec, layout, levers_read=True)
+    levers = lever_scheme(codec, layout)
+    assert levers.whole == 1
+    plain = dataclasses.replace(levers, whole=0, whole_codes=-1, whole_scale=-1, whole_token=-1)
+    assert folded_decode.supports_levers(schemes[0], plain) and not folded_decode.supports_levers(schemes[0], levers)
+    assert mma_decode.supports_levers(schemes[0], plain, 32, 128) and not mma_decode.supports_levers(
+        schemes[0], levers, 32, 128)
+    assert gather_cuda._levers_ok(plain, 32, 128, 2) and not gather_cuda._levers_ok(levers, 32, 128, 2)
+    assert not unit_encoder.supports(codec, layout, [CodecState()])
+    assert unit_encoder.supports(*layout_of(recipe), [CodecState()])

@@ -493,3 +493,106 @@ def test_heavy_keys_units_encode_to_the_bytes_of_separate_encodes():
         assert torch.equal(pages[u], one.pages) and torch.equal(books[u], one.codebook), u
     mixed = [states[0].clone(), CodecState(query_moment=states[1].query_moment.clone())]
     assert not codec._states_alike(mixed)
+
+
+def _whole_pair(extra: str, base: str = "quantwm:rank=0,kchannel=64,clip=true"):
+    return codecs.get(base), codecs.get(base + extra)
+
+
+def test_whole_keys_come_back_to_int8_rounding_and_count_their_bytes():
+    """whole=W: per page and head, the W keys of largest query-weighted error store that error as INT8 with one
+    fp16 scale, so each comes back within half a step (max error / 254); every other key decodes as without them;
+    the bytes grow by the three fields' (W * (D + 3) per page and head, each field 16-byte aligned); the kernels
+    read the rows only with the levers (`lever_scheme`), and at most `MAX_KERNEL_WHOLE` of them."""
+    from kvbackend.errors import UnsupportedLayout
+    from kvbackend.page_check import index_fields
+    from kvbackend.scheme import kernel_schemes, lever_scheme
+
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v = _keys(), _keys(seed=3)
+    moment = query_second_moment(_queries(), 2)
+    base, whole = _whole_pair(",whole=2")
+    a = base.encode(k, v, base.layout(geometry, 64), CodecState(query_moment=moment))
+    layout = whole.layout(geometry, 64)
+    b = whole.encode(k, v, layout, CodecState(query_moment=moment))
+    ka, va = base.decode(a)
+    kb, vb = whole.decode(b)
+    assert torch.equal(va, vb)
+    fields = [layout.page.fields[name].nbytes for name in ("k_whole", "k_whole_scale", "k_whole_token")]
+    assert fields == [2 * 2 * 64, 2 * 2 * 2, 2 * 2]  # [W, H, D] int8, [W, H] fp16, [W, H] uint8
+    assert b.nbytes - a.nbytes == 2 * sum(-(-n // 16) * 16 for n in fields)  # 2 pages
+    token = layout.page.view(b.pages, "k_whole_token").long()  # [page, W, head]
+    chosen = torch.zeros(2, 64, 2, dtype=torch.bool).scatter_(1, token, True).view(128, 2)
+    assert int(chosen.sum()) == 8
+    assert torch.equal(kb[~chosen], ka[~chosen])  # every other key as without whole rows
+    err_a, err_b = (k - ka).abs(), (k - kb).abs()
+    assert bool((err_b[chosen].amax(-1) <= err_a[chosen].amax(-1) / 254 * (1 + 1e-3) + 1e-6).all())
+    score = ((k - ka) ** 2 * channel_weights(moment)).sum(-1).view(2, 64, 2)
+    picked = chosen.view(2, 64, 2)
+    for page in range(2):
+        for head in range(2):  # no key left out has a larger weighted error than one kept
+            s, m = score[page, :, head], picked[page, :, head]
+            assert float(s[m].min()) >= float(s[~m].max())
+    with pytest.raises(UnsupportedLayout, match="whole key rows"):  # never read while ignoring the rows
+        kernel_schemes(whole, layout)
+    kernel_schemes(whole, layout, levers_read=True)
+    levers = lever_scheme(whole, layout)
+    assert levers.active and levers.whole == 2 and levers.whole_token == layout.page.fields["k_whole_token"].offset
+    many = codecs.get("quantwm:rank=0,kchannel=64,whole=9")  # the torch reference serves these
+    with pytest.raises(UnsupportedLayout, match="at most 8 whole key rows"):
+        lever_scheme(many, many.layout(geometry, 64))
+    assert "k_whole_token" in [f.name for f in index_fields(whole, layout)]
+    with pytest.raises(SpecError, match="whole"):
+        codecs.get("quantwm:whole=65").layout(geometry, 64)
+    with pytest.raises(SpecError, match="whole"):
+        codecs.get("quantwm:whole=1").layout(geometry, 512)
+
+
+def test_whole_keys_take_heavy_rows_first_and_keep_every_other_field():
+    """With `heavy`, the heavy keys are stored whole before any other. The whole rows are written after the outlier
+    slots (which the heavy keys still take first, and which keep their bytes) and before the PSAC rows, which fit
+    what the rows leave: a heavy key's logit error under the mean query falls by orders of magnitude."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    k, v, q, mu = _heavy_case()
+    base = "quantwm:kchannel=64,rank=4,keep=0.0625,centroids=8,clip=true,vcluster=false,cdtype=fp8,outliers=16,heavy=2"
+    slots, whole = codecs.get(base), codecs.get(base + ",whole=1")
+    layout, slot_layout = whole.layout(geometry, 64), slots.layout(geometry, 64)
+
+    def state():
+        return CodecState(query_moment=query_second_moment(q, 2), query_mean=query_mean(q, 2))
+
+    a, b = slots.encode(k, v, slot_layout, state()), whole.encode(k, v, layout, state())
+    token = layout.page.view(b.pages, "k_whole_token").long()  # [page, 1, head]
+    assert token[0, 0].tolist() == [37, 37] and token[1, 0, 0] == 104 - 64  # the heavy keys (the run's last row)
+    for name in ("k_codes", "k_scales", "k_assign", "v_codes", "k_out_index", "k_out_value"):
+        assert torch.equal(slot_layout.page.view(a.pages, name), layout.page.view(b.pages, name)), name
+    assert torch.equal(a.codebook, b.codebook)  # the centroids and the PSAC basis
+    rows = whole.heavy_rows(k, query_mean(q, 2)[None], 1)
+    ka, kb = slots.decode(a)[0], whole.decode(b)[0]
+    err_a = ((ka - k) * mu).sum(-1)[rows] ** 2
+    err_b = ((kb - k) * mu).sum(-1)[rows] ** 2
+    assert float(err_b.sum()) < 1e-2 * float(err_a.sum()), (err_a, err_b)
+    assert float((kb - k).norm()) < float((ka - k).norm())
+
+
+def test_whole_keys_skip_stand_ins_and_units_encode_to_separate_encodes():
+    """Rows that stand in for others are never stored whole: copies equal to the next row (as sink copies are)
+    and a partial last page's padding (its first copy, the real last token, may be). Chunks encode in one pass
+    to the bytes of separate encodes."""
+    geometry = Geometry(1, 1, 32, torch.float32)
+    codec = codecs.get("quantwm:group=16,rank=0,whole=2,centroids=1")  # no centroid on the copies
+    layout = codec.layout(geometry, 32)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(33, 1, 32, generator=g), torch.randn(33, 1, 32, generator=g)
+    k[4] *= 9  # a key with the page's largest errors, and four copies of it ahead of it
+    k[0:4] = k[4]
+    chunk = codec.encode(k, v, layout)
+    token = layout.page.view(chunk.pages, "k_whole_token")[:, :, 0].long()
+    assert 4 in token[0].tolist() and not set(token[0].tolist()) & {0, 1, 2, 3}
+    assert 0 in token[1].tolist()  # page 1: the real token, then one padding row (the only other choice is padding)
+    k2 = torch.stack([torch.randn(64, 1, 32, generator=g) for _ in range(3)])
+    v2 = torch.stack([torch.randn(64, 1, 32, generator=g) for _ in range(3)])
+    pages, books = codec.encode_units(k2, v2, layout)
+    for u in range(3):
+        one = codec.encode(k2[u], v2[u], layout)
+        assert torch.equal(pages[u], one.pages) and torch.equal(books[u], one.codebook), u

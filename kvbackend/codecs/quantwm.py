@@ -25,6 +25,13 @@ codec is QVG with an empty PSAC (cold start: uniform channel weights, no correct
   kernel and the plain decode kernel add them to their key tiles; the folded decode kernel adds them as
   a score term (q at each outlier's channel times its value), or to keys it rebuilds for pre-RoPE
   rotation.
+- Whole keys (``whole=W``): per page and head, W keys store everything the other fields leave of them, as
+  INT8 with one fp16 scale and a uint8 token index (head_dim + 3 bytes each): the `heavy` keys first (the few
+  tokens attention gathers on), then the largest query-weighted errors left. They are written after the
+  outliers (which take a clipped key's largest errors, so the rows' steps stay fine) and before the PSAC rows
+  (which then fit the rows' rounding along the query directions). Decoding adds them with the PSAC correction
+  (`key_fix`). The Triton decode and gather kernels add them (`lever_scheme`); the CUDA kernels decline such
+  layouts (the Triton ones serve them), and the encode kernels leave them to this reference encoder.
 """
 
 from __future__ import annotations
@@ -67,6 +74,10 @@ class QuantWMSpec(QVGSpec):
     # a heavy key's logit must also stand this many standard deviations above the mean of its chunk and head's
     # logits (0 = the `heavy` largest, whatever they are)
     heavyz: float = ranged(0.0, 0.0, 1e3)
+    # per page and head, this many keys stored whole: what the quantizer and the outliers leave of them, as INT8
+    # with one fp16 scale and a uint8 token index (head_dim + 3 bytes each); the `heavy` keys first, then the
+    # largest query-weighted errors left (0 = off)
+    whole: int = ranged(0, 0, 256)
 
     def psac_rows(self, page_size: int) -> int:
         """PSAC rows per page and head."""
@@ -147,9 +158,12 @@ class QuantWMCodec(QVGCodec):
             raise SpecError(f"quantwm: keep={s.keep} must be a fraction in (0, 1]")
         if s.sparse and page_size > 256:
             raise SpecError(f"quantwm: keep < 1 stores uint8 token indices, so page_size={page_size} must be <= 256")
-        if s.heavy and not (s.outliers or (s.rank and s.sparse)):
-            raise SpecError(f"quantwm: heavy={s.heavy} gives heavy keys the outlier slots and PSAC rows first; "
-                            "it needs outliers > 0, or rank > 0 with keep < 1")
+        if s.heavy and not (s.outliers or (s.rank and s.sparse) or s.whole):
+            raise SpecError(f"quantwm: heavy={s.heavy} gives heavy keys the outlier slots, PSAC rows or whole rows "
+                            "first; it needs outliers > 0, rank > 0 with keep < 1, or whole > 0")
+        if s.whole and (s.whole > page_size or page_size > 256):
+            raise SpecError(f"quantwm: whole={s.whole} stores uint8 token indices: it must be at most page_size "
+                            f"({page_size}), which must be at most 256")
         if s.outliers and (s.outliers > page_size * geometry.head_dim or page_size * geometry.head_dim > 1 << 15):
             raise SpecError(f"quantwm: outliers={s.outliers} must be at most page_size * head_dim "
                             f"({page_size * geometry.head_dim}), which must be at most 32768 (int16 positions)")
@@ -166,6 +180,10 @@ class QuantWMCodec(QVGCodec):
         if self.spec.outliers:
             n = self.spec.outliers
             page += [("k_out_index", torch.int16, (n, h)), ("k_out_value", torch.float16, (n, h))]
+        if self.spec.whole:
+            n = self.spec.whole
+            page += [("k_whole", torch.int8, (n, h, d)), ("k_whole_scale", torch.float16, (n, h)),
+                     ("k_whole_token", torch.uint8, (n, h))]
         return page, book
 
     def _qsac(self, prefix: str, moment: torch.Tensor | None) -> bool:
@@ -209,10 +227,12 @@ class QuantWMCodec(QVGCodec):
         moments = self._stacked_moments(states, k.device)  # [U, H, D, D] or None
         units = len(states)
         heavy = self.heavy_rows(k, self._stacked_means(states, k.device), units)
+        per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
         if self.spec.outliers:
-            per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
             self._encode_outliers(k, layout, pages, per_page, moments, units, heavy)
-        if self.spec.rank and moments is not None:
+        if self.spec.whole:  # what the outliers leave (they take a clipped key's largest errors, so the rows' steps
+            self._encode_whole(k, layout, pages, per_page, moments, units, heavy)  # are fine)
+        if self.spec.rank and moments is not None:  # last: PSAC's rows fit what all the rest leaves
             self._encode_psac(k, layout, pages, codebook, moments, heavy=heavy)
 
     @staticmethod
@@ -336,6 +356,8 @@ class QuantWMCodec(QVGCodec):
         if both is None:
             per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
             approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
+            if self.spec.whole:
+                approx = approx + self.whole_fix(layout, pages)
             error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
             both = error @ torch.cat([u, mu], -1)  # [U, H, T, 2r]
         coeff, projected = both[..., :r], both[..., r:]
@@ -363,10 +385,60 @@ class QuantWMCodec(QVGCodec):
         layout.page.view(pages, "k_psac").copy_(codes)
         layout.page.view(pages, "k_psac_scale").copy_(scale)
 
+    def _encode_whole(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None, units: int,
+                      heavy: torch.Tensor | None) -> None:
+        """The whole-key fields of ``pages`` (`whole`): per page and head, the ``heavy`` rows first, then the largest
+        errors the quantizer and the outliers leave, weighted by the chunk's query channel weights (``moments``
+        [U, H, D, D], or plain), store that error as INT8 codes with one fp16 scale per row (rounded up, so no code
+        clips). The PSAC rows are fitted afterwards, to what these leave. A row
+        that only stands in for another is never chosen: one equal to the next row (the copies written over sink
+        tokens, which are kept exact elsewhere), or a chunk's padding (its trailing run of equal rows but the first,
+        the real last token). ``codebook`` has a slot per page where ``units`` > 1."""
+        p, (_, h, d) = layout.page_size, k.shape
+        n = k.shape[0] // units
+        k_other, _ = self._decode_base(layout, pages, codebook)
+        error = k - k_other
+        weights, copies = self.outlier_inputs(k, p, moments, units)
+        score = (error.view(units, n, h, d) ** 2 * weights[:, None]).sum(-1)  # [U, n, H]
+        if heavy is not None:  # above every other row, whatever their errors
+            score = torch.where(heavy.view(units, n, h), score * HEAVY_RANK + HEAVY_RANK, score)
+        x = k.view(units, n, h, d)
+        stand_in = torch.zeros(units, n, h, dtype=torch.bool, device=k.device)
+        stand_in[:, :-1] = (x[:, :-1] == x[:, 1:]).all(-1)
+        pos = torch.arange(n, device=k.device)
+        first = (n - 1 - copies)[:, None]  # [U, 1]: the trailing run's first row
+        stand_in = (stand_in & (pos != first)[..., None]) | (pos > first)[..., None]
+        score = to_pages(score.masked_fill(stand_in, -1.0).view(units * n, h), p)  # [N, P, H]
+        token = score.topk(self.spec.whole, dim=1).indices  # [N, W, H]
+        error = to_pages(error, p)  # [N, P, H, D]
+        rows = torch.gather(error, 1, token.unsqueeze(-1).expand(-1, -1, -1, d))  # [N, W, H, D]
+        scale = round_to((rows.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
+        codes = torch.round(rows / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        layout.page.view(pages, "k_whole").copy_(codes)
+        layout.page.view(pages, "k_whole_scale").copy_(scale)
+        layout.page.view(pages, "k_whole_token").copy_(token.to(torch.uint8))
+
+    def whole_fix(self, layout: PageLayout, pages) -> torch.Tensor:
+        """What the whole keys add, float32 ``[len(pages) * P, H, D]`` (``whole`` > 0)."""
+        rows = layout.page.view(pages, "k_whole").float() * layout.page.view(pages, "k_whole_scale").float()[..., None]
+        token = layout.page.view(pages, "k_whole_token").long()  # [N, W, H]
+        dense = torch.zeros(rows.shape[0], layout.page_size, *rows.shape[2:], dtype=rows.dtype, device=rows.device)
+        return from_pages(dense.scatter_add_(1, token.unsqueeze(-1).expand_as(rows), rows))
+
+    def key_fix(self, layout: PageLayout, pages, codebook) -> torch.Tensor | None:
+        """The one correction decoding adds to the keys once the outliers are in, float32 ``[len(pages) * P, H, D]``:
+        the PSAC rows plus the whole keys (None when the spec has neither)."""
+        fix = self.psac_fix(layout, pages, codebook) if self.spec.rank else None
+        if self.spec.whole:
+            whole = self.whole_fix(layout, pages)
+            fix = whole if fix is None else fix + whole
+        return fix
+
     def _decode(self, layout: PageLayout, pages, codebook):
         k, v = self._decode_base(layout, pages, codebook)
-        if self.spec.rank:
-            k = k + self.psac_fix(layout, pages, codebook)
+        fix = self.key_fix(layout, pages, codebook)
+        if fix is not None:
+            k = k + fix
         return k, v
 
     def psac_is_zero(self, layout: PageLayout, pages, codebook) -> bool:

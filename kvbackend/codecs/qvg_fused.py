@@ -3,8 +3,8 @@
 `decode_units_bf16` gives what `Codec.decode_units` gives, rounded to bf16, followed by the Hadamard value
 rotation of ``vrot=hadamard`` where asked (`kvbackend.frames.LeverFrame.from_stored`), bit for bit, in two passes
 over the output instead of a dozen. The codec's torch decode stays the reference: this module only reads the
-same fields, and takes its PSAC correction from the codec (`QuantWMCodec.psac_fix`) unless every stored PSAC
-byte is zero. Where it does not serve (no numba, another device or dtype, widths without a byte table, damaged
+same fields, and takes its key correction (PSAC rows and whole keys) from the codec (`QuantWMCodec.key_fix`) unless
+it has no whole keys and every stored PSAC byte is zero. Where it does not serve (no numba, another device or dtype, widths without a byte table, damaged
 indices that torch's indexing should report) it returns None and the caller takes the torch path.
 """
 
@@ -48,10 +48,10 @@ def _tensor_pages(codec: QVGCodec, layout: PageLayout, pages: torch.Tensor, book
             if int(outlier_index.min()) < 0 or int(outlier_index.max()) >= p * d:
                 return None
             outlier_value = page.view(pages, "k_out_value").float()
-        if s.rank:
-            zero_fix = codec.psac_is_zero(layout, pages, books)
+        if s.rank or s.whole:  # the PSAC rows and whole keys, as the torch decode adds them: one correction
+            zero_fix = not s.whole and codec.psac_is_zero(layout, pages, books)
             if not zero_fix:
-                fix = codec.psac_fix(layout, pages, books).reshape(units, p, layout.geometry.num_kv_heads, -1)
+                fix = codec.key_fix(layout, pages, books).reshape(units, p, layout.geometry.num_kv_heads, -1)
     return fastdecode.TensorPages(
         codes=page.view(pages, f"{prefix}_codes"), bits=bits, channels=channels,
         group=s.kchannel if channels else s.group, scale=page.view(pages, f"{prefix}_scales").float(), zero=zero,

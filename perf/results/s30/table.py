@@ -12,7 +12,7 @@ JOBS = [("code", 1536), ("code", 6144), ("tech", 1536), ("pyenv", 1536), ("legal
 def path(name, text, n):
     if name == "p7":
         return f"perf/results/s27/p7_{text}_{n}.json"
-    for folder in ("perf/results/s30", "perf/results/s31", "perf/results/s32", "perf/results/s33"):  # the first that holds it
+    for folder in ("perf/results/s30", "perf/results/s31", "perf/results/s32", "perf/results/s33", "perf/results/s34"):  # the first that holds it
         if os.path.exists(f"{folder}/{name}_{text}_{n}.json"):
             return f"{folder}/{name}_{text}_{n}.json"
     return f"perf/results/s30/{name}_{text}_{n}.json"
