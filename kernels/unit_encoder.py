@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from kvbackend.codecs.base import CodecState
-from kvbackend.codecs.quantwm import QuantWMCodec
+from kvbackend.codecs.quantwm import QuantWMCodec, psac_products
 from kvbackend.codecs.qvg import BATCHED_INITS, QVGCodec
 from kvbackend.errors import UnsupportedLayout
 from kvbackend.layout import PageLayout
@@ -37,8 +37,6 @@ def supports(codec, layout: PageLayout, states: Sequence[CodecState]) -> bool:
     if not isinstance(codec, QVGCodec) or not codec._units_encodable(states):
         return False
     if codec._qsac("k", states[0].query_moment):  # QSAC: the reference chooses the centroids
-        return False
-    if getattr(codec.spec, "whole", 0):  # whole key rows: the reference writes them
         return False
     p, d = layout.page_size, layout.geometry.head_dim
     if p & (p - 1) or d & (d - 1):
@@ -84,7 +82,7 @@ def clustering_key(codec) -> tuple | None:
     spec = codec.spec
     changes = {"kbits": 0}
     if isinstance(codec, QuantWMCodec):
-        changes["outliers"] = 0
+        changes.update(outliers=0, whole=0)
     return (type(codec).__name__, repr(dataclasses.replace(spec, **changes)))
 
 
@@ -140,7 +138,7 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
             ps = part.codec.spec
             scheme = dict(zip("kv", kernel_schemes(part.codec, part.layout, levers_read=True)))[prefix]
             clip = ps.clip if prefix == "k" and ps.kchannel else ps.clip and not ps.symmetric
-            extra = {"error": prefix == "k" and quantwm and (bool(ps.outliers) or psac)}
+            extra = {"error": prefix == "k" and quantwm and (bool(ps.outliers) or bool(ps.whole) or psac)}
             xp = x if at is None else x.view(units, n, h, -1)[at].view(-1, h, x.shape[-1])
             count = units if at is None else len(part.index)
             if clustered:
@@ -175,22 +173,23 @@ def _unit_index(index: list[int] | None, device: torch.device):
 
 def _key_fields(codec, layout: PageLayout, pages, codebooks, k, error, moments, units: int, basis,
                 means: torch.Tensor | None = None) -> None:
-    """QuantWM's key outliers and PSAC rows (``basis``: `QuantWMCodec.psac_basis`, or None without them) from what
-    the codes leave of the keys, ``error`` [pages, H, P, D] (the kernel's; the reference decodes its pages twice),
-    the chunks' mean queries ``means`` [U, H, D] choosing the heavy keys that take them first (`heavy`)."""
+    """QuantWM's key outliers, whole rows and PSAC rows (``basis``: `QuantWMCodec.psac_basis`, or None without them)
+    from what the codes leave of the keys, ``error`` [pages, H, P, D] (the kernel's; the reference decodes its pages
+    for it), the chunks' mean queries ``means`` [U, H, D] choosing the heavy keys that take them first (`heavy`):
+    `QuantWMCodec.key_fields` where the spec has whole rows, else the same steps here."""
     count, h, p, d = error.shape
-    flat = error.view(count, h, p * d)
     heavy = codec.heavy_rows(k, means, units)
+    if codec.spec.whole:
+        codec.key_fields(layout, pages, codebooks, k, error, moments, units, heavy, basis)
+        return
+    flat = error.view(count, h, p * d)
     if codec.spec.outliers:
         index, value = codec.write_outliers(layout, pages, flat, *codec.outlier_inputs(k, p, moments, units),
                                             heavy=heavy)
         flat.scatter_add_(2, index, -value.float())  # what is left once the outliers are added back
     if basis is not None:
-        both = torch.cat([basis[0].float(), basis[1]], -1)  # [U, H, D, 2r]
-        # [U, pages of a chunk, H, P, D] x [U, 1, H, D, 2r]: batched over pages and heads, no transpose of the error
-        both = error.view(units, count // units, h, p, d) @ both.unsqueeze(1)
-        both = both.transpose(1, 2).reshape(units, h, (count // units) * p, -1)  # [U, H, T, 2r]
-        codec._encode_psac(k, layout, pages, codebooks, moments, basis=basis, both=both, heavy=heavy)
+        codec._encode_psac(k, layout, pages, codebooks, moments, basis=basis, both=psac_products(error, basis, units),
+                           heavy=heavy)
 
 
 def _cluster(codec, prefix: str, x: torch.Tensor, states, generator,

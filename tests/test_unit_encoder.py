@@ -30,6 +30,9 @@ SPECS = [
     # keys clustered under the queries' channel weights (`kmetric`), pre-RoPE pairs averaged; heavy keys' outliers
     # and PSAC rows first (`heavy`)
     RECIPE + ",kmetric=0.5,prerope=true,heavy=4",
+    # whole key rows after the outliers (heavy keys first), PSAC rows after them; and whole rows alone
+    RECIPE + ",kmetric=0.5,prerope=true,heavy=4,whole=2",
+    "quantwm:kchannel=16,rank=0,centroids=8,clip=true,vcluster=false,cdtype=fp8,whole=1",
 ]
 
 
@@ -110,7 +113,7 @@ def _assert_same_bytes(layout, ref, new, weights=None):
         if name in ("k_out_index", "k_out_value", "k_assign", "v_assign"):
             continue
         a, b = layout.page.view(pages_ref, name), layout.page.view(pages_new, name)
-        if name.startswith("k_psac") and agree is not None:  # [N, rows, H, ...]: the heads whose outliers agree
+        if name.startswith(("k_psac", "k_whole")) and agree is not None:  # [N, rows, H, ...]: where outliers agree
             keep = agree[:, None, :].expand(-1, a.shape[1], -1)
             a, b = a[keep], b[keep]
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
@@ -290,10 +293,11 @@ def test_a_triton_cache_encodes_its_chunks_through_the_kernels(monkeypatch):
                 assert (x - original).norm() <= 1.02 * (y - original).norm()
 
 
-MIXED = [RECIPE, RECIPE.replace("outliers=16", "outliers=0"), RECIPE.replace("outliers=16", "outliers=0,kbits=3")]
+MIXED = [RECIPE, RECIPE.replace("outliers=16", "outliers=0"), RECIPE.replace("outliers=16", "outliers=0,kbits=3"),
+         RECIPE.replace("outliers=16", "outliers=0,whole=1")]
 
 
-@pytest.mark.parametrize("index", [[[0, 2], [1], [3]], [[3], [0, 1, 2]]])
+@pytest.mark.parametrize("index", [[[0, 2], [1], [3]], [[3], [0, 1, 2]], [[1], [0], [3], [2]]])
 def test_a_mixed_pass_writes_what_each_part_writes_alone(index):
     """`encode_mixed` over parts of a depth spec's layer codecs (other outlier counts and key widths), units in any
     order: each part's pages, codebooks and new centroids are the bytes of its own `encode_units` (cold, then

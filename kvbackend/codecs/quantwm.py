@@ -135,6 +135,16 @@ def qsac_score(x: torch.Tensor, cents: torch.Tensor, assign: torch.Tensor, weigh
 HEAVY_RANK = 2.0**40
 
 
+def psac_products(error: torch.Tensor, basis: tuple[torch.Tensor, torch.Tensor], units: int) -> torch.Tensor:
+    """What `QuantWMCodec._encode_psac` takes as ``both``: the keys' error [pages, H, P, D] of ``units`` chunks times
+    each chunk's ``[U, MU]`` (`QuantWMCodec.psac_basis`), as [U, H, T, 2r]."""
+    count, h, p, d = error.shape
+    both = torch.cat([basis[0].float(), basis[1]], -1)  # [U, H, D, 2r]
+    # [U, pages of a chunk, H, P, D] x [U, 1, H, D, 2r]: batched over pages and heads, no transpose of the error
+    both = error.view(units, count // units, h, p, d) @ both.unsqueeze(1)
+    return both.transpose(1, 2).reshape(units, h, (count // units) * p, -1)  # [U, H, T, 2r]
+
+
 def _by_head(x: torch.Tensor, page_size: int) -> torch.Tensor:
     """Keys ``[N*P, H, D]`` as ``[N, H, P*D]``: each page and head flat, position ``t * D + d`` (as stored)."""
     _, h, d = x.shape
@@ -228,12 +238,42 @@ class QuantWMCodec(QVGCodec):
         units = len(states)
         heavy = self.heavy_rows(k, self._stacked_means(states, k.device), units)
         per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
+        if self.spec.whole:  # one error, carried from field to field as the kernels' encoder carries it
+            self._encode_key_error(k, layout, pages, codebook, per_page, moments, units, heavy)
+            return
         if self.spec.outliers:
             self._encode_outliers(k, layout, pages, per_page, moments, units, heavy)
-        if self.spec.whole:  # what the outliers leave (they take a clipped key's largest errors, so the rows' steps
-            self._encode_whole(k, layout, pages, per_page, moments, units, heavy)  # are fine)
-        if self.spec.rank and moments is not None:  # last: PSAC's rows fit what all the rest leaves
+        if self.spec.rank and moments is not None:
             self._encode_psac(k, layout, pages, codebook, moments, heavy=heavy)
+
+    def _encode_key_error(self, k, layout: PageLayout, pages, codebook, per_page, moments: torch.Tensor | None,
+                          units: int, heavy: torch.Tensor | None) -> None:
+        """The key outliers, whole rows and PSAC rows from one error, what the quantizer leaves of the keys as
+        [pages, H, P, D] (the layout the encode kernel returns it in), each field's share taken out of it before the
+        next is chosen: the outliers (a clipped key's largest errors, so the rows' steps stay fine), then the whole
+        rows, then the PSAC rows (their rounding along the query directions)."""
+        p = layout.page_size
+        approx, _ = super()._decode(layout, pages, per_page)
+        error = to_pages(k - approx, p).permute(0, 2, 1, 3).contiguous()  # [N, H, P, D]
+        self.key_fields(layout, pages, codebook, k, error, moments, units, heavy)
+
+    def key_fields(self, layout: PageLayout, pages, codebook, k, error: torch.Tensor, moments: torch.Tensor | None,
+                   units: int, heavy: torch.Tensor | None, basis=None) -> None:
+        """The key outliers, whole rows (`whole`) and PSAC rows of ``units`` chunks from what the codes leave of their
+        keys, ``error`` [pages, H, P, D] (updated in place as each field takes its share). ``basis``:
+        `psac_basis`, where the caller already has it."""
+        count, h, p, d = error.shape
+        if self.spec.outliers:
+            flat = error.view(count, h, p * d)
+            index, value = self.write_outliers(layout, pages, flat, *self.outlier_inputs(k, p, moments, units),
+                                               heavy=heavy)
+            flat.scatter_add_(2, index, -value.float())  # what is left once the outliers are added back
+        if self.spec.whole:
+            self.write_whole(layout, pages, error, k, moments, units, heavy)
+        if self.spec.rank and moments is not None:
+            basis = self.psac_basis(moments) if basis is None else basis
+            self._encode_psac(k, layout, pages, codebook, moments, basis=basis, both=psac_products(error, basis, units),
+                              heavy=heavy)
 
     @staticmethod
     def _stacked_means(states, device) -> torch.Tensor | None:
@@ -356,8 +396,6 @@ class QuantWMCodec(QVGCodec):
         if both is None:
             per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
             approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
-            if self.spec.whole:
-                approx = approx + self.whole_fix(layout, pages)
             error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
             both = error @ torch.cat([u, mu], -1)  # [U, H, T, 2r]
         coeff, projected = both[..., :r], both[..., r:]
@@ -385,21 +423,20 @@ class QuantWMCodec(QVGCodec):
         layout.page.view(pages, "k_psac").copy_(codes)
         layout.page.view(pages, "k_psac_scale").copy_(scale)
 
-    def _encode_whole(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None, units: int,
-                      heavy: torch.Tensor | None) -> None:
-        """The whole-key fields of ``pages`` (`whole`): per page and head, the ``heavy`` rows first, then the largest
-        errors the quantizer and the outliers leave, weighted by the chunk's query channel weights (``moments``
-        [U, H, D, D], or plain), store that error as INT8 codes with one fp16 scale per row (rounded up, so no code
-        clips). The PSAC rows are fitted afterwards, to what these leave. A row
-        that only stands in for another is never chosen: one equal to the next row (the copies written over sink
-        tokens, which are kept exact elsewhere), or a chunk's padding (its trailing run of equal rows but the first,
-        the real last token). ``codebook`` has a slot per page where ``units`` > 1."""
-        p, (_, h, d) = layout.page_size, k.shape
-        n = k.shape[0] // units
-        k_other, _ = self._decode_base(layout, pages, codebook)
-        error = k - k_other
+    def write_whole(self, layout: PageLayout, pages, error: torch.Tensor, k, moments: torch.Tensor | None,
+                    units: int, heavy: torch.Tensor | None) -> None:
+        """The whole-row fields of ``pages`` (`whole`) from what the other fields leave of the keys ``k``, ``error``
+        [pages, H, P, D], which each row's decoded value is then taken out of (in place). Per page and head, the
+        ``heavy`` rows first, then the largest errors weighted by the chunks' query channel weights (``moments`` [U,
+        H, D, D], or plain), store their error as INT8 codes with one fp16 scale per row (rounded up, so no code
+        clips). A row that only stands in for another is never chosen: one equal to the next row (the copies
+        written over sink tokens, which are kept exact elsewhere), or a chunk's padding (its trailing run of equal
+        rows but the first, the real last token)."""
+        count, h, p, d = error.shape
+        n = count * p // units
         weights, copies = self.outlier_inputs(k, p, moments, units)
-        score = (error.view(units, n, h, d) ** 2 * weights[:, None]).sum(-1)  # [U, n, H]
+        score = (error**2 * weights.repeat_interleave(count // units, 0)[:, :, None, :]).sum(-1)  # [N, H, P]
+        score = score.transpose(1, 2).reshape(units, n, h)
         if heavy is not None:  # above every other row, whatever their errors
             score = torch.where(heavy.view(units, n, h), score * HEAVY_RANK + HEAVY_RANK, score)
         x = k.view(units, n, h, d)
@@ -409,18 +446,19 @@ class QuantWMCodec(QVGCodec):
         first = (n - 1 - copies)[:, None]  # [U, 1]: the trailing run's first row
         stand_in = (stand_in & (pos != first)[..., None]) | (pos > first)[..., None]
         score = to_pages(score.masked_fill(stand_in, -1.0).view(units * n, h), p)  # [N, P, H]
-        token = score.topk(self.spec.whole, dim=1).indices  # [N, W, H]
-        error = to_pages(error, p)  # [N, P, H, D]
-        rows = torch.gather(error, 1, token.unsqueeze(-1).expand(-1, -1, -1, d))  # [N, W, H, D]
-        scale = round_to((rows.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")
-        codes = torch.round(rows / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        layout.page.view(pages, "k_whole").copy_(codes)
-        layout.page.view(pages, "k_whole_scale").copy_(scale)
-        layout.page.view(pages, "k_whole_token").copy_(token.to(torch.uint8))
+        token = score.topk(self.spec.whole, dim=1).indices.transpose(1, 2)  # [N, H, W]
+        at = token.unsqueeze(-1).expand(-1, -1, -1, d)
+        rows = torch.gather(error, 2, at)  # [N, H, W, D]
+        scale = round_to((rows.abs().amax(-1) / 127).clamp_min(2**-24), torch.float16, "up")  # [N, H, W]
+        codes = torch.round(rows / scale.float().unsqueeze(-1)).clamp(-127, 127)
+        error.scatter_add_(2, at, -(codes * scale.float().unsqueeze(-1)))  # what decoding adds back (`whole_fix`)
+        layout.page.view(pages, "k_whole").copy_(codes.transpose(1, 2).to(torch.int8))
+        layout.page.view(pages, "k_whole_scale").copy_(scale.transpose(1, 2))
+        layout.page.view(pages, "k_whole_token").copy_(token.transpose(1, 2).to(torch.uint8))
 
     def whole_fix(self, layout: PageLayout, pages) -> torch.Tensor:
         """What the whole keys add, float32 ``[len(pages) * P, H, D]`` (``whole`` > 0)."""
-        rows = layout.page.view(pages, "k_whole").float() * layout.page.view(pages, "k_whole_scale").float()[..., None]
+        rows = layout.page.view(pages, "k_whole").float() * layout.page.view(pages, "k_whole_scale").float().unsqueeze(-1)
         token = layout.page.view(pages, "k_whole_token").long()  # [N, W, H]
         dense = torch.zeros(rows.shape[0], layout.page_size, *rows.shape[2:], dtype=rows.dtype, device=rows.device)
         return from_pages(dense.scatter_add_(1, token.unsqueeze(-1).expand_as(rows), rows))
