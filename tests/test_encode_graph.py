@@ -165,8 +165,14 @@ LEVERS = SPEC.replace("vrot=hadamard", "vrot=hadamard,sink=4,prerope=true")
 MIXED = (LEVERS, LEVERS.replace("outliers=16", "outliers=0"), LEVERS.replace("outliers=16", "outliers=0,kbits=3"))
 
 
+# whole key rows (heavy keys first) in one codec, and in some layers of a mixed pass
+WHOLE = (LEVERS + ",heavy=2,whole=1", LEVERS.replace("outliers=16", "outliers=0,whole=2,heavy=2"),
+         LEVERS.replace("outliers=16", "outliers=0,kbits=3,heavy=2"))
+
+
 @CUDA
-@pytest.mark.parametrize("specs", [(LEVERS,) * 3, MIXED], ids=["one codec", "mixed pass"])
+@pytest.mark.parametrize("specs", [(LEVERS,) * 3, MIXED, (WHOLE[0],) * 3, WHOLE],
+                         ids=["one codec", "mixed pass", "whole rows", "mixed pass, whole rows"])
 def test_a_cache_serves_the_same_values_with_and_without_encode_graphs(specs):
     from kvbackend.manager import KVCache
     from kvbackend.rope import Rotary
