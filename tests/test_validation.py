@@ -383,3 +383,35 @@ def test_eval_plan_text_needs_an_auto_spec_and_reaches_evaluate(no_model, monkey
     with pytest.raises(_Loaded):
         main(_eval("--codec", "auto:bpv=3.2", "--plan-text", str(plan_file)))
     assert seen == [(400, 700)]
+
+
+def test_eval_skip_drops_the_first_tokens_and_refuses_too_few(no_model, monkeypatch):
+    """``--skip N`` drops the text's first N tokens before anything else (the same continuation at two prefix
+    lengths); a skip that leaves too few tokens is refused before any run, naming the counts."""
+    import kvbackend.tools.evaluate
+    import kvbackend.tools.models
+    from kvbackend.tools.cli import main
+
+    seen = []
+
+    class Tokens:
+        def __call__(self, text, return_tensors):
+            return type("Ids", (), {"input_ids": torch.arange(400).unsqueeze(0)})()
+
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None):
+        seen.append(ids[0].tolist())
+        raise _Loaded()
+
+    monkeypatch.setattr(kvbackend.tools.models, "load_model", lambda **kwargs: (None, Tokens()))
+    monkeypatch.setattr(kvbackend.tools.evaluate, "evaluate", evaluate)
+    with pytest.raises(_Loaded):
+        main(_eval("--codec", "fp8", "--skip", "80"))
+    assert seen == [list(range(80, 400))]
+    with pytest.raises(_Loaded):
+        main(_eval("--codec", "fp8"))
+    assert seen[-1] == list(range(400))
+    with pytest.raises(SystemExit, match="--skip 81 leaves 319"):
+        main(_eval("--codec", "fp8", "--skip", "81"))
+    assert len(seen) == 2
+    with pytest.raises(SystemExit):
+        main(_eval("--codec", "fp8", "--skip", "-1"))

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prefix", type=_int_at_least(1), default=1536, help="tokens cached through the codec")
     ev.add_argument("--continue", dest="cont", type=_int_at_least(2), default=512,
                     help="tokens teacher-forced after the prefix (at least 2: the first has no scored target)")
+    ev.add_argument("--skip", type=_int_at_least(0), default=0,
+                    help="drop the text's first N tokens before anything else (the text then starts there): "
+                         "--prefix 1536 --skip 4608 scores the same continuation as --prefix 6144, so the two "
+                         "runs differ only in how much cached context precedes it")
     ev.add_argument("--chunk", type=_int_at_least(64), default=2048,
                     help="tokens per codec chunk, a multiple of the 64-token page (default 2048, as the cache); "
                          "--chunk 64 makes every page its own chunk, as the SGLang storage backend stores pages")

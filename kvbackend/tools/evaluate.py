@@ -549,6 +549,13 @@ def run_eval_cli(args) -> int:
     with console.status("loading model"):
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
     ids = tokenizer(text, return_tensors="pt").input_ids
+    skip = getattr(args, "skip", 0)
+    need = max(settings.tokens, settings.prefix + settings.cont)
+    if skip and ids.shape[1] - skip < need:
+        raise SystemExit(f"{args.text} has {ids.shape[1]} tokens; --skip {skip} leaves {max(0, ids.shape[1] - skip)}, "
+                         f"and --tokens {settings.tokens}, --prefix {settings.prefix} and --continue {settings.cont} "
+                         f"need {need}")
+    ids = ids[:, skip:]
     calibration = None
     if frozen:
         calib_ids = tokenizer(calibration_text, return_tensors="pt").input_ids.to(args.device)
@@ -578,7 +585,7 @@ def run_eval_cli(args) -> int:
             seeds.add_row(m.spec, str(m.runs), f"{m.bpv:.3f}", *(f"{x:.4f}" for x in (
                 m.kl_mean, m.kl_min, m.kl_max, m.top1_mean, m.top1_min, m.top1_max)))
         console.print(seeds)
-    meta = {"text": args.text, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
+    meta = {"text": args.text, "skip": skip, "model": "SmolLM2-135M-Instruct", "settings": asdict(settings),
             "calibration": args.calibration if frozen else None, "plan_text": plan_path or None}
     if summaries:
         meta["seeds"] = [asdict(m) for m in summaries]

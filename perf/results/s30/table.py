@@ -6,7 +6,8 @@ import sys
 
 JOBS = [("code", 1536), ("code", 6144), ("tech", 1536), ("pyenv", 1536), ("legal", 1536), ("legal", 6144),
         ("tech", 6144), ("gfdl", 1536), ("subprocess", 1536), ("subtree", 1536), ("idlenews", 1536), ("pyenv", 6144),
-        ("subprocess", 6144), ("idlenews", 6144)]
+        ("subprocess", 6144), ("idlenews", 6144)] + [(t, "1536s4608") for t in ("code", "tech", "pyenv", "legal",
+                                                                                 "subprocess", "idlenews")]
 
 
 def path(name, text, n):
@@ -26,4 +27,4 @@ for text, n in JOBS:
         rows = json.load(open(p))["codecs"]
         kl = " / ".join(f"{r['kl']:.4f}" for r in rows)
         top = " / ".join(f"{100 * r['top1_agree']:.1f}" for r in rows)
-        print(f"{text:>10} {n:>5} {name:>6} bpv {rows[0]['bpv']:.4f}  KL {kl}  top-1 {top}  mean KL {sum(r['kl'] for r in rows) / len(rows):.4f}")
+        print(f"{text:>10} {n:>9} {name:>6} bpv {rows[0]['bpv']:.4f}  KL {kl}  top-1 {top}  mean KL {sum(r['kl'] for r in rows) / len(rows):.4f}")
