@@ -43,6 +43,9 @@
 //     PSAC_FOLD (sparse rows with key centroids): each row's correction plus its token's centroid is an extra
 //     row (32 + row) of the centroid-value table, and the token reads that row instead of its centroid: the
 //     correction costs nothing per key value (no per-token row test, no second add).
+//   - WHOLE_N (with ROPE_TOKEN and K_CENT): whole key rows, WHOLE_N per page and head, each naming its token: the
+//     row's INT8 codes x its fp16 scale plus what the token reads otherwise (its centroid, or its folded PSAC row) is
+//     an extra row of the centroid-value table, after the folded PSAC rows, and the token reads that row instead.
 //
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KBITS (key codes: 2, or 3 with
 // ROPE_TOKEN, read 16 codes of a lane at a time from 6 bytes and dequantized in place), KG / VG (scale groups per
@@ -126,6 +129,9 @@
 #ifndef PSAC_FOLD
 #define PSAC_FOLD 0
 #endif
+#ifndef WHOLE_N
+#define WHOLE_N 0
+#endif
 #ifndef KBITS
 #define KBITS 2  // key code width: 2, or 3 with pre-RoPE keys (ROPE_TOKEN; 8 codes in 3 bytes, the first in the top bits)
 #endif
@@ -157,12 +163,15 @@ constexpr int OUT_BYTES = OUT_N ? (8 * OUT_N + 15) / 16 * 16 : 0;   // outlier i
 constexpr int ROPE_BYTES = (PAGE_ROPE || ROPE_TOKEN) ? 4 * D : 0;   // R(p0): cos [D/2], sin [D/2] floats
 constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16 * 16 : 0;  // PSAC codes, scale and
                                                                                           // token words per row
+constexpr int WH_BYTES = WHOLE_N ? (WHOLE_N * D + 8 * WHOLE_N + 15) / 16 * 16 : 0;  // whole rows: codes [rows][D],
+                                                                                   // scale and token words per row
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
-constexpr int STAGE_BYTES = P * (KROWB + ROWB) + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
+constexpr int STAGE_BYTES = P * (KROWB + ROWB) + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES + WH_BYTES;
 constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per value scale group, fp16 [token][q]
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
-constexpr int CV_ROWS = 32 + (PSAC_FOLD ? PSAC_ROWS : 0);  // centroid values, then the page's folded PSAC rows
+constexpr int WROW0 = 32 + (PSAC_FOLD ? PSAC_ROWS : 0);  // centroid values, then the page's folded PSAC rows,
+constexpr int CV_ROWS = WROW0 + WHOLE_N;                 // then its whole rows
 // The row a centroid id past K_CENT (a corrupted page) reads: zero, so it adds nothing, as in the gather kernels.
 // Rows K_CENT..31 are zero where K_CENT < 32; with 32 centroids one more zero row follows the folded rows.
 constexpr int CV_ZERO = K_CENT < 32 ? 31 : CV_ROWS;
@@ -198,6 +207,8 @@ static_assert(!PSAC_R || (ROPE_TOKEN && PSAC_R % 4 == 0 && PSAC_R <= 16 && PSAC_
 static_assert(KBITS == 2 || (KBITS == 3 && ROPE_TOKEN), "3-bit keys: pre-RoPE keys only (dequantized per key value)");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
+static_assert(!WHOLE_N || (ROPE_TOKEN && K_CENT && WHOLE_N <= 8 && P <= 256),
+              "whole key rows: with pre-RoPE keys and key centroids, at most 8 per page and head");
 static_assert(!PSAC_FOLD || (PSAC_R && PSAC_SPARSE && K_CENT && ROPE_TOKEN && PSAC_ROWS <= 32),
               "folded PSAC rows: sparse rows (at most 32) with key centroids and pre-RoPE keys");
 
@@ -368,6 +379,7 @@ struct Params {
   const float* local_cos;  // [P, D/2] R(t) within a page, RoPE's scaling included (pre-RoPE keys)
   const float* local_sin;
   int psac_codes, psac_scale, psac_token, psac_basis;  // PSAC rows: page fields, and the basis in the slot
+  int whole_codes, whole_scale, whole_token;           // whole key rows: page fields
 };
 
 __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane) {
@@ -434,6 +446,21 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
         cp_async4(ps + PSAC_ROWS * PSAC_R / 4 + row, base + a.psac_scale + (((row * a.H + h) * 2) & ~3));
       } else if (PSAC_SPARSE) {
         cp_async4(ps + PSAC_ROWS * (PSAC_R / 4 + 1) + row, base + a.psac_token + ((row * a.H + h) & ~3));
+      }
+    }
+  }
+  if (WHOLE_N) {  // per row: its D int8 codes (16-byte chunks), the word holding its fp16 scale and its token's byte
+    uint8_t* wh = extra + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
+    uint32_t* ww = reinterpret_cast<uint32_t*>(wh + WHOLE_N * D);
+    constexpr int WCH = D / 16;
+    for (int i = lane; i < WHOLE_N * (WCH + 2); i += 32) {
+      const int row = i / (WCH + 2), part = i % (WCH + 2);
+      if (part < WCH) {
+        cp_async16(wh + row * D + 16 * part, base + a.whole_codes + static_cast<int64_t>(row * a.H + h) * D + 16 * part);
+      } else if (part == WCH) {
+        cp_async4(ww + row, base + a.whole_scale + (((row * a.H + h) * 2) & ~3));
+      } else {
+        cp_async4(ww + WHOLE_N + row, base + a.whole_token + ((row * a.H + h) & ~3));
       }
     }
   }
@@ -822,6 +849,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     const uint8_t* extra = stage + P * (KROWB + ROWB) + 4 * P * 4;
     const int jpage = my_first + i * NWARPS;  // the page's index in the request
     int ptok[PSAC_REGMAP ? PSAC_ROWS : 1];  // PSAC_REGMAP: each folded row's token (-1: none)
+    int wtok[WHOLE_N > 0 ? WHOLE_N : 1];    // WHOLE_N: each whole row's token (-1: none), the same in every lane
 
     // Per-channel key scales: this page's query fragments qk (scales folded in, normalized by 2^-kexp),
     // and the zeros' score term zc per query column (2 tig, 2 tig + 1).
@@ -967,6 +995,42 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         }
         __syncwarp();
       }
+      if (WHOLE_N) {  // whole rows: row WROW0 + w of the table is what its token reads otherwise (its centroid, its
+                      // folded PSAC row, or an earlier whole row naming the same token: rows add) plus codes x scale
+        const uint8_t* wh = extra + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES;
+        const uint32_t* ww = reinterpret_cast<const uint32_t*>(wh + WHOLE_N * D);
+#pragma unroll
+        for (int row = 0; row < (WHOLE_N > 0 ? WHOLE_N : 1); ++row) {
+          const int rh = row * a.H + h;
+          const int tok = (ww[WHOLE_N + row] >> (8 * (rh & 3))) & 0xFF;
+          wtok[row] = tok < P ? tok : -1;
+          if (tok >= P) continue;  // no token (a corrupted index): the row is never read
+          const int id = (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF;
+          int src = id < K_CENT ? id : CV_ZERO;
+          if (PSAC_REGMAP) {
+#pragma unroll
+            for (int pr = 0; pr < (PSAC_REGMAP ? PSAC_ROWS : 1); ++pr)
+              if (ptok[pr] == tok) src = 32 + pr;
+          } else if (PSAC_FOLD) {
+            const int pr = static_cast<int>(pmap[tok]);
+            if (pr >= 0) src = 32 + pr;
+          }
+#pragma unroll
+          for (int w = 0; w < row; ++w)
+            if (wtok[w] == tok) src = WROW0 + w;
+          const uint16_t sb = static_cast<uint16_t>(ww[row] >> (16 * (rh & 1)));
+          const float scale = __half2float(*reinterpret_cast<const __half*>(&sb));
+          const signed char* codes = reinterpret_cast<const signed char*>(wh + row * D);
+          for (int i = lane; i < D / 2; i += 32) {
+            const int c = 16 * (i / 8) + i % 8;
+            const __half2 fix = __floats2half2_rn(static_cast<float>(codes[c]) * scale,
+                                                  static_cast<float>(codes[c + 8]) * scale);
+            cvt[(WROW0 + row) * (D / 2) + swzc(i, WROW0 + row)] =
+                as_u32(__hadd2(as_half2(cvt[src * (D / 2) + swzc(i, src)]), fix));
+          }
+          __syncwarp();  // a later row naming the same token reads this one
+        }
+      }
       if (K_CENT) {  // each token's centroid-value row over its assignment word, as the key loop reads it: the id
                      // checked (a corrupted one reads the zero row, inside the table) and, with folded PSAC rows,
                      // the last row naming the token (the reads of the ids above are behind the __syncwarp)
@@ -982,6 +1046,9 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             const int pr = static_cast<int>(pmap[t]);
             if (pr >= 0) r = 32 + pr;
           }
+#pragma unroll
+          for (int w = 0; w < (WHOLE_N > 0 ? WHOLE_N : 0); ++w)  // the last row naming the token holds them all
+            if (wtok[w] == t) r = WROW0 + w;
           row_of[t] = static_cast<uint32_t>(r);
         }
         __syncwarp();

@@ -78,19 +78,23 @@ PSAC = PREROPE
 # Sparse PSAC rows with key centroids: each row (its token's centroid plus the correction) joins the centroid-value
 # table, so a key pays nothing for it (0 reads the corrections per key value instead; an A/B switch for probes)
 PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
+# Whole key rows (`quantwm:whole=W`) with pre-RoPE keys and key centroids (`WHOLE_N` in the source): written and
+# compiled with nvcc for sm_90 without a GPU (tests/test_mma_whole.py); no GPU has run them yet, so they are off until
+# one has (KVBACKEND_MMA_WHOLE=1 turns them on; the plain Triton kernel reads whole rows meanwhile).
+WHOLE = os.environ.get("KVBACKEND_MMA_WHOLE", "0") == "1"
+MAX_WHOLE = 8
 
 
 @functools.lru_cache(maxsize=256)
 def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int, head_dim: int = 128,
-                    prerope: bool | None = None, psac: bool | None = None) -> bool:
+                    prerope: bool | None = None, psac: bool | None = None, whole: bool | None = None) -> bool:
     """Whether the kernel reads a layer's levers (None or inactive: nothing to read). It reads sinks (within
     the first page), key outliers, Hadamard-rotated values and page-relative keys (with per-channel key
     scales), pre-RoPE keys where `PREROPE` (or ``prerope``) allows, and PSAC rows with pre-RoPE keys where
-    `PSAC` (or ``psac``) allows."""
+    `PSAC` (or ``psac``) allows, and whole key rows with pre-RoPE keys and key centroids where `WHOLE` (or
+    ``whole``) allows."""
     if levers is None or not levers.active:
         return k.bits != 3  # 3-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
-    if levers.whole:  # whole key rows: the Triton kernels read them
-        return False
     rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
                                      and head_dim == 128)
     if k.bits == 3 and not (levers.prerope and rope_ok):
@@ -99,7 +103,10 @@ def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int,
                                        and levers.psac_rank % 4 == 0 and levers.psac_rows <= page_size
                                        and (levers.psac_rows <= 127 if levers.psac_token != NONE
                                             else levers.psac_rows == page_size))  # the row map holds signed bytes
-    return (rope_ok and psac_ok and levers.sink <= page_size
+    # whole key rows: rows of the centroid-value table, which pre-RoPE keys with key centroids read (`WHOLE_N`)
+    whole_ok = not levers.whole or ((WHOLE if whole is None else whole) and levers.prerope and rope_ok
+                                    and bool(k.stages) and levers.whole <= MAX_WHOLE)
+    return (rope_ok and psac_ok and whole_ok and levers.sink <= page_size
             and levers.outliers <= MAX_OUTLIERS and (not levers.pagerope or k.mode == CHANNEL_GROUPS)
             and (not levers.sink or levers.sink_k != NONE) and (not levers.outliers or levers.out_index != NONE))
 
@@ -204,6 +211,7 @@ class Config:
     psac_sparse: bool = False
     psac_fold: bool = False  # sparse PSAC rows folded into the centroid-value table (`PSAC_FOLD` in the source)
     k_bits: int = 2  # key code width (3 with rope_token only)
+    whole: int = 0  # whole key rows per page and head (with rope_token and centroids)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -214,7 +222,8 @@ class Config:
                 f"-DSINK={self.sink}", f"-DOUT_N={self.outliers}", f"-DVROT={int(self.vrot)}",
                 f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
                 f"-DPSAC_R={self.psac_rank}", f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}",
-                f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
+                f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DWHOLE_N={self.whole}",
+                f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
     def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
@@ -222,11 +231,12 @@ class Config:
         kes = 1 if self.k_kind == 0 else 2
         extra = ((2 * d * kes if self.k_chan else 0) + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
                  + (4 * d if self.page_rope or self.rope_token else 0)
-                 + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0))
+                 + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0)
+                 + (-(-(self.whole * d + 8 * self.whole) // 16) * 16 if self.whole else 0))
         stage = p * (d * self.k_bits // 8 + d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.rope_token:  # centroid values as fp16 pairs
-            rows = 32 + (self.psac_rows if self.psac_fold else 0) + (self.centroids >= 32)  # then a zero row
+            rows = 32 + (self.psac_rows if self.psac_fold else 0) + self.whole + (self.centroids >= 32)  # a zero row
             table = rows * d * 2 if self.centroids else 0
         else:  # q . centroid [32][N] and the centroids' fragments
             table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0
@@ -252,7 +262,8 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
                 ("book_bytes", ctypes.c_longlong), ("k_assign", ctypes.c_int), ("k_book", ctypes.c_int),
                 ("k_cscale", ctypes.c_int), ("out_index", ctypes.c_int), ("out_value", ctypes.c_int),
                 ("local_cos", ctypes.c_uint64), ("local_sin", ctypes.c_uint64), ("psac_codes", ctypes.c_int),
-                ("psac_scale", ctypes.c_int), ("psac_token", ctypes.c_int), ("psac_basis", ctypes.c_int)]
+                ("psac_scale", ctypes.c_int), ("psac_token", ctypes.c_int), ("psac_basis", ctypes.c_int),
+                ("whole_codes", ctypes.c_int), ("whole_scale", ctypes.c_int), ("whole_token", ctypes.c_int)]
 
 
 class _Driver:
@@ -395,7 +406,7 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
                   lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
                   lv.psac_token != NONE, PSAC_FOLD and bool(k.stages) and bool(lv.prerope) and lv.psac_rank > 0
-                  and lv.psac_token != NONE and lv.psac_rows <= 32, k.bits)
+                  and lv.psac_token != NONE and lv.psac_rows <= 32, k.bits, lv.whole)
 
 
 @functools.lru_cache(maxsize=256)
@@ -456,12 +467,12 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
            schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4,
            min_blocks: int | None = None, codebooks: torch.Tensor | None = None,
            levers: LeverScheme | None = None, tables=None, prerope: bool | None = None,
-           psac: bool | None = None) -> None:
+           psac: bool | None = None, whole: bool | None = None) -> None:
     """Write the split partials of decode attention (as the Triton kernels do) for a supported layout.
 
     ``codebooks``: the layer's codebook slots (key centroids, sinks); ``levers``: the layer's lever scheme
     (`supports_levers`); ``tables``: `kvbackend.kernels.levers.lever_tables` for page-relative and pre-RoPE
-    keys; ``prerope``, ``psac``: override `PREROPE`, `PSAC` (tests)."""
+    keys; ``prerope``, ``psac``, ``whole``: override `PREROPE`, `PSAC`, `WHOLE` (tests)."""
     k, v = schemes
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
@@ -470,7 +481,7 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     if not supports(k, v, p, d, group):
         raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
                          f"head_dim {d}, {group} query heads per KV head)")
-    if not supports_levers(k, levers, p, d, prerope, psac):
+    if not supports_levers(k, levers, p, d, prerope, psac, whole):
         raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with {k.bits}-bit "
                          "keys; the plain Triton kernel reads them (mma=False)")
     if (k.stages or (levers is not None and levers.psac_rank)) and (codebooks is None or not codebooks.numel()):
@@ -501,7 +512,7 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                      cos.data_ptr(), sin.data_ptr(), int(book.shape[-1]), max(k.assign, 0), max(k.codebook, 0),
                      max(k.centroid_scales, 0), max(lv.out_index, 0), max(lv.out_value, 0), local_cos.data_ptr(),
                      local_sin.data_ptr(), max(lv.psac_codes, 0), max(lv.psac_scale, 0), max(lv.psac_token, 0),
-                     max(lv.psac_basis, 0))
+                     max(lv.psac_basis, 0), max(lv.whole_codes, 0), max(lv.whole_scale, 0), max(lv.whole_token, 0))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):  # the driver loads and launches in the current context: make it q's device's

@@ -284,7 +284,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True
             takes precedence over ``planar`` and ``fold`` and raises where the kernel cannot run or does
             not read the layout.
-        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``, ``prerope``, ``psac``), for probes
+        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``, ``prerope``, ``psac``, ``whole``), for probes
             and tests.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
@@ -327,7 +327,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         if not mma_decode.supports(k_scheme, v_scheme, p, d, group):  # before a variant of it is compiled
             raise ValueError(f"the tensor-core decode kernel does not read this layout ({k_scheme}, {v_scheme}; page "
                              f"{p}, head_dim {d}, {group} query heads per KV head); the Triton kernels do (mma=False)")
-        if not mma_decode.supports_levers(k_scheme, levers, p, d, options.get("prerope"), options.get("psac")):
+        if not mma_decode.supports_levers(k_scheme, levers, p, d, options.get("prerope"), options.get("psac"),
+                                           options.get("whole")):
             raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with "
                              f"{k_scheme.bits}-bit keys (3-bit keys: on the pre-RoPE path alone); the plain kernel "
                              "does (mma=False)")

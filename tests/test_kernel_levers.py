@@ -219,9 +219,10 @@ def test_the_plain_kernel_with_levers_defaults_to_one_stage(monkeypatch):
 
 
 def test_whole_key_rows_are_declined_by_the_kernels_that_do_not_add_them():
-    """Whole key rows are added by the plain Triton decode and the Triton gather; the folded and CUDA decode
-    kernels, the CUDA gather and the encode kernels decline such layouts (never read them while dropping the
-    rows), so the plain kernel, the Triton gather and the reference encoder serve them."""
+    """Whole key rows are added by the plain Triton decode and the Triton gather, and encoded by the kernels' unit
+    encoder; the folded decode kernel, the CUDA gather and (unless opted in: `tests/test_mma_whole.py`) the
+    tensor-core decode kernel decline such layouts (never read them while dropping the rows), so the plain kernel and
+    the Triton gather serve them."""
     import dataclasses
 
     from kvbackend import codecs
@@ -243,7 +244,8 @@ def test_whole_key_rows_are_declined_by_the_kernels_that_do_not_add_them():
     plain = dataclasses.replace(levers, whole=0, whole_codes=-1, whole_scale=-1, whole_token=-1)
     assert folded_decode.supports_levers(schemes[0], plain) and not folded_decode.supports_levers(schemes[0], levers)
     assert mma_decode.supports_levers(schemes[0], plain, 32, 128) and not mma_decode.supports_levers(
-        schemes[0], levers, 32, 128)
+        schemes[0], levers, 32, 128, whole=False)
+    assert mma_decode.supports_levers(schemes[0], levers, 32, 128, whole=True)
     assert gather_cuda._levers_ok(plain, 32, 128, 2) and not gather_cuda._levers_ok(levers, 32, 128, 2)
-    assert not unit_encoder.supports(codec, layout, [CodecState()])
+    assert unit_encoder.supports(codec, layout, [CodecState()])
     assert unit_encoder.supports(*layout_of(recipe), [CodecState()])
