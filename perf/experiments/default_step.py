@@ -9,7 +9,10 @@ kernel, CUDA graphs, summed over the layers) and one warm 2048-token chunk compl
 Each further SPEC (a depth or page spec) has its chunk encode timed beside the recommended one's (key "extra", a
 list): a lever that changes no decoded byte layout, such as `kmetric`, costs only there.
 
-JSON keys: "page_codec" and "recommended" (session 28's runs, `perf/results/s28/call{2,5}/`, wrote them as
+The quality spec (`QUALITY_SPEC`: whole key rows in 10 of 32 layers) is timed the same way (key "quality"); run it
+once as is and once with KVBACKEND_MMA_WHOLE=1 (the tensor-core kernel's whole-row path; "mma_whole" says which).
+
+JSON keys: "page_codec", "recommended" and "quality" (session 28's runs, `perf/results/s28/call{2,5}/`, wrote them as
 "recommended" and "quality").
 """
 import collections
@@ -29,7 +32,7 @@ from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.kernels.unit_encoder import encode_units, supports as encoder_supports  # noqa: E402
 from kvbackend.psac import query_second_moment  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
-from kvbackend.spec import RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC  # noqa: E402
+from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC  # noqa: E402
 
 LAYERS, HQ, HEADS, DIM, PAGE, BATCH, LENGTH, CHUNK = 32, 32, 8, 128, 64, 8, 32768, 2048
 
@@ -116,7 +119,10 @@ def main(out: str, extra: list[str]) -> None:
     result = {"sdpa_graph_us_per_layer": sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3}
     print(f"SDPA BF16 (graphs) per layer {result['sdpa_graph_us_per_layer']:.1f} us", flush=True)
     timed = {}
-    for name, spec in (("page_codec", RECOMMENDED_PAGE_SPEC), ("recommended", RECOMMENDED_SPEC)):
+    from kvbackend.kernels import mma_decode
+    result["mma_whole"] = mma_decode.WHOLE  # KVBACKEND_MMA_WHOLE=1: the tensor-core kernel reads whole key rows
+    for name, spec in (("page_codec", RECOMMENDED_PAGE_SPEC), ("recommended", RECOMMENDED_SPEC),
+                       ("quality", QUALITY_SPEC)):
         specs = layer_specs(spec, LAYERS)
         counts = collections.Counter(specs)
         step, layers = 0.0, []
@@ -138,6 +144,9 @@ def main(out: str, extra: list[str]) -> None:
     print(f"recommended / page codec: decode {q['decode_step_us'] / r['decode_step_us']:.3f}x, "
           f"encode {q['encode_chunk']['ms'] / r['encode_chunk']['ms']:.3f}x eager, "
           f"{q['encode_chunk']['graph_ms'] / r['encode_chunk']['graph_ms']:.3f}x from graphs", flush=True)
+    w = result["quality"]
+    print(f"quality / recommended: decode {w['decode_step_us'] / q['decode_step_us']:.3f}x, "
+          f"encode {w['encode_chunk']['ms'] / q['encode_chunk']['ms']:.3f}x eager", flush=True)
     result["extra"] = []
     for spec in extra:
         enc = encode_ms(layer_specs(spec, LAYERS))
