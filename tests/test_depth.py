@@ -142,7 +142,7 @@ def test_the_recommended_spec_is_the_one_measured_and_documented():
 
     from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC
 
-    assert QUALITY_SPEC == RECOMMENDED_SPEC
+    assert QUALITY_SPEC != RECOMMENDED_SPEC  # see the next test
     specs = layer_specs(RECOMMENDED_SPEC, 30)
     page = codecs.parse(RECOMMENDED_PAGE_SPEC)
     for layer, spec in enumerate(specs):
@@ -158,3 +158,24 @@ def test_the_recommended_spec_is_the_one_measured_and_documented():
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     if readme.exists():  # a source checkout (an installed wheel has no README beside its tests)
         assert f"\nThe recommended spec is `{RECOMMENDED_SPEC}`.\n" in readme.read_text()
+
+
+def test_the_quality_spec_is_the_recommended_one_with_whole_rows_where_measured():
+    """`QUALITY_SPEC` (sessions 34-35: P45) expands on SmolLM2's 30 layers to the recommended spec's layers, except: a
+    whole key row per page and head in layers 0-2, 4-8, 18 and 20, no PSAC rows in layers 0-8, 18 and 20, and no
+    outliers in layers 4-5 either; the README names it on one line."""
+    import pathlib
+
+    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_SPEC
+
+    whole = {0, 1, 2, 4, 5, 6, 7, 8, 18, 20}
+    for layer, (spec, base) in enumerate(zip(layer_specs(QUALITY_SPEC, 30), layer_specs(RECOMMENDED_SPEC, 30))):
+        parsed, recommended = codecs.parse(spec), codecs.parse(base)
+        assert parsed.whole == (1 if layer in whole else 0), layer
+        assert parsed.rank == (0 if layer in whole | {3} else 4), layer
+        assert parsed.outliers == (0 if layer in whole else recommended.outliers), layer
+        assert dataclasses.replace(parsed, whole=0, rank=recommended.rank, outliers=recommended.outliers) \
+            == recommended, layer
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    if readme.exists():
+        assert f"\nThe quality spec is `{QUALITY_SPEC}`.\n" in readme.read_text()

@@ -39,3 +39,14 @@ for name in sys.argv[1:]:
         if same is not None:
             line += f", 6144 / 1536s4608 (the same continuation) {mean(long) / mean(same):.2f}"
         print(line)
+
+if len(sys.argv) == 3:  # the first spec's mean KL against the second's
+    a, b = sys.argv[1:]
+    print(f"== {a} against {b}: mean KL change")
+    for n in ("1536", "6144", "1536s4608"):
+        for text in TEXTS:
+            x, y = load(a, text, n), load(b, text, n)
+            if x is None or y is None:
+                continue
+            mx, my = (sum(r["kl"] for r in rows) / len(rows) for rows in (x, y))
+            print(f"{n:>9} {text:>10}: {mx:.4f} against {my:.4f} ({100 * (mx / my - 1):+.1f}%)")
