@@ -2,8 +2,9 @@
 
 It reads per-token and per-channel groups of 2, 4 or 8-bit codes with fp8, fp16 or bf16 scales, centroid stages
 (bf16, or fp8 with scales), plain fp8/fp16/bf16 pages and dense fp16/bf16 pages into fp16 or bf16 rows, with the
-levers of the recommended recipe: sinks, pre-RoPE or page-relative keys, Hadamard-rotated values, sparse PSAC rows
-and key outliers (`supports` says which layouts; the Triton kernel reads the rest).
+levers of the recommended recipe: sinks, pre-RoPE or page-relative keys, Hadamard-rotated values, sparse PSAC rows,
+key outliers and (where `mma_decode.WHOLE` allows) whole key rows (`supports` says which layouts; the Triton kernel
+reads the rest).
 `gather_dequant` takes it on CUDA where `preferred` says so, and the Triton kernel everywhere else. Compilation and
 loading share `mma_decode`'s nvcc lookup, disk cache and driver calls.
 """
@@ -64,13 +65,15 @@ class GatherConfig:
     psac_sparse: bool = False
     outliers: int = 0
     heads: int = 0  # KV heads, compiled in (0: read at run time)
+    whole: int = 0  # whole key rows per page and head
 
     def defines(self) -> list[str]:
         out = [f"-DHEAD_DIM={self.head_dim}", f"-DKV_HEADS={self.heads}", f"-DPAGE={self.page}", f"-DOUT_KIND={self.out_kind}",
                f"-DDENSE_KIND={self.dense_kind}", f"-DNTHREADS={self.threads}", f"-DUNROLL={self.unroll}",
                f"-DSINK={self.sink}", f"-DSINK_KIND={self.sink_kind}", f"-DROPE={int(self.rope)}",
                f"-DPAGE_ROPE={int(self.page_rope)}", f"-DVROT={int(self.vrot)}", f"-DPSAC_R={self.psac_rank}",
-               f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}", f"-DOUT_N={self.outliers}"]
+               f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}", f"-DOUT_N={self.outliers}",
+               f"-DWHOLE_N={self.whole}"]
         for prefix, (mode, bits, group, sym, kind, stages, cents, cfp8) in (("K", self.k), ("V", self.v)):
             out += [f"-D{prefix}_MODE={mode}", f"-D{prefix}_BITS={bits}", f"-D{prefix}_GROUP={group}",
                     f"-D{prefix}_SYM={sym}", f"-D{prefix}_KIND={kind}", f"-D{prefix}_STAGES={stages}",
@@ -79,7 +82,8 @@ class GatherConfig:
 
 
 MAX_HEADS = 32  # KV heads whose PSAC rows and key outliers a CTA stages (`MAX_HEADS` in the source)
-_STAGED_BYTES = 40 * 1024  # shared memory for them and a mask per (token, head) row
+_STAGED_BYTES = 40 * 1024  # shared memory for them, whole rows' tokens and scales, and a mask per (token, head) row
+MAX_WHOLE = 8
 
 
 def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
@@ -96,15 +100,15 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
     return x.mode == CHANNEL_GROUPS and page_size % x.group == 0
 
 
-def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int) -> bool:
-    if lv.whole:  # whole key rows: the Triton gather reads them
-        return False
+def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int, whole: bool | None = None) -> bool:
+    if lv.whole and not ((mma_decode.WHOLE if whole is None else whole) and lv.whole <= MAX_WHOLE):
+        return False  # the Triton gather reads them
     if lv.sink and (lv.sink_k % 16 or lv.sink_v % 16 or lv.sink_kind not in (1, 2)):
         return False
     if (lv.prerope or lv.pagerope) and head_dim % 16:  # a run of 8 channels on one side of RoPE's halves
         return False
-    if lv.psac_rank or lv.outliers:
-        staged = (lv.psac_rows * (lv.psac_rank + 1) + 2 * lv.outliers + page_size) * MAX_HEADS * 4
+    if lv.psac_rank or lv.outliers or lv.whole:
+        staged = (lv.psac_rows * (lv.psac_rank + 1) + 2 * lv.outliers + 2 * lv.whole + page_size) * MAX_HEADS * 4
         if heads > MAX_HEADS or staged > _STAGED_BYTES or lv.psac_rank > 16:
             return False
     return True
@@ -139,7 +143,7 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
     return GatherConfig(head_dim, page_size, spec(k), spec(v), _OUT_KIND[out_dtype], _OUT_KIND[dense_dtype],
                         threads, unroll, lv.sink, lv.sink_kind if lv.sink else 2, bool(lv.prerope), bool(lv.pagerope),
                         bool(lv.vrot), lv.psac_rank, lv.psac_rows if lv.psac_rank else 0,
-                        bool(lv.psac_rank) and lv.psac_token != NONE, lv.outliers, int(heads))
+                        bool(lv.psac_rank) and lv.psac_token != NONE, lv.outliers, int(heads), lv.whole)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in gather_dequant.cu
@@ -149,7 +153,7 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in gather_dequant.cu
                 ("page_bytes", ctypes.c_longlong), ("book_bytes", ctypes.c_longlong)] + [(name, ctypes.c_int) for name in (
                     "H", "k_codes", "k_scales", "k_zeros", "k_assign", "k_book", "k_cscale", "v_codes", "v_scales",
                     "v_zeros", "v_assign", "v_book", "v_cscale", "sink_k", "sink_v", "psac_codes", "psac_scale",
-                    "psac_token", "psac_basis", "out_index", "out_value")]
+                    "psac_token", "psac_basis", "out_index", "out_value", "whole_codes", "whole_scale", "whole_token")]
 
 
 def compile_cubin(config: GatherConfig, arch: str) -> bytes:
@@ -251,7 +255,8 @@ def launch(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, sc
                      *(at(x) for x in (k.codes, k.scales, k.zeros, k.assign, k.codebook, k.centroid_scales,
                                        v.codes, v.scales, v.zeros, v.assign, v.codebook, v.centroid_scales,
                                        lv.sink_k, lv.sink_v, lv.psac_codes, lv.psac_scale, lv.psac_token,
-                                       lv.psac_basis, lv.out_index, lv.out_value)))
+                                       lv.psac_basis, lv.out_index, lv.out_value, lv.whole_codes, lv.whole_scale,
+                                       lv.whole_token)))
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     stream = torch.cuda.current_stream(pages.device).cuda_stream
     with torch.cuda.device(pages.device):  # loaded and launched in the pages' device's context

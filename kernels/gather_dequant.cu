@@ -13,7 +13,8 @@
 //   residual (code * scale, then + zero: each rounded to float32, no FMA, as `kvbackend.quant.dequantize`; or
 //   (code - qmax) * scale), + centroids of the stages from the last to the first (fp8 ones times their scale),
 //   + the key's PSAC correction (float32 coefficients times the bf16 basis, summed over the rows naming the
-//   token, as the torch reference), + key outliers,
+//   token, as the torch reference), + key outliers, + whole key rows (their codes x scale in float32, summed over the
+//   rows naming the token, as the Triton kernel),
 //   then keys rotated by R(p0 + t) = R(p0) R(t) (pre-RoPE; one turn by a per-page table in shared memory where it
 //   fits, else R(t) then R(p0)) or R(p0) (page-relative), values rotated back by the
 //   Hadamard matrix / sqrt(D), and the first page's sink tokens written over; one rounding to the output dtype.
@@ -22,7 +23,8 @@
 // (K_ and V_): MODE (0 float values, 1 token groups, 2 channel groups), BITS, GROUP, SYM, KIND (element kind of
 // scales and zeros, or of float values: 0 fp8 e4m3, 1 fp16, 2 bf16), STAGES, C (centroids per stage), CFP8 (fp8
 // centroids with an fp16 scale per stage and head); levers: SINK (tokens), SINK_KIND, ROPE (pre-RoPE keys),
-// PAGE_ROPE, VROT, PSAC_R (rank), PSAC_ROWS, PSAC_SPARSE, OUT_N (key outliers per page and head); KV_HEADS (the
+// PAGE_ROPE, VROT, PSAC_R (rank), PSAC_ROWS, PSAC_SPARSE, OUT_N (key outliers per page and head), WHOLE_N (whole key
+// rows per page and head); KV_HEADS (the
 // launch's KV heads, so that the per-run index arithmetic divides by constants; 0 reads them at run time).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -66,13 +68,19 @@
 #ifndef OUT_N
 #define OUT_N 0
 #endif
+#ifndef WHOLE_N
+#define WHOLE_N 0
+#endif
 #ifndef KV_HEADS
 #define KV_HEADS 0  // KV heads known at compile time (0: the launch's `H`); divisions by it become multiplies
 #endif
 
 // Key outliers few enough for a set of their indices per (token, head) row, in the bits below the PSAC bit: a run
 // of a row with outliers then tests only that row's outliers, not all of its head's.
-#define OUT_SET (OUT_N > 0 && OUT_N <= 31)
+#define OUT_SET (OUT_N > 0 && OUT_N <= (WHOLE_N ? 30 : 31))
+// Bits of a (token, head) row's mask: 31 a PSAC row names the token, 30 a whole row does (with WHOLE_N), below them
+// the outliers' set or run bits.
+#define ROW_MASKS (PSAC_R || OUT_N || WHOLE_N)
 
 constexpr int D = HEAD_DIM;
 constexpr int P = PAGE;
@@ -82,7 +90,7 @@ static_assert(!(ROPE || PAGE_ROPE) || RUNS >= 2, "RoPE's partner runs");
 constexpr int MAX_HEADS = 32;  // heads whose PSAC rows and outliers a CTA stages in shared memory
 // the staged PSAC rows, outliers and row masks (`Staged` below), in bytes
 constexpr int STAGED_BYTES = 4 * MAX_HEADS * ((PSAC_R ? PSAC_ROWS * (PSAC_R + 1) : 1) + (OUT_N ? 2 * OUT_N : 2) +
-                                              ((PSAC_R || OUT_N) ? P : 1));
+                                              (WHOLE_N ? 2 * WHOLE_N : 2) + (ROW_MASKS ? P : 1));
 // pre-RoPE keys turn once, by a per-page table of R(p0 + t), where it fits in static shared memory beside them
 constexpr bool ROPE_TABLE = ROPE && STAGED_BYTES + 8 * P * (D / 2) + 32 <= 48 * 1024;
 
@@ -108,6 +116,7 @@ struct Params {
   int k_codes, k_scales, k_zeros, k_assign, k_book, k_cscale;  // byte offsets in a page or a codebook slot
   int v_codes, v_scales, v_zeros, v_assign, v_book, v_cscale;
   int sink_k, sink_v, psac_codes, psac_scale, psac_token, psac_basis, out_index, out_value;
+  int whole_codes, whole_scale, whole_token;
 };
 
 __device__ __forceinline__ int heads(const Params& a) { return KV_HEADS > 0 ? KV_HEADS : a.H; }
@@ -211,15 +220,19 @@ struct alignas(16) Staged {
   int token[PSAC_R ? PSAC_ROWS * MAX_HEADS : 1];            // token of each row (-1: none)
   int out_at[OUT_N ? OUT_N * MAX_HEADS : 1];                // outlier position t * D + d, by head
   float out_value[OUT_N ? OUT_N * MAX_HEADS : 1];
+  int whole_token[WHOLE_N ? WHOLE_N * MAX_HEADS : 1];       // token of each whole row (P or more: none), by head
+  float whole_scale[WHOLE_N ? WHOLE_N * MAX_HEADS : 1];
   // per (token, head) row: bit k when outlier k falls in the row (OUT_SET; else bit i when an outlier falls in run
-  // i), bit 31 when a PSAC row names the token, so a run without either (nearly all) costs one shared-memory read
-  uint32_t rowmask[(PSAC_R || OUT_N) ? P * MAX_HEADS : 1];
+  // i), bit 31 when a PSAC row names the token, bit 30 when a whole row does, so a run without any (nearly all)
+  // costs one shared-memory read
+  uint32_t rowmask[ROW_MASKS ? P * MAX_HEADS : 1];
   // pre-RoPE keys: R(p0) R(t) = R(p0 + t) for the page's tokens, built once per page and read by all its heads
   alignas(16) float rope_cos[ROPE_TABLE ? P * D / 2 : 1];  // read as float4
   alignas(16) float rope_sin[ROPE_TABLE ? P * D / 2 : 1];
 };
 static_assert(!ROPE_TABLE || sizeof(Staged) <= 48 * 1024, "static shared memory");
-static_assert(RUNS <= 31, "run bits below the PSAC bit");
+static_assert(RUNS <= (WHOLE_N ? 30 : 31), "run bits below the PSAC (and whole-row) bits");
+static_assert(WHOLE_N <= 8, "at most 8 whole key rows per page and head");
 
 // Storage of one tensor, as template arguments.
 template <int MODE_, int BITS_, int GROUP_, int SYM_, int KIND_, int STAGES_, int C_, int CFP8_>
@@ -332,7 +345,7 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
         for (int j = 0; j < 8; ++j)
           x[j] = S::CFP8 ? __fadd_rn(x[j], __fmul_rn(cv[j], cscale[u][stage])) : __fadd_rn(x[j], cv[j]);
       }
-      const uint32_t mask = (IS_K && (PSAC_R || OUT_N) && live) ? st.rowmask[t * MAX_HEADS + h] : 0u;
+      const uint32_t mask = (IS_K && ROW_MASKS && live) ? st.rowmask[t * MAX_HEADS + h] : 0u;
       if (IS_K && PSAC_R && (mask >> 31)) {  // + the corrections of the rows naming this token (summed, as the reference)
         float fix[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         bool any = false;
@@ -376,6 +389,21 @@ __device__ __forceinline__ void packed_tensor(const Params& a, const uint8_t* pa
               if (j == at) x[j] = __fadd_rn(x[j], st.out_value[i * MAX_HEADS + h]);
           }
         }
+      }
+      if (IS_K && WHOLE_N && ((mask >> 30) & 1u)) {  // + the whole rows naming this token, summed from zero
+        float fix[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < (WHOLE_N ? WHOLE_N : 1); ++i) {
+          if (st.whole_token[i * MAX_HEADS + h] != t) continue;
+          const float s = st.whole_scale[i * MAX_HEADS + h];
+          const uint2 raw = *reinterpret_cast<const uint2*>(page + a.whole_codes + (i * H + h) * D + d);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int8_t c = static_cast<int8_t>(((j < 4 ? raw.x : raw.y) >> (8 * (j & 3))) & 0xFFu);
+            fix[j] = __fadd_rn(fix[j], __fmul_rn(static_cast<float>(c), s));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[j] = __fadd_rn(x[j], fix[j]);
       }
       if (IS_K && (ROPE || PAGE_ROPE)) {  // (lo, hi) -> (lo cos - hi sin, hi cos + lo sin), lo = channels < D / 2
         const bool low = d < D / 2;
@@ -485,9 +513,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Para
       st.rope_cos[i] = __fsub_rn(__fmul_rn(pc, lc), __fmul_rn(ps, ls));
       st.rope_sin[i] = __fadd_rn(__fmul_rn(ps, lc), __fmul_rn(pc, ls));
     }
-    if (!(PSAC_R || OUT_N)) __syncthreads();
+    if (!ROW_MASKS) __syncthreads();
   }
-  if (PSAC_R || OUT_N) {  // the page's PSAC rows and key outliers, by head, and which rows and runs they touch
+  if (ROW_MASKS) {  // the page's PSAC rows, key outliers and whole rows, by head, and which rows and runs they touch
     for (int i = threadIdx.x; i < P * MAX_HEADS; i += NTHREADS) st.rowmask[i] = 0u;
     __syncthreads();
     for (int i = threadIdx.x; i < (PSAC_R ? PSAC_ROWS : 0) * H; i += NTHREADS) {
@@ -507,6 +535,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) gather_dequant(const Para
       st.out_at[k * MAX_HEADS + h] = at;
       st.out_value[k * MAX_HEADS + h] = element<1>(load1<1>(base + a.out_value, i));
       if (at < P * D) atomicOr(&st.rowmask[(at / D) * MAX_HEADS + h], OUT_SET ? 1u << k : 1u << ((at % D) / 8));
+    }
+    for (int i = threadIdx.x; i < WHOLE_N * H; i += NTHREADS) {
+      const int row = i / H, h = i % H;
+      const int token = static_cast<int>(base[a.whole_token + i]);
+      st.whole_token[row * MAX_HEADS + h] = token;
+      st.whole_scale[row * MAX_HEADS + h] = element<1>(load1<1>(base + a.whole_scale, i));
+      if (token < P) atomicOr(&st.rowmask[token * MAX_HEADS + h], 1u << 30);
     }
     __syncthreads();
   }

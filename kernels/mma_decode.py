@@ -78,10 +78,11 @@ PSAC = PREROPE
 # Sparse PSAC rows with key centroids: each row (its token's centroid plus the correction) joins the centroid-value
 # table, so a key pays nothing for it (0 reads the corrections per key value instead; an A/B switch for probes)
 PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
-# Whole key rows (`quantwm:whole=W`) with pre-RoPE keys and key centroids (`WHOLE_N` in the source): written and
-# compiled with nvcc for sm_90 without a GPU (tests/test_mma_whole.py); no GPU has run them yet, so they are off until
-# one has (KVBACKEND_MMA_WHOLE=1 turns them on; the plain Triton kernel reads whole rows meanwhile).
-WHOLE = os.environ.get("KVBACKEND_MMA_WHOLE", "0") == "1"
+# Whole key rows (`quantwm:whole=W`) in the CUDA kernels: this kernel with pre-RoPE keys and key centroids, and the
+# CUDA gather (`WHOLE_N` in both sources): written and compiled with nvcc for sm_90 without a GPU
+# (tests/test_mma_whole.py, tests/test_gather_cuda.py); no GPU has run them yet, so they are off until one has
+# (KVBACKEND_CUDA_WHOLE=1 turns them on; the plain Triton decode kernel and the Triton gather read whole rows meanwhile).
+WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "0") == "1"
 MAX_WHOLE = 8
 
 

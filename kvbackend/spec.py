@@ -60,7 +60,7 @@ RECOMMENDED_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids
 # and, in layers 4-5, of the outliers: 2.597 bpv, lower mean KL than the recommended spec on 12 of 14 text-prefix
 # pairs (27% on pyenv's CHANGELOG), within 0.6% on the other two (perf/NOTES.md, sessions 34-35). Not the default:
 # on CUDA the whole rows decode through the plain Triton kernel (the tensor-core kernel's whole-row path is off until
-# a GPU has run it: KVBACKEND_MMA_WHOLE), and no GPU has timed that yet.
+# a GPU has run it: KVBACKEND_CUDA_WHOLE), and no GPU has timed that yet.
 QUALITY_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids=32;clip=true;vcluster=false;sink=4;"
                 "vrot=hadamard;prerope=true;cdtype=fp8;outliers=16;iters=8;kmetric=0.5;heavy=4;heavyz=3,"
                 "whole=1@0-0.1/1@0.13-0.3/1@0.59-0.62/1@0.65-0.68,rank=0@0-0.3/0@0.59-0.62/0@0.65-0.68,"

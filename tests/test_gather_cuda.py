@@ -131,6 +131,15 @@ def test_source_compiles_for_each_storage_mode(tmp_path, monkeypatch):
         assert config.sink and config.vrot and config.psac_rank and (config.rope or config.page_rope)
         seen.add(config)
         assert gather_cuda.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
+    for spec, page in ((RECIPE + ",cdtype=fp8,outliers=16,heavy=2,whole=2", 16),  # whole key rows beside each lever
+                       ("quantwm:rank=0,centroids=4,kchannel=16,outliers=31,whole=8", 16)):  # the outlier set's bound
+        codec, layout = _schemes(spec, 64, page)
+        layout = lever_layout(layout, codec.levers)
+        config = gather_cuda.config_for(*kernel_schemes(codec, layout, levers_read=True), page, 64, torch.bfloat16,
+                                        torch.bfloat16, levers=lever_scheme(codec, layout))
+        assert config.whole == lever_scheme(codec, layout).whole >= 2
+        seen.add(config)
+        assert gather_cuda.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
     assert len(seen) >= len(CASES)
     assert len(list(tmp_path.rglob("gather_dequant-*.cubin"))) == len(seen)
 
@@ -183,9 +192,19 @@ def test_auto_takes_the_cuda_kernel_for_plain_layouts(monkeypatch):
     assert calls == [1]  # so does a Triton launch option
 
 
+@pytest.fixture
+def cuda_whole(monkeypatch):
+    """The CUDA kernels' whole-row paths on (`mma_decode.WHOLE`, off by default until a GPU has run these tests),
+    the layout claims asked again with it and after it."""
+    monkeypatch.setattr(mma_decode, "WHOLE", True)
+    gather_cuda.supports.cache_clear()
+    yield
+    gather_cuda.supports.cache_clear()
+
+
 @gpu
 @pytest.mark.parametrize("codec,page_size,lengths,ratio,programs", LEVER_CASES)
-def test_lever_layouts_match_the_reference(codec, page_size, lengths, ratio, programs):
+def test_lever_layouts_match_the_reference(codec, page_size, lengths, ratio, programs, cuda_whole):
     """The recipe's levers (sinks, pre-RoPE and page-relative keys, rotated values, PSAC rows, key outliers) as
     the Triton kernel's test holds them, and within rounding of the Triton kernel itself."""
     from kvbackend.kernels.gather_dequant import gather_dequant
@@ -291,3 +310,36 @@ def test_corrupted_centroid_ids_add_nothing_as_in_triton(codec):
     want = gather_dequant(*args, backend="triton")[0]
     assert not torch.equal(got, clean) and torch.isfinite(got.float()).all()
     assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("craft", ["loud", "tokens"])
+def test_crafted_whole_rows_gather_as_the_triton_kernel(craft, cuda_whole):
+    """Whole rows 64x louder (their scales: a row added at the wrong token or channels would show), or token indices
+    past the page (ignored) and two rows naming one token (both add), in every packed page: the CUDA gather writes
+    what the Triton gather writes, within a bf16 rounding, and each craft moves the output (the rows are read)."""
+    from kvbackend.batch import PACKED
+    from kvbackend.kernels.gather_dequant import gather_dequant
+
+    cache, ids = lever_cache(RECIPE + ",cdtype=fp8,outliers=16,heavy=2,whole=2", 16, [140, 45], 2, "triton")
+    args, levers = kernel_inputs(cache, ids)
+    assert levers.whole == 2
+    intact = gather_dequant(*args, levers=levers, rotary=ROTARY, backend="cuda")[0]
+    pages, plan = args[0], args[-1]
+    tokens, scales = (cache.layouts[0].page.fields[name] for name in ("k_whole_token", "k_whole_scale"))
+    W, H = tokens.shape
+    used = sorted({int(p) for p, kind in zip(plan.page_ids.tolist(), plan.kinds.tolist()) if kind == PACKED})
+    assert used
+    crafted = pages.clone()
+    for p in used:
+        if craft == "loud":
+            crafted[p, scales.offset:scales.offset + 2 * W * H].view(torch.float16).mul_(64)
+        else:
+            view = crafted[p, tokens.offset:tokens.offset + W * H].view(W, H)
+            view[0, 0] = 255
+            view[1, 1 % H] = view[0, 1 % H]
+    bad = (crafted, *args[1:])
+    k, _ = gather_dequant(*bad, levers=levers, rotary=ROTARY, backend="cuda")
+    want, _ = gather_dequant(*bad, out_dtype=torch.float32, levers=levers, rotary=ROTARY, backend="triton")
+    assert torch.all((k.float() - want).abs() <= want.abs() * 2**-7 + 1e-3 * float(want.abs().max()))
+    assert not torch.equal(k, intact)

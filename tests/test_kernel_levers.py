@@ -246,6 +246,7 @@ def test_whole_key_rows_are_declined_by_the_kernels_that_do_not_add_them():
     assert mma_decode.supports_levers(schemes[0], plain, 32, 128) and not mma_decode.supports_levers(
         schemes[0], levers, 32, 128, whole=False)
     assert mma_decode.supports_levers(schemes[0], levers, 32, 128, whole=True)
-    assert gather_cuda._levers_ok(plain, 32, 128, 2) and not gather_cuda._levers_ok(levers, 32, 128, 2)
+    assert gather_cuda._levers_ok(plain, 32, 128, 2) and not gather_cuda._levers_ok(levers, 32, 128, 2, whole=False)
+    assert gather_cuda._levers_ok(levers, 32, 128, 2, whole=True)
     assert unit_encoder.supports(codec, layout, [CodecState()])
     assert unit_encoder.supports(*layout_of(recipe), [CodecState()])

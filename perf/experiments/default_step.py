@@ -10,7 +10,7 @@ Each further SPEC (a depth or page spec) has its chunk encode timed beside the r
 list): a lever that changes no decoded byte layout, such as `kmetric`, costs only there.
 
 The quality spec (`QUALITY_SPEC`: whole key rows in 10 of 32 layers) is timed the same way (key "quality"); run it
-once as is and once with KVBACKEND_MMA_WHOLE=1 (the tensor-core kernel's whole-row path; "mma_whole" says which).
+once as is and once with KVBACKEND_CUDA_WHOLE=1 (the tensor-core kernel's whole-row path; "mma_whole" says which).
 
 JSON keys: "page_codec", "recommended" and "quality" (session 28's runs, `perf/results/s28/call{2,5}/`, wrote them as
 "recommended" and "quality").
@@ -120,7 +120,7 @@ def main(out: str, extra: list[str]) -> None:
     print(f"SDPA BF16 (graphs) per layer {result['sdpa_graph_us_per_layer']:.1f} us", flush=True)
     timed = {}
     from kvbackend.kernels import mma_decode
-    result["mma_whole"] = mma_decode.WHOLE  # KVBACKEND_MMA_WHOLE=1: the tensor-core kernel reads whole key rows
+    result["mma_whole"] = mma_decode.WHOLE  # KVBACKEND_CUDA_WHOLE=1: the tensor-core kernel reads whole key rows
     for name, spec in (("page_codec", RECOMMENDED_PAGE_SPEC), ("recommended", RECOMMENDED_SPEC),
                        ("quality", QUALITY_SPEC)):
         specs = layer_specs(spec, LAYERS)
