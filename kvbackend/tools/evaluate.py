@@ -563,7 +563,8 @@ def run_eval_cli(args) -> int:
     plan_ids = tokenizer(plan_text, return_tensors="pt").input_ids if plan_text is not None else None
     with Progress(console=console, transient=True) as progress:
         results = evaluate(model, ids, specs, settings, progress, calibration, plan_ids)
-    table = Table(title=f"{args.text}: {settings.tokens} tokens, prefix {settings.prefix} + {settings.cont}, "
+    table = Table(title=f"{args.text}{f' from token {skip}' if skip else ''}: {settings.tokens} tokens, prefix "
+                        f"{settings.prefix} + {settings.cont}, "
                         f"ppl_ref {results[0].ppl_ref:.2f}")
     table.add_column("spec", overflow="fold")
     for col in COLUMNS:
