@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvbackend.batch import BatchPlan
-from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, NONE, TOKEN_GROUPS, LeverScheme, TensorScheme
+from kvbackend.scheme import CHANNEL_GROUPS, FLOAT, MAX_KERNEL_WHOLE, NONE, TOKEN_GROUPS, LeverScheme, TensorScheme
 
 from kvbackend.kernels import mma_decode
 
@@ -83,7 +83,6 @@ class GatherConfig:
 
 MAX_HEADS = 32  # KV heads whose PSAC rows and key outliers a CTA stages (`MAX_HEADS` in the source)
 _STAGED_BYTES = 40 * 1024  # shared memory for them, whole rows' tokens and scales, and a mask per (token, head) row
-MAX_WHOLE = 8
 
 
 def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
@@ -101,7 +100,7 @@ def _tensor_ok(x: TensorScheme, page_size: int, head_dim: int) -> bool:
 
 
 def _levers_ok(lv: LeverScheme, page_size: int, head_dim: int, heads: int, whole: bool | None = None) -> bool:
-    if lv.whole and not ((mma_decode.WHOLE if whole is None else whole) and lv.whole <= MAX_WHOLE):
+    if lv.whole and not ((mma_decode.WHOLE if whole is None else whole) and lv.whole <= MAX_KERNEL_WHOLE):
         return False  # the Triton gather reads them
     if lv.sink and (lv.sink_k % 16 or lv.sink_v % 16 or lv.sink_kind not in (1, 2)):
         return False

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvbackend.scheme import CHANNEL_GROUPS, NONE, TOKEN_GROUPS, LeverScheme, TensorScheme
+from kvbackend.scheme import CHANNEL_GROUPS, MAX_KERNEL_WHOLE, NONE, TOKEN_GROUPS, LeverScheme, TensorScheme
 
 SOURCE = Path(__file__).with_suffix(".cu")
 # CTAs per SM the registers must allow unless a caller names another count: 2 (at most 255 registers for 4 warps)
@@ -83,7 +83,6 @@ PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 # (tests/test_mma_whole.py, tests/test_gather_cuda.py); no GPU has run them yet, so they are off until one has
 # (KVBACKEND_CUDA_WHOLE=1 turns them on; the plain Triton decode kernel and the Triton gather read whole rows meanwhile).
 WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "0") == "1"
-MAX_WHOLE = 8
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,7 +105,7 @@ def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int,
                                             else levers.psac_rows == page_size))  # the row map holds signed bytes
     # whole key rows: rows of the centroid-value table, which pre-RoPE keys with key centroids read (`WHOLE_N`)
     whole_ok = not levers.whole or ((WHOLE if whole is None else whole) and levers.prerope and rope_ok
-                                    and bool(k.stages) and levers.whole <= MAX_WHOLE)
+                                    and bool(k.stages) and levers.whole <= MAX_KERNEL_WHOLE)
     return (rope_ok and psac_ok and whole_ok and levers.sink <= page_size
             and levers.outliers <= MAX_OUTLIERS and (not levers.pagerope or k.mode == CHANNEL_GROUPS)
             and (not levers.sink or levers.sink_k != NONE) and (not levers.outliers or levers.out_index != NONE))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvbackend.kernels import mma_decode
+from kvbackend.scheme import MAX_KERNEL_WHOLE
 from kernel_cases import DEVICE
 from test_mma_recipe import _inputs, _reference, gpu, recipe_cache
 
@@ -50,7 +51,7 @@ def test_whole_rows_are_claimed_only_when_asked_with_pre_rope_keys_and_centroids
     assert mma_decode.supports_levers(k, levers, page_size, head_dim, **OPT_IN)
     assert not mma_decode.supports_levers(k, levers, page_size, head_dim, prerope=True, psac=True, whole=False)
     assert not mma_decode.supports_levers(k, levers, page_size, 64, **OPT_IN)  # pre-RoPE keys: head_dim 128
-    assert not mma_decode.supports_levers(k, dataclasses.replace(levers, whole=mma_decode.MAX_WHOLE + 1), page_size,
+    assert not mma_decode.supports_levers(k, dataclasses.replace(levers, whole=MAX_KERNEL_WHOLE + 1), page_size,
                                           head_dim, **OPT_IN)
     assert not mma_decode.supports_levers(dataclasses.replace(k, stages=0), levers, page_size, head_dim, **OPT_IN)
     if not mma_decode.WHOLE:  # off by default: the plain Triton kernel reads whole rows
