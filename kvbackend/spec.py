@@ -58,9 +58,10 @@ RECOMMENDED_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids
 # The recommended spec with whole key rows (`whole=1`, session 34) in the layers at 0-10%, 13-30%, 59-62% and 65-68%
 # of the depth (layers 0-2, 4-8, 18 and 20 of SmolLM2's 30), where they take the place of the PSAC rows (`rank=0`)
 # and, in layers 4-5, of the outliers: 2.597 bpv, lower mean KL than the recommended spec on 12 of 14 text-prefix
-# pairs (27% on pyenv's CHANGELOG), within 0.6% on the other two (perf/NOTES.md, sessions 34-35). Not the default:
-# on CUDA the whole rows decode through the plain Triton kernel (the tensor-core kernel's whole-row path is off until
-# a GPU has run it: KVBACKEND_CUDA_WHOLE), and no GPU has timed that yet.
+# pairs (27% on pyenv's CHANGELOG), within 0.6% on the other two, but 53 of 56 recall-probe answers as the exact
+# cache gave them against the recommended spec's 55 (perf/NOTES.md, sessions 34-35). Not the default: that, and on
+# CUDA the whole rows decode through the plain Triton kernel (the CUDA kernels' whole-row paths are off until a GPU
+# has run them: KVBACKEND_CUDA_WHOLE), which no GPU has timed yet.
 QUALITY_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids=32;clip=true;vcluster=false;sink=4;"
                 "vrot=hadamard;prerope=true;cdtype=fp8;outliers=16;iters=8;kmetric=0.5;heavy=4;heavyz=3,"
                 "whole=1@0-0.1/1@0.13-0.3/1@0.59-0.62/1@0.65-0.68,rank=0@0-0.3/0@0.59-0.62/0@0.65-0.68,"
