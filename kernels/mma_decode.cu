@@ -619,6 +619,24 @@ __device__ __forceinline__ int psac_centroid(const uint32_t* words, int tok, int
   return cid < K_CENT ? cid : CV_ZERO;
 }
 
+// The centroid-value row token t reads before its whole rows: its centroid (a corrupted id: the zero row), or the
+// last folded PSAC row naming it (``ptok``: the rows' tokens in registers; else the token -> row map ``pmap``).
+template <int N_>
+__device__ __forceinline__ int token_row(const uint32_t* words, const int (&ptok)[N_], const signed char* pmap, int t,
+                                         int H, int h) {
+  const int id = (words[t] >> (8 * ((t * H + h) & 3))) & 0xFF;
+  int r = id < K_CENT ? id : CV_ZERO;
+  if (PSAC_REGMAP) {
+#pragma unroll
+    for (int row = 0; row < N_; ++row)
+      if (ptok[row] == t) r = 32 + row;
+  } else if (PSAC_FOLD) {
+    const int pr = static_cast<int>(pmap[t]);
+    if (pr >= 0) r = 32 + pr;
+  }
+  return r;
+}
+
 // The centroid table ct[c][n] = centroid c . query row n (log2 units) times ``cs``, from the fragments above.
 __device__ __forceinline__ void centroid_table(float* ct, const uint32_t* cf, float cs, int gid, int tig, int lane,
                                                const uint32_t (&qb)[NB][4][2]) {
@@ -1005,16 +1023,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           const int tok = (ww[WHOLE_N + row] >> (8 * (rh & 3))) & 0xFF;
           wtok[row] = tok < P ? tok : -1;
           if (tok >= P) continue;  // no token (a corrupted index): the row is never read
-          const int id = (words[tok] >> (8 * ((tok * a.H + h) & 3))) & 0xFF;
-          int src = id < K_CENT ? id : CV_ZERO;
-          if (PSAC_REGMAP) {
-#pragma unroll
-            for (int pr = 0; pr < (PSAC_REGMAP ? PSAC_ROWS : 1); ++pr)
-              if (ptok[pr] == tok) src = 32 + pr;
-          } else if (PSAC_FOLD) {
-            const int pr = static_cast<int>(pmap[tok]);
-            if (pr >= 0) src = 32 + pr;
-          }
+          int src = token_row(words, ptok, pmap, tok, a.H, h);
 #pragma unroll
           for (int w = 0; w < row; ++w)
             if (wtok[w] == tok) src = WROW0 + w;
@@ -1036,16 +1045,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                      // the last row naming the token (the reads of the ids above are behind the __syncwarp)
         uint32_t* row_of = const_cast<uint32_t*>(words);
         for (int t = lane; t < P; t += 32) {
-          const int id = (words[t] >> (8 * ((t * a.H + h) & 3))) & 0xFF;
-          int r = id < K_CENT ? id : CV_ZERO;
-          if (PSAC_REGMAP) {
-#pragma unroll
-            for (int row = 0; row < (PSAC_REGMAP ? PSAC_ROWS : 1); ++row)
-              if (ptok[row] == t) r = 32 + row;
-          } else if (PSAC_FOLD) {
-            const int pr = static_cast<int>(pmap[t]);
-            if (pr >= 0) r = 32 + pr;
-          }
+          int r = token_row(words, ptok, pmap, t, a.H, h);
 #pragma unroll
           for (int w = 0; w < (WHOLE_N > 0 ? WHOLE_N : 0); ++w)  // the last row naming the token holds them all
             if (wtok[w] == t) r = WROW0 + w;
