@@ -8,7 +8,7 @@ import os
 import sys
 
 TEXTS = ["legal", "code", "tech", "pyenv", "gfdl", "subprocess", "subtree", "idlenews"]
-FOLDERS = ["perf/results/s34", "perf/results/s33", "perf/results/s32", "perf/results/s30"]
+FOLDERS = ["perf/results/s36", "perf/results/s35", "perf/results/s34", "perf/results/s33", "perf/results/s32", "perf/results/s30"]
 
 
 def load(name, text, n):
@@ -32,13 +32,13 @@ for name in sys.argv[1:]:
                   f"{sum(kl) / len(kl):.4f})  top-1 >= {100 * min(top):.1f}%")
     for text in TEXTS:
         short, long, same = (load(name, text, n) for n in ("1536", "6144", "1536s4608"))
-        if short is None or long is None:
+        if long is None or (short is None and same is None):
             continue
         mean = lambda rows: sum(r["kl"] for r in rows) / len(rows)  # noqa: E731
-        line = f"ratio {text:>10}: 6144 / 1536 {mean(long) / mean(short):.2f}"
+        parts = [f"6144 / 1536 {mean(long) / mean(short):.2f}"] if short is not None else []
         if same is not None:
-            line += f", 6144 / 1536s4608 (the same continuation) {mean(long) / mean(same):.2f}"
-        print(line)
+            parts.append(f"6144 / 1536s4608 (the same continuation) {mean(long) / mean(same):.2f}")
+        print(f"ratio {text:>10}: " + ", ".join(parts))
 
 if len(sys.argv) == 3:  # the first spec's mean KL against the second's
     a, b = sys.argv[1:]
