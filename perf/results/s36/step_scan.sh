@@ -9,7 +9,7 @@ for job in "$@"; do
   text=${job%%:*}; n=${job##*:}; prefix=${n%%s*}; skip=0; [ "$n" != "$prefix" ] && skip=${n##*s}
   out=perf/results/s36/${name}_f${f}_${text}_${n}.json
   [ -e "$out" ] && continue
-  OMP_NUM_THREADS=1 taskset -c "$core" .venv/bin/python -c "
+  OMP_NUM_THREADS=1 taskset -c "$core" .venv/bin/python -P -c "
 import sys
 import kvbackend.quant as q
 for levels in q.GAUSSIAN_STEP:
