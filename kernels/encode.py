@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbackend.quant import GAUSSIAN_STEP
+from kvbackend.quant import clipped_step
 from kvbackend.scheme import FLOAT, TensorScheme
 
 from kvbackend.kernels.dequant import pool_views
@@ -253,7 +253,7 @@ def encode_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor
 
 def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.Tensor, units: int,
                             assign: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
-                            clip: bool = False, error: bool = False) -> torch.Tensor | None:
+                            clip: bool = False, error: bool = False, widen: float = 1.0) -> torch.Tensor | None:
     """Quantize one of K or V of ``units`` chunks of equal length into ``pages`` (their pages in order).
 
     Args:
@@ -261,7 +261,7 @@ def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.
         pages: [U*N/P, page_bytes] uint8, written in place (only this tensor's fields).
         assign: int32 [S, U*N, H] centroid ids per stage (schemes with stages).
         centroids: float32 [S, U*H, C, D] as stored (chunk u's heads are rows u*H..(u+1)*H).
-        clip: asymmetric steps clipped as `kvbackend.quant.quantize(..., clip=True)`.
+        clip: asymmetric steps clipped as `kvbackend.quant.quantize(..., clip=True, widen=widen)`.
         error: also return what decoding leaves of the residual, float32 [U*N/P, H, P, D].
 
     The bytes are the reference's for the same assignments, except where float32 sums in another order (the
@@ -285,11 +285,12 @@ def encode_units_into_pages(x: torch.Tensor, scheme: TensorScheme, pages: torch.
         assign = centroids = x  # never read
     page_ids = torch.arange(count, dtype=torch.int32, device=pages.device)
     out = torch.empty(count, h, p, d, device=x.device) if error else None
-    _launch(x, scheme, pages, page_ids, assign, centroids, count // units, clip, out)
+    _launch(x, scheme, pages, page_ids, assign, centroids, count // units, clip, out, widen)
     return out
 
 
-def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pages: int, clip: bool, error) -> None:
+def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pages: int, clip: bool, error,
+            widen: float = 1.0) -> None:
     n, h, d = x.shape
     u8, i16, i32 = pool_views(pages)
     clip = clip and not scheme.symmetric
@@ -298,5 +299,5 @@ def _launch(x, scheme: TensorScheme, pages, page_ids, assign, centroids, unit_pa
         H=h, P=n // page_ids.numel(), D=d, MODE=scheme.mode, BITS=scheme.bits, GROUP=scheme.group,
         SYMMETRIC=scheme.symmetric, KIND=scheme.kind, CODES=scheme.codes, SCALES=max(scheme.scales, 0),
         ZEROS=max(scheme.zeros, 0), ASSIGN=max(scheme.assign, 0), STAGES=scheme.stages, C=max(scheme.centroids, 1),
-        UNIT_PAGES=unit_pages, CLIP=clip, GSTEP=GAUSSIAN_STEP[1 << scheme.bits] if clip else 0.0,
+        UNIT_PAGES=unit_pages, CLIP=clip, GSTEP=clipped_step(1 << scheme.bits, widen) if clip else 0.0,
         ERROR=error is not None)

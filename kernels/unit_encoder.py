@@ -147,7 +147,8 @@ def _encode_parts(parts: Sequence[Part], k: torch.Tensor, v: torch.Tensor, state
                 by_unit = e.reshape(s.stages, count, h, *e.shape[2:]).transpose(0, 1)
                 part.codec._write_centroids(part.layout, part.codebooks, prefix, by_unit)
                 extra.update(assign=a, centroids=e)
-            out = encode_units_into_pages(xp, scheme, part.pages, count, clip=clip, **extra)
+            out = encode_units_into_pages(xp, scheme, part.pages, count, clip=clip, widen=part.codec.widen(prefix),
+                                          **extra)
             if prefix == "k":
                 errors[i] = out
     for part, at, error in zip(parts, index, errors):

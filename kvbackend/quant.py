@@ -64,7 +64,14 @@ class Quantized:
 GAUSSIAN_STEP = {4: 0.9957, 8: 0.5860, 16: 0.3352, 256: 0.0308}
 
 
-def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, clip: bool = False) -> Quantized:
+def clipped_step(levels: int, widen: float = 1.0) -> float:
+    """The clipped quantizer's step per unit of a group's standard deviation: the Gaussian MSE-optimal step of
+    ``levels`` levels times ``widen`` (one Python float, so the torch path and the encode kernel round it alike)."""
+    return GAUSSIAN_STEP[levels] * widen
+
+
+def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, clip: bool = False,
+             widen: float = 1.0) -> Quantized:
     """Quantize float ``x [..., G]`` with one scale (and zero) per group of the last dimension.
 
     Symmetric uses levels ``-q..q`` with ``q = 2**(bits-1) - 1`` (ternary at 2 bits, as QVG's
@@ -72,7 +79,8 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
     ``clip`` (asymmetric only): the step is the smaller of the min/max step and the MSE-optimal step
     for a Gaussian of the group's standard deviation, centred on the group's mean; values beyond the
     levels are clipped. Same fields and bytes; at 2 bits it lowers the error of near-Gaussian groups
-    (min/max spends levels on the tails).
+    (min/max spends levels on the tails). ``widen`` multiplies the Gaussian step (clip only): values read
+    through an attention sum want a wider one than their own squared error does (`QVGSpec.vstep`).
     """
     x = x.float()
     if fastquant.enabled(x, clip):
@@ -98,7 +106,7 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         # costs several times more on the CPU for the same value to float32 rounding
         mean = x.mean(dim=-1)
         deviation = x - mean.unsqueeze(-1)
-        gaussian = GAUSSIAN_STEP[levels + 1] * deviation.mul_(deviation).mean(dim=-1).sqrt_()
+        gaussian = clipped_step(levels + 1, widen) * deviation.mul_(deviation).mean(dim=-1).sqrt_()
         # the mean and std of values near float32's limit overflow: those groups keep min/max steps (the
         # clamped step of `round_to`), never a NaN scale that would decode finite K/V into NaN
         use_minmax = (minmax <= gaussian) | ~torch.isfinite(gaussian) | ~torch.isfinite(mean)

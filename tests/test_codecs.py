@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvbackend import Geometry, InvalidKV, codecs
+from kvbackend.errors import SpecError
 from kvbackend.codecs.base import CodecState
 from kvbackend.codecs.kmeans import kmeans, kmeanspp_init
 
@@ -210,6 +211,49 @@ def test_qvg_clip_same_bytes_lower_error():
         errors[spec] = (chunk.nbytes, float((kh - k).norm() + (vh - v).norm()))
     (plain_bytes, plain_err), (clip_bytes, clip_err) = errors.values()
     assert plain_bytes == clip_bytes and clip_err < 0.95 * plain_err
+
+
+def test_widened_clipped_steps_clip_fewer_values():
+    """``widen`` multiplies the clipped (Gaussian) step and nothing else: 1 gives the default bytes; a wider
+    step is never past the min/max step, equals widen times the Gaussian step where that is smaller, and clips
+    fewer values (codes at the two end levels)."""
+    from kvbackend.quant import GAUSSIAN_STEP, quantize
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2048, 64, generator=g)
+    base = quantize(x, 2, False, torch.float32, clip=True)
+    same = quantize(x, 2, False, torch.float32, clip=True, widen=1.0)
+    assert torch.equal(base.codes, same.codes) and torch.equal(base.scale, same.scale)
+    wide = quantize(x, 2, False, torch.float32, clip=True, widen=1.3)
+    minmax = quantize(x, 2, False, torch.float32)
+    std = x.sub(x.mean(-1, keepdim=True)).square().mean(-1).sqrt()
+    expect = torch.minimum(GAUSSIAN_STEP[4] * 1.3 * std, minmax.scale)
+    assert torch.allclose(wide.scale, expect, rtol=1e-6)
+    assert bool((wide.scale > base.scale).any()) and bool((wide.scale <= minmax.scale * (1 + 1e-6)).all())
+    ends = lambda q: int(((q.codes == 0) | (q.codes == 3)).sum())  # noqa: E731
+    assert ends(wide) < ends(base)
+    huge = quantize(x, 2, False, torch.float32, clip=True, widen=8.0)  # every group back at its min/max step
+    assert torch.equal(huge.scale, minmax.scale) and torch.equal(huge.codes, minmax.codes)
+
+
+def test_vstep_widens_the_values_steps_only():
+    """``vstep`` changes the value fields' bytes and leaves the keys' (and the layout) as they were; without
+    clipped steps it is refused, not ignored."""
+    geometry = Geometry(1, 2, 64, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(128, 2, 64, generator=g), torch.randn(128, 2, 64, generator=g)
+    base, wide = (codecs.get(f"quantwm:kchannel=32,centroids=8,clip=true,vcluster=false{o}") for o in ("", ",vstep=1.3"))
+    la, lb = base.layout(geometry, 64), wide.layout(geometry, 64)
+    assert la.page_bytes == lb.page_bytes
+    a, b = base.encode(k, v, la), wide.encode(k, v, lb)
+    for name in la.page.fields:
+        fa, fb = la.page.view(a.pages, name), lb.page.view(b.pages, name)
+        if name.startswith("k_"):
+            assert torch.equal(fa, fb), name
+    assert not torch.equal(la.page.view(a.pages, "v_scales"), lb.page.view(b.pages, "v_scales"))
+    for spec in ("quantwm:vstep=1.3", "qvg:clip=true,symmetric=true,vstep=2"):
+        with pytest.raises(SpecError, match="vstep"):
+            codecs.get(spec).layout(geometry, 64)
 
 
 def test_qvg_values_without_centroids_are_plain_token_groups():

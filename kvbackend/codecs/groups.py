@@ -28,8 +28,9 @@ def token_group_fields(prefix: str, page_size: int, heads: int, dim: int, bits: 
 
 
 def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor, prefix: str,
-                        bits: int, group: int, symmetric: bool, clip: bool = False) -> None:
-    """Quantize float ``x [n*P, H, D]`` per token in channel groups, into ``pages``."""
+                        bits: int, group: int, symmetric: bool, clip: bool = False, widen: float = 1.0) -> None:
+    """Quantize float ``x [n*P, H, D]`` per token in channel groups, into ``pages`` (``clip``, ``widen``: as
+    `kvbackend.quant.quantize`)."""
     t, h, d = x.shape
     store = layout.page.fields[f"{prefix}_scales"].dtype
     page = layout.page
@@ -44,7 +45,7 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
         if zero is not None:
             page.view(pages, f"{prefix}_zeros").copy_(to_pages(zero.to(store), p))
         return
-    q = quantize(grouped, bits, symmetric, store, clip)
+    q = quantize(grouped, bits, symmetric, store, clip, widen)
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(q.codes.reshape(t, h, d), bits), p))
     page.view(pages, f"{prefix}_scales").copy_(to_pages(q.scale, p))
     if q.zero is not None:

@@ -52,6 +52,9 @@ class QVGSpec(SplitWidths, Checked):
     # 0: key residuals per token like values; N: per channel over N-token groups (KIVI-style; divides page_size)
     kchannel: int = ranged(0, 0, MAX_GROUP)
     clip: bool = False  # residual steps: MSE-optimal Gaussian step instead of min/max (asymmetric only)
+    # with clip: the value residuals' clipped step in units of that Gaussian step (1: the step that minimises
+    # their own squared error; wider ones clip fewer values, whose shrinkage an attention sum does not average out)
+    vstep: float = ranged(1.0, 0.25, 8.0)
     vcluster: bool = True  # false: values without centroids (plain per-token groups; saves assignments and codebook)
     kbits: int = one_of(0, SPLIT_WIDTHS)  # key residual width when it differs from `bits` (0: same)
     vbits: int = one_of(0, SPLIT_WIDTHS)  # value residual width when it differs from `bits` (0: same)
@@ -67,6 +70,10 @@ class QVGCodec(Codec):
     @property
     def kernel_encodes(self) -> bool:
         return not self.spec.clip and self.spec.vcluster and self.spec.cdtype == "bf16"
+
+    def widen(self, prefix: str) -> float:
+        """The factor on ``prefix``'s clipped step (`QVGSpec.vstep` for the values; 1 for the keys)."""
+        return self.spec.vstep if prefix == "v" else 1.0
 
     def _bits(self, prefix: str) -> int:
         return self.spec.key_bits if prefix == "k" else self.spec.value_bits
@@ -88,6 +95,9 @@ class QVGCodec(Codec):
         check_split_widths(s)
         if 3 in (s.key_bits, s.value_bits) and (s.group % 8 or s.kchannel % 8):
             raise SpecError(f"{s.name}: 3-bit codes need group and kchannel to be multiples of 8")
+        if s.vstep != 1.0 and not (s.clip and not s.symmetric):
+            raise SpecError(f"{s.name}: vstep={s.vstep} widens the clipped value step: it needs clip=true (and "
+                            "asymmetric codes)")
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec
@@ -269,7 +279,7 @@ class QVGCodec(Codec):
             encode_channel_groups(x, layout, pages, prefix, self._bits(prefix), s.kchannel, clip=s.clip)
         else:
             encode_token_groups(x, layout, pages, prefix, self._bits(prefix), s.group, s.symmetric,
-                                clip=s.clip and not s.symmetric)
+                                clip=s.clip and not s.symmetric, widen=self.widen(prefix))
 
     def _dequantize_residual(self, layout: PageLayout, pages, prefix: str):
         s = self.spec
