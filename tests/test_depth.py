@@ -135,7 +135,8 @@ def test_layouts_are_checked_per_layer_before_a_model_loads():
 def test_the_recommended_spec_is_the_one_measured_and_documented():
     """`RECOMMENDED_SPEC` expands on SmolLM2's 30 layers to the plan session 30 measured (3-bit keys in layers 7, 8, 18
     and 20, no outliers in layers 0-2, 6-8, 18, 20 and 27-29, 16 elsewhere, 8 Lloyd steps everywhere, keys clustered
-    under the queries' channel weights at kmetric=0.5, heavy keys first at heavy=4 and heavyz=3, sessions 32-33) over
+    under the queries' channel weights at kmetric=0.5, heavy keys first at heavy=4 and heavyz=3, sessions 32-33, the
+    values' clipped step widened by vstep=1.15, session 36) over
     the recommended page codec, and on a 32-layer model to 3-bit keys in layers 8, 9, 19 and 21; the README names it on
     one line."""
     import pathlib
@@ -148,11 +149,12 @@ def test_the_recommended_spec_is_the_one_measured_and_documented():
     for layer, spec in enumerate(specs):
         parsed = codecs.parse(spec)
         assert parsed.iters == 8 and parsed.centroids == 32 and parsed.rank == 4 and parsed.kmetric == 0.5
-        assert parsed.heavy == 4 and parsed.heavyz == 3
+        assert parsed.heavy == 4 and parsed.heavyz == 3 and parsed.vstep == 1.15
         assert parsed.kbits == (3 if layer in (7, 8, 18, 20) else 0), layer  # 0: the base's 2 bits
         assert parsed.outliers == (0 if layer in (0, 1, 2, 6, 7, 8, 18, 20, 27, 28, 29) else 16), layer
         assert dataclasses.replace(parsed, iters=page.iters, kbits=page.kbits, outliers=page.outliers,
-                                   kmetric=page.kmetric, heavy=page.heavy, heavyz=page.heavyz) == page, layer
+                                   kmetric=page.kmetric, heavy=page.heavy, heavyz=page.heavyz,
+                                   vstep=page.vstep) == page, layer
         assert codecs.get(spec).levers == codecs.get(RECOMMENDED_PAGE_SPEC).levers
     assert [i for i, s in enumerate(layer_specs(RECOMMENDED_SPEC, 32)) if codecs.parse(s).kbits == 3] == [8, 9, 19, 21]
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
