@@ -30,6 +30,6 @@ qvg.encode_token_groups = g.encode_token_groups
 from kvbackend.tools.cli import main
 sys.argv = ['kvbackend'] + sys.argv[1:]
 main()" eval --text "${T[$text]}" --prefix "$prefix" --skip "$skip" --seeds 3 \
-    --codec "$(cat perf/results/s34/$name.spec)" --json "$out" > /tmp/scan2_${kf}_${vf}.err 2>&1 || echo "FAILED $out"
+    --codec "$(cat ${SPECDIR:-perf/results/s34}/$name.spec)" --json "$out" > /tmp/scan2_${kf}_${vf}.err 2>&1 || echo "FAILED $out"
   echo "$(date -u +%T) $out"
 done
