@@ -10,8 +10,8 @@ identical bytes: `tests/test_fastquant.py` holds them together. Decoding goes th
 packed byte's codes from a 256-entry table, times the scale, plus the zero (float32, two roundings, as torch's
 `mul_` and `add_`), rounded to bf16 to nearest even as torch's conversion does (`unpacked_bf16`).
 
-Used for CPU float32 and bf16 inputs of at least `MIN_VALUES` values without ``clip`` (whose standard
-deviation is summed in another order than torch's), when numba imports, its JIT is on and ``KVBACKEND_FASTQUANT``
+Used for CPU float32 and bf16 inputs of at least `MIN_VALUES` values (with ``clip``, whose steps come from a
+mean and deviation summed in torch's order, only the codes: `quant.quantize` computes the steps with torch), when numba imports, its JIT is on and ``KVBACKEND_FASTQUANT``
 is not ``0``/``false``/``off``/``no``. Inputs with NaN or Inf take the torch path, and so does everything after a
 compiled loop fails once (said once in the log). Every public function returns None where it does not serve.
 The loops release the GIL, so the adapters' worker threads run them in parallel.

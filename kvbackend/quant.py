@@ -83,14 +83,14 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
     through an attention sum want a wider one than their own squared error does (`QVGSpec.vstep`).
     """
     x = x.float()
-    if fastquant.enabled(x, clip):
+    fused = fastquant.enabled(x, False)  # the codes' loop serves clipped steps too (its parameters come from torch)
+    if fused and not clip:
         span = fastquant.group_range(x)
         if span is not None:  # all finite: the fused loops (same parameters, same bytes)
             scale, zero = group_params(*span, bits, symmetric, store)
             codes = fastquant.codes(x, scale, zero, bits, symmetric)
             if codes is not None:
                 return Quantized(codes, scale.to(store), None if zero is None else zero.to(store))
-    _, tiny, _ = _limits(store)
     if symmetric:
         qmax = (1 << (bits - 1)) - 1
         scale, _ = group_params(x.amin(dim=-1), x.amax(dim=-1), bits, True, store)
@@ -98,27 +98,43 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
         q.round_().clamp_(-qmax, qmax).add_(qmax)
         return Quantized(q.to(torch.uint8), scale.to(store), None)
     levels = (1 << bits) - 1
-    divisor = torch.full((), float(levels), device=x.device)  # a tensor: true division (no copy from the host)
     if clip:
-        lo, hi = x.amin(dim=-1), x.amax(dim=-1)
-        minmax = (hi - lo) / divisor
-        # the groups' standard deviation in two passes (mean, then mean squared deviation): torch's `std`
-        # costs several times more on the CPU for the same value to float32 rounding
-        mean = x.mean(dim=-1)
-        deviation = x - mean.unsqueeze(-1)
-        gaussian = clipped_step(levels + 1, widen) * deviation.mul_(deviation).mean(dim=-1).sqrt_()
-        # the mean and std of values near float32's limit overflow: those groups keep min/max steps (the
-        # clamped step of `round_to`), never a NaN scale that would decode finite K/V into NaN
-        use_minmax = (minmax <= gaussian) | ~torch.isfinite(gaussian) | ~torch.isfinite(mean)
-        step = torch.where(use_minmax, minmax, gaussian)
-        centred = torch.maximum(lo, mean - gaussian * divisor / 2)  # never below the minimum
-        zero = round_to(torch.where(use_minmax, lo, centred) + 0.0, store, "down")  # -0 -> +0, as `group_params`
-        scale = round_to(step.clamp_min(tiny), store, "up")
+        span = fastquant.group_range(x) if fused else None  # None: a value is NaN or Inf (the torch path below)
+        lo, hi = span if span is not None else (x.amin(dim=-1), x.amax(dim=-1))
+        scale, zero = clipped_params(x, lo, hi, bits, store, widen)
+        if span is not None:  # finite values: the fused loop writes the codes below would (same operations)
+            codes = fastquant.codes(x, scale, zero, bits, False)
+            if codes is not None:
+                return Quantized(codes, scale.to(store), zero.to(store))
     else:
         scale, zero = group_params(x.amin(dim=-1), x.amax(dim=-1), bits, False, store)
     q = x - zero.unsqueeze(-1)  # one temporary, then in place: the same operations, fewer passes
     q.div_(scale.unsqueeze(-1)).round_().clamp_(0, levels)
     return Quantized(q.to(torch.uint8), scale.to(store), zero.to(store))
+
+
+def clipped_params(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, store: torch.dtype,
+                   widen: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) in float32, rounded to ``store``, of `quantize`'s clipped steps for the groups of the last
+    dimension of float32 ``x`` (any strides), whose values span ``lo..hi``: the smaller of the min/max step and
+    ``widen`` times the Gaussian MSE-optimal step of the group's standard deviation, centred on its mean. One
+    function for the torch and the fused paths."""
+    _, tiny, _ = _limits(store)
+    levels = (1 << bits) - 1
+    divisor = torch.full((), float(levels), device=x.device)  # a tensor: true division (no copy from the host)
+    minmax = (hi - lo) / divisor
+    # the groups' standard deviation in two passes (mean, then mean squared deviation): torch's `std`
+    # costs several times more on the CPU for the same value to float32 rounding
+    mean = x.mean(dim=-1)
+    deviation = x - mean.unsqueeze(-1)
+    gaussian = clipped_step(levels + 1, widen) * deviation.mul_(deviation).mean(dim=-1).sqrt_()
+    # the mean and std of values near float32's limit overflow: those groups keep min/max steps (the
+    # clamped step of `round_to`), never a NaN scale that would decode finite K/V into NaN
+    use_minmax = (minmax <= gaussian) | ~torch.isfinite(gaussian) | ~torch.isfinite(mean)
+    step = torch.where(use_minmax, minmax, gaussian)
+    centred = torch.maximum(lo, mean - gaussian * divisor / 2)  # never below the minimum
+    zero = round_to(torch.where(use_minmax, lo, centred) + 0.0, store, "down")  # -0 -> +0, as `group_params`
+    return round_to(step.clamp_min(tiny), store, "up"), zero
 
 
 def group_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,

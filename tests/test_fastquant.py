@@ -53,9 +53,30 @@ def test_quantize_is_byte_identical(monkeypatch, store, kind):
                 assert torch.equal(_bits_of(off.zero), _bits_of(on.zero))
 
 
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("kind", ["normal", "wide", "flat", "ties"])
+def test_clipped_quantize_is_byte_identical(monkeypatch, store, kind):
+    """Clipped steps (parameters from torch's mean and deviation, codes from the fused loop): the same bytes."""
+    gen = torch.Generator().manual_seed(hash((str(store), kind, "clip")) % 1000)
+    x = _data(kind, (1024, 4, 2, 32), gen)
+    x[5, 1] = 3e38  # a group whose mean and deviation overflow: min/max steps there
+    for bits in (2, 3, 4, 8):
+        for widen in (1.0, 1.15):
+            off, on = _both(monkeypatch, lambda: quant.quantize(x, bits, False, store, clip=True, widen=widen))
+            assert torch.equal(off.codes, on.codes), (bits, widen)
+            assert torch.equal(_bits_of(off.scale), _bits_of(on.scale))
+            assert torch.equal(_bits_of(off.zero), _bits_of(on.zero))
+    codes = []
+    monkeypatch.setattr(fastquant, "codes", lambda *args: codes.append(1) or None)  # the loop was asked (and fell back)
+    quant.quantize(x, 2, False, store, clip=True)
+    assert codes
+
+
 @pytest.mark.parametrize("spec", ["rtn:bits=2,group=64,scale=fp8", "rtn:bits=4,group=32", "rtn:bits=2,group=128,symmetric=true",
                                   "kivi:bits=2,group=16", "kivi:bits=4,group=32", "rtn:bits=8,group=64,scale=bf16",
-                                  "kivi:bits=2,group=32,kbits=4,scale=fp8", "kivi:bits=3,group=8"])
+                                  "kivi:bits=2,group=32,kbits=4,scale=fp8", "kivi:bits=3,group=8",
+                                  "qvg:bits=2,group=32,centroids=8,clip=true,vstep=1.15",
+                                  "quantwm:kchannel=32,rank=0,centroids=8,clip=true,vcluster=false,outliers=4"])
 def test_codec_pages_are_byte_identical(monkeypatch, spec):
     gen = torch.Generator().manual_seed(7)
     geometry = Geometry(1, 8, 128, torch.bfloat16)

@@ -12,7 +12,7 @@ import torch
 
 from kvbackend import bitpack, fastquant
 from kvbackend.layout import PageLayout
-from kvbackend.quant import dequantize, group_params, quantize
+from kvbackend.quant import clipped_params, dequantize, group_params, quantize
 from kvbackend.codecs.base import FieldSpecs, from_pages, to_pages
 
 
@@ -36,8 +36,10 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
     page = layout.page
     p = layout.page_size
     grouped = x.reshape(t, h, d // group, group)
-    span = fastquant.group_range(grouped) if bits in fastquant.PACK_BITS and fastquant.enabled(x, clip) else None
-    scale, zero = group_params(*span, bits, symmetric, store) if span is not None else (None, None)
+    span = fastquant.group_range(grouped) if bits in fastquant.PACK_BITS and fastquant.enabled(x, False) else None
+    scale, zero = (None, None) if span is None else (
+        clipped_params(grouped.float(), *span, bits, store, widen) if clip and not symmetric
+        else group_params(*span, bits, symmetric, store))
     packed = fastquant.packed(x, scale, zero, bits, group, symmetric) if span is not None else None
     if packed is not None:  # fused CPU loops: the same parameters and bytes as below, two passes over the values
         page.view(pages, f"{prefix}_codes").copy_(to_pages(packed, p))
@@ -87,15 +89,19 @@ def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tens
     page = layout.page
     p = layout.page_size
     span = fastquant.channel_range(x.reshape(t, h * d), group) if (
-        bits in fastquant.PACK_BITS and fastquant.enabled(x, clip)) else None
-    scale, zero = group_params(*span, bits, False, store) if span is not None else (None, None)
+        bits in fastquant.PACK_BITS and fastquant.enabled(x, False)) else None
+    grouped = x.reshape(t // group, group, h, d).permute(0, 2, 3, 1)  # [tg, H, D, G]
+    scale, zero = (None, None) if span is None else (
+        clipped_params(grouped.float(), *(r.reshape(-1, h, d) for r in span), bits, store) if clip
+        else group_params(*span, bits, False, store))
+    if clip and scale is not None:  # as the fused loop takes them: [tg, H * D]
+        scale, zero = scale.reshape(-1, h * d), zero.reshape(-1, h * d)
     packed = fastquant.packed_channels(x.reshape(t, h * d), scale, zero, bits, group) if span is not None else None
     if packed is not None:  # fused CPU loops, vectorized over channels: the bytes of the torch path below
         page.view(pages, f"{prefix}_codes").copy_(to_pages(packed.reshape(t, h, -1), p))
         page.view(pages, f"{prefix}_scales").copy_(scale.to(store).reshape(-1, p // group, h, d))
         page.view(pages, f"{prefix}_zeros").copy_(zero.to(store).reshape(-1, p // group, h, d))
         return
-    grouped = x.reshape(t // group, group, h, d).permute(0, 2, 3, 1)  # [tg, H, D, G]
     q = quantize(grouped, bits, symmetric=False, store=store, clip=clip)
     codes = q.codes.permute(0, 3, 1, 2).reshape(t, h, d)
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(codes, bits), p))
