@@ -3,3 +3,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_vllm .whl_vllm/*.whl || exit
 export PYTHONPATH=.sglang_min:.vllm_min:/tmp/site:/tmp/site_vllm VLLM_CONFIGURE_LOGGING=0 PYTHONUNBUFFERED=1 GPU_TEST_WORKERS=8 GPU_TEST_MEMORY=0
 timeout ${LIMIT:-560} make gpu-test COMMIT=$1 GPU_LOG=$OUT/gpu-test.log
+status=$?
+# the failures as they happened (tests/conftest.py), so the call's output names them even when the limit cut the run
+[ -s "$OUT/gpu-test-failures.txt" ] && { echo "== failures"; cut -c1-300 "$OUT/gpu-test-failures.txt" | tail -60; }
+exit $status
