@@ -17,10 +17,11 @@ def _seed():
 
 def pytest_runtest_logreport(report):
     """With ``KVBACKEND_FAILURE_LOG`` set, each failed test's id and its error's last lines go to that file the moment
-    the failure is reported (under pytest-xdist, by the controller): a run cut by a time limit before pytest's
-    summary still names what failed."""
+    the failure is reported, in one append (under pytest-xdist, by the worker that ran the test: the controller's copy
+    of the report, which names its worker as ``node``, is skipped): a run cut by a time limit before pytest's summary
+    still names what failed."""
     path = os.environ.get("KVBACKEND_FAILURE_LOG")
-    if not path or not report.failed:
+    if not path or not report.failed or getattr(report, "node", None) is not None:
         return
     lines = str(report.longrepr).splitlines()[-15:]
     with open(path, "a") as f:
