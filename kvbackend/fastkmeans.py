@@ -35,10 +35,10 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 def finite(x: torch.Tensor) -> bool:
-    """Whether every value of float32 CPU ``x`` is finite (non-finite points take the torch path: its NaN handling
+    """Whether every value of ``x`` is finite (non-finite points take the torch path: its NaN handling
     is its own), in one compiled pass over the bits where it can (``torch.isfinite`` writes a mask first: 3 ms of
     a storage page's 16)."""
-    if x.is_contiguous():
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and fastquant._usable():
         done = fastquant._run(_finite_f32, x.reshape(-1).view(torch.int32).numpy())
         if done is not fastquant._FAILED:
             return bool(done)

@@ -98,6 +98,15 @@ def test_non_finite_points_take_the_torch_path(monkeypatch, _fused_taken):
     assert torch.equal(off.assign, on.assign)
     assert fastkmeans.finite(torch.randn(5000)) and not fastkmeans.finite(torch.tensor([1.0] * 5000 + [float("inf")]))
     assert not fastkmeans.finite(torch.tensor([float("nan")] * 3)[::2])  # strided: the torch check
+    half = torch.ones(4096, dtype=torch.bfloat16)
+    half[0] = float("nan")  # a NaN in the low half of a 32-bit word: other dtypes never go through the float32 bits
+    assert not fastkmeans.finite(half)
+    init = torch.randn(8, 4, 64).bfloat16()
+    init[2, 1, 3] = float("inf")
+    x[3, 5, 7] = 0.0
+    off, on = _both(monkeypatch, lambda: km.kmeans(x, init, 3))
+    assert _fused_taken["lloyd"] == 0  # non-finite starting centroids: the torch path
+    assert torch.equal(off.assign, on.assign)
 
 
 def test_a_failed_loop_falls_back_to_torch(monkeypatch):
