@@ -253,7 +253,7 @@ class QuantWMCodec(QVGCodec):
         next is chosen: the outliers (a clipped key's largest errors, so the rows' steps stay fine), then the whole
         rows, then the PSAC rows (their rounding along the query directions)."""
         p = layout.page_size
-        approx, _ = super()._decode(layout, pages, per_page)
+        approx = self._decode_tensor(layout, pages, per_page, "k")  # QVG's keys: no values decoded
         error = to_pages(k - approx, p).permute(0, 2, 1, 3).contiguous()  # [N, H, P, D]
         self.key_fields(layout, pages, codebook, k, error, moments, units, heavy)
 
@@ -327,7 +327,7 @@ class QuantWMCodec(QVGCodec):
         channel weights of the page's chunk when it has query statistics, ``moments`` [U, H, D, D]; the rows
         ``heavy`` marks first) store their error exactly (fp16). ``k`` holds ``units`` chunks of equal length
         (``codebook`` then has a slot per page)."""
-        approx, _ = super()._decode(layout, pages, codebook)
+        approx = self._decode_tensor(layout, pages, codebook, "k")  # QVG's keys: no values decoded
         error = _by_head(k - approx, layout.page_size)  # [N, H, P*D]
         self.write_outliers(layout, pages, error, *self.outlier_inputs(k, layout.page_size, moments, units),
                             heavy=heavy)
@@ -359,14 +359,18 @@ class QuantWMCodec(QVGCodec):
 
     def _decode_base(self, layout: PageLayout, pages, codebook):
         """QVG's reconstruction plus the key outliers (everything but the PSAC rows)."""
-        k, v = super()._decode(layout, pages, codebook)
+        return self._decode_base_keys(layout, pages, codebook), self._decode_tensor(layout, pages, codebook, "v")
+
+    def _decode_base_keys(self, layout: PageLayout, pages, codebook) -> torch.Tensor:
+        """The keys of `_decode_base` alone (the PSAC encoder reads no values)."""
+        k = self._decode_tensor(layout, pages, codebook, "k")
         if not self.spec.outliers:
-            return k, v
+            return k
         p, (_, h, d) = layout.page_size, k.shape
         index = layout.page.view(pages, "k_out_index").long().transpose(1, 2)  # [N, H, n]
         value = layout.page.view(pages, "k_out_value").float().transpose(1, 2)
         flat = _by_head(k, p).scatter_add(2, index, value)
-        return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3)), v
+        return from_pages(flat.reshape(-1, h, p, d).permute(0, 2, 1, 3))
 
     def psac_basis(self, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the stored bases [U, H, D, r] in bf16, ``moments`` [U, H, D, D] times them [U, H, D, r] in float32):
@@ -395,7 +399,7 @@ class QuantWMCodec(QVGCodec):
         # no [T, D] correction or quadratic form over D is formed.
         if both is None:
             per_page = codebook if codebook.dim() == 1 else codebook.repeat_interleave(pages.shape[0] // units, 0)
-            approx, _ = self._decode_base(layout, pages, per_page)  # keys without the correction
+            approx = self._decode_base_keys(layout, pages, per_page)  # keys without the correction
             error = (k - approx).view(units, t, h, d).transpose(1, 2)  # [U, H, T, D]
             both = error @ torch.cat([u, mu], -1)  # [U, H, T, 2r]
         coeff, projected = both[..., :r], both[..., r:]

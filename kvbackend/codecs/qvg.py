@@ -288,29 +288,29 @@ class QVGCodec(Codec):
         return decode_token_groups(layout, pages, prefix, self._bits(prefix), s.group)
 
     def _decode(self, layout: PageLayout, pages, codebook):
+        return self._decode_tensor(layout, pages, codebook, "k"), self._decode_tensor(layout, pages, codebook, "v")
+
+    def _decode_tensor(self, layout: PageLayout, pages, codebook, prefix: str) -> torch.Tensor:
+        """One tensor of `_decode` (``"k"`` or ``"v"``), [T, H, D] float32: the encoders that need the keys alone
+        (the key outliers, the PSAC rows) skip the values."""
         s = self.spec
-        out = []
-        for prefix in ("k", "v"):
-            x = self._dequantize_residual(layout, pages, prefix)  # [T, H, D]
-            if not self._clustered(prefix):
-                out.append(x)
-                continue
-            assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
-            heads = torch.arange(x.shape[1], device=x.device)
-            if codebook.dim() == 2:  # a slot per page: each token reads its page's centroids, gathered as stored
-                page = torch.arange(x.shape[0], device=x.device) // layout.page_size
-                for stage in reversed(range(s.stages)):
-                    fused = None
-                    if s.cdtype == "fp8":  # the fused CPU loop, where it serves: the same values
-                        fused = fastquant.plus_fp8_rows(
-                            x, layout.codebook.view(codebook, f"{prefix}_centroids").view(torch.uint8)[:, stage],
-                            assign[:, stage], page, layout.codebook.view(codebook, f"{prefix}_centroid_scales")[:, stage])
-                    x = fused if fused is not None else x + self._gather_centroids(
-                        layout, codebook, prefix, page[:, None], stage, heads[None, :], assign[:, stage])  # [T, H, D]
-                out.append(x)
-                continue
-            cents = self._read_centroids(layout, codebook, prefix)  # [S, H, C, D]
+        x = self._dequantize_residual(layout, pages, prefix)  # [T, H, D]
+        if not self._clustered(prefix):
+            return x
+        assign = from_pages(layout.page.view(pages, f"{prefix}_assign").transpose(1, 2)).long()  # [T, S, H]
+        heads = torch.arange(x.shape[1], device=x.device)
+        if codebook.dim() == 2:  # a slot per page: each token reads its page's centroids, gathered as stored
+            page = torch.arange(x.shape[0], device=x.device) // layout.page_size
             for stage in reversed(range(s.stages)):
-                x = x + cents[stage][heads, assign[:, stage]]  # [T, H, D]
-            out.append(x)
-        return out[0], out[1]
+                fused = None
+                if s.cdtype == "fp8":  # the fused CPU loop, where it serves: the same values
+                    fused = fastquant.plus_fp8_rows(
+                        x, layout.codebook.view(codebook, f"{prefix}_centroids").view(torch.uint8)[:, stage],
+                        assign[:, stage], page, layout.codebook.view(codebook, f"{prefix}_centroid_scales")[:, stage])
+                x = fused if fused is not None else x + self._gather_centroids(
+                    layout, codebook, prefix, page[:, None], stage, heads[None, :], assign[:, stage])  # [T, H, D]
+            return x
+        cents = self._read_centroids(layout, codebook, prefix)  # [S, H, C, D]
+        for stage in reversed(range(s.stages)):
+            x = x + cents[stage][heads, assign[:, stage]]  # [T, H, D]
+        return x
