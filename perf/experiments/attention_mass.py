@@ -17,17 +17,17 @@ For one text and spec: the continuation's queries, every layer and head; the mas
 """
 import json
 import math
+import os
 import sys
 
 import torch
 
-from kvbackend.depth import layer_specs
-from kvbackend.geometry import Geometry
-from kvbackend.rope import rotary_from_config
-from kvbackend.tools.evaluate import EvalSettings, _next_token_metrics, capture_exact, paged_reconstruction
-from kvbackend.tools.models import load_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CONT = 512
+from decoded_prefix import decoded_prefix  # noqa: E402
+
+from kvbackend.tools.evaluate import _next_token_metrics  # noqa: E402
+
 GROUP = 64
 
 
@@ -45,17 +45,9 @@ def group_variance(error: torch.Tensor) -> torch.Tensor:
 
 
 def main(text: str, spec: str, prefix: int, skip: int, out: str, alphas: list[float]) -> None:
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_model()
-    ids = tokenizer(open(text).read(), return_tensors="pt").input_ids[:, skip : skip + prefix + CONT]
-    exact = capture_exact(model, ids)
-    layers = len(exact.k)
-    heads, _, dim = exact.k[0].shape
-    geometry = Geometry(layers, heads, dim, exact.k[0].dtype)
-    settings = EvalSettings(tokens=prefix, prefix=prefix, cont=CONT)
-    specs = layer_specs(spec, layers)
-    sink = int(next((part.split("=")[1] for part in spec.replace(";", ",").split(",") if part.startswith("sink=")), 0))
-    pre_k, pre_v, _ = paged_reconstruction(specs, exact, geometry, settings, prefix, rotary_from_config(model.config))
+    run = decoded_prefix(text, spec, prefix, skip)
+    model, ids, exact, pre_k, pre_v = run.model, run.ids, run.exact, run.pre_k, run.pre_v
+    layers, heads, dim, sink = len(exact.k), run.heads, run.dim, run.sink
     scale = 1 / math.sqrt(dim)
     variance = []
     per_layer = []

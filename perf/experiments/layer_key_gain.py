@@ -8,31 +8,20 @@ does (the `depth:` plans gave 3-bit keys to the layers a 1536-token scan picked)
     .venv/bin/python -P perf/experiments/layer_key_gain.py TEXT SPEC PREFIX SKIP OUT.json
 """
 import json
+import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvbackend.depth import layer_specs
-from kvbackend.geometry import Geometry
-from kvbackend.rope import rotary_from_config
-from kvbackend.tools.evaluate import (EvalSettings, _continuation_logits, _next_token_metrics, capture_exact,
-                                      paged_reconstruction)
-from kvbackend.tools.models import load_model
+from decoded_prefix import decoded_prefix  # noqa: E402
 
-CONT = 512
+from kvbackend.tools.evaluate import _continuation_logits, _next_token_metrics  # noqa: E402
 
 
 def main(text: str, spec: str, prefix: int, skip: int, out: str) -> None:
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_model()
-    ids = tokenizer(open(text).read(), return_tensors="pt").input_ids[:, skip : skip + prefix + CONT]
-    exact = capture_exact(model, ids)
+    run = decoded_prefix(text, spec, prefix, skip)
+    model, ids, exact, pre_k, pre_v = run.model, run.ids, run.exact, run.pre_k, run.pre_v
     layers = len(exact.k)
-    heads, _, dim = exact.k[0].shape
-    geometry = Geometry(layers, heads, dim, exact.k[0].dtype)
-    settings = EvalSettings(tokens=prefix, prefix=prefix, cont=CONT)
-    pre_k, pre_v, _ = paged_reconstruction(layer_specs(spec, layers), exact, geometry, settings, prefix,
-                                           rotary_from_config(model.config))
     cont_ids = ids[:, prefix:]
     targets = ids[0, prefix + 1 :]
     ref = _continuation_logits(model, [k[:, :prefix] for k in exact.k], [v[:, :prefix] for v in exact.v], cont_ids)
