@@ -10,10 +10,10 @@ identical bytes: `tests/test_fastquant.py` holds them together. Decoding goes th
 packed byte's codes from a 256-entry table, times the scale, plus the zero (float32, two roundings, as torch's
 `mul_` and `add_`), rounded to bf16 to nearest even as torch's conversion does (`unpacked_bf16`).
 
-Used for CPU float32 and bf16 inputs of at least `MIN_VALUES` values (with ``clip``, whose steps come from a
-mean and deviation summed in torch's order, only the codes: `quant.quantize` computes the steps with torch), when numba imports, its JIT is on and ``KVBACKEND_FASTQUANT``
-is not ``0``/``false``/``off``/``no``. Inputs with NaN or Inf take the torch path, and so does everything after a
-compiled loop fails once (said once in the log). Every public function returns None where it does not serve.
+Used for CPU float32 and bf16 inputs of at least `MIN_VALUES` values (clipped steps too: their scales and zeros
+come from torch's mean and deviation, `quant.clipped_params`, and only the codes from here), when numba imports,
+its JIT is on and ``KVBACKEND_FASTQUANT`` is not ``0``/``false``/``off``/``no``. Inputs with NaN or Inf take the
+torch path, and so does everything after a compiled loop fails once (said once in the log). Every public function returns None where it does not serve.
 The loops release the GIL, so the adapters' worker threads run them in parallel.
 """
 
@@ -40,9 +40,9 @@ def _usable() -> bool:
             and os.environ.get("KVBACKEND_FASTQUANT", "1").strip().lower() not in _OFF)
 
 
-def enabled(x: torch.Tensor, clip: bool) -> bool:
+def enabled(x: torch.Tensor) -> bool:
     """Whether the fused loops take ``x``."""
-    return (_usable() and not clip and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    return (_usable() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and x.numel() >= MIN_VALUES and not x.requires_grad)
 
 
@@ -504,7 +504,7 @@ def group_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def all_finite(x: torch.Tensor) -> bool | None:
     """Whether bf16 CPU ``x`` holds no NaN or Inf, in one compiled pass over its bits; None where the fused
     loops do not take ``x``."""
-    if not (enabled(x, False) and x.dtype == torch.bfloat16 and x.is_contiguous()):
+    if not (enabled(x) and x.dtype == torch.bfloat16 and x.is_contiguous()):
         return None
     done = _run(_finite_bf16, x.reshape(-1).view(torch.int16).numpy().view(np.uint16))
     return None if done is _FAILED else bool(done)

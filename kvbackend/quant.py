@@ -83,7 +83,7 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool, store: torch.dtype, cl
     through an attention sum want a wider one than their own squared error does (`QVGSpec.vstep`).
     """
     x = x.float()
-    fused = fastquant.enabled(x, False)  # the codes' loop serves clipped steps too (its parameters come from torch)
+    fused = fastquant.enabled(x)  # the codes' loop serves clipped steps too (its parameters come from torch)
     if fused and not clip:
         span = fastquant.group_range(x)
         if span is not None:  # all finite: the fused loops (same parameters, same bytes)

@@ -42,7 +42,7 @@ def _data(kind: str, shape, gen) -> torch.Tensor:
 def test_quantize_is_byte_identical(monkeypatch, store, kind):
     gen = torch.Generator().manual_seed(hash((str(store), kind)) % 1000)
     x = _data(kind, (1024, 4, 2, 32), gen)
-    assert x.numel() >= fastquant.MIN_VALUES and fastquant.enabled(x, clip=False)
+    assert x.numel() >= fastquant.MIN_VALUES and fastquant.enabled(x)
     for bits in (2, 3, 4, 8):
         for symmetric in (False, True):
             off, on = _both(monkeypatch, lambda: quant.quantize(x, bits, symmetric, store))
@@ -92,12 +92,11 @@ def test_codec_pages_are_byte_identical(monkeypatch, spec):
     assert torch.equal(wide.pages, on.pages)
 
 
-def test_small_or_clipped_inputs_take_the_torch_path():
-    assert not fastquant.enabled(torch.randn(16, 64), clip=False)  # below MIN_VALUES
-    assert not fastquant.enabled(torch.randn(1024, 64), clip=True)
-    assert not fastquant.enabled(torch.randn(1024, 64).half(), clip=False)
-    assert fastquant.enabled(torch.randn(1024, 64), clip=False)
-    assert fastquant.enabled(torch.randn(1024, 64).bfloat16(), clip=False)  # read as bits, no float32 copy
+def test_small_inputs_take_the_torch_path():
+    assert not fastquant.enabled(torch.randn(16, 64))  # below MIN_VALUES
+    assert not fastquant.enabled(torch.randn(1024, 64).half())
+    assert fastquant.enabled(torch.randn(1024, 64))
+    assert fastquant.enabled(torch.randn(1024, 64).bfloat16())  # read as bits, no float32 copy
 
 
 def test_non_finite_inputs_fall_back_to_torch(monkeypatch):
@@ -182,7 +181,7 @@ def test_switch_values_and_a_failing_loop_fall_back(monkeypatch):
     x = torch.randn(1024, 64)
     for value in ("0", "false", "OFF", "no"):
         monkeypatch.setenv("KVBACKEND_FASTQUANT", value)
-        assert not fastquant.enabled(x, clip=False)
+        assert not fastquant.enabled(x)
     monkeypatch.setenv("KVBACKEND_FASTQUANT", "1")
     want = quant.quantize(x, 2, False, torch.float16)
 
@@ -192,7 +191,7 @@ def test_switch_values_and_a_failing_loop_fall_back(monkeypatch):
     monkeypatch.setattr(fastquant, "_codes", broken)
     monkeypatch.setattr(fastquant, "_broken", [])
     got = quant.quantize(x, 2, False, torch.float16)  # the torch path, same bytes
-    assert torch.equal(got.codes, want.codes) and fastquant._broken and not fastquant.enabled(x, clip=False)
+    assert torch.equal(got.codes, want.codes) and fastquant._broken and not fastquant.enabled(x)
 
 
 def test_clipped_groups_of_huge_values_stay_finite():

@@ -36,7 +36,7 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
     page = layout.page
     p = layout.page_size
     grouped = x.reshape(t, h, d // group, group)
-    span = fastquant.group_range(grouped) if bits in fastquant.PACK_BITS and fastquant.enabled(x, False) else None
+    span = fastquant.group_range(grouped) if bits in fastquant.PACK_BITS and fastquant.enabled(x) else None
     scale, zero = (None, None) if span is None else (
         clipped_params(grouped.float(), *span, bits, store, widen) if clip and not symmetric
         else group_params(*span, bits, symmetric, store))
@@ -89,7 +89,7 @@ def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tens
     page = layout.page
     p = layout.page_size
     span = fastquant.channel_range(x.reshape(t, h * d), group) if (
-        bits in fastquant.PACK_BITS and fastquant.enabled(x, False)) else None
+        bits in fastquant.PACK_BITS and fastquant.enabled(x)) else None
     grouped = x.reshape(t // group, group, h, d).permute(0, 2, 3, 1)  # [tg, H, D, G]
     scale, zero = (None, None) if span is None else (
         clipped_params(grouped.float(), *(r.reshape(-1, h, d) for r in span), bits, store) if clip
