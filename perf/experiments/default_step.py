@@ -6,8 +6,8 @@ kernel, CUDA graphs, summed over the layers) and one warm 2048-token chunk compl
 
     python3 perf/experiments/default_step.py $OUT/default_step.json [SPEC ...]
 
-Each further SPEC (a depth or page spec) has its chunk encode timed beside the recommended one's (key "extra", a
-list): a lever that changes no decoded byte layout, such as `kmetric`, costs only there.
+Each further SPEC (a depth or page spec) has its decode step and chunk encode timed beside the recommended one's
+(key "extra", a list): a lever that changes no decoded byte layout, such as `kmetric`, costs only in the encode.
 
 The quality spec (`QUALITY_SPEC`: whole key rows in 10 of 32 layers) is timed the same way (key "quality"); run it
 once as is and once with KVBACKEND_CUDA_WHOLE=1 (the tensor-core kernel's whole-row path; "mma_whole" says which).
@@ -47,6 +47,19 @@ def decode_us(spec: str, rotary) -> tuple[float, str]:
     us = graph_time(calls) * 1e3
     torch.cuda.empty_cache()
     return us, kernel
+
+
+def decode_step(name: str, specs: list[str], timed: dict, rotary) -> tuple[float, list]:
+    """The decode step over the layers of ``specs``: each distinct layer spec timed once (``timed`` caches), summed."""
+    step, layers = 0.0, []
+    for layer_spec, count in collections.Counter(specs).items():
+        if layer_spec not in timed:
+            timed[layer_spec] = decode_us(layer_spec, rotary)
+        us, kernel = timed[layer_spec]
+        step += count * us
+        layers.append({"spec": layer_spec, "count": count, "us": us, "kernel": kernel})
+        print(f"{name}: {count:2d} layers x {us:7.1f} us ({kernel})  [{layer_spec[-60:]}]", flush=True)
+    return step, layers
 
 
 def warm_chunk(spec: str, n: int, gen) -> tuple:
@@ -124,15 +137,7 @@ def main(out: str, extra: list[str]) -> None:
     for name, spec in (("page_codec", RECOMMENDED_PAGE_SPEC), ("recommended", RECOMMENDED_SPEC),
                        ("quality", QUALITY_SPEC)):
         specs = layer_specs(spec, LAYERS)
-        counts = collections.Counter(specs)
-        step, layers = 0.0, []
-        for layer_spec, count in counts.items():
-            if layer_spec not in timed:
-                timed[layer_spec] = decode_us(layer_spec, rotary)
-            us, kernel = timed[layer_spec]
-            step += count * us
-            layers.append({"spec": layer_spec, "count": count, "us": us, "kernel": kernel})
-            print(f"{name}: {count:2d} layers x {us:7.1f} us ({kernel})  [{layer_spec[-60:]}]", flush=True)
+        step, layers = decode_step(name, specs, timed, rotary)
         enc = encode_ms(specs)
         result[name] = {"spec": spec, "decode_step_us": step, "layers": layers, "encode_chunk": enc,
                         "speedup_vs_sdpa": LAYERS * result["sdpa_graph_us_per_layer"] / step}
@@ -148,9 +153,14 @@ def main(out: str, extra: list[str]) -> None:
     print(f"quality / recommended: decode {w['decode_step_us'] / q['decode_step_us']:.3f}x, "
           f"encode {w['encode_chunk']['ms'] / q['encode_chunk']['ms']:.3f}x eager", flush=True)
     result["extra"] = []
-    for spec in extra:
-        enc = encode_ms(layer_specs(spec, LAYERS))
-        result["extra"].append({"spec": spec, "encode_chunk": enc})
+    for i, spec in enumerate(extra):
+        specs = layer_specs(spec, LAYERS)
+        step, layers = decode_step(f"extra {i}", specs, timed, rotary)
+        print(f"extra {i}: decode step {step:.0f} us ({step / q['decode_step_us']:.3f}x the recommended, "
+              f"{LAYERS * result['sdpa_graph_us_per_layer'] / step:.2f}x SDPA)", flush=True)
+        enc = encode_ms(specs)
+        result["extra"].append({"spec": spec, "decode_step_us": step, "layers": layers, "encode_chunk": enc,
+                                "speedup_vs_sdpa": LAYERS * result["sdpa_graph_us_per_layer"] / step})
         print(f"{spec[-70:]}: chunk encode {enc['ms']:.2f} ms eager ({enc['ms'] / q['encode_chunk']['ms']:.3f}x the "
               f"recommended), {enc['graph_ms']:.2f} ms from graphs ({enc['graph_ms'] / q['encode_chunk']['graph_ms']:.3f}x)"
               + (f", one mixed pass {enc['mixed_ms']:.2f} ms ({enc['mixed_ms'] / q['encode_chunk']['mixed_ms']:.3f}x)"
