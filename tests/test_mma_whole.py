@@ -144,6 +144,8 @@ def test_crafted_whole_rows_decode_as_the_triton_kernel(case, craft):
                                   fold=False, planar=False)
     assert torch.isfinite(out.float()).all()
     assert float((out.float() - want.float()).norm() / want.float().norm()) < 1e-2
-    assert torch.allclose(lse, want_lse, atol=2e-2)
+    # rtol: loud rows (scales x64) put log-sum-exps near 90, where the two kernels' fp16 key operands differ by
+    # a few 1e-4 relative (H100, session 38: 80.58 against 80.60)
+    assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
     moved = float((out.float() - intact.float()).norm() / intact.float().norm())
     assert moved > (1e-2 if craft == "loud" else 1e-4), moved
