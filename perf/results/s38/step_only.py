@@ -1,0 +1,36 @@
+"""The decode step alone (no chunk encode) of the recommended spec and of each SPEC given, over 32 layers of
+Llama-8B geometry at B=8, L=32K on the GPU, through `perf/experiments/default_step.py`'s `decode_step`:
+
+    python3 perf/results/s38/step_only.py OUT.json SPEC...
+"""
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "experiments"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from default_step import BATCH, DIM, HEADS, HQ, LAYERS, LENGTH, decode_step  # noqa: E402
+from bench_kernels import sdpa_time  # noqa: E402
+from kvbackend.depth import layer_specs  # noqa: E402
+from kvbackend.rope import Rotary  # noqa: E402
+from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
+
+
+def main(out: str, extra: list[str]) -> None:
+    rotary = Rotary.default(DIM, 500000.0)
+    sdpa = sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3
+    print(f"SDPA BF16 (graphs) per layer {sdpa:.1f} us", flush=True)
+    timed, result = {}, {"sdpa_graph_us_per_layer": sdpa, "specs": []}
+    for i, spec in enumerate([RECOMMENDED_SPEC, *extra]):
+        step, layers = decode_step("recommended" if i == 0 else f"extra {i}", layer_specs(spec, LAYERS), timed, rotary)
+        base = result["specs"][0]["decode_step_us"] if i else step
+        print(f"{'recommended' if i == 0 else f'extra {i}'}: decode step {step:.0f} us, {step / base:.3f}x the "
+              f"recommended, {LAYERS * sdpa / step:.2f}x SDPA", flush=True)
+        result["specs"].append({"spec": spec, "decode_step_us": step, "layers": layers,
+                                "speedup_vs_sdpa": LAYERS * sdpa / step})
+    pathlib.Path(out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
