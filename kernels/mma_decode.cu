@@ -47,8 +47,8 @@
 //     row's INT8 codes x its fp16 scale plus what the token reads otherwise (its centroid, or its folded PSAC row) is
 //     an extra row of the centroid-value table, after the folded PSAC rows, and the token reads that row instead.
 //
-// Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KBITS (key codes: 2, or 3 with
-// ROPE_TOKEN, read 16 codes of a lane at a time from 6 bytes and dequantized in place), KG / VG (scale groups per
+// Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KBITS (key codes: 2, or 3 or 4 with
+// ROPE_TOKEN, read 16 codes of a lane at a time from 6 or 8 bytes and dequantized in place), KG / VG (scale groups per
 // head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric: zero = -scale,
 // -3 x scale for 3-bit keys), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS, MINB.
 
@@ -133,7 +133,8 @@
 #define WHOLE_N 0
 #endif
 #ifndef KBITS
-#define KBITS 2  // key code width: 2, or 3 with pre-RoPE keys (ROPE_TOKEN; 8 codes in 3 bytes, the first in the top bits)
+#define KBITS 2  // key code width: 2, or 3 or 4 with pre-RoPE keys (ROPE_TOKEN; 8 codes in 3 bytes or 2 in a byte, the
+                 // first in the top bits)
 #endif
 // folded rows, few of them: each lane keeps the rows' tokens in registers and compares (no token -> row map)
 #define PSAC_REGMAP (PSAC_FOLD && PSAC_ROWS <= 8)
@@ -150,7 +151,7 @@ constexpr int D = HEAD_DIM;
 constexpr int P = PAGE;
 constexpr int ROWB = D / 4;        // bytes of one token's 2-bit codes for one head
 constexpr int NCH = ROWB / 16;     // 16-byte chunks per row (1 or 2)
-constexpr int KROWB = D * KBITS / 8;  // bytes of one token's key codes for one head (ROWB, or 48 at 3 bits)
+constexpr int KROWB = D * KBITS / 8;  // bytes of one token's key codes for one head (ROWB, 48 at 3 bits, 64 at 4)
 constexpr int KNCH = KROWB / 16;
 constexpr float KSYM_ZERO = static_cast<float>((1 << (KBITS - 1)) - 1);  // symmetric keys: zero = -this x scale
 constexpr int NB = D / 64;         // 64-channel blocks
@@ -204,7 +205,8 @@ static_assert(!ROPE_TOKEN || (K_CHAN && D == 128 && !PAGE_ROPE), "pre-RoPE keys:
 static_assert(!PSAC_R || (ROPE_TOKEN && PSAC_R % 4 == 0 && PSAC_R <= 16 && PSAC_ROWS >= 1 && PSAC_ROWS <= P
                           && (PSAC_SPARSE ? PSAC_ROWS <= 127 : PSAC_ROWS == P)),
               "PSAC rows: with pre-RoPE keys, rank 4/8/12/16, sparse rows <= 127 (the token -> row map is signed bytes)");
-static_assert(KBITS == 2 || (KBITS == 3 && ROPE_TOKEN), "3-bit keys: pre-RoPE keys only (dequantized per key value)");
+static_assert(KBITS == 2 || ((KBITS == 3 || KBITS == 4) && ROPE_TOKEN),
+              "3- and 4-bit keys: pre-RoPE keys only (dequantized per key value)");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
 static_assert(!WHOLE_N || (ROPE_TOKEN && K_CENT && WHOLE_N <= 8 && P <= 256),
@@ -286,6 +288,33 @@ __device__ __forceinline__ uint32_t codes3_at(uint32_t w, int i) {
   }
 }
 
+// 4-bit codes of channels j and j + 8 (0 <= j < 8) of a lane's 16 (w0: the bytes of channels 0..7, w1: 8..15, two
+// codes a byte, the first in the top bits) as half2, exact: byte j / 2 of each word into bytes 0 and 2, the nibble
+// masked into the mantissa of 1024, then 1024 taken off.
+template <int j>
+__device__ __forceinline__ uint32_t codes4_x(uint32_t w0, uint32_t w1) {
+  constexpr uint32_t k = j >> 1;
+  const uint32_t x = __byte_perm(w0, w1, k | ((4 + k) << 8));
+  uint32_t h;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(h) : "r"((j & 1) ? x : x >> 4), "n"(0x000F000Fu), "r"(0x64006400u));
+  __half2 y = *reinterpret_cast<__half2*>(&h);
+  y = __hsub2(y, __floats2half2_rn(1024.f, 1024.f));
+  return *reinterpret_cast<uint32_t*>(&y);
+}
+
+__device__ __forceinline__ uint32_t codes4_at(uint32_t w0, uint32_t w1, int j) {
+  switch (j) {
+    case 0: return codes4_x<0>(w0, w1);
+    case 1: return codes4_x<1>(w0, w1);
+    case 2: return codes4_x<2>(w0, w1);
+    case 3: return codes4_x<3>(w0, w1);
+    case 4: return codes4_x<4>(w0, w1);
+    case 5: return codes4_x<5>(w0, w1);
+    case 6: return codes4_x<6>(w0, w1);
+    default: return codes4_x<7>(w0, w1);
+  }
+}
+
 __device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
 __device__ __forceinline__ uint32_t as_u32(__half2 x) { return *reinterpret_cast<uint32_t*>(&x); }
 
@@ -339,9 +368,11 @@ __device__ __forceinline__ int chunk_offset(int t, int c) {
   return t * ROWB + ((NCH == 2 ? (c ^ ((t >> 2) & 1)) : c) << 4);
 }
 
-// Byte offset of 16-byte chunk c of token t's key row: as `chunk_offset` at 2 bits, in order at 3 bits.
+// Byte offset of 16-byte chunk c of token t's key row: as `chunk_offset` at 2 bits, in order at 3 bits; at 4 bits
+// (64-byte rows, head_dim 128) chunk c of row t sits at c ^ ((t >> 1) & 3), so the 8-byte reads of a fragment's 8 rows
+// (rows t and t + 2 start on the same bank) spread over all 32 banks.
 __device__ __forceinline__ int key_chunk_offset(int t, int c) {
-  return KBITS == 2 ? chunk_offset(t, c) : t * KROWB + (c << 4);
+  return KBITS == 2 ? chunk_offset(t, c) : KBITS == 4 ? t * KROWB + ((c ^ ((t >> 1) & 3)) << 4) : t * KROWB + (c << 4);
 }
 
 // Output channel of value-accumulator row (tile J, row gid + 8 e) and its power-of-four factor's exponent.
@@ -927,7 +958,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                                    : element<K_KIND>(kw[b][K_SYM ? 0 : 1][((jl + 8) * KES) >> 2], ((jl + 8) * KES) & 3);
             const int at = (b * 4 + ks) * 2 + e;
             qk[b][ks][e] = pack_half2(x[b].x * f, x[b].y * f);
-            const float fk = KBITS == 2 ? f : 1.f;  // 2-bit codes arrive times 4^(p % 4), 3-bit codes as they are
+            const float fk = KBITS == 2 ? f : 1.f;  // 2-bit codes arrive times 4^(p % 4), 3- and 4-bit ones as they are
             szr[0][at] = pack_half2(s0 / fk, s1 / fk);
             szr[1][at] = pack_half2(z0, z1);
           }
@@ -1141,7 +1172,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       if (ROPE_TOKEN) {  // keys dequantized into the operand and turned by R(t): a0..a3 per k-step and block
         uint32_t wv[NB][2];   // 2 bits: the lane's code word of channels 16 (4 b + tig) + 0..15 per row
         uint32_t wh[NB][2];   // 3 bits: wv holds those channels' codes 0..3 of each 8 (12 bits per 16-bit half: the
-                              // first eight channels low, the next eight high) and wh codes 4..7
+                              // first eight channels low, the next eight high) and wh codes 4..7; 4 bits: wv the
+                              // bytes of the first eight channels, wh of the next eight
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -1150,6 +1182,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             if (KBITS == 2) {
               wv[b][r2] = *reinterpret_cast<const uint32_t*>(kc + chunk_offset(t, b) + 4 * tig);
               wh[b][r2] = 0;
+            } else if (KBITS == 4) {  // 16 codes in 8 bytes at byte 32 b + 8 tig of the row: chunk 2 b + tig / 2
+              const uint2 w = *reinterpret_cast<const uint2*>(kc + key_chunk_offset(t, 2 * b + (tig >> 1))
+                                                              + 8 * (tig & 1));
+              wv[b][r2] = w.x;
+              wh[b][r2] = w.y;
             } else {  // 16 codes in 6 bytes at byte 24 b + 6 tig of the row (2-byte aligned): two aligned words
               const int off = t * KROWB + 24 * b + 6 * tig;
               const uint32_t* w = reinterpret_cast<const uint32_t*>(kc + (off & ~3));
@@ -1209,6 +1246,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
                 uint32_t code2;  // the codes of channels (c, c + 8) as half2
                 if (KBITS == 2) {
                   code2 = codes_at(p < 4 ? wv[b][r2] : wv[b][r2] >> 8, p & 3);
+                } else if (KBITS == 4) {
+                  code2 = codes4_at(wv[b][r2], wh[b][r2], jl);
                 } else {
                   code2 = codes3_at(jl < 4 ? wv[b][r2] : wh[b][r2], jl & 3);
                 }

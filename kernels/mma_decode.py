@@ -3,8 +3,8 @@
 `mma_decode.cu` says how the kernel works. It reads 2-bit codes with per-token channel groups for values,
 and for keys either the same or one scale and zero per channel and page (KIVI-style keys, the recommended
 recipe's), with up to 32 key centroids per chunk, key outliers, sinks, Hadamard-rotated values and
-page-relative keys, pre-RoPE keys (2- or 3-bit codes) and PSAC rows with them (`supports_levers`).
-This module decides which layouts it reads (`supports`),
+page-relative keys, pre-RoPE keys (2-, 3- or 4-bit codes; 4-bit ones where `K4` allows) and PSAC rows with
+them (`supports_levers`). This module decides which layouts it reads (`supports`),
 compiles one cubin per layout with ``nvcc`` (cached on disk, keyed by the source, the options and the
 compiler's version), loads it through the CUDA driver and launches it on the current stream, so CUDA
 graphs capture it. It writes the same split partials as the Triton kernels, and `paged_decode` merges
@@ -60,8 +60,8 @@ def supports(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, gr
                 and x.group in (64, head_dim) and head_dim % x.group == 0)
 
     def channel_keys(x: TensorScheme) -> bool:  # one scale and zero per channel and page, <= 1 centroid stage
-        # (3-bit codes at head_dim 128 with pre-RoPE keys alone: `supports_levers` holds them to that)
-        return (x.mode == CHANNEL_GROUPS and (x.bits == 2 or (x.bits == 3 and head_dim == 128))
+        # (3- and 4-bit codes at head_dim 128 with pre-RoPE keys alone: `supports_levers` holds them to that)
+        return (x.mode == CHANNEL_GROUPS and (x.bits == 2 or (x.bits in (3, 4) and head_dim == 128))
                 and x.group == page_size and x.kind in _KINDS
                 and x.stages <= 1 and (not x.stages or 1 <= x.centroids <= MAX_CENTROIDS))
 
@@ -83,21 +83,28 @@ PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 # (tests/test_mma_whole.py, tests/test_gather_cuda.py); no GPU has run them yet, so they are off until one has
 # (KVBACKEND_CUDA_WHOLE=1 turns them on; the plain Triton decode kernel and the Triton gather read whole rows meanwhile).
 WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "0") == "1"
+# 4-bit pre-RoPE keys (`KBITS=4`: two codes a byte, read 16 of a lane's channels from 8 bytes): written and compiled
+# with nvcc for sm_90 without a GPU (tests/test_mma_recipe.py); off until a GPU has run them (KVBACKEND_CUDA_K4=1
+# turns them on; the plain Triton decode kernel reads 4-bit keys meanwhile).
+K4 = os.environ.get("KVBACKEND_CUDA_K4", "0") == "1"
 
 
 @functools.lru_cache(maxsize=256)
 def supports_levers(k: TensorScheme, levers: LeverScheme | None, page_size: int, head_dim: int = 128,
-                    prerope: bool | None = None, psac: bool | None = None, whole: bool | None = None) -> bool:
+                    prerope: bool | None = None, psac: bool | None = None, whole: bool | None = None,
+                    k4: bool | None = None) -> bool:
     """Whether the kernel reads a layer's levers (None or inactive: nothing to read). It reads sinks (within
     the first page), key outliers, Hadamard-rotated values and page-relative keys (with per-channel key
     scales), pre-RoPE keys where `PREROPE` (or ``prerope``) allows, and PSAC rows with pre-RoPE keys where
     `PSAC` (or ``psac``) allows, and whole key rows with pre-RoPE keys and key centroids where `WHOLE` (or
-    ``whole``) allows."""
+    ``whole``) allows; 3-bit keys on the pre-RoPE path, and 4-bit ones there where `K4` (or ``k4``) allows."""
     if levers is None or not levers.active:
-        return k.bits != 3  # 3-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
+        return k.bits == 2  # 3- and 4-bit keys are read on the pre-RoPE path alone, which dequantizes each key value
     rope_ok = not levers.prerope or ((PREROPE if prerope is None else prerope) and k.mode == CHANNEL_GROUPS
                                      and head_dim == 128)
-    if k.bits == 3 and not (levers.prerope and rope_ok):
+    if k.bits in (3, 4) and not (levers.prerope and rope_ok):
+        return False
+    if k.bits == 4 and not (K4 if k4 is None else k4):
         return False
     psac_ok = not levers.psac_rank or ((PSAC if psac is None else psac) and levers.prerope and rope_ok
                                        and levers.psac_rank % 4 == 0 and levers.psac_rows <= page_size
@@ -210,7 +217,7 @@ class Config:
     psac_rows: int = 0
     psac_sparse: bool = False
     psac_fold: bool = False  # sparse PSAC rows folded into the centroid-value table (`PSAC_FOLD` in the source)
-    k_bits: int = 2  # key code width (3 with rope_token only)
+    k_bits: int = 2  # key code width (3 or 4 with rope_token only)
     whole: int = 0  # whole key rows per page and head (with rope_token and centroids)
 
     def defines(self) -> list[str]:
@@ -467,12 +474,12 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
            schemes: tuple[TensorScheme, TensorScheme], stages: int = 2, warps: int = 4,
            min_blocks: int | None = None, codebooks: torch.Tensor | None = None,
            levers: LeverScheme | None = None, tables=None, prerope: bool | None = None,
-           psac: bool | None = None, whole: bool | None = None) -> None:
+           psac: bool | None = None, whole: bool | None = None, k4: bool | None = None) -> None:
     """Write the split partials of decode attention (as the Triton kernels do) for a supported layout.
 
     ``codebooks``: the layer's codebook slots (key centroids, sinks); ``levers``: the layer's lever scheme
     (`supports_levers`); ``tables``: `kvbackend.kernels.levers.lever_tables` for page-relative and pre-RoPE
-    keys; ``prerope``, ``psac``, ``whole``: override `PREROPE`, `PSAC`, `WHOLE` (tests)."""
+    keys; ``prerope``, ``psac``, ``whole``, ``k4``: override `PREROPE`, `PSAC`, `WHOLE`, `K4` (tests)."""
     k, v = schemes
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
@@ -481,7 +488,7 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
     if not supports(k, v, p, d, group):
         raise ValueError(f"the tensor-core decode kernel does not read this layout ({k}, {v}; page {p}, "
                          f"head_dim {d}, {group} query heads per KV head)")
-    if not supports_levers(k, levers, p, d, prerope, psac, whole):
+    if not supports_levers(k, levers, p, d, prerope, psac, whole, k4):
         raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with {k.bits}-bit "
                          "keys; the plain Triton kernel reads them (mma=False)")
     if (k.stages or (levers is not None and levers.psac_rank)) and (codebooks is None or not codebooks.numel()):

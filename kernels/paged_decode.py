@@ -284,8 +284,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             None = where `mma_decode.preferred` says so, unless ``fold`` or ``planar`` is given. True
             takes precedence over ``planar`` and ``fold`` and raises where the kernel cannot run or does
             not read the layout.
-        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``, ``prerope``, ``psac``, ``whole``), for probes
-            and tests.
+        mma_options: extra keywords of `mma_decode.launch` (``min_blocks``, ``prerope``, ``psac``, ``whole``,
+            ``k4``), for probes and tests.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -328,10 +328,10 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
             raise ValueError(f"the tensor-core decode kernel does not read this layout ({k_scheme}, {v_scheme}; page "
                              f"{p}, head_dim {d}, {group} query heads per KV head); the Triton kernels do (mma=False)")
         if not mma_decode.supports_levers(k_scheme, levers, p, d, options.get("prerope"), options.get("psac"),
-                                           options.get("whole")):
+                                           options.get("whole"), options.get("k4")):
             raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with "
-                             f"{k_scheme.bits}-bit keys (3-bit keys: on the pre-RoPE path alone); the plain kernel "
-                             "does (mma=False)")
+                             f"{k_scheme.bits}-bit keys (3-bit keys: on the pre-RoPE path alone; 4-bit ones there "
+                             "too, where KVBACKEND_CUDA_K4=1 turns them on); the plain kernel does (mma=False)")
     if levers is not None and not mma:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
         if planar:
             raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")

@@ -1,7 +1,10 @@
 """The decode step alone (no chunk encode) of the recommended spec and of each SPEC given, over 32 layers of
 Llama-8B geometry at B=8, L=32K on the GPU, through `perf/experiments/default_step.py`'s `decode_step`:
 
-    python3 perf/results/s38/step_only.py OUT.json SPEC...
+    python3 perf/results/s38/step_only.py OUT.json [--k4] SPEC...
+
+--k4: then each SPEC again with the tensor-core kernel's 4-bit key path turned on (`mma_decode.K4`; its layers with
+4-bit keys timed again, the rest reused), key "k4".
 """
 import json
 import pathlib
@@ -18,6 +21,8 @@ from kvbackend.spec import RECOMMENDED_SPEC  # noqa: E402
 
 
 def main(out: str, extra: list[str]) -> None:
+    k4 = "--k4" in extra
+    extra = [x for x in extra if x != "--k4"]
     rotary = Rotary.default(DIM, 500000.0)
     sdpa = sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3
     print(f"SDPA BF16 (graphs) per layer {sdpa:.1f} us", flush=True)
@@ -29,6 +34,21 @@ def main(out: str, extra: list[str]) -> None:
               f"recommended, {LAYERS * sdpa / step:.2f}x SDPA", flush=True)
         result["specs"].append({"spec": spec, "decode_step_us": step, "layers": layers,
                                 "speedup_vs_sdpa": LAYERS * sdpa / step})
+    if k4:
+        from kvbackend import codecs
+        from kvbackend.kernels import mma_decode
+
+        mma_decode.K4 = True
+        mma_decode.supports_levers.cache_clear()
+        timed = {spec: t for spec, t in timed.items() if codecs.parse(spec).kbits != 4}
+        base = result["specs"][0]["decode_step_us"]
+        result["k4"] = []
+        for i, spec in enumerate(extra):
+            step, layers = decode_step(f"extra {i + 1}, K4", layer_specs(spec, LAYERS), timed, rotary)
+            print(f"extra {i + 1} with K4: decode step {step:.0f} us, {step / base:.3f}x the recommended, "
+                  f"{LAYERS * sdpa / step:.2f}x SDPA", flush=True)
+            result["k4"].append({"spec": spec, "decode_step_us": step, "layers": layers,
+                                 "speedup_vs_sdpa": LAYERS * sdpa / step})
     pathlib.Path(out).write_text(json.dumps(result, indent=1))
 
 

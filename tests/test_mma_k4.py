@@ -1,0 +1,104 @@
+"""4-bit pre-RoPE keys in the tensor-core decode kernel (`KBITS=4`: two codes a byte, a lane's 16 channels read from
+8 bytes of a swizzled 64-byte row and dequantized in place, as 3-bit keys are).
+
+The path is off by default (`mma_decode.K4`, KVBACKEND_CUDA_K4=1) until a GPU has run these tests; ``k4=True`` opts
+in here. CPU runs check which layouts the kernel claims with and without the switch and compile the variants for
+sm_90 (where nvcc is installed); on a GPU each case is compared with the torch reference and the plain Triton kernel.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from test_mma_recipe import _inputs, _reference, gpu, recipe_cache
+
+from kvbackend.kernels import mma_decode
+
+RECIPE = ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,"
+          "prerope=true,cdtype=fp8")
+K4_CASES = [  # (codec, head_dim, page size, chunk pages, lengths, KV heads, GQA ratio, target programs)
+    # the 4-bit layer of the candidate depth spec (perf/results/s37/p27l18k4b.spec): no outliers, folded PSAC rows
+    (f"{RECIPE},outliers=0,iters=8,kmetric=0.5,heavy=4,heavyz=3,vstep=1.15,kbits=4", 128, 64, 2, [700, 150, 64], 2, 4,
+     24),
+    # outliers and sinks with bf16 centroids on 32-token pages; per-channel keys without centroids (fp16 scales)
+    ("quantwm:rank=0,clip=true,vcluster=false,kchannel=32,centroids=5,prerope=true,outliers=5,sink=3,kbits=4", 128, 32,
+     3, [150, 40], 2, 2, 64),
+    ("kivi:bits=2,group=64,kbits=4,prerope=true", 128, 64, 2, [333, 90], 3, 8, 8),
+]
+OPT_IN = {"prerope": True, "psac": True, "k4": True}
+
+
+@pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", K4_CASES)
+def test_4bit_keys_are_claimed_only_where_turned_on(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio,
+                                                    programs):
+    cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    k = schemes[0]
+    assert k.bits == 4 and levers.prerope
+    assert mma_decode.supports(*schemes, page_size, head_dim, ratio)
+    assert mma_decode.supports_levers(k, levers, page_size, head_dim, **OPT_IN)
+    assert not mma_decode.supports_levers(k, levers, page_size, head_dim, prerope=True, psac=True, k4=False)
+    assert not mma_decode.supports_levers(k, levers, page_size, 64, **OPT_IN)  # pre-RoPE keys: head_dim 128
+    assert not mma_decode.supports_levers(k, dataclasses.replace(levers, prerope=False), page_size, head_dim,
+                                          **OPT_IN)  # dequantized in place: on the pre-RoPE path alone
+    assert not mma_decode.supports_levers(k, None, page_size, head_dim, **OPT_IN)
+    if not mma_decode.K4:  # off by default: the plain Triton kernel reads 4-bit keys
+        assert not mma_decode.supports_levers(k, levers, page_size, head_dim)
+        assert not mma_decode.preferred(*schemes, page_size, head_dim, ratio, torch.device("cpu"), torch.bfloat16,
+                                        torch.bfloat16, levers)
+
+
+def test_the_4bit_variant_reserves_its_longer_key_rows():
+    """64-byte key rows per token: 16 bytes a token more than 3-bit keys in every stage."""
+    three = mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, vrot=True,
+                              rope_token=True, k_bits=3)
+    four = dataclasses.replace(three, k_bits=4)
+    assert four.smem_bytes - three.smem_bytes == 4 * 2 * 64 * 16  # 4 warps x 2 stages x 64 tokens x 16 bytes
+    assert "-DKBITS=4" in four.defines()
+
+
+@pytest.mark.skipif(mma_decode.nvcc() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("config", [
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, vrot=True,
+                      rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True, psac_fold=True, k_bits=4),
+    mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, stages=1, k_chan=True, rope_token=True, outliers=5,
+                      k_bits=4),
+])
+def test_4bit_switches_compile_for_hopper(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBACKEND_CACHE_DIR", str(tmp_path))
+    assert mma_decode.compile_cubin(config, "sm_90")[:4] == b"\x7fELF"
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", K4_CASES)
+def test_4bit_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio,
+                                                programs):
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=11)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=args[0].device).bfloat16()
+    want, want_lse = _reference(cache, ids, q)
+    for n in (programs, 1, 4096):  # the test's split, one program per request, more splits than pages
+        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
+                                mma_options=OPT_IN)
+        assert torch.isfinite(out.float()).all(), n
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
+        assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3), n
+    plain, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=False, fold=False,
+                            planar=False)
+    assert float((out.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    # both codes of each byte are read: the second code of every byte cleared moves the output as the reference says
+    codes = cache.layouts[0].page.fields["k_codes"]
+    coarse = args[0].clone()
+    coarse[:, codes.offset:codes.offset + codes.nbytes] &= 0xF0
+    moved, _ = paged_decode(q, coarse, *args[1:], target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                            mma_options=OPT_IN)
+    moved_plain, _ = paged_decode(q, coarse, *args[1:], target_programs=programs, levers=levers, rotary=rotary,
+                                  mma=False, fold=False, planar=False)
+    assert float((moved.float() - out.float()).norm() / out.float().norm()) > 1e-3
+    assert float((moved.float() - moved_plain.float()).norm() / moved_plain.float().norm()) < 1e-2
+    with pytest.raises(ValueError, match="KVBACKEND_CUDA_K4"):  # the switch off: refused where insisted on
+        paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                     mma_options={"prerope": True, "psac": True, "k4": False})
