@@ -102,3 +102,51 @@ def test_4bit_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chun
     with pytest.raises(ValueError, match="KVBACKEND_CUDA_K4"):  # the switch off: refused where insisted on
         paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
                      mma_options={"prerope": True, "psac": True, "k4": False})
+
+
+def _byte_perm(x: int, y: int, selector: int) -> int:
+    """CUDA's __byte_perm: byte n of the result is byte (selector >> 4 n) & 7 of the 8 bytes y:x."""
+    both = (y << 32) | x
+    return sum(((both >> (8 * ((selector >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
+def _key_chunk_offset(t: int, c: int) -> int:  # mma_decode.cu's at 4 bits (64-byte rows)
+    return t * 64 + ((c ^ ((t >> 1) & 3)) << 4)
+
+
+def test_the_nibble_reads_name_the_channels_of_the_scales_and_spread_over_the_banks():
+    """A model of the kernel's 4-bit read (the copy into swizzled stage rows, a lane's two words, `codes4_x`) on rows
+    packed as the pages pack them: lane ``tig`` of block ``b`` gets channels 64 b + 16 tig + j and + 8 at position
+    ``j``, the channels whose scales and zeros it applies (as at 3 bits), and the 8-byte reads of a fragment's 8
+    rows hit every bank exactly twice (the fewest wavefronts for 256 bytes)."""
+    from kvbackend.bitpack import pack
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 16, (16, 128), generator=gen)
+    packed = pack(rows, 4)
+    assert packed.shape == (16, 64)
+    stage = bytearray(16 * 64)
+    for t in range(16):  # issue_page: chunk c of row t copied to key_chunk_offset(t, c)
+        for c in range(4):
+            stage[_key_chunk_offset(t, c):_key_chunk_offset(t, c) + 16] = bytes(packed[t, 16 * c:16 * c + 16].tolist())
+    for t in range(16):
+        for b in range(2):
+            for tig in range(4):
+                at = _key_chunk_offset(t, 2 * b + (tig >> 1)) + 8 * (tig & 1)
+                w0, w1 = (int.from_bytes(stage[at + 4 * i:at + 4 * i + 4], "little") for i in range(2))
+                for j in range(8):
+                    k = j >> 1
+                    x = _byte_perm(w0, w1, k | ((4 + k) << 8))
+                    h = ((x if j & 1 else x >> 4) & 0x000F000F) | 0x64006400
+                    lo, hi = (h & 0xFFFF) - 0x6400, (h >> 16) - 0x6400  # the halves less 1024, as codes
+                    channel = 64 * b + 16 * tig + j
+                    assert (lo, hi) == (int(rows[t, channel]), int(rows[t, channel + 8])), (t, b, tig, j)
+    for t0 in (0, 8):
+        for b in range(2):
+            banks = [0] * 32
+            for gid in range(8):
+                for tig in range(4):
+                    word = _key_chunk_offset(t0 + gid, 2 * b + (tig >> 1)) // 4 + 2 * (tig & 1)
+                    banks[word % 32] += 1
+                    banks[(word + 1) % 32] += 1
+            assert banks == [2] * 32, (t0, b, banks)
