@@ -50,7 +50,8 @@
 // Compile-time configuration (-D): HEAD_DIM (64 or 128), PAGE (multiple of 16), KBITS (key codes: 2, or 3 or 4 with
 // ROPE_TOKEN, read 16 codes of a lane at a time from 6 or 8 bytes and dequantized in place), KG / VG (scale groups per
 // head: 1 or HEAD_DIM / 64), K_KIND / V_KIND (0 fp8 e4m3, 1 fp16, 2 bf16), K_SYM / V_SYM (symmetric: zero = -scale,
-// -3 x scale for 3-bit keys), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE, NWARPS, MINB.
+// -3 x scale for 3-bit keys, -7 x scale for 4-bit ones), Q_KIND / DENSE_KIND (1 fp16, 2 bf16; Q_KIND 3 fp32), NSTAGE,
+// NWARPS, MINB.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -369,10 +370,12 @@ __device__ __forceinline__ int chunk_offset(int t, int c) {
 }
 
 // Byte offset of 16-byte chunk c of token t's key row: as `chunk_offset` at 2 bits, in order at 3 bits; at 4 bits
-// (64-byte rows, head_dim 128) chunk c of row t sits at c ^ ((t >> 1) & 3), so the 8-byte reads of a fragment's 8 rows
-// (rows t and t + 2 start on the same bank) spread over all 32 banks.
+// (64-byte rows, head_dim 128) chunk c of row t sits at c ^ (2 (bit 1 of t) + bit 2 of t): rows t and t + 2 start on
+// the same bank, so each half-warp's 8-byte reads (4 rows, a lane's 8 bytes at chunk 2 b + tig / 2) then cover all 32
+// banks once.
+__device__ __forceinline__ int key_swizzle(int t) { return (((t >> 1) & 1) << 1) | ((t >> 2) & 1); }
 __device__ __forceinline__ int key_chunk_offset(int t, int c) {
-  return KBITS == 2 ? chunk_offset(t, c) : KBITS == 4 ? t * KROWB + ((c ^ ((t >> 1) & 3)) << 4) : t * KROWB + (c << 4);
+  return KBITS == 2 ? chunk_offset(t, c) : KBITS == 4 ? t * KROWB + ((c ^ key_swizzle(t)) << 4) : t * KROWB + (c << 4);
 }
 
 // Output channel of value-accumulator row (tile J, row gid + 8 e) and its power-of-four factor's exponent.

@@ -84,7 +84,7 @@ PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 # (KVBACKEND_CUDA_WHOLE=1 turns them on; the plain Triton decode kernel and the Triton gather read whole rows meanwhile).
 WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "0") == "1"
 # 4-bit pre-RoPE keys (`KBITS=4`: two codes a byte, read 16 of a lane's channels from 8 bytes): written and compiled
-# with nvcc for sm_90 without a GPU (tests/test_mma_recipe.py); off until a GPU has run them (KVBACKEND_CUDA_K4=1
+# with nvcc for sm_90 without a GPU (tests/test_mma_k4.py); off until a GPU has run them (KVBACKEND_CUDA_K4=1
 # turns them on; the plain Triton decode kernel reads 4-bit keys meanwhile).
 K4 = os.environ.get("KVBACKEND_CUDA_K4", "0") == "1"
 

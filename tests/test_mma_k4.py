@@ -111,14 +111,14 @@ def _byte_perm(x: int, y: int, selector: int) -> int:
 
 
 def _key_chunk_offset(t: int, c: int) -> int:  # mma_decode.cu's at 4 bits (64-byte rows)
-    return t * 64 + ((c ^ ((t >> 1) & 3)) << 4)
+    return t * 64 + ((c ^ ((((t >> 1) & 1) << 1) | ((t >> 2) & 1))) << 4)
 
 
 def test_the_nibble_reads_name_the_channels_of_the_scales_and_spread_over_the_banks():
     """A model of the kernel's 4-bit read (the copy into swizzled stage rows, a lane's two words, `codes4_x`) on rows
     packed as the pages pack them: lane ``tig`` of block ``b`` gets channels 64 b + 16 tig + j and + 8 at position
-    ``j``, the channels whose scales and zeros it applies (as at 3 bits), and the 8-byte reads of a fragment's 8
-    rows hit every bank exactly twice (the fewest wavefronts for 256 bytes)."""
+    ``j``, the channels whose scales and zeros it applies (as at 3 bits), and each half-warp's 8-byte reads (4 rows
+    of a fragment: 8-byte loads are served a half-warp at a time) hit every bank exactly once."""
     from kvbackend.bitpack import pack
 
     gen = torch.Generator().manual_seed(5)
@@ -141,12 +141,12 @@ def test_the_nibble_reads_name_the_channels_of_the_scales_and_spread_over_the_ba
                     lo, hi = (h & 0xFFFF) - 0x6400, (h >> 16) - 0x6400  # the halves less 1024, as codes
                     channel = 64 * b + 16 * tig + j
                     assert (lo, hi) == (int(rows[t, channel]), int(rows[t, channel + 8])), (t, b, tig, j)
-    for t0 in (0, 8):
+    for t0 in (0, 4, 8, 12):  # the rows of a half-warp (gid 0-3 or 4-7 of a 16-token tile)
         for b in range(2):
             banks = [0] * 32
-            for gid in range(8):
+            for gid in range(4):
                 for tig in range(4):
                     word = _key_chunk_offset(t0 + gid, 2 * b + (tig >> 1)) // 4 + 2 * (tig & 1)
                     banks[word % 32] += 1
                     banks[(word + 1) % 32] += 1
-            assert banks == [2] * 32, (t0, b, banks)
+            assert banks == [1] * 32, (t0, b, banks)
