@@ -121,6 +121,11 @@ def test_refuses_what_it_does_not_read():
                       rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True, psac_fold=True, k_bits=3),
     mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, stages=1, k_chan=True, rope_token=True, outliers=5,
                       k_bits=3),
+    # 4-bit pre-RoPE keys (tests/test_mma_k4.py): p27l18k4b's 4-bit layer (folded PSAC rows), and outliers, one stage
+    mma_decode.Config(128, 64, 1, 2, 0, 0, False, False, 2, 2, k_chan=True, centroids=32, sink=4, vrot=True,
+                      rope_token=True, psac_rank=4, psac_rows=4, psac_sparse=True, psac_fold=True, k_bits=4),
+    mma_decode.Config(128, 32, 1, 2, 1, 1, False, False, 2, 2, stages=1, k_chan=True, rope_token=True, outliers=5,
+                      k_bits=4),
     # rotated values whose packed part cannot wait in the warp's stage buffers (one 16-token stage): an area of its own
     mma_decode.Config(128, 16, 1, 2, 0, 0, False, False, 2, 2, stages=1, k_chan=True, sink=4, vrot=True),
 ])
