@@ -254,7 +254,8 @@ def decode(copy_bw):
                     configs += [(1, 0, w, st, tp, pr) for w in (4, 8) for st in (1, 2) for tp in (1024, 4096) for pr in (0, 1)]
                 if planar_decode.supports(*schemes, p, dim):
                     configs += [(2, 0, 4, st, tp, 0) for st in (1, 2) for tp in (1024, 4096)]
-                if mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.available()[0]:
+                if (mma_decode.supports(*schemes, p, dim, hq // heads) and mma_decode.supports_levers(schemes[0], None, p, dim)
+                        and mma_decode.available()[0]):  # 3- and 4-bit keys: on the pre-RoPE path alone
                     configs += [(3, 0, 4, 2, tp, 0) for tp in (264, 528, 2112)]
                 if QUICK:  # each kernel's first configuration only
                     configs = list({c[0]: c for c in reversed(configs)}.values())
