@@ -45,9 +45,7 @@ def test_4bit_keys_are_claimed_only_where_turned_on(codec, head_dim, page_size, 
                                           **OPT_IN)  # dequantized in place: on the pre-RoPE path alone
     assert not mma_decode.supports_levers(k, None, page_size, head_dim, **OPT_IN)
     if not mma_decode.K4:  # off by default: the plain Triton kernel reads 4-bit keys
-        assert not mma_decode.supports_levers(k, levers, page_size, head_dim)
-        assert not mma_decode.preferred(*schemes, page_size, head_dim, ratio, torch.device("cpu"), torch.bfloat16,
-                                        torch.bfloat16, levers)
+        assert not mma_decode.supports_levers(k, levers, page_size, head_dim)  # what `preferred` asks
 
 
 def test_the_4bit_variant_reserves_its_longer_key_rows():

@@ -26,31 +26,29 @@ def main(out: str, extra: list[str]) -> None:
     rotary = Rotary.default(DIM, 500000.0)
     sdpa = sdpa_time(BATCH, HQ, HEADS, LENGTH, DIM, 2, graphs=True) * 1e3
     print(f"SDPA BF16 (graphs) per layer {sdpa:.1f} us", flush=True)
-    timed, result = {}, {"sdpa_graph_us_per_layer": sdpa, "specs": []}
-    for i, spec in enumerate([RECOMMENDED_SPEC, *extra]):
-        step, layers = decode_step("recommended" if i == 0 else f"extra {i}", layer_specs(spec, LAYERS), timed, rotary)
-        base = result["specs"][0]["decode_step_us"] if i else step
-        print(f"{'recommended' if i == 0 else f'extra {i}'}: decode step {step:.0f} us, {step / base:.3f}x the "
-              f"recommended, {LAYERS * sdpa / step:.2f}x SDPA", flush=True)
-        result["specs"].append({"spec": spec, "decode_step_us": step, "layers": layers,
-                                "speedup_vs_sdpa": LAYERS * sdpa / step})
-    if k4:
+    timed, result = {}, {"sdpa_graph_us_per_layer": sdpa, "specs": [], "k4": []}
+
+    def step(name: str, spec: str, into: list) -> None:
+        us, layers = decode_step(name, layer_specs(spec, LAYERS), timed, rotary)
+        base = result["specs"][0]["decode_step_us"] if result["specs"] else us
+        print(f"{name}: decode step {us:.0f} us, {us / base:.3f}x the recommended, {LAYERS * sdpa / us:.2f}x SDPA",
+              flush=True)
+        into.append({"spec": spec, "decode_step_us": us, "layers": layers, "speedup_vs_sdpa": LAYERS * sdpa / us})
+
+    step("recommended", RECOMMENDED_SPEC, result["specs"])
+    for i, spec in enumerate(extra, 1):
+        step(f"extra {i}", spec, result["specs"])
+    if k4:  # the 4-bit path on: layers with 4-bit keys timed again, the rest reused
         from kvbackend import codecs
         from kvbackend.kernels import mma_decode
 
         mma_decode.K4 = True
         mma_decode.supports_levers.cache_clear()
-        timed = {spec: t for spec, t in timed.items() if codecs.parse(spec).kbits != 4}
-        base = result["specs"][0]["decode_step_us"]
-        result["k4"] = []
-        for i, spec in enumerate(extra):
-            step, layers = decode_step(f"extra {i + 1}, K4", layer_specs(spec, LAYERS), timed, rotary)
-            print(f"extra {i + 1} with K4: decode step {step:.0f} us, {step / base:.3f}x the recommended, "
-                  f"{LAYERS * sdpa / step:.2f}x SDPA", flush=True)
-            result["k4"].append({"spec": spec, "decode_step_us": step, "layers": layers,
-                                 "speedup_vs_sdpa": LAYERS * sdpa / step})
+        for spec in [s for s in timed if codecs.parse(s).kbits == 4]:
+            del timed[spec]
+        for i, spec in enumerate(extra, 1):
+            step(f"extra {i} with K4", spec, result["k4"])
     pathlib.Path(out).write_text(json.dumps(result, indent=1))
-
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
