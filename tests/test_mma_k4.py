@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from test_mma_recipe import _inputs, _reference, gpu, recipe_cache
+from test_mma_recipe import _inputs, check_mma_case, gpu, recipe_cache
 
 from kvbackend.kernels import mma_decode
 
@@ -63,19 +63,8 @@ def test_4bit_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chun
                                                 programs):
     from kvbackend.kernels.paged_decode import paged_decode
 
-    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=11)
-    args, levers = _inputs(cache, ids)
-    q = torch.randn(len(ids), heads * ratio, head_dim, device=args[0].device).bfloat16()
-    want, want_lse = _reference(cache, ids, q)
-    for n in (programs, 1, 4096):  # the test's split, one program per request, more splits than pages
-        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
-                                mma_options=OPT_IN)
-        assert torch.isfinite(out.float()).all(), n
-        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
-        assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3), n
-    plain, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=False, fold=False,
-                            planar=False)
-    assert float((out.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    case = (codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs)
+    q, args, levers, rotary, cache, out = check_mma_case(case, seed=11, mma_options=OPT_IN, lse_rtol=1e-3)
     # both codes of each byte are read: the second code of every byte cleared moves the output as the reference says
     codes = cache.layouts[0].page.fields["k_codes"]
     coarse = args[0].clone()

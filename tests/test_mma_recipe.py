@@ -229,23 +229,36 @@ def _reference(cache, ids, q):
     return decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
 
 
+def check_mma_case(case, seed, mma_options=None, lse_rtol=0.0):
+    """The tensor-core decode of one case (a `CASES` row) against the torch reference at the case's split, one
+    program per request and more splits than pages, then against the plain Triton kernel at the case's split.
+    Returns ``(q, args, levers, rotary, cache, out)`` (``out`` at the case's split) for the test's own checks."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = case
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=seed)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    want, want_lse = _reference(cache, ids, q)
+    for n in (1, 4096, programs):  # one program per request, more splits than pages, the test's split (kept)
+        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
+                                mma_options=mma_options)
+        assert torch.isfinite(out.float()).all(), n
+        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
+        assert torch.allclose(lse, want_lse, atol=2e-2, rtol=lse_rtol), n
+    plain, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=False, fold=False,
+                            planar=False)
+    assert float((out.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    return q, args, levers, rotary, cache, out
+
+
 @gpu
 @pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", CASES)
 def test_recipe_layouts_match_the_reference(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs):
     from kvbackend.kernels.paged_decode import paged_decode
 
-    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=len(lengths))
-    args, levers = _inputs(cache, ids)
-    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
-    want, want_lse = _reference(cache, ids, q)
-    for n in (programs, 1, 4096):  # the test's split, one program per request, more splits than pages
-        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True)
-        assert torch.isfinite(out.float()).all(), n
-        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
-        assert torch.allclose(lse, want_lse, atol=2e-2), n
-    plain, plain_lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=False,
-                                    fold=False, planar=False)
-    assert float((out.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    case = (codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs)
+    q, args, levers, rotary, _, _ = check_mma_case(case, seed=len(lengths))
     default, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary)  # picks the kernel
     assert torch.equal(default, paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary,
                                              mma=True)[0])
@@ -256,17 +269,9 @@ def test_recipe_layouts_match_the_reference(codec, head_dim, page_size, chunk_pa
 def test_pre_rope_keys_match_the_reference(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs):
     from kvbackend.kernels.paged_decode import paged_decode
 
-    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=7)
-    args, levers = _inputs(cache, ids)
+    case = (codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs)
+    q, args, levers, rotary, _, out = check_mma_case(case, seed=7, mma_options=OPT_IN)
     assert levers.prerope
-    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
-    want, want_lse = _reference(cache, ids, q)
-    for n in (programs, 1, 4096):
-        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
-                                mma_options=OPT_IN)
-        assert torch.isfinite(out.float()).all(), n
-        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
-        assert torch.allclose(lse, want_lse, atol=2e-2), n
     # the rotation (and the PSAC rows) are read: without either the output moves (3-bit keys without the rotation
     # are refused: the kernel reads them on the pre-RoPE path alone)
     for off in (dict(prerope=False, psac_rank=0), dict(psac_rank=0)) if levers.psac_rank else (dict(prerope=False),):

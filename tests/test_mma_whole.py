@@ -18,7 +18,7 @@ import torch
 from kvbackend.kernels import mma_decode
 from kvbackend.scheme import MAX_KERNEL_WHOLE
 from kernel_cases import DEVICE
-from test_mma_recipe import _inputs, _reference, gpu, recipe_cache
+from test_mma_recipe import _inputs, check_mma_case, gpu, recipe_cache
 
 RECIPE = "quantwm:kchannel=64,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,cdtype=fp8"
 CASES = [  # (codec, head_dim, page size, chunk pages, lengths, KV heads, GQA ratio, target programs)
@@ -89,21 +89,8 @@ def test_whole_row_variants_compile_for_hopper(config, tmp_path, monkeypatch):
 @pytest.mark.parametrize("codec,head_dim,page_size,chunk_pages,lengths,heads,ratio,programs", CASES)
 def test_whole_rows_match_the_reference_and_are_read(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio,
                                                     programs):
-    from kvbackend.kernels.paged_decode import paged_decode
-
-    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=13)
-    args, levers = _inputs(cache, ids)
-    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
-    want, want_lse = _reference(cache, ids, q)
-    for n in (programs, 1, 4096):
-        out, lse = paged_decode(q, *args, target_programs=n, levers=levers, rotary=rotary, mma=True,
-                                mma_options=OPT_IN)
-        assert torch.isfinite(out.float()).all(), n
-        assert float((out.float() - want).norm() / want.norm()) < 1e-2, n
-        assert torch.allclose(lse, want_lse, atol=2e-2), n
-    plain, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=False, fold=False,
-                            planar=False)
-    assert float((out.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    check_mma_case((codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs), seed=13,
+                   mma_options=OPT_IN)
 
 
 @gpu
