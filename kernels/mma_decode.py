@@ -79,14 +79,14 @@ PSAC = PREROPE
 # table, so a key pays nothing for it (0 reads the corrections per key value instead; an A/B switch for probes)
 PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 # Whole key rows (`quantwm:whole=W`) in the CUDA kernels: this kernel with pre-RoPE keys and key centroids, and the
-# CUDA gather (`WHOLE_N` in both sources): written and compiled with nvcc for sm_90 without a GPU
-# (tests/test_mma_whole.py, tests/test_gather_cuda.py); no GPU has run them yet, so they are off until one has
-# (KVBACKEND_CUDA_WHOLE=1 turns them on; the plain Triton decode kernel and the Triton gather read whole rows meanwhile).
-WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "0") == "1"
-# 4-bit pre-RoPE keys (`KBITS=4`: two codes a byte, read 16 of a lane's channels from 8 bytes): written and compiled
-# with nvcc for sm_90 without a GPU (tests/test_mma_k4.py); off until a GPU has run them (KVBACKEND_CUDA_K4=1
-# turns them on; the plain Triton decode kernel reads 4-bit keys meanwhile).
-K4 = os.environ.get("KVBACKEND_CUDA_K4", "0") == "1"
+# CUDA gather (`WHOLE_N` in both sources): on since an H100 ran tests/test_mma_whole.py and tests/test_gather_cuda.py
+# (session 39, perf/NOTES.md); KVBACKEND_CUDA_WHOLE=0 turns them off (the plain Triton decode kernel and the Triton
+# gather read whole rows then).
+WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "1") != "0"
+# 4-bit pre-RoPE keys (`KBITS=4`: two codes a byte, read 16 of a lane's channels from 8 bytes): on since an H100 ran
+# tests/test_mma_k4.py (session 39: such a layer 254.7 us against 272.1 us for a 3-bit one, B=8, L=32K);
+# KVBACKEND_CUDA_K4=0 turns them off (the plain Triton decode kernel reads 4-bit keys then).
+K4 = os.environ.get("KVBACKEND_CUDA_K4", "1") != "0"
 
 
 @functools.lru_cache(maxsize=256)

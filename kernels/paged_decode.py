@@ -331,7 +331,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
                                            options.get("whole"), options.get("k4")):
             raise ValueError(f"the tensor-core decode kernel does not read these levers ({levers}) with "
                              f"{k_scheme.bits}-bit keys (3-bit keys: on the pre-RoPE path alone; 4-bit ones there "
-                             "too, where KVBACKEND_CUDA_K4=1 turns them on); the plain kernel does (mma=False)")
+                             "too, unless KVBACKEND_CUDA_K4=0 turns them off); the plain kernel does (mma=False)")
     if levers is not None and not mma:  # the plain kernel reads every lever, the folded one most (`supports_levers`)
         if planar:
             raise ValueError("levers and PSAC rows are read by the plain and folded decode kernels, not the planar one")

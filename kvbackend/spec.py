@@ -62,9 +62,8 @@ RECOMMENDED_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids
 # and, in layers 4-5, of the outliers: 2.597 bpv, lower mean KL than the recommended spec on 12 of 14 text-prefix
 # pairs (27% on pyenv's CHANGELOG), within 0.6% on the other two, but 53 of 56 recall-probe answers as the exact
 # cache gave them against the recommended spec's 55 (perf/NOTES.md, sessions 34-35); `vstep=1.15` as the
-# recommended spec (session 36: 1-17% lower mean KL on all 20 text-prefix pairs measured). Not the default: that, and on
-# CUDA the whole rows decode through the plain Triton kernel (the CUDA kernels' whole-row paths are off until a GPU
-# has run them: KVBACKEND_CUDA_WHOLE), which no GPU has timed yet.
+# recommended spec (session 36: 1-17% lower mean KL on all 20 text-prefix pairs measured). Not the default: that, and no GPU
+# has timed its decode step yet (the CUDA kernels' whole-row paths passed their tests on an H100, session 39).
 QUALITY_SPEC = ("depth:base=quantwm:kchannel=64;rank=4;keep=0.0625;centroids=32;clip=true;vcluster=false;sink=4;"
                 "vrot=hadamard;prerope=true;cdtype=fp8;outliers=16;iters=8;kmetric=0.5;heavy=4;heavyz=3;vstep=1.15,"
                 "whole=1@0-0.1/1@0.13-0.3/1@0.59-0.62/1@0.65-0.68,rank=0@0-0.3/0@0.59-0.62/0@0.65-0.68,"

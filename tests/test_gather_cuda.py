@@ -194,7 +194,7 @@ def test_auto_takes_the_cuda_kernel_for_plain_layouts(monkeypatch):
 
 @pytest.fixture
 def cuda_whole(monkeypatch):
-    """The CUDA kernels' whole-row paths on (`mma_decode.WHOLE`, off by default until a GPU has run these tests),
+    """The CUDA kernels' whole-row paths on (`mma_decode.WHOLE`, on by default; KVBACKEND_CUDA_WHOLE=0 turns it off),
     the layout claims asked again with it and after it."""
     monkeypatch.setattr(mma_decode, "WHOLE", True)
     gather_cuda.supports.cache_clear()

@@ -1,8 +1,8 @@
 """4-bit pre-RoPE keys in the tensor-core decode kernel (`KBITS=4`: two codes a byte, a lane's 16 channels read from
 8 bytes of a swizzled 64-byte row and dequantized in place, as 3-bit keys are).
 
-The path is off by default (`mma_decode.K4`, KVBACKEND_CUDA_K4=1) until a GPU has run these tests; ``k4=True`` opts
-in here. CPU runs check which layouts the kernel claims with and without the switch and model the read (its variants
+The path is on by default since a GPU ran these tests (`mma_decode.K4`; KVBACKEND_CUDA_K4=0 turns it off); ``k4=True``
+asks for it here whatever the switch says. CPU runs check which layouts the kernel claims with and without the switch and model the read (its variants
 compile for sm_90 in tests/test_mma_recipe.py, where nvcc is installed); on a GPU each case is compared with the
 torch reference and the plain Triton kernel.
 """
@@ -44,8 +44,8 @@ def test_4bit_keys_are_claimed_only_where_turned_on(codec, head_dim, page_size, 
     assert not mma_decode.supports_levers(k, dataclasses.replace(levers, prerope=False), page_size, head_dim,
                                           **OPT_IN)  # dequantized in place: on the pre-RoPE path alone
     assert not mma_decode.supports_levers(k, None, page_size, head_dim, **OPT_IN)
-    if not mma_decode.K4:  # off by default: the plain Triton kernel reads 4-bit keys
-        assert not mma_decode.supports_levers(k, levers, page_size, head_dim)  # what `preferred` asks
+    # what `preferred` asks follows the switch (on by default; off, the plain Triton kernel reads 4-bit keys)
+    assert mma_decode.supports_levers(k, levers, page_size, head_dim, prerope=True, psac=True) == mma_decode.K4
 
 
 def test_the_4bit_variant_reserves_its_longer_key_rows():

@@ -1,8 +1,8 @@
 """Whole key rows (`quantwm:whole=W`) in the tensor-core decode kernel (`WHOLE_N` in `kernels/mma_decode.cu`).
 
 Each whole row joins the kernel's centroid-value table as one more row (its token's centroid, or folded PSAC row,
-plus the row's INT8 codes times its scale), and its token reads that row. The path is off by default
-(`mma_decode.WHOLE`) until a GPU has run these tests; ``whole=True`` opts in here.
+plus the row's INT8 codes times its scale), and its token reads that row. The path is on by default
+since a GPU ran these tests (`mma_decode.WHOLE`; KVBACKEND_CUDA_WHOLE=0 turns it off); ``whole=True`` asks for it here.
 
 CPU runs check which layouts claim the path and compile its variants for sm_90 (where nvcc is installed; the
 launcher's shared-memory count is checked against the kernel's by a static_assert). On a GPU each case is compared
@@ -54,8 +54,8 @@ def test_whole_rows_are_claimed_only_when_asked_with_pre_rope_keys_and_centroids
     assert not mma_decode.supports_levers(k, dataclasses.replace(levers, whole=MAX_KERNEL_WHOLE + 1), page_size,
                                           head_dim, **OPT_IN)
     assert not mma_decode.supports_levers(dataclasses.replace(k, stages=0), levers, page_size, head_dim, **OPT_IN)
-    if not mma_decode.WHOLE:  # off by default: the plain Triton kernel reads whole rows
-        assert not mma_decode.supports_levers(k, levers, page_size, head_dim)
+    # the default follows the switch (on; off, the plain Triton kernel reads whole rows)
+    assert mma_decode.supports_levers(k, levers, page_size, head_dim, prerope=True, psac=True) == mma_decode.WHOLE
     config = mma_decode.config_for(*schemes, page_size, head_dim, torch.bfloat16, torch.bfloat16, 2, 4, None, levers)
     assert config.whole == levers.whole
     assert f"-DWHOLE_N={levers.whole}" in config.defines()
