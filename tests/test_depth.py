@@ -133,45 +133,53 @@ def test_layouts_are_checked_per_layer_before_a_model_loads():
 
 
 def test_the_recommended_spec_is_the_one_measured_and_documented():
-    """`RECOMMENDED_SPEC` expands on SmolLM2's 30 layers to the plan session 30 measured (3-bit keys in layers 7, 8, 18
-    and 20, no outliers in layers 0-2, 6-8, 18, 20 and 27-29, 16 elsewhere, 8 Lloyd steps everywhere, keys clustered
-    under the queries' channel weights at kmetric=0.5, heavy keys first at heavy=4 and heavyz=3, sessions 32-33, the
-    values' clipped step widened by vstep=1.15, session 36) over
-    the recommended page codec, and on a 32-layer model to 3-bit keys in layers 8, 9, 19 and 21; the README names it on
-    one line."""
+    """`RECOMMENDED_SPEC` expands on SmolLM2's 30 layers to the plan session 39 measured (p27l18k4f: 3-bit keys in
+    layers 7, 8 and 20 and 4-bit keys in layer 18; no outliers in layers 0-2, 6-8, 11-13, 16, 18-20, 22, 25 and 27-29,
+    16 elsewhere; 8 Lloyd steps everywhere, keys clustered under the queries' channel weights at kmetric=0.5, heavy
+    keys first at heavy=4 and heavyz=3, the values' clipped step widened by vstep=1.15) over the recommended page
+    codec, and on a 32-layer model to 3-bit keys in layers 8, 9 and 21 and 4-bit keys in layer 19, without outliers
+    in the wider-key layers; the README names it on one line. `SESSION36_SPEC` is the same without the 4-bit layer
+    (3-bit there) and the seven outlier-free layers of session 39."""
     import pathlib
 
-    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC
+    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_PAGE_SPEC, RECOMMENDED_SPEC, SESSION36_SPEC
 
     assert QUALITY_SPEC != RECOMMENDED_SPEC  # see the next test
-    specs = layer_specs(RECOMMENDED_SPEC, 30)
     page = codecs.parse(RECOMMENDED_PAGE_SPEC)
-    for layer, spec in enumerate(specs):
-        parsed = codecs.parse(spec)
-        assert parsed.iters == 8 and parsed.centroids == 32 and parsed.rank == 4 and parsed.kmetric == 0.5
-        assert parsed.heavy == 4 and parsed.heavyz == 3 and parsed.vstep == 1.15
-        assert parsed.kbits == (3 if layer in (7, 8, 18, 20) else 0), layer  # 0: the base's 2 bits
-        assert parsed.outliers == (0 if layer in (0, 1, 2, 6, 7, 8, 18, 20, 27, 28, 29) else 16), layer
-        assert dataclasses.replace(parsed, iters=page.iters, kbits=page.kbits, outliers=page.outliers,
-                                   kmetric=page.kmetric, heavy=page.heavy, heavyz=page.heavyz,
-                                   vstep=page.vstep) == page, layer
-        assert codecs.get(spec).levers == codecs.get(RECOMMENDED_PAGE_SPEC).levers
-    assert [i for i, s in enumerate(layer_specs(RECOMMENDED_SPEC, 32)) if codecs.parse(s).kbits == 3] == [8, 9, 19, 21]
+    wider = {7: 3, 8: 3, 18: 4, 20: 3}
+    no_outliers = {0, 1, 2, 6, 7, 8, 18, 20, 27, 28, 29}
+    for spec, session39 in ((RECOMMENDED_SPEC, True), (SESSION36_SPEC, False)):
+        for layer, layer_spec in enumerate(layer_specs(spec, 30)):
+            parsed = codecs.parse(layer_spec)
+            assert parsed.iters == 8 and parsed.centroids == 32 and parsed.rank == 4 and parsed.kmetric == 0.5
+            assert parsed.heavy == 4 and parsed.heavyz == 3 and parsed.vstep == 1.15
+            bits = wider.get(layer, 0) if session39 else (3 if layer in wider else 0)  # 0: the base's 2 bits
+            assert parsed.kbits == bits, layer
+            off = no_outliers | ({11, 12, 13, 16, 19, 22, 25} if session39 else set())
+            assert parsed.outliers == (0 if layer in off else 16), layer
+            assert dataclasses.replace(parsed, iters=page.iters, kbits=page.kbits, outliers=page.outliers,
+                                       kmetric=page.kmetric, heavy=page.heavy, heavyz=page.heavyz,
+                                       vstep=page.vstep) == page, layer
+            assert codecs.get(layer_spec).levers == codecs.get(RECOMMENDED_PAGE_SPEC).levers
+    on_32 = [codecs.parse(s) for s in layer_specs(RECOMMENDED_SPEC, 32)]
+    assert {i: c.kbits for i, c in enumerate(on_32) if c.kbits} == {8: 3, 9: 3, 19: 4, 21: 3}
+    assert all(c.outliers == 0 for c in on_32 if c.kbits)
+    assert [i for i, s in enumerate(layer_specs(SESSION36_SPEC, 32)) if codecs.parse(s).kbits == 3] == [8, 9, 19, 21]
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     if readme.exists():  # a source checkout (an installed wheel has no README beside its tests)
         assert f"\nThe recommended spec is `{RECOMMENDED_SPEC}`.\n" in readme.read_text()
 
 
-def test_the_quality_spec_is_the_recommended_one_with_whole_rows_where_measured():
-    """`QUALITY_SPEC` (sessions 34-35: P45) expands on SmolLM2's 30 layers to the recommended spec's layers, except: a
+def test_the_quality_spec_is_session_36s_spec_with_whole_rows_where_measured():
+    """`QUALITY_SPEC` (sessions 34-35: P45) expands on SmolLM2's 30 layers to `SESSION36_SPEC`'s layers, except: a
     whole key row per page and head in layers 0-2, 4-8, 18 and 20, no PSAC rows in layers 0-8, 18 and 20, and no
     outliers in layers 4-5 either; the README names it on one line."""
     import pathlib
 
-    from kvbackend.spec import QUALITY_SPEC, RECOMMENDED_SPEC
+    from kvbackend.spec import QUALITY_SPEC, SESSION36_SPEC
 
     whole = {0, 1, 2, 4, 5, 6, 7, 8, 18, 20}
-    for layer, (spec, base) in enumerate(zip(layer_specs(QUALITY_SPEC, 30), layer_specs(RECOMMENDED_SPEC, 30))):
+    for layer, (spec, base) in enumerate(zip(layer_specs(QUALITY_SPEC, 30), layer_specs(SESSION36_SPEC, 30))):
         parsed, recommended = codecs.parse(spec), codecs.parse(base)
         assert parsed.whole == (1 if layer in whole else 0), layer
         assert parsed.rank == (0 if layer in whole | {3} else 4), layer

@@ -471,7 +471,8 @@ def test_levers_go_into_every_layer_spec(model_and_tokenizer):
     assert KVBackendCache(model.config, codec="fp8").rotary is None  # no lever needs RoPE
     default = KVBackendCache(model.config)  # the recommended spec (a depth: spec), pre-RoPE keys included
     assert default.layer_specs == layer_specs(RECOMMENDED_SPEC, layers) and default.rotary is not None
-    assert len(set(default.layer_specs)) == 3 and all("prerope=true" in spec for spec in default.layer_specs)
+    # 2-bit keys with and without outliers, 3-bit and 4-bit keys
+    assert len(set(default.layer_specs)) == 4 and all("prerope=true" in spec for spec in default.layer_specs)
     plan = [f"kivi:bits=2,prerope={i % 2 == 0}" for i in range(layers)]
     assert KVBackendCache.from_plan(model.config, plan).layer_specs == plan
     with pytest.raises(SpecError, match="exceeds the page size"):
