@@ -2,9 +2,9 @@
 8 bytes of a swizzled 64-byte row and dequantized in place, as 3-bit keys are).
 
 The path is on by default since a GPU ran these tests (`mma_decode.K4`; KVBACKEND_CUDA_K4=0 turns it off); ``k4=True``
-asks for it here whatever the switch says. CPU runs check which layouts the kernel claims with and without the switch and model the read (its variants
-compile for sm_90 in tests/test_mma_recipe.py, where nvcc is installed); on a GPU each case is compared with the
-torch reference and the plain Triton kernel.
+asks for it here whatever the switch says. CPU runs check which layouts the kernel claims with and without the switch
+and model the read (its variants compile for sm_90 in tests/test_mma_recipe.py, where nvcc is installed); on a GPU
+each case is compared with the torch reference and the plain Triton kernel.
 """
 
 import dataclasses
