@@ -1,0 +1,82 @@
+"""Where one SGLang get of the recipe's page-local codec goes (#20's get row), piece by piece: the file tier's reads
+of one decode batch (open, read, crc32c) with and without the page check, the page check alone, the codec's
+decode of that batch (synchronized), and whole `batch_get_v1` calls.
+
+    python3 perf/experiments/sglang_get_split.py OUT.json [--pages 64] [--page-size 64] [--layers 32]
+
+Prints milliseconds and GB/s of raw KV for each piece (medians of five) and writes them to OUT.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+
+import torch  # noqa: E402
+
+from bench_sglang_gpu import CODECS  # noqa: E402
+from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--pages", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--codec", default=CODECS[-1])
+    args = parser.parse_args()
+    n, p = args.pages, args.page_size
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
+    if cuda:
+        host.kv_buffer = host.kv_buffer.pin_memory()
+    host.kv_buffer.normal_()
+    page_raw = 2 * args.layers * p * 8 * 128 * 2
+    backend = make_backend(pathlib.Path(tempfile.mkdtemp()) / "kv", host, args.codec)
+    names = [f"p{i}" for i in range(n)]
+    assert all(backend.batch_set_v1(names, host_indices(range(n), p)))
+    import kvbackend.integration.sglang as module
+    batch = min(n, module.BATCH_PAGES if cuda else 4)
+    ints = [backend._key(k) for k in names[:batch]]
+    size = backend.blob_bytes
+    staging = backend.device.staging((batch, size), torch.uint8)
+    result = {"codec": args.codec, "pages": n, "batch": batch, "blob_bytes": size, "page_raw_bytes": page_raw,
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "workers": backend.tier._workers}
+
+    def timed(name: str, call, pages: int, repeat: int = 5) -> None:
+        times = []
+        for _ in range(repeat):
+            sync()
+            start = time.perf_counter()
+            out = call()
+            sync()
+            times.append(time.perf_counter() - start)
+            assert out is not False
+        s = statistics.median(times)
+        result[name] = {"ms": s * 1e3, "GBps_raw": pages * page_raw / s / 1e9}
+        print(f"{name}: {s * 1e3:.2f} ms ({pages * page_raw / s / 1e9:.2f} GB/s of raw KV, {pages} pages)", flush=True)
+
+    check = backend._check()
+    timed("read_batch_checked", lambda: all(backend.tier.get(ints, list(staging), expected_len=[size] * batch,
+                                                              check=check).result()), batch)
+    timed("read_batch_unchecked", lambda: all(backend.tier.get(ints, list(staging), expected_len=[size] * batch)
+                                              .result()), batch)
+    if check is not None:
+        timed("check_batch", lambda: all(check(row) is None for row in staging), batch)
+    timed("is_page_of_batch", lambda: all(backend._is_page_of(staging[j], ints[j]) for j in range(batch)), batch)
+    timed("decode_batch", lambda: backend._decode_batch(staging) is not None, batch)
+    timed("batch_get_v1", lambda: all(backend.batch_get_v1(names, host_indices(range(n, 2 * n), p))), n, repeat=3)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
