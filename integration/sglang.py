@@ -48,7 +48,7 @@ from kvbackend.codecs.qvg_fused import decode_units_bf16
 from kvbackend.errors import CorruptStream, SpecError
 from kvbackend.frames import LeverFrame
 from kvbackend.geometry import Geometry
-from kvbackend.page_check import PageCheck
+from kvbackend.page_check import PageCheck, refuse_crafted
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.pool_writer import PoolWriter
@@ -557,8 +557,8 @@ class KVBackendStorage(HiCacheStorage):
 
         def read(batch):
             staging = self.device.staging((len(batch), self.blob_bytes), torch.uint8)
-            return batch, staging, self.tier.get([ints[i] for i in batch], list(staging),
-                                                 expected_len=[self.blob_bytes] * len(batch), check=self._check())
+            return batch, staging, self.tier.get([ints[i] for i in batch], list(staging),  # checked below, together
+                                                 expected_len=[self.blob_bytes] * len(batch))
 
         pending = collections.deque(read(b) for b in itertools.islice(batches, max(1, READ_AHEAD)))
         results = [False] * n
@@ -572,7 +572,9 @@ class KVBackendStorage(HiCacheStorage):
                 start = time.perf_counter()
                 found = handle.result()
                 read_s += time.perf_counter() - start
-                good = [j for j, i in enumerate(batch) if found[j] and self._is_page_of(staging[j], ints[i])]
+                checked = refuse_crafted(self.page_check, self.tier, staging, [j for j, hit in enumerate(found) if hit],
+                                         [ints[i] for i in batch])
+                good = [j for j in checked if self._is_page_of(staging[j], ints[batch[j]])]
                 if len(good) < len(batch):  # the rows that read well, packed together (page-locked again)
                     staging = torch.index_select(staging, 0, torch.tensor(good, dtype=torch.long),
                                                  out=self.device.staging((len(good), self.blob_bytes), torch.uint8))

@@ -52,7 +52,7 @@ from kvbackend.codecs import get as get_codec
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.levers import rotate_values
-from kvbackend.page_check import PageCheck
+from kvbackend.page_check import PageCheck, refuse_crafted
 from kvbackend.tiers.file import FileTier
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
                                                    private_directory, warn_codebooks_outweigh)
@@ -358,10 +358,9 @@ class KVBackendTier(SecondaryTierManager):
 
     def _read_window(self, ints: list[int]):
         """(buffers ``[n, blob_bytes]``, the file tier's handle) of a read of ``ints``, into page-locked memory
-        where the codec runs on a GPU."""
+        where the codec runs on a GPU; `_load_job` checks the blobs' index fields, a window at a time."""
         buffers = self.device.staging((len(ints), self.blob_bytes), torch.uint8)
-        check = self.page_check.reason if self.page_check is not None else None  # crafted pages: corrupt, a miss
-        return buffers, self.store.get(ints, list(buffers), expected_len=[self.blob_bytes] * len(ints), check=check)
+        return buffers, self.store.get(ints, list(buffers), expected_len=[self.blob_bytes] * len(ints))
 
     def _deliver(self, blobs: torch.Tensor, chunk_ids: list[int]) -> int:
         """Decodes ``blobs`` into the primary chunks ``chunk_ids``; how many, in order, before the first failure.
@@ -406,6 +405,10 @@ class KVBackendTier(SecondaryTierManager):
             for w, (lo, hi) in enumerate(windows):
                 (buffers, handle), ahead = ahead, None
                 found = handle.result()
+                # crafted pages (a valid checksum, an index out of range): refused in the tier, a miss
+                checked = set(refuse_crafted(self.page_check, self.store, buffers,
+                                             [i for i, hit in enumerate(found) if hit], ints[lo:hi]))
+                found = [i in checked for i in range(len(found))]
                 last = w + 1 == len(windows)
                 if not last:
                     try:

@@ -149,3 +149,20 @@ class PageCheck:
         flags = torch.cat([fields[0] for fields in self._out_of_range(blob.reshape(1, -1))]).tolist()
         names = [name for b in self.blocks for name in b.names]
         return next((f"{name} holds an index out of range" for name, bad in zip(names, flags) if bad), None)
+
+
+def refuse_crafted(check: PageCheck | None, tier, blobs: torch.Tensor, rows: Sequence[int],
+                   keys: Sequence[int]) -> list[int]:
+    """The ``rows`` of ``blobs`` [n, >= span] (blobs the file ``tier`` delivered as hits for ``keys``, one per
+    row) whose index fields are in range, checked together (one pass per kind of field over the whole batch, where
+    checking blob by blob inside the tier's reader threads serialized them on the interpreter lock); each other row's
+    blob is refused in the tier (`FileTier.refuse`: a miss and a failure, its file removed with its last blob)."""
+    rows = list(rows)
+    if check is None or not rows:
+        return rows
+    picked = blobs if rows == list(range(blobs.shape[0])) else blobs[rows]
+    bad = check.bad_rows(picked)
+    for j, refused in zip(rows, bad):
+        if refused:
+            tier.refuse(keys[j], blobs[j], check.reason(blobs[j]) or "an index out of range")
+    return [j for j, refused in zip(rows, bad) if not refused]

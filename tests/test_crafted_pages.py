@@ -191,6 +191,30 @@ def test_file_tier_check_refuses_before_a_byte_reaches_the_buffer(tmp_path):
     assert stats.failures == 1 and file.contains([7]) == 0 and not os.listdir(tmp_path)
 
 
+
+def test_file_tier_refuse_drops_the_blob_it_delivered_and_spares_one_written_since(tmp_path, caplog):
+    file = FileTier(str(tmp_path), 10**8, "0123456789abcdef")
+    blobs = [torch.full((256,), i, dtype=torch.uint8) for i in range(3)]
+    assert file.write_group([1, 2], [b.numpy() for b in blobs[:2]])  # one file, two blobs
+    assert file.put([3], [blobs[2]]).result() == [True]
+    outs = [torch.empty(256, dtype=torch.uint8) for _ in range(3)]
+    assert file.get([1, 2, 3], outs).result() == [True, True, True]
+    with caplog.at_level(logging.WARNING, logger="kvbackend.tiers.file"):
+        assert file.refuse(1, outs[0], "crafted")
+    stats = file.stats()
+    assert (stats.hits, stats.misses, stats.failures) == (2, 1, 1) and "crafted" in caplog.text
+    assert file.contains([1]) == 0 and file.contains([2]) == 1  # the file stays for its other blob
+    assert file.get([2], [outs[1]]).result() == [True] and torch.equal(outs[1], blobs[1])
+    assert file.refuse(2, outs[1], "crafted")
+    assert len(os.listdir(tmp_path)) == 1  # its last blob gone: the file goes
+    # key 3 written again between the read and the refusal: the fresh blob (another checksum) stays
+    assert file.write_group([3], [torch.full((256,), 9, dtype=torch.uint8).numpy()])
+    assert not file.refuse(3, outs[2], "crafted")
+    assert file.contains([3]) == 1 and file.stats().failures == 3
+    fresh = torch.empty(256, dtype=torch.uint8)
+    assert file.get([3], [fresh]).result() == [True] and int(fresh[0]) == 9
+    assert not file.refuse(99, fresh, "crafted")  # a key never stored: nothing to drop
+
 SGLANG_CODEC = "quantwm:centroids=4,group=16,keep=0.5,outliers=4,rank=4"
 
 
@@ -223,6 +247,47 @@ def test_sglang_load_refuses_a_crafted_page(tmp_path, field, bad, direct):
     assert torch.equal(host.page(5 * 16), before)  # the refused page's slot is not written
     assert b.tier.stats().failures == 1 and b.batch_exists(["x"]) == 0
 
+
+
+def test_sglang_batched_load_refuses_only_the_crafted_pages_of_a_batch(tmp_path, monkeypatch):
+    """Pages checked a decode batch at a time (`refuse_crafted`): crafted pages in the middle of batches miss
+    alone, every other page of their batches arrives exact, as a backend that never met the crafted ones gives it."""
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    import kvbackend.integration.sglang as module
+    from test_sglang import HostPool, host_indices, make_backend
+
+    monkeypatch.setitem(module.CPU_BATCH_PAGES, "decode", 3)  # 7 pages: batches of 3, 3 and 1
+    host = HostPool("layer_first", pages=24)
+    host.kv_buffer.normal_()
+    names = [f"p{i}" for i in range(7)]
+    a = make_backend(tmp_path / "a", host, SGLANG_CODEC, device="cpu")
+    assert all(a.batch_set_v1(names, host_indices(range(7))))
+    assert all(a.batch_get_v1(names, host_indices(range(8, 15))))  # the reference: every page, nothing crafted
+    b = make_backend(tmp_path / "b", host, SGLANG_CODEC, device="cpu")
+    assert b.writer is not None  # the direct path (`_load_into_pool`)
+    crafted = {1: ("k_assign", 4), 4: ("k_out_index", -1), 6: ("k_psac_token", P)}
+    for i, name in enumerate(names):
+        key = a._key(name)
+        blob = torch.empty(a.blob_bytes, dtype=torch.uint8)
+        assert a.tier.get([key], [blob]).result() == [True]
+        if i in crafted:
+            field, bad = crafted[i]
+            f = next(f for f in index_fields(a.codec, a.layout) if f.name == field)
+            at = a.group.page_offsets[2] + f.offset
+            blob[at : at + f.width] = torch.from_numpy(np.array([bad], dtype=np.int16 if f.width == 2 else np.uint8)
+                                                       .view(np.uint8).copy())
+        assert b.tier.put([key], [blob]).result() == [True]
+    before = host.kv_buffer.clone()
+    got = b.batch_get_v1(names, host_indices(range(16, 23)))
+    assert got == [i not in crafted for i in range(7)]
+    for i in range(7):
+        slot = (16 + i) * 16
+        if i in crafted:  # never written
+            assert torch.equal(host.kv_buffer[:, :, slot : slot + 16], before[:, :, slot : slot + 16])
+        else:  # as the reference backend decoded it
+            assert torch.equal(host.kv_buffer[:, :, slot : slot + 16], host.kv_buffer[:, :, (8 + i) * 16 : (9 + i) * 16])
+    assert b.tier.stats().failures == len(crafted)
+    assert b.batch_exists(names) == 1 and b.tier.contains([b._key(names[i]) for i in crafted]) == 0
 
 @pytest.mark.parametrize("field,bad", [("k_assign", 8), ("k_out_index", -1)])
 def test_vllm_load_refuses_a_crafted_chunk(tmp_path, field, bad):

@@ -432,6 +432,27 @@ class FileTier:
             return _IO_ERROR, "i/o error"
         return _HIT, ""
 
+    def refuse(self, key: int, blob: torch.Tensor, why: str) -> bool:
+        """Drop the blob of ``key`` that `get` delivered (a hit) and its reader then refused (a check run over a
+        whole batch of blobs at once, `kvbackend.page_check`), as `get` drops one its ``check`` refuses: counted as
+        a miss and a failure instead of a hit, its file removed with its last blob. ``blob`` is what was read: a
+        blob of the key written since (another checksum or length) stays. Whether the blob was dropped."""
+        crc = None
+        if self.fmt is None:  # the bytes as stored: their checksum names the blob (formats store other bytes)
+            crc = crc32c.crc32c(memoryview(blob.detach().cpu().contiguous().numpy()))
+        with self._lock:
+            self._hits -= 1
+            self._misses += 1
+            self._failures += 1
+            where = self._index.get(key)
+            if where is None or (crc is not None and (where.crc != crc or where.length != blob.numel())):
+                return False
+            gone = self._drop_blob(key, where)
+        if gone:
+            _remove(where.path)
+        log.warning("file tier: blob %d in %s is corrupt (%s); dropped", key, where.path, why)
+        return True
+
     def blob_size(self, key: int) -> int | None:
         with self._lock:
             where = self._index.get(key)
