@@ -51,6 +51,7 @@ from kvbackend.geometry import Geometry
 from kvbackend.page_check import PageCheck, refuse_crafted
 from kvbackend.page_group import PageGroupFormat
 from kvbackend.tiers.file import FileTier
+from kvbackend.unit_gather import UnitGather
 from kvbackend.integration.pool_writer import PoolWriter
 from kvbackend.integration.storage_options import (DeviceCodec, budget_bytes, codec_device, path_option,
                                                    private_directory, warn_codebooks_outweigh)
@@ -99,6 +100,7 @@ class KVBackendStorage(HiCacheStorage):
         self.blob_bytes: int | None = None  # length of every blob of a registered pool (None: it varies)
         self.mem_pool_host = None
         self.writer: PoolWriter | None = None  # decoded pages straight into the pool's buffer, where it allows
+        self.units: UnitGather | None = None  # units with codebooks decoded by the gather kernel on a GPU
         self.tier: FileTier | None = None
         self.page_check: PageCheck | None = None  # the index fields of a page group (`register_mem_pool_host`)
         self._lock = threading.Lock()
@@ -137,6 +139,9 @@ class KVBackendStorage(HiCacheStorage):
             [(f"layer {layer}", self.group.page_offsets[layer], self.codec, self.layout)
              for layer in range(g.num_layers)])
         self.writer = PoolWriter.of(mem_pool_host, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
+        # units with codebooks decoded by the gather kernel on a GPU (None: the codec's own decode)
+        self.units = (UnitGather.of(self.codec, self.layout, g.dtype)
+                      if self.layout is not None and self.group.has_codebooks else None)
         self._private_directories()
         # readers side by side for a batch's blobs (the file tier's default: up to 8, one per core)
         self.tier = FileTier(self.directory, self.budget_bytes, fingerprint)
@@ -279,6 +284,8 @@ class KVBackendStorage(HiCacheStorage):
             if group.has_codebooks:  # one layout for every layer: the codebooks are [L, codebook_bytes] per blob
                 books = blobs[:, group.books_offset : group.blob_bytes].reshape(n * g.num_layers, lay.codebook_bytes)
                 fused = self._fused_decode(body, books, n)
+                if fused is None and self.units is not None and blobs.device.type == "cuda":
+                    fused = self._gathered(body, books, n)
                 if fused is not None:
                     return fused
                 k, v = self.frame.from_stored(*self.codec.decode_units(lay, body, books), 0)
@@ -300,6 +307,14 @@ class KVBackendStorage(HiCacheStorage):
             return None
         out = decode_units_bf16(self.codec, lay, body, books, self.frame.levers.vrot == "hadamard", n)
         return None if out is None else out.view(n, 2, g.num_layers, self.page_size, g.num_kv_heads, g.head_dim)
+
+    def _gathered(self, body: torch.Tensor, books: torch.Tensor, n: int) -> torch.Tensor:
+        """Pages [n, 2, L, P, H, D] of units with codebooks decoded by the gather kernel (`UnitGather`: one launch
+        for every layer of every page, the value rotation undone inside)."""
+        g = self.geometry
+        k, v = self.units(body, books)
+        shape = (n, g.num_layers, self.layout.page_size, g.num_kv_heads, g.head_dim)
+        return torch.stack([k.view(shape)[:, :, : self.page_size], v.view(shape)[:, :, : self.page_size]], dim=1)
 
     def _batched(self) -> bool:
         """Whether pages are decoded in batches (page-local codecs without codebooks)."""

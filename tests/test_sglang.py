@@ -1210,3 +1210,59 @@ def test_reused_cpu_buffers_never_leak_into_blobs_or_across_threads(tmp_path, co
     assert not errors
     for b in range(1, 5):
         assert all(torch.equal(x, y) for x, y in zip(results[b], later[b - 1])), b
+
+
+RECIPE_PAGE = "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
+
+
+def _within(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within a few bf16 roundings of each other (the kernel's float32 math against the codec's own)."""
+    got, want = got.float(), want.float()
+    return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= 0.02 * float(want.abs().max()) + 1e-3
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_units_with_codebooks_decode_through_the_gather_kernel_as_the_codec_does(tmp_path, layout):
+    """The GPU's decode of units with codebooks (`UnitGather`, one gather launch per batch; here Triton's kernel in
+    its interpreter) gives the pages the codec's own decode gives, for every layer of every page of a batch."""
+    host = HostPool(layout, pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, RECIPE_PAGE, device="cpu")
+    assert backend.units is not None  # vrot, PSAC rows and outliers: all read by the kernels
+    pages, keys = _batch_pages(host, 3)
+    blobs = torch.stack(backend._encode_batch(pages, keys))
+    group, lay, g = backend.group, backend.layout, backend.geometry
+    body = blobs[:, : group.pages_bytes].reshape(3 * g.num_layers, lay.page_bytes)
+    books = blobs[:, group.books_offset : group.blob_bytes].reshape(3 * g.num_layers, lay.codebook_bytes)
+    got, want = backend._gathered(body, books, 3), backend._decode_batch(blobs)
+    assert got.shape == want.shape == (3, 2, g.num_layers, 16, g.num_kv_heads, g.head_dim)
+    assert _within(got, want)
+    assert _within(want, torch.stack(pages).view(want.shape)) is False  # the codec's own error is far larger
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_gets_units_with_codebooks_through_the_gather_kernel(tmp_path, monkeypatch):
+    """On a GPU the recipe's page codec is read back by the gather kernel, straight into a page-locked pool: every
+    page as the CPU backend decodes it (within bf16 roundings), a bad slot a miss alone."""
+    from kvbackend.unit_gather import UnitGather
+
+    calls, call = [], UnitGather.__call__
+    monkeypatch.setattr(UnitGather, "__call__", lambda self, *a, **k: calls.append(a[0].shape[0]) or call(self, *a, **k))
+    host = HostPool("layer_first", pages=80)
+    host.kv_buffer = host.kv_buffer.pin_memory()
+    host.kv_buffer.normal_()
+    cpu = make_backend(tmp_path / "cpu", host, RECIPE_PAGE, device="cpu")
+    gpu = make_backend(tmp_path / "gpu", host, RECIPE_PAGE, device="cuda")
+    assert gpu.units is not None and gpu.writer is not None and gpu.writer.direct
+    names = [f"p{i}" for i in range(37)]
+    assert cpu.batch_set_v1(names, host_indices(range(37))) == [True] * 37
+    want = cpu._load(names)
+    for name in names:  # the CPU's blobs, read back by the GPU backend
+        blob = torch.empty(cpu.blob_bytes, dtype=torch.uint8)
+        assert cpu.tier.get([cpu._key(name)], [blob]).result() == [True]
+        assert gpu.tier.put([gpu._key(name)], [blob]).result() == [True]
+    indices = torch.cat([host_indices(range(40, 76)), torch.arange(10**6, 10**6 + 16)])
+    assert gpu.batch_get_v1(names, indices) == [True] * 36 + [False]
+    assert sum(calls) == 36 * host.layer_num  # every layer of every delivered page through the kernel
+    for i in range(36):
+        assert _within(host.page(16 * (40 + i)), want[i]), i

@@ -1,6 +1,7 @@
 """Where one SGLang get of the recipe's page-local codec goes (#20's get row), piece by piece: the file tier's reads
-of one decode batch (open, read, crc32c) with and without the page check, the page check alone, the codec's
-decode of that batch (synchronized), and whole `batch_get_v1` calls.
+of one decode batch (open, read, crc32c) with the page check blob by blob inside the tier and without it, the page
+check blob by blob and over the whole batch, the batch's decode (synchronized) and whole `batch_get_v1` calls, each
+with the gather kernel's decode of units with codebooks (`UnitGather`) and with the codec's own, side by side.
 
     python3 perf/experiments/sglang_get_split.py OUT.json [--pages 64] [--page-size 64] [--layers 32]
 
@@ -66,15 +67,22 @@ def main() -> None:
         print(f"{name}: {s * 1e3:.2f} ms ({pages * page_raw / s / 1e9:.2f} GB/s of raw KV, {pages} pages)", flush=True)
 
     check = backend._check()
-    timed("read_batch_checked", lambda: all(backend.tier.get(ints, list(staging), expected_len=[size] * batch,
-                                                              check=check).result()), batch)
+    timed("read_batch_check_per_blob", lambda: all(backend.tier.get(ints, list(staging), expected_len=[size] * batch,
+                                                                     check=check).result()), batch)
     timed("read_batch_unchecked", lambda: all(backend.tier.get(ints, list(staging), expected_len=[size] * batch)
                                               .result()), batch)
     if check is not None:
-        timed("check_batch", lambda: all(check(row) is None for row in staging), batch)
+        timed("check_per_blob", lambda: all(check(row) is None for row in staging), batch)
+        timed("check_batch", lambda: not any(backend.page_check.bad_rows(staging)), batch)
     timed("is_page_of_batch", lambda: all(backend._is_page_of(staging[j], ints[j]) for j in range(batch)), batch)
-    timed("decode_batch", lambda: backend._decode_batch(staging) is not None, batch)
-    timed("batch_get_v1", lambda: all(backend.batch_get_v1(names, host_indices(range(n, 2 * n), p))), n, repeat=3)
+    units = backend.units  # the gather kernel's decode of units with codebooks (None: the codec's own)
+    result["gather_kernel"] = units is not None
+    for name, using in (("kernel", units), ("codec", None)) if units is not None else (("codec", None),):
+        backend.units = using
+        timed(f"decode_batch_{name}", lambda: backend._decode_batch(staging) is not None, batch)
+        timed(f"batch_get_v1_{name}", lambda: all(backend.batch_get_v1(names, host_indices(range(n, 2 * n), p))), n,
+              repeat=3)
+    backend.units = units
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
 
 
