@@ -1224,7 +1224,8 @@ def _within(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_units_with_codebooks_decode_through_the_gather_kernel_as_the_codec_does(tmp_path, layout):
     """The GPU's decode of units with codebooks (`UnitGather`, one gather launch per batch; here Triton's kernel in
-    its interpreter) gives the pages the codec's own decode gives, for every layer of every page of a batch."""
+    its interpreter on a machine without CUDA) gives the pages the codec's own decode gives, for every layer of every
+    page of a batch."""
     host = HostPool(layout, pages=8)
     host.kv_buffer.normal_()
     backend = make_backend(tmp_path, host, RECIPE_PAGE, device="cpu")
@@ -1234,7 +1235,8 @@ def test_units_with_codebooks_decode_through_the_gather_kernel_as_the_codec_does
     group, lay, g = backend.group, backend.layout, backend.geometry
     body = blobs[:, : group.pages_bytes].reshape(3 * g.num_layers, lay.page_bytes)
     books = blobs[:, group.books_offset : group.blob_bytes].reshape(3 * g.num_layers, lay.codebook_bytes)
-    got, want = backend._gathered(body, books, 3), backend._decode_batch(blobs)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel where it runs, else its interpreter
+    got, want = backend._gathered(body.to(dev), books.to(dev), 3).cpu(), backend._decode_batch(blobs)
     assert got.shape == want.shape == (3, 2, g.num_layers, 16, g.num_kv_heads, g.head_dim)
     assert _within(got, want)
     assert _within(want, torch.stack(pages).view(want.shape)) is False  # the codec's own error is far larger
