@@ -61,12 +61,13 @@ class UnitGather:
             raise ValueError(f"expected pages [{units}, {lay.page_bytes}] and codebooks [{units}, "
                              f"{lay.codebook_bytes}], got {tuple(pages.shape)} and {tuple(books.shape)}")
         g, p, dev = lay.geometry, lay.page_size, pages.device
+        # the plan's tensors made on the device (no host copies on the decode's stream)
         ids = torch.arange(units, dtype=torch.int32, device=dev)
-        whole = torch.tensor([units], dtype=torch.int32, device=dev)
+        whole = torch.full((1,), units, dtype=torch.int32, device=dev)
         plan = BatchPlan(request_ids=[0], page_ids=ids, kinds=torch.full_like(ids, PACKED), slots=ids,
                          valid=torch.full_like(ids, p), rows=ids * p, positions=ids * p,
                          req_start=torch.zeros(1, dtype=torch.int32, device=dev), req_pages=whole, req_packed=whole,
-                         cu_seqlens=torch.tensor([0, units * p], dtype=torch.int32, device=dev), max_pages=units,
+                         cu_seqlens=torch.arange(2, dtype=torch.int32, device=dev) * (units * p), max_pages=units,
                          page_size=p, min_pages=units, total_tokens=units * p)
         dense = torch.zeros(1, 2, p, g.num_kv_heads, g.head_dim, dtype=self.dtype, device=dev)  # never read
         k, v = gather_dequant(pages.contiguous(), books.contiguous(), dense, self.schemes, plan, out_dtype=self.dtype,
