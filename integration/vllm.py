@@ -405,10 +405,6 @@ class KVBackendTier(SecondaryTierManager):
             for w, (lo, hi) in enumerate(windows):
                 (buffers, handle), ahead = ahead, None
                 found = handle.result()
-                # crafted pages (a valid checksum, an index out of range): refused in the tier, a miss
-                checked = set(refuse_crafted(self.page_check, self.store, buffers,
-                                             [i for i, hit in enumerate(found) if hit], ints[lo:hi]))
-                found = [i in checked for i in range(len(found))]
                 last = w + 1 == len(windows)
                 if not last:
                     try:
@@ -416,6 +412,10 @@ class KVBackendTier(SecondaryTierManager):
                     except Exception as exc:  # noqa: BLE001 - this window still loads; the job stops after it
                         log.error("kvbackend vLLM tier: reading ahead failed, the load stops at chunk %d: %r", hi, exc)
                         last = True
+                # crafted pages (a valid checksum, an index out of range): refused in the tier, a miss
+                checked = set(refuse_crafted(self.page_check, self.store, buffers,
+                                             [i for i, hit in enumerate(found) if hit], ints[lo:hi]))
+                found = [i in checked for i in range(len(found))]
                 good = next((i for i, f in enumerate(found) if not f), len(found))  # corrupt, or replaced meanwhile
                 for at in range(0, good, step):
                     end = min(good, at + step)

@@ -20,6 +20,7 @@ field of every layer as one strided view of the page group and compares it with 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ import torch
 
 from kvbackend.codecs.heads import HeadsCodec
 from kvbackend.layout import PageLayout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -156,12 +159,17 @@ def refuse_crafted(check: PageCheck | None, tier, blobs: torch.Tensor, rows: Seq
     """The ``rows`` of ``blobs`` [n, >= span] (blobs the file ``tier`` delivered as hits for ``keys``, one per
     row) whose index fields are in range, checked together (one pass per kind of field over the whole batch, where
     checking blob by blob inside the tier's reader threads serialized them on the interpreter lock); each other row's
-    blob is refused in the tier (`FileTier.refuse`: a miss and a failure, its file removed with its last blob)."""
+    blob is refused in the tier (`FileTier.refuse`: a miss and a failure, its file removed with its last blob). A check
+    that fails (it should not) serves none of the rows: they miss, nothing is dropped."""
     rows = list(rows)
     if check is None or not rows:
         return rows
     picked = blobs if rows == list(range(blobs.shape[0])) else blobs[rows]
-    bad = check.bad_rows(picked)
+    try:
+        bad = check.bad_rows(picked)
+    except Exception as exc:  # noqa: BLE001 - unchecked rows are never served: all of them miss, none is dropped
+        log.error("kvbackend: checking the index fields of %d blobs failed, all of them miss: %r", len(rows), exc)
+        return []
     for j, refused in zip(rows, bad):
         if refused:
             tier.refuse(keys[j], blobs[j], check.reason(blobs[j]) or "an index out of range")

@@ -57,6 +57,32 @@ def test_units_gather_as_the_reference_decodes(spec, heads, units):
         assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()) + 1e-3, spec
 
 
+@pytest.mark.parametrize("spec", CODECS[1:3])
+def test_psac_rows_of_units_are_read(spec):
+    """Units encoded without query statistics carry all-zero PSAC rows: written here at random (codes, scales,
+    tokens and the codebook's basis), so a kernel that ignored them would differ from the reference by their size."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codec, layout, frame, pages, books = units_of(spec, 3, 64, 16, 5, device)
+    gen = torch.Generator().manual_seed(1)
+    codes = layout.page.view(pages, "k_psac")
+    codes.copy_(torch.randint(-100, 100, codes.shape, generator=gen, dtype=torch.int8))
+    scales = layout.page.view(pages, "k_psac_scale")
+    scales.copy_((torch.rand(scales.shape, generator=gen) * 0.02).half())
+    if "k_psac_token" in layout.page.fields:  # distinct tokens per (unit, head)
+        tokens = layout.page.view(pages, "k_psac_token")
+        rows, units, heads = tokens.shape[1], tokens.shape[0], tokens.shape[2]
+        picks = torch.stack([torch.randperm(16, generator=gen)[:rows] for _ in range(units * heads)])
+        tokens.copy_(picks.view(units, heads, rows).transpose(1, 2).to(torch.uint8))
+    basis = layout.codebook.view(books, "k_psac_basis")
+    basis.copy_(torch.randn(basis.shape, generator=gen).bfloat16() * 0.2)
+    k, _ = UnitGather.of(codec, layout, torch.bfloat16)(pages, books)
+    rk, _ = reference(codec, layout, frame, pages, books)
+    plain = units_of(spec, 3, 64, 16, 5, device)[3]  # the same units, their PSAC rows still zero
+    assert float((k.float().reshape(rk.shape) - rk).abs().max()) <= 0.02 * float(rk.abs().max()) + 1e-3
+    without = reference(codec, layout, frame, plain, books)[0]  # the same units with their PSAC rows zero
+    assert float((rk - without).abs().max()) > 0.1 * float(rk.abs().max())  # the rows matter at this size
+
+
 def test_a_unit_decodes_alone_whatever_its_neighbours_hold():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, layout, frame, pages, books = units_of(CODECS[1], 2, 64, 16, 4, device)

@@ -435,21 +435,25 @@ class FileTier:
     def refuse(self, key: int, blob: torch.Tensor, why: str) -> bool:
         """Drop the blob of ``key`` that `get` delivered (a hit) and its reader then refused (a check run over a
         whole batch of blobs at once, `kvbackend.page_check`), as `get` drops one its ``check`` refuses: counted as
-        a miss and a failure instead of a hit, its file removed with its last blob. ``blob`` is what was read: a
-        blob of the key written since (another checksum or length) stays. Whether the blob was dropped."""
-        crc = None
-        if self.fmt is None:  # the bytes as stored: their checksum names the blob (formats store other bytes)
-            crc = crc32c.crc32c(memoryview(blob.detach().cpu().contiguous().numpy()))
+        a miss and a failure instead of a hit, its file removed with its last blob. ``blob`` is what was read (its
+        first bytes, as long as the stored blob): a blob of the key written since, with another checksum, stays.
+        With a blob format (`fmt`, whose stored bytes differ from those read) no checksum names the refused blob,
+        and whichever blob the key holds goes. Call it only for a blob this tier's `get` returned as a hit. Whether
+        a blob was dropped."""
+        with self._lock:
+            where = self._index.get(key)
+        same = where is not None and (self.fmt is not None or (
+            blob.numel() >= where.length
+            and crc32c.crc32c(memoryview(blob.detach().reshape(-1)[: where.length].cpu().contiguous().numpy()))
+            == where.crc))
         with self._lock:
             self._hits -= 1
             self._misses += 1
             self._failures += 1
-            where = self._index.get(key)
-            if where is None or (crc is not None and (where.crc != crc or where.length != blob.numel())):
+            if not same or self._index.get(key) is not where:  # gone, or written again meanwhile: it stays
                 return False
-            gone = self._drop_blob(key, where)
-        if gone:
-            _remove(where.path)
+            if self._drop_blob(key, where):  # its last blob: the file goes, under the lock (as in `get`), so a
+                _remove(where.path)          # group written again under the same name is never the one removed
         log.warning("file tier: blob %d in %s is corrupt (%s); dropped", key, where.path, why)
         return True
 
