@@ -30,9 +30,10 @@ status=0
     # workers: the kernels' compilation is CPU-bound and the GPU has room for several.
     workers=()
     if "$python" -c 'import xdist' 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-8}" --dist loadfile); fi
-    # every failure is also written to gpu-test-failures.txt as it happens (tests/conftest.py): a cut run names them
+    # every failure is also written to gpu-test-failures.txt as it happens (tests/conftest.py): a cut run names them;
+    # --durations: the slowest tests, since the whole run (about 480 s on an H100) nearly fills a device call
     rm -f "$results/gpu-test-failures.txt"
-    KVBACKEND_FAILURE_LOG="$results/gpu-test-failures.txt" PYTHONSAFEPATH=1 "$python" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" tests || status=1
+    KVBACKEND_FAILURE_LOG="$results/gpu-test-failures.txt" PYTHONSAFEPATH=1 "$python" -m pytest -q -ra -p no:cacheprovider --durations=25 "${workers[@]}" tests || status=1
     # (the kernels' agreement with the torch references is the tests' job; the bench's `checks` section repeats it)
     echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers; gather)"
     KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,decode,levers,gather \
