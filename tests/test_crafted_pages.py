@@ -266,22 +266,29 @@ def test_sglang_load_refuses_a_crafted_page(tmp_path, field, bad, direct):
 
 
 
-def test_sglang_batched_load_refuses_only_the_crafted_pages_of_a_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_sglang_batched_load_refuses_only_the_crafted_pages_of_a_batch(tmp_path, monkeypatch, device):
     """Pages checked a decode batch at a time (`refuse_crafted`): crafted pages in the middle of batches miss
-    alone, every other page of their batches arrives exact, as a backend that never met the crafted ones gives it."""
+    alone, every other page of their batches arrives exact, as a backend that never met the crafted ones gives it.
+    On a GPU the batches decode through the gather kernel, which would drop an out-of-range term silently: the
+    check must come first there."""
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
     import kvbackend.integration.sglang as module
     from test_sglang import HostPool, host_indices, make_backend
 
     monkeypatch.setitem(module.CPU_BATCH_PAGES, "decode", 3)  # 7 pages: batches of 3, 3 and 1
+    monkeypatch.setattr(module, "BATCH_PAGES", 3)  # on a GPU too
     host = HostPool("layer_first", pages=24)
+    if device == "cuda":  # page-locked, as SGLang allocates it: the GPU decodes straight into the pool
+        host.kv_buffer = host.kv_buffer.pin_memory()
     host.kv_buffer.normal_()
     names = [f"p{i}" for i in range(7)]
-    a = make_backend(tmp_path / "a", host, SGLANG_CODEC, device="cpu")
+    a = make_backend(tmp_path / "a", host, SGLANG_CODEC, device=device)
     assert all(a.batch_set_v1(names, host_indices(range(7))))
     assert all(a.batch_get_v1(names, host_indices(range(8, 15))))  # the reference: every page, nothing crafted
-    b = make_backend(tmp_path / "b", host, SGLANG_CODEC, device="cpu")
-    assert b.writer is not None  # the direct path (`_load_into_pool`)
+    b = make_backend(tmp_path / "b", host, SGLANG_CODEC, device=device)
+    assert b.writer is not None and (device == "cpu" or (b.writer.direct and b.units is not None))
     crafted = {1: ("k_assign", 4), 4: ("k_out_index", -1), 6: ("k_psac_token", P)}
     for i, name in enumerate(names):
         key = a._key(name)
