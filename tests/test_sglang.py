@@ -1212,13 +1212,9 @@ def test_reused_cpu_buffers_never_leak_into_blobs_or_across_threads(tmp_path, co
         assert all(torch.equal(x, y) for x, y in zip(results[b], later[b - 1])), b
 
 
+from test_unit_gather import within  # noqa: E402 - the one tolerance for the kernel's decode of units
+
 RECIPE_PAGE = "quantwm:kchannel=16,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,vrot=hadamard,cdtype=fp8,outliers=16"
-
-
-def _within(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Within a few bf16 roundings of each other (the kernel's float32 math against the codec's own)."""
-    got, want = got.float(), want.float()
-    return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= 0.02 * float(want.abs().max()) + 1e-3
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -1238,8 +1234,8 @@ def test_units_with_codebooks_decode_through_the_gather_kernel_as_the_codec_does
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel where it runs, else its interpreter
     got, want = backend._gathered(body.to(dev), books.to(dev), 3).cpu(), backend._decode_batch(blobs)
     assert got.shape == want.shape == (3, 2, g.num_layers, 16, g.num_kv_heads, g.head_dim)
-    assert _within(got, want)
-    assert _within(want, torch.stack(pages).view(want.shape)) is False  # the codec's own error is far larger
+    assert within(got, want)
+    assert within(want, torch.stack(pages).view(want.shape)) is False  # the codec's own error is far larger
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -1267,4 +1263,4 @@ def test_the_gpu_gets_units_with_codebooks_through_the_gather_kernel(tmp_path, m
     assert gpu.batch_get_v1(names, indices) == [True] * 36 + [False]
     assert sum(calls) == 36 * host.layer_num  # every layer of every delivered page through the kernel
     for i in range(36):
-        assert _within(host.page(16 * (40 + i)), want[i]), i
+        assert within(host.page(16 * (40 + i)), want[i]), i
