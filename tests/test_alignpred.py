@@ -53,6 +53,16 @@ def test_budget_holds_on_every_group(L, T, H, D, error, predict, align, kind, se
     _check(AlignPredCodec(f"alignpred:error={error},predict={predict},align={align}"), k, v)
 
 
+@pytest.mark.parametrize("quant,seed,skip", [("trellis", 1, 1), ("lattice", 2806, 2)])
+def test_budget_holds_where_the_error_does_not_fall_with_the_step(quant, seed, skip):
+    """Twelve or sixteen values on which the error rises as the step falls over the search's passes: the step search
+    alone never met 0.2 there (found on a GPU machine's run of the test above); the codec must still meet it."""
+    rng = np.random.default_rng(seed)
+    shapes = [(1, 1, 3, 4), (1, 1, 3, 4)] if quant == "trellis" else [(1, 1, 3, 4), (1, 1, 1, 4), (2, 1, 2, 4)]
+    x = [_structured(rng, *shape) for shape in shapes][skip]
+    _check(AlignPredCodec(f"alignpred:error=0.2,predict=mean,quant={quant}"), x, x)
+
+
 @pytest.fixture(scope="module")
 def real_kv():
     """Keys and values of the shipped SmolLM2 model on a shipped text, [L, T, H, D]."""
