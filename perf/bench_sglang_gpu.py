@@ -7,10 +7,10 @@ SGLang's own `HiCacheFile` writing the raw pages, on the same pages and the same
 Needs SGLang's storage interface importable. A machine without SGLang can use the three pure-Python files it takes
 (`bash perf/sglang_subset.sh .sglang_min` where SGLang is installed, then ``PYTHONPATH=.sglang_min``).
 Figures are GB/s of raw KV (bf16 K and V of every layer) per call of `batch_set_v1` / `batch_get_v1`, medians of
-three rounds (fresh keys for every set round; gets read what the last set wrote, so from the OS page cache on both
+five rounds (fresh keys for every set round; gets read what the last set wrote, so from the OS page cache on both
 sides). The host pool is page-locked where CUDA is present, as SGLang allocates it (``--pageable-pool``: plain
-memory); HiCacheFile's targets are of the same kind. Each backend sets and gets one page before timing (first-use
-compiles). Codecs with codebooks decode on a GPU through the gather kernel (`kvbackend.unit_gather`); their gets are
+memory); HiCacheFile's targets are of the same kind. Each backend sets and gets a batch like the timed ones before
+timing (first-use compiles and allocations). Codecs with codebooks decode on a GPU through the gather kernel (`kvbackend.unit_gather`); their gets are
 timed again with the codec's own decode in the same run (``get_GBps_codec_decode``).
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--codecs", default="|".join(CODECS))
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where both backends write (default: a temporary folder)")
     parser.add_argument("--pageable-pool", action="store_true",
                         help="a host pool in pageable memory (SGLang page-locks its host pool where it can: the default "
@@ -96,8 +96,15 @@ def main() -> None:
     for codec in args.codecs.split("|"):
         backend = make_backend(root / f"kvbackend-{len(rows)}", host, codec)
         keys = lambda r: [f"r{r}-{i}" for i in range(n)]  # noqa: E731
-        backend.batch_set_v1(["warm"], host_indices(range(1), p))  # compile and load before timing (the encode's
-        backend.batch_get_v1(["warm"], host_indices(range(n, n + 1), p))  # kernels, then the decode's)
+        # compile, load and allocate before timing, at the timed calls' batch sizes (the encode's kernels, then the
+        # decode's: a first get of whole batches took 256 ms against 30-70 ms after, session 41)
+        warm = [f"warm-{i}" for i in range(n)]
+        backend.batch_set_v1(warm, host_indices(range(n), p))
+        backend.batch_get_v1(warm, host_indices(range(n, 2 * n), p))
+        if backend.units is not None:
+            units, backend.units = backend.units, None
+            backend.batch_get_v1(warm, host_indices(range(n, 2 * n), p))  # the codec's own decode, timed below too
+            backend.units = units
         # (a call that fails returns False per page instead of raising: a failed round must not be timed as one)
         set_s = median_time(lambda r: all(backend.batch_set_v1(keys(r), host_indices(range(n), p))), args.rounds)
         get_s = median_time(lambda r: all(backend.batch_get_v1(keys(last), host_indices(range(n, 2 * n), p))),
@@ -111,7 +118,7 @@ def main() -> None:
             codec_get_s = median_time(lambda r: all(backend.batch_get_v1(keys(last), host_indices(range(n, 2 * n), p))),
                                       args.rounds)
             backend.units = units
-        stored = stats["bytes_stored"] / (args.rounds * n + 1)
+        stored = stats["bytes_stored"] / ((args.rounds + 1) * n)
         row = {"backend": f"kvbackend ({codec})", "device": str(backend.device.device), "set_GBps": raw / set_s / 1e9,
                "get_GBps": raw / get_s / 1e9,
                "bytes_per_page": stored, "bits_per_value": 8 * stored / (page_bytes / 2), "rms_error": error}

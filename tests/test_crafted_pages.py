@@ -135,6 +135,32 @@ def test_page_check_reads_only_index_bytes_and_refuses_short_blobs():
         check.bad_rows(blobs[:, :100])
 
 
+@pytest.mark.parametrize("codec", [QUANTWM, HEADS, WHOLE])
+def test_host_and_device_readings_of_the_index_fields_agree(codec):
+    """Host blobs are checked by numpy, device blobs by torch: both readings, field by field, on crafted rows (each
+    codec's every field at its bound, one past it, and at random values) and on rows whose bytes are not contiguous."""
+    cache, _, blobs = exported(codec, list(range(33)))
+    check, rng = cache.page_check, np.random.default_rng(0)
+    rows = [blobs[0].clone()]
+    for layer in range(2):
+        for f in index_fields(cache.codecs[layer], cache.layouts[layer]):
+            for value in (f.limit - 1, f.limit, *rng.integers(-300, 600, 3)):
+                if f.width == 1 and not 0 <= value < 256:
+                    continue
+                row = blobs[1].clone()
+                set_index(cache, row, layer, f.name, int(value))
+                rows.append(row)
+    crafted = torch.stack(rows)
+    for view in (crafted, crafted.t().contiguous().t(), crafted[1::2]):
+        host, device = check._out_of_range_numpy(view.contiguous()), check._out_of_range_torch(view.contiguous())
+        assert len(host) == len(device) == len(check.blocks)
+        for a, b in zip(host, device):
+            assert a.dtype == b.dtype == torch.bool and torch.equal(a, b)
+        bad = check.bad_rows(view)
+        assert any(bad) and not all(bad)  # a test that sees both answers
+        assert bad == [bool(torch.stack([f.any(1) for f in device]).any(0)[i]) for i in range(view.shape[0])]
+
+
 def test_a_per_layer_plan_checks_each_layer_with_its_own_bounds(caplog):
     plan = (QUANTWM, "kivi:bits=2,group=16", "qvg:centroids=8,group=16", QUANTWM)
     tokens = list(range(300, 333))
