@@ -562,3 +562,113 @@ def test_exact_products_equal_integer_arithmetic(rows):
     want = (x.astype(np.int64) @ fixed).astype(object)
     assert all(int(g * 2.0**shift) == int(t) for g, t in zip(got.ravel(), want.ravel()))
     assert np.abs(got - x @ w).max() <= np.abs(x).sum(1).max() * 2.0**-shift  # the fixed point's rounding only
+
+
+def test_values_at_float32s_limit_are_refused_by_the_encoder_not_written_unreadable():
+    """float32's largest value at a tight lattice budget: its error bound (half a step plus a float32 spacing)
+    is infinite; the encoder used to write it, and its own decoder refused the stream."""
+    x = np.full((1, 1, 1, 1), np.finfo(np.float32).max, np.float32)
+    codec = AlignPredCodec("alignpred:error=1e-7,quant=lattice")
+    with np.errstate(all="ignore"), pytest.raises(ValueError, match="float32's range"):
+        codec.encode(x, x)
+    mixed = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 2, 1, 8)
+    mixed[0, 0, 0, 0] = np.nextafter(np.finfo(np.float32).max, np.float32(0))
+    try:
+        with np.errstate(all="ignore"):
+            blob = codec.encode(mixed, mixed)
+    except ValueError as exc:
+        assert "float32" in str(exc)
+    else:  # whatever the encoder writes, its decoder reads
+        assert np.abs(codec.decode(blob)[0].astype(np.float64) - mixed).max() <= codec.max_errors(blob)[0]
+
+
+def test_a_decoded_stream_with_non_finite_values_is_a_miss():
+    """A stream whose step was raised to float32's largest (within the header's check) with both checksums
+    recomputed, as whoever can write the store can: it decoded to +-inf, which no encode writes."""
+    from kvbackend.alignpred.codec import _dequant
+    from kvbackend.alignpred.schema import value_checksum
+
+    k = np.random.default_rng(0).standard_normal((1, 4, 1, 8)).astype(np.float32)
+    codec = AlignPredCodec("alignpred:error=1x,quant=lattice")
+    blob = codec.encode(k, k)
+    a = {name: np.array(x) for name, x in unpack(blob).items()}
+    n = np.rint(codec.decode(blob)[0].astype(np.float64) / a["k.f"][0]).astype(np.int32)
+    a["k.f"][0] = np.finfo(np.float32).max
+    with np.errstate(over="ignore"):
+        xhat = _dequant(n, a["k.f"][0])
+    assert not np.isfinite(xhat).all()  # the crafted stream does decode past float32's range
+    a["k.i"][2] = value_checksum("k", k.shape, a["spec"], None, a["k.f"], xhat)
+    with pytest.raises(CorruptStream, match="non-finite"):
+        codec.decode(pack(a))
+
+
+def test_a_stream_of_many_blocks_decoded_without_a_shape_is_refused_before_its_pairs():
+    """A checksum-valid stream of [1, 1, H, 1] with align=heads: each of its H - 1 head pairs was predicted in
+    Python (about 30 us each): a 4 MB stream of 2^20 heads took 48 s. Without a shape, at most 2^14 blocks."""
+    from kvbackend.alignpred.entropy import encode_classes
+    from kvbackend.alignpred.schema import MAX_UNSHAPED_BLOCKS, value_checksum
+
+    def stream(H: int) -> bytes:
+        shape = (1, 1, H, 1)
+        spec = np.zeros(6, np.uint8)
+        spec[0] = 1  # align=heads, predict=mean, lattice
+        spec[2:6] = np.frombuffer(np.float32(0.5).tobytes(), np.uint8)
+        a = {"shape": np.array(shape, np.uint32), "spec": spec}
+        for tag in "kv":
+            codes, words, esc = encode_classes([np.zeros(H, np.int32) for _ in range(3)], [0, 0, 0])
+            floats = np.array([1.0, 1e-6, 0.0, 0.5], np.float64)
+            zero = np.zeros(shape, np.float32)
+            a.update({f"{tag}.f": floats,
+                      f"{tag}.i": np.array([0, crc32c.crc32c(np.zeros(shape, np.int32).tobytes()),
+                                            value_checksum(tag, shape, spec, None, floats, zero)], np.int64),
+                      f"{tag}.cls": np.array([c.cls for c in codes], np.uint8),
+                      f"{tag}.cnt": np.array([c.count for c in codes], np.uint32),
+                      f"{tag}.tab": np.stack([c.table for c in codes]), f"{tag}.lo": np.concatenate([c.lo for c in codes]),
+                      f"{tag}.w": words.astype(np.uint32), f"{tag}.esc": esc,
+                      f"{tag}.rot": np.zeros((H - 1, 1, 1), np.float16)})
+        return pack(a)
+
+    codec = AlignPredCodec("alignpred:error=1x")
+    k, v = codec.decode(stream(64))  # the construction is a valid stream: 64 heads decode to zeros
+    assert k.shape == (1, 1, 64, 1) and not k.any() and not v.any()
+    with pytest.raises(CorruptStream, match="blocks"):
+        codec.decode(stream(MAX_UNSHAPED_BLOCKS + 1))
+    assert codec.max_errors(stream(MAX_UNSHAPED_BLOCKS + 1)) == (0.5, 0.5)  # the header alone is read
+
+
+def test_max_errors_reads_any_group_the_encoder_takes():
+    """max_errors reads the header only: it used to refuse every valid stream of more than 2^20 values per kind
+    (the decoder's cap without a shape), so the bound of a full Llama-8B page group could not be read."""
+    x = np.random.default_rng(1).standard_normal((2, 1025, 4, 128)).astype(np.float32)  # 2^20 + 1024 values
+    codec = AlignPredCodec("alignpred:error=1x,quant=lattice")
+    blob = codec.encode(x, x)
+    bound_k, bound_v = codec.max_errors(blob)
+    assert bound_k == codec.last_report[0].max_error and bound_v == codec.last_report[1].max_error
+    kh, _ = codec.decode(blob, shape=x.shape)
+    assert np.abs(x.astype(np.float64) - kh).max() <= bound_k
+    with pytest.raises(CorruptStream, match="more than"):
+        codec.decode(blob)  # the decode without a shape keeps its cap
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)])
+def test_an_empty_axis_is_a_clear_error(shape):
+    x = np.zeros(shape, np.float32)
+    for quant in ("trellis", "lattice"):
+        with pytest.raises(ValueError, match="at least one layer, token, head and channel"):
+            AlignPredCodec(f"alignpred:error=1x,quant={quant}").encode(x, x)
+
+
+def test_a_spec_built_in_python_checks_its_budget():
+    from kvbackend.alignpred.spec import AlignPredSpec, ErrorBudget, parse_alignpred
+    from kvbackend.errors import SpecError
+
+    for value, relative in ((-0.5, True), (-0.2, False), (0.0, False), (float("nan"), False), (float("inf"), True),
+                            (1.0, False), (101.0, True), ("1", False)):
+        with pytest.raises(SpecError, match="the budget must be > 0"):
+            ErrorBudget(value, relative)
+    with pytest.raises(SpecError, match="ErrorBudget"):
+        AlignPredSpec(1.0)
+    spec = AlignPredSpec(ErrorBudget(0.5, True))
+    assert parse_alignpred(spec.spec_string) == spec  # what it prints parses back
+    with pytest.raises(SpecError, match="error='-1x'"):
+        parse_alignpred("alignpred:error=-1x")

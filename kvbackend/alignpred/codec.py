@@ -194,6 +194,9 @@ def _encode_kind(x: np.ndarray, spec: AlignPredSpec, tag: str,
     else:
         max_error = step / 2.0 + float(np.spacing(np.float32(np.abs(xhat).max() if xhat.size else 0.0)))
         assert reached <= max_error
+    if not (math.isfinite(max_error) and np.isfinite(xhat).all()):  # values at float32's limit round past it
+        raise ValueError(f"AlignPred cannot code these values within {target:.3g}: their reconstruction or its error "
+                         "bound leaves float32's range")
 
     m = n.copy()
     rots = []
@@ -270,6 +273,8 @@ def _decode_kind(h: StreamHeader, tag: str, frozen: np.ndarray | None) -> np.nda
         xhat = _trellis_values(n, kind.step) if h.quant == "trellis" else _dequant(n, kind.step)
     if value_checksum(tag, h.shape, h.spec_codes, h.calibration, kind.floats, xhat) != kind.value_crc:
         raise CorruptStream(f"AlignPred {tag} value checksum mismatch: a header field differs from the encoded one")
+    if not np.isfinite(xhat).all():  # no encode writes these (it refuses them): a stream crafted with its checksums
+        raise CorruptStream(f"AlignPred {tag} decodes to non-finite values")
     return xhat
 
 
@@ -279,6 +284,8 @@ def _as_numpy(x) -> np.ndarray:
     x = np.asarray(x, np.float32)
     if x.ndim != 4:
         raise ValueError(f"a page group is [layers, tokens, heads, head_dim]; got shape {x.shape}")
+    if x.size == 0:
+        raise ValueError(f"a page group needs at least one layer, token, head and channel; got shape {x.shape}")
     if not np.isfinite(x).all():
         raise ValueError("AlignPred refuses non-finite K/V values")
     return x
@@ -335,8 +342,8 @@ class AlignPredCodec:
         """(K, V) as float32 [L, T, H, D].
 
         ``shape`` is the [L, T, H, D] the caller expects (a stream of another shape is refused);
-        without it a group may hold up to ``MAX_UNSHAPED_VALUES`` (2^20) values per kind (larger groups decode
-        with their shape given).
+        without it a group may hold up to ``MAX_UNSHAPED_VALUES`` (2^20) values per kind in ``MAX_UNSHAPED_BLOCKS``
+        (2^14) (layer, head) blocks (larger groups decode with their shape given).
 
         Raises:
             CorruptStream: on any damage or malformation (and on nothing else), and when the stream
@@ -369,8 +376,8 @@ class AlignPredCodec:
         Raises:
             CorruptStream: a damaged or malformed stream.
         """
-        try:
-            h = read_header(unpack(blob), None)
+        try:  # the header alone (no work in proportion to the values): any group the encoder takes
+            h = read_header(unpack(blob), None, max_values=MAX_GROUP_VALUES, max_blocks=MAX_GROUP_VALUES)
         except CorruptStream:
             raise
         except Exception as exc:

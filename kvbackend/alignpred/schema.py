@@ -4,7 +4,7 @@
 :class:`StreamHeader`: every entry must be present with its exact dtype and shape, every count must
 add up to what the group's shape needs, every length must match the bytes the stream holds, and the
 group may not be larger than the caller expects (its shape, or :data:`MAX_UNSHAPED_VALUES` values per
-kind). So the decoder never allocates more than a small multiple of the group it returns, and a
+kind in :data:`MAX_UNSHAPED_BLOCKS` blocks). So the decoder never allocates more than a small multiple of the group it returns, and a
 malformed stream is a :class:`CorruptStream`, never another exception.
 
 :func:`value_checksum` covers the decoded float32 values together with every header field that
@@ -31,6 +31,9 @@ MAX_GROUP_VALUES = 1 << 25  # values per kind of a group the encoder takes (128 
 # values per kind of a stream decoded without an expected shape: a crafted stream of a few hundred bytes can make the
 # decoder work in proportion to the count it claims (a one-symbol table decodes any count from one rANS word)
 MAX_UNSHAPED_VALUES = 1 << 20
+# (layer, head) blocks of such a stream: aligned blocks are predicted pair by pair in Python (about 30 us a pair), so
+# a 4 MB stream of 2^20 one-channel heads took 48 s to refuse; real groups hold a few hundred blocks
+MAX_UNSHAPED_BLOCKS = 1 << 14
 _F32_MAX = float(np.finfo(np.float32).max)
 KIND_FIELDS = ("f", "i", "cls", "cnt", "tab", "lo", "w", "esc")  # plus "rot" when blocks are aligned
 
@@ -77,10 +80,10 @@ def _entry(a: dict[str, np.ndarray], name: str, dtype: str, shape: tuple[int | N
     return x
 
 
-def group_shape(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
-                max_values: int = MAX_UNSHAPED_VALUES) -> tuple[int, int, int, int]:
-    """The stored [L, T, H, D], which must equal ``expected`` (when given) and hold at most
-    ``max_values`` values (otherwise)."""
+def group_shape(a: dict[str, np.ndarray], expected: tuple[int, ...] | None, max_values: int = MAX_UNSHAPED_VALUES,
+                max_blocks: int = MAX_UNSHAPED_BLOCKS) -> tuple[int, int, int, int]:
+    """The stored [L, T, H, D], which must equal ``expected`` (when given) and hold at most ``max_values`` values
+    in at most ``max_blocks`` (layer, head) blocks (otherwise)."""
     shape = tuple(int(s) for s in _entry(a, "shape", "uint32", (4,)))
     if min(shape) < 1:
         raise CorruptStream(f"AlignPred group shape {shape} has an empty axis")
@@ -88,6 +91,8 @@ def group_shape(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
         raise CorruptStream(f"AlignPred group shape {shape}; this page group is {tuple(expected)}")
     if expected is None and math.prod(shape) > max_values:
         raise CorruptStream(f"AlignPred group shape {shape} holds more than {max_values} values")
+    if expected is None and shape[0] * shape[2] > max_blocks:
+        raise CorruptStream(f"AlignPred group shape {shape} holds more than {max_blocks} (layer, head) blocks")
     return shape  # type: ignore[return-value]
 
 
@@ -151,14 +156,14 @@ def _kind(a: dict[str, np.ndarray], tag: str, shape: tuple[int, int, int, int], 
     return KindHeader(floats, cm_off, lattice_crc, value_crc, codes, words, escapes, rots)
 
 
-def read_header(a: dict[str, np.ndarray], expected: tuple[int, ...] | None,
-                max_values: int = MAX_UNSHAPED_VALUES) -> StreamHeader:
+def read_header(a: dict[str, np.ndarray], expected: tuple[int, ...] | None, max_values: int = MAX_UNSHAPED_VALUES,
+                max_blocks: int = MAX_UNSHAPED_BLOCKS) -> StreamHeader:
     """Check every entry of a stream against the others and the expected shape.
 
     Raises:
         CorruptStream: a missing, unknown or mistyped entry, or counts, lengths or a shape that do not add up.
     """
-    shape = group_shape(a, expected, max_values)
+    shape = group_shape(a, expected, max_values, max_blocks)
     spec = _entry(a, "spec", "uint8", (None,))
     if spec.size not in (6, 7):
         raise CorruptStream(f"AlignPred entry 'spec' holds {spec.size} bytes; expected 6 or 7")

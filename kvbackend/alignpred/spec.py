@@ -22,6 +22,16 @@ class ErrorBudget:
     value: float  # the NRMSE itself, or the multiple of FP8's NRMSE when ``relative_to_fp8``
     relative_to_fp8: bool  # True for "2x": 2 x FP8-e4m3's NRMSE measured on the same data
 
+    def __post_init__(self) -> None:  # built in Python as well as parsed: the same check
+        try:
+            value = float(self.value)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or value <= 0 or (
+                not self.relative_to_fp8 and value >= 1) or (self.relative_to_fp8 and value > MAX_RELATIVE):
+            raise SpecError(f"error={self.value!r}{'x' if self.relative_to_fp8 else ''}: the budget must be > 0 (an "
+                            f"absolute NRMSE < 1, a multiple of FP8's error at most {MAX_RELATIVE:g}x)")
+
     def __str__(self) -> str:
         return f"{self.value:g}x" if self.relative_to_fp8 else f"{self.value:g}"
 
@@ -39,6 +49,8 @@ class AlignPredSpec:
     quant: str = "trellis"
 
     def __post_init__(self) -> None:  # built in Python as well as parsed: the same checks
+        if not isinstance(self.error, ErrorBudget):
+            raise SpecError(f"error={self.error!r}: give an ErrorBudget (or parse 'alignpred:error=1x')")
         for name, valid in (("align", ALIGNS), ("predict", PREDICTS), ("fit", FITS), ("quant", QUANTS)):
             if getattr(self, name) not in valid:
                 raise SpecError(f"{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
@@ -58,10 +70,10 @@ def parse_error(raw: str) -> ErrorBudget:
         value = float(text[:-1] if relative else text)
     except ValueError:
         raise SpecError(f"error={raw!r}: give an NRMSE (error=0.03) or a multiple of FP8's error (error=2x)") from None
-    if not math.isfinite(value) or value <= 0 or (not relative and value >= 1) or (relative and value > MAX_RELATIVE):
-        raise SpecError(f"error={raw!r}: the budget must be > 0 (an absolute NRMSE < 1, a multiple of FP8's "
-                        f"error at most {MAX_RELATIVE:g}x)")
-    return ErrorBudget(value, relative)
+    try:
+        return ErrorBudget(value, relative)
+    except SpecError as exc:
+        raise SpecError(f"error={raw!r}: {str(exc).split(': ', 1)[1]}") from None
 
 
 def parse_alignpred(text: str) -> AlignPredSpec:
