@@ -11,43 +11,31 @@ kernel and with the codec's own decode, interleaved.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_sglang_gpu import CODECS  # noqa: E402
-from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+from sglang_common import parser, setup  # noqa: E402
+from test_sglang import host_indices  # noqa: E402
 
 COUNTERS = ("read_s", "decode_s", "to_pool_s")
 ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--codec", default=CODECS[-1])
-    parser.add_argument("--gets", type=int, default=4)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--gets", type=int, default=4)
+    args = options.parse_args()
     n, p = args.pages, args.page_size
-    cuda = torch.cuda.is_available()
-    host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
-    if cuda:
-        host.kv_buffer = host.kv_buffer.pin_memory()
-    host.kv_buffer.normal_()
-    raw = n * 2 * args.layers * p * 8 * 128 * 2
-    backend = make_backend(pathlib.Path(tempfile.mkdtemp()) / "kv", host, args.codec)
+    s = setup(args)
+    cuda, backend = s.cuda, s.backend
+    raw = n * s.page_raw
     units = backend.units
     rows = []
 

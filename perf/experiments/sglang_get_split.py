@@ -9,40 +9,26 @@ Prints milliseconds and GB/s of raw KV for each piece (medians of five) and writ
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_sglang_gpu import CODECS  # noqa: E402
-from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+from sglang_common import parser, setup  # noqa: E402
+from test_sglang import host_indices  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--codec", default=CODECS[-1])
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     n, p = args.pages, args.page_size
-    cuda = torch.cuda.is_available()
+    s = setup(args)
+    cuda, backend, page_raw = s.cuda, s.backend, s.page_raw
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
-    if cuda:
-        host.kv_buffer = host.kv_buffer.pin_memory()
-    host.kv_buffer.normal_()
-    page_raw = 2 * args.layers * p * 8 * 128 * 2
-    backend = make_backend(pathlib.Path(tempfile.mkdtemp()) / "kv", host, args.codec)
     names = [f"p{i}" for i in range(n)]
     assert all(backend.batch_set_v1(names, host_indices(range(n), p)))
     import kvbackend.integration.sglang as module

@@ -9,40 +9,27 @@ Writes OUT_DIR/sglang_set_profile.json, OUT_DIR/sglang_set_ops.txt and OUT_DIR/s
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_sglang_gpu import CODECS  # noqa: E402
-from test_sglang import HostPool, host_indices, make_backend  # noqa: E402
+from sglang_common import parser, setup  # noqa: E402
+from test_sglang import host_indices  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--codec", default=CODECS[-1])
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     n, p = args.pages, args.page_size
-    cuda = torch.cuda.is_available()
-    host = HostPool("layer_first", pages=2 * n, page_size=p, layers=args.layers, heads=8, head_dim=128)
-    if cuda:
-        host.kv_buffer = host.kv_buffer.pin_memory()
-    host.kv_buffer.normal_()
-    raw = n * 2 * args.layers * p * 8 * 128 * 2
-    backend = make_backend(pathlib.Path(tempfile.mkdtemp()) / "kv", host, args.codec)
+    s = setup(args)
+    cuda, host, backend = s.cuda, s.host, s.backend
+    raw = n * s.page_raw
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     assert all(backend.batch_set_v1([f"warm{i}" for i in range(n)], host_indices(range(n), p)))
     result = {"codec": args.codec, "pages": n, "page_size": p, "layers": args.layers,
