@@ -395,6 +395,17 @@ class KVBackendStorage(HiCacheStorage):
     def _page_from_pool(self, index: int) -> torch.Tensor:
         return self._page_from_flat(self.mem_pool_host.get_data_page(index, flat=True))
 
+    def _slot(self, index) -> int:
+        """The first token slot of the page at host index ``index``; ValueError outside the host pool (a negative
+        index would slice from the pool's end: another page's slots)."""
+        if self.writer is not None:
+            return self.writer.slot(index)
+        start, tokens = int(index), getattr(self.mem_pool_host, "size", None)  # SGLang's host pools: tokens
+        if start < 0 or (isinstance(tokens, int) and start + self.page_size > tokens):
+            raise ValueError(f"host index {start} is outside the host pool of {tokens} tokens "
+                             f"(pages of {self.page_size})")
+        return start
+
     def _page_to_pool(self, index: int, page: torch.Tensor) -> None:
         self.mem_pool_host.set_from_flat_data_page(index, self._flat_from_page(page))
 
@@ -644,7 +655,7 @@ class KVBackendStorage(HiCacheStorage):
 
             def deliver(i: int, page: torch.Tensor) -> None:  # into the host pool as soon as it is decoded
                 start = time.perf_counter()
-                self._page_to_pool(int(host_indices[i * self.page_size]), page)
+                self._page_to_pool(self._slot(host_indices[i * self.page_size]), page)
                 copying[0] += time.perf_counter() - start
 
             results = [page is not None for page in self._load(list(keys), deliver)]
@@ -664,9 +675,8 @@ class KVBackendStorage(HiCacheStorage):
             p, writer = self.page_size, self.writer
 
             def page_of(i: int) -> torch.Tensor:  # read in place where the pool allows, else copied out of it
-                if writer is not None:
-                    return writer.page(writer.slot(host_indices[i * p]))
-                return self._page_from_pool(int(host_indices[i * p]))
+                start = self._slot(host_indices[i * p])
+                return writer.page(start) if writer is not None else self._page_from_pool(start)
 
             slot_of = (lambda i: writer.slot(host_indices[i * p])) if writer is not None else None
             return self._store(list(keys), page_of, slot_of)
@@ -689,7 +699,15 @@ class KVBackendStorage(HiCacheStorage):
                 continue
             flat = self._flat_from_page(page)
             if target_locations is not None and target_locations[i] is not None:
-                target_locations[i].copy_(flat.view_as(target_locations[i]))
+                try:
+                    target_locations[i].copy_(flat.view_as(target_locations[i]))
+                except Exception as exc:  # noqa: BLE001 - a target of another size: this page alone misses
+                    self._log_once("target", f"kvbackend storage: a page does not fit its target: {exc!r}")
+                    with self._lock:  # (`_load` counted it a hit)
+                        self._stats["hits"] -= 1
+                        self._stats["misses"] += 1
+                    out.append(None)
+                    continue
                 flat = target_locations[i]
             out.append(flat)
         return out

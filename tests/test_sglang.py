@@ -1264,3 +1264,37 @@ def test_the_gpu_gets_units_with_codebooks_through_the_gather_kernel(tmp_path, m
     assert sum(calls) == 36 * host.layer_num  # every layer of every delivered page through the kernel
     for i in range(36):
         assert within(host.page(16 * (40 + i)), want[i]), i
+
+
+@pytest.mark.parametrize("codec", ["kivi:bits=4,group=16", "alignpred:error=1x", "identity"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_negative_host_index_is_a_miss_of_that_page_alone(tmp_path, codec, layout):
+    """A negative index sliced from the pool's end: codecs decoded page by page (alignpred) wrote the page into the
+    pool's last slots and reported a hit. Every path checks the index against the pool now, gets and sets."""
+    host = HostPool(layout, pages=8)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host, codec)
+    assert backend.batch_set_v1(["a", "b"], host_indices([0, 1])) == [True, True]
+    before = host.kv_buffer.clone()
+    indices = torch.cat([torch.arange(-32, -16), host_indices([6])])
+    assert backend.batch_get_v1(["a", "b"], indices) == [False, True]
+    changed = (host.kv_buffer != before).movedim(1 if layout == "page_first" else 2, 0).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == list(range(96, 112))  # page b's slots alone
+    stats = backend.get_stats()
+    assert (stats["hits"], stats["misses"]) == (1, 1)
+    assert backend.batch_set_v1(["c", "d"], torch.cat([torch.arange(-16, 0), host_indices([2])])) == [False, True]
+    assert backend.batch_exists(["d"]) == 1 and backend.batch_exists(["c"]) == 0
+
+
+def test_a_generic_get_into_a_target_of_another_size_misses_that_page_alone(tmp_path):
+    host = HostPool("layer_first", pages=4)
+    host.kv_buffer.normal_()
+    backend = make_backend(tmp_path, host)
+    assert backend.batch_set_v1(["x", "y"], host_indices([0, 1])) == [True, True]
+    n = host.get_data_page(0).numel()
+    small, fits = torch.full((n - 2,), 3.0, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    out = backend.batch_get(["x", "y"], [small, fits])
+    assert out[0] is None and (small == 3).all()  # refused before any copy
+    assert out[1] is fits and torch.equal(fits, backend.batch_get(["y"])[0])
+    stats = backend.get_stats()
+    assert (stats["hits"], stats["misses"]) == (2, 1)  # x missed once; y was served twice
