@@ -4,8 +4,8 @@
 :class:`StreamHeader`: every entry must be present with its exact dtype and shape, every count must
 add up to what the group's shape needs, every length must match the bytes the stream holds, and the
 group may not be larger than the caller expects (its shape, or :data:`MAX_UNSHAPED_VALUES` values per
-kind in :data:`MAX_UNSHAPED_BLOCKS` blocks). So the decoder never allocates more than a small multiple of the group it returns, and a
-malformed stream is a :class:`CorruptStream`, never another exception.
+kind in :data:`MAX_UNSHAPED_BLOCKS` blocks). So the decoder never allocates more than a small multiple of
+the group it returns, and a malformed stream is a :class:`CorruptStream`, never another exception.
 
 :func:`value_checksum` covers the decoded float32 values together with every header field that
 shapes them (group shape, predictor, step, bounds, calibration): the last check before values
