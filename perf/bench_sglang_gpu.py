@@ -10,8 +10,9 @@ Figures are GB/s of raw KV (bf16 K and V of every layer) per call of `batch_set_
 five rounds (fresh keys for every set round; gets read what the last set wrote, so from the OS page cache on both
 sides). The host pool is page-locked where CUDA is present, as SGLang allocates it (``--pageable-pool``: plain
 memory); HiCacheFile's targets are of the same kind. Each backend sets and gets a batch like the timed ones before
-timing (first-use compiles and allocations). Codecs with codebooks decode on a GPU through the gather kernel (`kvbackend.unit_gather`); their gets are
-timed again with the codec's own decode in the same run (``get_GBps_codec_decode``).
+timing (first-use compiles and allocations). Codecs with codebooks decode on a GPU through the gather kernel
+(`kvbackend.unit_gather`); their gets are timed again with the codec's own decode in the same run
+(``get_GBps_codec_decode``).
 """
 
 from __future__ import annotations
