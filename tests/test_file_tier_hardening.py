@@ -5,6 +5,7 @@ index rebuild. Every blob served must be exactly the bytes that were put; anythi
 import builtins
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import random
@@ -593,3 +594,63 @@ def test_a_file_whose_every_blob_lives_in_newer_files_is_removed_at_start_up(tmp
     assert served(again, [1, 2]) == {1, 2}
     assert again.stats().bytes_used == sum(os.path.getsize(here / n) for n in os.listdir(here))
     again.close()
+
+
+# -- arguments -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [-1, float("nan"), 1e9, True, "100", None])
+def test_a_bad_budget_is_refused_before_start_up_touches_the_directory(tmp_path, budget):
+    """Start-up evicts down to the budget: a budget of -1 removed every file already stored, and NaN turned the
+    bound off."""
+    files = write_groups(tmp_path, [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="budget_bytes"):
+        FileTier(str(tmp_path), budget, FINGERPRINT)
+    assert sorted(os.listdir(tmp_path)) == sorted(files)
+    tier = FileTier(str(tmp_path), 10**7, FINGERPRINT)
+    assert served(tier, [1, 2, 3, 4]) == {1, 2, 3, 4}
+    tier.close()
+
+
+def test_a_closed_tier_and_blobs_that_are_not_tensors_are_clear_errors(tmp_path):
+    from kvbackend.tiers.base import TierError
+
+    tier = FileTier(str(tmp_path), 10**7, FINGERPRINT)
+    with pytest.raises(ValueError, match="must be a tensor"):
+        tier.put([1], [b"bytes"])
+    assert tier.contains([1]) == 0 and tier.stats().bytes_used == 0
+    tier.close()
+    with pytest.raises(TierError, match="closed"):
+        tier.put([1], [blob_for(1)])
+    with pytest.raises(TierError, match="closed"):
+        tier.get([1], [torch.empty(400, dtype=torch.uint8)])
+
+
+def test_a_stored_stream_longer_than_its_format_writes_is_not_read(tmp_path, caplog, monkeypatch):
+    """With a blob format the buffer of a read is the stored length, which only the file's size bounded: a crafted
+    sparse file of 2 GiB made one restore allocate and read 2 GiB. Such a stream is refused unread now."""
+    from kvbackend import CacheConfig, Geometry, KVCache
+    from kvbackend.tiers import file as file_module
+    from kvbackend.tiers.persist import AlignPredFormat
+
+    cache = KVCache(Geometry(2, 2, 64, torch.bfloat16), CacheConfig(codec="bf16", page_size=16, chunk_pages=2,
+                                                                     dense_pages=32, packed_pages=16, device="cpu"))
+    fmt = AlignPredFormat("alignpred:error=1x", cache.layout)
+    key = 12345
+    fingerprint = hashlib.blake2b(f"{cache.layout.fingerprint}|{fmt.name}".encode(), digest_size=8).hexdigest()
+    length = 64 << 20  # more than 4 x the 16 KB page group and 1 MiB
+    start = HEADER + ENTRY
+    table = struct.pack("<QQQII", key, start, length, 0, 0)
+    path = tmp_path / ("1" * 32 + SUFFIX)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<8sI16sII12x", file_module.MAGIC, file_module.VERSION, fingerprint.encode(), 1,
+                            crc32c.crc32c(table)) + table)
+        f.truncate(start + length)  # a hole: no disk taken
+    tier = FileTier(str(tmp_path), 10**12, cache.layout.fingerprint, fmt=fmt)
+    assert tier.contains([key]) == 1
+    reads = []
+    real = file_module._pread_into
+    monkeypatch.setattr(file_module, "_pread_into", lambda *a: reads.append(a) or real(*a))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert tier.get([key], [torch.empty(fmt.blob_bytes, dtype=torch.uint8)]).result() == [False]
+    assert reads == [] and "past what the format writes" in caplog.text
+    assert tier.stats().failures == 1 and tier.contains([key]) == 0
+    tier.close()

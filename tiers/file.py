@@ -45,7 +45,7 @@ except ImportError:  # not POSIX: temporary files of a live pid are kept, as bef
     fcntl = None
 
 from kvbackend.errors import CorruptStream
-from kvbackend.tiers.base import Handle, TierStats, check_pairs, prefix_length
+from kvbackend.tiers.base import Handle, TierError, TierStats, check_pairs, prefix_length
 from kvbackend.tiers.persist import BlobFormat
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class _Location:
 
 
 READS_PER_WORKER = 4  # a get of fewer blobs per worker stays on one worker
+# a blob format's stored stream (AlignPred's) is at most this many times the page group it decodes to (plus 1 MiB):
+# a longer one, crafted, would be read whole into memory before its format refused it
+_MAX_STORED_RATIO = 4
 
 
 class FileTier:
@@ -87,6 +90,10 @@ class FileTier:
         threads for writes and side-by-side reads (default: the cores this process may run on, 2 to 8)."""
         if len(fingerprint.encode()) != 16:
             raise ValueError(f"fingerprint must be 16 ASCII characters (PageLayout.fingerprint), got {fingerprint!r}")
+        # checked before the directory is scanned: start-up evicts down to the budget (a negative one removed every
+        # file, a NaN one turned the bound off)
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"file tier budget_bytes must be an int >= 0, got {budget_bytes!r}")
         if fmt is not None:  # files of another persistent format are another layout on disk
             fingerprint = hashlib.blake2b(f"{fingerprint}|{fmt.name}".encode(), digest_size=8).hexdigest()
         self.fmt = fmt
@@ -104,6 +111,7 @@ class FileTier:
         self._logged: set[str] = set()
         self._workers = max(1, int(workers)) if workers is not None else default_workers()
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvbackend-file")
+        self._closed = False
         self._scan()
 
     # -- start-up -------------------------------------------------------------------------
@@ -222,7 +230,11 @@ class FileTier:
             return prefix_length(keys, self._index.__contains__)
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
+        self._require_open()
         check_pairs(keys, blobs, "blobs")
+        for key, blob in zip(keys, blobs):
+            if not isinstance(blob, torch.Tensor):  # (its bytes are read in a worker: refused here, not there)
+                raise ValueError(f"blob for key {key} must be a tensor, got {type(blob).__name__}")
         bad = [k for k in keys if not 0 <= k < 1 << 64]
         if bad:  # a key the file's table (u64) cannot hold: refused here, before any budget is reserved
             raise ValueError(f"file tier keys are unsigned 64-bit integers, got {bad[:4]}")
@@ -243,6 +255,8 @@ class FileTier:
         if self.fmt is not None:
             try:
                 payloads = [self.fmt.encode(p.tobytes()) for p in payloads]
+                if any(len(p) > _MAX_STORED_RATIO * self.fmt.blob_bytes + (1 << 20) for p in payloads):
+                    raise ValueError("a stream longer than the tier reads back")  # never written to be refused
             except ValueError:  # a blob this format cannot hold: nothing is written, the caller keeps it
                 with self._lock:
                     self._failures += 1
@@ -338,6 +352,7 @@ class FileTier:
         returns why its contents are refused, or None: a refused blob is corrupt like one that fails its
         checksum (a miss, counted as a failure, its file removed), so the tier never serves bytes its reader
         cannot trust (`kvbackend.page_check`: crafted pages come with a valid checksum)."""
+        self._require_open()
         check_pairs(keys, into, "buffers")
         if expected_len is not None:
             check_pairs(keys, expected_len, "expected lengths")
@@ -389,6 +404,8 @@ class FileTier:
         """Read one blob into ``out`` and check it (checksum, then ``check``); the outcome and why. CPU buffers
         (pinned or not) are filled in place, device buffers through one bounce copy. On any outcome but a hit,
         ``out[:length]`` may hold garbage."""
+        if self.fmt is not None and where.length > _MAX_STORED_RATIO * self.fmt.blob_bytes + (1 << 20):
+            return _CORRUPT, f"a stored stream of {where.length} bytes, past what the format writes"  # nothing read
         direct = out.device.type == "cpu" and out.is_contiguous() and self.fmt is None
         target = out[: where.length] if direct else torch.empty(where.length, dtype=torch.uint8)
         view = memoryview(target.numpy())
@@ -515,7 +532,12 @@ class FileTier:
         log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise TierError(f"file tier {self.directory} is closed")
 
 
 def default_workers(most: int = 8) -> int:
