@@ -8,7 +8,7 @@ import os
 import sys
 
 TEXTS = ["legal", "code", "tech", "pyenv", "gfdl", "subprocess", "subtree", "idlenews"]
-FOLDERS = ["perf/results/s40", "perf/results/s39", "perf/results/s37", "perf/results/s36", "perf/results/s35", "perf/results/s34", "perf/results/s33", "perf/results/s32", "perf/results/s30"]
+FOLDERS = ["perf/results/s41", "perf/results/s40", "perf/results/s39", "perf/results/s37", "perf/results/s36", "perf/results/s35", "perf/results/s34", "perf/results/s33", "perf/results/s32", "perf/results/s30"]
 
 
 def load(name, text, n):
