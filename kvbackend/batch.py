@@ -32,7 +32,8 @@ class BatchPlan:
     max_pages: int  # most work pages of any request
     page_size: int
     min_pages: int = 1  # fewest work pages of any request (host-side, so launchers need no device sync)
-    # each request's page table and its version when planned (`KVCache` refuses the plan once either changed)
+    # each request's page table, its version and its tokens in the planned layer (`KVCache` refuses the plan once the
+    # table or its version changed, and on a layer that holds another number of tokens)
     tables: tuple = ()
     total_tokens: int | None = None  # host copy of cu_seqlens[-1] (None: read from the device when asked)
 
@@ -96,7 +97,8 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     fields = [join(ids), join(kinds), join(slots), join(valid), rows, position, np.array(starts, np.int64),
               np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
     views = ints_on_device(fields, cache.dense.data.device)
-    tables = tuple((cache.page_table(rid), cache.page_table(rid).version) for rid in request_ids)
+    tables = tuple((cache.page_table(rid), cache.page_table(rid).version, cache.page_table(rid).lengths[layer])
+                   for rid in request_ids)
     return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0), tables, cu[-1])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import secrets
 from collections.abc import Sequence
 
@@ -159,7 +160,7 @@ class KVCache:
             UnknownRequest, InvalidKV (also for a request named twice), CacheFull (the dense pages the
             batch needs are not free; nothing is written when it is raised).
         """
-        ids = [int(rid) for rid in request_ids]  # a tensor or list of ids alike
+        ids = [_request_id(rid) for rid in request_ids]  # a tensor or list of ids alike
         if not ids:
             return  # an empty batch appends nothing
         tables = [self._table(rid) for rid in ids]
@@ -448,27 +449,32 @@ class KVCache:
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
         self._check_layer(layer)
-        self._check_plan(plan)
+        self._check_plan(plan, layer)
         self.wait_layer(layer)
         return self.backends[layer].gather(self, plan, layer)
 
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
         self._check_layer(layer)
-        self._check_plan(plan)
+        self._check_plan(plan, layer)
         plan.check_queries(q, self.geometry.num_kv_heads, self.geometry.head_dim)
         self.wait_layer(layer)
         return self.backends[layer].decode(self, plan, layer, q, scale)
 
-    def _check_plan(self, plan: BatchPlan) -> None:
+    def _check_plan(self, plan: BatchPlan, layer: int) -> None:
         """Refuse a plan whose requests were freed or packed a chunk since: its page ids may name pages another
-        request holds now (the kernels would read them; a plan is for one step, made after its appends)."""
-        for rid, (table, version) in zip(plan.request_ids, plan.tables):
+        request holds now (the kernels would read them; a plan is for one step, made after its appends). Refuse it
+        too on a layer whose requests hold another number of tokens than planned: the kernels would read rows of a
+        dense page the request never wrote there (a freed request's), the torch path rows past the plan's."""
+        for rid, (table, version, tokens) in zip(plan.request_ids, plan.tables):
             if self._tables.get(rid) is not table:
                 raise UnknownRequest(f"the plan is stale: request {rid} was freed after it was planned")
             if table.version != version:
                 raise InvalidKV(f"the plan is stale: request {rid} packed a chunk after it was planned "
                                 f"(its dense pages went back to the pool); plan the batch again")
+            if table.lengths[layer] != tokens:
+                raise InvalidKV(f"the plan does not fit layer {layer}: request {rid} holds {table.lengths[layer]} "
+                                f"tokens there, the plan {tokens}; plan after appending, or plan this layer")
 
     def page_table(self, request_id: int) -> PageTable:
         return self._table(request_id)
@@ -549,7 +555,7 @@ class KVCache:
 
     def free(self, request_id: int) -> None:
         """Drop a request. Its hashed packed pages stay cached (tail pages evicted first)."""
-        table = self._tables.pop(request_id, None)
+        table = self._tables.pop(_request_id(request_id), None)
         if table is None:
             raise UnknownRequest(f"request {request_id} is unknown or already freed")
         for page in reversed(table.dense):
@@ -563,7 +569,7 @@ class KVCache:
 
     def _table(self, request_id: int) -> PageTable:
         try:
-            return self._tables[request_id]
+            return self._tables[_request_id(request_id)]
         except KeyError:
             raise UnknownRequest(f"request {request_id} is unknown or already freed") from None
 
@@ -579,3 +585,13 @@ class KVCache:
         """Assert every pool invariant, including that ref counts match the page tables."""
         check_cache(self)
 
+
+def _request_id(request_id) -> int:
+    """``request_id`` as the int it names (numpy and 0-d integer tensors too); UnknownRequest for anything else: a
+    float or a bool was rounded or compared equal to another request's id (1.7 appended to request 1)."""
+    if isinstance(request_id, bool):
+        raise UnknownRequest(f"request ids are ints, got {request_id!r}")
+    try:
+        return operator.index(request_id)
+    except TypeError:
+        raise UnknownRequest(f"request ids are ints, got {request_id!r}") from None

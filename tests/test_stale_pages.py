@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.errors import InvalidKV, UnknownRequest
 from kvbackend.attention import decode_attention
 from kvbackend.kernels.gather_dequant import gather_dequant
 from kvbackend.kernels.paged_decode import paged_decode
@@ -132,3 +133,63 @@ def test_a_plan_made_before_its_request_was_freed_or_packed_is_refused(backend):
         cache.gather(before, 0)
     k, v = cache.gather(cache.plan([b], 0), 0)  # planned again: served
     assert k.shape == (32, 2, 16) and torch.equal(k[:5], torch.full((5, 2, 16), 7.0, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_plan_is_refused_on_a_layer_that_holds_another_number_of_tokens(backend):
+    """A plan's row counts come from its layer. Used on a layer the request had not appended yet, the Triton
+    gather read 10 rows of a freed request's dense page (its values, as a hit); after an append to every layer the
+    torch gather served one request's newest token as the next request's first row. Both are refused now, and the
+    plan of the layer itself, made after its appends, serves."""
+    geometry = Geometry(2, 2, 32, torch.bfloat16)
+    cache = KVCache(geometry, CacheConfig(codec="kivi:bits=4,group=16", page_size=16, chunk_pages=2, dense_pages=2,
+                                          packed_pages=8, backend=backend, device=DEVICE))
+    full = lambda n, x: torch.full((n, 2, 32), x, device=DEVICE)  # noqa: E731
+    a, _ = cache.add_request([])
+    for layer in range(2):
+        cache.append(a, layer, full(10, 7.0), full(10, 7.0))
+    cache.free(a)
+    b, _ = cache.add_request([])
+    cache.append(b, 0, full(10, 1.0), full(10, 1.0))
+    plan = cache.plan([b], 0)
+    with pytest.raises(InvalidKV, match="does not fit layer 1"):
+        cache.gather(plan, 1)
+    with pytest.raises(InvalidKV, match="does not fit layer 1"):
+        cache.decode(plan, 1, torch.randn(1, 4, 32, device=DEVICE).bfloat16())
+    k, _ = cache.gather(plan, 0)
+    assert k.shape[0] == 10 and bool((k == 1).all())
+    c, _ = cache.add_request([])
+    for layer in range(2):
+        cache.append(c, layer, full(5, 2.0), full(5, 2.0))
+    cache.append(b, 1, full(10, 1.0), full(10, 1.0))
+    plan = cache.plan([b, c], 0)
+    for layer in range(2):
+        cache.append(b, layer, full(1, 1.5), full(1, 1.5))
+    with pytest.raises(InvalidKV, match="holds 11 tokens there, the plan 10"):
+        cache.gather(plan, 0)
+    k, _ = cache.gather(cache.plan([b, c], 0), 0)
+    assert k.shape[0] == 16 and k[10].float().mean() == 1.5 and bool((k[11:] == 2).all())
+
+
+def test_request_ids_are_ints_never_floats_or_bools():
+    """`append_step([1.7], ...)` appended to request 1, `free(True)` freed request 1 and `read(1.0, ...)` read it."""
+    cache = KVCache(Geometry(2, 2, 32, torch.bfloat16), CacheConfig(codec="identity", page_size=16, chunk_pages=2,
+                                                                     dense_pages=8, packed_pages=8, backend="torch"))
+    ids = [cache.add_request([])[0] for _ in range(2)]
+    assert ids[1] == 1
+    one = torch.ones(1, 2, 32)
+    for bad in (1.7, True, 1.0, "1", None):
+        with pytest.raises(UnknownRequest):
+            cache.append_step([bad], 0, one, one)
+        with pytest.raises(UnknownRequest):
+            cache.free(bad)
+        with pytest.raises(UnknownRequest):
+            cache.read(bad, 0)
+    assert cache.page_table(1).lengths == [0, 0] and cache.request_ids == ids
+    import numpy as np
+
+    cache.append_step([np.int64(1)], 0, one, one)  # integer ids of numpy and 0-d tensors name their request
+    k, _ = cache.read(torch.tensor(1), 0)
+    assert k.shape[0] == 1 and cache.page_table(0).lengths == [0, 0]
+    cache.free(np.int64(1))
+    assert cache.request_ids == [0]
