@@ -92,6 +92,10 @@ class PageGroups:
         outlier positions) are out of range (`kvbackend.page_check`): no reader ever sees it. Returns how many
         of ``keys`` (a prefix) are now on the device.
         """
+        if (not isinstance(blobs, torch.Tensor) or blobs.dtype != torch.uint8 or blobs.dim() != 2
+                or blobs.shape[0] < len(keys) or blobs.shape[1] < self.group.blob_bytes):
+            raise ValueError(f"page groups are uint8 rows [>= {len(keys)} keys, >= {self.group.blob_bytes} bytes], "
+                             f"got {getattr(blobs, 'dtype', type(blobs))} {tuple(getattr(blobs, 'shape', ()))}")
         trailers = self.read_trailers(blobs, len(keys), resident, sizes)
         if self.check is not None:
             bad = self.check.bad_rows(blobs[: len(keys)]) if any(t is not None for t in trailers) else []

@@ -377,3 +377,17 @@ def test_vllm_load_refuses_a_crafted_chunk(tmp_path, field, bad):
     assert other.store.stats().failures == 1 and other.store.contains([other._key(ks[1])]) == 0
     tier.shutdown()
     other.shutdown()
+
+
+def test_install_pages_refuses_rows_of_another_shape_or_type_with_a_clear_error():
+    """Rows narrower than this cache's page groups (exported by a cache of another codec) raised struct.error from
+    the trailer's unpacking; fewer rows than keys an IndexError; float rows a struct.error."""
+    source, keys, blobs = exported(QUANTWM, list(range(33)))
+    other = cache_of("identity")
+    assert blobs.shape[1] < other.blob_bytes
+    for rows in (blobs, blobs.float(), torch.zeros(1, other.blob_bytes, dtype=torch.uint8), blobs.flatten()):
+        with pytest.raises(ValueError, match="page groups are uint8 rows"):
+            other.install_pages(keys, list(range(33)), rows, 0)
+    other.check()
+    target = cache_of(QUANTWM)
+    assert target.install_pages(keys, list(range(33)), blobs, 0) == 2  # rows of this cache's shape install
