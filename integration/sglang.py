@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import difflib
 import hashlib
 import itertools
 import json
@@ -72,6 +73,7 @@ FORMAT_VERSION = 2  # of a stored page's bytes (a page group, kvbackend.page_gro
 class KVBackendStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
+        _warn_unknown_options(extra)
         self.codec_spec = str(extra.get("codec", DEFAULTS["codec"]))
         if is_alignpred(self.codec_spec):
             from kvbackend.alignpred import AlignPredCodec
@@ -746,6 +748,21 @@ class KVBackendStorage(HiCacheStorage):
         stats.update(bytes_stored=stored, codec=self.codec_spec, device=str(self.device.device),
                      compression_ratio=raw / stored if stored else None)
         return stats
+
+
+# the options this backend reads from SGLang's `extra_config`, and the keys SGLang's loader of dynamic backends reads
+OPTIONS = ("codec", "directory", "budget_gb", "device")
+LOADER_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+
+def _warn_unknown_options(extra: dict) -> None:
+    """Log the keys of ``extra`` that neither this backend nor SGLang's loader reads (a misspelled option falls back
+    to its default: ``budget_GB`` gave 64 GiB), naming the nearest option. A warning, not an error: keys a later
+    SGLang adds for its own use stay harmless."""
+    for key in sorted(set(map(str, extra)) - set(OPTIONS) - set(LOADER_KEYS)):
+        near = difflib.get_close_matches(key.lower(), OPTIONS, n=1, cutoff=0.6)
+        log.warning("kvbackend storage: extra_config option %r is not one of %s and is ignored%s", key,
+                    ", ".join(OPTIONS), f" (did you mean {near[0]!r}?)" if near else "")
 
 
 def _namespace(config: HiCacheStorageConfig) -> str:

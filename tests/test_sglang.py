@@ -1298,3 +1298,18 @@ def test_a_generic_get_into_a_target_of_another_size_misses_that_page_alone(tmp_
     assert out[1] is fits and torch.equal(fits, backend.batch_get(["y"])[0])
     stats = backend.get_stats()
     assert (stats["hits"], stats["misses"]) == (2, 1)  # x missed once; y was served twice
+
+
+def test_a_misspelled_option_is_named_in_a_warning(tmp_path, caplog):
+    """`budget_GB=1` and `codecs=...` fell back to the defaults silently (64 GiB, the default codec)."""
+    host = HostPool("layer_first")
+    with caplog.at_level(logging.WARNING, logger="kvbackend.integration.sglang"):
+        backend = make_backend(tmp_path / "a", host, "identity", budget_GB=1, codecs="identity")
+    text = caplog.text
+    assert "'budget_GB' is not one of" in text and "did you mean 'budget_gb'" in text
+    assert "'codecs' is not one of" in text and "did you mean 'codec'" in text
+    assert backend.codec_spec == "identity"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbackend.integration.sglang"):
+        make_backend(tmp_path / "b", host, "identity", budget_gb=1, device="cpu")
+    assert "is not one of" not in caplog.text  # the options and the loader's own keys pass quietly
