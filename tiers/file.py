@@ -3,7 +3,7 @@
 One file per `put` call (a page group). It is written to a temporary name, fsynced, renamed into
 place and the directory fsynced, so a file under its final name is always complete. Layout:
 
-    header (48 bytes): magic, version, layout fingerprint (16 bytes), blob count, table crc32c
+    header (48 bytes): magic, version, layout fingerprint (16 bytes), blob count, table crc32c, write sequence
     table: per blob (key u64, offset u64, length u64, crc32c u32, pad u32)
     blob bytes, back to back in table order
 
@@ -31,6 +31,7 @@ import re
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KVBKPAGE"
 VERSION = 1
-_HEADER = struct.Struct("<8sI16sII12x")  # magic, version, fingerprint, count, table crc, padding to 48 bytes
+# magic, version, fingerprint, count, table crc, write sequence (u64; 0 in files of earlier releases, which left
+# these bytes as padding and ignore them), padding to 48 bytes
+_HEADER = struct.Struct("<8sI16sIIQ4x")
 _ENTRY = struct.Struct("<QQQII")  # key, offset, length, crc32c, pad
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".kvbw-"  # temporary files: TEMP_PREFIX + final stem + ".<pid>.<thread>" + SUFFIX + ".tmp"
@@ -112,6 +115,7 @@ class FileTier:
         self._workers = max(1, int(workers)) if workers is not None else default_workers()
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvbackend-file")
         self._closed = False
+        self._sequence = 0  # the write sequence of the newest file indexed or written (`write_group`)
         self._scan()
 
     # -- start-up -------------------------------------------------------------------------
@@ -142,10 +146,11 @@ class FileTier:
             if reason is not None:
                 skipped.setdefault(reason, []).append(entry.name)
         tables = []
-        for _, name, path in sorted(candidates):
-            verdict, rows, size = self._read_table(path)
+        for mtime, name, path in sorted(candidates):
+            verdict, rows, size, sequence = self._read_table(path)
             if verdict == "ok":
-                tables.append((path, rows, size))
+                tables.append(((sequence, mtime, name), path, rows, size))
+                self._sequence = max(self._sequence, sequence)
             elif verdict == "damaged":  # our fingerprint, so the tier wrote it
                 log.warning("file tier: removing damaged file %s", path)
                 _remove(path)
@@ -153,6 +158,9 @@ class FileTier:
                 skipped.setdefault(verdict, []).append(name)
         # a key in two files was put again after its copy in the older one was found corrupt (`_drop_blob` keeps a
         # file for its other blobs, and its table still lists the bad copy): the newest copy is the one indexed
+        # (files in the order they were written: their write sequence, which ties only between files of releases
+        # that wrote none; then their modification time, which ties within a clock tick; then their name)
+        tables = [table[1:] for table in sorted(tables)]
         newest = {row[0]: path for path, rows, _ in tables for row in rows}
         for path, rows, size in tables:  # oldest first: the LRU order
             rows = [row for row in rows if newest[row[0]] == path]
@@ -176,42 +184,42 @@ class FileTier:
         _remove(entry.path)  # its writer is gone (a live pid of another process, or a writer that no longer holds it)
         return None
 
-    def _read_table(self, path: str) -> tuple[str, list, int]:
-        """("ok", [(key, offset, length, crc)], size) for a well-formed file of our layout; else a verdict:
-        "damaged" (our fingerprint, so ours to delete) or why it is skipped (never deleted)."""
+    def _read_table(self, path: str) -> tuple[str, list, int, int]:
+        """("ok", [(key, offset, length, crc)], size, write sequence) for a well-formed file of our layout; else a
+        verdict: "damaged" (our fingerprint, so ours to delete) or why it is skipped (never deleted)."""
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except OSError:
-            return "entries that could not be read", [], 0
+            return "entries that could not be read", [], 0, 0
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                return "entries that are not regular files", [], 0
+                return "entries that are not regular files", [], 0, 0
             size = info.st_size
             head = _pread(fd, _HEADER.size, 0)
             if len(head) != _HEADER.size:
-                return "files of another format", [], 0
-            magic, version, fingerprint, count, table_crc = _HEADER.unpack(head)
+                return "files of another format", [], 0, 0
+            magic, version, fingerprint, count, table_crc, sequence = _HEADER.unpack(head)
             if magic != MAGIC or version != VERSION:
-                return "files of another format", [], 0
+                return "files of another format", [], 0, 0
             if fingerprint != self.fingerprint:
-                return "files of another layout", [], 0
+                return "files of another layout", [], 0, 0
             data_start = _HEADER.size + count * _ENTRY.size
             if data_start > size:  # checked before anything of that length is read
-                return "damaged", [], 0
+                return "damaged", [], 0, 0
             table = _pread(fd, count * _ENTRY.size, _HEADER.size)
             if len(table) != count * _ENTRY.size or crc32c.crc32c(table) != table_crc:
-                return "damaged", [], 0
+                return "damaged", [], 0, 0
             rows, offset = [], data_start
             for i in range(count):  # blobs lie back to back after the table, exactly as written
                 key, start, length, crc, _ = _ENTRY.unpack_from(table, i * _ENTRY.size)
                 if start != offset or length > size - offset:
-                    return "damaged", [], 0
+                    return "damaged", [], 0, 0
                 rows.append((key, start, length, crc))
                 offset += length
-            return ("ok", rows, size) if offset == size else ("damaged", [], 0)
+            return ("ok", rows, size, sequence) if offset == size else ("damaged", [], 0, 0)
         except OSError:
-            return "entries that could not be read", [], 0
+            return "entries that could not be read", [], 0, 0
         finally:
             os.close(fd)
 
@@ -276,7 +284,10 @@ class FileTier:
             table += _ENTRY.pack(key, offset, len(payload), crc, 0)
             rows.append((key, offset, len(payload), crc))
             offset += len(payload)
-        header = _HEADER.pack(MAGIC, VERSION, self.fingerprint, len(keys), crc32c.crc32c(bytes(table)))
+        with self._lock:  # later than every file indexed and written before it (their clocks' ticks tie)
+            self._sequence = max(self._sequence + 1, time.time_ns())
+            sequence = self._sequence
+        header = _HEADER.pack(MAGIC, VERSION, self.fingerprint, len(keys), crc32c.crc32c(bytes(table)), sequence)
         stem = hashlib.blake2b(self.fingerprint + struct.pack(f"<{len(keys)}Q", *keys), digest_size=16).hexdigest()
         path = os.path.join(self.directory, stem + SUFFIX)
         temp = os.path.join(self.directory, f"{TEMP_PREFIX}{stem}.{os.getpid()}.{threading.get_ident()}{SUFFIX}.tmp")
