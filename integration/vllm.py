@@ -65,7 +65,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _ROWS_PER_PAGE = 64
 BATCH_BYTES = 256 << 20  # raw KV per codec call on a GPU (32 chunks of 8 MiB)
 WINDOW_BYTES = 256 << 20  # stored bytes a load reads ahead of its decoding (page-locked on a GPU): two per job
-FORMAT_VERSION = 2  # of a stored chunk's bytes; enters the fingerprint (2: the blocks mode)
+FORMAT_VERSION = 3  # of a stored chunk's bytes; enters the fingerprint (2: the blocks mode; 3: the key trailer)
+KEY_BYTES = 8  # each blob ends in its key (little-endian u64): a blob filed under another key is refused, not served
 
 
 class KVBackendTier(SecondaryTierManager):
@@ -117,7 +118,8 @@ class KVBackendTier(SecondaryTierManager):
             self.layout = self.codec.layout(self.geometry, page_tokens)
         self._primary = torch.from_numpy(np.frombuffer(primary_kv_view, dtype=np.uint8))  # shares the buffer
         self._row_bytes = int(head_dim) * self.geometry.dtype.itemsize
-        self.blob_bytes = self._blob_bytes()
+        self.body_bytes = self._blob_bytes()  # what the codec writes for a chunk
+        self.blob_bytes = self.body_bytes + KEY_BYTES  # what is stored: the body, then the chunk's key
         self._warn_codebooks_per_chunk()
         self.fingerprint = self._fingerprint(offloading_spec)
         self.directory = os.path.join(self.root_dir, self.fingerprint)
@@ -304,6 +306,7 @@ class KVBackendTier(SecondaryTierManager):
 
     def _decode_chunks(self, blobs: torch.Tensor) -> torch.Tensor:
         """``[n, chunk_bytes]``: the chunks of ``blobs`` ``[n, blob_bytes]``, on their device."""
+        blobs = blobs[:, : self.body_bytes]  # (the key trailer was checked where the blobs were read)
         out = torch.empty((blobs.shape[0], self.chunk_bytes), dtype=torch.uint8, device=blobs.device)
         if self.block is not None:
             self._decode_blocks(blobs, list(out))
@@ -333,10 +336,11 @@ class KVBackendTier(SecondaryTierManager):
             for at in range(0, len(chunk_ids), step):
                 raws = [self._chunk(cid) for cid in chunk_ids[at : at + step]]
                 batch = self.device("encode", self._encode_chunks, *raws)
-                if batch.shape != (len(raws), self.blob_bytes):  # a blob this tier could never load back
+                if batch.shape != (len(raws), self.body_bytes):  # a blob this tier could never load back
                     raise RuntimeError(f"chunks encoded to blobs of shape {tuple(batch.shape)}, expected "
-                                       f"{(len(raws), self.blob_bytes)}")
-                blobs += list(batch)
+                                       f"{(len(raws), self.body_bytes)}")
+                named = torch.tensor(ints[at : at + len(raws)], dtype=torch.int64).view(torch.uint8).view(len(raws), -1)
+                blobs += list(torch.cat([batch, named.to(batch.device)], 1))
                 if len(blobs) >= group or at + step >= len(chunk_ids):  # one file per group of chunks
                     first = at + len(raws) - len(blobs)
                     writes.append((len(blobs), self.store.put(ints[first : first + len(blobs)], blobs)))
@@ -362,13 +366,22 @@ class KVBackendTier(SecondaryTierManager):
         buffers = self.device.staging((len(ints), self.blob_bytes), torch.uint8)
         return buffers, self.store.get(ints, list(buffers), expected_len=[self.blob_bytes] * len(ints))
 
+    def _named(self, blob: torch.Tensor, key: int) -> bool:
+        """Whether ``blob`` (read for ``key``) ends in that key; a blob filed under another key is refused in the
+        tier (a miss, its file removed with its last blob), never decoded into the primary tier."""
+        named = int.from_bytes(blob[self.body_bytes :].numpy().tobytes(), "little")
+        if named == key:
+            return True
+        self.store.refuse(key, blob, f"a blob of key {named} filed under key {key}")
+        return False
+
     def _deliver(self, blobs: torch.Tensor, chunk_ids: list[int]) -> int:
         """Decodes ``blobs`` into the primary chunks ``chunk_ids``; how many, in order, before the first failure.
         A batch that fails goes chunk by chunk, so the chunks before a bad one still load."""
         if self.device.device.type == "cpu":  # straight into the primary tier
             for n, (blob, cid) in enumerate(zip(blobs, chunk_ids)):
                 try:
-                    self._decode_into(blob, self._chunk(cid))
+                    self._decode_into(blob[: self.body_bytes], self._chunk(cid))
                 except Exception as exc:  # noqa: BLE001 - a chunk that cannot be decoded ends the prefix
                     log.error("kvbackend vLLM tier: decoding a chunk failed: %r", exc)
                     return n
@@ -415,7 +428,7 @@ class KVBackendTier(SecondaryTierManager):
                 # crafted pages (a valid checksum, an index out of range): refused in the tier, a miss
                 checked = set(refuse_crafted(self.page_check, self.store, buffers,
                                              [i for i, hit in enumerate(found) if hit], ints[lo:hi]))
-                found = [i in checked for i in range(len(found))]
+                found = [i in checked and self._named(buffers[i], ints[lo + i]) for i in range(len(found))]
                 good = next((i for i, f in enumerate(found) if not f), len(found))  # corrupt, or replaced meanwhile
                 for at in range(0, good, step):
                     end = min(good, at + step)

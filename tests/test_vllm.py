@@ -495,9 +495,15 @@ def _one_chunk_at_a_time(tier, buf, n):
     ks = keys(n)
     assert run(tier, 1, ks, list(range(n)), promotion=False).success
     assert run(tier, 2, ks, list(range(n, 2 * n)), promotion=True).success
-    rows, blobs = buf[n : 2 * n].copy(), [tier._encode(tier._chunk(i)).clone() for i in range(n)]
+    rows, blobs = buf[n : 2 * n].copy(), [stored_blob(tier, i, ks[i]) for i in range(n)]
     tier.shutdown()
     return ks, rows, blobs
+
+
+def stored_blob(tier, chunk_id, key) -> torch.Tensor:
+    """The bytes a tier stores for a chunk: what its codec writes, then the chunk's key (8 bytes, little-endian)."""
+    named = torch.tensor([tier._key(key)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([tier._encode(tier._chunk(chunk_id)), named])
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])  # a chunk's halves tile whole pages (one codec call), or not
@@ -570,7 +576,7 @@ def test_batched_load_stops_at_the_first_bad_chunk_and_keeps_the_ones_before(tmp
     bad_blob = tier._encode(tier._chunk(bad)).clone()
 
     def decode(blobs):  # a batch holding the bad chunk fails (then chunk by chunk: only that one fails)
-        if any(torch.equal(blob, bad_blob) for blob in blobs):
+        if any(torch.equal(blob[: tier.body_bytes], bad_blob) for blob in blobs):
             raise ValueError("damaged page")
         return real(blobs)
 
@@ -823,4 +829,26 @@ def test_codebooks_that_outweigh_a_chunk_are_named_at_start_up(tmp_path, caplog)
     (record,) = [r for r in caplog.records if r.name == "kvbackend.integration.vllm"]
     bpv = 8 * tier.blob_bytes / (tier.chunk_bytes / 2)
     assert bpv > 4 and f"{bpv:.2f} bits per value" in record.getMessage(), record.getMessage()
+    tier.shutdown()
+
+
+@pytest.mark.parametrize("codec", ["rtn:bits=4,group=64", "identity"])
+def test_a_blob_filed_under_another_key_is_refused_not_loaded(tmp_path, codec):
+    """Blobs carried no key: key a's blob filed under key b (a valid checksum) was loaded as b's chunk. Each blob
+    ends in its key now; a blob of another key is a miss, refused in the tier, and b's chunk is not written."""
+    buf, view = primary(8)
+    tier = make_tier(tmp_path, view, codec)
+    ka, kb = keys(2)
+    assert run(tier, 1, [ka], [0], promotion=False).success
+    blob = torch.empty(tier.blob_bytes, dtype=torch.uint8)
+    assert tier.store.get([tier._key(ka)], [blob]).result() == [True]
+    assert torch.equal(blob, stored_blob(tier, 0, ka))
+    assert tier.store.put([tier._key(kb)], [blob]).result() == [True]  # key b's entry holds key a's bytes
+    buf[5] = 0x55
+    assert not run(tier, 2, [kb], [5], promotion=True).success
+    assert np.all(buf[5] == 0x55) and tier.store.blob_size(tier._key(kb)) is None  # refused in the tier
+    assert tier.store.stats().failures == 1
+    want = torch.empty(tier.chunk_bytes, dtype=torch.uint8)
+    tier._decode_into(blob[: tier.body_bytes], want)  # what a's blob decodes to (the codec's lossy rows)
+    assert run(tier, 3, [ka], [6], promotion=True).success and np.array_equal(buf[6], want.numpy())
     tier.shutdown()
