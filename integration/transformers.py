@@ -238,7 +238,10 @@ class KVBackendLayer(CacheLayerMixin):
         # A decode step of an attached cache whose pages the kernels read, on a model whose attention
         # calls the attached function: attention runs on the pages (`attend_paged`), so no dense K/V of
         # the sequence is ever made.
-        paged = (t == 1 and owner.attached and self.attention_seen
+        # (another model calling with this cache, or this one after `set_attn_implementation`, attends to what
+        # `update` returns: it must get every token, so the step is paged only inside a forward of an attached
+        # model whose attention is still the attached function)
+        paged = (t == 1 and owner.attached and owner.forwarding and self.attention_seen
                  and owner.engine.backends[self.layer_idx].name == "triton")
         # This call's tokens are attended as given (in every layer alike, whether or not a chunk completes
         # with them); the cache serves them from its pages in later calls.
@@ -475,6 +478,9 @@ class KVBackendCache(Cache):
         self.request_ids: list[int] = []
         self.wants_queries = False  # set by attach() when the codec reads query statistics
         self.attached = False  # attach() routes attention through this cache (paged decode steps)
+        # inside a forward call of an attached model whose attention is still this cache's (set by the hooks
+        # `attach` puts on the model): a decode step goes on the pages only then
+        self.forwarding = False
         self._models: set[int] = set()  # ids of the models whose attention is attached to this cache
         self.query_aware = any(c.uses_queries for c in parsed)
         self.warned = False  # the missing attach() is reported once per cache
@@ -584,6 +590,17 @@ class KVBackendCache(Cache):
         model.set_attn_implementation(name)
         model._kvbackend_cache = self
         model._kvbackend_previous_attn = previous
+        for handle in getattr(model, "_kvbackend_hooks", ()):  # attached again: one pair of hooks
+            handle.remove()
+
+        def entered(module, args):
+            self.forwarding = getattr(model.config, "_attn_implementation", None) == name
+
+        def left(module, args, output):
+            self.forwarding = False
+
+        model._kvbackend_hooks = (model.register_forward_pre_hook(entered),
+                                  model.register_forward_hook(left, always_call=True))
         self._models.add(id(model))
         self.wants_queries = any(codecs.get(spec).uses_queries for spec in self.layer_specs)
         self.attached = True
@@ -602,8 +619,12 @@ class KVBackendCache(Cache):
             self.wants_queries = False
             self.attached = False
         model.set_attn_implementation(getattr(model, "_kvbackend_previous_attn", None) or "sdpa")
+        for handle in getattr(model, "_kvbackend_hooks", ()):
+            handle.remove()
+        self.forwarding = False
         del model._kvbackend_cache
         del model._kvbackend_previous_attn
+        model.__dict__.pop("_kvbackend_hooks", None)
 
     def _flush(self) -> None:
         for layer in self.layers:
@@ -647,7 +668,7 @@ class KVBackendCache(Cache):
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
             setattr(clone, key, copy.deepcopy(value, memo))
-        clone.attached = clone.wants_queries = False
+        clone.attached = clone.wants_queries = clone.forwarding = False
         clone._models = set()
         for layer in clone.layers:
             layer.attention_seen = False

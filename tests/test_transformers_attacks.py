@@ -450,3 +450,40 @@ def test_eval_refuses_rope_levers_on_a_rope_it_cannot_undo(build):
             check_specs([spec], settings, geometry_from_config(config), unfit)
     assert check_specs(["kivi:bits=2,group=16", "kivi:bits=2,group=16,sink=4"], settings,
                        geometry_from_config(config), unfit) is False
+
+
+def test_a_model_that_does_not_call_the_attached_attention_gets_every_token(monkeypatch):
+    """A decode step went on the pages once any model had called the attached attention: a second model with its
+    own config, or the attached one after `set_attn_implementation("sdpa")`, then attended to the new token alone
+    (logits 0.66 apart, another argmax, with a lossless codec). A step is paged only inside a forward call of an
+    attached model whose attention is still the attached function; the attached model still takes paged steps."""
+    from kvbackend.integration.transformers import KVBackendLayer
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128)
+    torch.manual_seed(0)
+    attached = transformers.LlamaForCausalLM(config).eval().to(DEVICE)
+    other = transformers.LlamaForCausalLM(copy.deepcopy(config)).eval().to(DEVICE)  # its own config: not attached
+    other.load_state_dict(attached.state_dict())
+    cache = KVBackendCache(config, codec="identity", page_size=16, chunk_pages=1, max_tokens=64, backend="triton")
+    cache.attach(attached)
+    reference = DynamicCache(config=config)
+    reads = []
+    real_read = KVBackendLayer.read
+    monkeypatch.setattr(KVBackendLayer, "read", lambda self: reads.append(self.layer_idx) or real_read(self))
+    ids = torch.randint(1, 128, (1, 20)).to(DEVICE)
+    with torch.no_grad():
+        attached(ids, past_key_values=cache)
+        reads.clear()
+        attached(ids[:, :1], past_key_values=cache)
+        assert reads == []  # the attached model's step went on the pages (no dense read)
+        other(ids, past_key_values=reference)
+        other(ids[:, :1], past_key_values=reference)
+        for step, model in ((1, other), (2, attached)):
+            if step == 2:
+                attached.set_attn_implementation("sdpa")  # no longer the attached function
+            reads.clear()
+            got = model(ids[:, step : step + 1], past_key_values=cache).logits[0, -1]
+            assert reads == [0, 1], step  # every token read for the model's own attention
+            want = other(ids[:, step : step + 1], past_key_values=reference).logits[0, -1]
+            assert float((got - want).abs().max()) < 1e-3, step
