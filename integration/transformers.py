@@ -224,8 +224,9 @@ class KVBackendLayer(CacheLayerMixin):
         self.flush_pending()  # queries never came (attention ran without the attached function)
         owner = self.owner
         if self.layer_idx == 0 and len({layer.length for layer in owner.layers}) > 1:
-            raise RuntimeError("an earlier forward call failed after some layers had stored its tokens; the layers "
-                               "now hold different lengths. Call cache.reset() and run the sequence again")
+            raise RuntimeError("the layers hold different lengths: an earlier forward call failed after some layers "
+                               "had stored its tokens, or the cache was built for a model with more layers than the "
+                               "one calling it. Call cache.reset() and run the sequence again")
         if key_states.shape[0] != len(owner.request_ids):
             raise ValueError(f"layer {self.layer_idx}: a batch of {key_states.shape[0]} rows for a cache of "
                              f"{len(owner.request_ids)} rows")
@@ -674,6 +675,12 @@ class KVBackendCache(Cache):
             layer.attention_seen = False
             layer._paged_step = False
         return clone
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not (isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)):  # (transformers: an IndexError)
+            raise ValueError(f"this cache holds {len(self.layers)} layers and layer {layer_idx} called it: a cache is "
+                             "built for one model's config (num_hidden_layers); build one for this model")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reset(self) -> None:
         """Forget every token: the rows' requests are freed and the next forward call starts afresh."""

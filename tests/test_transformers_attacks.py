@@ -487,3 +487,24 @@ def test_a_model_that_does_not_call_the_attached_attention_gets_every_token(monk
             assert reads == [0, 1], step  # every token read for the model's own attention
             want = other(ids[:, step : step + 1], past_key_values=reference).logits[0, -1]
             assert float((got - want).abs().max()) < 1e-3, step
+
+
+def test_a_cache_passed_to_a_model_of_another_layer_count_is_a_clear_error():
+    """A cache of 2 layers on a 3-layer model raised transformers' bare IndexError; one of 3 layers on a 2-layer
+    model was accepted once, then blamed a failed earlier call."""
+
+    def llama(layers):
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).eval().to(DEVICE)
+
+    two, three = llama(2), llama(3)
+    ids = torch.randint(1, 128, (1, 9)).to(DEVICE)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="holds 2 layers and layer 2 called it"):
+            three(ids, past_key_values=KVBackendCache(two.config, **SMALL))
+        cache = KVBackendCache(three.config, **SMALL)
+        two(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match="built for a model with more layers"):
+            two(ids[:, :1], past_key_values=cache)
