@@ -97,8 +97,7 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     fields = [join(ids), join(kinds), join(slots), join(valid), rows, position, np.array(starts, np.int64),
               np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
     views = ints_on_device(fields, cache.dense.data.device)
-    tables = tuple((cache.page_table(rid), cache.page_table(rid).version, cache.page_table(rid).lengths[layer])
-                   for rid in request_ids)
+    tables = tuple((table, table.version, table.lengths[layer]) for table in map(cache.page_table, request_ids))
     return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0), tables, cu[-1])
 
 

@@ -263,7 +263,7 @@ class FileTier:
         if self.fmt is not None:
             try:
                 payloads = [self.fmt.encode(p.tobytes()) for p in payloads]
-                if any(len(p) > _MAX_STORED_RATIO * self.fmt.blob_bytes + (1 << 20) for p in payloads):
+                if any(len(p) > self._max_stored() for p in payloads):
                     raise ValueError("a stream longer than the tier reads back")  # never written to be refused
             except ValueError:  # a blob this format cannot hold: nothing is written, the caller keeps it
                 with self._lock:
@@ -415,7 +415,7 @@ class FileTier:
         """Read one blob into ``out`` and check it (checksum, then ``check``); the outcome and why. CPU buffers
         (pinned or not) are filled in place, device buffers through one bounce copy. On any outcome but a hit,
         ``out[:length]`` may hold garbage."""
-        if self.fmt is not None and where.length > _MAX_STORED_RATIO * self.fmt.blob_bytes + (1 << 20):
+        if self.fmt is not None and where.length > self._max_stored():
             return _CORRUPT, f"a stored stream of {where.length} bytes, past what the format writes"  # nothing read
         direct = out.device.type == "cpu" and out.is_contiguous() and self.fmt is None
         target = out[: where.length] if direct else torch.empty(where.length, dtype=torch.uint8)
@@ -489,6 +489,10 @@ class FileTier:
         with self._lock:
             where = self._index.get(key)
             return None if where is None else self._decoded_size(where)
+
+    def _max_stored(self) -> int:
+        """The longest stream this tier's blob format stores (and reads back) for one page group."""
+        return _MAX_STORED_RATIO * self.fmt.blob_bytes + (1 << 20)
 
     def _decoded_size(self, where: _Location) -> int:
         """Bytes a blob occupies once read back (its stored length, or the format's decoded size)."""
