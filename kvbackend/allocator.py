@@ -92,6 +92,10 @@ class PageAllocator:
         """Unreferenced hashed pages, least recently freed first (the eviction order)."""
         return list(self._cached)
 
+    def is_cached(self, page: int) -> bool:
+        """Whether ``page`` is cached: hashed and unreferenced."""
+        return page in self._cached
+
     def evict_cached(self, page: int) -> None:
         """Turn a cached page into a free one now (its content moved to a lower tier)."""
         assert page in self._cached, f"{self.kind} page {page} is not cached"

@@ -168,7 +168,15 @@ class PageGroups:
                              and trailers[j].chunk_id == trailer.chunk_id and trailers[j].carries_codebook), None)
             if opens and book_row is None and self.group.has_codebooks:
                 break  # the codebook of this page's chunk is neither resident nor carried
-            if not allocator.can_allocate(1) or (opens and not pool.slots.can_allocate(1)):
+            if opens and not pool.slots.can_allocate(1):
+                # every slot is held: a chunk reduced to cached pages gives its slot up, as for a chunk that
+                # completes (`KVCache._complete_chunk`), unless it holds a page this restore counts on further on
+                later = {allocator.lookup(k) for k in keys[i + 1 :]} - {None}
+                idle = pool.idle_slot(keep=later)
+                if idle is None:
+                    break
+                pool.evict_slot(idle)
+            if not allocator.can_allocate(1):
                 break
             if not opens:
                 pool.slots.incref(slot)  # held across the allocation below, which may evict its pages

@@ -228,7 +228,7 @@ class KVCache:
         pool = self.packed
         if not pool.allocator.can_allocate(self.config.chunk_pages):
             return False
-        return pool.slots.can_allocate(1) or self._allocation_frees_a_slot() or self._idle_slot() is not None
+        return pool.slots.can_allocate(1) or self._allocation_frees_a_slot() or pool.idle_slot() is not None
 
     def _allocation_frees_a_slot(self) -> bool:
         """Whether the cached pages `allocate(chunk_pages)` evicts include every page of some slot."""
@@ -238,26 +238,15 @@ class KVCache:
             evicted[slot] = evicted.get(slot, 0) + 1
         return any(pool.slots.ref_count(slot) == n for slot, n in evicted.items())
 
-    def _idle_slot(self) -> int | None:
-        """A codebook slot all of whose pages are cached (none in use), least recently used first."""
-        pool, cached = self.packed, {}
-        for page in pool.allocator.cached_pages():
-            slot = pool.slot_of_page[page]
-            cached[slot] = cached.get(slot, 0) + 1
-            if cached[slot] == pool.slots.ref_count(slot):
-                return slot
-        return None
-
     def _complete_chunk(self, table: PageTable) -> None:
         cfg, pool = self.config, self.packed
         self._settle()  # the pages allocated below may have been a restore's, still being copied
         if not pool.slots.can_allocate(1) and not self._allocation_frees_a_slot():
             # every slot is held by chunks reduced to cached pages (their tails went to a lower tier): the least
             # recently used such chunk's pages go, and its slot with them (`_can_pack` found one)
-            idle = self._idle_slot()
-            for page in [page for page in pool.allocator.cached_pages()
-                         if idle is not None and pool.slot_of_page[page] == idle]:
-                pool.allocator.evict_cached(page)
+            idle = pool.idle_slot()
+            if idle is not None:
+                pool.evict_slot(idle)
         chunk_dense = table.dense[: cfg.chunk_pages]
         new_pages = pool.allocator.allocate(cfg.chunk_pages)  # `_can_pack` said both allocations succeed
         (slot,) = pool.slots.allocate(1)
@@ -515,11 +504,43 @@ class KVCache:
         """Free a cached packed page whose bytes now live in a lower tier."""
         self.packed.allocator.evict_cached(page)
 
+    def drop_cached_page(self, page: int, key: int) -> bool:
+        """Free ``page`` if it is still a cached (unreferenced) page keyed ``key``, as `evictable_pages` named it
+        before its bytes were written down; whether it was freed (a request took it meanwhile, or it was evicted
+        and reused: it stays)."""
+        allocator = self.packed.allocator
+        if allocator.lookup(key) != page or not allocator.is_cached(page):
+            return False
+        allocator.evict_cached(page)
+        return True
+
     def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor, first_page: int,
                       resident: Sequence[bool] | None = None, sizes: Sequence[int | None] | None = None,
                       hold: Sequence[int] = ()) -> int:
-        """Put restored page groups back as cached pages; see `kvbackend.install.PageGroups.install`."""
-        return self.groups.install(keys, token_ids, blobs, first_page, resident, sizes, hold)
+        """Put restored page groups back as cached pages; see `kvbackend.install.PageGroups.install`.
+
+        Raises:
+            ValueError: ``keys`` are not the chained keys of pages ``first_page ...`` of ``token_ids`` (too few
+                token ids, or other ones: such pages would be keyed yet never match a prompt, and would stand in
+                for the real ones in every later restore), or ``resident``/``sizes`` do not give one entry a key.
+            InvalidKV: a token id that is not an integer in 0..2^63-1.
+        """
+        keys = list(keys)
+        if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
+            raise ValueError(f"install_pages: first_page must be an int >= 0, got {first_page!r}")
+        for name, given in (("resident", resident), ("sizes", sizes)):
+            if given is not None and len(given) != len(keys):
+                raise ValueError(f"install_pages: {name} has {len(given)} entries for {len(keys)} keys")
+        tokens = token_list(token_ids)
+        try:
+            chain = self.index.page_keys(tokens, first_page + len(keys))
+        except ValueError as exc:
+            raise ValueError(f"install_pages: {exc} (pages {first_page}..{first_page + len(keys) - 1})") from None
+        if chain[first_page:] != keys:
+            wrong = next(i for i, (a, b) in enumerate(zip(chain[first_page:], keys)) if a != b)
+            raise ValueError(f"install_pages: keys[{wrong}] is not the key of page {first_page + wrong} of token_ids "
+                             f"(keys must be `prefix_keys` of the same tokens, with this cache's extra_keys)")
+        return self.groups.install(keys, tokens, blobs, first_page, resident, sizes, hold)
 
     def set_layer_events(self, events: Sequence | None) -> None:
         """CUDA events, one per layer, recorded after a restore's copies of that layer: kernels that

@@ -78,6 +78,25 @@ class PackedPool:
             self.slot_of_page[page] = slot
             self.slots.incref(slot)
 
+    def idle_slot(self, keep: set[int] = frozenset()) -> int | None:
+        """A codebook slot all of whose pages are cached (none in use) and none in ``keep``, least recently used
+        first; None where there is none."""
+        cached: dict[int, int] = {}
+        kept: set[int] = set()
+        for page in self.allocator.cached_pages():
+            slot = self.slot_of_page[page]
+            if page in keep:
+                kept.add(slot)
+            cached[slot] = cached.get(slot, 0) + 1
+            if cached[slot] == self.slots.ref_count(slot) and slot not in kept:
+                return slot
+        return None
+
+    def evict_slot(self, slot: int) -> None:
+        """Evict the cached pages of ``slot`` (an `idle_slot`): the slot is freed with the last of them."""
+        for page in [page for page in self.allocator.cached_pages() if self.slot_of_page[page] == slot]:
+            self.allocator.evict_cached(page)
+
     def live_slots(self) -> set[int]:
         return {s for s in self.slot_of_page if s is not None}
 

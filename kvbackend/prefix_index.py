@@ -34,6 +34,17 @@ class PrefixIndex:
             keys.append(parent)
         return keys
 
+    def page_keys(self, token_ids: Sequence[int], pages: int) -> list[int]:
+        """Chained keys of the first ``pages`` pages of ``token_ids`` (every one full, the last token included:
+        pages a restore installs rather than pages a prompt could reuse)."""
+        raw, p, keys, parent = token_bytes(token_ids), self.page_size, [], None
+        if len(raw) // 8 < pages * p:
+            raise ValueError(f"{len(raw) // 8} token ids do not fill {pages} pages of {p}")
+        for start in range(0, pages * p, p):
+            parent = hash_page(parent, raw[8 * start : 8 * (start + p)], self.extra_keys)
+            keys.append(parent)
+        return keys
+
     def match(self, token_ids: Sequence[int]) -> tuple[list[int], int | None]:
         """The resident pages holding the longest prefix of ``token_ids`` (at most all but its last
         token), each with one more reference, and the key of the last of them (None: no page)."""

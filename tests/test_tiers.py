@@ -939,10 +939,10 @@ def test_a_file_blob_longer_than_a_page_group_is_a_miss(tmp_path):
     keys = cache.prefix_keys(tokens)
     blob = cache.export_page(cache.page_table(rid).packed[5]).clone()
     longer = torch.cat([blob, torch.zeros(cache.blob_bytes + 100 - blob.numel(), dtype=torch.uint8)])
-    assert file.put([keys[5]], [longer]).result() == [True]  # filed first: the offload below keeps it
     tiered.free(rid)
     assert tiered.offload(max_pages=100) == 12
     tiered.flush()
+    assert file.put([keys[5]], [longer]).result() == [True]  # filed last: it replaces the page the offload wrote
     assert file.blob_size(keys[5]) == cache.blob_bytes + 100
     _, hit = tiered.add_request(tokens)
     assert hit == 5 * 16

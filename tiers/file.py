@@ -223,9 +223,14 @@ class FileTier:
         finally:
             os.close(fd)
 
-    def _adopt(self, path: str, rows, size: int) -> None:
+    def _adopt(self, path: str, rows, size: int, newest: bool = False) -> None:
+        """Index the blobs ``rows`` of file ``path``; a key indexed in another file keeps that blob, or with
+        ``newest`` (a file just written) gives it up (its old file goes with its last blob)."""
         keys = []
         for key, offset, length, crc in rows:
+            old = self._index.get(key)
+            if old is not None and newest and old.path != path and self._drop_blob(key, old):
+                _remove(old.path)
             if key not in self._index:
                 self._index[key] = _Location(path, offset, length, crc)
                 keys.append(key)
@@ -252,14 +257,13 @@ class FileTier:
             for path in {self._index[k].path for k in keys if k in self._index}:
                 if not os.path.exists(path):
                     self._drop_file(path)
-            fresh = [(k, b) for k, b in zip(keys, blobs) if k not in self._index]
-        if not fresh:
-            return Handle.finished([True] * len(keys))
-        return Handle(self._pool.submit(self._put_now, list(keys), fresh))
+        return Handle(self._pool.submit(self._put_now, list(keys), list(zip(keys, blobs))))
 
-    def _put_now(self, keys: list[int], fresh) -> list[bool]:
+    def _put_now(self, keys: list[int], pairs) -> list[bool]:
+        """Write the blobs of ``pairs``: a key held already is written again unless it holds these very bytes (the
+        newest blob of a key replaces the held one: a page group differs between encodes of the same tokens)."""
         # written from the blobs' own memory (a uint8 array each), not from a copy of it
-        payloads = [b.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for _, b in fresh]
+        payloads = [b.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for _, b in pairs]
         if self.fmt is not None:
             try:
                 payloads = [self.fmt.encode(p.tobytes()) for p in payloads]
@@ -269,7 +273,12 @@ class FileTier:
                 with self._lock:
                     self._failures += 1
                     return [k in self._index for k in keys]
-        self.write_group([k for k, _ in fresh], payloads)
+        with self._lock:
+            held = {k: self._index.get(k) for k, _ in pairs}
+        fresh = [(k, p) for (k, _), p in zip(pairs, payloads)
+                 if held[k] is None or held[k].length != len(p) or held[k].crc != crc32c.crc32c(p)]
+        if fresh:
+            self.write_group([k for k, _ in fresh], [p for _, p in fresh])
         with self._lock:  # held now: a key skipped as held may have been evicted to make room for this very write
             return [k in self._index for k in keys]
 
@@ -304,7 +313,7 @@ class FileTier:
                 held = False
                 if path in self._files:  # the same group written again: the new file replaced the old
                     self._drop_file(path)
-                self._adopt(path, rows, size)
+                self._adopt(path, rows, size, newest=True)
         except BaseException as exc:  # any failure (MemoryError too) gives its reservation back and leaves no temp
             if held:
                 _remove(temp)
@@ -506,7 +515,7 @@ class FileTier:
         self._used -= size
 
     def _drop_blob(self, key: int, where: _Location) -> bool:
-        """Forget one blob found corrupt. The other blobs of its file carry checksums of their own and stay
+        """Forget one blob (found corrupt, or replaced by a newer one). The other blobs of its file carry checksums of their own and stay
         served (a reader of one of them, running beside this one, must not lose it); the file, and its bytes in the
         budget, go with its last blob. Whether that was the last."""
         del self._index[key]

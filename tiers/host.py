@@ -109,9 +109,10 @@ class HostTier:
             raise TierError("the host tier is closed")
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
-        """Store blobs (1-D uint8, not empty, on the CPU or a CUDA device) asynchronously. The handle's
-        ``accepted`` says at once which keys the tier took or held already; a copy that fails later drops its
-        entry (that key's result is False)."""
+        """Store blobs (1-D uint8, not empty, on the CPU or a CUDA device) asynchronously. A key held already is
+        written again (the newest blob replaces the held one), unless its earlier put is still landing (that copy
+        stays) or a read of it is in flight (this blob is not stored). The handle's ``accepted`` says at once which
+        keys the tier took or holds; a copy that fails later drops its entry (that key's result is False)."""
         self._check_open()
         check_pairs(keys, blobs, "blobs")
         for key, blob in zip(keys, blobs):  # every blob checked before any entry is registered
@@ -125,16 +126,26 @@ class HostTier:
                                for i in range(0, max(len(keys), 1), BATCH)])
 
     def _put_batch(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
-        plan: list[tuple[int, torch.Tensor, _Entry] | None] = []
+        plan: list[tuple[int, torch.Tensor, _Entry] | bool | None] = []  # None: held already; False: refused
         with self._lock:
             self._free.sort(reverse=True)  # hand out ascending slots, so neighbouring blobs coalesce
             for key, blob in zip(keys, blobs):
                 if blob.dtype != torch.uint8 or blob.dim() != 1:
                     raise ValueError(f"blob for key {key} must be 1-D uint8, got {blob.dtype} {tuple(blob.shape)}")
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-                    plan.append(None)
-                    continue
+                held = self._entries.get(key)
+                if held is not None:
+                    if held.state is SlotState.WRITING:  # an earlier put of the key is landing: that copy stays
+                        self._entries.move_to_end(key)
+                        plan.append(None)
+                        continue
+                    if held.readers:  # being read: its slots stay, and this blob is not stored (False below)
+                        plan.append(False)
+                        continue
+                    # the newest blob of a key replaces the one held: a page group differs between encodes of the
+                    # same tokens (its chunk, whether it carries the chunk's codebook), and a held copy whose
+                    # chunk's codebook has left the tier could never be restored
+                    del self._entries[key]
+                    self._free.extend(held.slots)
                 slots = self._take_slots(-(-blob.numel() // self.slot_bytes))
                 if slots is None:
                     self._failures += 1
@@ -145,8 +156,8 @@ class HostTier:
                 plan.append((key, blob, entry))
             if DEBUG:
                 self._check()
-        results = [item is not None or key in self._entries for item, key in zip(plan, keys)]
-        work = [(i, *item) for i, item in enumerate(plan) if item is not None]
+        results = [item is not False and (item is not None or key in self._entries) for item, key in zip(plan, keys)]
+        work = [(i, *item) for i, item in enumerate(plan) if item]
         accepted = list(results)
 
         def undo():  # the batch's entries go, as if it had never been called
@@ -439,7 +450,10 @@ class LayeredRead:
                     w, count, self.stream)  # copy_2d skips zero widths
 
     def close(self) -> Handle:
+        """Release the blobs once everything enqueued has landed. A second call releases nothing (each blob's
+        read was counted once)."""
         entries = [entry for _, entry in self._work]
+        self._work, self._runs = [], []
         if self.stream is None:
             for entry in entries:
                 self.tier._release(entry)

@@ -78,16 +78,19 @@ class TieredCache:
                 return 0
             keys = [key for _, key in victims]
             blobs = [self.cache.export_page(page) for page, _ in victims]
-            # Issue the writes before the device pages go, under the lock: a page is always either on
-            # the device or registered (WRITING or READY) below, so admission can wait for it.
             first = self.host.put(keys, blobs) if self.host is not None else self.file.put(keys, blobs)
-            # a page the tier refused at once (the host tier full of blobs being read) stays on the device
-            taken = [i for i in range(len(victims)) if first.accepted is None or first.accepted[i]]
-            for i in taken:
-                self.cache.drop_cached(victims[i][0])
             self._track([first])
+        # The device pages go only once their writes have landed (waited for without the lock; admission meanwhile
+        # finds them on the device): a write that fails or is refused leaves its page where it was.
+        try:
+            written = first.result()
+        except Exception as exc:  # noqa: BLE001 - nothing is known written: every page stays on the device
+            log.warning("offload: writing %d pages down failed, they stay on the device: %r", len(keys), exc)
+            written = [False] * len(keys)
+        with self.lock:
+            taken = [i for i, (page, key) in enumerate(victims)
+                     if written[i] and self.cache.drop_cached_page(page, key)]
         if self.host is not None and self.file is not None and self.policy.write_through_to_file and taken:
-            first.wait()
             self._track([self.file.put([keys[i] for i in taken],
                                        [blobs[i].cpu() if blobs[i].is_cuda else blobs[i] for i in taken])])
         self.offloaded_pages += len(taken)
