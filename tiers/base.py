@@ -140,7 +140,8 @@ class Tier(Protocol):
         """Length of the prefix of ``keys`` whose blobs this tier holds."""
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
-        """Store blobs (uint8, 1-D) under keys, asynchronously. Keys already held are skipped."""
+        """Store blobs (uint8, 1-D) under keys, asynchronously. The newest blob of a key replaces a held one (a page
+        group differs between encodes of the same tokens); a tier may skip a blob it holds byte for byte."""
 
     def get(self, keys: Sequence[int], into: Sequence[torch.Tensor]) -> Handle:
         """Copy the blobs of ``keys`` into the caller's buffers (host or device), asynchronously."""

@@ -253,7 +253,7 @@ class FileTier:
             raise ValueError(f"file tier keys are unsigned 64-bit integers, got {bad[:4]}")
         with self._lock:
             # a file removed behind the tier's back (its directory cleaned while running) holds nothing: its keys
-            # are written again rather than skipped as held
+            # are forgotten, so they are written again rather than found held with these bytes
             for path in {self._index[k].path for k in keys if k in self._index}:
                 if not os.path.exists(path):
                     self._drop_file(path)
