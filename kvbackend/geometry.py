@@ -70,9 +70,6 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
-        if self.dense_pages < self.chunk_pages:  # no request could fill a chunk: each would stop at CacheFull
-            raise ValueError(f"CacheConfig.dense_pages ({self.dense_pages}) must hold at least one chunk "
-                             f"(chunk_pages={self.chunk_pages}): a request's tokens stay dense until its chunk is full")
         slots = self.codebook_slots
         if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots <= 0):
             raise ValueError(f"CacheConfig.codebook_slots must be None (one per possible chunk) or a positive int, "

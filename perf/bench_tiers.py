@@ -79,7 +79,7 @@ def prefix_on_host(codec: str, tokens: int = 32768):
     (cache, tiered, prompt, page groups as stored)."""
     geometry = Geometry(32, 8, 128, torch.bfloat16)
     pages = tokens // 64
-    cache = KVCache(geometry, CacheConfig(codec=codec, page_size=64, chunk_pages=16, dense_pages=16,
+    cache = KVCache(geometry, CacheConfig(codec=codec, page_size=64, chunk_pages=16, dense_pages=4,
                                           packed_pages=pages + 8, device=DEV))
     prompt = list(range(tokens + 1))
     keys = cache.prefix_keys(prompt)[:pages]

@@ -415,11 +415,3 @@ def test_eval_skip_drops_the_first_tokens_and_refuses_too_few(no_model, monkeypa
     assert len(seen) == 2
     with pytest.raises(SystemExit):
         main(_eval("--codec", "fp8", "--skip", "-1"))
-
-
-def test_a_dense_pool_smaller_than_one_chunk_is_refused():
-    """Such a cache accepted requests and stopped each at CacheFull once its dense pages were used up: no chunk of
-    it could ever fill, so nothing was compressed."""
-    with pytest.raises(ValueError, match=r"dense_pages \(3\) must hold at least one chunk \(chunk_pages=4\)"):
-        CacheConfig(page_size=16, chunk_pages=4, dense_pages=3)
-    assert CacheConfig(page_size=16, chunk_pages=4, dense_pages=4).dense_pages == 4
