@@ -515,9 +515,9 @@ class FileTier:
         self._used -= size
 
     def _drop_blob(self, key: int, where: _Location) -> bool:
-        """Forget one blob (found corrupt, or replaced by a newer one). The other blobs of its file carry checksums of their own and stay
-        served (a reader of one of them, running beside this one, must not lose it); the file, and its bytes in the
-        budget, go with its last blob. Whether that was the last."""
+        """Forget one blob (found corrupt, or replaced by a newer one). The other blobs of its file carry checksums
+        of their own and stay served (a reader of one of them, running beside this one, must not lose it); the file,
+        and its bytes in the budget, go with its last blob. Whether that was the last."""
         del self._index[key]
         keys, size = self._files.get(where.path, ([], 0))
         live = [k for k in keys if k in self._index and self._index[k].path == where.path]
