@@ -207,3 +207,186 @@ def test_install_pages_refuses_keys_its_token_ids_do_not_give():
     rid, hit = t.add_request(prompt)
     assert hit == 64
     t.close()
+
+
+# -- the file tier's copies of a key, and offloads in flight (a second review's reproducers; each failed before) ----
+FP = "0123456789abcdef"
+
+
+def _byte(tier, key, n=4000):
+    out = torch.zeros(n, dtype=torch.uint8)
+    return int(out[0]) if tier.get([key], [out]).result()[0] else None
+
+
+def test_a_replaced_copy_never_comes_back_after_a_restart(tmp_path):
+    """The older file listed the replaced key while it stayed for its other blobs; once the newer file was evicted,
+    a restart served the replaced bytes. The entry is marked replaced in the older file's table now."""
+    tier = FileTier(str(tmp_path), 10**8, FP, fsync=False, workers=2)
+    assert tier.put([1, 2], [torch.full((4000,), 1, dtype=torch.uint8),
+                             torch.full((4000,), 9, dtype=torch.uint8)]).result() == [True, True]
+    assert tier.put([1], [torch.full((4000,), 2, dtype=torch.uint8)]).result() == [True]
+    assert _byte(tier, 1) == 2 and _byte(tier, 2) == 9  # the older file stays for its other blob
+    assert tier.evict(1) == 1 and _byte(tier, 1) is None  # the newer file (least recently used) goes
+    tier.close()
+    again = FileTier(str(tmp_path), 10**8, FP, fsync=False, workers=2)
+    assert _byte(again, 1) is None and _byte(again, 2) == 9
+    assert again.stats().bytes_used == sum(p.stat().st_size for p in tmp_path.iterdir())
+    again.close()
+
+
+def test_a_key_replaced_in_each_of_an_older_files_blobs_removes_that_file(tmp_path):
+    tier = FileTier(str(tmp_path), 10**8, FP, fsync=False)
+    assert tier.put([1, 2], [torch.full((4000,), 1, dtype=torch.uint8),
+                             torch.full((4000,), 9, dtype=torch.uint8)]).result() == [True, True]
+    assert tier.put([1], [torch.full((4000,), 2, dtype=torch.uint8)]).result() == [True]
+    assert tier.put([2], [torch.full((4000,), 8, dtype=torch.uint8)]).result() == [True]
+    assert len(list(tmp_path.iterdir())) == 2  # the first file went with its last blob
+    assert tier.stats().bytes_used == sum(p.stat().st_size for p in tmp_path.iterdir())
+    tier.close()
+    again = FileTier(str(tmp_path), 10**8, FP, fsync=False)
+    assert _byte(again, 1) == 2 and _byte(again, 2) == 8
+    again.close()
+
+
+def test_a_put_whose_write_fails_is_not_reported_stored_over_an_older_copy(tmp_path):
+    tier = FileTier(str(tmp_path), 30000, FP, fsync=False, workers=2)
+    assert tier.put([7], [torch.full((4000,), 1, dtype=torch.uint8)]).result() == [True]
+    # a group larger than the budget: nothing written (the key keeps serving its older copy)
+    assert tier.put([7, 8], [torch.full((4000,), 2, dtype=torch.uint8),
+                             torch.zeros(40000, dtype=torch.uint8)]).result() == [False, False]
+    assert _byte(tier, 7) == 1
+
+    def full_disk(path, parts):
+        raise OSError(28, "No space left on device")
+
+    tier._write_file = full_disk
+    assert tier.put([7], [torch.full((4000,), 2, dtype=torch.uint8)]).result() == [False]
+    del tier._write_file
+    assert _byte(tier, 7) == 1
+    assert tier.put([7], [torch.full((4000,), 1, dtype=torch.uint8)]).result() == [True]  # the bytes it holds
+    tier.close()
+
+
+def test_two_puts_of_a_key_landing_out_of_order_serve_the_later_one_before_and_after_a_restart(tmp_path):
+    import threading
+
+    tier = FileTier(str(tmp_path), 10**8, FP, fsync=False, workers=2)
+    gate, inside, real = threading.Event(), threading.Event(), tier._write_file
+
+    def slow_disk(path, parts):  # the first put's file is slow to write
+        if len(parts[-1]) == 3000:
+            inside.set()
+            gate.wait(30)
+        return real(path, parts)
+
+    tier._write_file = slow_disk
+    first = tier.put([5, 6], [torch.full((4000,), 1, dtype=torch.uint8), torch.zeros(3000, dtype=torch.uint8)])
+    assert inside.wait(30)
+    assert tier.put([5, 7], [torch.full((4000,), 2, dtype=torch.uint8),
+                             torch.zeros(5000, dtype=torch.uint8)]).result() == [True, True]
+    gate.set()
+    assert first.result() == [False, False]  # a later put of key 5 landed first: this file is not kept
+    assert _byte(tier, 5) == 2
+    tier.close()
+    again = FileTier(str(tmp_path), 10**8, FP, fsync=False)
+    assert _byte(again, 5) == 2
+    assert again.stats().bytes_used == sum(p.stat().st_size for p in tmp_path.iterdir())
+    again.close()
+
+
+def test_pages_that_leave_the_device_while_their_host_write_lands_are_still_written_to_the_file_tier(tmp_path):
+    import threading
+
+    cache = KVCache(GEOM, CacheConfig(codec="qvg", page_size=16, chunk_pages=2, dense_pages=32, packed_pages=4,
+                                      device="cpu"))
+    host = HostTier(10**6, cache.blob_bytes, pin=False)
+    file = FileTier(str(tmp_path), 10**8, cache.fingerprint, fsync=False)
+    t = TieredCache(cache, host, file, background=False)
+    gen = torch.Generator().manual_seed(0)
+    tokens = list(range(70))
+    serve(t, tokens, gen)  # four cached packed pages: the pool is full
+    keys = cache.prefix_keys(tokens)
+    gate, started, copy_in = threading.Event(), threading.Event(), host._copy_in
+
+    def slow_copy_in(work, results):
+        started.set()
+        gate.wait(30)
+        return copy_in(work, results)
+
+    host._copy_in = slow_copy_in
+    rid, _ = t.add_request([5])  # a running request
+    moved = []
+    worker = threading.Thread(target=lambda: moved.append(t.offload(max_pages=2)))
+    worker.start()
+    assert started.wait(30)
+    for layer in range(GEOM.num_layers):  # its chunk completes meanwhile, evicting the two pages being written
+        t.append(rid, layer, torch.randn(33, 2, 64, generator=gen).bfloat16(),
+                 torch.randn(33, 2, 64, generator=gen).bfloat16())
+    gate.set()
+    worker.join(30)
+    host._copy_in = copy_in
+    t.flush()
+    assert moved == [0]  # neither was on the device any more to drop
+    host.evict(100)
+    in_file = [file.contains([k]) for k in keys]
+    assert sum(in_file) == 2  # the two pages written through all the same
+    assert all(f or cache.device_prefix([k]) for k, f in zip(keys, in_file))  # each page is somewhere
+    t.close()
+
+
+def test_a_second_offload_does_not_drop_pages_whose_first_write_then_fails():
+    import threading
+
+    cache, t = make(host_groups=50)
+    gen = torch.Generator().manual_seed(0)
+    tokens = list(range(70))
+    serve(t, tokens, gen)
+    keys = cache.prefix_keys(tokens)
+    host = t.host
+    gate, started, copy_in, scatter = threading.Event(), threading.Event(), host._copy_in, host._scatter
+
+    def slow_failing_copy_in(work, results):
+        started.set()
+        gate.wait(30)
+
+        def fail(blob, entry, non_blocking=False):
+            raise RuntimeError("injected copy failure")
+
+        host._scatter = fail
+        try:
+            return copy_in(work, results)
+        finally:
+            host._scatter = scatter
+
+    host._copy_in = slow_failing_copy_in
+    first = []
+    worker = threading.Thread(target=lambda: first.append(t.offload(max_pages=4)))
+    worker.start()
+    assert started.wait(30)
+    host._copy_in = copy_in
+    assert t.offload(max_pages=4) == 0  # the pages in flight are not picked again
+    gate.set()
+    worker.join(30)
+    t.flush()
+    assert first == [0] and cache.device_prefix(keys) == 4
+    t.close()
+
+
+def test_a_host_put_of_a_key_whose_earlier_put_is_landing_is_not_reported_stored():
+    host = HostTier(4 * 1000, 1000, pin=False)
+    import threading
+
+    gate, copy_in = threading.Event(), host._copy_in
+
+    def slow(work, results):
+        gate.wait(30)
+        return copy_in(work, results)
+
+    host._copy_in = slow
+    first = host.put([1], [torch.full((1000,), 1, dtype=torch.uint8)])
+    host._copy_in = copy_in
+    second = host.put([1], [torch.full((1000,), 2, dtype=torch.uint8)])
+    assert second.accepted == [False] and second.result() == [False]
+    gate.set()
+    assert first.result() == [True]
+    host.check()

@@ -56,7 +56,8 @@ VERSION = 1
 # magic, version, fingerprint, count, table crc, write sequence (u64; 0 in files of earlier releases, which left
 # these bytes as padding and ignore them), padding to 48 bytes
 _HEADER = struct.Struct("<8sI16sIIQ4x")
-_ENTRY = struct.Struct("<QQQII")  # key, offset, length, crc32c, pad
+_ENTRY = struct.Struct("<QQQII")  # key, offset, length, crc32c, flags (earlier releases wrote 0 and ignore it)
+_REPLACED = 1  # flag of an entry whose key a later file holds: never indexed again (a restart must not serve it)
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".kvbw-"  # temporary files: TEMP_PREFIX + final stem + ".<pid>.<thread>" + SUFFIX + ".tmp"
 _FINAL_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\Z")
@@ -76,6 +77,7 @@ class _Location:
     offset: int
     length: int
     crc: int
+    sequence: int = 0  # the write sequence of its file: of two files holding a key, the later one serves it
 
 
 READS_PER_WORKER = 4  # a get of fewer blobs per worker stays on one worker
@@ -157,16 +159,17 @@ class FileTier:
             else:
                 skipped.setdefault(verdict, []).append(name)
         # a key in two files was put again after its copy in the older one was found corrupt (`_drop_blob` keeps a
-        # file for its other blobs, and its table still lists the bad copy): the newest copy is the one indexed
+        # file for its other blobs, and its table still lists the bad copy), or the process died between writing a
+        # key's new file and marking its entry in the older one (`_adopt`): the newest copy is the one indexed
         # (files in the order they were written: their write sequence, which ties only between files of releases
         # that wrote none; then their modification time, which ties within a clock tick; then their name)
-        tables = [table[1:] for table in sorted(tables)]
-        newest = {row[0]: path for path, rows, _ in tables for row in rows}
-        for path, rows, size in tables:  # oldest first: the LRU order
+        tables = [(order[0], *rest) for order, *rest in sorted(tables)]
+        newest = {row[0]: path for _, path, rows, _ in tables for row in rows}
+        for sequence, path, rows, size in tables:  # oldest first: the LRU order
             rows = [row for row in rows if newest[row[0]] == path]
             if rows:
-                self._adopt(path, rows, size)
-            else:  # every blob of it lives in a newer file: nothing left to serve
+                self._adopt(path, rows, size, sequence)
+            else:  # every blob of it lives in a newer file, or was replaced: nothing left to serve
                 _remove(path)
         for reason, names in skipped.items():
             level = logging.INFO if reason == "files of another layout" else logging.WARNING
@@ -212,10 +215,11 @@ class FileTier:
                 return "damaged", [], 0, 0
             rows, offset = [], data_start
             for i in range(count):  # blobs lie back to back after the table, exactly as written
-                key, start, length, crc, _ = _ENTRY.unpack_from(table, i * _ENTRY.size)
+                key, start, length, crc, flags = _ENTRY.unpack_from(table, i * _ENTRY.size)
                 if start != offset or length > size - offset:
                     return "damaged", [], 0, 0
-                rows.append((key, start, length, crc))
+                if not flags & _REPLACED:
+                    rows.append((key, start, length, crc))
                 offset += length
             return ("ok", rows, size, sequence) if offset == size else ("damaged", [], 0, 0)
         except OSError:
@@ -223,19 +227,63 @@ class FileTier:
         finally:
             os.close(fd)
 
-    def _adopt(self, path: str, rows, size: int, newest: bool = False) -> None:
-        """Index the blobs ``rows`` of file ``path``; a key indexed in another file keeps that blob, or with
-        ``newest`` (a file just written) gives it up (its old file goes with its last blob)."""
+    def _adopt(self, path: str, rows, size: int, sequence: int) -> bool:
+        """Index the blobs ``rows`` of file ``path`` (write sequence ``sequence``; the first row of a key listed
+        twice). A key an older file holds moves here: that file goes with its last blob, or else its entry is marked
+        replaced on disk, so a restart never serves the replaced copy once this file is evicted. Whether ``path`` was
+        indexed (False: a file written later holds one of its keys, two puts of a key having landed out of order;
+        ``path`` is removed)."""
+        if any((old := self._index.get(key)) is not None and old.path != path and old.sequence > sequence
+               for key, *_ in rows):
+            _remove(path)
+            return False
         keys = []
         for key, offset, length, crc in rows:
+            if key in keys:
+                continue
             old = self._index.get(key)
-            if old is not None and newest and old.path != path and self._drop_blob(key, old):
-                _remove(old.path)
-            if key not in self._index:
-                self._index[key] = _Location(path, offset, length, crc)
-                keys.append(key)
+            if old is not None and old.path != path:
+                if self._drop_blob(key, old):
+                    _remove(old.path)
+                elif not self._mark_replaced(old.path, key):  # the replaced copy must not come back: its file goes
+                    self._drop_file(old.path)
+                    _remove(old.path)
+            self._index[key] = _Location(path, offset, length, crc, sequence)
+            keys.append(key)
         self._files[path] = (keys, size)
         self._used += size
+        return True
+
+    def _mark_replaced(self, path: str, key: int) -> bool:
+        """Flag the entry of ``key`` in file ``path``'s table as replaced (the table's checksum rewritten with it:
+        a crash in between leaves a table that fails its checksum, and start-up removes the file). Whether it was
+        marked."""
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            head = _pread(fd, _HEADER.size, 0)
+            if len(head) != _HEADER.size:
+                return False
+            magic, version, fingerprint, count, _, sequence = _HEADER.unpack(head)
+            table = bytearray(_pread(fd, count * _ENTRY.size, _HEADER.size))
+            if len(table) != count * _ENTRY.size:
+                return False
+            for i in range(count):
+                entry = list(_ENTRY.unpack_from(table, i * _ENTRY.size))
+                if entry[0] == key:
+                    entry[4] |= _REPLACED
+                    _ENTRY.pack_into(table, i * _ENTRY.size, *entry)
+            os.pwrite(fd, bytes(table), _HEADER.size)
+            os.pwrite(fd, _HEADER.pack(magic, version, fingerprint, count, crc32c.crc32c(bytes(table)), sequence), 0)
+            if self.fsync:
+                os.fsync(fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     # -- protocol -------------------------------------------------------------------------
     def contains(self, keys: Sequence[int]) -> int:
@@ -272,24 +320,33 @@ class FileTier:
             except ValueError:  # a blob this format cannot hold: nothing is written, the caller keeps it
                 with self._lock:
                     self._failures += 1
-                    return [k in self._index for k in keys]
+                    return [False] * len(keys)
+        crcs, firsts = {}, []
+        for (k, _), p in zip(pairs, payloads):
+            if k not in crcs:  # a key listed twice in one call: its first blob
+                crcs[k] = (len(p), crc32c.crc32c(p))
+                firsts.append((k, p))
         with self._lock:
-            held = {k: self._index.get(k) for k, _ in pairs}
-        fresh = [(k, p) for (k, _), p in zip(pairs, payloads)
-                 if held[k] is None or held[k].length != len(p) or held[k].crc != crc32c.crc32c(p)]
+            fresh = [(k, p) for k, p in firsts if self._holds(k) != crcs[k]]
         if fresh:
-            self.write_group([k for k, _ in fresh], [p for _, p in fresh])
-        with self._lock:  # held now: a key skipped as held may have been evicted to make room for this very write
-            return [k in self._index for k in keys]
+            self.write_group([k for k, _ in fresh], [p for _, p in fresh], [crcs[k][1] for k, _ in fresh])
+        with self._lock:  # True where the key serves these very bytes now (written, or held already)
+            return [self._holds(k) == crcs[k] for k in keys]
 
-    def write_group(self, keys: list[int], payloads: list) -> bool:
-        """Write one page group synchronously (``payloads``: bytes or 1-D uint8 arrays); False (and nothing
-        indexed) if it could not be written, including a group larger than the whole budget."""
+    def _holds(self, key: int) -> tuple[int, int] | None:
+        """Under the lock: (length, crc32c) of the blob ``key`` serves, or None."""
+        where = self._index.get(key)
+        return None if where is None else (where.length, where.crc)
+
+    def write_group(self, keys: list[int], payloads: list, crcs: list[int] | None = None) -> bool:
+        """Write one page group synchronously (``payloads``: bytes or 1-D uint8 arrays, ``crcs`` their crc32c where
+        the caller has them); False (and nothing indexed) if it could not be written, including a group larger than
+        the whole budget, or one that a put of one of its keys issued later has replaced already."""
         size = _HEADER.size + len(keys) * _ENTRY.size + sum(len(p) for p in payloads)
         # the table, header and names first: whatever they raise (a key no u64 holds) raises before any reservation
         table, offset, rows = bytearray(), _HEADER.size + len(keys) * _ENTRY.size, []
-        for key, payload in zip(keys, payloads):
-            crc = crc32c.crc32c(payload)
+        for i, (key, payload) in enumerate(zip(keys, payloads)):
+            crc = crc32c.crc32c(payload) if crcs is None else crcs[i]
             table += _ENTRY.pack(key, offset, len(payload), crc, 0)
             rows.append((key, offset, len(payload), crc))
             offset += len(payload)
@@ -313,7 +370,8 @@ class FileTier:
                 held = False
                 if path in self._files:  # the same group written again: the new file replaced the old
                     self._drop_file(path)
-                self._adopt(path, rows, size, newest=True)
+                if not self._adopt(path, rows, size, sequence):
+                    return False
         except BaseException as exc:  # any failure (MemoryError too) gives its reservation back and leaves no temp
             if held:
                 _remove(temp)
@@ -515,9 +573,9 @@ class FileTier:
         self._used -= size
 
     def _drop_blob(self, key: int, where: _Location) -> bool:
-        """Forget one blob (found corrupt, or replaced by a newer one). The other blobs of its file carry checksums
-        of their own and stay served (a reader of one of them, running beside this one, must not lose it); the file,
-        and its bytes in the budget, go with its last blob. Whether that was the last."""
+        """Forget one blob found corrupt. The other blobs of its file carry checksums of their own and stay
+        served (a reader of one of them, running beside this one, must not lose it); the file, and its bytes in the
+        budget, go with its last blob. Whether that was the last."""
         del self._index[key]
         keys, size = self._files.get(where.path, ([], 0))
         live = [k for k in keys if k in self._index and self._index[k].path == where.path]

@@ -110,9 +110,9 @@ class HostTier:
 
     def put(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
         """Store blobs (1-D uint8, not empty, on the CPU or a CUDA device) asynchronously. A key held already is
-        written again (the newest blob replaces the held one), unless its earlier put is still landing (that copy
-        stays) or a read of it is in flight (this blob is not stored). The handle's ``accepted`` says at once which
-        keys the tier took or holds; a copy that fails later drops its entry (that key's result is False)."""
+        written again (the newest blob replaces the held one), unless an earlier put of it is still landing or a read
+        of it is in flight: then this blob is not stored (False). The handle's ``accepted`` says at once which keys
+        the tier took; a copy that fails later drops its entry (that key's result is False)."""
         self._check_open()
         check_pairs(keys, blobs, "blobs")
         for key, blob in zip(keys, blobs):  # every blob checked before any entry is registered
@@ -126,7 +126,7 @@ class HostTier:
                                for i in range(0, max(len(keys), 1), BATCH)])
 
     def _put_batch(self, keys: Sequence[int], blobs: Sequence[torch.Tensor]) -> Handle:
-        plan: list[tuple[int, torch.Tensor, _Entry] | bool | None] = []  # None: held already; False: refused
+        plan: list[tuple[int, torch.Tensor, _Entry] | None] = []  # None: not stored
         with self._lock:
             self._free.sort(reverse=True)  # hand out ascending slots, so neighbouring blobs coalesce
             for key, blob in zip(keys, blobs):
@@ -134,12 +134,10 @@ class HostTier:
                     raise ValueError(f"blob for key {key} must be 1-D uint8, got {blob.dtype} {tuple(blob.shape)}")
                 held = self._entries.get(key)
                 if held is not None:
-                    if held.state is SlotState.WRITING:  # an earlier put of the key is landing: that copy stays
-                        self._entries.move_to_end(key)
+                    # an earlier put of the key is landing (its outcome unknown yet), or a read of it is in flight:
+                    # that copy stays, and this blob is not stored (False below: the caller keeps it)
+                    if held.state is SlotState.WRITING or held.readers:
                         plan.append(None)
-                        continue
-                    if held.readers:  # being read: its slots stay, and this blob is not stored (False below)
-                        plan.append(False)
                         continue
                     # the newest blob of a key replaces the one held: a page group differs between encodes of the
                     # same tokens (its chunk, whether it carries the chunk's codebook), and a held copy whose
@@ -156,8 +154,8 @@ class HostTier:
                 plan.append((key, blob, entry))
             if DEBUG:
                 self._check()
-        results = [item is not False and (item is not None or key in self._entries) for item, key in zip(plan, keys)]
-        work = [(i, *item) for i, item in enumerate(plan) if item]
+        results = [item is not None for item in plan]
+        work = [(i, *item) for i, item in enumerate(plan) if item is not None]
         accepted = list(results)
 
         def undo():  # the batch's entries go, as if it had never been called

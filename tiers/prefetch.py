@@ -47,6 +47,7 @@ class TieredCache:
         self._pending_lock = threading.Lock()
         self._prefetches: dict[int, list[Prefetch]] = {}  # request id -> its prefetches; under _pending_lock
         self.offloaded_pages = 0
+        self._writing: set[tuple[int, int]] = set()  # (page, key) of offloads' writes in flight; under ``lock``
         self._install_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         # windows file reads land in on their way to the device: page-locked once, reused by every restore
         self._bounce = BounceRing(pinned=cache.dense.data.device.type == "cuda")
@@ -73,13 +74,15 @@ class TieredCache:
             allocator = self.cache.packed.allocator
             if max_pages is None:
                 max_pages = self.policy.pages_to_offload(allocator.num_used, allocator.num_cached, allocator.num_pages)
-            victims = self.cache.evictable_pages()[:max_pages]
+            # pages another offload is writing down are not picked again: that offload drops them once written
+            victims = [v for v in self.cache.evictable_pages() if v not in self._writing][:max_pages]
             if not victims or self.host is None and self.file is None:
                 return 0
             keys = [key for _, key in victims]
             blobs = [self.cache.export_page(page) for page, _ in victims]
             first = self.host.put(keys, blobs) if self.host is not None else self.file.put(keys, blobs)
             self._track([first])
+            self._writing.update(victims)
         # The device pages go only once their writes have landed (waited for without the lock; admission meanwhile
         # finds them on the device): a write that fails or is refused leaves its page where it was.
         try:
@@ -87,12 +90,17 @@ class TieredCache:
         except Exception as exc:  # noqa: BLE001 - nothing is known written: every page stays on the device
             log.warning("offload: writing %d pages down failed, they stay on the device: %r", len(keys), exc)
             written = [False] * len(keys)
+        finally:
+            with self.lock:
+                self._writing.difference_update(victims)
         with self.lock:
             taken = [i for i, (page, key) in enumerate(victims)
                      if written[i] and self.cache.drop_cached_page(page, key)]
-        if self.host is not None and self.file is not None and self.policy.write_through_to_file and taken:
-            self._track([self.file.put([keys[i] for i in taken],
-                                       [blobs[i].cpu() if blobs[i].is_cuda else blobs[i] for i in taken])])
+        # on to the file tier: every page the host tier took (one that left the device meanwhile too)
+        through = [i for i in range(len(victims)) if written[i]]
+        if self.host is not None and self.file is not None and self.policy.write_through_to_file and through:
+            self._track([self.file.put([keys[i] for i in through],
+                                       [blobs[i].cpu() if blobs[i].is_cuda else blobs[i] for i in through])])
         self.offloaded_pages += len(taken)
         return len(taken)
 
