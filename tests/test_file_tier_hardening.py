@@ -689,3 +689,37 @@ def test_files_of_releases_that_wrote_no_sequence_are_still_read(tmp_path):
     assert served(tier, [1, 2, 3]) == {1, 2, 3}
     assert tier.put([4], [blob_for(4)]).result() == [True] and served(tier, [4]) == {4}
     tier.close()
+
+
+def test_a_table_claiming_more_entries_than_a_file_lists_is_refused_unread(tmp_path, monkeypatch):
+    """A crafted header over a sparse file: start-up read its whole table into memory (count x 32 bytes, here 128
+    MiB and three copies of it) before its checksum failed. Such a file is removed as damaged now, unread."""
+    from kvbackend.tiers import file as file_module
+
+    count = file_module.MAX_ENTRIES * 4
+    path = tmp_path / ("2" * 32 + SUFFIX)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<8sI16sII12x", file_module.MAGIC, file_module.VERSION, FINGERPRINT.encode(), count, 0))
+        f.truncate(HEADER + count * ENTRY + 4096)  # a hole: no disk taken
+    reads = []
+    real = file_module._pread
+    monkeypatch.setattr(file_module, "_pread", lambda fd, n, at: reads.append(n) or real(fd, n, at))
+    tier = FileTier(str(tmp_path), 10**12, FINGERPRINT, fsync=False)
+    assert max(reads) == HEADER and not path.exists() and tier.stats().blobs == 0
+    tier.close()
+
+
+def test_a_put_of_more_keys_than_a_file_lists_is_written_as_several_files(tmp_path, monkeypatch):
+    from kvbackend.tiers import file as file_module
+
+    monkeypatch.setattr(file_module, "MAX_ENTRIES", 2)
+    tier = FileTier(str(tmp_path), 10**7, FINGERPRINT, fsync=False)
+    keys = [11, 12, 13, 14, 15]
+    assert tier.put(keys, [blob_for(k) for k in keys]).result() == [True] * 5
+    assert len(os.listdir(tmp_path)) == 3 and served(tier, keys) == set(keys)
+    with pytest.raises(ValueError, match="at most 2 blobs"):
+        tier.write_group([1, 2, 3], [b"a", b"b", b"c"])
+    tier.close()
+    again = FileTier(str(tmp_path), 10**7, FINGERPRINT, fsync=False)
+    assert served(again, keys) == set(keys)
+    again.close()

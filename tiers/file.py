@@ -84,6 +84,9 @@ READS_PER_WORKER = 4  # a get of fewer blobs per worker stays on one worker
 # a blob format's stored stream (AlignPred's) is at most this many times the page group it decodes to (plus 1 MiB):
 # a longer one, crafted, would be read whole into memory before its format refused it
 _MAX_STORED_RATIO = 4
+# blobs one file lists at most (a 40 MiB table): a put of more keys is written as several files; a table claiming more
+# (crafted, over a sparse file) is refused before it is read into memory
+MAX_ENTRIES = 1 << 20
 
 
 class FileTier:
@@ -208,7 +211,7 @@ class FileTier:
             if fingerprint != self.fingerprint:
                 return "files of another layout", [], 0, 0
             data_start = _HEADER.size + count * _ENTRY.size
-            if data_start > size:  # checked before anything of that length is read
+            if data_start > size or count > MAX_ENTRIES:  # checked before anything of that length is read
                 return "damaged", [], 0, 0
             table = _pread(fd, count * _ENTRY.size, _HEADER.size)
             if len(table) != count * _ENTRY.size or crc32c.crc32c(table) != table_crc:
@@ -329,7 +332,9 @@ class FileTier:
         with self._lock:
             fresh = [(k, p) for k, p in firsts if self._holds(k) != crcs[k]]
         if fresh:
-            self.write_group([k for k, _ in fresh], [p for _, p in fresh], [crcs[k][1] for k, _ in fresh])
+            for i in range(0, len(fresh), MAX_ENTRIES):  # (a file lists at most MAX_ENTRIES blobs)
+                part = fresh[i : i + MAX_ENTRIES]
+                self.write_group([k for k, _ in part], [p for _, p in part], [crcs[k][1] for k, _ in part])
         with self._lock:  # True where the key serves these very bytes now (written, or held already)
             return [self._holds(k) == crcs[k] for k in keys]
 
@@ -342,6 +347,8 @@ class FileTier:
         """Write one page group synchronously (``payloads``: bytes or 1-D uint8 arrays, ``crcs`` their crc32c where
         the caller has them); False (and nothing indexed) if it could not be written, including a group larger than
         the whole budget, or one that a put of one of its keys issued later has replaced already."""
+        if len(keys) > MAX_ENTRIES:
+            raise ValueError(f"a file lists at most {MAX_ENTRIES} blobs, got {len(keys)}")
         size = _HEADER.size + len(keys) * _ENTRY.size + sum(len(p) for p in payloads)
         # the table, header and names first: whatever they raise (a key no u64 holds) raises before any reservation
         table, offset, rows = bytearray(), _HEADER.size + len(keys) * _ENTRY.size, []
