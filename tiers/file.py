@@ -240,10 +240,11 @@ class FileTier:
                for key, *_ in rows):
             _remove(path)
             return False
-        keys = []
+        keys, seen = [], set()
         for key, offset, length, crc in rows:
-            if key in keys:
+            if key in seen:
                 continue
+            seen.add(key)
             old = self._index.get(key)
             if old is not None and old.path != path:
                 if self._drop_blob(key, old):

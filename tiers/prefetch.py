@@ -85,17 +85,16 @@ class TieredCache:
             self._writing.update(victims)
         # The device pages go only once their writes have landed (waited for without the lock; admission meanwhile
         # finds them on the device): a write that fails or is refused leaves its page where it was.
+        written = [False] * len(keys)  # nothing known written: every page stays on the device
         try:
             written = first.result()
-        except Exception as exc:  # noqa: BLE001 - nothing is known written: every page stays on the device
+        except Exception as exc:  # noqa: BLE001
             log.warning("offload: writing %d pages down failed, they stay on the device: %r", len(keys), exc)
-            written = [False] * len(keys)
         finally:
-            with self.lock:
+            with self.lock:  # one section: no other offload picks these pages between their release and their drop
                 self._writing.difference_update(victims)
-        with self.lock:
-            taken = [i for i, (page, key) in enumerate(victims)
-                     if written[i] and self.cache.drop_cached_page(page, key)]
+                taken = [i for i, (page, key) in enumerate(victims)
+                         if written[i] and self.cache.drop_cached_page(page, key)]
         # on to the file tier: every page the host tier took (one that left the device meanwhile too)
         through = [i for i in range(len(victims)) if written[i]]
         if self.host is not None and self.file is not None and self.policy.write_through_to_file and through:
