@@ -59,7 +59,10 @@ class KVCache:
         self.fingerprint = cache_fingerprint(geometry, self.config, self.layouts,
                                              rotary if any(f.levers.rope for f in self.frames) else None)
         self.group = PageGroupFormat.of(self.layouts, self.fingerprint)  # the bytes of an exported page
-        self.index = PrefixIndex(self.packed.allocator, self.config.page_size, self.config.extra_keys)
+        # the fingerprint is mixed into every page key: two caches of other layouts that share a tier (a host tier
+        # handed to both) never file their pages under one key, where one's put would replace the other's blob
+        self.index = PrefixIndex(self.packed.allocator, self.config.page_size,
+                                 (self.fingerprint, *self.config.extra_keys))
         # export and install of page groups; restored ones pass the range checks of their index fields first
         self.page_check = PageCheck.of([(f"layer {layer}", self.group.page_offsets[layer], codec, layout)
                                         for layer, (codec, layout) in enumerate(zip(self.codecs, self.layouts))])

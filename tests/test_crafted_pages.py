@@ -387,7 +387,9 @@ def test_install_pages_refuses_rows_of_another_shape_or_type_with_a_clear_error(
     assert blobs.shape[1] < other.blob_bytes
     for rows in (blobs, blobs.float(), torch.zeros(1, other.blob_bytes, dtype=torch.uint8), blobs.flatten()):
         with pytest.raises(ValueError, match="page groups are uint8 rows"):
-            other.install_pages(keys, list(range(33)), rows, 0)
+            other.install_pages(other.prefix_keys(list(range(33))), list(range(33)), rows, 0)
+    with pytest.raises(ValueError, match="not the key of page 0"):  # keys carry the cache's fingerprint
+        other.install_pages(keys, list(range(33)), torch.zeros(2, other.blob_bytes, dtype=torch.uint8), 0)
     other.check()
     target = cache_of(QUANTWM)
     assert target.install_pages(keys, list(range(33)), blobs, 0) == 2  # rows of this cache's shape install

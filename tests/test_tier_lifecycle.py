@@ -390,3 +390,38 @@ def test_a_host_put_of_a_key_whose_earlier_put_is_landing_is_not_reported_stored
     gate.set()
     assert first.result() == [True]
     host.check()
+
+
+def test_two_caches_of_other_codecs_share_one_host_tier():
+    """Keys covered tokens and ``extra_keys`` only: the second cache's offload replaced the first one's page groups
+    in a host tier both were handed (same tokens, same keys), and the first cache's restore then refused them by
+    their trailer (hit 0 of 32). The cache's fingerprint is part of every key now."""
+    a = KVCache(GEOM, CacheConfig(codec="qvg", page_size=16, chunk_pages=2, dense_pages=32, packed_pages=16,
+                                  device="cpu"))
+    b = KVCache(GEOM, CacheConfig(codec="rtn:bits=2", page_size=16, chunk_pages=2, dense_pages=32, packed_pages=16,
+                                  device="cpu"))
+    slot = max(a.blob_bytes, b.blob_bytes)
+    host = HostTier(8 * slot, slot, pin=False)
+    ta, tb = TieredCache(a, host, None, background=False), TieredCache(b, host, None, background=False)
+    prompt = list(range(40))
+    assert set(a.prefix_keys(prompt)).isdisjoint(b.prefix_keys(prompt))
+    gen = torch.Generator().manual_seed(0)
+    reads = {}
+    for cache, t in ((a, ta), (b, tb)):
+        rid, hit = t.add_request(prompt)
+        assert hit == 0
+        for layer in range(GEOM.num_layers):
+            t.append(rid, layer, torch.randn(40, 2, 64, generator=gen).bfloat16(),
+                     torch.randn(40, 2, 64, generator=gen).bfloat16())
+        reads[id(cache)] = [cache.read(rid, layer)[0][:32].clone() for layer in range(GEOM.num_layers)]
+        t.free(rid)
+    assert ta.offload(max_pages=100) == 2 and tb.offload(max_pages=100) == 2
+    assert host.contains(a.prefix_keys(prompt)) == 2 and host.contains(b.prefix_keys(prompt)) == 2
+    for cache, t in ((a, ta), (b, tb)):
+        rid, hit = t.add_request(prompt)
+        assert hit == 32
+        for layer in range(GEOM.num_layers):  # the restored pages decode to what this cache stored
+            assert torch.equal(cache.read(rid, layer)[0][:32], reads[id(cache)][layer])
+        t.free(rid)
+    ta.close()
+    tb.close()
