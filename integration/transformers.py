@@ -314,8 +314,9 @@ class KVBackendLayer(CacheLayerMixin):
         engine, options = self.owner.engine, self.owner.options
         b, h, n, d = key_states.shape
         flat = lambda x: x.transpose(1, 2).reshape(b * n, x.shape[1], d)  # noqa: E731 - [B*T, H, D]
+        limits = engine.kv_limits[self.layer_idx]
         prepare_kv(flat(key_states), flat(value_states), None if queries is None else flat(queries),
-                   engine.geometry, engine.dense.data.device, engine.config.check_finite)
+                   engine.geometry, engine.dense.data.device, engine.config.check_finite, limits[:2], limits[2])
         p = engine.config.page_size
         tables = [engine.page_table(rid) for rid in self.owner.request_ids]
         needed = sum(max(-(-(t.dense_tokens(self.layer_idx) + n) // p) - len(t.dense), 0) for t in tables)

@@ -33,6 +33,10 @@ class PageAllocator:
         """Pages that can be handed out now: free plus evictable cached pages."""
         return len(self._free) + len(self._cached)
 
+    def is_cached(self, page: int) -> bool:
+        """Whether ``page`` is cached: unreferenced, its content kept for a later hit."""
+        return page in self._cached
+
     @property
     def num_cached(self) -> int:
         return len(self._cached)

@@ -170,6 +170,13 @@ if numba is not None:
         return special == 0
 
     @_jit
+    def _peak_bf16(x):  # x bf16 bits (uint16), flat: the largest magnitude's bits (NaN and Inf above 0x7F7F)
+        peak = np.int32(0)
+        for j in range(x.shape[0]):
+            peak = max(peak, np.int32(x[j]) & np.int32(0x7FFF))
+        return peak
+
+    @_jit
     def _finite_bf16(x):  # x bf16 bits (uint16), flat: no NaN or Inf
         special = np.int32(0)
         for j in range(x.shape[0]):
@@ -508,6 +515,17 @@ def all_finite(x: torch.Tensor) -> bool | None:
         return None
     done = _run(_finite_bf16, x.reshape(-1).view(torch.int16).numpy().view(np.uint16))
     return None if done is _FAILED else bool(done)
+
+
+def largest_abs(x: torch.Tensor) -> float | None:
+    """The largest magnitude in bf16 CPU ``x`` (NaN where it holds a NaN, inf for an Inf), in one compiled pass
+    over its bits; None where the fused loops do not take ``x``."""
+    if not (enabled(x) and x.dtype == torch.bfloat16 and x.is_contiguous()):
+        return None
+    peak = _run(_peak_bf16, x.reshape(-1).view(torch.int16).numpy().view(np.uint16))
+    if peak is _FAILED:
+        return None
+    return float(np.array([int(peak) << 16], np.uint32).view(np.float32)[0])  # 0x7F80.. -> inf, above -> NaN
 
 
 def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,

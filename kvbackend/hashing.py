@@ -20,6 +20,8 @@ def token_list(token_ids: Sequence[int]) -> list[int]:
     Raises:
         InvalidKV: an id that is not an integer in 0..2^63-1.
     """
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise InvalidKV(f"token ids must be a sequence of integers, got {type(token_ids).__name__}")
     out = []
     for t in token_ids:
         if isinstance(t, (bool, float)) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < _MAX_TOKEN:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 import secrets
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
 from kvbackend.rope import Rotary
+
+FP16_MAX = 65504.0  # largest finite float16
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class KVCache:
         for layer, frame in enumerate(self.frames):
             frame.check(self.config.page_size, f"layer {layer} ({self.codecs[layer].spec_string})", geometry.head_dim)
         self.uniform = len({lay.fingerprint for lay in self.layouts}) == 1  # one byte layout (spellings may differ)
+        # per layer, the largest |K|, |V| stored and read without saturating: the codec's fields, and the fp16
+        # operands of the kernels' attention (a bf16 or float32 value past 65504 would become inf, then NaN)
+        self.kv_limits = [self._limits(layer) for layer in range(geometry.num_layers)]
         self.dense = DensePool(geometry, self.config)
         self.packed = PackedPool(self.layouts, self.config)
         self.fingerprint = cache_fingerprint(geometry, self.config, self.layouts,
@@ -70,6 +76,21 @@ class KVCache:
         self._tables: dict[int, PageTable] = {}
         self._ids = itertools.count()
         self._layer_events: list | None = None  # per-layer CUDA events of the last layered restore
+
+    def _limits(self, layer: int) -> tuple[float, float, str]:
+        """(keys, values, what sets them) for `prepare_kv` of ``layer``."""
+        codec = self.codecs[layer]
+        bounds = codec.max_abs(self.geometry)
+        kernel = self.backends[layer].name != "torch" and self.geometry.dtype != torch.float16
+        limits = tuple(min(b, FP16_MAX) if kernel else b for b in bounds)
+        why = []
+        if any(b == limit for b, limit in zip(bounds, limits) if math.isfinite(limit)):
+            why.append(f"layer {layer}'s codec {codec.spec_string} saturates a float field past it; wider fields "
+                       "(scale=fp16, the bf16 codec) store more")
+        if any(b > limit for b, limit in zip(bounds, limits)):
+            why.append(f"the {self.backends[layer].name} backend's attention reads K/V as float16; backend='torch' "
+                       "reads them in float32")
+        return limits[0], limits[1], "; ".join(why)
 
     @property
     def codec(self):
@@ -134,7 +155,8 @@ class KVCache:
         """
         table = self._table(request_id)
         self._check_layer(layer)
-        k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite)
+        k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite,
+                                   self.kv_limits[layer][:2], self.kv_limits[layer][2])
         p, n = self.config.page_size, k.shape[0]
         start = table.dense_tokens(layer)
         pages_needed = -(-(start + n) // p) - len(table.dense)
@@ -170,9 +192,11 @@ class KVCache:
         self._check_layer(layer)
         if len(set(ids)) != len(ids):
             raise InvalidKV(f"a decode step appends one token per request; request ids repeat in {ids}")
-        if k.dim() != 3 or k.shape[0] != len(ids):
-            raise InvalidKV(f"k must be [{len(ids)}, H, D] (one row per request), got {tuple(k.shape)}")
-        k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite)
+        if not isinstance(k, torch.Tensor) or k.dim() != 3 or k.shape[0] != len(ids):
+            got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+            raise InvalidKV(f"k must be a tensor [{len(ids)}, H, D] (one row per request), got {got}")
+        k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite,
+                                   self.kv_limits[layer][:2], self.kv_limits[layer][2])
         p = self.config.page_size
         starts = [table.dense_tokens(layer) for table in tables]
         needs = [start // p == len(table.dense) for table, start in zip(tables, starts)]
@@ -387,8 +411,8 @@ class KVCache:
         table = self._table(request_id)
         self._check_layer(layer)
         self.wait_layer(layer)
-        if first_page < 0:
-            raise InvalidKV(f"first_page must be >= 0, got {first_page}")
+        if not isinstance(first_page, int) or isinstance(first_page, bool) or first_page < 0:
+            raise InvalidKV(f"first_page must be an int >= 0, got {first_page!r}")
         keys, values = [self._empty()], [self._empty()]
         frame, layout, p = self.frames[layer], self.layouts[layer], self.config.page_size
         position = first_page * p
@@ -436,7 +460,8 @@ class KVCache:
         for rid in request_ids:
             self._table(rid)
         self._check_layer(layer)
-        return plan_batch(self, list(request_ids), layer)
+        # ints, as the tables are keyed (a 0-d tensor hashes by identity: the plan would never match a table again)
+        return plan_batch(self, [_request_id(rid) for rid in request_ids], layer)
 
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
@@ -494,7 +519,12 @@ class KVCache:
         return self.group.page_span(layer)
 
     def export_page(self, page: int) -> torch.Tensor:
-        """A copy of one packed page group (uint8, 1-D); see `kvbackend.install.PageGroups.export`."""
+        """A copy of one packed page group (uint8, 1-D); see `kvbackend.install.PageGroups.export`.
+
+        Raises:
+            ValueError: ``page`` is not a live packed page.
+        """
+        self._check_page(page)
         self._settle()
         return self.groups.export(page)
 
@@ -504,8 +534,19 @@ class KVCache:
         return [(page, allocator.page_hash(page)) for page in allocator.cached_pages()]
 
     def drop_cached(self, page: int) -> None:
-        """Free a cached packed page whose bytes now live in a lower tier."""
+        """Free a cached packed page whose bytes now live in a lower tier.
+
+        Raises:
+            ValueError: ``page`` is not a cached (unreferenced) packed page.
+        """
+        self._check_page(page)
+        if not self.packed.allocator.is_cached(page):
+            raise ValueError(f"packed page {page} is not cached (a request holds it, or it is free)")
         self.packed.allocator.evict_cached(page)
+
+    def _check_page(self, page: int) -> None:
+        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.packed.allocator.num_pages:
+            raise ValueError(f"packed page {page!r} out of range 0..{self.packed.allocator.num_pages - 1}")
 
     def drop_cached_page(self, page: int, key: int) -> bool:
         """Free ``page`` if it is still a cached (unreferenced) page keyed ``key``, as `evictable_pages` named it
@@ -588,14 +629,18 @@ class KVCache:
             self.packed.allocator.decref(page)
 
     def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.geometry.num_layers:
+        try:  # numpy and 0-d tensor ints too, as request ids
+            index = None if isinstance(layer, bool) else operator.index(layer)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < self.geometry.num_layers:
             raise InvalidKV(f"layer {layer!r} out of range 0..{self.geometry.num_layers - 1}")
 
     def _table(self, request_id: int) -> PageTable:
-        try:
-            return self._tables[_request_id(request_id)]
-        except KeyError:
-            raise UnknownRequest(f"request {request_id} is unknown or already freed") from None
+        table = self._tables.get(_request_id(request_id))  # (its own UnknownRequest for a non-int id)
+        if table is None:
+            raise UnknownRequest(f"request {request_id!r} is unknown or already freed")
+        return table
 
     @property
     def request_ids(self) -> list[int]:

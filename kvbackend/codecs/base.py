@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
@@ -171,6 +172,24 @@ class Codec(ABC):
     def _decode(self, layout: PageLayout, pages: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 K/V ``[n*P, H, D]`` from ``pages [n, page_bytes]`` and the chunk's codebook."""
 
+    def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
+        """(keys, values): the largest magnitude of a value this codec encodes without saturating a field
+        (a float8 value or scale, a float16 zero); ``inf`` where none saturates or no bound is derived (qvg and
+        quantwm: their residual scales follow the residuals, not the values)."""
+        return math.inf, math.inf
+
+    def max_abs(self, geometry: Geometry) -> tuple[float, float]:
+        """`stored_max_abs` of K/V as appended, through the levers' frames: a key before RoPE (or turned to its
+        page's frame) is a rotation of channel pairs, at most sqrt(2) times the largest key channel; a
+        Hadamard-rotated value at most sqrt(head_dim) times the largest value channel. `KVCache` refuses K/V
+        beyond it (a bound that always holds, so it can refuse values that would have fitted)."""
+        k, v = self.stored_max_abs(geometry)
+        if self.levers.rope:
+            k /= math.sqrt(2.0)
+        if self.levers.vrot != "none":
+            v /= math.sqrt(geometry.head_dim)
+        return k, v
+
     def validate(self, geometry: Geometry, page_size: int) -> None:
         """Raise SpecError if the spec cannot serve this geometry (called once per layout)."""
 
@@ -197,7 +216,7 @@ class Codec(ABC):
             InvalidKV: wrong shape or dtype, K/V mismatch, or non-finite values.
         """
         check_kv(k, v, layout.geometry)
-        _check_values(k, v)
+        _check_values(k, v, self.stored_max_abs(layout.geometry), self.spec_string)
         kf, vf, num_pages = self._padded(k, v, layout.page_size)
         pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
         codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
@@ -251,7 +270,7 @@ class Codec(ABC):
         if states is not None and len(states) != units:
             raise ValueError(f"encode_units: {len(states)} states for {units} chunks")
         check_kv(k.reshape(units * n, *k.shape[2:]), v.reshape(units * v.shape[1], *v.shape[2:]), layout.geometry)
-        _check_values(k, v)
+        _check_values(k, v, self.stored_max_abs(layout.geometry), self.spec_string)
         budget = CPU_UNIT_VALUES if k.device.type == "cpu" else DEVICE_UNIT_VALUES
         step = max(1, budget // k[0].numel())
         parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout,
@@ -314,12 +333,23 @@ class Codec(ABC):
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _check_values(k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise InvalidKV for chunks of no tokens or with non-finite values (shapes already checked)."""
+def _check_values(k: torch.Tensor, v: torch.Tensor, limits: tuple[float, float] = (math.inf, math.inf),
+                  codec: str = "") -> None:
+    """Raise InvalidKV for chunks of no tokens, with non-finite values, or with keys or values beyond ``limits``
+    (`Codec.stored_max_abs`: where a float field of ``codec`` would saturate) (shapes already checked)."""
     if k.shape[-3] == 0:
         raise InvalidKV("cannot encode an empty chunk (0 tokens)")
-    if not all_finite_many(k, v):
+    if math.isinf(limits[0]) and math.isinf(limits[1]):
+        if not all_finite_many(k, v):
+            raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
+        return
+    largest = largest_abs(k, v)
+    if not all(math.isfinite(x) for x in largest):
         raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
+    for name, big, limit in (("K", largest[0], limits[0]), ("V", largest[1], limits[1])):
+        if big > limit:
+            raise InvalidKV(f"{name} holds values up to {big:.6g} in magnitude, beyond the {limit:.6g} {codec} "
+                            "encodes without saturating a float field; nothing was encoded")
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -366,12 +396,15 @@ def check_kv(k: torch.Tensor, v: torch.Tensor, geometry: Geometry) -> None:
 
 
 def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, geometry: Geometry,
-               device: torch.device, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               device: torch.device, check_finite: bool, limits: tuple[float, float] | None = None,
+               why: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """K/V (and queries) ready to store: checked, detached from any autograd graph and in the cache's dtype.
 
     Raises:
         InvalidKV: wrong shapes, dtypes or device; with ``check_finite``, NaN or Inf in K/V after the cast
-            to the cache's dtype (a finite float32 value beyond fp16's range counts); NaN or Inf in queries.
+            to the cache's dtype (a finite float32 value beyond fp16's range counts); NaN or Inf in queries;
+            with ``check_finite``, a key or value beyond ``limits`` (keys, values: the largest magnitude the cache
+            stores and reads without saturating, `KVCache.kv_limits`; ``why`` names what sets them).
     """
     check_kv(k, v, geometry)
     if k.device != device:
@@ -385,12 +418,37 @@ def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, g
                             f"of {g.num_kv_heads}, got {getattr(queries, 'shape', queries)!r}")
         queries = queries.detach()
     k, v = k.detach().to(geometry.dtype), v.detach().to(geometry.dtype)
+    if check_finite and limits is not None and (math.isfinite(limits[0]) or math.isfinite(limits[1])):
+        if queries is not None and not all_finite(queries):
+            raise InvalidKV("queries contain NaN or Inf; nothing was written")
+        largest = largest_abs(k, v)  # one read for both (NaN propagates)
+        if not all(math.isfinite(x) for x in largest):
+            raise InvalidKV(f"K/V contain NaN or Inf (in {geometry.dtype}); nothing was written")
+        for name, big, limit in (("K", largest[0], limits[0]), ("V", largest[1], limits[1])):
+            if big > limit:
+                raise InvalidKV(f"{name} holds values up to {big:.6g} in magnitude, beyond the {limit:.6g} this cache "
+                                f"stores and reads without saturating ({why or 'its codec'}); nothing was written")
+        return k, v, queries
     checked = ([] if queries is None else [queries]) + ([k, v] if check_finite else [])
     if checked and not all_finite_many(*checked):  # one read for all; which one failed only on failure
         if queries is not None and not all_finite(queries):
             raise InvalidKV("queries contain NaN or Inf; nothing was written")
         raise InvalidKV(f"K/V contain NaN or Inf (in {geometry.dtype}); nothing was written")
     return k, v, queries
+
+
+def largest_abs(*xs: torch.Tensor) -> list[float]:
+    """The largest magnitude in each of ``xs`` (NaN where one holds a NaN, inf for an Inf; 0 for an empty one),
+    with one device-to-host read for all: bf16 on the CPU through the fused loop, the rest through one `aminmax`
+    each (NaN propagates, Inf shows at an end)."""
+    out: list[float | None] = [0.0 if not x.numel() else fastquant.largest_abs(x) if x.device.type == "cpu" else None
+                               for x in xs]
+    rest = [i for i, found in enumerate(out) if found is None]
+    if rest:
+        ends = torch.stack([torch.stack(torch.aminmax(xs[i].reshape(-1))).float().abs().max() for i in rest])
+        for i, found in zip(rest, ends.tolist()):  # (max() propagates NaN)
+            out[i] = found
+    return out  # type: ignore[return-value]
 
 
 def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:

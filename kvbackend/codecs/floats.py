@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,6 +25,12 @@ class FloatCodec(Codec):
 
     name: ClassVar[str] = "float"
     page_local: ClassVar[bool] = True
+
+    def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
+        if self.spec.name == "identity":  # the cache's own dtype: nothing saturates
+            return math.inf, math.inf
+        big = float(torch.finfo(self._store(geometry)).max)  # saturated beyond (`_encode`)
+        return big, big
 
     def _store(self, geometry: Geometry) -> torch.dtype:
         return geometry.dtype if self.spec.name == "identity" else _STORE[self.spec.name]

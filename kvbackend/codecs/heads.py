@@ -106,6 +106,10 @@ class HeadsCodec(Codec):
     def kernel_encodes(self) -> bool:
         return False  # no kernel reads the per-head fields: the reference encodes and decodes
 
+    def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
+        bounds = [codec.stored_max_abs(geometry) for codec in self.heads]
+        return min(k for k, _ in bounds), min(v for _, v in bounds)
+
     def _head_layouts(self, geometry: Geometry, page_size: int) -> list[PageLayout]:
         one = dataclasses.replace(geometry, num_kv_heads=1)
         return [codec.layout(one, page_size) for codec in self.heads]

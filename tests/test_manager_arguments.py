@@ -1,0 +1,73 @@
+"""Arguments of `KVCache` calls as engines pass them (tensor and numpy ids, numpy layers) and the clear errors for
+the rest (an adversarial pass's findings; each test failed before its fix)."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache
+from kvbackend.attention import decode_attention
+from kvbackend.errors import InvalidKV, UnknownRequest
+
+
+def cache():
+    c = KVCache(Geometry(2, 2, 16, torch.float32),
+                CacheConfig(codec="identity", page_size=4, chunk_pages=2, dense_pages=8, packed_pages=8, device="cpu"))
+    a, _ = c.add_request([1, 2, 3])
+    b, _ = c.add_request([4, 5, 6])
+    for rid in (a, b):
+        for layer in range(2):
+            c.append(rid, layer, torch.randn(3, 2, 16), torch.randn(3, 2, 16))
+    return c, a, b
+
+
+def test_a_plan_of_tensor_ids_serves():
+    """`plan` took a tensor of ids and kept its 0-d tensors: every gather and decode then called the plan stale
+    ("request 0 was freed")."""
+    c, a, b = cache()
+    ids = torch.tensor([a, b])
+    for layer in range(2):
+        c.append_step(ids, layer, torch.randn(2, 2, 16), torch.randn(2, 2, 16))
+    plan = c.plan(ids, 0)
+    assert plan.request_ids == [a, b]
+    k, _ = c.gather(plan, 0)
+    assert torch.equal(k, torch.cat([c.read(a, 0)[0], c.read(b, 0)[0]]))
+    q = torch.randn(2, 4, 16)
+    out, _ = c.decode(plan, 0, q)
+    for row, rid in enumerate((a, b)):
+        want, _ = decode_attention(q[row : row + 1], *[x[None] for x in c.read(rid, 0)])
+        torch.testing.assert_close(out[row : row + 1], want.to(out.dtype), atol=1e-5, rtol=1e-5)
+
+
+def test_numpy_layers_as_numpy_ids():
+    c, a, _ = cache()
+    c.append(np.int64(a), np.int64(1), torch.randn(1, 2, 16), torch.randn(1, 2, 16))
+    assert c.read(a, np.int64(1))[0].shape[0] == 4
+
+
+def test_clear_errors():
+    c, a, b = cache()
+    with pytest.raises(UnknownRequest, match="request ids are ints, got '0'"):  # was "request 0 is unknown"
+        c.append("0", 0, torch.randn(1, 2, 16), torch.randn(1, 2, 16))
+    for page in (-1, 8, 1.0):  # -1 exported the last page; past the end a bare IndexError
+        with pytest.raises(ValueError, match="out of range"):
+            c.export_page(page)
+    with pytest.raises(ValueError, match="not live"):
+        c.export_page(5)  # in range, never packed
+    for first in (1.5, True, -1):
+        with pytest.raises(InvalidKV, match="first_page must be an int"):
+            c.read_packed(a, 0, first_page=first)
+    with pytest.raises(InvalidKV, match="got list"):
+        c.append_step([a], 0, [[0.0] * 16] * 2, torch.randn(1, 2, 16))
+    with pytest.raises(InvalidKV, match="sequence of integers"):
+        c.add_request(None)
+    r, _ = c.add_request(list(range(100, 109)))
+    for layer in range(2):  # 9 tokens: a chunk of 2 pages is packed, keyed by its tokens
+        c.append(r, layer, torch.randn(9, 2, 16), torch.randn(9, 2, 16))
+    page = c.page_table(r).packed[0]
+    with pytest.raises(ValueError, match="not cached"):  # a request holds it: was an AssertionError
+        c.drop_cached(page)
+    c.free(r)
+    assert page in [p for p, _ in c.evictable_pages()]
+    c.drop_cached(page)  # cached now
+    c.check()
