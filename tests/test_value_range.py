@@ -18,8 +18,10 @@ GEOM = Geometry(1, 2, 64, torch.bfloat16)
 
 
 def cache(codec, dtype=torch.bfloat16, backend="auto"):
+    # the Triton backend on the GPU where there is one (else in Triton's interpreter on the CPU)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     return KVCache(Geometry(1, 2, 64, dtype), CacheConfig(codec=codec, page_size=16, chunk_pages=2, dense_pages=8,
-                                                          packed_pages=8, device="cpu", backend=backend))
+                                                          packed_pages=8, device=device, backend=backend))
 
 
 def relative_error(codec, peak, dtype=torch.bfloat16, backend="auto"):
@@ -31,8 +33,8 @@ def relative_error(codec, peak, dtype=torch.bfloat16, backend="auto"):
     k, v = (torch.randn(2, 40, 2, 64, generator=gen) * 0.3).clamp(-1, 1).to(dtype)  # within [-1, 1]
     k[0, 0, 0], v[0, 0, 0] = 1.0, -1.0
     k, v = (k.float() * peak).to(dtype), (v.float() * peak).to(dtype)
-    c.append(rid, 0, k, v)
-    rk, rv = c.read(rid, 0)
+    c.append(rid, 0, k.to(c.dense.data.device), v.to(c.dense.data.device))
+    rk, rv = (x.cpu() for x in c.read(rid, 0))
     return max(((rk[:32].float() - k[:32].float()).norm() / k[:32].float().norm()).item(),
                ((rv[:32].float() - v[:32].float()).norm() / v[:32].float().norm()).item())
 
