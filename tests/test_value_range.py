@@ -148,14 +148,14 @@ def test_qvg_refuses_residuals_past_its_fp8_parameters_not_large_values():
     assert ((kh - wild).norm() / wild.norm()).item() < 0.5
 
 
-def test_a_kvcache_chunk_whose_residuals_would_saturate_stays_dense_and_exact():
+def test_a_kvcache_chunk_whose_residuals_would_saturate_stays_dense_and_exact(caplog):
     c = cache("qvg")
     rid, _ = c.add_request()
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(2, 40, 2, 64, generator=gen) * 3000.0).bfloat16()
-    with pytest.raises(InvalidKV, match="parameters hold"):  # at the chunk's completion
-        c.append(rid, 0, k, v)
-    rk, rv = c.read(rid, 0)  # the tokens were written; the chunk stayed dense: exact, never saturated
+    c.append(rid, 0, k, v)  # the chunk's encode fails at its completion: logged, the chunk stays dense
+    assert "parameters hold: it would saturate" in caplog.text
+    rk, rv = c.read(rid, 0)  # exact, never saturated
     assert torch.equal(rk, k) and torch.equal(rv, v)
     assert c.page_table(rid).packed == []
     c.check()
