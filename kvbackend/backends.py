@@ -17,6 +17,7 @@ from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.errors import SpecError, UnsupportedLayout
 from kvbackend.layout import PageLayout
+from kvbackend.saturation import refuse_saturated
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -70,6 +71,7 @@ class TritonBackend:
         from kvbackend.kernels.chunk_encoder import encode_chunk
 
         encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
+        refuse_saturated(codec, layout, pages[page_ids.long()], codebook)  # the kernel clamps as torch
 
     def encode_units(self, codec, layout: PageLayout, k, v, states) -> tuple[torch.Tensor, torch.Tensor]:
         """`Codec.encode_units` with the kernels' one-pass encode first (QVG-family codecs: the recommended spec),
@@ -119,6 +121,8 @@ class TritonBackend:
         mixed = getattr(self.unit_encoder, "mixed", unit_encoder.encode_mixed)  # a `GraphedEncoder` replays it
         if not mixed(encoded, kf.reshape(flat), vf.reshape(flat), states):
             return None
+        for part in encoded:
+            refuse_saturated(part.codec, part.layout, part.pages, part.codebooks)
         return [(part.pages.view(len(part.index), num_pages, -1), part.codebooks) for part in encoded]
 
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -312,8 +312,11 @@ class KVCache:
             for layer, book, k, v in sinks:  # the sequence's first tokens, exact, with the chunk (after its codebook)
                 for name, x in zip(SINK_FIELDS, (k, v)):
                     field = self.layouts[layer].codebook.view(book, name)
-                    big = torch.finfo(field.dtype).max  # a float32 cache's sinks are 16-bit: saturate, never inf
-                    field.copy_(x.clamp(-big, big))
+                    big = torch.finfo(field.dtype).max  # a float32 cache's sinks are 16-bit: past it, refused
+                    if x.dtype != field.dtype and not bool(x.abs().amax() <= big):
+                        raise InvalidKV(f"layer {layer}'s sink tokens hold values past the {big:.6g} of their "
+                                        f"{str(field.dtype).replace('torch.', '')} fields; nothing was stored")
+                    field.copy_(x)
         except BaseException:
             for page in new_pages:  # the chunk stays dense; its pages (and with them the slot) go back
                 pool.allocator.decref(page)

@@ -154,31 +154,6 @@ def group_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,
     return round_to(((hi - zero) / divisor).clamp_min(tiny), store, "up"), zero
 
 
-def stored_peak(bits: int, symmetric: bool, store: torch.dtype) -> float:
-    """The largest magnitude a group's values may reach for `group_params` to keep its scale (symmetric) or its
-    zero, the group's minimum (asymmetric), within ``store``'s finite range: beyond it they saturate."""
-    big = torch.finfo(store).max
-    return big * ((1 << (bits - 1)) - 1) if symmetric else big
-
-
-def refuse_saturated(scale: torch.Tensor, zero: torch.Tensor | None, store: torch.dtype) -> None:
-    """Raise InvalidKV where a group's scale or zero (float32 as computed, or already in ``store``) reached
-    ``store``'s largest finite value: `round_to` saturated it there, and the group would decode to other values
-    than it holds. One device-to-host read; float32 parameters (the values' own range) are not checked."""
-    if store == torch.float32 or not scale.numel():
-        return
-    big = torch.finfo(store).max
-    peak = scale.float().abs().amax()
-    if zero is not None:
-        peak = torch.maximum(peak, zero.float().abs().amax())
-    if not bool(peak < big):
-        from kvbackend.errors import InvalidKV
-
-        raise InvalidKV(f"a quantization group's scale or minimum reaches {float(peak):.6g}, the largest its "
-                        f"{str(store).replace('torch.', '')} parameters hold: it would saturate; nothing was encoded "
-                        "(a wider scale dtype, e.g. scale=fp16, holds it)")
-
-
 def _broadcasts_into(shape: torch.Size, target: torch.Size) -> bool:
     """Whether ``shape`` broadcasts to ``target`` without widening it (so an in-place op on ``target`` works)."""
     return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))

@@ -14,6 +14,7 @@ from kvbackend.errors import InvalidKV
 from kvbackend.geometry import Geometry
 from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers
+from kvbackend.saturation import refuse_saturated
 from kvbackend.spec import format_spec
 
 # A one-pass encode of U chunks with `Codec._encode_units`' contract: (codec, K, V, layout, pages, codebooks,
@@ -172,10 +173,14 @@ class Codec(ABC):
     def _decode(self, layout: PageLayout, pages: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 K/V ``[n*P, H, D]`` from ``pages [n, page_bytes]`` and the chunk's codebook."""
 
+    # float fields scaled so that their largest value is their dtype's by design (`kvbackend.saturation`)
+    full_scale_fields: tuple[str, ...] = ()
+
     def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
-        """(keys, values): the largest magnitude of a value this codec encodes without saturating a field
-        (a float8 value or scale, a float16 zero); ``inf`` where none saturates or no bound is derived (qvg and
-        quantwm: their residual scales follow the residuals, not the values)."""
+        """(keys, values): a magnitude of values that this codec cannot store whatever the rest of the chunk holds
+        (the fp8/fp16/bf16 codecs' values), refused at `KVCache.append` before anything is written; ``inf`` where
+        what saturates depends on the chunk (a group's scale or zero, a residual), which `kvbackend.saturation`
+        checks once the chunk is encoded."""
         return math.inf, math.inf
 
     def max_abs(self, geometry: Geometry) -> tuple[float, float]:
@@ -221,6 +226,7 @@ class Codec(ABC):
         pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
         codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
         self._encode(kf, vf, layout, pages, codebook, state if state is not None else CodecState())
+        refuse_saturated(self, layout, pages, codebook)
         return EncodedChunk(layout, pages, codebook, k.shape[0])
 
     def _padded(self, k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -276,7 +282,9 @@ class Codec(ABC):
         parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout,
                                      None if states is None else states[at : at + step], encoder)
                  for at in range(0, units, step)]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        pages, codebooks = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        refuse_saturated(self, layout, pages, codebooks)  # (the kernels' encode too)
+        return pages, codebooks
 
     def _encoded_units(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout,
                        states: Sequence[CodecState] | None,

@@ -29,8 +29,14 @@ class FloatCodec(Codec):
     def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
         if self.spec.name == "identity":  # the cache's own dtype: nothing saturates
             return math.inf, math.inf
-        big = float(torch.finfo(self._store(geometry)).max)  # saturated beyond (`_encode`)
-        return big, big
+        # below the midpoint of the two largest finite values, a value rounds to a smaller one than the largest
+        # (`kvbackend.saturation` refuses a stored value at the largest: it may be a clamp)
+        dtype = self._store(geometry)
+        big = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+        bits = big.view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+        below = (bits - 1).view(dtype)  # the next smaller finite value (positive floats order as their bits)
+        bound = (big.float().item() + below.float().item()) / 2
+        return bound, bound
 
     def _store(self, geometry: Geometry) -> torch.dtype:
         return geometry.dtype if self.spec.name == "identity" else _STORE[self.spec.name]

@@ -12,7 +12,7 @@ import torch
 
 from kvbackend import bitpack, fastquant
 from kvbackend.layout import PageLayout
-from kvbackend.quant import clipped_params, dequantize, group_params, quantize, refuse_saturated
+from kvbackend.quant import clipped_params, dequantize, group_params, quantize
 from kvbackend.codecs.base import FieldSpecs, from_pages, to_pages
 
 
@@ -40,8 +40,6 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
     scale, zero = (None, None) if span is None else (
         clipped_params(grouped.float(), *span, bits, store, widen) if clip and not symmetric
         else group_params(*span, bits, symmetric, store))
-    if scale is not None:
-        refuse_saturated(scale, zero, store)
     packed = fastquant.packed(x, scale, zero, bits, group, symmetric) if span is not None else None
     if packed is not None:  # fused CPU loops: the same parameters and bytes as below, two passes over the values
         page.view(pages, f"{prefix}_codes").copy_(to_pages(packed, p))
@@ -50,7 +48,6 @@ def encode_token_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tensor
             page.view(pages, f"{prefix}_zeros").copy_(to_pages(zero.to(store), p))
         return
     q = quantize(grouped, bits, symmetric, store, clip, widen)
-    refuse_saturated(q.scale, q.zero, store)
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(q.codes.reshape(t, h, d), bits), p))
     page.view(pages, f"{prefix}_scales").copy_(to_pages(q.scale, p))
     if q.zero is not None:
@@ -99,8 +96,6 @@ def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tens
         else group_params(*span, bits, False, store))
     if clip and scale is not None:  # as the fused loop takes them: [tg, H * D]
         scale, zero = scale.reshape(-1, h * d), zero.reshape(-1, h * d)
-    if scale is not None:
-        refuse_saturated(scale, zero, store)
     packed = fastquant.packed_channels(x.reshape(t, h * d), scale, zero, bits, group) if span is not None else None
     if packed is not None:  # fused CPU loops, vectorized over channels: the bytes of the torch path below
         page.view(pages, f"{prefix}_codes").copy_(to_pages(packed.reshape(t, h, -1), p))
@@ -108,7 +103,6 @@ def encode_channel_groups(x: torch.Tensor, layout: PageLayout, pages: torch.Tens
         page.view(pages, f"{prefix}_zeros").copy_(zero.to(store).reshape(-1, p // group, h, d))
         return
     q = quantize(grouped, bits, symmetric=False, store=store, clip=clip)
-    refuse_saturated(q.scale, q.zero, store)
     codes = q.codes.permute(0, 3, 1, 2).reshape(t, h, d)
     page.view(pages, f"{prefix}_codes").copy_(to_pages(bitpack.pack(codes, bits), p))
     page.view(pages, f"{prefix}_scales").copy_(q.scale.reshape(-1, p // group, h, d))

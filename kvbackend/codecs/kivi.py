@@ -12,7 +12,7 @@ from typing import ClassVar
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
-from kvbackend.quant import SCALE_DTYPES, scale_dtype, stored_peak
+from kvbackend.quant import SCALE_DTYPES, scale_dtype
 from kvbackend.spec import Checked, one_of, ranged
 from kvbackend.codecs.base import Codec, CodecState, FieldSpecs
 from kvbackend.codecs.groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
@@ -52,10 +52,6 @@ class KIVICodec(Codec):
     @property
     def kernel_encodes(self) -> bool:
         return not (self.spec.vclip or (self.spec.kclip and self.spec.key_bits == 2))
-
-    def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
-        store = scale_dtype(self.spec.scale)  # asymmetric groups: the minimum is the zero
-        return stored_peak(self.spec.key_bits, False, store), stored_peak(self.spec.value_bits, False, store)
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec

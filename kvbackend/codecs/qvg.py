@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import math
-
 import torch
 
 from kvbackend import fastquant
@@ -20,7 +18,7 @@ from kvbackend import fastquant
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
-from kvbackend.quant import SCALE_DTYPES, scale_dtype, stored_peak
+from kvbackend.quant import SCALE_DTYPES, scale_dtype
 from kvbackend.spec import Checked, one_of, ranged
 from kvbackend.codecs.base import Codec, CodecState, FieldSpecs, from_pages, to_pages
 from kvbackend.codecs.groups import (channel_group_fields, decode_channel_groups, decode_token_groups, encode_channel_groups,
@@ -73,13 +71,10 @@ class QVGCodec(Codec):
     def kernel_encodes(self) -> bool:
         return not self.spec.clip and self.spec.vcluster and self.spec.cdtype == "bf16"
 
-    def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
-        """No bound on the values themselves: what saturates is a residual group's scale or zero, and a residual
-        (a value less its centroid) is far smaller than the value wherever the centroids follow the data (a
-        key channel's large constant offset costs nothing). The residual groups' parameters refuse a residual
-        past their float range where they are computed (`kvbackend.quant.group_params`), so a chunk whose
-        residuals would saturate fails to encode (it stays dense in a `KVCache`; a storage adapter's page fails)."""
-        return math.inf, math.inf
+    @property
+    def full_scale_fields(self) -> tuple[str, ...]:  # type: ignore[override]
+        """fp8 centroids: each stage and head scaled so that its largest magnitude is fp8's 448."""
+        return ("k_centroids", "v_centroids") if self.spec.cdtype == "fp8" else ()
 
     def widen(self, prefix: str) -> float:
         """The factor on ``prefix``'s clipped step (`QVGSpec.vstep` for the values; 1 for the keys)."""

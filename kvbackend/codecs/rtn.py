@@ -8,7 +8,7 @@ from typing import ClassVar
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
-from kvbackend.quant import SCALE_DTYPES, scale_dtype, stored_peak
+from kvbackend.quant import SCALE_DTYPES, scale_dtype
 from kvbackend.spec import Checked, one_of, ranged
 from kvbackend.codecs.base import Codec, CodecState, FieldSpecs
 from kvbackend.codecs.groups import decode_token_groups, encode_token_groups, token_group_fields
@@ -41,10 +41,6 @@ class RTNCodec(Codec):
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         check_bits_group(self.spec, geometry.head_dim)
-
-    def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
-        peak = stored_peak(self.spec.bits, self.spec.symmetric, scale_dtype(self.spec.scale))
-        return peak, peak
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s = self.spec
