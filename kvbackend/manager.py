@@ -85,8 +85,8 @@ class KVCache:
         limits = tuple(min(b, FP16_MAX) if kernel else b for b in bounds)
         why = []
         if any(b == limit for b, limit in zip(bounds, limits) if math.isfinite(limit)):
-            why.append(f"layer {layer}'s codec {codec.spec_string} saturates a float field past it; wider fields "
-                       "(scale=fp16, the bf16 codec) store more")
+            why.append(f"layer {layer}'s codec {codec.spec_string} stores values up to it; the bf16 or identity "
+                       "codec stores more")
         if any(b > limit for b, limit in zip(bounds, limits)):
             why.append(f"the {self.backends[layer].name} backend's attention reads K/V as float16; backend='torch' "
                        "reads them in float32")

@@ -29,7 +29,7 @@ _REGISTRY: dict[str, _Entry] = {
     "identity": _Entry(FloatSpec, FloatCodec, {}, "lossless: the model's own dtype"),
     "fp16": _Entry(FloatSpec, FloatCodec, {}, "float16 values"),
     "bf16": _Entry(FloatSpec, FloatCodec, {}, "bfloat16 values"),
-    "fp8": _Entry(FloatSpec, FloatCodec, {}, "float8 e4m3 values (K/V past 448 are refused)"),
+    "fp8": _Entry(FloatSpec, FloatCodec, {}, "float8 e4m3 values (K/V past 432 are refused)"),
     "rtn": _Entry(RTNSpec, RTNCodec, {}, "round-to-nearest per token, channel groups"),
     "kivi": _Entry(KIVISpec, KIVICodec, {}, "keys per channel, values per token"),
     "qvg": _Entry(QVGSpec, QVGCodec, {"stages": 1, "group": 64}, "k-means smoothing + INT2 residual"),
