@@ -78,18 +78,24 @@ class KVCache:
         self._layer_events: list | None = None  # per-layer CUDA events of the last layered restore
 
     def _limits(self, layer: int) -> tuple[float, float, str]:
-        """(keys, values, what sets them) for `prepare_kv` of ``layer``."""
+        """(keys, values, what sets them) for `prepare_kv` of ``layer``: the codec's bound (`Codec.max_abs`), and
+        where kernels read the layer, float16's range in the stored frame (a key before RoPE is a rotation of a
+        channel pair, up to sqrt(2) times its channels; a Hadamard-rotated value up to sqrt(head_dim) times)."""
         codec = self.codecs[layer]
         bounds = codec.max_abs(self.geometry)
-        kernel = self.backends[layer].name != "torch" and self.geometry.dtype != torch.float16
-        limits = tuple(min(b, FP16_MAX) if kernel else b for b in bounds)
+        if self.backends[layer].name != "torch":
+            caps = (FP16_MAX / (math.sqrt(2.0) if codec.levers.rope else 1.0),
+                    FP16_MAX / (math.sqrt(self.geometry.head_dim) if codec.levers.vrot != "none" else 1.0))
+        else:
+            caps = (math.inf, math.inf)
+        limits = tuple(min(b, cap) for b, cap in zip(bounds, caps))
         why = []
         if any(b == limit for b, limit in zip(bounds, limits) if math.isfinite(limit)):
             why.append(f"layer {layer}'s codec {codec.spec_string} stores values up to it; the bf16 or identity "
                        "codec stores more")
         if any(b > limit for b, limit in zip(bounds, limits)):
-            why.append(f"the {self.backends[layer].name} backend's attention reads K/V as float16; backend='torch' "
-                       "reads them in float32")
+            why.append(f"the {self.backends[layer].name} backend's attention reads K/V (in the stored frame) as "
+                       "float16; backend='torch' reads them in float32")
         return limits[0], limits[1], "; ".join(why)
 
     @property

@@ -1,5 +1,5 @@
-"""Known limits of the kernels, kept as strict expected failures so that they stay visible and a fix
-flips them (then drop the mark). Each compares the Triton backend with the torch reference
+"""Known limits of the kernels: the ones still open are kept as strict expected failures so that they stay visible
+and a fix flips them (then drop the mark); the lever cases below are refused at append now (`KVCache.kv_limits`). Each compares the Triton backend with the torch reference
 (`KVCache.read` + `decode_attention`), which decodes in float32.
 
 The kernels' tensor-core operands are fp16, so a stored-frame value above 65504 overflows where the
@@ -18,6 +18,7 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
 from kvbackend.attention import decode_attention
+from kvbackend.errors import InvalidKV
 from kvbackend.rope import Rotary
 from kernel_cases import DEVICE
 
@@ -46,26 +47,24 @@ def _data(n=40, seed=0):
     return torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
 
 
-@pytest.mark.parametrize("codec", [
-    "rtn:bits=4,group=32",  # control: the same values without the rotation decode fine
-    pytest.param("rtn:bits=4,group=32,vrot=hadamard", marks=pytest.mark.xfail(strict=True, reason=FP16_OPERANDS)),
-])
-def test_large_values_with_rotated_values(codec):
+def test_large_values_with_rotated_values():
+    """Values the rotation would carry past fp16 in the stored frame are refused at append (they gave NaN)."""
     k, v = _data()
     v = 12000.0 + 100.0 * v  # finite in fp16; (v @ H)[0] is about 96000
-    assert _decode_error(codec, k, v) < 1e-2
+    assert _decode_error("rtn:bits=4,group=32", k, v) < 1e-2  # control: without the rotation they decode fine
+    with pytest.raises(InvalidKV, match="stored frame"):
+        _decode_error("rtn:bits=4,group=32,vrot=hadamard", k, v)
 
 
-@pytest.mark.parametrize("codec", [
-    "rtn:bits=8,group=32",
-    pytest.param("rtn:bits=8,group=32,prerope=true", marks=pytest.mark.xfail(strict=True, reason=FP16_OPERANDS)),
-])
-def test_large_rope_pair_with_pre_rope_keys(codec):
+def test_large_rope_pair_with_pre_rope_keys():
+    """Keys whose RoPE pair would pass fp16 before RoPE are refused at append on the kernels (they gave NaN)."""
     k, v = _data()
     k = k * 0.01
     k[:, :, 0] = 50000.0  # one RoPE pair (0, 32) of norm 70711
     k[:, :, 32] = 50000.0
-    assert _decode_error(codec, k, v, scale_q=1e-4) < 1e-2
+    assert _decode_error("rtn:bits=8,group=32", k, v, scale_q=1e-4) < 1e-2
+    with pytest.raises(InvalidKV, match="stored frame"):
+        _decode_error("rtn:bits=8,group=32,prerope=true", k, v, scale_q=1e-4)
 
 
 @pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
