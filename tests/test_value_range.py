@@ -10,7 +10,6 @@ float16 (past 65504: inf, then NaN logits), all without a word. Now:
   a `KVCache` the chunk stays dense (exact) and the failure is logged; `Codec.encode` raises."""
 
 import logging
-import math
 
 import pytest
 import torch
