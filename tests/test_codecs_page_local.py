@@ -23,7 +23,8 @@ def test_page_local_codecs_encode_pages_independently(spec, dtype):
     g = torch.Generator().manual_seed(3)
     pages = 5
     # pages of very different ranges, so any statistic shared across pages would show in the bytes
-    scale = torch.tensor([0.01, 1.0, 30.0, 0.3, 500.0]).repeat_interleave(16)[:, None, None]
+    # (the largest within what fp8 values and parameters hold: past it an encode is refused, tests/test_value_range.py)
+    scale = torch.tensor([0.01, 1.0, 30.0, 0.3, 60.0]).repeat_interleave(16)[:, None, None]
     k = (torch.randn(pages * 16, 3, 64, generator=g) * scale).to(dtype)
     v = (torch.randn(pages * 16, 3, 64, generator=g) * scale.flip(0)).to(dtype)
     joint = codec.encode(k, v, layout).pages

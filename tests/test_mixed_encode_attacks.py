@@ -15,6 +15,7 @@ returning None: each group through its own `encode_units`), or each part's own `
 """
 
 import logging
+import math
 
 import pytest
 import torch
@@ -341,6 +342,9 @@ def test_keys_the_stored_frame_turns_non_finite_leave_the_chunk_dense(monkeypatc
             raise
 
     monkeypatch.setattr(TritonBackend, "encode_mixed", backend_pass)
+    # (`append` refuses such keys before they reach an encode now, `KVCache.kv_limits`; lifted here, so that the
+    # encode's own refusal stays covered)
+    monkeypatch.setattr(KVCache, "_limits", lambda self, layer: (math.inf, math.inf, ""))
     with caplog.at_level(logging.ERROR, logger="kvbackend.manager"):
         cache, rid, exact = _fill(specs, chunks=1, k_of=huge)
     assert raised  # the mixed pass (all three groups) refused the chunk, not a group's own encode
