@@ -155,3 +155,9 @@ def test_nan_is_still_named_as_nan():
     k[0, 0, 0] = float("nan")
     with pytest.raises(InvalidKV, match="NaN or Inf"):
         c.append(rid, 0, k, torch.zeros_like(k))
+    q = torch.zeros(3, 4, 64)
+    q[2, 3, 1] = float("inf")
+    with pytest.raises(InvalidKV, match="queries contain NaN or Inf"):  # in the same read as K/V's bound
+        c.append(rid, 0, torch.zeros_like(k), torch.zeros_like(k), queries=q)
+    c.append(rid, 0, torch.zeros_like(k), torch.full_like(k, 400.0), queries=q.nan_to_num(posinf=1e30))  # finite
+    assert c.num_tokens(rid) == 3

@@ -427,9 +427,9 @@ def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, g
         queries = queries.detach()
     k, v = k.detach().to(geometry.dtype), v.detach().to(geometry.dtype)
     if check_finite and limits is not None and (math.isfinite(limits[0]) or math.isfinite(limits[1])):
-        if queries is not None and not all_finite(queries):
+        largest = largest_abs(k, v, *([] if queries is None else [queries]))  # one read for all (NaN propagates)
+        if queries is not None and not math.isfinite(largest.pop()):
             raise InvalidKV("queries contain NaN or Inf; nothing was written")
-        largest = largest_abs(k, v)  # one read for both (NaN propagates)
         if not all(math.isfinite(x) for x in largest):
             raise InvalidKV(f"K/V contain NaN or Inf (in {geometry.dtype}); nothing was written")
         for name, big, limit in (("K", largest[0], limits[0]), ("V", largest[1], limits[1])):
