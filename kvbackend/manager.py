@@ -533,7 +533,7 @@ class KVCache:
         Raises:
             ValueError: ``page`` is not a live packed page.
         """
-        self._check_page(page)
+        page = self._check_page(page)
         self._settle()
         return self.groups.export(page)
 
@@ -548,14 +548,21 @@ class KVCache:
         Raises:
             ValueError: ``page`` is not a cached (unreferenced) packed page.
         """
-        self._check_page(page)
+        page = self._check_page(page)
         if not self.packed.allocator.is_cached(page):
             raise ValueError(f"packed page {page} is not cached (a request holds it, or it is free)")
         self.packed.allocator.evict_cached(page)
 
-    def _check_page(self, page: int) -> None:
-        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.packed.allocator.num_pages:
+    def _check_page(self, page: int) -> int:
+        """``page`` as the int it names (numpy and 0-d integer tensors too, as request ids); ValueError for a bool,
+        a float or a page out of range."""
+        try:
+            index = None if isinstance(page, bool) else operator.index(page)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < self.packed.allocator.num_pages:
             raise ValueError(f"packed page {page!r} out of range 0..{self.packed.allocator.num_pages - 1}")
+        return index
 
     def drop_cached_page(self, page: int, key: int) -> bool:
         """Free ``page`` if it is still a cached (unreferenced) page keyed ``key``, as `evictable_pages` named it

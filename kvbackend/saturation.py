@@ -29,12 +29,9 @@ def _narrow(fields: FieldSet, dtype: torch.dtype) -> list:
     return [f for f in fields.fields.values() if f.dtype in _LARGEST and torch.finfo(f.dtype).max < width]
 
 
-def saturated_fields(layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor,
-                     full_scale: tuple[str, ...] = ()) -> list[str]:
-    """Names of the float fields of ``pages`` [..., page_bytes] and ``codebooks`` [..., codebook_bytes] (uint8)
-    that hold a value at their dtype's largest magnitude (or past it: inf or NaN bits). ``full_scale``: fields
-    scaled so that their largest value is the dtype's by design (fp8 centroids with a scale of their own), read
-    for inf or NaN bits only."""
+def _flags(layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor, full_scale: tuple[str, ...],
+           prefix: str = "") -> list:
+    """(name, flag tensor) for each narrow float field of one layout's ``pages`` and ``codebooks``."""
     found = []
     for fields, raw in ((layout.page, pages), (layout.codebook, codebooks)):
         if raw.numel() == 0:
@@ -45,19 +42,44 @@ def saturated_fields(layout: PageLayout, pages: torch.Tensor, codebooks: torch.T
             if f.name in full_scale:
                 largest += 1  # past the largest finite value: NaN (fp8), inf or NaN (16-bit)
             bits = raw[:, f.offset : f.offset + f.nbytes].contiguous().view(view)
-            found.append((f.name, ((bits.to(torch.int32) & mask) >= largest).any()))
+            found.append((prefix + f.name, ((bits.to(torch.int32) & mask) >= largest).any()))
+    return found
+
+
+def _read(found: list) -> list[str]:
     if not found:
         return []
     flags = torch.stack([flag for _, flag in found]).tolist()  # one read for every field
     return [name for (name, _), bad in zip(found, flags) if bad]
 
 
+def saturated_fields(layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor,
+                     full_scale: tuple[str, ...] = ()) -> list[str]:
+    """Names of the float fields of ``pages`` [..., page_bytes] and ``codebooks`` [..., codebook_bytes] (uint8)
+    that hold a value at their dtype's largest magnitude (or past it: inf or NaN bits). ``full_scale``: fields
+    scaled so that their largest value is the dtype's by design (fp8 centroids with a scale of their own), read
+    for inf or NaN bits only."""
+    return _read(_flags(layout, pages, codebooks, full_scale))
+
+
+def codec_saturated_fields(codec, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> list[str]:
+    """`saturated_fields` of every part ``codec`` (a `Codec`) stores: its own layout's fields, or for a codec whose
+    fields are opaque bytes holding other codecs' pages (`Codec.saturation_parts`: a ``heads:`` spec's heads),
+    each part's own fields, named ``part.field``; one device read for all."""
+    found = []
+    for prefix, sub, sub_pages, sub_books, full_scale in codec.saturation_parts(layout, pages, codebooks):
+        found.extend(_flags(sub, sub_pages, sub_books, full_scale, prefix))
+    return _read(found)
+
+
 def refuse_saturated(codec, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> None:
-    """Raise InvalidKV where `saturated_fields` finds one: the chunk's values lie past what ``codec`` (a `Codec`)
-    stores."""
-    bad = saturated_fields(layout, pages, codebooks, codec.full_scale_fields)
+    """Raise InvalidKV where `codec_saturated_fields` finds one: the chunk's values lie past what ``codec`` (a
+    `Codec`) stores."""
+    bad = codec_saturated_fields(codec, layout, pages, codebooks)
     if bad:
-        dtypes = {f.name: f.dtype for fs in (layout.page, layout.codebook) for f in fs.fields.values()}
+        dtypes = {prefix + f.name: f.dtype
+                  for prefix, sub, *_ in codec.saturation_parts(layout, pages, codebooks)
+                  for fs in (sub.page, sub.codebook) for f in fs.fields.values()}
         named = ", ".join(f"{name} ({str(dtypes[name]).replace('torch.', '')})" for name in bad)
         raise InvalidKV(f"encoding with {codec.spec_string} saturated {named} at its largest value: the K/V lie past what it "
                         "stores (a wider field holds them: scale=fp16 or scale=fp32, cdtype=bf16, or the fp16/bf16 "

@@ -49,7 +49,7 @@ def test_clear_errors():
     c, a, b = cache()
     with pytest.raises(UnknownRequest, match="request ids are ints, got '0'"):  # was "request 0 is unknown"
         c.append("0", 0, torch.randn(1, 2, 16), torch.randn(1, 2, 16))
-    for page in (-1, 8, 1.0):  # -1 exported the last page; past the end a bare IndexError
+    for page in (-1, 8, 1.0, True, "0", np.float64(1.0)):  # -1 exported the last page; past the end an IndexError
         with pytest.raises(ValueError, match="out of range"):
             c.export_page(page)
     with pytest.raises(ValueError, match="not live"):
@@ -67,7 +67,11 @@ def test_clear_errors():
     page = c.page_table(r).packed[0]
     with pytest.raises(ValueError, match="not cached"):  # a request holds it: was an AssertionError
         c.drop_cached(page)
+    # numpy and 0-d tensor page ids name the page, as for request ids and layers (they were "out of range")
+    assert torch.equal(c.export_page(np.int64(page)), c.export_page(page))
+    assert torch.equal(c.export_page(torch.tensor(page)), c.export_page(page))
     c.free(r)
     assert page in [p for p, _ in c.evictable_pages()]
-    c.drop_cached(page)  # cached now
+    c.drop_cached(np.int32(page))  # cached now
+    assert page not in [p for p, _ in c.evictable_pages()]
     c.check()

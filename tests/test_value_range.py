@@ -161,3 +161,38 @@ def test_nan_is_still_named_as_nan():
         c.append(rid, 0, torch.zeros_like(k), torch.zeros_like(k), queries=q)
     c.append(rid, 0, torch.zeros_like(k), torch.full_like(k, 400.0), queries=q.nan_to_num(posinf=1e30))  # finite
     assert c.num_tokens(rid) == 3
+
+
+def test_the_fp8_codec_past_its_bound_is_refused_by_the_encode_itself():
+    """`Codec.encode` leaves value bounds to the saturation read: a value between 432 and 448 rounds to 448 and one
+    past 448 is clamped to it; both are refused once encoded (only `KVCache.append` refuses them before)."""
+    codec = codecs.get("fp8")
+    layout = codec.layout(GEOM, 16)
+    for peak in (440.0, 600.0, -1.0e4):
+        k = torch.zeros(16, 2, 64)
+        k[3, 1, 9] = peak
+        with pytest.raises(InvalidKV, match=r"saturated k \(float8_e4m3fn\)"):
+            codec.encode(k, torch.zeros_like(k), layout)
+        with pytest.raises(InvalidKV, match=r"saturated v \(float8_e4m3fn\)"):
+            codec.encode_units(torch.zeros_like(k)[None], k[None], layout)
+    chunk = codec.encode(torch.full((16, 2, 64), 416.0), torch.zeros(16, 2, 64), layout)  # 416: fp8's next below
+    assert torch.equal(codec.decode_pages(layout, chunk.pages, chunk.codebook)[0], torch.full((16, 2, 64), 416.0))
+
+
+@pytest.mark.parametrize("spec,field", [("heads:base=kivi:group=16;scale=fp8,kbits=2-3", "h1.k_zeros"),
+                                        ("heads:base=kivi:group=16;scale=fp8;bits=2,vbits=2-4", "h0.v_zeros"),
+                                        ("heads:base=qvg:centroids=2;cdtype=fp8;scale=fp8,stages=1-2", "h1.")])
+def test_heads_specs_refuse_saturated_fields_of_each_head(spec, field):
+    """A heads: spec stores each head's page as opaque bytes: its heads' fp8 fields were never read, so a
+    saturated scale or zero of one head was served (before: no error)."""
+    codec = codecs.get(spec)
+    layout = codec.layout(GEOM, 16)
+    k, v = torch.randn(16, 2, 64) * 0.1, torch.randn(16, 2, 64) * 0.1
+    chunk = codec.encode(k, v, layout)
+    assert codec.decode_pages(layout, chunk.pages, chunk.codebook)[0].isfinite().all()
+    x = v if "v_" in field else k
+    x[:, int(field[1])] *= 3.0e4  # that head's K or V: its fp8 scales or zeros past 448
+    with pytest.raises(InvalidKV, match=f"saturated .*{field}"):
+        codec.encode(k, v, layout)
+    with pytest.raises(InvalidKV, match=f"saturated .*{field}"):
+        codec.encode_units(k[None], v[None], layout)

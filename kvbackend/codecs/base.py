@@ -176,6 +176,11 @@ class Codec(ABC):
     # float fields scaled so that their largest value is their dtype's by design (`kvbackend.saturation`)
     full_scale_fields: tuple[str, ...] = ()
 
+    def saturation_parts(self, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> list[tuple]:
+        """(name prefix, layout, pages, codebooks, full-scale fields) of each part whose float fields
+        `kvbackend.saturation` reads: the codec's own layout by default."""
+        return [("", layout, pages, codebooks, self.full_scale_fields)]
+
     def stored_max_abs(self, geometry: Geometry) -> tuple[float, float]:
         """(keys, values): a magnitude of values that this codec cannot store whatever the rest of the chunk holds
         (the fp8/fp16/bf16 codecs' values), refused at `KVCache.append` before anything is written; ``inf`` where
@@ -221,7 +226,7 @@ class Codec(ABC):
             InvalidKV: wrong shape or dtype, K/V mismatch, or non-finite values.
         """
         check_kv(k, v, layout.geometry)
-        _check_values(k, v, self.stored_max_abs(layout.geometry), self.spec_string)
+        _check_values(k, v)
         kf, vf, num_pages = self._padded(k, v, layout.page_size)
         pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
         codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
@@ -276,7 +281,7 @@ class Codec(ABC):
         if states is not None and len(states) != units:
             raise ValueError(f"encode_units: {len(states)} states for {units} chunks")
         check_kv(k.reshape(units * n, *k.shape[2:]), v.reshape(units * v.shape[1], *v.shape[2:]), layout.geometry)
-        _check_values(k, v, self.stored_max_abs(layout.geometry), self.spec_string)
+        _check_values(k, v)
         budget = CPU_UNIT_VALUES if k.device.type == "cpu" else DEVICE_UNIT_VALUES
         step = max(1, budget // k[0].numel())
         parts = [self._encoded_units(k[at : at + step], v[at : at + step], layout,
@@ -341,23 +346,14 @@ class Codec(ABC):
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _check_values(k: torch.Tensor, v: torch.Tensor, limits: tuple[float, float] = (math.inf, math.inf),
-                  codec: str = "") -> None:
-    """Raise InvalidKV for chunks of no tokens, with non-finite values, or with keys or values beyond ``limits``
-    (`Codec.stored_max_abs`: where a float field of ``codec`` would saturate) (shapes already checked)."""
+def _check_values(k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise InvalidKV for chunks of no tokens or with non-finite values (shapes already checked). Values past what
+    a float field stores are not refused here: the encode clamps them at the field's largest value, which
+    `kvbackend.saturation` refuses once the chunk is encoded, on every encode path alike."""
     if k.shape[-3] == 0:
         raise InvalidKV("cannot encode an empty chunk (0 tokens)")
-    if math.isinf(limits[0]) and math.isinf(limits[1]):
-        if not all_finite_many(k, v):
-            raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
-        return
-    largest = largest_abs(k, v)
-    if not all(math.isfinite(x) for x in largest):
+    if not all_finite_many(k, v):
         raise InvalidKV("K/V contain NaN or Inf; kvbackend refuses to encode non-finite values")
-    for name, big, limit in (("K", largest[0], limits[0]), ("V", largest[1], limits[1])):
-        if big > limit:
-            raise InvalidKV(f"{name} holds values up to {big:.6g} in magnitude, beyond the {limit:.6g} {codec} "
-                            "encodes without saturating a float field; nothing was encoded")
 
 
 def all_finite(x: torch.Tensor) -> bool:

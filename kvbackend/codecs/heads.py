@@ -110,6 +110,15 @@ class HeadsCodec(Codec):
         bounds = [codec.stored_max_abs(geometry) for codec in self.heads]
         return min(k for k, _ in bounds), min(v for _, v in bounds)
 
+    def saturation_parts(self, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> list[tuple]:
+        """Each head's own fields (its page bytes and codebook slot are opaque here), named ``h{i}.field``."""
+        parts = []
+        for i, (codec, sub) in enumerate(zip(self.heads, self._head_layouts(layout.geometry, layout.page_size))):
+            books = (layout.codebook.view(codebooks, f"h{i}") if sub.codebook_bytes
+                     else codebooks.new_zeros(*codebooks.shape[:-1], 0))
+            parts.append((f"h{i}.", sub, layout.page.view(pages, f"h{i}"), books, codec.full_scale_fields))
+        return parts
+
     def _head_layouts(self, geometry: Geometry, page_size: int) -> list[PageLayout]:
         one = dataclasses.replace(geometry, num_kv_heads=1)
         return [codec.layout(one, page_size) for codec in self.heads]
