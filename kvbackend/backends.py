@@ -71,7 +71,8 @@ class TritonBackend:
         from kvbackend.kernels.chunk_encoder import encode_chunk
 
         encode_chunk(codec, layout, k, v, state, pages, page_ids, codebook)
-        refuse_saturated(codec, layout, pages[page_ids.long()], codebook)  # the kernel clamps as torch
+        # the kernel clamps as torch; only the chunk's pages' float fields are read, in place in the pool
+        refuse_saturated(codec, layout, pages, codebook, rows=page_ids.long())
 
     def encode_units(self, codec, layout: PageLayout, k, v, states) -> tuple[torch.Tensor, torch.Tensor]:
         """`Codec.encode_units` with the kernels' one-pass encode first (QVG-family codecs: the recommended spec),

@@ -30,10 +30,11 @@ def _narrow(fields: FieldSet, dtype: torch.dtype) -> list:
 
 
 def _flags(layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor, full_scale: tuple[str, ...],
-           prefix: str = "") -> list:
-    """(name, flag tensor) for each narrow float field of one layout's ``pages`` and ``codebooks``."""
+           prefix: str = "", rows: torch.Tensor | None = None) -> list:
+    """(name, flag tensor) for each narrow float field of one layout's ``pages`` (only its rows ``rows`` where
+    given: a pool's pages, read in place) and ``codebooks``."""
     found = []
-    for fields, raw in ((layout.page, pages), (layout.codebook, codebooks)):
+    for fields, raw, pick in ((layout.page, pages, rows), (layout.codebook, codebooks, None)):
         if raw.numel() == 0:
             continue
         raw = raw.reshape(-1, raw.shape[-1])
@@ -41,7 +42,8 @@ def _flags(layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor, ful
             view, mask, largest = _LARGEST[f.dtype]
             if f.name in full_scale:
                 largest += 1  # past the largest finite value: NaN (fp8), inf or NaN (16-bit)
-            bits = raw[:, f.offset : f.offset + f.nbytes].contiguous().view(view)
+            columns = raw[:, f.offset : f.offset + f.nbytes]
+            bits = (columns.contiguous() if pick is None else columns[pick]).view(view)  # only the field's bytes
             found.append((prefix + f.name, ((bits.to(torch.int32) & mask) >= largest).any()))
     return found
 
@@ -62,20 +64,23 @@ def saturated_fields(layout: PageLayout, pages: torch.Tensor, codebooks: torch.T
     return _read(_flags(layout, pages, codebooks, full_scale))
 
 
-def codec_saturated_fields(codec, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> list[str]:
+def codec_saturated_fields(codec, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor,
+                           rows: torch.Tensor | None = None) -> list[str]:
     """`saturated_fields` of every part ``codec`` (a `Codec`) stores: its own layout's fields, or for a codec whose
     fields are opaque bytes holding other codecs' pages (`Codec.saturation_parts`: a ``heads:`` spec's heads),
-    each part's own fields, named ``part.field``; one device read for all."""
+    each part's own fields, named ``part.field``; one device read for all. ``rows``: the pages to read (int64
+    indices into ``pages`` [num_pages, page_bytes]; None: all)."""
     found = []
     for prefix, sub, sub_pages, sub_books, full_scale in codec.saturation_parts(layout, pages, codebooks):
-        found.extend(_flags(sub, sub_pages, sub_books, full_scale, prefix))
+        found.extend(_flags(sub, sub_pages, sub_books, full_scale, prefix, rows))
     return _read(found)
 
 
-def refuse_saturated(codec, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor) -> None:
+def refuse_saturated(codec, layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor,
+                     rows: torch.Tensor | None = None) -> None:
     """Raise InvalidKV where `codec_saturated_fields` finds one: the chunk's values lie past what ``codec`` (a
     `Codec`) stores."""
-    bad = codec_saturated_fields(codec, layout, pages, codebooks)
+    bad = codec_saturated_fields(codec, layout, pages, codebooks, rows)
     if bad:
         dtypes = {prefix + f.name: f.dtype
                   for prefix, sub, *_ in codec.saturation_parts(layout, pages, codebooks)

@@ -196,3 +196,23 @@ def test_heads_specs_refuse_saturated_fields_of_each_head(spec, field):
         codec.encode(k, v, layout)
     with pytest.raises(InvalidKV, match=f"saturated .*{field}"):
         codec.encode_units(k[None], v[None], layout)
+
+
+def test_rows_read_only_the_chunks_pages_of_a_pool():
+    """`TritonBackend.encode_chunk` reads the float fields of the chunk's pages in place in the pool (``rows``),
+    not a copy of whole pages: the same answer as reading the gathered pages, and a saturated page outside the
+    rows is not the chunk's."""
+    from kvbackend.saturation import codec_saturated_fields
+
+    codec = codecs.get("kivi:bits=2,group=16,scale=fp8")
+    layout = codec.layout(GEOM, 16)
+    good = codec.encode(torch.randn(32, 2, 64), torch.randn(32, 2, 64), layout)
+    pool = torch.zeros(6, layout.page_bytes, dtype=torch.uint8)
+    pool[[4, 1]] = good.pages
+    big = good.pages[0].clone()
+    layout.page.view(big, "v_zeros").fill_(448.0)  # a page saturated by hand: fp8's largest value
+    pool[2] = big
+    for rows, expect in ((torch.tensor([4, 1]), []), (torch.tensor([1, 2]), ["v_zeros"]), (None, ["v_zeros"])):
+        assert codec_saturated_fields(codec, layout, pool, good.codebook, rows) == expect
+        gathered = pool if rows is None else pool[rows]
+        assert saturated_fields(layout, gathered, good.codebook) == expect
