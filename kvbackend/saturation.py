@@ -44,7 +44,7 @@ def _flags(layout: PageLayout, pages: torch.Tensor, codebooks: torch.Tensor, ful
                 largest += 1  # past the largest finite value: NaN (fp8), inf or NaN (16-bit)
             columns = raw[:, f.offset : f.offset + f.nbytes]
             bits = (columns.contiguous() if pick is None else columns[pick]).view(view)  # only the field's bytes
-            found.append((prefix + f.name, ((bits.to(torch.int32) & mask) >= largest).any()))
+            found.append((prefix + f.name, (bits & mask).amax() >= largest))  # in its own width: no widening
     return found
 
 
