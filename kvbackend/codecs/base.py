@@ -227,11 +227,17 @@ class Codec(ABC):
         """
         check_kv(k, v, layout.geometry)
         _check_values(k, v)
+        chunk = self._encode_checked(k, v, layout, state)
+        refuse_saturated(self, layout, chunk.pages, chunk.codebook)
+        return chunk
+
+    def _encode_checked(self, k: torch.Tensor, v: torch.Tensor, layout: PageLayout,
+                        state: CodecState | None) -> EncodedChunk:
+        """`encode` of K/V already checked, before the saturation read (its callers read the fields)."""
         kf, vf, num_pages = self._padded(k, v, layout.page_size)
         pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
         codebook = torch.zeros(layout.codebook_bytes, dtype=torch.uint8, device=k.device)
         self._encode(kf, vf, layout, pages, codebook, state if state is not None else CodecState())
-        refuse_saturated(self, layout, pages, codebook)
         return EncodedChunk(layout, pages, codebook, k.shape[0])
 
     def _padded(self, k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -306,7 +312,9 @@ class Codec(ABC):
                 return pages.view(units, num_pages, -1), codebooks
             if units > 1 and self._encode_units(kf, vf, layout, pages, codebooks, states):
                 return pages.view(units, num_pages, -1), codebooks
-        chunks = [self.encode(k[u], v[u], layout, None if states is None else states[u]) for u in range(units)]
+        # chunk by chunk: checked once for all (`encode_units`), the fields read once for all after
+        chunks = [self._encode_checked(k[u], v[u], layout, None if states is None else states[u])
+                  for u in range(units)]
         return torch.stack([c.pages for c in chunks]), torch.stack([c.codebook for c in chunks])
 
     def decode(self, chunk: EncodedChunk) -> tuple[torch.Tensor, torch.Tensor]:
