@@ -420,8 +420,10 @@ class KVCache:
         table = self._table(request_id)
         self._check_layer(layer)
         self.wait_layer(layer)
-        if not isinstance(first_page, int) or isinstance(first_page, bool) or first_page < 0:
+        index = _as_index(first_page)
+        if index is None or index < 0:
             raise InvalidKV(f"first_page must be an int >= 0, got {first_page!r}")
+        first_page = index
         keys, values = [self._empty()], [self._empty()]
         frame, layout, p = self.frames[layer], self.layouts[layer], self.config.page_size
         position = first_page * p
@@ -556,10 +558,7 @@ class KVCache:
     def _check_page(self, page: int) -> int:
         """``page`` as the int it names (numpy and 0-d integer tensors too, as request ids); ValueError for a bool,
         a float or a page out of range."""
-        try:
-            index = None if isinstance(page, bool) else operator.index(page)
-        except TypeError:
-            index = None
+        index = _as_index(page)
         if index is None or not 0 <= index < self.packed.allocator.num_pages:
             raise ValueError(f"packed page {page!r} out of range 0..{self.packed.allocator.num_pages - 1}")
         return index
@@ -586,8 +585,10 @@ class KVCache:
             InvalidKV: a token id that is not an integer in 0..2^63-1.
         """
         keys = list(keys)
-        if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
+        index = _as_index(first_page)
+        if index is None or index < 0:
             raise ValueError(f"install_pages: first_page must be an int >= 0, got {first_page!r}")
+        first_page = index
         for name, given in (("resident", resident), ("sizes", sizes)):
             if given is not None and len(given) != len(keys):
                 raise ValueError(f"install_pages: {name} has {len(given)} entries for {len(keys)} keys")
@@ -671,12 +672,20 @@ class KVCache:
         check_cache(self)
 
 
-def _request_id(request_id) -> int:
-    """``request_id`` as the int it names (numpy and 0-d integer tensors too); UnknownRequest for anything else: a
-    float or a bool was rounded or compared equal to another request's id (1.7 appended to request 1)."""
-    if isinstance(request_id, bool):
-        raise UnknownRequest(f"request ids are ints, got {request_id!r}")
+def _as_index(value) -> int | None:
+    """``value`` as the int it names (Python, numpy and 0-d integer tensors); None for anything else: a float or a
+    bool would be rounded or compare equal to another int (1.7 appended to request 1)."""
+    if isinstance(value, bool):
+        return None
     try:
-        return operator.index(request_id)
+        return operator.index(value)
     except TypeError:
-        raise UnknownRequest(f"request ids are ints, got {request_id!r}") from None
+        return None
+
+
+def _request_id(request_id) -> int:
+    """``request_id`` as the int it names (`_as_index`); UnknownRequest for anything else."""
+    index = _as_index(request_id)
+    if index is None:
+        raise UnknownRequest(f"request ids are ints, got {request_id!r}")
+    return index

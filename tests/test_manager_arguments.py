@@ -70,6 +70,8 @@ def test_clear_errors():
     # numpy and 0-d tensor page ids name the page, as for request ids and layers (they were "out of range")
     assert torch.equal(c.export_page(np.int64(page)), c.export_page(page))
     assert torch.equal(c.export_page(torch.tensor(page)), c.export_page(page))
+    for first in (np.int64(0), torch.tensor(0)):  # as request ids: were "first_page must be an int"
+        assert all(torch.equal(x, y) for x, y in zip(c.read_packed(r, 1, first_page=first), c.read_packed(r, 1)))
     c.free(r)
     assert page in [p for p, _ in c.evictable_pages()]
     c.drop_cached(np.int32(page))  # cached now
