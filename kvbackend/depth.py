@@ -13,6 +13,7 @@ expanded layer is an ordinary per-layer plan (its layout and fingerprint are eac
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from kvbackend import codecs
 from kvbackend.errors import SpecError
 from kvbackend.spec import SpecKind, spec_kind, split_spec
+
+log = logging.getLogger(__name__)
+_UNCOVERED: set = set()  # (band, layers) already reported: expansions repeat for every cache and check
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,13 @@ class DepthSpec:
                 if band.covers(layer, num_layers):
                     options[band.option] = band.value
             specs.append(f"{name}:" + ",".join(f"{key}={value}" for key, value in options.items()))
+        for band in self.bands:  # bands are relative: on a shallow model one may fall between two layers
+            if not any(band.covers(layer, num_layers) for layer in range(num_layers)) \
+                    and (band, num_layers) not in _UNCOVERED:
+                _UNCOVERED.add((band, num_layers))
+                log.warning("depth: %s=%s@%g-%g covers no layer of a %d-layer model (layer / %d never falls in "
+                            "[%g, %g)); those layers keep the base's value", band.option, band.value, band.lo,
+                            band.hi, num_layers, num_layers, band.lo, band.hi)
         return specs
 
 

@@ -84,6 +84,9 @@ class LeverFrame:
             name = "prerope" if self.levers.prerope else "pagerope"
             raise SpecError(f"{where}: {name}=true stores keys before RoPE and needs the model's RoPE: pass "
                             "KVCache(..., rotary=kvbackend.rope.rotary_from_config(model.config))")
+        if self.levers.rope and head_dim is not None and self.rotary.inv_freq.numel() * 2 != head_dim:
+            raise SpecError(f"{where}: the RoPE given (rotary=) has {self.rotary.inv_freq.numel()} frequencies, for a "
+                            f"head_dim of {self.rotary.inv_freq.numel() * 2}; the model's head_dim is {head_dim}")
         if self.levers.psac:
             raise SpecError(f"{where}: the psac= lever is applied by `kvbackend eval` only; in the paged cache use "
                             "quantwm, whose rank= option stores the same correction in its pages")

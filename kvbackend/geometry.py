@@ -34,6 +34,9 @@ class Geometry:
         return 2 * self.num_kv_heads * self.head_dim
 
 
+_DEFAULT_CODEC = "qvg"  # `CacheConfig.codec` where none is given
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How a `KVCache` lays out and sizes its pools.
@@ -42,8 +45,9 @@ class CacheConfig:
     2048 tokens, so a 16-centroid bf16 codebook costs 16 * 16 / 2048 = 0.125 bits per value.
     """
 
-    codec: str = "qvg"  # codec spec string, parsed by kvbackend.codecs.get
-    # one codec spec per layer (e.g. the plan `kvbackend eval` prints for auto:...); empty: `codec` everywhere
+    codec: str = _DEFAULT_CODEC  # codec spec string, parsed by kvbackend.codecs.get
+    # one codec spec per layer (e.g. the plan `kvbackend eval` prints for auto:...); empty: `codec` everywhere (a
+    # codec other than the default given beside them is refused: one of the two would be ignored)
     layer_codecs: tuple[str, ...] = ()
     page_size: int = 64  # P: tokens per page
     chunk_pages: int = 32  # pages in one chunk; a chunk is encoded once it is full
@@ -66,6 +70,8 @@ class CacheConfig:
         object.__setattr__(self, "layer_codecs", tuple(self.layer_codecs))  # a list is accepted, kept hashable
         if not isinstance(self.codec, str):
             raise ValueError(f"CacheConfig.codec must be a codec spec string, got {self.codec!r}")
+        if self.layer_codecs and self.codec != _DEFAULT_CODEC:  # one of them would be ignored
+            raise ValueError(f"CacheConfig: give codec={self.codec!r} or layer_codecs (one spec per layer), not both")
         for name in ("page_size", "chunk_pages", "dense_pages", "packed_pages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -485,6 +485,10 @@ class KVCache:
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
         self._check_layer(layer)
         self._check_plan(plan, layer)
+        empty = [rid for rid, (_, _, tokens) in zip(plan.request_ids, plan.tables) if not tokens]
+        if empty:  # (the torch path answered zeros with an lse of -inf, the kernels refused: now both refuse)
+            raise InvalidKV(f"every request in a decode batch needs at least one token; request {empty[0]} holds "
+                            f"none in layer {layer} (append its first token before decoding it)")
         plan.check_queries(q, self.geometry.num_kv_heads, self.geometry.head_dim)
         self.wait_layer(layer)
         return self.backends[layer].decode(self, plan, layer, q, scale)

@@ -19,6 +19,19 @@ class Rotary:
     inv_freq: torch.Tensor  # [D/2] float32
     scaling: float = 1.0  # attention scaling folded into cos/sin by some RoPE variants
 
+    def __post_init__(self) -> None:
+        """Raise ValueError for a RoPE no cache can undo: ``inv_freq`` not a 1-D tensor of finite floats, or a
+        ``scaling`` that is not a positive finite number (keys stored before RoPE would be divided by it)."""
+        inv = self.inv_freq
+        if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or not inv.numel() or not inv.dtype.is_floating_point:
+            raise ValueError(f"Rotary.inv_freq must be a non-empty 1-D float tensor [head_dim / 2], got "
+                             f"{getattr(inv, 'shape', inv)!r} {getattr(inv, 'dtype', '')}")
+        if not bool(torch.isfinite(inv).all()):
+            raise ValueError("Rotary.inv_freq holds NaN or Inf")
+        if isinstance(self.scaling, bool) or not isinstance(self.scaling, (int, float)) \
+                or not 0.0 < float(self.scaling) < float("inf"):
+            raise ValueError(f"Rotary.scaling must be a positive finite number, got {self.scaling!r}")
+
     def inv_freq_on(self, device: torch.device | str) -> torch.Tensor:
         """``inv_freq`` on ``device``, copied there once (a copy per call from host memory would make every
         decode step wait for the device)."""

@@ -179,7 +179,7 @@ class SpecKind(enum.Enum):
 
 def spec_kind(text: str) -> SpecKind:
     """The family of the spec grammar ``text`` belongs to, from its name alone (options unparsed)."""
-    name = text.strip().lower().partition(":")[0] if isinstance(text, str) else ""
+    name = text.partition(":")[0].strip().lower() if isinstance(text, str) else ""
     return {"auto": SpecKind.AUTO, "alignpred": SpecKind.ALIGNPRED, "depth": SpecKind.DEPTH}.get(name, SpecKind.CODEC)
 
 

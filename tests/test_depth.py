@@ -189,3 +189,40 @@ def test_the_quality_spec_is_session_36s_spec_with_whole_rows_where_measured():
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     if readme.exists():
         assert f"\nThe quality spec is `{QUALITY_SPEC}`.\n" in readme.read_text()
+
+
+def test_a_band_that_covers_no_layer_is_reported_once(caplog):
+    """Bands are relative depths: on a shallow model a narrow band can fall between two layers and change nothing,
+    which is logged (once per band and layer count), not silent."""
+    import logging
+
+    from kvbackend import depth
+
+    text = "depth:base=kivi:bits=2;group=16,kbits=3@0.01-0.02/4@0.5-1"
+    with caplog.at_level(logging.WARNING, logger="kvbackend.depth"):
+        specs = depth.parse_depth(text).layer_specs(30)
+        depth.parse_depth(text).layer_specs(30)
+    assert specs[0] == specs[1] and "kbits=4" in specs[15]
+    reported = [r.getMessage() for r in caplog.records if "covers no layer" in r.getMessage()]
+    assert len(reported) == 1 and "kbits=3@0.01-0.02" in reported[0] and "30-layer" in reported[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbackend.depth"):
+        depth.parse_depth(text).layer_specs(100)  # layer 1 of 100 lies in [0.01, 0.02)
+    assert not [r for r in caplog.records if "covers no layer" in r.getMessage()]
+
+
+def test_a_space_before_the_colon_names_the_same_family():
+    """`kivi :bits=2` and `auto :bpv=2.5` were taken, while `depth :...` and `alignpred :...` were "unknown codec"
+    (the family was read from the name with its space)."""
+    from kvbackend.spec import SpecKind, spec_kind
+
+    assert spec_kind("depth :base=kivi,kbits=3@0-0.5") is SpecKind.DEPTH
+    assert spec_kind(" alignpred :error=2x") is SpecKind.ALIGNPRED
+    assert spec_kind("auto\t:bpv=2.5") is SpecKind.AUTO
+    spaced = KVCache(Geometry(2, 2, 64), CacheConfig(codec="depth :base=kivi:bits=2;group=64,kbits=3@0-0.5",
+                                                     dense_pages=4, packed_pages=4))
+    plain = KVCache(Geometry(2, 2, 64), CacheConfig(codec="depth:base=kivi:bits=2;group=64,kbits=3@0-0.5",
+                                                    dense_pages=4, packed_pages=4))
+    assert [c.spec_string for c in spaced.codecs] == [c.spec_string for c in plain.codecs]
+    with pytest.raises(SpecError, match="is an alignpred: spec, not a page codec"):
+        KVCache(Geometry(2, 2, 64), CacheConfig(codec="alignpred :error=2x", dense_pages=4, packed_pages=4))

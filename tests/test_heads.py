@@ -200,3 +200,16 @@ def test_spellings_of_one_base_share_a_fingerprint(base):
 def test_an_option_given_in_the_base_and_per_head_is_refused():
     with pytest.raises(SpecError, match="kbits is given per head"):
         codecs.get("heads:base=kivi:group=64;kbits=4,kbits=3-2")
+
+
+def test_per_head_lists_are_written_as_numbers():
+    """03-2 and fullwidth digits are 3-2: one spec string and one fingerprint (they were three, so a tier written
+    under one spelling missed under another); digits int() cannot read are refused."""
+    spellings = ["heads:base=kivi:group=16,kbits=3-2", "heads:base=kivi:group=16,kbits=03-2",
+                 "heads:base=kivi:group=16,kbits=\uff13-2"]
+    built = [codecs.get(text) for text in spellings]
+    assert len({c.spec_string for c in built}) == 1 and "kbits=3-2" in built[0].spec_string
+    geometry = Geometry(1, 2, 64, torch.bfloat16)
+    assert len({c.layout(geometry, 16).fingerprint for c in built}) == 1
+    with pytest.raises(SpecError, match="dash-separated integers"):
+        codecs.get("heads:base=kivi:group=16,kbits=\u00b2-2")

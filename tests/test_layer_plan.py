@@ -116,3 +116,10 @@ def test_bad_plans_are_refused_clearly():
         cache.codec  # noqa: B018
     with pytest.raises(SpecError, match=r"layouts\[layer\]"):
         cache.layout  # noqa: B018
+
+
+def test_a_codec_beside_layer_codecs_is_refused():
+    """Before: CacheConfig(codec=..., layer_codecs=...) served layer_codecs and ignored the codec asked for."""
+    with pytest.raises(ValueError, match="not both"):
+        CacheConfig(codec="kivi:bits=4,group=64", layer_codecs=("rtn", "rtn"))
+    assert CacheConfig(layer_codecs=("rtn", "rtn")).layer_codecs == ("rtn", "rtn")

@@ -77,3 +77,21 @@ def test_clear_errors():
     c.drop_cached(np.int32(page))  # cached now
     assert page not in [p for p, _ in c.evictable_pages()]
     c.check()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_request_without_tokens_in_a_decode_batch_is_refused_on_both_backends(backend):
+    """The torch backend answered zeros (lse -inf) for a request that holds no tokens, the kernels raised: a made-up
+    answer on one backend, an error on the other. Both refuse it now, naming the request."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    c = KVCache(Geometry(1, 2, 32, torch.float16), CacheConfig(codec="kivi:bits=4,group=16", page_size=16,
+                                                               chunk_pages=1, dense_pages=8, packed_pages=8,
+                                                               backend=backend))
+    a, _ = c.add_request()
+    empty, _ = c.add_request()
+    c.append(a, 0, torch.randn(20, 2, 32).half(), torch.randn(20, 2, 32).half())
+    with pytest.raises(InvalidKV, match=f"request {empty} holds none in layer 0"):
+        c.decode(c.plan([a, empty], 0), 0, torch.randn(2, 2, 32).half())
+    out, _ = c.decode(c.plan([a], 0), 0, torch.randn(1, 2, 32).half())  # the rest of the batch serves
+    assert out.shape == (1, 2, 32) and torch.isfinite(out).all()

@@ -28,3 +28,25 @@ def test_scaled_rope_inverts():
     x = torch.randn(4, 32)
     positions = torch.arange(4)
     assert torch.allclose(rotary.derotate(rotary.rotate(x, positions), positions), x, atol=1e-5)
+
+
+def test_a_rope_no_cache_can_undo_is_refused_when_built():
+    """Before: a cache took any Rotary; with inv_freq of another head size or scaling=0 every chunk's encode failed
+    (logged only, blamed on NaN K/V) and the chunks stayed dense until the pool was full."""
+    import pytest
+
+    from kvbackend import CacheConfig, Geometry, KVCache
+    from kvbackend.errors import SpecError
+
+    for inv_freq, scaling in ((torch.rand(16), 0.0), (torch.rand(16), float("nan")), (torch.rand(16), -1.0),
+                              (torch.tensor([1.0, float("nan")]), 1.0), (torch.rand(4, 4), 1.0),
+                              (torch.arange(8), 1.0), (torch.rand(16), True)):
+        with pytest.raises(ValueError, match="Rotary"):
+            Rotary(inv_freq, scaling)
+    config = CacheConfig(codec="kivi:group=8,prerope=true", page_size=8, chunk_pages=2, dense_pages=4, packed_pages=8)
+    with pytest.raises(SpecError, match="32 frequencies, for a head_dim of 64; the model's head_dim is 32"):
+        KVCache(Geometry(1, 2, 32, torch.float32), config, rotary=Rotary.default(64, 10000.0))
+    cache = KVCache(Geometry(1, 2, 32, torch.float32), config, rotary=Rotary.default(32, 10000.0))
+    rid, _ = cache.add_request()
+    cache.append(rid, 0, torch.randn(16, 2, 32), torch.randn(16, 2, 32))
+    assert cache.page_table(rid).packed  # the chunk is packed

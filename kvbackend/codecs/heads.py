@@ -62,7 +62,7 @@ def head_specs(spec: HeadsSpec) -> list[str]:
         if not text:
             continue
         parts = text.split("-")
-        if not all(part.isdigit() for part in parts):
+        if not all(part.isdecimal() for part in parts):  # (int() reads every decimal digit, not every digit)
             raise SpecError(f"heads: {key}={text!r} must be dash-separated integers, one per KV head (e.g. 3-2-2)")
         lists[key] = parts
     if not lists:
@@ -90,8 +90,10 @@ class HeadsCodec(Codec):
         # one spec string and one layout fingerprint
         name, options = split_spec(make(spec.base.replace(";", ",")).spec_string)
         listed = {key for key in PER_HEAD if getattr(spec, key)}
+        # the per-head lists as numbers write them (03-2 and fullwidth digits are 3-2: one fingerprint)
+        lists = {key: "-".join(str(int(part)) for part in getattr(spec, key).split("-")) for key in listed}
         spec = dataclasses.replace(spec, base=f"{name}:" + ";".join(f"{k}={v}" for k, v in options.items()
-                                                                     if k not in listed))
+                                                                     if k not in listed), **lists)
         super().__init__(spec)
         self.heads = []
         for i, text in enumerate(texts):
