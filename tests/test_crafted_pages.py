@@ -393,3 +393,38 @@ def test_install_pages_refuses_rows_of_another_shape_or_type_with_a_clear_error(
     other.check()
     target = cache_of(QUANTWM)
     assert target.install_pages(keys, list(range(33)), blobs, 0) == 2  # rows of this cache's shape install
+
+
+def test_a_restore_checks_each_run_of_blobs_together_and_refuses_exactly_the_crafted_ones(tmp_path, caplog):
+    """`tiers.transfer` checks the blobs of a window in stretches of one length (a chunk's pages between the longer
+    ones carrying its codebook), one pass each, instead of blob by blob in the reader threads; the same blobs are
+    refused as a check of each alone refuses, wherever they fall in a stretch."""
+    from kvbackend.tiers.transfer import _checked
+
+    tokens = list(range(300, 300 + 8 * P + 1))  # four chunks of two pages: carriers at 0, 2, 4, 6
+    source, keys, blobs = exported(QUANTWM, tokens)
+    sizes = [source.export_page(source.packed.allocator.lookup(key)).numel() for key in keys]
+    assert len(set(sizes)) == 2
+    window = torch.cat([blobs[i, : sizes[i]] for i in range(len(keys))])
+    views, at = [], 0
+    for size in sizes:
+        views.append(window[at : at + size])
+        at += size
+    for crafted in ((), (1,), (0, 5), (6, 7), tuple(range(len(keys)))):
+        file = FileTier(str(tmp_path / f"t{len(crafted)}_{sum(crafted)}"), 10**8, source.fingerprint)
+        data = window.clone()
+        views = [data[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(keys))]
+        for i in crafted:
+            set_index(source, views[i], i % 2, "k_assign", 4)
+        put_all(file, keys, [v.clone() for v in views])
+        got = file.get(keys, [torch.empty(s, dtype=torch.uint8) for s in sizes]).result()
+        assert all(got)
+        missed = [True] * len(keys)
+        missed[3] = False  # a miss stays a miss, checked or not
+        with caplog.at_level(logging.WARNING, logger="kvbackend.tiers.file"):
+            passed = _checked(source.page_check, file, keys, views, missed)
+        alone = [source.page_check.reason(v) is None for v in views]
+        assert passed == [m and a for m, a in zip(missed, alone)], crafted
+        assert passed == [i != 3 and i not in crafted for i in range(len(keys))]
+        assert file.contains([keys[i] for i in crafted if i != 3]) == 0  # refused: dropped as corrupt
+        file.close()
