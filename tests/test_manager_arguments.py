@@ -85,13 +85,15 @@ def test_a_request_without_tokens_in_a_decode_batch_is_refused_on_both_backends(
     answer on one backend, an error on the other. Both refuse it now, naming the request."""
     if backend == "triton":
         pytest.importorskip("triton")
+    # the Triton backend on the GPU where there is one (else in Triton's interpreter on the CPU)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     c = KVCache(Geometry(1, 2, 32, torch.float16), CacheConfig(codec="kivi:bits=4,group=16", page_size=16,
                                                                chunk_pages=1, dense_pages=8, packed_pages=8,
-                                                               backend=backend))
+                                                               backend=backend, device=device))
     a, _ = c.add_request()
     empty, _ = c.add_request()
-    c.append(a, 0, torch.randn(20, 2, 32).half(), torch.randn(20, 2, 32).half())
+    c.append(a, 0, torch.randn(20, 2, 32).half().to(device), torch.randn(20, 2, 32).half().to(device))
     with pytest.raises(InvalidKV, match=f"request {empty} holds none in layer 0"):
-        c.decode(c.plan([a, empty], 0), 0, torch.randn(2, 2, 32).half())
-    out, _ = c.decode(c.plan([a], 0), 0, torch.randn(1, 2, 32).half())  # the rest of the batch serves
+        c.decode(c.plan([a, empty], 0), 0, torch.randn(2, 2, 32).half().to(device))
+    out, _ = c.decode(c.plan([a], 0), 0, torch.randn(1, 2, 32).half().to(device))  # the rest of the batch serves
     assert out.shape == (1, 2, 32) and torch.isfinite(out).all()
