@@ -213,3 +213,34 @@ def test_per_head_lists_are_written_as_numbers():
     assert len({c.layout(geometry, 16).fingerprint for c in built}) == 1
     with pytest.raises(SpecError, match="dash-separated integers"):
         codecs.get("heads:base=kivi:group=16,kbits=\u00b2-2")
+
+
+def test_heads_learn_the_keys_frame_from_the_spec_levers():
+    """With prerope (or pagerope) and kmetric, each head's k-means pairs the channel weights of a RoPE pair, as a
+    one-head cache of the same codec does: the pages of head 0 are those of that cache (before, the heads' codecs
+    were built without the levers and weighed the channels apart: other pages for 2 of 3 seeds)."""
+    from kvbackend.rope import Rotary
+
+    D, P, H = 16, 16, 2
+    rotary = Rotary.default(D, 10000.0)
+    base = "quantwm:centroids=4;group=16;kchannel=16;rank=0;outliers=4;kmetric=0.5"
+    for seed in range(3):
+        config = dict(page_size=P, chunk_pages=2, dense_pages=16, packed_pages=16, backend="torch")
+        big = KVCache(Geometry(1, H, D, torch.bfloat16),
+                      CacheConfig(codec=f"heads:base={base},kbits=3-2,prerope=true", **config), rotary=rotary)
+        small = KVCache(Geometry(1, 1, D, torch.bfloat16),
+                        CacheConfig(codec=base.replace(";", ",") + ",kbits=3,prerope=true", **config), rotary=rotary)
+        assert big.codecs[0].heads[0].levers.prerope and not big.codecs[0].heads[0].levers.sink
+        gen = torch.Generator().manual_seed(seed)
+        k = torch.randn(40, H, D, generator=gen)
+        k[..., :2] += 4
+        k = rotary.rotate(k.transpose(0, 1), torch.arange(40)).transpose(0, 1).bfloat16()
+        v = torch.randn(40, H, D, generator=gen).bfloat16()
+        q = torch.randn(40, 2 * H, D, generator=gen).bfloat16()
+        r, _ = big.add_request()
+        s, _ = small.add_request()
+        big.append(r, 0, k, v, queries=q)
+        small.append(s, 0, k[:, :1], v[:, :1], queries=q[:, :2])
+        for mine, theirs in zip(big.page_table(r).packed, small.page_table(s).packed):
+            head0 = big.layouts[0].page.view(big.packed.pages[0][mine], "h0")
+            assert torch.equal(head0, small.packed.pages[0][theirs]), seed

@@ -25,7 +25,7 @@ import torch
 from kvbackend.errors import SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
-from kvbackend.levers import split_levers
+from kvbackend.levers import Levers, split_levers
 from kvbackend.spec import Checked, split_spec
 from kvbackend.codecs.base import Codec, CodecState, FieldSpecs
 
@@ -103,6 +103,19 @@ class HeadsCodec(Codec):
                 raise SpecError(f"heads: head {i} ({text}): {exc}") from None
         self.uses_queries = any(codec.uses_queries for codec in self.heads)  # type: ignore[misc]
         self.page_local = all(codec.page_local for codec in self.heads)  # type: ignore[misc]
+
+    @property
+    def levers(self) -> Levers:
+        return self._levers
+
+    @levers.setter
+    def levers(self, levers: Levers) -> None:
+        """The spec's levers (set once built, `kvbackend.codecs.get`); each head's codec learns the keys' frame from
+        them (quantwm's `kmetric` pairs the channel weights of a RoPE pair for keys stored before RoPE), as a codec
+        given the levers itself would. Sinks and value rotations stay the layer's: no head stores them."""
+        self._levers = levers
+        for codec in getattr(self, "heads", ()):
+            codec.levers = Levers(prerope=levers.prerope, pagerope=levers.pagerope)
 
     @property
     def kernel_encodes(self) -> bool:
