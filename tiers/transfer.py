@@ -147,7 +147,7 @@ class Transfer:
         # a blob whose index fields are out of range (crafted with a valid checksum) is corrupt: never staged, never
         # copied up to the host tier (whose blobs are then all ones this process wrote or checked). Each run's blobs
         # are checked together once read (`refuse_crafted`); checking blob by blob in the reader threads held the
-        # interpreter lock once per blob (512 blobs of the recipe's page codec: 0.4 s added to a 32K-token restore)
+        # interpreter lock once per blob (512 blobs of the recipe's page codec: 0.2-0.4 s added to a 32K-token restore)
         check = cache.page_check
         sizes = [0 if self.sizes[i] is None or self.sizes[i] > room else self.sizes[i] for i in rows]
         runs, start, filled = [], 0, 0
