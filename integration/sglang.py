@@ -518,19 +518,19 @@ class KVBackendStorage(HiCacheStorage):
         list holds True in its place."""
         ints = [self._key(k) for k in keys]
         sizes = [self.tier.blob_size(i) or 0 for i in ints]
-        rows = None
+        batch = None  # [n, blob_bytes]: every blob of one length in one buffer, checked in one pass
         if self.blob_bytes is not None:  # a blob of another length is not a page of this configuration
             sizes = [size if size == self.blob_bytes else 0 for size in sizes]
-            rows = torch.empty(len(ints), self.blob_bytes, dtype=torch.uint8)  # one buffer: checked in one pass
-            buffers = [rows[i] if size else rows[i, :0] for i, size in enumerate(sizes)]
+            batch = torch.empty(len(ints), self.blob_bytes, dtype=torch.uint8)
+            buffers = [batch[i] if size else batch[i, :0] for i, size in enumerate(sizes)]
         else:
             buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
         start = time.perf_counter()
         found = self.tier.get(ints, buffers, expected_len=[b.numel() for b in buffers],  # exact length
-                              check=self._check() if rows is None else None).result()
-        if rows is not None and self.page_check is not None:  # index fields of every hit at once, on this thread
+                              check=self._check() if batch is None else None).result()
+        if batch is not None and self.page_check is not None:  # index fields of every hit at once, on this thread
             # (a check per blob inside the tier's reader threads took the interpreter lock once per blob)
-            passed = set(refuse_crafted(self.page_check, self.tier, rows, [j for j, hit in enumerate(found) if hit],
+            passed = set(refuse_crafted(self.page_check, self.tier, batch, [j for j, hit in enumerate(found) if hit],
                                         ints))
             found = [j in passed for j in range(len(found))]
         with self._lock:

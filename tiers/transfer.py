@@ -280,10 +280,11 @@ def _checked(check, file: FileTier, keys: list[int], views: list[torch.Tensor], 
                 views[end].data_ptr() == views[start].data_ptr() + (end - start) * size:
             end += 1
         hits = [j - start for j in range(start, end) if got[j]]
-        if hits and size >= check.span:
+        if size < check.span:  # too short to hold its index fields: refused
+            for j in hits:
+                file.refuse(keys[start + j], views[start + j], check.reason(views[start + j]) or "short")
+        elif hits:
             blobs = views[start].as_strided((end - start, size), (size, 1))
             passed.update(start + j for j in refuse_crafted(check, file, blobs, hits, keys[start:end]))
-        for j in hits if size < check.span else ():  # too short to hold its index fields: refused
-            file.refuse(keys[start + j], views[start + j], check.reason(views[start + j]) or "short")
         start = end
     return [j in passed for j in range(len(got))]

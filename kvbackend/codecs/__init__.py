@@ -65,7 +65,8 @@ def _parse_with_levers(text: str) -> tuple[Any, Levers]:
     name, options = split_spec(text)
     entry = _REGISTRY.get(name)
     if entry is None and spec_kind(text) is not SpecKind.CODEC:
-        raise SpecError(f"{text!r} is {'an' if name[0] in 'aeiou' else 'a'} {name}: spec, not a page codec: `kvbackend eval` runs it (auto: plans "
+        article = "an" if name[0] in "aeiou" else "a"
+        raise SpecError(f"{text!r} is {article} {name}: spec, not a page codec: `kvbackend eval` runs it (auto: plans "
                         "are chosen on a prompt; alignpred: formats are file-tier formats, tiers.persist; depth: "
                         "specs give each layer its own codec: a KVCache, KVBackendCache and `kvbackend eval` "
                         "expand them per layer)")
