@@ -84,7 +84,7 @@ def lever_tables(levers: LeverScheme, rotary: Rotary | None, page_size: int, hea
             raise ValueError("keys stored before RoPE need the model's RoPE (rotary=...) to be read")
         if rotary.inv_freq.numel() != head_dim // 2:
             raise ValueError(f"the RoPE has {rotary.inv_freq.numel()} frequencies, head_dim {head_dim} needs {head_dim // 2}")
-        inv_freq, scaling = tuple(rotary.inv_freq.double().tolist()), float(rotary.scaling)
+        inv_freq, scaling = rotary.frequencies(), float(rotary.scaling)
     rounded = max(64, triton.next_power_of_2(max(pages, 1)))  # few distinct sizes, so the cache hits
     return _tables(inv_freq, scaling, page_size, head_dim, rounded, str(device), levers.pagerope)
 

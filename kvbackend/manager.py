@@ -13,7 +13,7 @@ import torch
 
 from kvbackend.accounting import CacheStats, cache_stats, check_cache
 from kvbackend.batch import BatchPlan, ints_on_device, plan_batch
-from kvbackend.codecs.base import prepare_kv, query_moments
+from kvbackend.codecs.base import add_step_moments, prepare_kv, query_moments
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import SINK_FIELDS, LeverFrame, without_sinks
@@ -224,9 +224,10 @@ class KVCache:
             stored = self.frames[layer].step_queries_to_stored(queries, positions)
             moments, sums = query_moments(stored, self.geometry.num_kv_heads)
             group = queries.shape[1] // self.geometry.num_kv_heads
-        for i, table in enumerate(tables):  # each request's queries booked just before its token, as `append` does
-            if moments is not None:
-                table.states[layer].add_moment(table.lengths[layer] // chunk_tokens, moments[i], group, sums[i])
+        if moments is not None:  # each request's queries booked before its token is (which may complete a chunk)
+            add_step_moments([table.states[layer] for table in tables],
+                             [table.lengths[layer] // chunk_tokens for table in tables], moments, group, sums)
+        for table in tables:
             self._appended(table, layer, 1, None)
 
     def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:

@@ -44,6 +44,14 @@ class Rotary:
             copies[key] = self.inv_freq.to(device)
         return copies[key]
 
+    def frequencies(self) -> tuple[float, ...]:
+        """``inv_freq`` as Python floats (float64), read from the tensor once (every decode call of every layer names
+        them: a read per call from a device tensor would make each one wait for the device)."""
+        cached = self.__dict__.get("_frequencies")
+        if cached is None:
+            cached = self.__dict__.setdefault("_frequencies", tuple(self.inv_freq.double().tolist()))
+        return cached
+
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq_on(device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]

@@ -50,3 +50,12 @@ def test_a_rope_no_cache_can_undo_is_refused_when_built():
     rid, _ = cache.add_request()
     cache.append(rid, 0, torch.randn(16, 2, 32), torch.randn(16, 2, 32))
     assert cache.page_table(rid).packed  # the chunk is packed
+
+
+def test_frequencies_are_the_tensor_read_once():
+    """`Rotary.frequencies`: the float64 values of ``inv_freq``, the same tuple on every call (no read per call)."""
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    rotary = Rotary(inv)
+    got = rotary.frequencies()
+    assert got == tuple(inv.double().tolist()) and len(got) == 8
+    assert rotary.frequencies() is got

@@ -90,6 +90,37 @@ class CodecState:
         self.query_mean = self.query_sums[chunk] / max(count, 1)
 
 
+def add_step_moments(states: Sequence[CodecState], chunks: Sequence[int], moments: torch.Tensor, count: int,
+                     sums: torch.Tensor) -> None:
+    """`CodecState.add_moment` of row i of ``moments`` [B, H, D, D] and ``sums`` [B, H, D] (`query_moments` of one
+    decode step) to chunk ``chunks[i]`` of ``states[i]``, for every row, with the same float32 sums: a part a state
+    already holds takes its row in place, all of them in one multi-tensor add (one state at a time, a step of 46
+    requests cost 450 tensor operations per layer, the step's largest host cost); a part opened by this step copies
+    its row, as `add_moment` does."""
+    if not (len(states) == len(chunks) == moments.shape[0] == sums.shape[0]):
+        raise ValueError(f"one chunk and one row of moments per state: {len(states)} states, {len(chunks)} chunks, "
+                         f"{moments.shape[0]} and {sums.shape[0]} rows")
+    if moments.dtype != torch.float32 or sums.dtype != torch.float32:
+        raise ValueError(f"moments and sums are float32 (query_moments), got {moments.dtype} and {sums.dtype}")
+    rows, row_sums = moments.unbind(0), sums.unbind(0)
+    totals, added, summed, added_sums = [], [], [], []
+    for i, (state, chunk) in enumerate(zip(states, chunks)):
+        total, seen = state.query_parts.get(chunk, (None, 0))
+        if total is None or total.shape != rows[i].shape or total.dtype != torch.float32:
+            state.add_moment(chunk, rows[i], count, row_sums[i])  # a new part (a copy of the row), or a foreign one
+            continue
+        state.query_parts[chunk] = (total, seen + count)  # its own tensor (a copy or a sum): added to in place
+        totals.append(total)
+        added.append(rows[i])
+        if chunk in state.query_sums:  # else some earlier queries of the chunk came without sums: the mean stays unknown
+            summed.append(state.query_sums[chunk])
+            added_sums.append(row_sums[i])
+    if totals:
+        torch._foreach_add_(totals, added)
+    if summed:
+        torch._foreach_add_(summed, added_sums)
+
+
 def query_moments(queries: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``queries`` [B, Hq, D] (one token each), the sums of q q^T and of q over its GQA group per KV
     head: ([B, H, D, D], [B, H, D]), each row what `CodecState.add_queries` adds for that token, in one batched

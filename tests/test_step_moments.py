@@ -1,0 +1,79 @@
+"""`add_step_moments`: one decode step's query statistics added to many states at once, as `add_moment` one state
+at a time adds them (the same float32 sums, each part its own storage, an unknown mean staying unknown)."""
+
+import pytest
+import torch
+
+from kvbackend.codecs.base import CodecState, add_step_moments, query_moments
+
+
+def _states(gen):
+    """Four states: one holding chunk 0 with its sum of q, one holding chunk 0 without it (mean unknown), one holding
+    only another chunk, one empty."""
+    states = [CodecState() for _ in range(4)]
+    for state in states[:2]:
+        q = torch.randn(5, 4, 8, generator=gen)
+        state.add_queries(0, q, 2)
+    states[1].add_moment(0, torch.randn(2, 8, 8, generator=gen), 3)  # no sum: the chunk's mean is not known
+    states[2].add_queries(1, torch.randn(2, 4, 8, generator=gen), 2)
+    return states
+
+
+def _copy(states):
+    return [s.clone() for s in states]
+
+
+def test_equals_add_moment_per_state_over_several_steps():
+    gen = torch.Generator().manual_seed(0)
+    batched = _states(gen)
+    single = _copy(batched)
+    chunks = [0, 0, 0, 3]  # existing parts, a new chunk beside another, a new state
+    for _ in range(3):
+        queries = torch.randn(4, 4, 8, generator=gen).bfloat16()
+        moments, sums = query_moments(queries, 2)
+        add_step_moments(batched, chunks, moments, 2, sums)
+        for i, state in enumerate(single):
+            state.add_moment(chunks[i], moments[i], 2, sums[i])
+    for a, b in zip(single, batched):
+        assert a.query_parts.keys() == b.query_parts.keys()
+        for chunk, (total, count) in a.query_parts.items():
+            got, got_count = b.query_parts[chunk]
+            assert count == got_count and torch.equal(total, got)
+            assert got.untyped_storage().nbytes() == got.numel() * got.element_size()  # not a view of a batch
+        assert a.query_sums.keys() == b.query_sums.keys()
+        for chunk, total in a.query_sums.items():
+            assert torch.equal(total, b.query_sums[chunk])
+    assert 0 not in batched[1].query_sums  # the unknown mean stayed unknown
+    for a, b in zip(single, batched):  # and the chunk's statistics close alike
+        for chunk in list(a.query_parts):
+            a.close_chunk(chunk)
+            b.close_chunk(chunk)
+        assert torch.equal(a.query_moment, b.query_moment)
+        assert (a.query_mean is None) == (b.query_mean is None)
+        assert a.query_mean is None or torch.equal(a.query_mean, b.query_mean)
+
+
+def test_a_step_does_not_touch_the_parts_of_a_clone():
+    """In-place adds reach only the state's own tensors: a clone taken before the step keeps its figures."""
+    gen = torch.Generator().manual_seed(1)
+    state = _states(gen)[0]
+    before = state.clone()
+    moments, sums = query_moments(torch.randn(1, 4, 8, generator=gen), 2)
+    add_step_moments([state], [0], moments, 2, sums)
+    assert before.query_parts[0][1] + 2 == state.query_parts[0][1]
+    assert not torch.equal(before.query_parts[0][0], state.query_parts[0][0])
+    fresh = _states(torch.Generator().manual_seed(1))[0]
+    assert torch.equal(before.query_parts[0][0], fresh.query_parts[0][0])
+    assert torch.equal(before.query_sums[0], fresh.query_sums[0])
+
+
+def test_refuses_mismatched_rows_and_dtypes():
+    gen = torch.Generator().manual_seed(2)
+    states = _states(gen)
+    moments, sums = query_moments(torch.randn(4, 4, 8, generator=gen), 2)
+    with pytest.raises(ValueError, match="one chunk and one row"):
+        add_step_moments(states, [0, 0, 0], moments, 2, sums)
+    with pytest.raises(ValueError, match="one chunk and one row"):
+        add_step_moments(states[:3], [0, 0, 0], moments, 2, sums)
+    with pytest.raises(ValueError, match="float32"):
+        add_step_moments(states, [0, 0, 0, 0], moments.half(), 2, sums)
