@@ -56,7 +56,10 @@ class CacheConfig:
     codebook_slots: int | None = None  # chunk codebook slots; default: one per possible chunk
     device: str = "cpu"
     backend: str = "auto"  # "auto" (Triton kernels on CUDA when they read the layout), "torch" or "triton"
-    check_finite: bool = True  # reject NaN/Inf in appended K/V (one device sync per append)
+    # reject NaN/Inf in appended K/V and queries (and K/V past `KVCache.kv_limits`): one device read per append, so
+    # a decode step waits for the device once per layer. Off, a chunk's K/V are checked when it is encoded (refused
+    # there: it stays dense, logged) and its query statistics when it closes (non-finite ones dropped)
+    check_finite: bool = True
     # CUDA with the Triton backend: warm chunk encodes replayed from CUDA graphs (`kvbackend.kernels.encode_graph`).
     # Off by default: on the H200 a 32-layer Llama-8B chunk encodes 1.2x faster (7.7 -> 6.6 ms) for a memory pool of
     # 0.6-0.9 GiB that the cache keeps reserved (perf/NOTES.md, session 29)

@@ -77,3 +77,61 @@ def test_refuses_mismatched_rows_and_dtypes():
         add_step_moments(states[:3], [0, 0, 0], moments, 2, sums)
     with pytest.raises(ValueError, match="float32"):
         add_step_moments(states, [0, 0, 0, 0], moments.half(), 2, sums)
+
+
+def _cache(check_finite):
+    from kvbackend import CacheConfig, Geometry, KVCache
+
+    geometry = Geometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    return KVCache(geometry, CacheConfig(codec="quantwm:group=16,rank=2,centroids=2,vbits=2", page_size=4,
+                                         chunk_pages=2, dense_pages=8, packed_pages=8, check_finite=check_finite))
+
+
+def test_unchecked_queries_holding_nan_are_dropped_when_the_chunk_closes(caplog):
+    """With ``check_finite=False`` queries are not read at append (a device read per layer of a decode step); a
+    chunk whose booked queries hold NaN closes without statistics, logged, and encodes to the bytes of the same
+    chunk appended without queries. Finite unchecked queries keep theirs (the bytes of a checked cache)."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(8, 2, 16, generator=gen), torch.randn(8, 2, 16, generator=gen)
+    q = torch.randn(8, 4, 16, generator=gen)
+    bad = q.clone()
+    bad[5, 2, 7] = float("nan")
+    pages = {}
+    for name, check, queries in (("nan", False, bad), ("none", False, None), ("unchecked", False, q),
+                                 ("checked", True, q)):
+        cache = _cache(check)
+        rid, _ = cache.add_request()
+        for t in range(8):  # a decode step at a time: the eighth completes the chunk
+            cache.append_step([rid], 0, k[t : t + 1], v[t : t + 1],
+                              queries=None if queries is None else queries[t : t + 1])
+        table = cache.page_table(rid)
+        assert len(table.packed) == 2
+        state = table.states[0]
+        pages[name] = torch.stack([cache.packed.pages[0][p] for p in table.packed])
+        if name == "nan":
+            assert state.query_moment is None and state.query_mean is None and not state.query_parts
+        elif queries is not None:
+            assert state.query_moment is not None and bool(torch.isfinite(state.query_moment).all())
+    assert "hold NaN or Inf" in caplog.text
+    assert torch.equal(pages["nan"], pages["none"])
+    assert torch.equal(pages["unchecked"], pages["checked"])
+    assert not torch.equal(pages["unchecked"], pages["none"])  # the statistics move the bytes
+    with pytest.raises(Exception, match="queries contain NaN"):  # checked: refused at append, as before
+        cache = _cache(True)
+        rid, _ = cache.add_request()
+        cache.append_step([rid], 0, k[:1], v[:1], queries=bad[5:6])
+
+
+def test_a_dropped_chunk_leaves_later_chunks_statistics():
+    gen = torch.Generator().manual_seed(4)
+    state = CodecState()
+    state.add_queries(0, torch.full((2, 4, 8), float("inf")), 2)
+    later = torch.randn(3, 4, 8, generator=gen)
+    state.add_queries(1, later, 2)
+    state.close_chunk(0)
+    assert state.query_moment is None and state.query_mean is None and list(state.query_parts) == [1]
+    state.close_chunk(1)
+    fresh = CodecState()
+    fresh.add_queries(1, later, 2)
+    fresh.close_chunk(1)
+    assert torch.equal(state.query_moment, fresh.query_moment) and torch.equal(state.query_mean, fresh.query_mean)

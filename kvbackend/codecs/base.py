@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers
 from kvbackend.saturation import refuse_saturated
 from kvbackend.spec import format_spec
+
+log = logging.getLogger(__name__)
 
 # A one-pass encode of U chunks with `Codec._encode_units`' contract: (codec, K, V, layout, pages, codebooks,
 # states) -> whether it encoded them (False before writing or updating anything)
@@ -80,14 +83,21 @@ class CodecState:
             return
         total = sum(self.query_parts[c][0] for c in done)
         count = sum(self.query_parts.pop(c)[1] for c in done)
+        sums = [self.query_sums.pop(c, None) for c in done]
+        known = not any(x is None for x in sums)
+        summed = sum(sums) if known else None
+        if not all_finite_many(total, *([summed] if known else [])):  # queries appended unchecked held NaN or Inf
+            log.warning("kvbackend: the queries booked for a chunk hold NaN or Inf; its statistics are dropped and "
+                        "it is encoded as without queries (append finite queries, or keep check_finite=True)")
+            self.query_moment = self.query_mean = None
+            return
         self.query_parts[chunk] = (total, count)
         self.query_moment = total / max(count, 1)
-        sums = [self.query_sums.pop(c, None) for c in done]
-        if any(x is None for x in sums):
+        if not known:
             self.query_mean = None
             return
-        self.query_sums[chunk] = sum(sums)
-        self.query_mean = self.query_sums[chunk] / max(count, 1)
+        self.query_sums[chunk] = summed
+        self.query_mean = summed / max(count, 1)
 
 
 def add_step_moments(states: Sequence[CodecState], chunks: Sequence[int], moments: torch.Tensor, count: int,
@@ -445,7 +455,7 @@ def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, g
 
     Raises:
         InvalidKV: wrong shapes, dtypes or device; with ``check_finite``, NaN or Inf in K/V after the cast
-            to the cache's dtype (a finite float32 value beyond fp16's range counts); NaN or Inf in queries;
+            to the cache's dtype (a finite float32 value beyond fp16's range counts) or in queries;
             with ``check_finite``, a key or value beyond ``limits`` (keys, values: the largest magnitude the cache
             stores and reads without saturating, `KVCache.kv_limits`; ``why`` names what sets them).
     """
@@ -472,7 +482,10 @@ def prepare_kv(k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None, g
                 raise InvalidKV(f"{name} holds values up to {big:.6g} in magnitude, beyond the {limit:.6g} this cache "
                                 f"stores and reads without saturating ({why or 'its codec'}); nothing was written")
         return k, v, queries
-    checked = ([] if queries is None else [queries]) + ([k, v] if check_finite else [])
+    # queries too only with ``check_finite``: the read waits for the device, once per layer of a decode step (the
+    # step's largest stall on a GPU); unchecked, a chunk's statistics are checked once when it closes
+    # (`CodecState.close_chunk`), where non-finite ones are dropped
+    checked = [queries, k, v] if check_finite and queries is not None else [k, v] if check_finite else []
     if checked and not all_finite_many(*checked):  # one read for all; which one failed only on failure
         if queries is not None and not all_finite(queries):
             raise InvalidKV("queries contain NaN or Inf; nothing was written")
