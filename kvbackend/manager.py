@@ -292,8 +292,13 @@ class KVCache:
         try:
             groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # layers encoded in one pass
             sinks = []  # (layer, its codebook slot, exact K and V of the sequence's first tokens)
+            dropped = [layer for layer in range(self.geometry.num_layers)
+                       if table.states[layer].close_chunk(chunk_index)]
+            if dropped:  # queries appended unchecked (check_finite=False) held NaN or Inf
+                log.warning("kvbackend: request %d, chunk %d: the queries booked in layer(s) %s hold NaN or Inf; "
+                            "their statistics are dropped and the chunk is encoded with what is left (append finite "
+                            "queries, or keep check_finite=True)", table.request_id, chunk_index, dropped)
             for layer in range(self.geometry.num_layers):
-                table.states[layer].close_chunk(chunk_index)
                 kv = self.dense.data[layer, chunk_dense]  # [pages, 2, P, H, D]
                 k = kv[:, 0].reshape(-1, *kv.shape[-2:])
                 v = kv[:, 1].reshape(-1, *kv.shape[-2:])

@@ -122,16 +122,94 @@ def test_unchecked_queries_holding_nan_are_dropped_when_the_chunk_closes(caplog)
         cache.append_step([rid], 0, k[:1], v[:1], queries=bad[5:6])
 
 
-def test_a_dropped_chunk_leaves_later_chunks_statistics():
-    gen = torch.Generator().manual_seed(4)
+def _closed(*chunks):
+    """A state given the queries ``chunks`` ([(chunk, queries)]) and closed at the last chunk."""
     state = CodecState()
-    state.add_queries(0, torch.full((2, 4, 8), float("inf")), 2)
-    later = torch.randn(3, 4, 8, generator=gen)
-    state.add_queries(1, later, 2)
-    state.close_chunk(0)
-    assert state.query_moment is None and state.query_mean is None and list(state.query_parts) == [1]
-    state.close_chunk(1)
-    fresh = CodecState()
-    fresh.add_queries(1, later, 2)
-    fresh.close_chunk(1)
-    assert torch.equal(state.query_moment, fresh.query_moment) and torch.equal(state.query_mean, fresh.query_mean)
+    for chunk, q in chunks:
+        state.add_queries(chunk, q, 2)
+    state.close_chunk(chunks[-1][0])
+    return state
+
+
+def test_a_chunk_with_non_finite_statistics_is_dropped_alone():
+    """Statistics add up across chunks: a chunk whose queries held Inf is dropped, the earlier chunks' (finite) part
+    is kept, and later chunks add to what is left."""
+    gen = torch.Generator().manual_seed(4)
+    first, later = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 4, 8, generator=gen)
+    bad = torch.randn(2, 4, 8, generator=gen)
+    bad[1, 2, 3] = float("inf")
+    state = CodecState()
+    state.add_queries(0, first, 2)
+    assert state.close_chunk(0) == []
+    state.add_queries(1, bad, 2)
+    state.add_queries(2, later, 2)
+    assert state.close_chunk(1) == [1]
+    expected = _closed((0, first), (1, first[:0]))  # chunk 0's statistics alone, as a part of chunk 1
+    assert torch.equal(state.query_moment, expected.query_moment)
+    assert torch.equal(state.query_mean, expected.query_mean) and sorted(state.query_parts) == [1, 2]
+    assert state.close_chunk(2) == []
+    expected = _closed((0, first), (2, later))
+    assert torch.equal(state.query_moment, expected.query_moment)
+    assert torch.equal(state.query_mean, expected.query_mean)
+
+
+def test_a_first_chunk_dropped_or_an_overflowing_sum_leaves_no_statistics():
+    gen = torch.Generator().manual_seed(5)
+    state = CodecState()
+    state.add_queries(0, torch.full((2, 4, 8), float("nan")), 2)
+    assert state.close_chunk(0) == [0]
+    assert state.query_moment is None and state.query_mean is None and not state.query_parts
+    big = CodecState()  # two finite parts whose sum is past float32's range
+    for chunk in (0, 1):
+        big.add_moment(chunk, torch.full((2, 8, 8), 3e38), 1, torch.randn(2, 8, generator=gen))
+    assert big.close_chunk(1) == [0, 1]
+    assert big.query_moment is None and big.query_mean is None and not big.query_parts
+
+
+def test_parts_it_does_not_own_are_added_out_of_place():
+    """Parts booked under inference mode, a caller's tensor shared by two states (a view of a prior), and a state
+    named twice: each ends with `add_moment`'s figures, and nothing else is written to."""
+    gen = torch.Generator().manual_seed(6)
+    q0 = torch.randn(3, 4, 8, generator=gen)
+    with torch.inference_mode():
+        booked = CodecState()
+        booked.add_queries(0, q0, 2)
+    prior = torch.randn(2, 2, 8, 8, generator=gen)
+    before = prior.clone()
+    shared = [CodecState(), CodecState()]
+    for state in shared:  # both hold a view of the same tensor
+        state.query_parts[0] = (prior[0], 3)
+    twice = _states(gen)[0]
+    states = [booked, *shared, twice, twice]
+    reference = [s.clone() for s in states[:4]]
+    reference[1].query_parts[0] = (prior[0].clone(), 3)
+    reference[2].query_parts[0] = (prior[0].clone(), 3)
+    moments, sums = query_moments(torch.randn(5, 4, 8, generator=gen), 2)
+    add_step_moments(states, [0] * 5, moments, 2, sums)
+    for i, state in enumerate(reference):
+        state.add_moment(0, moments[i], 2, sums[i])
+    reference[3].add_moment(0, moments[4], 2, sums[4])
+    assert torch.equal(prior, before)  # the caller's tensor is untouched
+    for got, want in zip(states[:4], reference):
+        assert got.query_parts[0][1] == want.query_parts[0][1]
+        assert torch.equal(got.query_parts[0][0], want.query_parts[0][0])
+        assert (0 in got.query_sums) == (0 in want.query_sums)
+        assert 0 not in want.query_sums or torch.equal(got.query_sums[0], want.query_sums[0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA's fused multi-tensor add"))])
+def test_a_state_named_twice_takes_both_rows(device):
+    """The same part twice in one fused in-place add could keep one row of the two: a state named twice takes its
+    second row after the in-place adds."""
+    gen = torch.Generator().manual_seed(7)
+    state = CodecState()
+    state.add_moment(0, torch.randn(2, 8, 8, generator=gen).to(device), 1, torch.randn(2, 8, generator=gen).to(device))
+    reference = state.clone()
+    moments, sums = query_moments(torch.randn(3, 4, 8, generator=gen).to(device), 2)
+    add_step_moments([state, state, state], [0, 0, 0], moments, 2, sums)
+    for i in range(3):
+        reference.add_moment(0, moments[i], 2, sums[i])
+    assert state.query_parts[0][1] == reference.query_parts[0][1] == 7
+    assert torch.equal(state.query_parts[0][0], reference.query_parts[0][0])
+    assert torch.equal(state.query_sums[0], reference.query_sums[0])

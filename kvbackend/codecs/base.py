@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -17,8 +16,6 @@ from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers
 from kvbackend.saturation import refuse_saturated
 from kvbackend.spec import format_spec
-
-log = logging.getLogger(__name__)
 
 # A one-pass encode of U chunks with `Codec._encode_units`' contract: (codec, K, V, layout, pages, codebooks,
 # states) -> whether it encoded them (False before writing or updating anything)
@@ -76,59 +73,84 @@ class CodecState:
         else:  # some of this chunk's queries came without their sum: its mean (and every later one) is not known
             self.query_sums.pop(chunk, None)
 
-    def close_chunk(self, chunk: int) -> None:
-        """Set query_moment (and query_mean) from the queries of chunks <= ``chunk`` and fold them into one part."""
+    def close_chunk(self, chunk: int) -> list[int]:
+        """Set query_moment (and query_mean) from the queries of chunks <= ``chunk`` and fold them into one part.
+
+        Returns the chunks whose statistics were dropped: parts that hold NaN or Inf (queries appended unchecked,
+        `CacheConfig.check_finite` off) are left out, the finite ones kept; where none is left (or their sum
+        overflows) the state has no statistics and the chunk encodes as without queries."""
         done = [c for c in self.query_parts if c <= chunk]
         if not done:
-            return
-        total = sum(self.query_parts[c][0] for c in done)
-        count = sum(self.query_parts.pop(c)[1] for c in done)
-        sums = [self.query_sums.pop(c, None) for c in done]
-        known = not any(x is None for x in sums)
-        summed = sum(sums) if known else None
-        if not all_finite_many(total, *([summed] if known else [])):  # queries appended unchecked held NaN or Inf
-            log.warning("kvbackend: the queries booked for a chunk hold NaN or Inf; its statistics are dropped and "
-                        "it is encoded as without queries (append finite queries, or keep check_finite=True)")
+            return []
+        parts = {c: self.query_parts.pop(c) for c in done}
+        sums = {c: self.query_sums.pop(c, None) for c in done}
+        dropped: list[int] = []
+        while done:
+            total = sum(parts[c][0] for c in done)
+            count = sum(parts[c][1] for c in done)
+            known = all(sums[c] is not None for c in done)
+            summed = sum(sums[c] for c in done) if known else None
+            if all_finite_many(total, *([summed] if known else [])):
+                break
+            bad = [c for c in done if not all_finite_many(parts[c][0], *([sums[c]] if sums[c] is not None else []))]
+            bad = bad or done  # finite parts whose sum overflows: none can be kept
+            dropped += bad
+            done = [c for c in done if c not in bad]
+        if not done:
             self.query_moment = self.query_mean = None
-            return
+            return dropped
         self.query_parts[chunk] = (total, count)
         self.query_moment = total / max(count, 1)
         if not known:
             self.query_mean = None
-            return
+            return dropped
         self.query_sums[chunk] = summed
         self.query_mean = summed / max(count, 1)
+        return dropped
+
+
+def _owned(total: torch.Tensor | None, row: torch.Tensor) -> bool:
+    """Whether a part ``total`` can take ``row`` in place: a tensor of the row's kind that views nothing else, needs
+    no gradient and is not an inference tensor outside inference mode (parts a caller set may be any of these)."""
+    return (total is not None and total.shape == row.shape and total.dtype == row.dtype and total.device == row.device
+            and total._base is None and not total.requires_grad
+            and not (total.is_inference() and not torch.is_inference_mode_enabled()))
 
 
 def add_step_moments(states: Sequence[CodecState], chunks: Sequence[int], moments: torch.Tensor, count: int,
                      sums: torch.Tensor) -> None:
     """`CodecState.add_moment` of row i of ``moments`` [B, H, D, D] and ``sums`` [B, H, D] (`query_moments` of one
-    decode step) to chunk ``chunks[i]`` of ``states[i]``, for every row, with the same float32 sums: a part a state
-    already holds takes its row in place, all of them in one multi-tensor add (one state at a time, a step of 46
-    requests cost 450 tensor operations per layer, the step's largest host cost); a part opened by this step copies
-    its row, as `add_moment` does."""
+    decode step) to chunk ``chunks[i]`` of ``states[i]``, for every row, with the same float32 sums: parts the states
+    hold take their rows in place, all of them in one multi-tensor add (one state at a time, a step of 46 requests
+    cost 450 tensor operations per layer, the step's largest host cost); a part the step opens, one a caller set (a
+    view, an inference tensor), or a state named twice goes through `add_moment`, after the in-place adds. Nothing
+    is booked before the adds succeed."""
     if not (len(states) == len(chunks) == moments.shape[0] == sums.shape[0]):
         raise ValueError(f"one chunk and one row of moments per state: {len(states)} states, {len(chunks)} chunks, "
                          f"{moments.shape[0]} and {sums.shape[0]} rows")
     if moments.dtype != torch.float32 or sums.dtype != torch.float32:
         raise ValueError(f"moments and sums are float32 (query_moments), got {moments.dtype} and {sums.dtype}")
     rows, row_sums = moments.unbind(0), sums.unbind(0)
-    totals, added, summed, added_sums = [], [], [], []
+    in_place, one_by_one, seen = [], [], set()
     for i, (state, chunk) in enumerate(zip(states, chunks)):
-        total, seen = state.query_parts.get(chunk, (None, 0))
-        if total is None or total.shape != rows[i].shape or total.dtype != torch.float32:
-            state.add_moment(chunk, rows[i], count, row_sums[i])  # a new part (a copy of the row), or a foreign one
-            continue
-        state.query_parts[chunk] = (total, seen + count)  # its own tensor (a copy or a sum): added to in place
-        totals.append(total)
-        added.append(rows[i])
-        if chunk in state.query_sums:  # else some earlier queries of the chunk came without sums: the mean stays unknown
-            summed.append(state.query_sums[chunk])
-            added_sums.append(row_sums[i])
-    if totals:
-        torch._foreach_add_(totals, added)
-    if summed:
-        torch._foreach_add_(summed, added_sums)
+        total, _ = state.query_parts.get(chunk, (None, 0))
+        summed = state.query_sums.get(chunk)
+        if id(state) in seen or not _owned(total, rows[i]) or not (summed is None or _owned(summed, row_sums[i])):
+            one_by_one.append(i)
+        else:
+            in_place.append(i)
+        seen.add(id(state))
+    # a chunk's sum of q grows only while all of its queries came with theirs (else the mean stays unknown)
+    with_sums = [i for i in in_place if chunks[i] in states[i].query_sums]
+    if in_place:
+        torch._foreach_add_([states[i].query_parts[chunks[i]][0] for i in in_place], [rows[i] for i in in_place])
+    if with_sums:
+        torch._foreach_add_([states[i].query_sums[chunks[i]] for i in with_sums], [row_sums[i] for i in with_sums])
+    for i in in_place:
+        total, counted = states[i].query_parts[chunks[i]]
+        states[i].query_parts[chunks[i]] = (total, counted + count)
+    for i in one_by_one:
+        states[i].add_moment(chunks[i], rows[i], count, row_sums[i])
 
 
 def query_moments(queries: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
