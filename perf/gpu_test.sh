@@ -35,11 +35,15 @@ status=0
     rm -f "$results/gpu-test-failures.txt"
     KVBACKEND_FAILURE_LOG="$results/gpu-test-failures.txt" PYTHONSAFEPATH=1 "$python" -m pytest -q -ra -p no:cacheprovider --durations=25 "${workers[@]}" tests || status=1
     # (the kernels' agreement with the torch references is the tests' job; the bench's `checks` section repeats it)
-    echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers; gather)"
-    KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,decode,levers,gather \
-        --out "$results/gpu-test-bench_kernels.json" || status=1
-    echo "== bench_tiers (quick: 8K-token restores)"
-    KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1
+    if [ "${GPU_TEST_BENCHES:-1}" = 1 ]; then  # GPU_TEST_BENCHES=0 leaves the quick benches out (about 70 s)
+        echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers; gather)"
+        KVB_BENCH_QUICK=1 "$python" perf/bench_kernels.py --only ceiling,decode,levers,gather \
+            --out "$results/gpu-test-bench_kernels.json" || status=1
+        echo "== bench_tiers (quick: 8K-token restores)"
+        KVB_BENCH_QUICK=1 "$python" perf/bench_tiers.py --out "$results/gpu-test-bench_tiers.json" || status=1
+    else
+        echo "== bench_kernels and bench_tiers left out (GPU_TEST_BENCHES=0)"
+    fi
     if [ "${GPU_TEST_MEMORY:-1}" = 1 ]; then  # GPU_TEST_MEMORY=0 leaves it out (about 100 s) when device time is short
         echo "== bench_memory (transformers: a 16K-token generation, Llama-8B shape with random weights; a 60 s budget)"
         timeout 120 "$python" perf/bench_memory.py --steps 8 --budget-s 60 \

@@ -1,6 +1,7 @@
 """Where a serving decode step spends its time (CUDA): `perf/bench_serving.py`'s decode step per cache at BF16's
 limit (B=9) and at the cache's own, timed as the bench times it, then one step under the profilers: kernel launches,
-device time, host syncs and their Python sites, the heaviest host operations and Python functions.
+device time and the heaviest kernels, host syncs and their Python sites, the heaviest host operations and Python
+functions.
 
     python perf/experiments/serving_step_profile.py --out OUT.json
 
@@ -55,6 +56,7 @@ def profile_step(runner: LlamaRunner, ids: list[int]) -> dict:
     device_us = sum(e.self_device_time_total for e in ka if e.device_type == DeviceType.CUDA)
     aten = sum(e.count for e in ka if e.key.startswith("aten::"))
     top = sorted((e for e in ka if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)[:20]
+    kernels = sorted((e for e in ka if e.device_type == DeviceType.CUDA), key=lambda e: -e.self_device_time_total)[:25]
     # sync sites
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:
@@ -73,6 +75,7 @@ def profile_step(runner: LlamaRunner, ids: list[int]) -> dict:
     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(35)
     return {"launches": launches, "aten_calls": aten, "syncs": syncs, "device_ms": device_us / 1e3,
             "top_host_ops": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in top],
+            "top_kernels": [(e.key[:120], e.count, round(e.self_device_time_total / 1e3, 3)) for e in kernels],
             "sync_sites": sites.most_common(20), "cprofile": s.getvalue()[-9000:]}
 
 
@@ -111,6 +114,7 @@ def main() -> None:
         print(codec[:24], f"B={batch}: launches {p['launches']}, aten {p['aten_calls']}, device {p['device_ms']:.1f} ms,"
               f" syncs {p['syncs']}, sites {p['sync_sites'][:8]}", flush=True)
         print("\n".join(f"  {k} x{n}: {ms} ms" for k, n, ms in p["top_host_ops"][:12]), flush=True)
+        print("  device:\n" + "\n".join(f"  {k} x{n}: {ms} ms" for k, n, ms in p["top_kernels"][:15]), flush=True)
         print(p["cprofile"][-5000:], flush=True)
         out["caches"].append(row)
         Path(args.out).write_text(json.dumps(out, indent=1))
