@@ -111,8 +111,8 @@ def main() -> None:
         manager.add_step_moments = BATCHED
         row["profile"] = profile_step(runner, ids)
         p = row["profile"]
-        print(codec[:24], f"B={batch}: launches {p['launches']}, aten {p['aten_calls']}, device {p['device_ms']:.1f} ms,"
-              f" syncs {p['syncs']}, sites {p['sync_sites'][:8]}", flush=True)
+        print(codec[:24], f"B={batch}: launches {p['launches']}, aten {p['aten_calls']}, "
+              f"device {p['device_ms']:.1f} ms, syncs {p['syncs']}, sites {p['sync_sites'][:8]}", flush=True)
         print("\n".join(f"  {k} x{n}: {ms} ms" for k, n, ms in p["top_host_ops"][:12]), flush=True)
         print("  device:\n" + "\n".join(f"  {k} x{n}: {ms} ms" for k, n, ms in p["top_kernels"][:15]), flush=True)
         print(p["cprofile"][-5000:], flush=True)
