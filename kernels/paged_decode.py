@@ -358,7 +358,7 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     elif num_stages is None:
         num_stages = 1 if planar or (levers is not None and not fold) else 2
     if mma and target_programs is None:
-        per_split, splits = plan.splits(h, mma_decode.wave_programs(
+        per_split, splits = plan.wave_splits(h, mma_decode.wave_programs(
             k_scheme, v_scheme, p, d, q.dtype, dense.dtype, num_stages, num_warps, levers, q.device,
             (mma_options or {}).get("min_blocks")))
     o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)

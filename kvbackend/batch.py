@@ -14,6 +14,8 @@ import torch
 from kvbackend.errors import InvalidKV
 
 PACKED, DENSE = 0, 1  # page kinds
+# a decode program's set-up and its share of the split merge, in pages of work (`BatchPlan.wave_splits`)
+WAVE_FIXED_PAGES = 4
 
 
 @dataclass
@@ -58,6 +60,28 @@ class BatchPlan:
         wanted = max(1, target_programs // max(batch * num_kv_heads, 1))
         per_split = max(1, -(-self.max_pages // wanted))
         return per_split, max(1, -(-self.max_pages // per_split))
+
+    def wave_splits(self, num_kv_heads: int, wave: int, fixed_pages: int = WAVE_FIXED_PAGES) -> tuple[int, int]:
+        """(pages per split, number of splits) for a kernel that runs ``wave`` programs at once (SMs x resident
+        blocks): the split count whose grid wastes the least of its last wave.
+
+        Time is modelled as whole waves times one program's work (its pages plus ``fixed_pages`` of set-up and
+        merge). Dividing ``wave`` by the (request, KV head) pairs, as `splits` does, fills one wave when the pairs
+        are fewer than a wave, but past it gives one split and a grid of 1.39 waves at 368 pairs (B=46, 8 KV heads,
+        264 programs a wave) that runs as two: five splits fill seven waves to 99.6% (perf/NOTES.md, session 46)."""
+        pairs = max(len(self.request_ids) * num_kv_heads, 1)
+        wave = max(int(wave), 1)
+        best = None
+        for wanted in range(1, self.max_pages + 1):
+            per_split = -(-self.max_pages // wanted)
+            splits = -(-self.max_pages // per_split)
+            waves = -(-pairs * splits // wave)
+            cost = waves * (per_split + fixed_pages)
+            if best is None or cost < best[0]:
+                best = (cost, per_split, max(splits, 1))
+            if waves * wave > 16 * (pairs + wave):  # past ~16 waves of splits nothing is gained
+                break
+        return best[1], best[2]
 
 
 def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
