@@ -4,7 +4,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 150 python3 -m pytest -q -x $(python3 -c "import xdist" 2>/dev/null && echo -n 8) tests/test_batch_plan.py tests/test_mma_decode.py 2>&1 | tail -4
+timeout 150 python3 -m pytest -q -x $(python3 -c "import xdist" 2>/dev/null && printf -- '-n 8') tests/test_batch_plan.py tests/test_mma_decode.py 2>&1 | tail -4
 timeout 200 python3 perf/experiments/decode_splits.py --out $OUT/decode_splits.json 2>&1 | grep -v Warning
 SPEC=$(python3 -c "from kvbackend.spec import RECOMMENDED_PAGE_SPEC as s; print(s)")
 timeout 150 python3 perf/experiments/serving_step_profile.py --out $OUT/step_profile.json \
