@@ -99,19 +99,26 @@ def encoded_pages(spec: str, heads: int, dim: int, page_size: int = 64, tokens: 
     return codec, layout, chunk
 
 
-def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int, first_page: int, first_dense: int):
-    """A plan whose requests own consecutive pages starting at first_page (+ one dense page each)."""
+def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int, first_page: int, first_dense: int,
+              chunk_pages: int = 0, first_slot: int = 0):
+    """A plan whose requests own consecutive pages starting at first_page (+ one dense page each). With
+    ``chunk_pages`` each run of that many packed pages of a request reads a codebook slot of its own, numbered from
+    ``first_slot`` (as a cache's chunks do); without, every page reads slot 0."""
     page_ids, kinds, valid, rows, positions, starts, counts, packed, cu = [], [], [], [], [], [], [], [], [0]
+    slots = []
     for r in range(batch):
         starts.append(len(page_ids))
         for j in range(packed_per_req):
             page_ids.append(first_page + r * packed_per_req + j)
+            slots.append(first_slot + r * chunks_per_req(packed_per_req, chunk_pages) + j // chunk_pages
+                         if chunk_pages else 0)
             kinds.append(0)
             valid.append(page_size)
             positions.append(j * page_size)
         if dense_tokens:
             page_ids.append(first_dense + r)
             kinds.append(1)
+            slots.append(0)
             valid.append(dense_tokens)
             positions.append(packed_per_req * page_size)
         counts.append(len(page_ids) - starts[-1])
@@ -119,9 +126,25 @@ def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int
         rows.extend(cu[-1] + p for p in positions[starts[-1]:])
         cu.append(cu[-1] + packed_per_req * page_size + dense_tokens)
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
-    return BatchPlan(list(range(batch)), t(page_ids), t(kinds), t([0] * len(page_ids)), t(valid), t(rows),
+    return BatchPlan(list(range(batch)), t(page_ids), t(kinds), t(slots), t(valid), t(rows),
                      t(positions), t(starts), t(counts), t(packed), t(cu), max(counts), page_size, min(counts),
                      total_tokens=cu[-1])
+
+
+# The cache's default chunk (`CacheConfig.chunk_pages`): the benchmarks give every 32 pages of a request a codebook
+# slot of its own, as a cache does. Until session 46 every page read slot 0: one codebook that stayed in L2 and that
+# the tensor-core decode built its tables from once, which made codebook layouts (the recipe, qvg) look 25-40% faster
+# than a cache serves them (perf/NOTES.md, session 46).
+CHUNK_PAGES = 32
+
+
+def chunks_per_req(packed_per_req: int, chunk_pages: int) -> int:
+    return -(-packed_per_req // chunk_pages) if chunk_pages else 1
+
+
+def spread_codebooks(codebook: torch.Tensor, slots: int) -> torch.Tensor:
+    """``slots`` copies of one chunk's codebook, one row each: distinct memory for each chunk's slot."""
+    return codebook.reshape(1, -1).repeat(max(slots, 1), 1).contiguous()
 
 
 @section("checks")
@@ -244,9 +267,11 @@ def decode(copy_bw):
             total_pages = rotations * batch * packed_per_req
             reps = -(-total_pages // chunk.pages.shape[0])
             pages = chunk.pages.repeat(reps, 1)[:total_pages].contiguous()
-            books = chunk.codebook.reshape(1, -1).contiguous()
+            per_req_slots = chunks_per_req(packed_per_req, CHUNK_PAGES)
+            books = spread_codebooks(chunk.codebook, rotations * batch * per_req_slots)
             dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
-            plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)]
+            plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch, CHUNK_PAGES,
+                               r * batch * per_req_slots) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
             if best_config is None:  # (kernel: 0 plain, 1 folded, 2 planar, 3 mma (CUDA); unpack, warps, stages, programs, pair)
                 configs = [(0, u, w, st, tp, 0) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
@@ -283,7 +308,7 @@ def decode(copy_bw):
             ms, config = min(best_per_kernel.values())
             if best_config is None:
                 best_config = {fold: c for fold, (_, c) in best_per_kernel.items()}
-            chunks = math.ceil(length / 4096)
+            chunks = chunks_per_req(packed_per_req, CHUNK_PAGES)
             bytes_read = batch * (packed_per_req * layout.page_bytes + chunks * layout.codebook_bytes
                                   + 2 * p * heads * dim * 2)
             sdpa_ms = sdpa_time(batch, hq, heads, length, dim, 2 if length * batch <= 262144 else 1)
@@ -408,10 +433,11 @@ def gather(copy_bw):
         schemes = kernel_schemes(codec, layout)
         packed_per_req = length // p
         pages = chunk.pages.repeat(-(-batch * packed_per_req // chunk.pages.shape[0]), 1)[: batch * packed_per_req].contiguous()
-        books = chunk.codebook.reshape(1, -1).contiguous()
+        books = spread_codebooks(chunk.codebook, batch * chunks_per_req(packed_per_req, CHUNK_PAGES))
         dense = torch.zeros(1, 2, p, heads, dim, device=DEV).bfloat16()
-        plan = make_plan(batch, packed_per_req, 0, p, 0, 0)
-        moved = batch * packed_per_req * layout.page_bytes + 2 * batch * length * heads * dim * 2
+        plan = make_plan(batch, packed_per_req, 0, p, 0, 0, CHUNK_PAGES)
+        moved = (batch * packed_per_req * layout.page_bytes + 2 * batch * length * heads * dim * 2
+                 + batch * chunks_per_req(packed_per_req, CHUNK_PAGES) * layout.codebook_bytes)
         q = torch.randn(batch, hq, 1, dim, device=DEV).bfloat16()
         sdpa_ms = sdpa_time(batch, hq, heads, length, dim, 1)
         cuda_ok = gather_cuda.supports(*schemes, p, dim, torch.bfloat16, torch.bfloat16)
@@ -454,7 +480,8 @@ def gather(copy_bw):
     plan = case.plans[0]
     packed_per_req = length // p - 1
     moved = (batch * packed_per_req * case.layout.page_bytes + 2 * batch * p * heads * dim * 2
-             + 2 * batch * length * heads * dim * 2)
+             + 2 * batch * length * heads * dim * 2
+             + batch * chunks_per_req(packed_per_req, CHUNK_PAGES) * case.layout.codebook_bytes)
     want = None
     tables = lever_tables(case.levers, rotary, p, dim, plan.max_pages, torch.device(DEV))
     cuda_ok = gather_cuda.supports(*case.schemes, p, dim, torch.bfloat16, torch.bfloat16, case.levers, heads)
@@ -674,7 +701,8 @@ class LeverCase:
 
 def lever_case(spec: str, batch: int, length: int, hq: int, heads: int, dim: int, p: int, rotary) -> LeverCase:
     """One 4096-token chunk of Gaussian K/V encoded by ``spec`` (with levers and PSAC rows from random queries),
-    repeated into ``batch`` requests of ``length`` tokens (one dense page each)."""
+    repeated into ``batch`` requests of ``length`` tokens (one dense page each), every 32 pages of a request on a
+    codebook slot of its own (copies of the chunk's codebook, as a cache's chunks hold theirs)."""
     from kvbackend.psac import query_second_moment
 
     codec = codecs.get(spec)
@@ -688,10 +716,12 @@ def lever_case(spec: str, batch: int, length: int, hq: int, heads: int, dim: int
     rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
     total_pages = rotations * batch * packed_per_req
     pages = chunk.pages.repeat(-(-total_pages // chunk.pages.shape[0]), 1)[:total_pages].contiguous()
+    per_req_slots = chunks_per_req(packed_per_req, CHUNK_PAGES)
     return LeverCase(codec, layout, kernel_schemes(codec, layout, levers_read=True), lever_scheme(codec, layout), pages,
-                     chunk.codebook.reshape(1, -1).contiguous(),
+                     spread_codebooks(chunk.codebook, rotations * batch * per_req_slots),
                      torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16(),
-                     [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch) for r in range(rotations)],
+                     [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch, CHUNK_PAGES,
+                                r * batch * per_req_slots) for r in range(rotations)],
                      [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)], rotations)
 
 
@@ -756,7 +786,8 @@ def levers(copy_bw):
                     best[kern] = (ms, config, call, g_ms)
             ms, config, call, graph_ms = min(best.values(), key=lambda x: (x[3], x[0]))
             graph_ms = graph_ms if math.isfinite(graph_ms) else float("nan")
-            bytes_read = batch * (packed_per_req * layout.page_bytes + math.ceil(length / 4096) * layout.codebook_bytes
+            bytes_read = batch * (packed_per_req * layout.page_bytes
+                                  + chunks_per_req(packed_per_req, CHUNK_PAGES) * layout.codebook_bytes
                                   + 2 * p * heads * dim * 2)
             row = {"variant": name, "codec": spec, "B": batch, "L": length, "ours_us": ms * 1e3,
                    "ours_graph_us": graph_ms * 1e3, "sdpa_us": sdpa_ms * 1e3, "sdpa_graph_us": sdpa_graph_ms * 1e3,
