@@ -2,7 +2,7 @@
 the recipe's lever layouts with a codebook slot per 32-page chunk (`bench_kernels.lever_case` since session 46), and
 the same kernel on the layout before (every page on slot 0), CUDA graphs, beside SDPA BF16; sources alternate.
 
-    python3 perf/results/s46/ab_codebooks.py OUT.json REV [B ...]
+    python3 perf/results/s46/ab_codebooks.py OUT.json REV|PATH [B ...]
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ def use(path: str) -> None:
 def main():
     out, rev = sys.argv[1], sys.argv[2]
     batches = [int(b) for b in sys.argv[3:]] or [8]
-    text = subprocess.run(["git", "show", f"{rev}:kernels/mma_decode.cu"], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[3]).stdout
-    old = Path(tempfile.mkdtemp()) / "mma_decode.cu"
+    if Path(rev).is_file():  # a source file (the device machine has no git history)
+        text = Path(rev).read_text()
+    else:
+        text = subprocess.run(["git", "show", f"{rev}:kernels/mma_decode.cu"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parents[3]).stdout
+    old = Path(tempfile.mkdtemp()) / "mma_decode.cu"  # the name the launcher's includes and messages expect
     old.write_text(text)
     sources = [("new", str(mma_decode.SOURCE)), ("old", str(old))]
     hq, heads, dim, p, length = 32, 8, 128, 64, 32768
