@@ -6,6 +6,7 @@ kernel launch reuses it. Packed pages come first in each request, then its dense
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,19 +70,31 @@ class BatchPlan:
         merge). Dividing ``wave`` by the (request, KV head) pairs, as `splits` does, fills one wave when the pairs
         are fewer than a wave, but past it gives one split and a grid of 1.39 waves at 368 pairs (B=46, 8 KV heads,
         264 programs a wave) that runs as two: five splits fill seven waves to 99.6% (perf/NOTES.md, session 46)."""
-        pairs = max(len(self.request_ids) * num_kv_heads, 1)
-        wave = max(int(wave), 1)
-        best = None
-        for wanted in range(1, self.max_pages + 1):
-            per_split = -(-self.max_pages // wanted)
-            splits = -(-self.max_pages // per_split)
-            waves = -(-pairs * splits // wave)
-            cost = waves * (per_split + fixed_pages)
-            if best is None or cost < best[0]:
-                best = (cost, per_split, max(splits, 1))
-            if waves * wave > 16 * (pairs + wave):  # past ~16 waves of splits nothing is gained
-                break
-        return best[1], best[2]
+        return _wave_splits(max(len(self.request_ids) * num_kv_heads, 1), self.max_pages, max(int(wave), 1),
+                            fixed_pages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _wave_splits(pairs: int, max_pages: int, wave: int, fixed_pages: int) -> tuple[int, int]:
+    """`BatchPlan.wave_splits`' search, once per shape: every layer of a decode step asks the same question (32
+    calls a step), and at B=1 over 512 pages the search is a few hundred steps of Python."""
+    if max_pages <= 0:
+        return 1, 1
+    best = None
+    for wanted in range(1, max_pages + 1):
+        per_split = -(-max_pages // wanted)
+        splits = -(-max_pages // per_split)
+        # no later count can cost less: its grid has at least ``splits`` programs a pair, each of at least
+        # max_pages / splits pages, so it costs at least pairs (max_pages + splits fixed_pages) / wave
+        if best is not None and pairs * (max_pages + splits * fixed_pages) >= best[0] * wave:
+            break
+        waves = -(-pairs * splits // wave)
+        cost = waves * (per_split + fixed_pages)
+        if best is None or cost < best[0]:
+            best = (cost, per_split, max(splits, 1))
+        if waves * wave > 16 * (pairs + wave):  # past ~16 waves of splits nothing is gained
+            break
+    return best[1], best[2]
 
 
 def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:

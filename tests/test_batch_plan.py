@@ -117,3 +117,35 @@ def test_wave_splits_keep_the_one_wave_grids_of_the_benchmark_shapes():
     for batch, pages in [(8, 512), (1, 512), (32, 128), (8, 2048)]:
         plan = _plan(batch, pages)
         assert plan.wave_splits(8, 264) == plan.splits(8, 264), (batch, pages)
+
+
+def _reference_wave_splits(pairs: int, max_pages: int, wave: int, fixed: int) -> tuple[int, int]:
+    """The search as first written (session 46, the grid `make gpu-test` ran at 7e5a3b9): every split count up to
+    the 16-wave stop, no lower bound."""
+    best = None
+    for wanted in range(1, max_pages + 1):
+        per_split = -(-max_pages // wanted)
+        splits = -(-max_pages // per_split)
+        waves = -(-pairs * splits // wave)
+        cost = waves * (per_split + fixed)
+        if best is None or cost < best[0]:
+            best = (cost, per_split, max(splits, 1))
+        if waves * wave > 16 * (pairs + wave):
+            break
+    return best[1], best[2]
+
+
+def test_wave_splits_bounded_search_picks_what_the_full_search_picks():
+    """The lower bound that ends the search early (and the cache) change no grid: over batches 1-64, 1-2100 pages,
+    waves of 1-4 blocks on 132 SMs and fixed costs 0-16, the same (pages per split, splits) as the full search."""
+    from kvbackend.batch import _wave_splits
+
+    rng = random.Random(0)
+    shapes = [(b, n, w, f) for b in (1, 2, 3, 8, 9, 24, 45, 46, 64) for n in (1, 2, 7, 31, 63, 64, 129, 512, 2048)
+              for w in (132, 264, 396, 528) for f in (0, 4)]
+    shapes += [(rng.randrange(1, 65), rng.randrange(1, 2100), rng.choice((1, 7, 132, 264, 396)), rng.randrange(17))
+               for _ in range(400)]
+    for b, n, w, f in shapes:
+        assert _wave_splits(b * 8, n, w, f) == _reference_wave_splits(b * 8, n, w, f), (b, n, w, f)
+        assert _plan(b, n).wave_splits(8, w, f) == _reference_wave_splits(b * 8, n, w, f)
+    assert _plan(1, 0).wave_splits(8, 264) == (1, 1)  # no pages: one split, as `splits` gives
