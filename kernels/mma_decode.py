@@ -454,7 +454,8 @@ def wave_programs(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: in
                   dense_dtype: torch.dtype, stages: int, warps: int, levers: LeverScheme | None, device: torch.device,
                   min_blocks: int | None = None) -> int:
     """Programs of one full wave of this variant on ``device``: SMs x the blocks an SM holds at once. The split-K
-    grid aims at it when the caller names no program count: on the H200 (B=8, L=32K) one wave of two blocks per SM
+    grid fills whole waves of it when the caller names no program count (`BatchPlan.wave_splits`, session 46: one wave
+    divided by the requests left B=46 on 1.39 waves that ran as two): on the H200 (B=8, L=32K) one wave of two blocks per SM
     measured 3-5% faster than two waves and 25-30% faster than 1.5, and the Triton kernels' 1024 programs are about four (perf/NOTES.md,
     session 12). Loads (and on first use compiles) the variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -256,8 +256,8 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
         q: [B, Hq, D] queries (bf16/fp16/fp32), B = len(plan.request_ids), Hq a multiple of the KV heads.
         pages, codebooks, dense: one layer's pools, as for `gather_dequant`.
         target_programs: about how many programs the split-K grid should have (fill every SM), at least 1;
-            None = 1024 for the Triton kernels, one full wave for the tensor-core kernel
-            (`mma_decode.wave_programs`).
+            None = 1024 for the Triton kernels; for the tensor-core kernel the split count that fills its last
+            wave best (`BatchPlan.wave_splits` over `mma_decode.wave_programs`).
         num_stages: software-pipelining stages; None = 1 for the planar kernel and for the plain kernel
             with levers (4x faster than 2 there: 1.8 against 7.4 ms at B=9, L=32K), 2 for the others (the
             fastest measured on the H200, perf/NOTES.md).

@@ -70,30 +70,37 @@ class BatchPlan:
         merge). Dividing ``wave`` by the (request, KV head) pairs, as `splits` does, fills one wave when the pairs
         are fewer than a wave, but past it gives one split and a grid of 1.39 waves at 368 pairs (B=46, 8 KV heads,
         264 programs a wave) that runs as two: five splits fill seven waves to 99.6% (perf/NOTES.md, session 46)."""
-        return _wave_splits(max(len(self.request_ids) * num_kv_heads, 1), self.max_pages, max(int(wave), 1),
-                            fixed_pages)
+        if fixed_pages < 0:
+            raise ValueError(f"fixed_pages is a cost in pages, at least 0, got {fixed_pages!r}")
+        return _wave_splits(max(len(self.request_ids) * int(num_kv_heads), 1), int(self.max_pages),
+                            max(int(wave), 1), int(fixed_pages))
+
+
+MAX_SPLITS = 65535  # a CUDA grid's z dimension (the tensor-core decode's grid is (B, H, splits))
 
 
 @functools.lru_cache(maxsize=4096)
 def _wave_splits(pairs: int, max_pages: int, wave: int, fixed_pages: int) -> tuple[int, int]:
-    """`BatchPlan.wave_splits`' search, once per shape: every layer of a decode step asks the same question (32
-    calls a step), and at B=1 over 512 pages the search is a few hundred steps of Python."""
+    """`BatchPlan.wave_splits`' search, once per shape (every layer of a decode step asks the same question): over
+    the distinct grids only (pages per split falls through at most 2 sqrt(max_pages) values), ending where no larger
+    split count can cost less than the best found."""
     if max_pages <= 0:
         return 1, 1
     best = None
-    for wanted in range(1, max_pages + 1):
-        per_split = -(-max_pages // wanted)
+    per_split = max_pages
+    while per_split >= 1:
         splits = -(-max_pages // per_split)
-        # no later count can cost less: its grid has at least ``splits`` programs a pair, each of at least
+        if splits > MAX_SPLITS:
+            break
+        # no later grid can cost less: it has at least ``splits`` programs a pair, each of at least
         # max_pages / splits pages, so it costs at least pairs (max_pages + splits fixed_pages) / wave
         if best is not None and pairs * (max_pages + splits * fixed_pages) >= best[0] * wave:
             break
-        waves = -(-pairs * splits // wave)
-        cost = waves * (per_split + fixed_pages)
+        cost = -(-pairs * splits // wave) * (per_split + fixed_pages)
         if best is None or cost < best[0]:
-            best = (cost, per_split, max(splits, 1))
-        if waves * wave > 16 * (pairs + wave):  # past ~16 waves of splits nothing is gained
-            break
+            best = (cost, per_split, splits)
+        # the next grid: the fewest pages per split that gives more splits (strictly fewer pages than this one)
+        per_split = min(per_split - 1, -(-max_pages // (splits + 1)))
     return best[1], best[2]
 
 

@@ -147,6 +147,18 @@ def spread_codebooks(codebook: torch.Tensor, slots: int) -> torch.Tensor:
     return codebook.reshape(1, -1).repeat(max(slots, 1), 1).contiguous()
 
 
+def rotation_plans(batch: int, packed_per_req: int, page_size: int, rotations: int,
+                   codebook: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """(codebooks, plans) of ``rotations`` copies of a batch (each request's packed pages, then one dense page of
+    ``page_size`` tokens): rotation r's requests own pages from ``r * batch * packed_per_req`` and dense pages from
+    ``r * batch``, and every 32-page chunk of every request of every rotation reads a codebook slot of its own."""
+    per_req = chunks_per_req(packed_per_req, CHUNK_PAGES)
+    books = spread_codebooks(codebook, rotations * batch * per_req)
+    plans = [make_plan(batch, packed_per_req, page_size, page_size, r * batch * packed_per_req, r * batch, CHUNK_PAGES,
+                       r * batch * per_req) for r in range(rotations)]
+    return books, plans
+
+
 @section("checks")
 def checks():
     out = {}
@@ -267,11 +279,8 @@ def decode(copy_bw):
             total_pages = rotations * batch * packed_per_req
             reps = -(-total_pages // chunk.pages.shape[0])
             pages = chunk.pages.repeat(reps, 1)[:total_pages].contiguous()
-            per_req_slots = chunks_per_req(packed_per_req, CHUNK_PAGES)
-            books = spread_codebooks(chunk.codebook, rotations * batch * per_req_slots)
+            books, plans = rotation_plans(batch, packed_per_req, p, rotations, chunk.codebook)
             dense = torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16()
-            plans = [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch, CHUNK_PAGES,
-                               r * batch * per_req_slots) for r in range(rotations)]
             qs = [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)]
             if best_config is None:  # (kernel: 0 plain, 1 folded, 2 planar, 3 mma (CUDA); unpack, warps, stages, programs, pair)
                 configs = [(0, u, w, st, tp, 0) for u in (0, 1) for w in (4, 8) for st in (1, 3) for tp in (1024, 4096)]
@@ -716,12 +725,9 @@ def lever_case(spec: str, batch: int, length: int, hq: int, heads: int, dim: int
     rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
     total_pages = rotations * batch * packed_per_req
     pages = chunk.pages.repeat(-(-total_pages // chunk.pages.shape[0]), 1)[:total_pages].contiguous()
-    per_req_slots = chunks_per_req(packed_per_req, CHUNK_PAGES)
+    books, plans = rotation_plans(batch, packed_per_req, p, rotations, chunk.codebook)
     return LeverCase(codec, layout, kernel_schemes(codec, layout, levers_read=True), lever_scheme(codec, layout), pages,
-                     spread_codebooks(chunk.codebook, rotations * batch * per_req_slots),
-                     torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16(),
-                     [make_plan(batch, packed_per_req, p, p, r * batch * packed_per_req, r * batch, CHUNK_PAGES,
-                                r * batch * per_req_slots) for r in range(rotations)],
+                     books, torch.randn(rotations * batch, 2, p, heads, dim, device=DEV).bfloat16(), plans,
                      [torch.randn(batch, hq, dim, device=DEV).bfloat16() for _ in range(rotations)], rotations)
 
 

@@ -82,12 +82,11 @@ def main():
         return
     codec, layout, chunk = bk.encoded_pages(args.codec, heads, dim, p)
     schemes = kernel_schemes(codec, layout)
-    books = chunk.codebook.reshape(1, -1).contiguous()
     if args.kind == "decode":
         per_req = length // p - 1
         pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()
         dense = torch.randn(batch, 2, p, heads, dim, device=bk.DEV).bfloat16()
-        plan = bk.make_plan(batch, per_req, p, p, 0, 0)
+        books, (plan,) = bk.rotation_plans(batch, per_req, p, 1, chunk.codebook)  # a codebook slot per chunk
         q = torch.randn(batch, hq, dim, device=bk.DEV).bfloat16()
         fold = folded_decode.supports(*schemes, p, dim)
         for _ in range(args.launches):
@@ -101,7 +100,8 @@ def main():
         per_req = length // p
         pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()
         dense = torch.zeros(1, 2, p, heads, dim, device=bk.DEV).bfloat16()
-        plan = bk.make_plan(batch, per_req, 0, p, 0, 0)
+        books = bk.spread_codebooks(chunk.codebook, batch * bk.chunks_per_req(per_req, bk.CHUNK_PAGES))
+        plan = bk.make_plan(batch, per_req, 0, p, 0, 0, bk.CHUNK_PAGES)
         for _ in range(args.launches):
             gather_dequant(pages, books, dense, schemes, plan)
     torch.cuda.synchronize()

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache
@@ -90,26 +92,32 @@ def _waves(batch: int, heads: int, wave: int, splits: int) -> int:
     return -(-batch * heads * splits // wave)
 
 
-def test_wave_splits_cover_every_page_and_fill_the_last_wave():
-    """Every page lies in exactly one split, and the grid wastes less of its waves than one wave divided by the
-    (request, head) pairs; the serving shape that motivated it (46 requests of 512 pages, 8 KV heads, 264 programs
-    a wave) gets five splits: 1840 programs, seven waves at 99.6%, against one split's 368 programs in two waves."""
-    from kvbackend.batch import WAVE_FIXED_PAGES
+def _exhaustive_wave_splits(pairs: int, max_pages: int, wave: int, fixed: int) -> tuple[int, int]:
+    """The grid of least modelled cost (whole waves x (pages per split + fixed)) over every split count, the fewest
+    splits among equals, at most a CUDA grid's 65535."""
+    best = None
+    for wanted in range(1, max_pages + 1):
+        per_split = -(-max_pages // wanted)
+        splits = -(-max_pages // per_split)
+        if splits > 65535:
+            continue
+        cost = -(-pairs * splits // wave) * (per_split + fixed)
+        if best is None or cost < best[0]:
+            best = (cost, per_split, splits)
+    return best[1], best[2]
 
+
+def test_wave_splits_cover_every_page_and_fill_the_last_wave():
+    """Every page lies in exactly one split, and the grid is the one of least modelled cost; the serving shape that
+    motivated it (46 requests of 512 pages, 8 KV heads, 264 programs a wave) gets five splits: 1840 programs, seven
+    waves at 99.6%, against one wave divided by the pairs' one split (368 programs, two waves)."""
     assert _plan(46, 512).wave_splits(8, 264) == (103, 5)
     assert _plan(46, 512).splits(8, 264) == (512, 1)
     for batch, pages, wave in [(8, 512, 264), (1, 512, 264), (32, 128, 264), (24, 512, 264), (45, 512, 396),
                                (9, 512, 264), (3, 63, 132), (200, 7, 264), (1, 1, 264), (5, 3, 1), (17, 1000, 528)]:
-        plan = _plan(batch, pages)
-        per_split, splits = plan.wave_splits(8, wave)
-        assert per_split >= 1 and splits >= 1
+        per_split, splits = _plan(batch, pages).wave_splits(8, wave)
         assert per_split * splits >= pages > per_split * (splits - 1), (batch, pages, wave, per_split, splits)
-        old_per, old_splits = plan.splits(8, wave)
-
-        def cost(per, s):
-            return _waves(batch, 8, wave, s) * (per + WAVE_FIXED_PAGES)
-
-        assert cost(per_split, splits) <= cost(old_per, old_splits), (batch, pages, wave)
+        assert (per_split, splits) == _exhaustive_wave_splits(batch * 8, pages, wave, 4), (batch, pages, wave)
 
 
 def test_wave_splits_keep_the_one_wave_grids_of_the_benchmark_shapes():
@@ -119,25 +127,9 @@ def test_wave_splits_keep_the_one_wave_grids_of_the_benchmark_shapes():
         assert plan.wave_splits(8, 264) == plan.splits(8, 264), (batch, pages)
 
 
-def _reference_wave_splits(pairs: int, max_pages: int, wave: int, fixed: int) -> tuple[int, int]:
-    """The search as first written (session 46, the grid `make gpu-test` ran at 7e5a3b9): every split count up to
-    the 16-wave stop, no lower bound."""
-    best = None
-    for wanted in range(1, max_pages + 1):
-        per_split = -(-max_pages // wanted)
-        splits = -(-max_pages // per_split)
-        waves = -(-pairs * splits // wave)
-        cost = waves * (per_split + fixed)
-        if best is None or cost < best[0]:
-            best = (cost, per_split, max(splits, 1))
-        if waves * wave > 16 * (pairs + wave):
-            break
-    return best[1], best[2]
-
-
-def test_wave_splits_bounded_search_picks_what_the_full_search_picks():
-    """The lower bound that ends the search early (and the cache) change no grid: over batches 1-64, 1-2100 pages,
-    waves of 1-4 blocks on 132 SMs and fixed costs 0-16, the same (pages per split, splits) as the full search."""
+def test_wave_splits_search_finds_the_least_cost_grid():
+    """The search visits only distinct grids and stops at a lower bound; over batches 1-64, 1-2100 pages, waves of
+    1 to 4 blocks on 132 SMs and fixed costs 0-16 it returns what trying every split count returns."""
     from kvbackend.batch import _wave_splits
 
     rng = random.Random(0)
@@ -146,6 +138,21 @@ def test_wave_splits_bounded_search_picks_what_the_full_search_picks():
     shapes += [(rng.randrange(1, 65), rng.randrange(1, 2100), rng.choice((1, 7, 132, 264, 396)), rng.randrange(17))
                for _ in range(400)]
     for b, n, w, f in shapes:
-        assert _wave_splits(b * 8, n, w, f) == _reference_wave_splits(b * 8, n, w, f), (b, n, w, f)
-        assert _plan(b, n).wave_splits(8, w, f) == _reference_wave_splits(b * 8, n, w, f)
+        assert _wave_splits(b * 8, n, w, f) == _exhaustive_wave_splits(b * 8, n, w, f), (b, n, w, f)
+        assert _plan(b, n).wave_splits(8, w, f) == _exhaustive_wave_splits(b * 8, n, w, f)
     assert _plan(1, 0).wave_splits(8, 264) == (1, 1)  # no pages: one split, as `splits` gives
+
+
+def test_wave_splits_edge_inputs():
+    """At most 65535 splits (a CUDA grid's z dimension), plain ints back whatever int type came in, and a negative
+    fixed cost is refused."""
+    import numpy as np
+
+    per_split, splits = _plan(1, 200_000).wave_splits(1, 70_000, 0)
+    assert splits <= 65535 and per_split * splits >= 200_000
+    plan = _plan(3, 300)
+    plan.max_pages = np.int64(300)
+    got = plan.wave_splits(np.int64(8), np.int64(264))
+    assert got == _plan(3, 300).wave_splits(8, 264) and all(type(x) is int for x in got)
+    with pytest.raises(ValueError, match="fixed_pages"):
+        _plan(3, 300).wave_splits(8, 264, -1)

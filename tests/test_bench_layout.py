@@ -38,3 +38,24 @@ def test_spread_codebooks_are_distinct_copies():
     assert books.shape == (6, 40) and books.is_contiguous()
     assert all(torch.equal(row, book) for row in books)
     assert books.data_ptr() != book.data_ptr()
+
+
+def test_rotations_share_no_slot_and_every_slot_has_a_codebook(monkeypatch):
+    """What the decode, levers and gather sections time: no two rotations (nor two requests) read one slot, and
+    every slot a plan names is a row of the codebooks, a copy of the chunk's."""
+    monkeypatch.setattr(bk, "DEV", "cpu")
+    book = torch.arange(48, dtype=torch.uint8)
+    batch, packed, rotations = 3, 70, 4
+    books, plans = bk.rotation_plans(batch, packed, 64, rotations, book)
+    assert len(plans) == rotations
+    used = []
+    for plan in plans:
+        packed_slots = plan.slots[plan.kinds == 0]
+        assert packed_slots.numel() == batch * packed
+        used.append(set(packed_slots.tolist()))
+        assert int(packed_slots.max()) < books.shape[0]
+    assert sum(len(u) for u in used) == len(set().union(*used)) == books.shape[0]  # disjoint, and every row used
+    assert all(torch.equal(row, book) for row in books)
+    # each rotation's pages and dense pages are its own too
+    pages = [set(plan.page_ids[plan.kinds == 0].tolist()) for plan in plans]
+    assert sum(len(x) for x in pages) == len(set().union(*pages)) == rotations * batch * packed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,8 @@ from kvbackend.kernels import mma_decode  # noqa: E402
 from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
 
-VARIANTS = ("recipe", "recipe, 3-bit keys", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC")
+VARIANTS = tuple(os.environ.get("AB_VARIANTS", "").split("|")) if os.environ.get("AB_VARIANTS") else (
+    "recipe", "recipe, 3-bit keys", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC")
 
 
 def use(path: str) -> None:
