@@ -1,5 +1,6 @@
 # Session 46, device call 9: the split search after the review (distinct grids, a 65535 cap) and the tensor-core
-# kernel's tests on CUDA, then the A/B of the two variants whose spills the review saw grow (bf16 centroids, 3-bit keys).
+# kernel's tests on CUDA, then the A/B of the two variants whose spills the review saw grow (bf16 centroids, 3-bit keys);
+# the base source as in ab.sh (git show 86130d7:kernels/mma_decode.cu > perf/results/s46/mma_decode_base.cu).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
