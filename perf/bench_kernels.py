@@ -147,15 +147,17 @@ def spread_codebooks(codebook: torch.Tensor, slots: int) -> torch.Tensor:
     return codebook.reshape(1, -1).repeat(max(slots, 1), 1).contiguous()
 
 
-def rotation_plans(batch: int, packed_per_req: int, page_size: int, rotations: int,
-                   codebook: torch.Tensor) -> tuple[torch.Tensor, list]:
+def rotation_plans(batch: int, packed_per_req: int, page_size: int, rotations: int, codebook: torch.Tensor,
+                   dense_tokens: int | None = None) -> tuple[torch.Tensor, list]:
     """(codebooks, plans) of ``rotations`` copies of a batch (each request's packed pages, then one dense page of
-    ``page_size`` tokens): rotation r's requests own pages from ``r * batch * packed_per_req`` and dense pages from
-    ``r * batch``, and every 32-page chunk of every request of every rotation reads a codebook slot of its own."""
+    ``dense_tokens`` tokens, a whole page unless named; none for 0): rotation r's requests own pages from
+    ``r * batch * packed_per_req`` and dense pages from ``r * batch``, and every 32-page chunk of every request of
+    every rotation reads a codebook slot of its own."""
+    dense_tokens = page_size if dense_tokens is None else dense_tokens
     per_req = chunks_per_req(packed_per_req, CHUNK_PAGES)
     books = spread_codebooks(codebook, rotations * batch * per_req)
-    plans = [make_plan(batch, packed_per_req, page_size, page_size, r * batch * packed_per_req, r * batch, CHUNK_PAGES,
-                       r * batch * per_req) for r in range(rotations)]
+    plans = [make_plan(batch, packed_per_req, dense_tokens, page_size, r * batch * packed_per_req, r * batch,
+                       CHUNK_PAGES, r * batch * per_req) for r in range(rotations)]
     return books, plans
 
 
@@ -442,9 +444,8 @@ def gather(copy_bw):
         schemes = kernel_schemes(codec, layout)
         packed_per_req = length // p
         pages = chunk.pages.repeat(-(-batch * packed_per_req // chunk.pages.shape[0]), 1)[: batch * packed_per_req].contiguous()
-        books = spread_codebooks(chunk.codebook, batch * chunks_per_req(packed_per_req, CHUNK_PAGES))
+        books, (plan,) = rotation_plans(batch, packed_per_req, p, 1, chunk.codebook, dense_tokens=0)
         dense = torch.zeros(1, 2, p, heads, dim, device=DEV).bfloat16()
-        plan = make_plan(batch, packed_per_req, 0, p, 0, 0, CHUNK_PAGES)
         moved = (batch * packed_per_req * layout.page_bytes + 2 * batch * length * heads * dim * 2
                  + batch * chunks_per_req(packed_per_req, CHUNK_PAGES) * layout.codebook_bytes)
         q = torch.randn(batch, hq, 1, dim, device=DEV).bfloat16()

@@ -100,8 +100,7 @@ def main():
         per_req = length // p
         pages = chunk.pages.repeat(-(-batch * per_req // chunk.pages.shape[0]), 1)[: batch * per_req].contiguous()
         dense = torch.zeros(1, 2, p, heads, dim, device=bk.DEV).bfloat16()
-        books = bk.spread_codebooks(chunk.codebook, batch * bk.chunks_per_req(per_req, bk.CHUNK_PAGES))
-        plan = bk.make_plan(batch, per_req, 0, p, 0, 0, bk.CHUNK_PAGES)
+        books, (plan,) = bk.rotation_plans(batch, per_req, p, 1, chunk.codebook, dense_tokens=0)
         for _ in range(args.launches):
             gather_dequant(pages, books, dense, schemes, plan)
     torch.cuda.synchronize()

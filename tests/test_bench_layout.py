@@ -59,3 +59,11 @@ def test_rotations_share_no_slot_and_every_slot_has_a_codebook(monkeypatch):
     # each rotation's pages and dense pages are its own too
     pages = [set(plan.page_ids[plan.kinds == 0].tolist()) for plan in plans]
     assert sum(len(x) for x in pages) == len(set().union(*pages)) == rotations * batch * packed
+
+
+def test_gather_plans_have_no_dense_page_and_a_slot_per_chunk(monkeypatch):
+    """The gather section's layout (`rotation_plans(..., dense_tokens=0)`): packed pages only, a slot per chunk."""
+    monkeypatch.setattr(bk, "DEV", "cpu")
+    books, (plan,) = bk.rotation_plans(2, 70, 64, 1, torch.arange(16, dtype=torch.uint8), dense_tokens=0)
+    assert int((plan.kinds == 1).sum()) == 0 and plan.page_ids.numel() == 2 * 70
+    assert sorted(set(plan.slots.tolist())) == list(range(books.shape[0])) == list(range(2 * 3))

@@ -20,21 +20,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_kernels as bk  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "s31"))
+from ab_decode import use as _use  # noqa: E402  (session 31's A/B: switch the source, clear the caches)
+
 from kvbackend.kernels import mma_decode  # noqa: E402
 from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
 
-VARIANTS = tuple(os.environ.get("AB_VARIANTS", "").split("|")) if os.environ.get("AB_VARIANTS") else (
-    "recipe", "recipe, 3-bit keys", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC")
-
 
 def use(path: str) -> None:
-    mma_decode.SOURCE = Path(path)
-    mma_decode.config_for.cache_clear()
-    mma_decode._default_stages.cache_clear()
-    mma_decode._wave_programs.cache_clear()
-    mma_decode._functions.clear()
-    mma_decode._failed.clear()
+    _use("new", path)  # this tree's shared-memory count for either source (both have it)
+
+
+VARIANTS = tuple(os.environ.get("AB_VARIANTS", "").split("|")) if os.environ.get("AB_VARIANTS") else (
+    "recipe", "recipe, 3-bit keys", "recipe without PSAC, page-relative keys", "recipe, no levers, no PSAC")
 
 
 def main():
