@@ -134,12 +134,19 @@ class LeverFrame:
             v = rotate_values(v)  # its own inverse
         return k.to(dtype), v.to(dtype)
 
-    def step_queries_to_stored(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def step_queries_to_stored(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
         """One query per row ``[B, Hq, D]`` at ``positions [B]`` (each row its own request's position) in
-        the keys' stored frame: `queries_to_stored` of every row at once."""
+        the keys' stored frame: `queries_to_stored` of every row at once. ``memo``: a dict kept for these
+        positions (`StepInts.rope`): the RoPE tables are made once there for every frame that turns alike."""
         if not self.levers.rope:
             return q
-        return self.rotary.derotate(q.transpose(0, 1), rope_positions(self.levers, positions, self.page_size)).transpose(0, 1)
+        key = (id(self.rotary), self.levers.pagerope, self.page_size, q.device)
+        tables = memo.get(key) if memo is not None else None
+        if tables is None:
+            tables = self.rotary.cos_sin(rope_positions(self.levers, positions, self.page_size), q.device)
+            if memo is not None:
+                memo[key] = tables
+        return self.rotary.derotate(q.transpose(0, 1), None, cos_sin=tables).transpose(0, 1)
 
     def queries_to_stored(self, q: torch.Tensor, first: int) -> torch.Tensor:
         """Queries ``[T, Hq, D]`` of positions ``first..`` in the keys' stored frame (de-rotated as a key at their

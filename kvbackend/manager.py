@@ -26,6 +26,7 @@ from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
 from kvbackend.rope import Rotary
+from kvbackend.step_state import MomentBuffers, StepInts
 
 FP16_MAX = 65504.0  # largest finite float16
 
@@ -76,6 +77,11 @@ class KVCache:
         self._tables: dict[int, PageTable] = {}
         self._ids = itertools.count()
         self._layer_events: list | None = None  # per-layer CUDA events of the last layered restore
+        # what a decode step's layers share (`append_step`): its device ints and RoPE tables, the statistics' buffers,
+        # and per layer the states the last step added to in place
+        self._step: StepInts | None = None
+        self._moments = MomentBuffers(geometry.num_kv_heads, geometry.head_dim, self.dense.data.device)
+        self._step_memos: list[dict] = [{} for _ in range(geometry.num_layers)]
 
     def _limits(self, layer: int) -> tuple[float, float, str]:
         """(keys, values, what sets them) for `prepare_kv` of ``layer``: the codec's bound (`Codec.max_abs`), and
@@ -191,10 +197,15 @@ class KVCache:
             UnknownRequest, InvalidKV (also for a request named twice), CacheFull (the dense pages the
             batch needs are not free; nothing is written when it is raised).
         """
-        ids = [_request_id(rid) for rid in request_ids]  # a tensor or list of ids alike
+        if type(request_ids) is list and all(type(rid) is int for rid in request_ids):
+            ids = request_ids  # (an engine's list of ids, each layer of a step: no conversion)
+        else:
+            ids = [_request_id(rid) for rid in request_ids]  # a tensor or list of ids alike
         if not ids:
             return  # an empty batch appends nothing
-        tables = [self._table(rid) for rid in ids]
+        tables = list(map(self._tables.get, ids))
+        if any(table is None for table in tables):
+            tables = [self._table(rid) for rid in ids]  # UnknownRequest for the first unknown id
         self._check_layer(layer)
         if len(set(ids)) != len(ids):
             raise InvalidKV(f"a decode step appends one token per request; request ids repeat in {ids}")
@@ -204,7 +215,7 @@ class KVCache:
         k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite,
                                    self.kv_limits[layer][:2], self.kv_limits[layer][2])
         p = self.config.page_size
-        starts = [table.dense_tokens(layer) for table in tables]
+        starts = [table.lengths[layer] - len(table.packed) * p for table in tables]  # `dense_tokens`
         needs = [start // p == len(table.dense) for table, start in zip(tables, starts)]
         # Check, then commit: every page the batch needs is allocated before any write.
         if not self.dense.allocator.can_allocate(sum(needs)):
@@ -213,22 +224,32 @@ class KVCache:
         for table, need in zip(tables, needs):
             if need:
                 table.dense.append(next(new_pages))
-        device = self.dense.data.device
-        pages, offsets, positions = ints_on_device([[table.dense[start // p] for table, start in zip(tables, starts)],
-                                                    [start % p for start in starts],
-                                                    [table.lengths[layer] for table in tables]], device)
-        self.dense.data[layer, pages, 0, offsets] = k
-        self.dense.data[layer, pages, 1, offsets] = v
-        moments, group, chunk_tokens = None, 0, self.config.chunk_tokens
+        step = self._step_ints([table.dense[start // p] for table, start in zip(tables, starts)],
+                               [start % p for start in starts], [table.lengths[layer] for table in tables])
+        self.dense.data[layer, step.pages, 0, step.offsets] = k
+        self.dense.data[layer, step.pages, 1, step.offsets] = v
+        chunk_tokens = self.config.chunk_tokens
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
-            stored = self.frames[layer].step_queries_to_stored(queries, positions)
-            moments, sums = query_moments(stored, self.geometry.num_kv_heads)
-            group = queries.shape[1] // self.geometry.num_kv_heads
-        if moments is not None:  # each request's queries booked before its token is (which may complete a chunk)
+            stored = self.frames[layer].step_queries_to_stored(queries, step.positions, step.rope)
+            moments, sums, *rows = self._moments.get(len(ids))
+            query_moments(stored, self.geometry.num_kv_heads, out=(moments, sums))
+            # each request's queries booked before its token is (which may complete a chunk)
             add_step_moments([table.states[layer] for table in tables],
-                             [table.lengths[layer] // chunk_tokens for table in tables], moments, group, sums)
-        for table in tables:
-            self._appended(table, layer, 1, None)
+                             [table.lengths[layer] // chunk_tokens for table in tables], moments,
+                             queries.shape[1] // self.geometry.num_kv_heads, sums, rows, self._step_memos[layer])
+        for table, start in zip(tables, starts):
+            table.lengths[layer] += 1  # (`_appended` of one token without queries)
+            if start + 1 >= chunk_tokens:  # a chunk may be complete in every layer (`num_tokens` <= this length)
+                self._pack_completed(table)
+
+    def _step_ints(self, pages: list[int], offsets: list[int], positions: list[int]) -> StepInts:
+        """The step's page ids, offsets and positions on the device: copied there by the step's first layer, reused
+        by the others (and by any call with the same lists)."""
+        key = (tuple(pages), tuple(offsets), tuple(positions))
+        step = self._step
+        if step is None or step.key != key:
+            step = self._step = StepInts(key, *ints_on_device([pages, offsets, positions], self.dense.data.device))
+        return step
 
     def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:
         """Book ``n`` tokens just written to ``layer`` of ``table``: their queries (query-aware codecs),
@@ -244,6 +265,10 @@ class KVCache:
                 table.states[layer].add_queries(chunk, queries[offset:stop], self.geometry.num_kv_heads)
                 offset = stop
         table.lengths[layer] += n  # the tokens are written: nothing below fails this call
+        self._pack_completed(table)
+
+    def _pack_completed(self, table: PageTable) -> None:
+        """Encode every chunk ``table`` completed in every layer (while the pools can take it)."""
         while (table.num_tokens - table.num_packed_tokens >= self.config.chunk_tokens
                and table.num_tokens >= table.retry_packing_at and self._can_pack()):
             try:

@@ -52,6 +52,11 @@ class Rotary:
             cached = self.__dict__.setdefault("_frequencies", tuple(self.inv_freq.double().tolist()))
         return cached
 
+    def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables ``[T, D]`` `rotate` and `derotate` apply at ``positions [T]``: to pass to
+        `derotate`, where several tensors turn by the same positions."""
+        return self._cos_sin(positions, device)
+
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq_on(device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
@@ -63,11 +68,14 @@ class Rotary:
         xf = x.float()
         return ((xf * cos + _rotate_half(xf) * sin) * self.scaling).to(x.dtype)
 
-    def derotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Undo `rotate`: the transpose of the rotation, divided by the scaling."""
-        cos, sin = self._cos_sin(positions, x.device)
+    def derotate(self, x: torch.Tensor, positions: torch.Tensor | None,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Undo `rotate`: the transpose of the rotation, divided by the scaling (at ``positions``, or by their tables
+        ``cos_sin`` from `cos_sin`)."""
+        cos, sin = cos_sin if cos_sin is not None else self._cos_sin(positions, x.device)
         xf = x.float()
-        return ((xf * cos - _rotate_half(xf) * sin) / self.scaling).to(x.dtype)
+        out = xf * cos - _rotate_half(xf) * sin
+        return (out / self.scaling if self.scaling != 1.0 else out).to(x.dtype)  # (x / 1.0 is x: one pass less)
 
     @staticmethod
     def default(head_dim: int, theta: float) -> "Rotary":

@@ -213,3 +213,123 @@ def test_a_state_named_twice_takes_both_rows(device):
     assert state.query_parts[0][1] == reference.query_parts[0][1] == 7
     assert torch.equal(state.query_parts[0][0], reference.query_parts[0][0])
     assert torch.equal(state.query_sums[0], reference.query_sums[0])
+
+
+def _reference_step(states, chunks, moments, sums, count=2):
+    for i, state in enumerate(states):
+        state.add_moment(chunks[i], moments[i], count, sums[i])
+
+
+def _assert_same(got_states, want_states):
+    for got, want in zip(got_states, want_states):
+        assert got.query_parts.keys() == want.query_parts.keys()
+        for chunk, (total, count) in want.query_parts.items():
+            assert got.query_parts[chunk][1] == count and torch.equal(got.query_parts[chunk][0], total)
+        assert got.query_sums.keys() == want.query_sums.keys()
+        for chunk, total in want.query_sums.items():
+            assert torch.equal(got.query_sums[chunk], total)
+
+
+def test_a_memo_reuses_the_last_partition_only_while_every_part_is_the_same():
+    """With a memo (as `KVCache.append_step` keeps one per layer) the adds match `add_moment` step after step, and
+    whatever a caller changes between steps (a part replaced by a view of its own tensor, a sum replaced, a part
+    popped, the states reordered, inference mode) is seen: the caller's tensors are never written to."""
+    gen = torch.Generator().manual_seed(8)
+    states = [CodecState() for _ in range(3)]
+    for state in states:
+        state.add_queries(0, torch.randn(3, 4, 8, generator=gen), 2)
+    reference = _copy(states)
+    memo, chunks = {}, [0, 0, 0]
+    prior = torch.randn(3, 2, 8, 8, generator=gen)
+    prior_sums = torch.randn(3, 2, 8, generator=gen)
+    before, before_sums = prior.clone(), prior_sums.clone()
+
+    def step(order=(0, 1, 2), inference=False):
+        moments, sums = query_moments(torch.randn(3, 4, 8, generator=gen), 2)
+        picked = [states[i] for i in order]
+        with torch.inference_mode(inference):
+            add_step_moments(picked, [chunks[i] for i in order], moments, 2, sums, memo=memo)
+        _reference_step([reference[i] for i in order], [chunks[i] for i in order], moments, sums)
+        _assert_same(states, reference)
+
+    step()
+    assert memo["step"] is not None  # every part went in place: the partition is kept
+    step()
+    step()
+    for copies in (states, reference):  # a caller's view of its own tensor as a part
+        copies[1].query_parts[0] = (prior[1] if copies is states else prior[1].clone(), 9)
+    step()
+    assert torch.equal(prior, before)
+    step()  # (the part it made in its place is owned: in place again)
+    for copies in (states, reference):  # a caller's view as a sum
+        copies[2].query_sums[0] = prior_sums[2] if copies is states else prior_sums[2].clone()
+    step()
+    assert torch.equal(prior_sums, before_sums)
+    step(order=(2, 0, 1))
+    for copies in (states, reference):  # a part popped: the next step opens it again
+        copies[0].query_parts.pop(0)
+        copies[0].query_sums.pop(0)
+    step()
+    step()
+    chunks[1] = 1  # another chunk named
+    step()
+    step()
+    step(inference=True)
+    step()
+    assert torch.equal(prior, before) and torch.equal(prior_sums, before_sums)
+
+
+def test_a_memo_is_not_kept_when_a_part_went_one_by_one():
+    gen = torch.Generator().manual_seed(9)
+    states = [CodecState(), CodecState()]
+    memo = {}
+    moments, sums = query_moments(torch.randn(2, 4, 8, generator=gen), 2)
+    add_step_moments(states, [0, 0], moments, 2, sums, memo=memo)  # both parts opened by the step
+    assert memo["step"] is None
+    add_step_moments(states, [0, 0], moments, 2, sums, memo=memo)
+    assert memo["step"] is not None
+    add_step_moments([states[0], states[0]], [0, 0], moments, 2, sums, memo=memo)  # a state named twice
+    assert memo["step"] is None
+
+
+def test_moment_buffers_give_each_batch_its_rows_and_the_statistics_of_query_moments():
+    from kvbackend.step_state import MomentBuffers
+
+    gen = torch.Generator().manual_seed(10)
+    buffers = MomentBuffers(2, 8, torch.device("cpu"))
+    for batch in (3, 5, 2, 5, 7):  # grows, then smaller batches take the first rows
+        queries = torch.randn(batch, 4, 8, generator=gen)
+        moments, sums, rows, row_sums = buffers.get(batch)
+        assert moments.shape == (batch, 2, 8, 8) and sums.shape == (batch, 2, 8) and len(rows) == len(row_sums) == batch
+        got = query_moments(queries, 2, out=(moments, sums))
+        want = query_moments(queries, 2)
+        assert got[0] is moments and torch.equal(moments, want[0]) and torch.equal(sums, want[1])
+        assert all(torch.equal(row, want[0][i]) and torch.equal(s, want[1][i])
+                   for i, (row, s) in enumerate(zip(rows, row_sums)))
+
+
+def test_rows_of_another_batch_are_refused():
+    gen = torch.Generator().manual_seed(11)
+    states = _states(gen)
+    moments, sums = query_moments(torch.randn(4, 4, 8, generator=gen), 2)
+    with pytest.raises(ValueError, match="one row of moments and sums per state"):
+        add_step_moments(states, [0] * 4, moments, 2, sums, rows=(moments.unbind(0)[:3], sums.unbind(0)))
+
+
+def test_a_memo_made_in_inference_mode_is_not_used_outside_it():
+    """Parts booked under inference mode take in-place adds only there: the step after, outside it, adds them out
+    of place (in place it would raise) with `add_moment`'s figures."""
+    gen = torch.Generator().manual_seed(12)
+    with torch.inference_mode():
+        states = [CodecState() for _ in range(2)]
+        for state in states:
+            state.add_queries(0, torch.randn(3, 4, 8, generator=gen), 2)
+    reference = _copy(states)
+    memo = {}
+    for inference, kept in ((True, True), (True, True), (False, False), (False, True)):
+        moments, sums = query_moments(torch.randn(2, 4, 8, generator=gen), 2)
+        with torch.inference_mode(inference):
+            add_step_moments(states, [0, 0], moments, 2, sums, memo=memo)
+        assert (memo["step"] is not None) == kept  # (outside, the inference parts went one by one, then in place)
+        _reference_step(reference, [0, 0], moments, sums)
+        _assert_same(states, reference)

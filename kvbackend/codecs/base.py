@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
@@ -118,48 +119,98 @@ def _owned(total: torch.Tensor | None, row: torch.Tensor) -> bool:
 
 
 def add_step_moments(states: Sequence[CodecState], chunks: Sequence[int], moments: torch.Tensor, count: int,
-                     sums: torch.Tensor) -> None:
+                     sums: torch.Tensor, rows: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+                     memo: dict | None = None) -> None:
     """`CodecState.add_moment` of row i of ``moments`` [B, H, D, D] and ``sums`` [B, H, D] (`query_moments` of one
     decode step) to chunk ``chunks[i]`` of ``states[i]``, for every row, with the same float32 sums: parts the states
     hold take their rows in place, all of them in one multi-tensor add (one state at a time, a step of 46 requests
     cost 450 tensor operations per layer, the step's largest host cost); a part the step opens, one a caller set (a
     view, an inference tensor), or a state named twice goes through `add_moment`, after the in-place adds. Nothing
-    is booked before the adds succeed."""
+    is booked before the adds succeed.
+
+    ``rows``: ``moments`` and ``sums`` split into their rows, where the caller keeps them (`MomentBuffers`: a split
+    per call is 2B tensor operations). ``memo``: a dict the caller keeps for these states (one per layer): a call
+    whose every part went in place leaves its states, chunks and parts there (as weak references), and the next
+    call that finds the same states naming the same chunks with the same part tensors, in the same inference mode,
+    adds in place without checking each part again."""
     if not (len(states) == len(chunks) == moments.shape[0] == sums.shape[0]):
         raise ValueError(f"one chunk and one row of moments per state: {len(states)} states, {len(chunks)} chunks, "
                          f"{moments.shape[0]} and {sums.shape[0]} rows")
     if moments.dtype != torch.float32 or sums.dtype != torch.float32:
         raise ValueError(f"moments and sums are float32 (query_moments), got {moments.dtype} and {sums.dtype}")
-    rows, row_sums = moments.unbind(0), sums.unbind(0)
-    in_place, one_by_one, seen = [], [], set()
-    for i, (state, chunk) in enumerate(zip(states, chunks)):
-        total, _ = state.query_parts.get(chunk, (None, 0))
-        summed = state.query_sums.get(chunk)
-        if id(state) in seen or not _owned(total, rows[i]) or not (summed is None or _owned(summed, row_sums[i])):
-            one_by_one.append(i)
-        else:
-            in_place.append(i)
-        seen.add(id(state))
+    if rows is None:
+        rows = moments.unbind(0), sums.unbind(0)
+    row_moments, row_sums = rows
+    if not len(row_moments) == len(row_sums) == len(states):
+        raise ValueError(f"one row of moments and sums per state: {len(states)} states, {len(row_moments)} and "
+                         f"{len(row_sums)} rows given")
+    totals = [state.query_parts.get(chunk, (None, 0))[0] for state, chunk in zip(states, chunks)]
+    summed = [state.query_sums.get(chunk) for state, chunk in zip(states, chunks)]
+    inference = torch.is_inference_mode_enabled()
+    last = memo.get("step") if memo is not None else None
+    if last is not None and last.matches(states, chunks, totals, summed, inference):
+        in_place, one_by_one = range(len(states)), []
+    else:
+        in_place, one_by_one, seen = [], [], set()
+        for i, state in enumerate(states):
+            if (id(state) in seen or not _owned(totals[i], row_moments[i])
+                    or not (summed[i] is None or _owned(summed[i], row_sums[i]))):
+                one_by_one.append(i)
+            else:
+                in_place.append(i)
+            seen.add(id(state))
     # a chunk's sum of q grows only while all of its queries came with theirs (else the mean stays unknown)
-    with_sums = [i for i in in_place if chunks[i] in states[i].query_sums]
+    with_sums = [i for i in in_place if summed[i] is not None]
     if in_place:
-        torch._foreach_add_([states[i].query_parts[chunks[i]][0] for i in in_place], [rows[i] for i in in_place])
+        torch._foreach_add_([totals[i] for i in in_place], [row_moments[i] for i in in_place])
     if with_sums:
-        torch._foreach_add_([states[i].query_sums[chunks[i]] for i in with_sums], [row_sums[i] for i in with_sums])
+        torch._foreach_add_([summed[i] for i in with_sums], [row_sums[i] for i in with_sums])
     for i in in_place:
-        total, counted = states[i].query_parts[chunks[i]]
-        states[i].query_parts[chunks[i]] = (total, counted + count)
+        state, chunk = states[i], chunks[i]
+        state.query_parts[chunk] = (totals[i], state.query_parts[chunk][1] + count)
     for i in one_by_one:
-        states[i].add_moment(chunks[i], rows[i], count, row_sums[i])
+        states[i].add_moment(chunks[i], row_moments[i], count, row_sums[i])
+    if memo is not None:
+        memo["step"] = None if one_by_one else _StepParts.of(states, chunks, totals, summed, inference)
 
 
-def query_moments(queries: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class _StepParts:
+    """The states, chunks and part tensors of a call of `add_step_moments` whose parts all went in place, held
+    weakly (a freed part's id may come back on another tensor; its weak reference does not)."""
+
+    states: list
+    chunks: tuple
+    totals: list
+    summed: list
+    inference: bool
+
+    @staticmethod
+    def of(states, chunks, totals, summed, inference) -> "_StepParts":
+        return _StepParts([weakref.ref(s) for s in states], tuple(chunks), [weakref.ref(t) for t in totals],
+                          [None if s is None else weakref.ref(s) for s in summed], inference)
+
+    def matches(self, states, chunks, totals, summed, inference) -> bool:
+        if self.inference != inference or len(self.states) != len(states) or self.chunks != tuple(chunks):
+            return False
+        return (all(ref() is state for ref, state in zip(self.states, states))
+                and all(ref() is total for ref, total in zip(self.totals, totals))
+                and all((s is None) if ref is None else ref() is s for ref, s in zip(self.summed, summed)))
+
+
+def query_moments(queries: torch.Tensor, kv_heads: int,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``queries`` [B, Hq, D] (one token each), the sums of q q^T and of q over its GQA group per KV
     head: ([B, H, D, D], [B, H, D]), each row what `CodecState.add_queries` adds for that token, in one batched
-    product."""
+    product (into ``out``, contiguous float32 tensors of those shapes, where given)."""
     b, hq, d = queries.shape
     q = queries.float().reshape(b * kv_heads, hq // kv_heads, d)
-    return (q.transpose(1, 2) @ q).view(b, kv_heads, d, d), q.sum(1).view(b, kv_heads, d)
+    if out is None:
+        return (q.transpose(1, 2) @ q).view(b, kv_heads, d, d), q.sum(1).view(b, kv_heads, d)
+    moments, sums = out
+    torch.bmm(q.transpose(1, 2), q, out=moments.view(b * kv_heads, d, d))
+    torch.sum(q, 1, out=sums.view(b * kv_heads, d))
+    return moments, sums
 
 
 @dataclass

@@ -34,7 +34,7 @@ from kvbackend.tools.llama_runner import LlamaRunner  # noqa: E402
 BATCHED = manager.add_step_moments
 
 
-def per_request(states, chunks, moments, count, sums):
+def per_request(states, chunks, moments, count, sums, *_):
     """The step's statistics one state at a time (the code before `add_step_moments`)."""
     for i, state in enumerate(states):
         state.add_moment(chunks[i], moments[i], count, sums[i])

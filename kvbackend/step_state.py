@@ -1,0 +1,53 @@
+"""What one decode step shares across its layers, kept between `KVCache.append_step` calls.
+
+A serving engine appends a decode step layer by layer, 32 calls with the same requests at the same positions. Built
+once per step instead of once per layer: the batch's dense page ids, offsets and positions on the device (one copy
+from the host, not one per layer), and the RoPE tables of those positions that de-rotate the step's queries.
+Reused from call to call: float32 buffers for the query statistics, with their rows as views, so the statistics of
+a step of B requests need no B-way split per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepInts:
+    """A step's dense page ids, token offsets and positions ``[B]`` (int32, on the cache's device), for the host
+    lists they were made from (`key`); `rope` holds each frame's cos/sin of the positions (`LeverFrame.step_cos_sin`),
+    valid as long as the positions are."""
+
+    key: tuple
+    pages: torch.Tensor
+    offsets: torch.Tensor
+    positions: torch.Tensor
+    rope: dict = field(default_factory=dict)
+
+
+class MomentBuffers:
+    """Float32 buffers ``[B, H, D, D]`` and ``[B, H, D]`` for `query_moments` of a step, and their rows (the views
+    `add_step_moments` adds to the states), reused across layers and steps.
+
+    One buffer pair per device stream: a step's statistics are read by the adds queued right after them on the same
+    stream, so the next layer's statistics may overwrite them; another stream would not wait for those adds. The
+    buffers grow to the largest batch seen; a smaller batch takes their first rows."""
+
+    def __init__(self, kv_heads: int, head_dim: int, device: torch.device) -> None:
+        self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, device
+        self._by_stream: dict = {}  # stream -> (moments, sums, moment rows, sum rows)
+
+    def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """(moments ``[batch, H, D, D]``, sums ``[batch, H, D]``, their rows): to be filled before use."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        held = self._by_stream.get(stream)
+        if held is None or held[0].shape[0] < batch:
+            h, d = self.kv_heads, self.head_dim
+            size = max(batch, 2 * held[0].shape[0] if held is not None else 0)
+            moments = torch.empty(size, h, d, d, dtype=torch.float32, device=self.device)
+            sums = torch.empty(size, h, d, dtype=torch.float32, device=self.device)
+            held = self._by_stream[stream] = (moments, sums, list(moments.unbind(0)), list(sums.unbind(0)))
+        moments, sums, moment_rows, sum_rows = held
+        return moments[:batch], sums[:batch], moment_rows[:batch], sum_rows[:batch]
