@@ -87,6 +87,7 @@ def main() -> None:
                         help="SPEC:BATCH entries separated by |")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    print("kvbackend from", manager.__file__, flush=True)
     shape = Shape(args.context, 40 << 30, 64, 32, 64, args.steps, 8192, 16384, 2048, 0, 32, 4)
     model = llama(False, "cuda", torch.bfloat16, args.context + 64)
     heads = model.config.num_attention_heads
