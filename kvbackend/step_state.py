@@ -27,6 +27,9 @@ class StepInts:
     rope: dict = field(default_factory=dict)
 
 
+MAX_STREAMS = 4  # buffer pairs kept, for the streams used last
+
+
 class MomentBuffers:
     """Float32 buffers ``[B, H, D, D]`` and ``[B, H, D]`` for `query_moments` of a step, and their rows (the views
     `add_step_moments` adds to the states), reused across layers and steps.
@@ -42,12 +45,15 @@ class MomentBuffers:
     def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """(moments ``[batch, H, D, D]``, sums ``[batch, H, D]``, their rows): to be filled before use."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        held = self._by_stream.get(stream)
+        held = self._by_stream.pop(stream, None)  # (re-inserted last: the dict is in order of use)
         if held is None or held[0].shape[0] < batch:
             h, d = self.kv_heads, self.head_dim
             size = max(batch, 2 * held[0].shape[0] if held is not None else 0)
             moments = torch.empty(size, h, d, d, dtype=torch.float32, device=self.device)
             sums = torch.empty(size, h, d, dtype=torch.float32, device=self.device)
-            held = self._by_stream[stream] = (moments, sums, list(moments.unbind(0)), list(sums.unbind(0)))
+            held = (moments, sums, list(moments.unbind(0)), list(sums.unbind(0)))
+        self._by_stream[stream] = held
+        while len(self._by_stream) > MAX_STREAMS:  # an engine that steps on new streams does not grow this
+            del self._by_stream[next(iter(self._by_stream))]  # (freed buffers are reused on their own stream only)
         moments, sums, moment_rows, sum_rows = held
         return moments[:batch], sums[:batch], moment_rows[:batch], sum_rows[:batch]

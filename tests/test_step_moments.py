@@ -333,3 +333,17 @@ def test_a_memo_made_in_inference_mode_is_not_used_outside_it():
         assert (memo["step"] is not None) == kept  # (outside, the inference parts went one by one, then in place)
         _reference_step(reference, [0, 0], moments, sums)
         _assert_same(states, reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="buffers per CUDA stream")
+def test_moment_buffers_keep_a_pair_per_stream_for_the_last_streams_only():
+    from kvbackend.step_state import MAX_STREAMS, MomentBuffers
+
+    buffers = MomentBuffers(2, 8, torch.device("cuda"))
+    first = buffers.get(3)[0]
+    assert buffers.get(3)[0].data_ptr() == first.data_ptr()  # reused on the same stream
+    streams = [torch.cuda.Stream() for _ in range(MAX_STREAMS + 2)]
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            assert buffers.get(3)[0].data_ptr() != first.data_ptr()
+    assert len(buffers._by_stream) == MAX_STREAMS
