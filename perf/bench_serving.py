@@ -185,8 +185,26 @@ def decode_rate(runner: LlamaRunner, ids: list[int], steps: int, device: str) ->
         times.append(time.perf_counter() - t0)
     times.sort()
     median = times[len(times) // 2]
-    return {"batch": len(ids), "step_ms_median": median * 1e3, "step_ms_max": times[-1] * 1e3,
-            "tokens_per_s": len(ids) / median}
+    row = {"batch": len(ids), "step_ms_median": median * 1e3, "step_ms_max": times[-1] * 1e3,
+           "tokens_per_s": len(ids) / median}
+    if device == "cuda":  # the step's kernels alone: what bounds an engine whose steps are not bound by the host
+        kernel_ms = step_kernel_ms(runner, ids, tokens)
+        row.update(kernel_ms=kernel_ms, kernel_bound_tokens_per_s=len(ids) / (kernel_ms / 1e3))
+    return row
+
+
+def step_kernel_ms(runner: LlamaRunner, ids: list[int], tokens: torch.Tensor) -> float:
+    """The summed time of the kernels one decode step runs (one stream: they run one after another), from the
+    profiler's device events: a lower bound of the step's time, which an engine that replays its steps as CUDA
+    graphs approaches (the eager step of this bench is bound by the host at small batches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.decode(ids, tokens)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / 1e3
 
 
 def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int], device: str) -> dict:
@@ -385,6 +403,19 @@ def headline(results: list[dict], budget_gib: float, context: int) -> str:
             ratio(top and top["tokens_per_s"], base_top and base_top["tokens_per_s"]),
             f"{same['tokens_per_s']:.1f}" if same else "-",
             ratio(same and same["tokens_per_s"], base_top and base_top["tokens_per_s"])]) + " |")
+    if base_top and "kernel_bound_tokens_per_s" in base_top:  # (CUDA) the same rows bound by their kernels alone
+        # B / the summed kernel time of one step: what an engine whose steps are not bound by the host approaches
+        lines += ["", "| cache | kernel time of a step at its limit | kernel-bound tokens/s | vs first | kernel-bound "
+                  "tokens/s at the first's limit | vs first |", "|---|---|---|---|---|---|"]
+        for r in results:
+            top = r["decode"][-1] if r["decode"] else None
+            same = at(r, base_top["batch"])
+            lines.append(" | ".join([
+                f"| {r['codec']}", f"{top['kernel_ms']:.1f} ms (B={top['batch']})" if top else "-",
+                f"{top['kernel_bound_tokens_per_s']:.1f}" if top else "-",
+                ratio(top and top["kernel_bound_tokens_per_s"], base_top["kernel_bound_tokens_per_s"]),
+                f"{same['kernel_bound_tokens_per_s']:.1f}" if same else "-",
+                ratio(same and same["kernel_bound_tokens_per_s"], base_top["kernel_bound_tokens_per_s"])]) + " |")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,5 +45,13 @@ def test_serving_benchmark_smoke_run(tmp_path):
             assert first[f"{tier}_same_first_token"] or first["codec"] != "identity", first
     tables = result["headline"].split("\n\n")
     rows = [1 + len(result["caches"]), 2 + len(result["caches"]), 1 + len(result["caches"])]  # + the anchor
+    if torch.cuda.is_available():  # the rows bound by their kernels alone, from one profiled step each
+        rows.insert(1, 1 + len(result["caches"]))
+        for cache in result["caches"]:
+            for d in cache["decode"]:
+                assert 0 < d["kernel_ms"] < 2 * d["step_ms_max"], d
+                assert d["kernel_bound_tokens_per_s"] == pytest.approx(d["batch"] / d["kernel_ms"] * 1e3)
+    else:
+        assert all("kernel_ms" not in d for cache in result["caches"] for d in cache["decode"])
     assert [t.count("\n") for t in tables] == rows, tables
     assert png.stat().st_size > 0
