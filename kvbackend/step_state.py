@@ -49,9 +49,10 @@ class MomentBuffers:
         if held is None or held[0].shape[0] < batch:
             h, d = self.kv_heads, self.head_dim
             size = max(batch, 2 * held[0].shape[0] if held is not None else 0)
-            moments = torch.empty(size, h, d, d, dtype=torch.float32, device=self.device)
-            sums = torch.empty(size, h, d, dtype=torch.float32, device=self.device)
-            held = (moments, sums, list(moments.unbind(0)), list(sums.unbind(0)))
+            with torch.inference_mode(False):  # normal tensors: written in and out of inference mode alike
+                moments = torch.empty(size, h, d, d, dtype=torch.float32, device=self.device)
+                sums = torch.empty(size, h, d, dtype=torch.float32, device=self.device)
+                held = (moments, sums, list(moments.unbind(0)), list(sums.unbind(0)))
         self._by_stream[stream] = held
         while len(self._by_stream) > MAX_STREAMS:  # an engine that steps on new streams does not grow this
             del self._by_stream[next(iter(self._by_stream))]  # (freed buffers are reused on their own stream only)

@@ -347,3 +347,60 @@ def test_moment_buffers_keep_a_pair_per_stream_for_the_last_streams_only():
         with torch.cuda.stream(stream):
             assert buffers.get(3)[0].data_ptr() != first.data_ptr()
     assert len(buffers._by_stream) == MAX_STREAMS
+
+
+def _step_cache():
+    from kvbackend import CacheConfig, Geometry, KVCache
+    from kvbackend.rope import Rotary
+
+    geometry = Geometry(num_layers=1, num_kv_heads=2, head_dim=16)
+    config = CacheConfig(codec="quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", page_size=4, chunk_pages=2,
+                         dense_pages=12, packed_pages=24)
+    return KVCache(geometry, config, rotary=Rotary.default(16, 10000.0))
+
+
+def _decode_steps(cache, rid, gen, n):
+    for _ in range(n):
+        cache.append_step([rid], 0, torch.randn(1, 2, 16, generator=gen), torch.randn(1, 2, 16, generator=gen),
+                          queries=torch.randn(1, 4, 16, generator=gen))
+
+
+def test_a_step_after_a_caller_dropped_the_parts_opens_them_again():
+    """The memo's weak reference to a part the caller popped (and freed) is dead: it must not match the part now
+    missing (a crash on every later step before the fix)."""
+    cache, gen = _step_cache(), torch.Generator().manual_seed(13)
+    rid, _ = cache.add_request()
+    _decode_steps(cache, rid, gen, 2)  # the second step went in place: the memo holds the parts
+    state = cache.page_table(rid).states[0]
+    state.query_parts.pop(0)
+    state.query_sums.pop(0)
+    _decode_steps(cache, rid, gen, 3)
+    assert state.query_parts[0][1] == 3 * 2 and 0 in state.query_sums  # three steps of two queries per KV head
+
+
+def test_steps_inside_and_outside_inference_mode_alternate():
+    """Buffers made by a step under inference mode are normal tensors: the next step outside it writes them (it
+    raised before the fix), and the statistics equal those of a cache that never entered inference mode."""
+    caches = [_step_cache(), _step_cache()]
+    for modes, cache in zip(((True, False, True, False), (False,) * 4), caches):
+        gen = torch.Generator().manual_seed(14)
+        rid, _ = cache.add_request()
+        for inference in modes:
+            with torch.inference_mode(inference):
+                _decode_steps(cache, rid, gen, 1)
+    a, b = (cache.page_table(0).states[0] for cache in caches)
+    assert a.query_parts[0][1] == b.query_parts[0][1] == 8
+    assert torch.equal(a.query_parts[0][0], b.query_parts[0][0]) and torch.equal(a.query_sums[0], b.query_sums[0])
+
+
+def test_a_part_that_needs_a_gradient_since_the_last_step_is_added_out_of_place():
+    cache, gen = _step_cache(), torch.Generator().manual_seed(15)
+    rid, _ = cache.add_request()
+    _decode_steps(cache, rid, gen, 3)
+    state = cache.page_table(rid).states[0]
+    part = state.query_parts[0][0]
+    before = part.detach().clone()
+    part.requires_grad_()
+    _decode_steps(cache, rid, gen, 1)
+    assert torch.equal(part.detach(), before)  # the caller's tensor is not written to
+    assert state.query_parts[0][1] == 8 and state.query_parts[0][0] is not part

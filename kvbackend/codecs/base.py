@@ -191,11 +191,16 @@ class _StepParts:
                           [None if s is None else weakref.ref(s) for s in summed], inference)
 
     def matches(self, states, chunks, totals, summed, inference) -> bool:
+        """Whether a call on these parts may add in place without `_owned`'s checks: the same states, chunks and
+        part tensors (a dead reference matches nothing, not even a part gone missing), none of them needing a
+        gradient since, in the same inference mode."""
         if self.inference != inference or len(self.states) != len(states) or self.chunks != tuple(chunks):
             return False
         return (all(ref() is state for ref, state in zip(self.states, states))
-                and all(ref() is total for ref, total in zip(self.totals, totals))
-                and all((s is None) if ref is None else ref() is s for ref, s in zip(self.summed, summed)))
+                and all(total is not None and ref() is total and not total.requires_grad
+                        for ref, total in zip(self.totals, totals))
+                and all((s is None) if ref is None else (s is not None and ref() is s and not s.requires_grad)
+                        for ref, s in zip(self.summed, summed)))
 
 
 def query_moments(queries: torch.Tensor, kv_heads: int,
