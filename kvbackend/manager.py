@@ -244,11 +244,14 @@ class KVCache:
 
     def _step_ints(self, pages: list[int], offsets: list[int], positions: list[int]) -> StepInts:
         """The step's page ids, offsets and positions on the device: copied there by the step's first layer, reused
-        by the others (and by any call with the same lists)."""
-        key = (tuple(pages), tuple(offsets), tuple(positions))
+        by the others (and by any call with the same lists on the same stream: the copy is queued on the stream that
+        made it, and a layer on another stream would not wait for it)."""
+        device = self.dense.data.device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        key = (stream, tuple(pages), tuple(offsets), tuple(positions))
         step = self._step
         if step is None or step.key != key:
-            step = self._step = StepInts(key, *ints_on_device([pages, offsets, positions], self.dense.data.device))
+            step = self._step = StepInts(key, *ints_on_device([pages, offsets, positions], device))
         return step
 
     def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:

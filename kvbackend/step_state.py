@@ -16,8 +16,8 @@ import torch
 
 @dataclass
 class StepInts:
-    """A step's dense page ids, token offsets and positions ``[B]`` (int32, on the cache's device), for the host
-    lists they were made from (`key`); `rope` holds each frame's cos/sin of the positions (`LeverFrame.step_cos_sin`),
+    """A step's dense page ids, token offsets and positions ``[B]`` (int32, on the cache's device), for the stream
+    and the host lists they were made on and from (`key`); `rope` holds each frame's cos/sin of the positions (`LeverFrame.step_cos_sin`),
     valid as long as the positions are."""
 
     key: tuple

@@ -404,3 +404,40 @@ def test_a_part_that_needs_a_gradient_since_the_last_step_is_added_out_of_place(
     _decode_steps(cache, rid, gen, 1)
     assert torch.equal(part.detach(), before)  # the caller's tensor is not written to
     assert state.query_parts[0][1] == 8 and state.query_parts[0][0] is not part
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+def test_a_layer_on_another_stream_copies_the_step_ints_there():
+    """The step's ints are copied to the device asynchronously on the stream of its first layer: a layer of the same
+    step on another stream makes its own copy (it would not wait for the first), and the pools get the same values
+    as a cache stepped on one stream."""
+    from kvbackend import CacheConfig, Geometry, KVCache
+    from kvbackend.rope import Rotary
+
+    def cache():
+        config = CacheConfig(codec="quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", page_size=4,
+                             chunk_pages=2, dense_pages=12, packed_pages=24, device="cuda")
+        return KVCache(Geometry(num_layers=2, num_kv_heads=2, head_dim=16), config, rotary=Rotary.default(16, 1e4))
+
+    one, two = cache(), cache()
+    side = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(16)
+    ids = [c.add_request()[0] for c in (one, two)]
+    for _ in range(5):
+        k, v, q = (torch.randn(2, 1, 2, 16, generator=gen).cuda(), torch.randn(2, 1, 2, 16, generator=gen).cuda(),
+                   torch.randn(2, 1, 4, 16, generator=gen).cuda())
+        made = []
+        for layer in range(2):
+            one.append_step([ids[0]], layer, k[layer], v[layer], queries=q[layer])
+            stream = side if layer == 1 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                two.append_step([ids[1]], layer, k[layer], v[layer], queries=q[layer])
+                made.append(two._step)
+            torch.cuda.current_stream().wait_stream(stream)
+        assert made[0] is not made[1] and made[0].key[1:] == made[1].key[1:]
+    torch.cuda.synchronize()
+    assert torch.equal(one.dense.data, two.dense.data)
+    for layer in range(2):
+        a, b = one.page_table(ids[0]).states[layer], two.page_table(ids[1]).states[layer]
+        assert a.query_parts[0][1] == 10 and torch.equal(a.query_parts[0][0], b.query_parts[0][0])
