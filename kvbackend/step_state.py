@@ -17,8 +17,8 @@ import torch
 @dataclass
 class StepInts:
     """A step's dense page ids, token offsets and positions ``[B]`` (int32, on the cache's device), for the stream
-    and the host lists they were made on and from (`key`); `rope` holds each frame's cos/sin of the positions (`LeverFrame.step_cos_sin`),
-    valid as long as the positions are."""
+    and the host lists they were made on and from (`key`); `rope` holds the cos/sin tables of the positions for the
+    frames that de-rotate the step's queries (`LeverFrame.step_queries_to_stored`), valid as long as they are."""
 
     key: tuple
     pages: torch.Tensor
