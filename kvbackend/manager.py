@@ -26,7 +26,7 @@ from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
 from kvbackend.rope import Rotary
-from kvbackend.step_state import MomentBuffers, StepInts
+from kvbackend.step_state import MomentBuffers, StepInts, stream_key
 
 FP16_MAX = 65504.0  # largest finite float16
 
@@ -247,8 +247,7 @@ class KVCache:
         by the others (and by any call with the same lists on the same stream: the copy is queued on the stream that
         made it, and a layer on another stream would not wait for it)."""
         device = self.dense.data.device
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        key = (stream, tuple(pages), tuple(offsets), tuple(positions))
+        key = (stream_key(device), tuple(pages), tuple(offsets), tuple(positions))
         step = self._step
         if step is None or step.key != key:
             step = self._step = StepInts(key, *ints_on_device([pages, offsets, positions], device))

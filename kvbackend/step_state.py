@@ -30,6 +30,15 @@ class StepInts:
 MAX_STREAMS = 4  # buffer pairs kept, for the streams used last
 
 
+def stream_key(device: torch.device) -> tuple[int, int] | None:
+    """The current stream of ``device`` as plain ints (device, handle), None off CUDA: a key a cache can keep and
+    still be deep-copied (a `torch.cuda.Stream` cannot be)."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.current_stream(device)
+    return stream.device_index, stream.cuda_stream
+
+
 class MomentBuffers:
     """Float32 buffers ``[B, H, D, D]`` and ``[B, H, D]`` for `query_moments` of a step, and their rows (the views
     `add_step_moments` adds to the states), reused across layers and steps.
@@ -44,7 +53,7 @@ class MomentBuffers:
 
     def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """(moments ``[batch, H, D, D]``, sums ``[batch, H, D]``, their rows): to be filled before use."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stream = stream_key(self.device)
         held = self._by_stream.pop(stream, None)  # (re-inserted last: the dict is in order of use)
         if held is None or held[0].shape[0] < batch:
             h, d = self.kv_heads, self.head_dim
