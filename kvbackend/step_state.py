@@ -51,6 +51,11 @@ class MomentBuffers:
         self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, device
         self._by_stream: dict = {}  # stream -> (moments, sums, moment rows, sum rows)
 
+    def __getstate__(self) -> dict:
+        """No buffers in a copy or a pickle: a pickle stores the rows apart from their buffer (they would no longer
+        be views of what `query_moments` writes), and they are scratch. The copy makes its own on its first step."""
+        return {"kv_heads": self.kv_heads, "head_dim": self.head_dim, "device": self.device, "_by_stream": {}}
+
     def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """(moments ``[batch, H, D, D]``, sums ``[batch, H, D]``, their rows): to be filled before use."""
         stream = stream_key(self.device)

@@ -441,3 +441,24 @@ def test_a_layer_on_another_stream_copies_the_step_ints_there():
     for layer in range(2):
         a, b = one.page_table(ids[0]).states[layer], two.page_table(ids[1]).states[layer]
         assert a.query_parts[0][1] == 10 and torch.equal(a.query_parts[0][0], b.query_parts[0][0])
+
+
+def test_a_stepped_cache_pickles_and_its_copies_step_alike():
+    """A cache's step state (weak references to the last step's parts) is not carried by a pickle or a deep copy:
+    both work after decode steps, and the copies step on to the statistics of the original."""
+    import copy
+    import pickle
+
+    cache, gen = _step_cache(), torch.Generator().manual_seed(17)
+    rid, _ = cache.add_request()
+    _decode_steps(cache, rid, gen, 3)
+    copies = [pickle.loads(pickle.dumps(cache)), copy.deepcopy(cache)]
+    for c in [cache, *copies]:
+        state_gen = torch.Generator().manual_seed(18)
+        _decode_steps(c, rid, state_gen, 3)
+    want = cache.page_table(rid).states[0]
+    for c in copies:
+        got = c.page_table(rid).states[0]
+        assert got.query_parts[0][1] == want.query_parts[0][1] == 12
+        assert torch.equal(got.query_parts[0][0], want.query_parts[0][0])
+        assert torch.equal(got.query_sums[0], want.query_sums[0])

@@ -185,6 +185,10 @@ class _StepParts:
     summed: list
     inference: bool
 
+    def __reduce__(self):
+        """A copy or a pickle of a cache holds no memo (weak references are not pickled): its next step checks."""
+        return _no_step, ()
+
     @staticmethod
     def of(states, chunks, totals, summed, inference) -> "_StepParts":
         return _StepParts([weakref.ref(s) for s in states], tuple(chunks), [weakref.ref(t) for t in totals],
@@ -201,6 +205,10 @@ class _StepParts:
                         for ref, total in zip(self.totals, totals))
                 and all((s is None) if ref is None else (s is not None and ref() is s and not s.requires_grad)
                         for ref, s in zip(self.summed, summed)))
+
+
+def _no_step() -> None:
+    return None
 
 
 def query_moments(queries: torch.Tensor, kv_heads: int,
