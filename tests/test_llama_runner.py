@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvbackend import CacheConfig, Geometry, KVCache  # noqa: E402
 from kvbackend.rope import rotary_from_config  # noqa: E402
-from kvbackend.tools.llama_runner import LlamaRunner  # noqa: E402
+from kvbackend.tools.llama_runner import LlamaRunner, merge_new_token  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,3 +79,27 @@ def test_bad_input_is_refused_with_a_clear_error(model):
     with pytest.raises(ValueError, match="token ids"):
         run.decode([rid], torch.tensor([-1]))
     assert run.cache.page_table(rid).lengths == [3, 3]  # nothing was appended by the refused calls
+
+
+@pytest.mark.parametrize("shift", [0.0, 60.0, -60.0])  # the stored tokens' scores far above or below the new token's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merging_the_new_token_is_attention_over_all_tokens(shift, dtype):
+    torch.manual_seed(3)
+    b, h, g, d, n, scale = 3, 2, 3, 16, 7, 0.25
+    q = torch.randn(b, h * g, d).to(dtype)
+    keys, values = torch.randn(b, n, h, d), torch.randn(b, n, h, d)
+    k, v = torch.randn(b, h, d).to(dtype), torch.randn(b, h, d).to(dtype)
+    qf = q.float().view(b, h, g, d)
+    stored = torch.einsum("bhgd,bnhd->bhgn", qf, keys) * scale + shift  # the stored tokens' scores, shifted
+    out = torch.einsum("bhgn,bnhd->bhgd", stored.softmax(-1), values).reshape(b, h * g, d)
+    lse = stored.logsumexp(-1).reshape(b, h * g)
+    scores = torch.cat([stored, (qf * k.float()[:, :, None]).sum(-1, keepdim=True) * scale], -1)
+    everything = torch.cat([values, v.float()[:, None]], 1)
+    want = torch.einsum("bhgn,bnhd->bhgd", scores.double().softmax(-1), everything.double()).reshape(b, h * g, d)
+    got = merge_new_token(out.to(dtype), lse, q, k, v, scale)
+    assert got.dtype == torch.float32 and got.shape == (b, h * g, d)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the stored output's own rounding
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    if shift:  # one side holds all the weight: the result is the other side's values exactly, not a blend
+        side = out.to(dtype).float() if shift > 0 else v.float().repeat_interleave(g, 1)
+        torch.testing.assert_close(got, side, atol=1e-6, rtol=0)

@@ -22,6 +22,20 @@ import torch.nn.functional as F
 from kvbackend.manager import KVCache
 
 
+def merge_new_token(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention over the stored tokens (``out [B, Hq, D]`` with its log-sum-exp ``lse [B, Hq]``) joined by one
+    more token per request (``k``, ``v`` ``[B, H, D]``, ``q [B, Hq, D]`` the step's queries): float32
+    ``[B, Hq, D]``. The new token's share is ``1 - w`` with ``w = exp(lse - logaddexp(lse, q . k * scale))``,
+    so the merge is one ``lerp`` (few operations: the decode step launches these once per layer)."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    s_new = (q.float().reshape(b, h, hq // h, d) * k.float().unsqueeze(2)).sum(-1).mul_(scale)  # [B, H, G]
+    lse = lse.reshape(b, h, hq // h)
+    w_old = (lse - torch.logaddexp(lse, s_new)).exp_().unsqueeze(-1)
+    return torch.lerp(v.float().unsqueeze(2), out.float().reshape(b, h, hq // h, d), w_old).view(b, hq, d)
+
+
 def _rope():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -133,15 +147,9 @@ class LlamaRunner:
                 q1, k1, v1 = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, Hq, D], [B, H, D]
                 scale = self.layers[layer].self_attn.scaling
                 out, lse = cache.decode(plan, layer, q1.contiguous(), scale=scale)
-                group = self.heads // self.kv_heads
-                qg = q1.float().view(b, self.kv_heads, group, self.head_dim)
-                s_new = (qg * k1.float()[:, :, None]).sum(-1).view(b, self.heads) * scale
-                v_new = v1.float()[:, :, None].expand(b, self.kv_heads, group, self.head_dim).reshape(b, self.heads, -1)
-                m = torch.maximum(lse, s_new)
-                w_old, w_new = (lse - m).exp(), (s_new - m).exp()
-                merged = (out.float() * w_old[..., None] + v_new * w_new[..., None]) / (w_old + w_new)[..., None]
+                merged = merge_new_token(out, lse, q1, k1, v1, scale)
                 cache.append_step(ids, layer, k1, v1, queries=q1 if self.queries[layer] else None)
-                return merged.to(x.dtype).reshape(b, 1, -1)
+                return merged.to(x.dtype).view(b, 1, -1)
 
             h = self._block(layer, h, attend)
         return self._logits(h[:, 0])
