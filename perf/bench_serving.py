@@ -172,10 +172,10 @@ def requests_like(cache: KVCache, source: int, count: int, tokens: int, seed: in
     return ids
 
 
-def decode_rate(runner: LlamaRunner, ids: list[int], steps: int, device: str) -> dict:
-    """Greedy decode steps of the batch ``ids``; the first step is untimed (kernels compile)."""
-    tokens = torch.zeros(len(ids), dtype=torch.long)
-    runner.decode(ids, tokens)
+def timed_steps(runner: LlamaRunner, ids: list[int], tokens: torch.Tensor, steps: int, device: str):
+    """``steps`` greedy decode steps after one untimed step (kernels compile, graphs are captured): the sorted
+    step times in seconds and the last step's tokens."""
+    tokens = runner.decode(ids, tokens).argmax(-1)
     sync(device)
     times = []
     for _ in range(steps):
@@ -183,13 +183,24 @@ def decode_rate(runner: LlamaRunner, ids: list[int], steps: int, device: str) ->
         tokens = runner.decode(ids, tokens).argmax(-1)
         sync(device)
         times.append(time.perf_counter() - t0)
-    times.sort()
+    return sorted(times), tokens
+
+
+def decode_rate(runner: LlamaRunner, ids: list[int], steps: int, device: str, graphs: bool = False) -> dict:
+    """Greedy decode steps of the batch ``ids`` (eager; on CUDA also the step's kernel time and, with ``graphs``,
+    the same steps with the model's work replayed as CUDA graphs)."""
+    times, tokens = timed_steps(runner, ids, torch.zeros(len(ids), dtype=torch.long), steps, device)
     median = times[len(times) // 2]
     row = {"batch": len(ids), "step_ms_median": median * 1e3, "step_ms_max": times[-1] * 1e3,
            "tokens_per_s": len(ids) / median}
     if device == "cuda":  # the step's kernels alone: what bounds an engine whose steps are not bound by the host
         kernel_ms = step_kernel_ms(runner, ids, tokens)
         row.update(kernel_ms=kernel_ms, kernel_bound_tokens_per_s=len(ids) / (kernel_ms / 1e3))
+        if graphs:
+            times, _ = timed_steps(LlamaRunner(runner.model, runner.cache, cuda_graphs=True), ids, tokens, steps,
+                                   device)
+            median = times[len(times) // 2]
+            row.update(graph_step_ms_median=median * 1e3, graph_tokens_per_s=len(ids) / median)
     return row
 
 
@@ -207,7 +218,8 @@ def step_kernel_ms(runner: LlamaRunner, ids: list[int], tokens: torch.Tensor) ->
     return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / 1e3
 
 
-def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int], device: str) -> dict:
+def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int], device: str,
+                            graphs: bool = False) -> dict:
     """Sections 1 and 2 for one cache."""
     probe = make_cache(model, codec, shape, 1, shape.context, device)
     rid, _ = probe.add_request(list(range(shape.context)))
@@ -223,11 +235,11 @@ def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int],
     rows = []
     limit = min(capacity, shape.max_batch)
     for batch in sorted({b for b in batches if 0 < b <= limit} | ({limit} if limit else set())):
-        cache = make_cache(model, codec, shape, batch, shape.context + shape.steps + 2, device)
+        cache = make_cache(model, codec, shape, batch, shape.context + 2 * shape.steps + 4, device)
         first, _ = cache.add_request(list(range(shape.context)))
         fill_random(cache, first, shape.context, 0, heads)
         ids = [first] + requests_like(cache, first, batch - 1, shape.context, 1000, heads)
-        rows.append(decode_rate(LlamaRunner(model, cache), ids, shape.steps, device))
+        rows.append(decode_rate(LlamaRunner(model, cache), ids, shape.steps, device, graphs))
         del cache
         release(device)
     return {"codec": codec, "bytes_per_request": held, "capacity": int(capacity), "encode_fill_s": fill_s,
@@ -403,19 +415,21 @@ def headline(results: list[dict], budget_gib: float, context: int) -> str:
             ratio(top and top["tokens_per_s"], base_top and base_top["tokens_per_s"]),
             f"{same['tokens_per_s']:.1f}" if same else "-",
             ratio(same and same["tokens_per_s"], base_top and base_top["tokens_per_s"])]) + " |")
-    if base_top and "kernel_bound_tokens_per_s" in base_top:  # (CUDA) the same rows bound by their kernels alone
-        # B / the summed kernel time of one step: what an engine whose steps are not bound by the host approaches
-        lines += ["", "| cache | kernel time of a step at its limit | kernel-bound tokens/s | vs first | kernel-bound "
-                  "tokens/s at the first's limit | vs first |", "|---|---|---|---|---|---|"]
+    for time_key, rate_key, what in (
+            ("graph_step_ms_median", "graph_tokens_per_s", "step with CUDA graphs"),
+            # B / the summed kernel time of one step: what an engine whose steps are not bound by the host approaches
+            ("kernel_ms", "kernel_bound_tokens_per_s", "kernel time of a step")):
+        if not base_top or rate_key not in base_top:  # (CUDA) the same rows, with graphs, and bound by their kernels
+            continue
+        lines += ["", f"| cache | {what} at its limit | tokens/s | vs first | tokens/s at the first's limit "
+                  "| vs first |", "|---|---|---|---|---|---|"]
         for r in results:
             top = r["decode"][-1] if r["decode"] else None
             same = at(r, base_top["batch"])
             lines.append(" | ".join([
-                f"| {r['codec']}", f"{top['kernel_ms']:.1f} ms (B={top['batch']})" if top else "-",
-                f"{top['kernel_bound_tokens_per_s']:.1f}" if top else "-",
-                ratio(top and top["kernel_bound_tokens_per_s"], base_top["kernel_bound_tokens_per_s"]),
-                f"{same['kernel_bound_tokens_per_s']:.1f}" if same else "-",
-                ratio(same and same["kernel_bound_tokens_per_s"], base_top["kernel_bound_tokens_per_s"])]) + " |")
+                f"| {r['codec']}", f"{top[time_key]:.1f} ms (B={top['batch']})" if top else "-",
+                f"{top[rate_key]:.1f}" if top else "-", ratio(top and top[rate_key], base_top[rate_key]),
+                f"{same[rate_key]:.1f}" if same else "-", ratio(same and same[rate_key], base_top[rate_key])]) + " |")
     return "\n".join(lines)
 
 
@@ -478,8 +492,12 @@ def plot(results: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         if r["decode"]:
-            ax.plot([d["batch"] for d in r["decode"]], [d["tokens_per_s"] for d in r["decode"]], marker="o",
-                    label=f"{r['codec'][:40]} (fits {r['capacity']})")
+            line, = ax.plot([d["batch"] for d in r["decode"]], [d["tokens_per_s"] for d in r["decode"]], marker="o",
+                            label=f"{r['codec'][:40]} (fits {r['capacity']})")
+            graphed = [d for d in r["decode"] if "graph_tokens_per_s" in d]
+            if graphed:
+                ax.plot([d["batch"] for d in graphed], [d["graph_tokens_per_s"] for d in graphed], marker="s",
+                        linestyle="--", color=line.get_color(), label=f"{r['codec'][:40]}, CUDA graphs")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("decode tokens/s")
     ax.set_xscale("log", base=2)
@@ -505,6 +523,8 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--arrival-steps", type=int, default=4, help="engine steps between two arrivals")
+    parser.add_argument("--graphs", type=int, default=1,
+                        help="1: on CUDA also time the decode steps with the model's work as CUDA graphs")
     parser.add_argument("--anchor", type=int, default=1,
                         help="1: also run transformers' generate_batch on the workload's prompts")
     parser.add_argument("--ttft", type=int, default=1, help="1: time to first token from the tiers (section 4)")
@@ -530,7 +550,7 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",") if b]
         if base_capacity is not None:
             batches.append(min(base_capacity, args.max_batch))  # equal concurrency with the baseline
-        r = capacity_and_throughput(model, codec, shape, batches, device)  # and at its own limit
+        r = capacity_and_throughput(model, codec, shape, batches, device, bool(args.graphs))  # and at its limit
         if base_capacity is None:
             base_capacity = r["capacity"]
         print(json.dumps(r), flush=True)

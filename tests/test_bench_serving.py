@@ -45,13 +45,15 @@ def test_serving_benchmark_smoke_run(tmp_path):
             assert first[f"{tier}_same_first_token"] or first["codec"] != "identity", first
     tables = result["headline"].split("\n\n")
     rows = [1 + len(result["caches"]), 2 + len(result["caches"]), 1 + len(result["caches"])]  # + the anchor
-    if torch.cuda.is_available():  # the rows bound by their kernels alone, from one profiled step each
-        rows.insert(1, 1 + len(result["caches"]))
+    if torch.cuda.is_available():  # the rows with CUDA graphs, and bound by their kernels alone (a profiled step)
+        rows[1:1] = [1 + len(result["caches"])] * 2
         for cache in result["caches"]:
             for d in cache["decode"]:
                 assert 0 < d["kernel_ms"] < 2 * d["step_ms_max"], d
                 assert d["kernel_bound_tokens_per_s"] == pytest.approx(d["batch"] / d["kernel_ms"] * 1e3)
+                assert d["graph_tokens_per_s"] == pytest.approx(d["batch"] / d["graph_step_ms_median"] * 1e3)
     else:
-        assert all("kernel_ms" not in d for cache in result["caches"] for d in cache["decode"])
+        assert all("kernel_ms" not in d and "graph_tokens_per_s" not in d
+                   for cache in result["caches"] for d in cache["decode"])
     assert [t.count("\n") for t in tables] == rows, tables
     assert png.stat().st_size > 0

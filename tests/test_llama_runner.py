@@ -9,6 +9,8 @@ transformers = pytest.importorskip("transformers")
 from kvbackend import CacheConfig, Geometry, KVCache  # noqa: E402
 from kvbackend.rope import rotary_from_config  # noqa: E402
 from kvbackend.tools.llama_runner import LlamaRunner, merge_new_token  # noqa: E402
+from kvbackend.tools import step_graphs  # noqa: E402
+from kvbackend.tools.step_graphs import bucket  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -103,3 +105,79 @@ def test_merging_the_new_token_is_attention_over_all_tokens(shift, dtype):
     if shift:  # one side holds all the weight: the result is the other side's values exactly, not a blend
         side = out.to(dtype).float() if shift > 0 else v.float().repeat_interleave(g, 1)
         torch.testing.assert_close(got, side, atol=1e-6, rtol=0)
+
+
+def test_graph_steps_pad_batches_to_a_few_sizes():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 46)] == [1, 2, 4, 8, 8, 16, 16, 24, 48]
+    with pytest.raises(ValueError, match="at least one request"):
+        bucket(0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the refusal is for a model off CUDA")
+def test_cuda_graphs_are_refused_off_cuda(model):
+    run = runner(model, "identity")
+    with pytest.raises(ValueError, match="CUDA device"):
+        LlamaRunner(model, run.cache, cuda_graphs=True)
+
+
+class Rerun:
+    """Stands in for a captured graph off CUDA: replaying runs the piece again and writes its outputs into the
+    static tensors, so the replay's orchestration (padding, order, copies) is tested on any device."""
+
+    def __init__(self, piece, outputs):
+        self.piece, self.outputs = piece, outputs
+
+    def replay(self):
+        result = self.piece()
+        for static, tensor in zip(self.outputs, result if isinstance(result, tuple) else (result,)):
+            static.copy_(tensor)
+
+
+def emulated_capture(run, batch):
+    state = step_graphs.static_state(run, batch)
+    step_graphs.run_pieces(run, state, None)
+    layers = len(run.layers)
+    state.graphs = [Rerun(piece, (state.queries[i], state.keys[i], state.values[i]) if i < layers else (state.logits,))
+                    for i, piece in enumerate(step_graphs.pieces(run, state))]
+    return state
+
+
+@pytest.mark.parametrize("mode", ["emulated", pytest.param("cuda", marks=pytest.mark.skipif(DEVICE != "cuda",
+                                                                                         reason="CUDA graphs"))])
+@pytest.mark.parametrize("codec", ["identity", "kivi:bits=4,group=16,sink=2,pagerope=true",
+                                   "quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true"])
+def test_graph_steps_give_the_eager_steps_logits_and_pages(model, codec, mode, monkeypatch):
+    """Batches that change size and order (padded sizes 4, 2, 4, 1, 4): the replayed steps give the eager
+    steps' logits and leave the same pages; returned logits are copies, unchanged by later steps."""
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,)) for n in (75, 40, 19)]
+    eager, graphs = runner(model, codec), runner(model, codec)
+    if mode == "cuda":
+        graphs = LlamaRunner(model, graphs.cache, cuda_graphs=True)
+    else:
+        monkeypatch.setattr(step_graphs, "capture", emulated_capture)
+        graphs.cuda_graphs = True
+    ids = []
+    for prompt in prompts:
+        rid, _ = eager.cache.add_request()
+        assert graphs.cache.add_request()[0] == rid
+        eager.prefill(rid, prompt)
+        graphs.prefill(rid, prompt)
+        ids.append(rid)
+    kept = []
+    for batch in ([0, 1, 2], [0, 2], [2, 0, 1], [1], [1, 2, 0]):
+        rids = [ids[i] for i in batch]
+        tokens = torch.randint(0, 256, (len(rids),))
+        want, got = eager.decode(rids, tokens), graphs.decode(rids, tokens)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        kept.append((got, got.clone()))
+    assert sorted(graphs._graphs) == [1, 2, 4]  # one capture per padded size
+    for got, copy in kept:
+        assert torch.equal(got, copy)
+    for rid in ids:
+        assert graphs.cache.page_table(rid).lengths == eager.cache.page_table(rid).lengths
+        for layer in range(2):
+            for a, b in zip(eager.cache.gather(eager.cache.plan([rid], layer), layer),
+                            graphs.cache.gather(graphs.cache.plan([rid], layer), layer)):
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    graphs.cache.check()

@@ -7,7 +7,8 @@ RoPE, MLPs and logits; every key and value lives in the paged cache only:
   chunk attends to them and causally to itself (SDPA), and the chunk's K/V are appended per layer;
 - a decode step of a batch: `KVCache.decode` attends to the stored tokens (the Triton kernels on CUDA,
   the torch reference elsewhere), the new token joins by its log-sum-exp, and `KVCache.append_step`
-  stores the batch's new K/V with one call per layer.
+  stores the batch's new K/V with one call per layer. With ``cuda_graphs=True`` the step's model work
+  between the cache's calls replays as CUDA graphs (`kvbackend.tools.step_graphs`), as engines decode.
 
 Queries go to the cache only for codecs that read them (``quantwm``).
 """
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbackend.manager import KVCache
+from kvbackend.tools import step_graphs
 
 
 def merge_new_token(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -46,9 +48,11 @@ class LlamaRunner:
     """Chunked prefill and batched decode of a transformers Llama model over ``cache``.
 
     ``cache`` must match the model: one layer per decoder layer, its KV heads and head size.
+    ``cuda_graphs``: replay each decode step's model work as CUDA graphs captured once per padded batch size
+    (the cache's reads and appends run between them); the model must be on CUDA.
     """
 
-    def __init__(self, model, cache: KVCache) -> None:
+    def __init__(self, model, cache: KVCache, cuda_graphs: bool = False) -> None:
         config = model.config
         self.model, self.cache = model, cache
         self.layers = model.model.layers
@@ -61,6 +65,10 @@ class LlamaRunner:
                              f"{self.kv_heads} KV heads, head_dim {self.head_dim})")
         self.queries = [codec.uses_queries for codec in cache.codecs]
         self.apply_rope = _rope()
+        if cuda_graphs and model.model.embed_tokens.weight.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        self.cuda_graphs = cuda_graphs
+        self._graphs = {}  # padded batch size -> step_graphs.StepGraphs
 
     def _qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Projections of ``x [B, T, hidden]`` with RoPE: q ``[B, Hq, T, D]``, k and v ``[B, H, T, D]``."""
@@ -83,8 +91,21 @@ class LlamaRunner:
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
             raise ValueError(f"{where}: token ids must be in 0..{vocab - 1}")
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h))
+
+    def pre_attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A decode step's layer up to attention: the queries ``[B, Hq, D]``, keys and values ``[B, H, D]``."""
+        q, k, v = self._qkv(layer, self.layers[layer].input_layernorm(h), cos, sin)
+        return q[:, :, 0], k[:, :, 0], v[:, :, 0]
+
+    def post_attention(self, layer: int, h: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A decode step's layer from the cache's attention (``out``, ``lse``) on: the next hidden states."""
+        block, b = self.layers[layer], h.shape[0]
+        merged = merge_new_token(out, lse, q, k, v, block.self_attn.scaling).to(h.dtype).view(b, 1, -1)
+        h = h + block.self_attn.o_proj(merged)
+        return h + block.mlp(block.post_attention_layernorm(h))
 
     @torch.no_grad()
     def prefill(self, request_id: int, token_ids: torch.Tensor) -> torch.Tensor:
@@ -122,7 +143,7 @@ class LlamaRunner:
                 return out.transpose(1, 2).reshape(1, n, -1)
 
             h = self._block(layer, h, attend)
-        return self._logits(h[0, -1])
+        return self.logits(h[0, -1])
 
     @torch.no_grad()
     def decode(self, request_ids: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
@@ -134,22 +155,18 @@ class LlamaRunner:
         lengths = [cache.page_table(rid).lengths[0] for rid in ids]
         if min(lengths, default=1) < 1:
             raise ValueError("a decode step needs requests that hold at least one token (prefill first)")
+        if self.cuda_graphs:
+            size = step_graphs.bucket(len(ids))
+            if size not in self._graphs:
+                self._graphs[size] = step_graphs.capture(self, size)
+            return step_graphs.replay(self, self._graphs[size], ids, token_ids, lengths)
         device = self.model.model.embed_tokens.weight.device
-        b = len(ids)
-        h = self.model.model.embed_tokens(token_ids.to(device).view(b, 1))
-        positions = torch.tensor(lengths, device=device)[:, None]
-        cos, sin = self.model.model.rotary_emb(h, positions)
+        h = self.model.model.embed_tokens(token_ids.to(device).view(len(ids), 1))
+        cos, sin = self.model.model.rotary_emb(h, torch.tensor(lengths, device=device)[:, None])
         plan = cache.plan(ids, 0)  # every layer holds the same tokens until its own append below
-
         for layer in range(len(self.layers)):
-            def attend(x, layer=layer):
-                q, k, v = self._qkv(layer, x, cos, sin)
-                q1, k1, v1 = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, Hq, D], [B, H, D]
-                scale = self.layers[layer].self_attn.scaling
-                out, lse = cache.decode(plan, layer, q1.contiguous(), scale=scale)
-                merged = merge_new_token(out, lse, q1, k1, v1, scale)
-                cache.append_step(ids, layer, k1, v1, queries=q1 if self.queries[layer] else None)
-                return merged.to(x.dtype).view(b, 1, -1)
-
-            h = self._block(layer, h, attend)
-        return self._logits(h[:, 0])
+            q, k, v = self.pre_attention(layer, h, cos, sin)
+            out, lse = cache.decode(plan, layer, q.contiguous(), scale=self.layers[layer].self_attn.scaling)
+            cache.append_step(ids, layer, k, v, queries=q if self.queries[layer] else None)
+            h = self.post_attention(layer, h, out, lse, q, k, v)
+        return self.logits(h[:, 0])
