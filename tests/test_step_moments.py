@@ -349,6 +349,65 @@ def test_moment_buffers_keep_a_pair_per_stream_for_the_last_streams_only():
     assert len(buffers._by_stream) == MAX_STREAMS
 
 
+def test_moment_buffers_keep_a_pair_per_thread():
+    """Two threads appending to other layers of one cache must not share a buffer: one's product would overwrite
+    the other's between its product and its adds."""
+    import threading
+
+    from kvbackend.step_state import MomentBuffers
+
+    buffers = MomentBuffers(2, 8, torch.device("cpu"))
+    first = buffers.get(3)[0]
+    assert buffers.get(3)[0].data_ptr() == first.data_ptr()  # reused by the same thread
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(buffers.get(3)[0].data_ptr()))
+    thread.start()
+    thread.join()
+    assert seen and seen[0] != first.data_ptr()
+    assert buffers.get(3)[0].data_ptr() == first.data_ptr()  # the first thread's pair is still its own
+
+
+def test_two_threads_stepping_other_layers_of_one_cache_give_one_threads_statistics():
+    import threading
+
+    from kvbackend import CacheConfig, Geometry, KVCache
+
+    batch, heads, steps = 8, 2, 30
+
+    def make():
+        geometry = Geometry(num_layers=2, num_kv_heads=heads, head_dim=16, dtype=torch.float32)
+        return KVCache(geometry, CacheConfig(codec="quantwm:group=16,rank=2,centroids=2,vbits=2", page_size=64,
+                                             chunk_pages=2, dense_pages=batch + 2, packed_pages=8))
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, steps, batch, heads, 16, generator=gen)
+    q = torch.randn(2, steps, batch, 2 * heads, 16, generator=gen) * 10
+    alone, threaded = make(), make()
+    for cache in (alone, threaded):
+        ids = [cache.add_request()[0] for _ in range(batch)]
+    for layer in range(2):
+        for s in range(steps):
+            alone.append_step(ids, layer, k[layer, s], k[layer, s], queries=q[layer, s])
+    barrier = threading.Barrier(2)
+
+    def worker(layer):
+        barrier.wait()
+        for s in range(steps):
+            threaded.append_step(ids, layer, k[layer, s], k[layer, s], queries=q[layer, s])
+
+    threads = [threading.Thread(target=worker, args=(layer,)) for layer in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for rid in ids:
+        for layer in range(2):
+            a, b = alone.page_table(rid).states[layer], threaded.page_table(rid).states[layer]
+            assert a.query_parts[0][1] == b.query_parts[0][1]
+            torch.testing.assert_close(b.query_parts[0][0], a.query_parts[0][0])
+            torch.testing.assert_close(b.query_sums[0], a.query_sums[0])
+
+
 def _step_cache():
     from kvbackend import CacheConfig, Geometry, KVCache
     from kvbackend.rope import Rotary
