@@ -172,10 +172,12 @@ def requests_like(cache: KVCache, source: int, count: int, tokens: int, seed: in
     return ids
 
 
-def timed_steps(runner: LlamaRunner, ids: list[int], tokens: torch.Tensor, steps: int, device: str):
-    """``steps`` greedy decode steps after one untimed step (kernels compile, graphs are captured): the sorted
+def timed_steps(runner: LlamaRunner, ids: list[int], tokens: torch.Tensor, steps: int, device: str,
+                warm: int = 1):
+    """``steps`` greedy decode steps after ``warm`` untimed ones (kernels compile, graphs are captured): the sorted
     step times in seconds and the last step's tokens."""
-    tokens = runner.decode(ids, tokens).argmax(-1)
+    for _ in range(warm):
+        tokens = runner.decode(ids, tokens).argmax(-1)
     sync(device)
     times = []
     for _ in range(steps):
@@ -198,7 +200,7 @@ def decode_rate(runner: LlamaRunner, ids: list[int], steps: int, device: str, gr
         row.update(kernel_ms=kernel_ms, kernel_bound_tokens_per_s=len(ids) / (kernel_ms / 1e3))
         if graphs:
             times, _ = timed_steps(LlamaRunner(runner.model, runner.cache, cuda_graphs=True), ids, tokens, steps,
-                                   device)
+                                   device, warm=2)  # (the capture, then one replay)
             median = times[len(times) // 2]
             row.update(graph_step_ms_median=median * 1e3, graph_tokens_per_s=len(ids) / median)
     return row
@@ -235,7 +237,7 @@ def capacity_and_throughput(model, codec: str, shape: Shape, batches: list[int],
     rows = []
     limit = min(capacity, shape.max_batch)
     for batch in sorted({b for b in batches if 0 < b <= limit} | ({limit} if limit else set())):
-        cache = make_cache(model, codec, shape, batch, shape.context + 2 * shape.steps + 4, device)
+        cache = make_cache(model, codec, shape, batch, shape.context + 2 * shape.steps + 5, device)
         first, _ = cache.add_request(list(range(shape.context)))
         fill_random(cache, first, shape.context, 0, heads)
         ids = [first] + requests_like(cache, first, batch - 1, shape.context, 1000, heads)
