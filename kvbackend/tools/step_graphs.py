@@ -9,6 +9,9 @@ step) and `KVCache.append_step` stores the step's keys and values (its pages are
 Batches are padded to a few sizes (`bucket`); padded rows compute on stale inputs and are never read: every
 operation of the captured work is row-wise (projections, norms, RoPE, merge), so they cannot reach the
 batch's rows.
+
+As with any CUDA graph, the replays read the model's parameters at the addresses they had when captured: change
+weights in place (``param.data.copy_``), or make a new runner after replacing a module or a parameter.
 """
 
 from __future__ import annotations
