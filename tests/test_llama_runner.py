@@ -181,3 +181,36 @@ def test_graph_steps_give_the_eager_steps_logits_and_pages(model, codec, mode, m
                             graphs.cache.gather(graphs.cache.plan([rid], layer), layer)):
                 torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     graphs.cache.check()
+
+
+@pytest.mark.parametrize("mode", ["eager", "emulated", pytest.param("cuda", marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="CUDA graphs"))])
+def test_a_chunk_packed_in_the_middle_of_a_step_does_not_stall_the_batch(model, mode, monkeypatch):
+    """A chunk completed while the packed pool was full waits in the dense pool; once room is made, the next
+    step's first append packs it, so the step's plan is stale for the layers after: the runner plans them again
+    (it raised there, and the batch stayed one token ahead in layer 0 for good)."""
+    torch.manual_seed(4)
+    cache = KVCache(Geometry(2, 2, 32, torch.float32),
+                    CacheConfig(codec="identity", page_size=16, chunk_pages=2, dense_pages=16, packed_pages=2,
+                                device=DEVICE), rotary=rotary_from_config(model.config))
+    run = LlamaRunner(model, cache, cuda_graphs=mode == "cuda")
+    if mode == "emulated":
+        monkeypatch.setattr(step_graphs, "capture", emulated_capture)
+        run.cuda_graphs = True
+    prompts = [torch.randint(0, 256, (n,)) for n in (33, 40, 5)]
+    a, b, c = (cache.add_request()[0] for _ in prompts)
+    for rid, prompt in zip((a, b, c), prompts):
+        run.prefill(rid, prompt)
+    assert not cache.page_table(b).packed  # its chunk is complete, its packing put off: the pool is full
+    cache.free(a)
+    seqs = [prompts[2].tolist(), prompts[1].tolist()]
+    for _ in range(2):
+        tokens = torch.randint(0, 256, (2,))
+        logits = run.decode([c, b], tokens)
+        for i, seq in enumerate(seqs):
+            seq.append(int(tokens[i]))
+            want = reference(model, torch.tensor(seq))[-1]
+            torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
+    assert cache.page_table(b).packed  # packed during the first step
+    assert cache.page_table(b).lengths == [42, 42] and cache.page_table(c).lengths == [7, 7]
+    cache.check()

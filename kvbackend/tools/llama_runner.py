@@ -94,6 +94,14 @@ class LlamaRunner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h))
 
+    def layer_plan(self, plan, ids: list[int], layer: int):
+        """The decode step's plan for ``layer``: the step's one plan, or a new one once an earlier layer's append
+        packed a chunk (a chunk completed while the packed pool was full is packed by the first append after room
+        was made, in the middle of a step: its dense pages went back to the pool, so the plan's page ids are stale)."""
+        if any(table.version != version for table, version, _ in plan.tables):
+            return self.cache.plan(ids, layer)
+        return plan
+
     def pre_attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """A decode step's layer up to attention: the queries ``[B, Hq, D]``, keys and values ``[B, H, D]``."""
         q, k, v = self._qkv(layer, self.layers[layer].input_layernorm(h), cos, sin)
@@ -166,6 +174,7 @@ class LlamaRunner:
         plan = cache.plan(ids, 0)  # every layer holds the same tokens until its own append below
         for layer in range(len(self.layers)):
             q, k, v = self.pre_attention(layer, h, cos, sin)
+            plan = self.layer_plan(plan, ids, layer)
             out, lse = cache.decode(plan, layer, q.contiguous(), scale=self.layers[layer].self_attn.scaling)
             cache.append_step(ids, layer, k, v, queries=q if self.queries[layer] else None)
             h = self.post_attention(layer, h, out, lse, q, k, v)

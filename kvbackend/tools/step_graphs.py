@@ -117,6 +117,7 @@ def replay(runner, state: StepGraphs, request_ids: list[int], token_ids: torch.T
     state.graphs[0].replay()
     for layer in range(len(runner.layers)):
         q, k, v = state.queries[layer][:b], state.keys[layer][:b], state.values[layer][:b]
+        plan = runner.layer_plan(plan, request_ids, layer)
         out, lse = cache.decode(plan, layer, q, scale=runner.layers[layer].self_attn.scaling)
         state.outputs[layer][:b].copy_(out)
         state.lse[layer][:b].copy_(lse)
