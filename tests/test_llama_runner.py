@@ -113,6 +113,18 @@ def test_graph_steps_pad_batches_to_a_few_sizes():
         bucket(0)
 
 
+def test_cuda_graphs_are_refused_for_a_rope_that_changes_with_the_length():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, num_hidden_layers=1, vocab_size=64,
+                                      max_position_embeddings=256,
+                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = KVCache(Geometry(1, 1, 32, torch.float32), CacheConfig(codec="identity", page_size=16, device="cpu"))
+    with pytest.raises(ValueError, match="dynamic"):
+        LlamaRunner(model, cache, cuda_graphs=True)
+    LlamaRunner(model, cache)  # eager steps read the frequencies each step
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the refusal is for a model off CUDA")
 def test_cuda_graphs_are_refused_off_cuda(model):
     run = runner(model, "identity")

@@ -65,6 +65,10 @@ class LlamaRunner:
                              f"{self.kv_heads} KV heads, head_dim {self.head_dim})")
         self.queries = [codec.uses_queries for codec in cache.codecs]
         self.apply_rope = _rope()
+        rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+        if cuda_graphs and "dynamic" in str(rope_type):  # (its frequencies change with the length, on the host)
+            raise ValueError(f"cuda_graphs=True needs a RoPE fixed at capture; rope_type {rope_type!r} recomputes "
+                             "its frequencies as sequences grow (use cuda_graphs=False)")
         if cuda_graphs and model.model.embed_tokens.weight.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.cuda_graphs = cuda_graphs
