@@ -81,6 +81,13 @@ def test_bad_input_is_refused_with_a_clear_error(model):
     with pytest.raises(ValueError, match="token ids"):
         run.decode([rid], torch.tensor([-1]))
     assert run.cache.page_table(rid).lengths == [3, 3]  # nothing was appended by the refused calls
+    g = run.cache.geometry
+    run.cache.append_step([rid], 0, torch.zeros(1, g.num_kv_heads, g.head_dim, device=DEVICE),
+                          torch.zeros(1, g.num_kv_heads, g.head_dim, device=DEVICE))  # a step cut after layer 0
+    for call in (lambda: run.decode([rid], torch.tensor([1])), lambda: run.prefill(rid, torch.tensor([1]))):
+        with pytest.raises(ValueError, match="partial step"):
+            call()
+    assert run.cache.page_table(rid).lengths == [4, 3]
 
 
 @pytest.mark.parametrize("shift", [0.0, 60.0, -60.0])  # the stored tokens' scores far above or below the new token's

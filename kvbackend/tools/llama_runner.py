@@ -164,7 +164,12 @@ class LlamaRunner:
         if not ids or token_ids.numel() != len(ids):
             raise ValueError(f"decode takes one token id per request: {len(ids)} requests, {token_ids.numel()} ids")
         self._check_tokens(token_ids, "decode")
-        lengths = [cache.page_table(rid).lengths[0] for rid in ids]
+        tables = [cache.page_table(rid) for rid in ids]
+        partial = [rid for rid, table in zip(ids, tables) if min(table.lengths) != max(table.lengths)]
+        if partial:  # (a step that failed after its first layers: decoding on would leave its layers further apart)
+            raise ValueError(f"request {partial[0]} holds a partial step (lengths per layer differ: "
+                             f"{cache.page_table(partial[0]).lengths}); free it")
+        lengths = [table.lengths[0] for table in tables]
         if min(lengths, default=1) < 1:
             raise ValueError("a decode step needs requests that hold at least one token (prefill first)")
         if self.cuda_graphs:
