@@ -90,6 +90,17 @@ class LlamaRunner:
         h = h + block.self_attn.o_proj(attend(block.input_layernorm(h)))
         return h + block.mlp(block.post_attention_layernorm(h))
 
+    def _lengths(self, ids: list[int]) -> list[int]:
+        """The tokens each request holds, refusing one whose layers hold different lengths (a step cut after its
+        first layers: running on would pull its layers further apart)."""
+        lengths = []
+        for rid in ids:
+            held = self.cache.page_table(rid).lengths
+            if min(held) != max(held):
+                raise ValueError(f"request {rid} holds a partial step (lengths per layer differ: {held}); free it")
+            lengths.append(held[0])
+        return lengths
+
     def _check_tokens(self, token_ids: torch.Tensor, where: str) -> None:
         vocab = self.model.model.embed_tokens.num_embeddings
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
@@ -123,9 +134,7 @@ class LlamaRunner:
     def prefill(self, request_id: int, token_ids: torch.Tensor) -> torch.Tensor:
         """Run ``token_ids [T]`` after what the request holds; returns the last token's logits ``[vocab]``."""
         cache = self.cache
-        start = cache.page_table(request_id).lengths[0]
-        if any(n != start for n in cache.page_table(request_id).lengths):
-            raise ValueError(f"request {request_id} holds a partial step (lengths per layer differ)")
+        start, = self._lengths([request_id])
         n = token_ids.shape[0]
         self._check_tokens(token_ids, "prefill")
         if token_ids.dim() != 1 or n == 0:
@@ -164,12 +173,7 @@ class LlamaRunner:
         if not ids or token_ids.numel() != len(ids):
             raise ValueError(f"decode takes one token id per request: {len(ids)} requests, {token_ids.numel()} ids")
         self._check_tokens(token_ids, "decode")
-        tables = [cache.page_table(rid) for rid in ids]
-        partial = [rid for rid, table in zip(ids, tables) if min(table.lengths) != max(table.lengths)]
-        if partial:  # (a step that failed after its first layers: decoding on would leave its layers further apart)
-            raise ValueError(f"request {partial[0]} holds a partial step (lengths per layer differ: "
-                             f"{cache.page_table(partial[0]).lengths}); free it")
-        lengths = [table.lengths[0] for table in tables]
+        lengths = self._lengths(ids)
         if min(lengths, default=1) < 1:
             raise ValueError("a decode step needs requests that hold at least one token (prefill first)")
         if self.cuda_graphs:
