@@ -86,8 +86,12 @@ class LlamaRunner:
 
     def _block(self, layer: int, h: torch.Tensor, attend) -> torch.Tensor:
         """One decoder layer around ``attend(normed hidden states) -> [B, T, Hq * D]``."""
+        return self._after_attention(layer, h, attend(self.layers[layer].input_layernorm(h)))
+
+    def _after_attention(self, layer: int, h: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer from its attention output ``[B, T, Hq * D]``: the next hidden states."""
         block = self.layers[layer]
-        h = h + block.self_attn.o_proj(attend(block.input_layernorm(h)))
+        h = h + block.self_attn.o_proj(attention)
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def _lengths(self, ids: list[int]) -> list[int]:
@@ -109,13 +113,19 @@ class LlamaRunner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h))
 
-    def layer_plan(self, plan, ids: list[int], layer: int):
-        """The decode step's plan for ``layer``: the step's one plan, or a new one once an earlier layer's append
-        packed a chunk (a chunk completed while the packed pool was full is packed by the first append after room
-        was made, in the middle of a step: its dense pages went back to the pool, so the plan's page ids are stale)."""
+    def cache_layer(self, plan, ids: list[int], layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The cache's part of a decode step's layer: attention of ``q`` over the stored tokens, then the step's
+        ``k``, ``v`` appended. Returns (the plan for the next layers, output, lse).
+
+        The step's one plan serves every layer (each holds the same tokens until its own append), unless an
+        earlier layer's append packed a chunk: a chunk completed while the packed pool was full is packed by the
+        first append after room was made, in the middle of a step, and its dense pages went back to the pool, so
+        the plan's page ids are stale; the layer is planned again then."""
         if any(table.version != version for table, version, _ in plan.tables):
-            return self.cache.plan(ids, layer)
-        return plan
+            plan = self.cache.plan(ids, layer)
+        out, lse = self.cache.decode(plan, layer, q, scale=self.layers[layer].self_attn.scaling)
+        self.cache.append_step(ids, layer, k, v, queries=q if self.queries[layer] else None)
+        return plan, out, lse
 
     def pre_attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """A decode step's layer up to attention: the queries ``[B, Hq, D]``, keys and values ``[B, H, D]``."""
@@ -125,10 +135,8 @@ class LlamaRunner:
     def post_attention(self, layer: int, h: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A decode step's layer from the cache's attention (``out``, ``lse``) on: the next hidden states."""
-        block, b = self.layers[layer], h.shape[0]
-        merged = merge_new_token(out, lse, q, k, v, block.self_attn.scaling).to(h.dtype).view(b, 1, -1)
-        h = h + block.self_attn.o_proj(merged)
-        return h + block.mlp(block.post_attention_layernorm(h))
+        merged = merge_new_token(out, lse, q, k, v, self.layers[layer].self_attn.scaling)
+        return self._after_attention(layer, h, merged.to(h.dtype).view(h.shape[0], 1, -1))
 
     @torch.no_grad()
     def prefill(self, request_id: int, token_ids: torch.Tensor) -> torch.Tensor:
@@ -169,7 +177,7 @@ class LlamaRunner:
     @torch.no_grad()
     def decode(self, request_ids: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
         """One token per request (each holding at least one token); returns logits ``[B, vocab]``."""
-        cache, ids = self.cache, [int(rid) for rid in request_ids]
+        ids = [int(rid) for rid in request_ids]
         if not ids or token_ids.numel() != len(ids):
             raise ValueError(f"decode takes one token id per request: {len(ids)} requests, {token_ids.numel()} ids")
         self._check_tokens(token_ids, "decode")
@@ -184,11 +192,9 @@ class LlamaRunner:
         device = self.model.model.embed_tokens.weight.device
         h = self.model.model.embed_tokens(token_ids.to(device).view(len(ids), 1))
         cos, sin = self.model.model.rotary_emb(h, torch.tensor(lengths, device=device)[:, None])
-        plan = cache.plan(ids, 0)  # every layer holds the same tokens until its own append below
+        plan = self.cache.plan(ids, 0)  # every layer holds the same tokens until its own append below
         for layer in range(len(self.layers)):
             q, k, v = self.pre_attention(layer, h, cos, sin)
-            plan = self.layer_plan(plan, ids, layer)
-            out, lse = cache.decode(plan, layer, q.contiguous(), scale=self.layers[layer].self_attn.scaling)
-            cache.append_step(ids, layer, k, v, queries=q if self.queries[layer] else None)
+            plan, out, lse = self.cache_layer(plan, ids, layer, q, k, v)
             h = self.post_attention(layer, h, out, lse, q, k, v)
         return self.logits(h[:, 0])

@@ -110,17 +110,15 @@ def run_pieces(runner, state: StepGraphs, pool) -> None:
 def replay(runner, state: StepGraphs, request_ids: list[int], token_ids: torch.Tensor, lengths: list[int]):
     """One decode step of ``request_ids`` (at most ``state.batch``) through the graphs; returns a copy of the
     logits ``[B, vocab]`` (the static ones change at the next step)."""
-    cache, b = runner.cache, len(request_ids)
+    b = len(request_ids)
     state.tokens[:b].copy_(token_ids.view(b))
     state.positions[:b, 0].copy_(torch.tensor(lengths))
-    plan = cache.plan(request_ids, 0)  # every layer holds the same tokens until its own append
+    plan = runner.cache.plan(request_ids, 0)  # every layer holds the same tokens until its own append
     state.graphs[0].replay()
     for layer in range(len(runner.layers)):
         q, k, v = state.queries[layer][:b], state.keys[layer][:b], state.values[layer][:b]
-        plan = runner.layer_plan(plan, request_ids, layer)
-        out, lse = cache.decode(plan, layer, q, scale=runner.layers[layer].self_attn.scaling)
+        plan, out, lse = runner.cache_layer(plan, request_ids, layer, q, k, v)
         state.outputs[layer][:b].copy_(out)
         state.lse[layer][:b].copy_(lse)
-        cache.append_step(request_ids, layer, k, v, queries=q if runner.queries[layer] else None)
         state.graphs[layer + 1].replay()
     return state.logits[:b].clone()
