@@ -226,8 +226,9 @@ class KVCache:
                 table.dense.append(next(new_pages))
         step = self._step_ints([table.dense[start // p] for table, start in zip(tables, starts)],
                                [start % p for start in starts], [table.lengths[layer] for table in tables])
-        self.dense.data[layer, step.pages, 0, step.offsets] = k
-        self.dense.data[layer, step.pages, 1, step.offsets] = v
+        rows = self.dense.data[layer].view(-1, *k.shape[1:])  # [pages * 2 * P, H, D]: K rows, then V rows, per page
+        rows.index_copy_(0, step.key_rows, k)  # (an index_put_ with int32 page ids and offsets converted both to
+        rows.index_copy_(0, step.value_rows, v)  # int64 on every call: four more kernels a layer)
         chunk_tokens = self.config.chunk_tokens
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
             stored = self.frames[layer].step_queries_to_stored(queries, step.positions, step.rope)
@@ -243,14 +244,18 @@ class KVCache:
                 self._pack_completed(table)
 
     def _step_ints(self, pages: list[int], offsets: list[int], positions: list[int]) -> StepInts:
-        """The step's page ids, offsets and positions on the device: copied there by the step's first layer, reused
-        by the others (and by any call with the same lists on the same stream: the copy is queued on the stream that
-        made it, and a layer on another stream would not wait for it)."""
+        """The step's dense rows and positions on the device: copied there by the step's first layer, reused by the
+        others (and by any call with the same lists on the same stream: the copy is queued on the stream that made
+        it, and a layer on another stream would not wait for it)."""
         device = self.dense.data.device
         key = (stream_key(device), tuple(pages), tuple(offsets), tuple(positions))
         step = self._step
         if step is None or step.key != key:
-            step = self._step = StepInts(key, *ints_on_device([pages, offsets, positions], device))
+            p, b = self.config.page_size, len(pages)
+            keys = [2 * p * page + offset for page, offset in zip(pages, offsets)]
+            rows, positions = ints_on_device([keys + [row + p for row in keys], positions], device)
+            rows = rows.long()
+            step = self._step = StepInts(key, rows[:b], rows[b:], positions)
         return step
 
     def _appended(self, table: PageTable, layer: int, n: int, queries: torch.Tensor | None) -> None:

@@ -17,13 +17,14 @@ import torch
 
 @dataclass
 class StepInts:
-    """A step's dense page ids, token offsets and positions ``[B]`` (int32, on the cache's device), for the stream
-    and the host lists they were made on and from (`key`); `rope` holds the cos/sin tables of the positions for the
-    frames that de-rotate the step's queries (`LeverFrame.step_queries_to_stored`), valid as long as they are."""
+    """A step's rows in a layer's dense pool seen as ``[pages * 2 * P, H, D]`` (`key_rows`, `value_rows`: int64
+    ``[B]``, for `index_copy_`) and its positions ``[B]`` (int32), on the cache's device, for the stream and the host
+    lists they were made on and from (`key`); `rope` holds the cos/sin tables of the positions for the frames that
+    de-rotate the step's queries (`LeverFrame.step_queries_to_stored`), valid as long as they are."""
 
     key: tuple
-    pages: torch.Tensor
-    offsets: torch.Tensor
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
     positions: torch.Tensor
     rope: dict = field(default_factory=dict)
 
