@@ -19,10 +19,12 @@ The dense active chunk is stored exactly as appended; only encoding and decoding
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from kvbackend.codecs.base import query_moments
 from kvbackend.errors import SpecError
 from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers, rotate_values
@@ -140,13 +142,33 @@ class LeverFrame:
         positions (`StepInts.rope`): the RoPE tables are made once there for every frame that turns alike."""
         if not self.levers.rope:
             return q
-        key = (id(self.rotary), self.levers.pagerope, self.page_size, q.device)
+        tables = self._step_tables(positions, q.device, memo)
+        return self.rotary.derotate(q.transpose(0, 1), None, cos_sin=tables).transpose(0, 1)
+
+    def step_query_moments(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None, kv_heads: int,
+                           out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`query_moments` of `step_queries_to_stored` (``q [B, Hq, D]`` at ``positions [B]``) into ``out``
+        (contiguous float32 ``[B, H, D, D]`` and ``[B, H, D]``): on CUDA in one kernel
+        (`kvbackend.kernels.query_moments`, the same queries rounded to their dtype after the turn; sums in another
+        order), elsewhere in torch (and on CUDA too where ``KVBACKEND_STEP_KERNEL`` is ``0``, to compare)."""
+        if q.is_cuda and os.environ.get("KVBACKEND_STEP_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no"):
+            from kvbackend.kernels import query_moments as kernel
+            if kernel.supports(q):
+                tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
+                scaling = self.rotary.scaling if self.levers.rope else 1.0
+                return kernel.step_query_moments(q, kv_heads, tables, scaling, out)
+        return query_moments(self.step_queries_to_stored(q, positions, memo), kv_heads, out=out)
+
+    def _step_tables(self, positions: torch.Tensor, device: torch.device,
+                     memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables ``[B, D]`` that turn a step's queries into the stored frame, kept in ``memo``."""
+        key = (id(self.rotary), self.levers.pagerope, self.page_size, device)
         tables = memo.get(key) if memo is not None else None
         if tables is None:
-            tables = self.rotary.cos_sin(rope_positions(self.levers, positions, self.page_size), q.device)
+            tables = self.rotary.cos_sin(rope_positions(self.levers, positions, self.page_size), device)
             if memo is not None:
                 memo[key] = tables
-        return self.rotary.derotate(q.transpose(0, 1), None, cos_sin=tables).transpose(0, 1)
+        return tables
 
     def queries_to_stored(self, q: torch.Tensor, first: int) -> torch.Tensor:
         """Queries ``[T, Hq, D]`` of positions ``first..`` in the keys' stored frame (de-rotated as a key at their

@@ -13,7 +13,7 @@ import torch
 
 from kvbackend.accounting import CacheStats, cache_stats, check_cache
 from kvbackend.batch import BatchPlan, ints_on_device, plan_batch
-from kvbackend.codecs.base import add_step_moments, prepare_kv, query_moments
+from kvbackend.codecs.base import add_step_moments, prepare_kv
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import SINK_FIELDS, LeverFrame, without_sinks
@@ -231,9 +231,9 @@ class KVCache:
         rows.index_copy_(0, step.value_rows, v)  # int64 on every call: four more kernels a layer)
         chunk_tokens = self.config.chunk_tokens
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
-            stored = self.frames[layer].step_queries_to_stored(queries, step.positions, step.rope)
             moments, sums, *rows = self._moments.get(len(ids))
-            query_moments(stored, self.geometry.num_kv_heads, out=(moments, sums))
+            self.frames[layer].step_query_moments(queries, step.positions, step.rope, self.geometry.num_kv_heads,
+                                                  (moments, sums))
             # each request's queries booked before its token is (which may complete a chunk)
             add_step_moments([table.states[layer] for table in tables],
                              [table.lengths[layer] // chunk_tokens for table in tables], moments,

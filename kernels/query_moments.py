@@ -1,0 +1,88 @@
+"""A decode step's query statistics in one kernel: de-rotation into the keys' stored frame, then per KV head the sums
+of q q^T and of q over its GQA group (what `LeverFrame.step_queries_to_stored` and `query_moments` do in torch, in
+about ten kernels a layer).
+
+One program per (request, KV head) loads its group's G query rows, turns each back by its request's RoPE tables
+(``x cos - rotate_half(x) sin``, divided by the RoPE's scaling, then rounded to the queries' dtype as the torch path
+stores them) and adds the outer products into a ``[D, D]`` float32 tile. The reference is
+`kvbackend.codecs.base.step_query_moments_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 128  # a [D, D] float32 tile per program: 64 KiB at 128 (a larger head goes through torch)
+
+
+@triton.jit
+def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, stride_b, stride_h, scaling,
+                  H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
+                  SCALED: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    live = d < D
+    half = D // 2
+    if ROTATE:
+        cos = tl.load(cos_ptr + b * D + d, mask=live, other=0.0)
+        sin = tl.load(sin_ptr + b * D + d, mask=live, other=0.0)
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+    acc = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for g in tl.static_range(G):
+        row = q_ptr + b * stride_b + (h * G + g) * stride_h
+        raw = tl.load(row + d, mask=live, other=0.0)
+        x = raw.to(tl.float32)
+        if ROTATE:
+            rotated = (tl.load(row + partner, mask=live, other=0.0).to(tl.float32) * sign) * sin
+            x = x * cos - rotated
+            if SCALED:
+                x = x / scaling  # (a division, as the torch path does it)
+            x = x.to(raw.dtype).to(tl.float32)  # stored as the queries' dtype, as the torch path keeps them
+        acc += x[:, None] * x[None, :]
+        total += x
+    out = (b * H + h) * D
+    tl.store(moments_ptr + (out + d[:, None]) * D + d[None, :], acc, mask=live[:, None] & live[None, :])
+    tl.store(sums_ptr + out + d, total, mask=live)
+
+
+def supports(queries: torch.Tensor) -> bool:
+    """Whether the kernel takes these queries ``[B, Hq, D]``: on CUDA (or under the interpreter), a head of at most
+    `MAX_HEAD_DIM` channels, an even head size and a float dtype."""
+    return (queries.dim() == 3 and queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[-1] % 2 == 0
+            and queries.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def step_query_moments(queries: torch.Tensor, kv_heads: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+                       scaling: float, out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moments ``[B, H, D, D]`` and sums ``[B, H, D]`` (float32, contiguous, written into ``out``) of queries
+    ``[B, Hq, D]`` (one token per row) de-rotated by ``cos_sin`` (float32 ``[B, D]`` tables of `Rotary.cos_sin`,
+    None for queries already in the stored frame) and divided by ``scaling``."""
+    b, hq, d = queries.shape
+    moments, sums = out
+    if hq % kv_heads:
+        raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
+    if moments.shape != (b, kv_heads, d, d) or sums.shape != (b, kv_heads, d) or not moments.is_contiguous() \
+            or not sums.is_contiguous() or moments.dtype != torch.float32 or sums.dtype != torch.float32:
+        raise ValueError(f"out must be contiguous float32 [{b}, {kv_heads}, {d}, {d}] and [{b}, {kv_heads}, {d}], "
+                         f"got {tuple(moments.shape)} {moments.dtype} and {tuple(sums.shape)} {sums.dtype}")
+    if not b:
+        return moments, sums
+    if queries.stride(-1) != 1:
+        queries = queries.contiguous()
+    rotate = cos_sin is not None
+    if rotate:
+        cos, sin = (t.to(device=queries.device, dtype=torch.float32).contiguous() for t in cos_sin)
+        if cos.shape != (b, d) or sin.shape != (b, d):
+            raise ValueError(f"RoPE tables must be [{b}, {d}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    else:
+        cos = sin = queries  # (not read)
+    _step_moments[(b, kv_heads)](queries, cos, sin, moments, sums, queries.stride(0), queries.stride(1),
+                                 float(scaling), H=kv_heads, G=hq // kv_heads, D=d,
+                                 BLOCK_D=triton.next_power_of_2(d), ROTATE=rotate,
+                                 SCALED=rotate and float(scaling) != 1.0, num_warps=4 if d <= 64 else 8)
+    return moments, sums
