@@ -4,8 +4,8 @@ about ten kernels a layer).
 
 One program per (request, KV head) loads its group's G query rows, turns each back by its request's RoPE tables
 (``x cos - rotate_half(x) sin``, divided by the RoPE's scaling, then rounded to the queries' dtype as the torch path
-stores them) and adds the outer products into a ``[D, D]`` float32 tile. The reference is
-`kvbackend.codecs.base.step_query_moments_reference`.
+stores them) and adds the outer products into a ``[D, D]`` float32 tile. The reference is the torch path:
+`kvbackend.frames.LeverFrame.step_queries_to_stored`, then `kvbackend.codecs.base.query_moments`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MAX_HEAD_DIM = 128  # a [D, D] float32 tile per program: 64 KiB at 128 (a larger
 def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, stride_b, stride_h, scaling,
                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
                   SCALED: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # (offsets in int64: a large step's buffers pass 2**31 elements)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     live = d < D
@@ -52,8 +52,8 @@ def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, stride_b, stri
 
 def supports(queries: torch.Tensor) -> bool:
     """Whether the kernel takes these queries ``[B, Hq, D]``: on CUDA (or under the interpreter), a head of at most
-    `MAX_HEAD_DIM` channels, an even head size and a float dtype."""
-    return (queries.dim() == 3 and queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[-1] % 2 == 0
+    `MAX_HEAD_DIM` channels, an even, non-zero head size and a float dtype."""
+    return (queries.dim() == 3 and 0 < queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[-1] % 2 == 0
             and queries.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 

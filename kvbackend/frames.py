@@ -146,17 +146,18 @@ class LeverFrame:
         return self.rotary.derotate(q.transpose(0, 1), None, cos_sin=tables).transpose(0, 1)
 
     def step_query_moments(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None, kv_heads: int,
-                           out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                           out: tuple[torch.Tensor, torch.Tensor], kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`query_moments` of `step_queries_to_stored` (``q [B, Hq, D]`` at ``positions [B]``) into ``out``
-        (contiguous float32 ``[B, H, D, D]`` and ``[B, H, D]``): on CUDA in one kernel
-        (`kvbackend.kernels.query_moments`, the same queries rounded to their dtype after the turn; sums in another
-        order), elsewhere in torch (and on CUDA too where ``KVBACKEND_STEP_KERNEL`` is ``0``, to compare)."""
-        if q.is_cuda and os.environ.get("KVBACKEND_STEP_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no"):
-            from kvbackend.kernels import query_moments as kernel
-            if kernel.supports(q):
+        (contiguous float32 ``[B, H, D, D]`` and ``[B, H, D]``). ``kernel``: in one Triton kernel
+        (`kvbackend.kernels.query_moments`: the same queries rounded to their dtype after the turn, sums in another
+        order), for a layer the Triton backend serves, unless ``KVBACKEND_STEP_KERNEL`` is ``0`` (to compare);
+        else in torch."""
+        if kernel and os.environ.get("KVBACKEND_STEP_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no"):
+            from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
+            if kernels.supports(q):
                 tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
                 scaling = self.rotary.scaling if self.levers.rope else 1.0
-                return kernel.step_query_moments(q, kv_heads, tables, scaling, out)
+                return kernels.step_query_moments(q, kv_heads, tables, scaling, out)
         return query_moments(self.step_queries_to_stored(q, positions, memo), kv_heads, out=out)
 
     def _step_tables(self, positions: torch.Tensor, device: torch.device,

@@ -233,7 +233,7 @@ class KVCache:
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
             moments, sums, *rows = self._moments.get(len(ids))
             self.frames[layer].step_query_moments(queries, step.positions, step.rope, self.geometry.num_kv_heads,
-                                                  (moments, sums))
+                                                  (moments, sums), kernel=self.backends[layer].name == "triton")
             # each request's queries booked before its token is (which may complete a chunk)
             add_step_moments([table.states[layer] for table in tables],
                              [table.lengths[layer] // chunk_tokens for table in tables], moments,

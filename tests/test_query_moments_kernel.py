@@ -85,23 +85,58 @@ def test_bad_outputs_and_groups_are_refused():
 
 
 @pytest.mark.parametrize("levers", ["", "prerope=true", "pagerope=true"])
-def test_the_frame_takes_the_kernel_on_cuda_and_torch_elsewhere(levers, monkeypatch):
-    """`LeverFrame.step_query_moments` gives the torch path's statistics (within the kernel's bound on CUDA, the
-    same bits elsewhere), for queries in the stored frame, pre-RoPE and page-relative keys."""
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_the_frame_takes_the_kernel_where_asked(levers, use_kernel, monkeypatch):
+    """`LeverFrame.step_query_moments` gives the torch path's statistics (within the kernel's bound with the
+    kernel, the same bits without), for queries in the stored frame, pre-RoPE and page-relative keys;
+    ``KVBACKEND_STEP_KERNEL=0`` takes the torch path where the kernel was asked for."""
     spec = "rtn:bits=2,group=32" + (f",{levers}" if levers else "")
     frame = LeverFrame(codecs.get(spec).levers, Rotary.default(64, 10000.0), 16)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(4, 6, 64, generator=gen).to(DEVICE, torch.bfloat16)
     positions = torch.tensor([0, 17, 300, 4095], device=DEVICE)
     memo = {}
-    got = frame.step_query_moments(q, positions, memo, 2, _out(4, 2, 64))
+    got = frame.step_query_moments(q, positions, memo, 2, _out(4, 2, 64), kernel=use_kernel)
     stored = frame.step_queries_to_stored(q, positions, memo)
     want = query_moments(stored, 2)
-    if DEVICE == "cpu":
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if use_kernel:
+        assert all(((a - b).abs() <= bound).all() for a, b, bound in zip(got, want, _bound(stored, 2)))
     else:
-        bounds = _bound(stored, 2)
-        assert all(((a - b).abs() <= bound).all() for a, b, bound in zip(got, want, bounds))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert bool(levers) == bool(memo)  # the tables made once, for the step's other layers
-    monkeypatch.setenv("KVBACKEND_STEP_KERNEL", "0")  # the torch path on every device: the same bits
-    assert all(torch.equal(a, b) for a, b in zip(frame.step_query_moments(q, positions, memo, 2, _out(4, 2, 64)), want))
+    monkeypatch.setenv("KVBACKEND_STEP_KERNEL", "0")
+    got = frame.step_query_moments(q, positions, memo, 2, _out(4, 2, 64), kernel=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("codec", ["quantwm:group=16,rank=2,centroids=2,vbits=2,pagerope=true",
+                                   "quantwm:group=16,rank=2,centroids=2,vbits=2"])
+def test_a_triton_cache_books_the_kernels_statistics(codec, monkeypatch):
+    """A cache whose layers the Triton backend serves books a decode step's query statistics through the kernel
+    (and a torch-backend cache through torch): the same statistics per chunk within float32 rounding, the same
+    counts."""
+    from kvbackend.geometry import CacheConfig, Geometry
+    from kvbackend.manager import KVCache
+
+    calls = []
+    launch = kernel.step_query_moments
+    monkeypatch.setattr(kernel, "step_query_moments", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    geometry = Geometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    caches = {name: KVCache(geometry, CacheConfig(codec=codec, page_size=16, chunk_pages=1, dense_pages=12,
+                                                  packed_pages=24, backend=name, device=DEVICE),
+                            rotary=Rotary.default(16, 10000.0)) for name in ("torch", "triton")}
+    gen = torch.Generator().manual_seed(4)
+    ids = {name: [cache.add_request()[0] for _ in range(3)] for name, cache in caches.items()}
+    for _ in range(19):  # a chunk completed and the next one opened
+        k, v = (torch.randn(3, 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+        q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
+        for name, cache in caches.items():
+            cache.append_step(ids[name], 0, k, v, queries=q)
+    assert len(calls) == 19
+    for a, b in zip(ids["torch"], ids["triton"]):
+        sa, sb = caches["torch"].page_table(a).states[0], caches["triton"].page_table(b).states[0]
+        assert sa.query_parts.keys() == sb.query_parts.keys() and sa.query_parts
+        for chunk, (total, count) in sa.query_parts.items():
+            assert count == sb.query_parts[chunk][1]
+            torch.testing.assert_close(sb.query_parts[chunk][0], total, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(sb.query_sums[chunk], sa.query_sums[chunk], rtol=1e-5, atol=1e-5)
