@@ -207,10 +207,11 @@ def test_graph_steps_give_the_eager_steps_logits_and_pages(model, codec, mode, m
 def test_a_chunk_packed_in_the_middle_of_a_step_does_not_stall_the_batch(model, mode, monkeypatch):
     """A chunk completed while the packed pool was full waits in the dense pool; once room is made, the next
     step's first append packs it, so the step's plan is stale for the layers after: the runner plans them again
-    (it raised there, and the batch stayed one token ahead in layer 0 for good)."""
+    (it raised there, and the batch stayed one token ahead in layer 0 for good). The Triton backend's paths on
+    every machine (its interpreter off CUDA)."""
     torch.manual_seed(4)
     cache = KVCache(Geometry(2, 2, 32, torch.float32),
-                    CacheConfig(codec="identity", page_size=16, chunk_pages=2, dense_pages=16, packed_pages=2,
+                    CacheConfig(codec="identity", page_size=16, chunk_pages=2, dense_pages=16, packed_pages=2, backend="triton",
                                 device=DEVICE), rotary=rotary_from_config(model.config))
     run = LlamaRunner(model, cache, cuda_graphs=mode == "cuda")
     if mode == "emulated":
@@ -229,7 +230,8 @@ def test_a_chunk_packed_in_the_middle_of_a_step_does_not_stall_the_batch(model, 
         for i, seq in enumerate(seqs):
             seq.append(int(tokens[i]))
             want = reference(model, torch.tensor(seq))[-1]
-            torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
+            # (float32 pages through the Triton kernels, which sum in their own order: 1.1e-4 off seen at worst)
+            torch.testing.assert_close(logits[i], want, atol=3e-4, rtol=3e-4)
     assert cache.page_table(b).packed  # packed during the first step
     assert cache.page_table(b).lengths == [42, 42] and cache.page_table(c).lengths == [7, 7]
     cache.check()
