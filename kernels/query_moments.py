@@ -51,8 +51,8 @@ def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, stride_b, stri
 
 
 def supports(queries: torch.Tensor) -> bool:
-    """Whether the kernel takes these queries ``[B, Hq, D]``: on CUDA (or under the interpreter), a head of at most
-    `MAX_HEAD_DIM` channels, an even, non-zero head size and a float dtype."""
+    """Whether the kernel takes these queries ``[B, Hq, D]`` (on CUDA, or on the CPU under Triton's interpreter): a
+    head of at most `MAX_HEAD_DIM` channels, an even, non-zero head size and a float dtype."""
     return (queries.dim() == 3 and 0 < queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[-1] % 2 == 0
             and queries.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
