@@ -19,10 +19,10 @@ The loops release the GIL, so the adapters' worker threads run them in parallel.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
+
+from kvbackend.switches import switched_off
 
 try:
     import numba
@@ -31,13 +31,12 @@ except ImportError:  # optional: the torch path serves without it
 
 MIN_VALUES = 1 << 15  # below this, numba's call overhead is not worth it
 PACK_BITS = (2, 4, 8)  # widths whose codes never straddle a byte
-_OFF = {"0", "false", "off", "no"}
 _broken: list[str] = []  # why the compiled loops failed once (then the torch path serves for the process)
 
 
 def _usable() -> bool:
     return (numba is not None and not _broken and not numba.config.DISABLE_JIT
-            and os.environ.get("KVBACKEND_FASTQUANT", "1").strip().lower() not in _OFF)
+            and not switched_off("KVBACKEND_FASTQUANT"))
 
 
 def enabled(x: torch.Tensor) -> bool:

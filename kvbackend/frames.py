@@ -19,7 +19,6 @@ The dense active chunk is stored exactly as appended; only encoding and decoding
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from kvbackend.errors import SpecError
 from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers, rotate_values
 from kvbackend.rope import Rotary
+from kvbackend.switches import switched_off
 
 SINK_FIELDS = ("sink_k", "sink_v")
 
@@ -152,7 +152,7 @@ class LeverFrame:
         (`kvbackend.kernels.query_moments`: the same queries rounded to their dtype after the turn, sums in another
         order), for a layer the Triton backend serves, unless ``KVBACKEND_STEP_KERNEL`` is ``0`` (to compare);
         else in torch."""
-        if kernel and os.environ.get("KVBACKEND_STEP_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no"):
+        if kernel and not switched_off("KVBACKEND_STEP_KERNEL"):
             from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
             if kernels.supports(q):
                 tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
