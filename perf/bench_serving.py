@@ -396,6 +396,20 @@ def serve(model, codec: str, shape: Shape, device: str, held: dict) -> dict:
             "ttft_s_median": ttft[len(ttft) // 2], "tpot_ms_median": tpot[len(tpot) // 2] * 1e3}
 
 
+def drift(first: dict | None, again: dict | None) -> str:
+    """A line on the baseline's own drift: its row at its limit measured again after the other caches, each rate
+    against the first measurement (every ratio of the tables is against the first; the drift says how far the
+    machine itself moved between the two)."""
+    if not first or not again:
+        return ""
+    parts = [f"{what} {again[key]:.1f} against {first[key]:.1f} ({again[key] / first[key] - 1:+.1%})"
+             for key, what in (("tokens_per_s", "eager"), ("graph_tokens_per_s", "with CUDA graphs"),
+                               ("kernel_bound_tokens_per_s", "kernel-bound"))
+             if first.get(key) and again.get(key)]
+    return f"The first cache at its limit (B={again['batch']}) measured again after the others, tokens/s: " \
+        + "; ".join(parts) + "."
+
+
 def headline(results: list[dict], budget_gib: float, context: int) -> str:
     """One Markdown table of the ratios against the first cache (the baseline)."""
     def ratio(a, b):
@@ -529,6 +543,8 @@ def main() -> None:
                         help="1: on CUDA also time the decode steps with the model's work as CUDA graphs")
     parser.add_argument("--anchor", type=int, default=1,
                         help="1: also run transformers' generate_batch on the workload's prompts")
+    parser.add_argument("--baseline-again", type=int, default=1,
+                        help="1: measure the first cache at its limit again after the others (the machine's drift)")
     parser.add_argument("--ttft", type=int, default=1, help="1: time to first token from the tiers (section 4)")
     parser.add_argument("--tier-dir", default=None, help="where the file tier writes (default: the system's temp dir)")
     parser.add_argument("--out", default="perf/results/bench_serving.json")
@@ -557,8 +573,13 @@ def main() -> None:
             base_capacity = r["capacity"]
         print(json.dumps(r), flush=True)
         results.append(r)
+    again = None
+    if len(results) > 1 and args.baseline_again:  # the baseline's limit once more: how far the machine moved
+        again = capacity_and_throughput(model, caches[0], shape, [], device, bool(args.graphs))["decode"][-1]
+        print(json.dumps({"baseline_again": again}), flush=True)
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": asdict(shape),
-           "caches": results, "workload": [], "generate_batch": None, "first_token": [], "headline": None}
+           "caches": results, "baseline_again": again, "workload": [], "generate_batch": None, "first_token": [],
+           "headline": None}
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -585,6 +606,8 @@ def main() -> None:
         out["generate_batch"] = anchor
         print(json.dumps({"generate_batch": anchor}), flush=True)
     table = headline(results, args.budget_gib, shape.context)
+    if again is not None:
+        table += "\n\n" + drift(results[0]["decode"][-1] if results[0]["decode"] else None, again)
     if served:
         table += "\n\n" + workload_table(served, anchor)
     if first:

@@ -28,6 +28,9 @@ def test_serving_benchmark_smoke_run(tmp_path):
         assert batches == sorted(batches) and batches[-1] == min(cache["capacity"], result["shape"]["max_batch"])
         assert all(d["tokens_per_s"] > 0 for d in cache["decode"])
     identity, rtn = result["caches"]
+    again = result["baseline_again"]  # the baseline's limit measured once more, after the other caches
+    assert again["batch"] == identity["decode"][-1]["batch"] and again["tokens_per_s"] > 0
+    assert "measured again after the others" in result["headline"]
     assert rtn["bytes_per_request"]["packed"] * 6 < identity["bytes_per_request"]["packed"]  # 2-bit codes
     assert rtn["capacity"] > identity["capacity"]
     for served in result["workload"]:
@@ -44,7 +47,8 @@ def test_serving_benchmark_smoke_run(tmp_path):
             # last chunk's tokens were still exact when the prompt ended, after a restore they are packed
             assert first[f"{tier}_same_first_token"] or first["codec"] != "identity", first
     tables = result["headline"].split("\n\n")
-    rows = [1 + len(result["caches"]), 2 + len(result["caches"]), 1 + len(result["caches"])]  # + the anchor
+    # the throughput table, the baseline's drift (one line), the workload (+ the anchor), the first tokens
+    rows = [1 + len(result["caches"]), 0, 2 + len(result["caches"]), 1 + len(result["caches"])]
     if torch.cuda.is_available():  # the rows with CUDA graphs, and bound by their kernels alone (a profiled step)
         rows[1:1] = [1 + len(result["caches"])] * 2
         for cache in result["caches"]:
