@@ -214,6 +214,9 @@ class KVCache:
             raise InvalidKV(f"k must be a tensor [{len(ids)}, H, D] (one row per request), got {got}")
         k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite,
                                    self.kv_limits[layer][:2], self.kv_limits[layer][2])
+        pool = self.dense.data.untyped_storage().data_ptr()
+        if k.untyped_storage().data_ptr() == pool or v.untyped_storage().data_ptr() == pool:
+            k, v = k.clone(), v.clone()  # rows read from the pool itself (index_copy_ refuses a source it overlaps)
         p = self.config.page_size
         starts = [table.lengths[layer] - len(table.packed) * p for table in tables]  # `dense_tokens`
         needs = [start // p == len(table.dense) for table, start in zip(tables, starts)]

@@ -401,3 +401,28 @@ def test_one_finite_check_names_what_failed(device):
     assert cache.page_table(rid).lengths == [0, 0]
     cache.append(rid, 0, ok, ok, queries=q)
     assert cache.page_table(rid).lengths == [3, 0]
+
+
+def test_append_step_takes_rows_read_from_its_own_pool():
+    """K/V rows that are views of the cache's dense pool (another request's stored token, as an engine copying a
+    token might pass them) are appended as `append` appends them: `index_copy_` refuses a source that overlaps the
+    pool, so the step copies them first (it raised after allocating the page)."""
+    geometry = Geometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    caches = [KVCache(geometry, CacheConfig(codec="identity", page_size=4, chunk_pages=2, dense_pages=8,
+                                            packed_pages=8)) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    for i, cache in enumerate(caches):
+        src, _ = cache.add_request()
+        dst, _ = cache.add_request()
+        cache.append(src, 0, k0, v0)
+        page = cache.page_table(src).dense[0]
+        k, v = cache.dense.data[0, page, 0, 2:3], cache.dense.data[0, page, 1, 2:3]  # views of src's last token
+        if i:
+            cache.append_step([dst], 0, k, v)
+        else:
+            cache.append(dst, 0, k, v)
+        assert torch.equal(cache.read(dst, 0)[0], k0[2:3]) and torch.equal(cache.read(dst, 0)[1], v0[2:3])
+        assert torch.equal(cache.read(src, 0)[0], k0)
+        cache.check()
+    assert caches[0].page_table(dst).lengths == caches[1].page_table(dst).lengths == [1]
