@@ -575,7 +575,8 @@ def main() -> None:
         results.append(r)
     again = None
     if len(results) > 1 and args.baseline_again:  # the baseline's limit once more: how far the machine moved
-        again = capacity_and_throughput(model, caches[0], shape, [], device, bool(args.graphs))["decode"][-1]
+        rows = capacity_and_throughput(model, caches[0], shape, [], device, bool(args.graphs))["decode"]
+        again = rows[-1] if rows else None  # (none where the baseline holds no request in the budget)
         print(json.dumps({"baseline_again": again}), flush=True)
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": asdict(shape),
            "caches": results, "baseline_again": again, "workload": [], "generate_batch": None, "first_token": [],
@@ -606,8 +607,9 @@ def main() -> None:
         out["generate_batch"] = anchor
         print(json.dumps({"generate_batch": anchor}), flush=True)
     table = headline(results, args.budget_gib, shape.context)
-    if again is not None:
-        table += "\n\n" + drift(results[0]["decode"][-1] if results[0]["decode"] else None, again)
+    line = drift(results[0]["decode"][-1] if results[0]["decode"] else None, again)
+    if line:
+        table += "\n\n" + line
     if served:
         table += "\n\n" + workload_table(served, anchor)
     if first:

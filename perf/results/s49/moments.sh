@@ -1,10 +1,7 @@
 # Session 49: the step query statistics kernel (kernels/query_moments.py) and index_copy_ row writes: the CUDA tests
 # of the kernel, the manager, the step state and the runner, then the serving bench's throughput section for the
 # recipe with the kernel off (KVBACKEND_STEP_KERNEL=0: the torch path, index_copy_ rows) and on, BF16 and rtn-2 once.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
+source perf/results/s49/setup.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_query_moments_kernel.py tests/test_manager.py \
   tests/test_step_moments.py tests/test_llama_runner.py 2>&1 | tail -6 | tee $OUT/tests.txt
 ARGS="--batches 1 --steps 3 --workload 0 --ttft 0 --anchor 0"
