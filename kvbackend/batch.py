@@ -7,6 +7,7 @@ kernel launch reuses it. Packed pages come first in each request, then its dense
 from __future__ import annotations
 
 import functools
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,45 +105,58 @@ def _wave_splits(pairs: int, max_pages: int, wave: int, fixed_pages: int) -> tup
     return best[1], best[2]
 
 
+def packed_arrays(table, slot_of_page) -> tuple[np.ndarray, np.ndarray]:
+    """A table's packed page ids and their codebook slots (int64), made once per (version, page count): packed pages
+    join a table only as a chunk is packed, which bumps its version; a page's slot stays while a table holds it."""
+    key = (table.version, len(table.packed), id(table.packed))
+    held = table.plan_arrays
+    if held is None or held[0] != key:
+        n = len(table.packed)
+        ids = np.fromiter(table.packed, np.int64, n)
+        slots = np.fromiter(map(slot_of_page.__getitem__, table.packed), np.int64, n)
+        held = table.plan_arrays = (key, ids, slots)
+    return held[1], held[2]
+
+
 def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     """Flatten the page tables of ``request_ids`` (lengths taken from ``layer``; all layers of a
     request must hold the same number of tokens when the plan is reused across layers).
 
-    The arrays are built on the host with numpy and reach the device in one copy (pinned and
-    asynchronous on CUDA: a decode step's plan does not wait for the device's queue)."""
+    The arrays are built on the host with numpy for the whole batch at once, from each table's packed arrays made
+    once per chunk (`packed_arrays`: reading 46 requests' 512 page ids from their lists cost 1.3 ms of a 2.3 ms plan
+    on one core), and reach the device in one copy (pinned and asynchronous on CUDA: a decode step's plan does not
+    wait for the device's queue)."""
     p = cache.config.page_size
-    slot_of_page = cache.packed.slot_of_page
-    ids, kinds, slots, valid, positions = [], [], [], [], []
-    starts, counts, packed, cu = [], [], [], [0]
-    total = 0
-    for rid in request_ids:
-        table = cache.page_table(rid)
-        n_packed = len(table.packed)
-        dense_tokens = table.dense_tokens(layer)
-        n_dense = -(-dense_tokens // p) if dense_tokens > 0 else 0
-        starts.append(total)
-        ids.append(np.fromiter(table.packed, np.int64, n_packed))
-        ids.append(np.fromiter(table.dense[:n_dense], np.int64, n_dense))
-        kinds.append(np.repeat(np.array([PACKED, DENSE], np.int64), [n_packed, n_dense]))
-        slots.append(np.fromiter(map(slot_of_page.__getitem__, table.packed), np.int64, n_packed))
-        slots.append(np.zeros(n_dense, np.int64))
-        dense_at = np.arange(n_dense, dtype=np.int64) * p
-        valid.append(np.full(n_packed, p, np.int64))
-        valid.append(np.minimum(p, dense_tokens - dense_at))
-        positions.append(np.arange(n_packed, dtype=np.int64) * p)
-        positions.append(table.num_packed_tokens + dense_at)
-        counts.append(n_packed + n_dense)
-        packed.append(n_packed)
-        total += n_packed + n_dense
-        cu.append(cu[-1] + table.lengths[layer])
-    join = (lambda parts: np.concatenate(parts)) if ids else (lambda parts: np.zeros(0, np.int64))
-    position = join(positions)
-    rows = position + np.repeat(np.array(cu[:-1], np.int64), counts) if ids else position
-    fields = [join(ids), join(kinds), join(slots), join(valid), rows, position, np.array(starts, np.int64),
-              np.array(counts, np.int64), np.array(packed, np.int64), np.array(cu, np.int64)]
+    tables = [cache.page_table(rid) for rid in request_ids]
+    b = len(tables)
+    arrays = [packed_arrays(table, cache.packed.slot_of_page) for table in tables]
+    n_packed = np.fromiter((len(ids) for ids, _ in arrays), np.int64, b)
+    lengths = np.fromiter((t.lengths[layer] for t in tables), np.int64, b)
+    dense_tokens = lengths - n_packed * p  # (`PageTable.dense_tokens`)
+    n_dense = np.where(dense_tokens > 0, -(-dense_tokens // p), 0)
+    counts = n_packed + n_dense
+    starts = np.cumsum(counts) - counts
+    cu = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+    total = int(counts.sum())
+    request = np.repeat(np.arange(b, dtype=np.int64), counts)  # each work page's request
+    j = np.arange(total, dtype=np.int64) - starts[request]  # its index within the request
+    is_packed = j < n_packed[request]
+    ids = np.empty(total, np.int64)
+    slots = np.zeros(total, np.int64)
+    if b:  # packed pages of request 0, then of request 1, ...: the order of the work pages they fill
+        ids[is_packed] = np.concatenate([a for a, _ in arrays])
+        slots[is_packed] = np.concatenate([s for _, s in arrays])
+    ids[~is_packed] = np.fromiter(chain.from_iterable(t.dense[:n] for t, n in zip(tables, n_dense.tolist())),
+                                  np.int64, int(n_dense.sum()))
+    kinds = np.where(is_packed, PACKED, DENSE).astype(np.int64)
+    position = j * p  # packed pages by their index; dense ones after the packed tokens, by theirs
+    valid = np.where(is_packed, p, np.minimum(p, dense_tokens[request] - (j - n_packed[request]) * p))
+    rows = position + cu[request]
+    fields = [ids, kinds, slots, valid, rows, position, starts, counts, n_packed, cu]
     views = ints_on_device(fields, cache.dense.data.device)
-    tables = tuple((table, table.version, table.lengths[layer]) for table in map(cache.page_table, request_ids))
-    return BatchPlan(list(request_ids), *views, max(counts, default=0), p, min(counts, default=0), tables, cu[-1])
+    planned = tuple((table, table.version, table.lengths[layer]) for table in tables)
+    return BatchPlan(list(request_ids), *views, int(counts.max(initial=0)), p, int(counts.min()) if b else 0,
+                     planned, int(cu[-1]))
 
 
 def ints_on_device(fields: list, device: torch.device) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -26,11 +27,20 @@ from kvbackend.page_table import PageTable
 from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
 from kvbackend.rope import Rotary
-from kvbackend.step_state import MomentBuffers, StepInts, stream_key
+from kvbackend.step_state import CacheLock, MomentBuffers, StepInts, stream_key
 
 FP16_MAX = 65504.0  # largest finite float16
 
 log = logging.getLogger(__name__)
+
+
+def _locked(method):
+    """A `KVCache` method run under the cache's lock (`CacheLock`: calls of several threads take turns)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class KVCache:
@@ -50,6 +60,7 @@ class KVCache:
     def __init__(self, geometry: Geometry, config: CacheConfig | None = None, rotary: Rotary | None = None) -> None:
         """``rotary``: the model's RoPE (`kvbackend.rope.rotary_from_config`), needed by codecs with
         ``prerope=true`` or ``pagerope=true``; it then enters the fingerprint."""
+        self._lock = CacheLock()  # (first: every public call takes it)
         self.geometry = geometry
         self.config = config or CacheConfig()
         self.codecs, self.layouts, self.backends = build_layers(geometry, self.config)
@@ -124,6 +135,7 @@ class KVCache:
         return getattr(self, name)[0]
 
     # -- admission --------------------------------------------------------------------------
+    @_locked
     def add_request(self, token_ids: Sequence[int] = ()) -> tuple[int, int]:
         """Admit a request. Returns (request id, number of prefix tokens already cached).
 
@@ -143,11 +155,13 @@ class KVCache:
         self._tables[table.request_id] = table
         return table.request_id, table.num_packed_tokens
 
+    @_locked
     def extend_tokens(self, request_id: int, token_ids: Sequence[int]) -> None:
         """Record the ids of generated tokens, so their pages can be hashed and shared later."""
         self._table(request_id).token_ids.extend(token_list(token_ids))  # all checked before any is recorded
 
     # -- writing ----------------------------------------------------------------------------
+    @_locked
     def append(self, request_id: int, layer: int, k: torch.Tensor, v: torch.Tensor,
                queries: torch.Tensor | None = None) -> None:
         """Append ``[T, H, D]`` keys and values of one layer. Encodes a chunk once every layer filled it.
@@ -187,6 +201,7 @@ class KVCache:
             written += m
         self._appended(table, layer, n, queries)
 
+    @_locked
     def append_step(self, request_ids: Sequence[int], layer: int, k: torch.Tensor, v: torch.Tensor,
                     queries: torch.Tensor | None = None) -> None:
         """Append one token per request of a decode batch to one layer: ``k``, ``v`` ``[B, H, D]`` (row i
@@ -214,6 +229,9 @@ class KVCache:
             raise InvalidKV(f"k must be a tensor [{len(ids)}, H, D] (one row per request), got {got}")
         k, v, queries = prepare_kv(k, v, queries, self.geometry, self.dense.data.device, self.config.check_finite,
                                    self.kv_limits[layer][:2], self.kv_limits[layer][2])
+        pool = self.dense.data.untyped_storage().data_ptr()
+        if k.untyped_storage().data_ptr() == pool or v.untyped_storage().data_ptr() == pool:
+            k, v = k.clone(), v.clone()  # rows read from the pool itself (index_copy_ refuses a source it overlaps)
         p = self.config.page_size
         starts = [table.lengths[layer] - len(table.packed) * p for table in tables]  # `dense_tokens`
         needs = [start // p == len(table.dense) for table, start in zip(tables, starts)]
@@ -443,6 +461,7 @@ class KVCache:
             pool.codebooks[layer][slot].copy_(books[i])
 
     # -- reading ----------------------------------------------------------------------------
+    @_locked
     def read(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All of one layer's K and V for a request, ``[tokens, H, D]``: packed pages decoded by the
         torch reference, then the active chunk as stored."""
@@ -450,6 +469,7 @@ class KVCache:
         dk, dv = self.read_dense(request_id, layer)
         return torch.cat([pk, dk]), torch.cat([pv, dv])
 
+    @_locked
     def read_packed(self, request_id: int, layer: int, first_page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstruction of the request's packed pages from ``first_page`` on, ``[pages * P, H, D]``.
 
@@ -479,6 +499,7 @@ class KVCache:
             position += len(pages) * p
         return torch.cat(keys), torch.cat(values)
 
+    @_locked
     def read_dense(self, request_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The active chunk's K and V as stored, ``[tokens, H, D]``."""
         table = self._table(request_id)
@@ -504,6 +525,7 @@ class KVCache:
         return runs
 
     # -- batched attention (plan once per batch, run per layer) -----------------------------
+    @_locked
     def plan(self, request_ids: list[int], layer: int = 0) -> BatchPlan:
         """Flatten the batch's page tables once; reuse the plan for every layer of one step."""
         for rid in request_ids:
@@ -512,6 +534,7 @@ class KVCache:
         # ints, as the tables are keyed (a 0-d tensor hashes by identity: the plan would never match a table again)
         return plan_batch(self, [_request_id(rid) for rid in request_ids], layer)
 
+    @_locked
     def gather(self, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every planned token's K and V, ``[total_tokens, H, D]`` in ``plan.cu_seqlens`` order."""
         self._check_layer(layer)
@@ -519,6 +542,7 @@ class KVCache:
         self.wait_layer(layer)
         return self.backends[layer].gather(self, plan, layer)
 
+    @_locked
     def decode(self, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         """Decode attention of one query per planned request: (output [B, Hq, D], lse [B, Hq])."""
         self._check_layer(layer)
@@ -571,6 +595,7 @@ class KVCache:
         """(offset, bytes) of ``layer``'s page inside an exported page group."""
         return self.group.page_span(layer)
 
+    @_locked
     def export_page(self, page: int) -> torch.Tensor:
         """A copy of one packed page group (uint8, 1-D); see `kvbackend.install.PageGroups.export`.
 
@@ -581,11 +606,13 @@ class KVCache:
         self._settle()
         return self.groups.export(page)
 
+    @_locked
     def evictable_pages(self) -> list[tuple[int, int]]:
         """(page, key) of unreferenced cached packed pages, least recently used first."""
         allocator = self.packed.allocator
         return [(page, allocator.page_hash(page)) for page in allocator.cached_pages()]
 
+    @_locked
     def drop_cached(self, page: int) -> None:
         """Free a cached packed page whose bytes now live in a lower tier.
 
@@ -605,6 +632,7 @@ class KVCache:
             raise ValueError(f"packed page {page!r} out of range 0..{self.packed.allocator.num_pages - 1}")
         return index
 
+    @_locked
     def drop_cached_page(self, page: int, key: int) -> bool:
         """Free ``page`` if it is still a cached (unreferenced) page keyed ``key``, as `evictable_pages` named it
         before its bytes were written down; whether it was freed (a request took it meanwhile, or it was evicted
@@ -615,6 +643,7 @@ class KVCache:
         allocator.evict_cached(page)
         return True
 
+    @_locked
     def install_pages(self, keys: Sequence[int], token_ids: Sequence[int], blobs: torch.Tensor, first_page: int,
                       resident: Sequence[bool] | None = None, sizes: Sequence[int | None] | None = None,
                       hold: Sequence[int] = ()) -> int:
@@ -663,6 +692,7 @@ class KVCache:
             self.wait_layer(self.geometry.num_layers - 1)
 
     # -- lifetime ---------------------------------------------------------------------------
+    @_locked
     def fork(self, request_id: int) -> int:
         """A new request sharing the packed pages and owning a copy of the active chunk."""
         src = self._table(request_id)
@@ -677,6 +707,7 @@ class KVCache:
         self._tables[table.request_id] = table
         return table.request_id
 
+    @_locked
     def free(self, request_id: int) -> None:
         """Drop a request. Its hashed packed pages stay cached (tail pages evicted first)."""
         table = self._tables.pop(_request_id(request_id), None)
@@ -706,9 +737,11 @@ class KVCache:
         return list(self._tables)
 
     # -- accounting -------------------------------------------------------------------------
+    @_locked
     def stats(self) -> CacheStats:
         return cache_stats(self)
 
+    @_locked
     def check(self) -> None:
         """Assert every pool invariant, including that ref counts match the page tables."""
         check_cache(self)

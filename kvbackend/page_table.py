@@ -27,6 +27,9 @@ class PageTable:
     # bumped whenever pages leave the table (a chunk packed: its dense pages freed), so a plan of the pages
     # before is refused (`KVCache.decode`/`gather`): those pages may hold another request's tokens by then
     version: int = 0
+    # the packed pages' ids and codebook slots as int64 arrays, for the version and page count they were made at
+    # (`kvbackend.batch.plan_batch`: made once per chunk, not once per decode step)
+    plan_arrays: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.lengths:

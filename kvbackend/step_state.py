@@ -82,3 +82,21 @@ class MomentBuffers:
                 del self._by_stream[next(iter(self._by_stream))]  # (freed buffers are reused on their stream only)
         moments, sums, moment_rows, sum_rows = held
         return moments[:batch], sums[:batch], moment_rows[:batch], sum_rows[:batch]
+
+
+class CacheLock:
+    """A re-entrant lock for one cache's calls (`KVCache`): page allocation, a chunk's packing and the page tables
+    are shared by every layer, so two threads appending to other layers of one cache would race on them. A copy or
+    a pickle of a cache gets a fresh lock (a lock cannot be pickled, and a copy shares no calls with its source)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._lock.__exit__(*exc)
+
+    def __reduce__(self):
+        return CacheLock, ()

@@ -156,3 +156,29 @@ def test_wave_splits_edge_inputs():
     assert got == _plan(3, 300).wave_splits(8, 264) and all(type(x) is int for x in got)
     with pytest.raises(ValueError, match="fixed_pages"):
         _plan(3, 300).wave_splits(8, 264, -1)
+
+
+def test_plans_follow_their_tables_across_packed_chunks_and_forks():
+    """Each table's packed arrays are made once per chunk (`packed_arrays`): plans made between decode steps, while
+    chunks complete and are packed and requests are forked and freed, still match the reference page by page."""
+    gen = torch.Generator().manual_seed(11)
+    cache = KVCache(Geometry(1, 2, 16, torch.float32),
+                    CacheConfig(codec="rtn:bits=2,group=16", page_size=4, chunk_pages=2, dense_pages=64,
+                                packed_pages=128))
+    ids = []
+    for n in (3, 9, 17):
+        rid, _ = cache.add_request()
+        cache.append(rid, 0, torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen))
+        ids.append(rid)
+    made = 0
+    for step in range(30):
+        if step == 10:
+            ids.append(cache.fork(ids[1]))  # a table whose packed list is a copy of another's
+        if step == 20:
+            cache.free(ids.pop(0))
+        plan, want = plan_batch(cache, ids, 0), reference_plan(cache, ids, 0)
+        assert all(getattr(plan, name).tolist() == want[name] for name in FIELDS), step
+        made += sum(cache.page_table(rid).plan_arrays is not None for rid in ids)
+        cache.append_step(ids, 0, torch.randn(len(ids), 2, 16, generator=gen),
+                          torch.randn(len(ids), 2, 16, generator=gen))
+    assert made and all(len(cache.page_table(rid).packed) >= 4 for rid in ids)  # several chunks packed meanwhile

@@ -401,3 +401,100 @@ def test_one_finite_check_names_what_failed(device):
     assert cache.page_table(rid).lengths == [0, 0]
     cache.append(rid, 0, ok, ok, queries=q)
     assert cache.page_table(rid).lengths == [3, 0]
+
+
+def test_append_step_takes_rows_read_from_its_own_pool():
+    """K/V rows that are views of the cache's dense pool (another request's stored token, as an engine copying a
+    token might pass them) are appended as `append` appends them: `index_copy_` refuses a source that overlaps the
+    pool, so the step copies them first (it raised after allocating the page)."""
+    geometry = Geometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    caches = [KVCache(geometry, CacheConfig(codec="identity", page_size=4, chunk_pages=2, dense_pages=8,
+                                            packed_pages=8)) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    for i, cache in enumerate(caches):
+        src, _ = cache.add_request()
+        dst, _ = cache.add_request()
+        cache.append(src, 0, k0, v0)
+        page = cache.page_table(src).dense[0]
+        k, v = cache.dense.data[0, page, 0, 2:3], cache.dense.data[0, page, 1, 2:3]  # views of src's last token
+        if i:
+            cache.append_step([dst], 0, k, v)
+        else:
+            cache.append(dst, 0, k, v)
+        assert torch.equal(cache.read(dst, 0)[0], k0[2:3]) and torch.equal(cache.read(dst, 0)[1], v0[2:3])
+        assert torch.equal(cache.read(src, 0)[0], k0)
+        cache.check()
+    assert caches[0].page_table(dst).lengths == caches[1].page_table(dst).lengths == [1]
+
+
+def test_two_threads_appending_to_other_layers_take_turns():
+    """A cache's calls take its lock: a step of layer 0 that has read its tables when another thread's step of layer
+    1 completes and packs the chunk (pages move in every layer) used to append at stale offsets (an IndexError, the
+    layer a token short, reads unlike the same steps in one thread). The second thread now waits for the first."""
+    import threading
+
+    geometry = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    caches = [KVCache(geometry, CacheConfig(codec="identity", page_size=4, chunk_pages=2, dense_pages=16,
+                                            packed_pages=8)) for _ in range(2)]
+    alone, threaded = caches
+    ids = [alone.add_request()[0] for _ in range(2)]
+    assert [threaded.add_request()[0] for _ in range(2)] == ids
+    ks = torch.randn(9, 2, 2, 2, 16, generator=torch.Generator().manual_seed(0))  # [step, layer, B, H, D]
+    for cache in caches:  # 7 tokens in both layers, then layer 0 one token ahead
+        for s in range(7):
+            for layer in range(2):
+                cache.append_step(ids, layer, ks[s, layer], ks[s, layer])
+        cache.append_step(ids, 0, ks[7, 0], ks[7, 0])
+    alone.append_step(ids, 0, ks[8, 0], ks[8, 0])
+    alone.append_step(ids, 1, ks[7, 1], ks[7, 1])  # completes the chunk: packed
+    inside, released = threading.Event(), threading.Event()
+    allocate = threaded.dense.allocator.can_allocate
+
+    def held_open(n):  # layer 0's step stops after reading its tables, until layer 1's step is done or waits
+        if threading.current_thread().name == "layer 0":
+            inside.set()
+            released.wait(timeout=0.5)
+        return allocate(n)
+
+    threaded.dense.allocator.can_allocate = held_open
+    errors = []
+
+    def step(layer, s):
+        try:
+            threaded.append_step(ids, layer, ks[s, layer], ks[s, layer])
+        except Exception as e:  # noqa: BLE001 (the test reports it)
+            errors.append(repr(e))
+
+    first = threading.Thread(target=step, args=(0, 8), name="layer 0")
+    first.start()
+    assert inside.wait(timeout=5)
+    second = threading.Thread(target=step, args=(1, 7), name="layer 1")
+    second.start()
+    second.join(timeout=0.2)  # (without the lock it finishes here, packing under layer 0's feet)
+    released.set()
+    first.join()
+    second.join()
+    threaded.dense.allocator.can_allocate = allocate
+    assert not errors, errors
+    threaded.check()
+    for rid in ids:
+        assert threaded.page_table(rid).lengths == alone.page_table(rid).lengths == [9, 8]
+        assert threaded.page_table(rid).packed  # the chunk was packed
+        for layer in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(alone.read(rid, layer), threaded.read(rid, layer)))
+
+
+def test_a_copied_or_pickled_cache_has_its_own_lock():
+    import copy
+    import pickle
+
+    cache = KVCache(Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32),
+                    CacheConfig(codec="identity", page_size=4, chunk_pages=1, dense_pages=4, packed_pages=4))
+    rid, _ = cache.add_request()
+    cache.append(rid, 0, torch.ones(3, 1, 16), torch.ones(3, 1, 16))
+    with cache._lock:  # held here: the copies must not wait for it
+        for other in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+            assert other._lock is not cache._lock
+            other.append(rid, 0, torch.ones(1, 1, 16), torch.ones(1, 1, 16))
+            assert other.page_table(rid).lengths == [4]
