@@ -18,9 +18,9 @@ MAX_HEAD_DIM = 128  # a [D, D] float32 tile per program: 64 KiB at 128 (a larger
 
 
 @triton.jit
-def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, stride_b, stride_h, scaling,
+def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, parts_ptr, stride_b, stride_h, scaling,
                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
-                  SCALED: tl.constexpr):
+                  SCALED: tl.constexpr, TO_PARTS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # (offsets in int64: a large step's buffers pass 2**31 elements)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -45,9 +45,19 @@ def _step_moments(q_ptr, cos_ptr, sin_ptr, moments_ptr, sums_ptr, stride_b, stri
             x = x.to(raw.dtype).to(tl.float32)  # stored as the queries' dtype, as the torch path keeps them
         acc += x[:, None] * x[None, :]
         total += x
-    out = (b * H + h) * D
-    tl.store(moments_ptr + (out + d[:, None]) * D + d[None, :], acc, mask=live[:, None] & live[None, :])
-    tl.store(sums_ptr + out + d, total, mask=live)
+    tile = live[:, None] & live[None, :]
+    if TO_PARTS:  # added to each request's own float32 parts [H, D, D] and [H, D] (addresses in parts_ptr [2, B])
+        part = tl.load(parts_ptr + b).to(tl.pointer_type(tl.float32)) + h * D * D
+        here = part + d[:, None] * D + d[None, :]
+        tl.store(here, tl.load(here, mask=tile, other=0.0) + acc, mask=tile)
+        address = tl.load(parts_ptr + tl.num_programs(0) + b)
+        if address != 0:  # (0: the chunk's sum of q is not kept)
+            summed = address.to(tl.pointer_type(tl.float32)) + h * D + d
+            tl.store(summed, tl.load(summed, mask=live, other=0.0) + total, mask=live)
+    else:
+        out = (b * H + h) * D
+        tl.store(moments_ptr + (out + d[:, None]) * D + d[None, :], acc, mask=tile)
+        tl.store(sums_ptr + out + d, total, mask=live)
 
 
 def supports(queries: torch.Tensor) -> bool:
@@ -58,20 +68,35 @@ def supports(queries: torch.Tensor) -> bool:
 
 
 def step_query_moments(queries: torch.Tensor, kv_heads: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-                       scaling: float, out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                       scaling: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       parts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Moments ``[B, H, D, D]`` and sums ``[B, H, D]`` (float32, contiguous, written into ``out``) of queries
     ``[B, Hq, D]`` (one token per row) de-rotated by ``cos_sin`` (float32 ``[B, D]`` tables of `Rotary.cos_sin`,
-    None for queries already in the stored frame) and divided by ``scaling``."""
+    None for queries already in the stored frame) and divided by ``scaling``.
+
+    ``parts`` instead of ``out``: int64 ``[2, B]`` on the queries' device, the addresses of request b's contiguous
+    float32 parts ``[H, D, D]`` (row 0) and ``[H, D]`` (row 1; 0 for none) to which its moments and sums are added
+    in place (each part read and written once, no ``[B, H, D, D]`` buffer between; the same float32 additions as
+    writing ``out`` and adding it). The caller vouches for the addresses (`kvbackend.codecs.base.step_parts`)."""
     b, hq, d = queries.shape
-    moments, sums = out
     if hq % kv_heads:
         raise ValueError(f"{hq} query heads do not split into {kv_heads} KV heads")
-    if moments.shape != (b, kv_heads, d, d) or sums.shape != (b, kv_heads, d) or not moments.is_contiguous() \
-            or not sums.is_contiguous() or moments.dtype != torch.float32 or sums.dtype != torch.float32:
-        raise ValueError(f"out must be contiguous float32 [{b}, {kv_heads}, {d}, {d}] and [{b}, {kv_heads}, {d}], "
-                         f"got {tuple(moments.shape)} {moments.dtype} and {tuple(sums.shape)} {sums.dtype}")
+    if (out is None) == (parts is None):
+        raise ValueError("give one of out (buffers to write) and parts (addresses to add to)")
+    if parts is not None:
+        if parts.shape != (2, b) or parts.dtype != torch.int64 or parts.device != queries.device \
+                or not parts.is_contiguous():
+            raise ValueError(f"parts must be a contiguous int64 [2, {b}] on {queries.device}, got "
+                             f"{tuple(parts.shape)} {parts.dtype} on {parts.device}")
+        moments = sums = parts  # (not written)
+    else:
+        moments, sums = out
+        if moments.shape != (b, kv_heads, d, d) or sums.shape != (b, kv_heads, d) or not moments.is_contiguous() \
+                or not sums.is_contiguous() or moments.dtype != torch.float32 or sums.dtype != torch.float32:
+            raise ValueError(f"out must be contiguous float32 [{b}, {kv_heads}, {d}, {d}] and [{b}, {kv_heads}, "
+                             f"{d}], got {tuple(moments.shape)} {moments.dtype} and {tuple(sums.shape)} {sums.dtype}")
     if not b:
-        return moments, sums
+        return out
     if queries.stride(-1) != 1:
         queries = queries.contiguous()
     rotate = cos_sin is not None
@@ -81,8 +106,9 @@ def step_query_moments(queries: torch.Tensor, kv_heads: int, cos_sin: tuple[torc
             raise ValueError(f"RoPE tables must be [{b}, {d}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
     else:
         cos = sin = queries  # (not read)
-    _step_moments[(b, kv_heads)](queries, cos, sin, moments, sums, queries.stride(0), queries.stride(1),
-                                 float(scaling), H=kv_heads, G=hq // kv_heads, D=d,
-                                 BLOCK_D=triton.next_power_of_2(d), ROTATE=rotate,
-                                 SCALED=rotate and float(scaling) != 1.0, num_warps=4 if d <= 64 else 8)
-    return moments, sums
+    _step_moments[(b, kv_heads)](queries, cos, sin, moments, sums, parts if parts is not None else moments,
+                                 queries.stride(0), queries.stride(1), float(scaling), H=kv_heads, G=hq // kv_heads,
+                                 D=d, BLOCK_D=triton.next_power_of_2(d), ROTATE=rotate,
+                                 SCALED=rotate and float(scaling) != 1.0, TO_PARTS=parts is not None,
+                                 num_warps=4 if d <= 64 else 8)
+    return out

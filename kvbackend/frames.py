@@ -160,6 +160,21 @@ class LeverFrame:
                 return kernels.step_query_moments(q, kv_heads, tables, scaling, out)
         return query_moments(self.step_queries_to_stored(q, positions, memo), kv_heads, out=out)
 
+    def add_step_query_moments(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None, kv_heads: int,
+                               parts: torch.Tensor) -> bool:
+        """`step_query_moments` through the Triton kernel, added in place to each request's parts at the addresses
+        ``parts`` (int64 ``[2, B]``, `kvbackend.codecs.base.step_parts`) instead of written to buffers; False (and
+        nothing added) where the kernel does not take these queries or ``KVBACKEND_STEP_KERNEL`` is ``0``."""
+        if switched_off("KVBACKEND_STEP_KERNEL"):
+            return False
+        from kvbackend.kernels import query_moments as kernels
+        if not kernels.supports(q):
+            return False
+        tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
+        scaling = self.rotary.scaling if self.levers.rope else 1.0
+        kernels.step_query_moments(q, kv_heads, tables, scaling, parts=parts)
+        return True
+
     def _step_tables(self, positions: torch.Tensor, device: torch.device,
                      memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables ``[B, D]`` that turn a step's queries into the stored frame, kept in ``memo``."""

@@ -14,7 +14,7 @@ import torch
 
 from kvbackend.accounting import CacheStats, cache_stats, check_cache
 from kvbackend.batch import BatchPlan, ints_on_device, plan_batch
-from kvbackend.codecs.base import add_step_moments, prepare_kv
+from kvbackend.codecs.base import add_step_moments, book_step_moments, prepare_kv, step_parts
 from kvbackend.errors import CacheFull, InvalidKV, SpecError, UnknownRequest
 from kvbackend.geometry import CacheConfig, Geometry
 from kvbackend.frames import SINK_FIELDS, LeverFrame, without_sinks
@@ -249,13 +249,23 @@ class KVCache:
         rows.index_copy_(0, step.value_rows, v)  # int64 on every call: four more kernels a layer)
         chunk_tokens = self.config.chunk_tokens
         if queries is not None and self.codecs[layer].uses_queries:  # one batched product, then a sum per request
-            moments, sums, *rows = self._moments.get(len(ids))
-            self.frames[layer].step_query_moments(queries, step.positions, step.rope, self.geometry.num_kv_heads,
-                                                  (moments, sums), kernel=self.backends[layer].name == "triton")
             # each request's queries booked before its token is (which may complete a chunk)
-            add_step_moments([table.states[layer] for table in tables],
-                             [table.lengths[layer] // chunk_tokens for table in tables], moments,
-                             queries.shape[1] // self.geometry.num_kv_heads, sums, rows, self._step_memos[layer])
+            states = [table.states[layer] for table in tables]
+            chunks = [table.lengths[layer] // chunk_tokens for table in tables]
+            heads, count, memo = self.geometry.num_kv_heads, queries.shape[1] // self.geometry.num_kv_heads, \
+                self._step_memos[layer]
+            kernel = self.backends[layer].name == "triton"
+            # the parts of the last step's chunks, where they all took it in place: the kernel adds into them
+            parts = step_parts(states, chunks, memo, heads, self.geometry.head_dim, queries.device) if kernel \
+                else None
+            if parts is not None and self.frames[layer].add_step_query_moments(queries, step.positions, step.rope,
+                                                                               heads, parts):
+                book_step_moments(states, chunks, count)
+            else:
+                moments, sums, *rows = self._moments.get(len(ids))
+                self.frames[layer].step_query_moments(queries, step.positions, step.rope, heads, (moments, sums),
+                                                      kernel=kernel)
+                add_step_moments(states, chunks, moments, count, sums, rows, memo)
         for table, start in zip(tables, starts):
             table.lengths[layer] += 1  # (`_appended` of one token without queries)
             if start + 1 >= chunk_tokens:  # a chunk may be complete in every layer (`num_tokens` <= this length)

@@ -140,3 +140,130 @@ def test_a_triton_cache_books_the_kernels_statistics(codec, monkeypatch):
             assert count == sb.query_parts[chunk][1]
             torch.testing.assert_close(sb.query_parts[chunk][0], total, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(sb.query_sums[chunk], sa.query_sums[chunk], rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_adds_into_parts_as_out_then_add_does():
+    """``parts``: each request's moments and sums added in place at its parts' addresses (a request whose sum is
+    not kept: row 1 is 0, nothing written there), bitwise what writing ``out`` and adding it gives; the rest of the
+    memory around the parts untouched."""
+    gen = torch.Generator().manual_seed(3)
+    b, hq, h, d = 3, 6, 2, 12
+    q = torch.randn(b, hq, d, generator=gen).to(DEVICE, torch.bfloat16)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    tables = Rotary(inv, 1.3).cos_sin(torch.tensor([5, 70, 900]), torch.device(DEVICE))
+    moments, sums = kernel.step_query_moments(q, h, tables, 1.3, _out(b, h, d))
+    arena = torch.randn(b + 1, h + 1, d, d, generator=gen).to(DEVICE)  # parts with neighbours on both sides
+    sum_arena = torch.randn(b + 1, h + 1, d, generator=gen).to(DEVICE)
+    totals = [arena[i, 1:] for i in range(b)]
+    kept = [sum_arena[0, 1:], None, sum_arena[2, 1:]]
+    before, sums_before = arena.clone(), sum_arena.clone()
+    parts = torch.tensor([[t.data_ptr() for t in totals], [0 if s is None else s.data_ptr() for s in kept]],
+                         device=DEVICE)
+    assert kernel.step_query_moments(q, h, tables, 1.3, parts=parts) is None
+    want, want_sums = before.clone(), sums_before.clone()
+    want[:b, 1:] += moments
+    want_sums[0, 1:] += sums[0]
+    want_sums[2, 1:] += sums[2]
+    assert torch.equal(arena, want) and torch.equal(sum_arena, want_sums)
+    with pytest.raises(ValueError, match="one of out"):
+        kernel.step_query_moments(q, h, tables, 1.3)
+    with pytest.raises(ValueError, match="parts must be"):
+        kernel.step_query_moments(q, h, tables, 1.3, parts=parts[:, :2])
+
+
+def _query_caches(codec, fused_off: list):
+    from kvbackend import CacheConfig, Geometry, KVCache
+
+    geometry = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    config = CacheConfig(codec=codec, page_size=16, chunk_pages=2, dense_pages=16, packed_pages=16, device=DEVICE,
+                         backend="triton")
+    return [KVCache(geometry, config, rotary=Rotary.default(16, 10000.0)) for _ in fused_off]
+
+
+@pytest.mark.parametrize("codec", ["quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true",
+                                   "quantwm:group=16,rank=2,centroids=2,vbits=2,pagerope=true"])
+def test_decode_steps_add_their_statistics_in_place(codec, monkeypatch):
+    """A cache whose steps add their query statistics straight into the chunks' parts (`step_parts`, once the last
+    step took every part in place) holds bitwise the parts, counts, sums and packed pages of one whose steps write
+    them to buffers and add those; both step through chunk completions (the table is remade) and requests joining."""
+    import kvbackend.manager as manager
+
+    real, calls = manager.step_parts, {"fused": 0}
+
+    def step_parts(*args, off=False):
+        parts = None if off else real(*args)
+        calls["fused"] += parts is not None
+        return parts
+
+    fused, buffered = _query_caches(codec, [False, True])
+    gen = torch.Generator().manual_seed(1)
+    ids = []
+    for n in (27, 30):  # chunks of 32 tokens: both complete one during the steps
+        k, v = torch.randn(2, n, 2, 16, generator=gen), torch.randn(2, n, 2, 16, generator=gen)
+        q = torch.randn(2, n, 4, 16, generator=gen)
+        for cache in (fused, buffered):
+            rid, _ = cache.add_request()
+            for layer in range(2):
+                cache.append(rid, layer, k[layer].to(DEVICE, torch.bfloat16), v[layer].to(DEVICE, torch.bfloat16),
+                             queries=q[layer].to(DEVICE, torch.bfloat16))
+        ids.append(rid)
+    for step in range(12):
+        if step == 5:  # a request joins mid-way: a new partition
+            for cache in (fused, buffered):
+                rid, _ = cache.add_request()
+                for layer in range(2):
+                    cache.append(rid, layer, *(torch.ones(2, 2, 16, device=DEVICE, dtype=torch.bfloat16),) * 2)
+            ids.append(rid)
+        k, v = torch.randn(2, len(ids), 2, 16, generator=gen), torch.randn(2, len(ids), 2, 16, generator=gen)
+        q = torch.randn(2, len(ids), 4, 16, generator=gen)
+        for cache, off in ((fused, False), (buffered, True)):
+            monkeypatch.setattr(manager, "step_parts", lambda *a, off=off: step_parts(*a, off=off))
+            for layer in range(2):
+                cache.append_step(ids, layer, *(t[layer].to(DEVICE, torch.bfloat16) for t in (k, v, q)))
+    assert calls["fused"] >= 8  # most steps of the first cache added in place
+    for rid in ids:
+        a, b = fused.page_table(rid), buffered.page_table(rid)
+        assert a.lengths == b.lengths and len(a.packed) == len(b.packed) >= (rid in ids[:2])
+        for layer in range(2):
+            sa, sb = a.states[layer], b.states[layer]
+            assert sa.query_parts.keys() == sb.query_parts.keys()
+            for chunk, (total, count) in sa.query_parts.items():
+                assert count == sb.query_parts[chunk][1] and torch.equal(total, sb.query_parts[chunk][0])
+            assert sa.query_sums.keys() == sb.query_sums.keys()
+            for chunk, total in sa.query_sums.items():
+                assert torch.equal(total, sb.query_sums[chunk])
+            for pa, pb in zip(a.packed, b.packed):
+                assert torch.equal(fused.packed.pages[layer][pa], buffered.packed.pages[layer][pb])
+    fused.check()
+
+
+def test_a_part_moved_or_reshaped_is_not_written_through_a_stale_address():
+    """`step_parts` keeps its address table while the parts stay where they were: a part whose storage was swapped
+    in place gets a new table (its values land in the new storage), and a part that is no longer a contiguous
+    float32 [H, D, D] sends the step back through the buffered adds."""
+    from kvbackend.codecs.base import step_parts
+
+    (cache,) = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False])
+    rid, _ = cache.add_request()
+    gen = torch.Generator().manual_seed(2)
+
+    def step():
+        k, v, q = (torch.randn(1, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
+        cache.append_step([rid], 0, k, v, queries=q)
+
+    for _ in range(2):
+        step()
+    state, chunk = cache.page_table(rid).states[0], 0
+    args = ([state], [chunk], cache._step_memos[0], 2, 16, torch.device(DEVICE))
+    table = step_parts(*args)
+    assert table is not None and step_parts(*args) is table  # kept
+    total, count = state.query_parts[chunk]
+    old = total.clone()
+    total.set_(total.clone().untyped_storage(), 0, total.shape, total.stride())  # same tensor, new storage
+    moved = step_parts(*args)
+    assert moved is not None and int(moved[0, 0]) == total.data_ptr() != int(table[0, 0])
+    step()
+    assert state.query_parts[chunk][0] is total and state.query_parts[chunk][1] == count + 2
+    assert not torch.equal(total, old)  # the step's moments went into the new storage
+    total.set_(total.untyped_storage(), 0, (2, 16, 8), (128, 8, 1))  # no longer [H, D, D]
+    assert step_parts(*args) is None

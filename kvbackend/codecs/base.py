@@ -174,16 +174,61 @@ def add_step_moments(states: Sequence[CodecState], chunks: Sequence[int], moment
         memo["step"] = None if one_by_one else _StepParts.of(states, chunks, totals, summed, inference)
 
 
+def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict | None, kv_heads: int, head_dim: int,
+               device: torch.device) -> torch.Tensor | None:
+    """The addresses of the parts a step's query statistics add to, where `add_step_moments`' last call with this
+    ``memo`` took every part of these states and chunks in place: int64 ``[2, B]`` on ``device`` (row 0 each
+    chunk's moment part, row 1 its sum part or 0), for a kernel that adds into them
+    (`kvbackend.kernels.query_moments.step_query_moments`' ``parts``); then `book_step_moments`. None where that
+    call did not (a chunk opened or changed, another state or inference mode) or a part is not a contiguous float32
+    ``[H, D, D]`` (``[H, D]``) on ``device``: add through `add_step_moments`.
+
+    The table is made once per partition and kept in the memo; each call checks that the parts still sit at its
+    addresses with their shapes (a part's storage swapped or reshaped in place is caught, not written through a
+    stale address)."""
+    last = memo.get("step") if memo is not None else None
+    if last is None:
+        return None
+    totals = [state.query_parts.get(chunk, (None, 0))[0] for state, chunk in zip(states, chunks)]
+    summed = [state.query_sums.get(chunk) for state, chunk in zip(states, chunks)]
+    if not last.matches(states, chunks, totals, summed, torch.is_inference_mode_enabled()):
+        return None
+    shape = (kv_heads, head_dim, head_dim)
+    if not (all(t.shape == shape for t in totals) and all(s is None or s.shape == shape[:2] for s in summed)):
+        return None
+    addresses = ([t.data_ptr() for t in totals], [0 if s is None else s.data_ptr() for s in summed])
+    if last.pointers is None or last.addresses != addresses or last.pointers.device != device:
+        def fits(part):
+            return (part.dtype == torch.float32 and part.device == device and part.is_contiguous()
+                    and part.storage_offset() + part.numel() <= part.untyped_storage().nbytes() // 4)
+        if not (all(fits(t) for t in totals) and all(s is None or fits(s) for s in summed)):
+            return None
+        last.pointers = torch.tensor(addresses, dtype=torch.int64).to(device)
+        last.addresses = addresses
+    return last.pointers
+
+
+def book_step_moments(states: Sequence[CodecState], chunks: Sequence[int], count: int) -> None:
+    """Count ``count`` more queries in each chunk's parts, once a kernel added a step's statistics to them in place
+    (`step_parts`)."""
+    for state, chunk in zip(states, chunks):
+        total, seen = state.query_parts[chunk]
+        state.query_parts[chunk] = (total, seen + count)
+
+
 @dataclass
 class _StepParts:
     """The states, chunks and part tensors of a call of `add_step_moments` whose parts all went in place, held
-    weakly (a freed part's id may come back on another tensor; its weak reference does not)."""
+    weakly (a freed part's id may come back on another tensor; its weak reference does not); with the parts'
+    addresses on the device once `step_parts` made them."""
 
     states: list
     chunks: tuple
     totals: list
     summed: list
     inference: bool
+    pointers: torch.Tensor | None = None
+    addresses: tuple | None = None
 
     def __reduce__(self):
         """A copy or a pickle of a cache holds no memo (weak references are not pickled): its next step checks."""
