@@ -28,6 +28,7 @@ from kvbackend.pool import DensePool, PackedPool
 from kvbackend.prefix_index import PrefixIndex
 from kvbackend.rope import Rotary
 from kvbackend.step_state import CacheLock, MomentBuffers, StepInts, stream_key
+from kvbackend.switches import switched_off
 
 FP16_MAX = 65504.0  # largest finite float16
 
@@ -256,8 +257,8 @@ class KVCache:
                 self._step_memos[layer]
             kernel = self.backends[layer].name == "triton"
             # the parts of the last step's chunks, where they all took it in place: the kernel adds into them
-            parts = step_parts(states, chunks, memo, heads, self.geometry.head_dim, queries.device) if kernel \
-                else None
+            parts = step_parts(states, chunks, memo, heads, self.geometry.head_dim, queries.device) \
+                if kernel and not switched_off("KVBACKEND_STEP_PARTS") else None
             if parts is not None and self.frames[layer].add_step_query_moments(queries, step.positions, step.rope,
                                                                                heads, parts):
                 book_step_moments(states, chunks, count)

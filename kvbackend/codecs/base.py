@@ -189,6 +189,8 @@ def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict |
     last = memo.get("step") if memo is not None else None
     if last is None:
         return None
+    if device.type == "cuda" and device.index is None:  # ("cuda": the current device, as tensors name it)
+        device = torch.device("cuda", torch.cuda.current_device())
     totals = [state.query_parts.get(chunk, (None, 0))[0] for state, chunk in zip(states, chunks)]
     summed = [state.query_sums.get(chunk) for state, chunk in zip(states, chunks)]
     if not last.matches(states, chunks, totals, summed, torch.is_inference_mode_enabled()):

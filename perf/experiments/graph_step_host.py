@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--switch", default="", help="an environment switch (kvbackend.switches) whose steps are timed "
+                        "off and on, interleaved, beside the default ones")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model = llama(False, "cuda", torch.bfloat16, args.context + 64)
     heads = model.config.num_attention_heads
@@ -51,6 +54,27 @@ def main() -> None:
             runner.decode(ids, tokens)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
+        if args.switch:  # A/B in one process: rounds of 5 steps with the switch off, then on (the default)
+            ab = {"off": [], "on": []}
+            for _ in range(args.rounds):
+                for side in ("off", "on"):
+                    if side == "off":
+                        os.environ[args.switch] = "0"
+                    else:
+                        os.environ.pop(args.switch, None)
+                    runner.decode(ids, tokens)
+                    torch.cuda.synchronize()
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        runner.decode(ids, tokens)
+                        torch.cuda.synchronize()
+                        ab[side].append((time.perf_counter() - t0) * 1e3)
+            medians = {side: sorted(t)[len(t) // 2] for side, t in ab.items()}
+            line = (f"{codec}: B={len(ids)} {args.switch}=0: median {medians['off']:.2f} ms, default: "
+                    f"{medians['on']:.2f} ms ({args.rounds} interleaved rounds of 5 graph steps; "
+                    f"off {[round(t, 1) for t in ab['off']]}, on {[round(t, 1) for t in ab['on']]})")
+            print(line, flush=True)
+            report.append(line)
         kernel = step_kernel_ms(runner, ids, tokens)
         profiler = cProfile.Profile()
         t0 = time.perf_counter()
