@@ -11,3 +11,6 @@ for B in ${BATCHES:-1 46}; do
   timeout 150 python3 perf/experiments/graph_step_host.py --caches "$RECIPE" --batch $B --switch KVBACKEND_STEP_PARTS \
     --out $OUT/head_B$B.txt 2>&1 | grep -v Warning | grep "graph step\|KVBACKEND"
 done
+# the split-K grid at the serving batches after session 46's centroid loads (is the default still the best grid?)
+timeout 200 python3 perf/experiments/decode_splits.py --out $OUT/decode_splits.json --batches ${SPLIT_BATCHES:-24,46} \
+  --splits 1,2,3,4,5,8,16 2>&1 | grep "splits"
