@@ -257,6 +257,13 @@ def test_a_part_moved_or_reshaped_is_not_written_through_a_stale_address():
     args = ([state], [chunk], cache._step_memos[0], 2, 16, torch.device(DEVICE))
     table = step_parts(*args)
     assert table is not None and step_parts(*args) is table  # kept
+    if DEVICE == "cuda":  # another stream makes its own table (the first one's copy is queued on the first stream)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            other = step_parts(*args)
+        assert other is not None and other is not table and torch.equal(other.cpu(), table.cpu())
+        side.synchronize()
+        table = step_parts(*args)
     total, count = state.query_parts[chunk]
     old = total.clone()
     total.set_(total.clone().untyped_storage(), 0, total.shape, total.stride())  # same tensor, new storage

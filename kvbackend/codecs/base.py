@@ -17,6 +17,7 @@ from kvbackend.layout import FieldSet, PageLayout
 from kvbackend.levers import Levers
 from kvbackend.saturation import refuse_saturated
 from kvbackend.spec import format_spec
+from kvbackend.step_state import stream_key
 
 # A one-pass encode of U chunks with `Codec._encode_units`' contract: (codec, K, V, layout, pages, codebooks,
 # states) -> whether it encoded them (False before writing or updating anything)
@@ -198,14 +199,15 @@ def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict |
     shape = (kv_heads, head_dim, head_dim)
     if not (all(t.shape == shape for t in totals) and all(s is None or s.shape == shape[:2] for s in summed)):
         return None
-    addresses = ([t.data_ptr() for t in totals], [0 if s is None else s.data_ptr() for s in summed])
+    addresses = ([t.data_ptr() for t in totals], [0 if s is None else s.data_ptr() for s in summed],
+                 stream_key(device))  # (the table's copy is queued on the stream that made it: another would not wait)
     if last.pointers is None or last.addresses != addresses or last.pointers.device != device:
         def fits(part):
             return (part.dtype == torch.float32 and part.device == device and part.is_contiguous()
                     and part.storage_offset() + part.numel() <= part.untyped_storage().nbytes() // 4)
         if not (all(fits(t) for t in totals) and all(s is None or fits(s) for s in summed)):
             return None
-        last.pointers = torch.tensor(addresses, dtype=torch.int64).to(device)
+        last.pointers = torch.tensor(addresses[:2], dtype=torch.int64).to(device)
         last.addresses = addresses
     return last.pointers
 
