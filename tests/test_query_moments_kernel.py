@@ -274,3 +274,49 @@ def test_a_part_moved_or_reshaped_is_not_written_through_a_stale_address():
     assert not torch.equal(total, old)  # the step's moments went into the new storage
     total.set_(total.untyped_storage(), 0, (2, 16, 8), (128, 8, 1))  # no longer [H, D, D]
     assert step_parts(*args) is None
+
+
+def test_a_part_restrided_or_retyped_where_it_sits_is_not_written_in_place():
+    """A part that keeps its address and shape but is no longer a contiguous float32 tensor (restrided, or its data
+    seen as another dtype) sends the step back through the buffered adds, which follow its strides or refuse it."""
+    from kvbackend.codecs.base import step_parts
+
+    (cache,) = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False])
+    rid, _ = cache.add_request()
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        k, v, q = (torch.randn(1, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
+        cache.append_step([rid], 0, k, v, queries=q)
+    state = cache.page_table(rid).states[0]
+    args = ([state], [0], cache._step_memos[0], 2, 16, torch.device(DEVICE))
+    total = state.query_parts[0][0]
+    assert step_parts(*args) is not None
+    total.as_strided_((2, 16, 16), (1, 32, 2))  # same address, same shape, heads interleaved
+    assert step_parts(*args) is None
+    total.as_strided_((2, 16, 16), (256, 16, 1))
+    assert step_parts(*args) is not None
+    total.data = total.data.view(torch.int32)  # same address, same shape, another dtype
+    assert step_parts(*args) is None
+
+
+def test_in_place_statistics_tell_autograd_their_parts_changed():
+    """A step that adds into the parts marks them changed in place (as the multi-tensor add does): a graph that
+    saved one raises on backward instead of using the new values."""
+    (cache,) = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False])
+    rid, _ = cache.add_request()
+    gen = torch.Generator().manual_seed(5)
+
+    def step():
+        k, v, q = (torch.randn(1, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
+        cache.append_step([rid], 0, k, v, queries=q)
+
+    for _ in range(2):
+        step()
+    total = cache.page_table(rid).states[0].query_parts[0][0]
+    weight = torch.ones_like(total, requires_grad=True)
+    saved = (weight * total).sum()
+    version = total._version
+    step()  # (in place: the memo of the last step matches)
+    assert total._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()

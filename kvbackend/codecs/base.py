@@ -196,14 +196,16 @@ def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict |
     summed = [state.query_sums.get(chunk) for state, chunk in zip(states, chunks)]
     if not last.matches(states, chunks, totals, summed, torch.is_inference_mode_enabled()):
         return None
-    shape = (kv_heads, head_dim, head_dim)
-    if not (all(t.shape == shape for t in totals) and all(s is None or s.shape == shape[:2] for s in summed)):
+    shape = (kv_heads, head_dim, head_dim)  # (each call: a part restrided, retyped or reshaped where it sits)
+    if not (all(t.shape == shape and t.dtype is torch.float32 and t.is_contiguous() for t in totals)
+            and all(s is None or (s.shape == shape[:2] and s.dtype is torch.float32 and s.is_contiguous())
+                    for s in summed)):
         return None
     addresses = ([t.data_ptr() for t in totals], [0 if s is None else s.data_ptr() for s in summed],
                  stream_key(device))  # (the table's copy is queued on the stream that made it: another would not wait)
     if last.pointers is None or last.addresses != addresses or last.pointers.device != device:
         def fits(part):
-            return (part.dtype == torch.float32 and part.device == device and part.is_contiguous()
+            return (part.device == device
                     and part.storage_offset() + part.numel() <= part.untyped_storage().nbytes() // 4)
         if not (all(fits(t) for t in totals) and all(s is None or fits(s) for s in summed)):
             return None
@@ -214,10 +216,17 @@ def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict |
 
 def book_step_moments(states: Sequence[CodecState], chunks: Sequence[int], count: int) -> None:
     """Count ``count`` more queries in each chunk's parts, once a kernel added a step's statistics to them in place
-    (`step_parts`)."""
+    (`step_parts`), and mark the parts changed in place for autograd (as the multi-tensor add does: a graph that
+    saved one raises on backward instead of using the new values)."""
+    changed = []
     for state, chunk in zip(states, chunks):
         total, seen = state.query_parts[chunk]
         state.query_parts[chunk] = (total, seen + count)
+        changed.append(total)
+        summed = state.query_sums.get(chunk)
+        if summed is not None:
+            changed.append(summed)
+    torch.autograd.graph.increment_version(changed)
 
 
 @dataclass
