@@ -209,7 +209,9 @@ def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict |
                     and part.storage_offset() + part.numel() <= part.untyped_storage().nbytes() // 4)
         if not (all(fits(t) for t in totals) and all(s is None or fits(s) for s in summed)):
             return None
-        last.pointers = torch.tensor(addresses[:2], dtype=torch.int64).to(device)
+        table = torch.tensor(addresses[:2], dtype=torch.int64)
+        # (from pinned memory, queued: a copy from pageable memory would make the host wait for the device)
+        last.pointers = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
         last.addresses = addresses
     return last.pointers
 
