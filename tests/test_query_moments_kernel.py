@@ -320,3 +320,76 @@ def test_in_place_statistics_tell_autograd_their_parts_changed():
     assert total._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_serving_histories_keep_in_place_statistics_bitwise(seed, monkeypatch):
+    """Random histories on two caches, one adding its steps' statistics in place and one through the buffered adds
+    (``KVBACKEND_STEP_PARTS=0``): requests joining, freed and forked, batches reordered or cut, inference mode on
+    and off, a chunk's sum of q dropped, prefill appends between steps, steps without queries. Every part, count,
+    sum and packed page stays bitwise equal, and the in-place path is taken."""
+    import random
+
+    import kvbackend.manager as manager
+
+    real, taken = manager.step_parts, []
+    monkeypatch.setattr(manager, "step_parts", lambda *a: taken.append(real(*a)) or taken[-1])
+    rng, layers = random.Random(seed), 2
+    fused, buffered = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False, True])
+    gen = torch.Generator().manual_seed(seed)
+    live = []
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16)
+
+    def both(call):
+        results = [call(cache) for cache in (fused, buffered)]
+        assert results[0] == results[1]
+        return results[0]
+
+    for _ in range(30):
+        op = rng.random()
+        if op < 0.15 or len(live) < 2:
+            live.append(both(lambda c: c.add_request()[0]))
+        elif op < 0.22 and len(live) > 2:
+            rid = rng.choice(live)
+            both(lambda c: c.free(rid))
+            live.remove(rid)
+        elif op < 0.3:
+            rid = rng.choice(live)
+            live.append(both(lambda c: c.fork(rid)))
+        elif op < 0.35:
+            rid, layer = rng.choice(live), rng.randrange(layers)
+            for cache in (fused, buffered):
+                sums = cache.page_table(rid).states[layer].query_sums
+                if sums:
+                    sums.pop(max(sums))
+        elif op < 0.42:
+            rid, n = rng.choice(live), rng.randrange(1, 4)
+            k, v, q = rand(n, 2, 16), rand(n, 2, 16), rand(n, 4, 16)
+            for cache in (fused, buffered):
+                for layer in range(layers):
+                    cache.append(rid, layer, k, v, queries=q)
+        ids = live[:] if rng.random() < 0.85 else rng.sample(live, rng.randrange(1, len(live) + 1))
+        k, v, q = rand(layers, len(ids), 2, 16), rand(layers, len(ids), 2, 16), rand(layers, len(ids), 4, 16)
+        queries = rng.random() > 0.05
+        with torch.inference_mode(rng.random() < 0.3):
+            for cache, off in ((fused, "1"), (buffered, "0")):
+                monkeypatch.setenv("KVBACKEND_STEP_PARTS", off)
+                for layer in range(layers):
+                    cache.append_step(ids, layer, k[layer], v[layer], queries=q[layer] if queries else None)
+    assert sum(t is not None for t in taken) >= 5
+    for rid in live:
+        a, b = fused.page_table(rid), buffered.page_table(rid)
+        assert a.lengths == b.lengths
+        for layer in range(layers):
+            sa, sb = a.states[layer], b.states[layer]
+            assert sa.query_parts.keys() == sb.query_parts.keys() and sa.query_sums.keys() == sb.query_sums.keys()
+            for chunk, (total, count) in sa.query_parts.items():
+                assert count == sb.query_parts[chunk][1] and torch.equal(total, sb.query_parts[chunk][0])
+            for chunk, total in sa.query_sums.items():
+                assert torch.equal(total, sb.query_sums[chunk])
+            for pa, pb in zip(a.packed, b.packed):
+                assert torch.equal(fused.packed.pages[layer][pa], buffered.packed.pages[layer][pb])
+    fused.check()
+    buffered.check()
