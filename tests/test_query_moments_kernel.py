@@ -237,15 +237,12 @@ def test_decode_steps_add_their_statistics_in_place(codec, monkeypatch):
     fused.check()
 
 
-def test_a_part_moved_or_reshaped_is_not_written_through_a_stale_address():
-    """`step_parts` keeps its address table while the parts stay where they were: a part whose storage was swapped
-    in place gets a new table (its values land in the new storage), and a part that is no longer a contiguous
-    float32 [H, D, D] sends the step back through the buffered adds."""
-    from kvbackend.codecs.base import step_parts
-
+def _one_request(seed):
+    """A query-aware cache with one request after two decode steps of layer 0 (the second adds in place), the step
+    function, and the step memo's arguments for `step_parts` on chunk 0 of that layer."""
     (cache,) = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False])
     rid, _ = cache.add_request()
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
 
     def step():
         k, v, q = (torch.randn(1, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
@@ -253,8 +250,18 @@ def test_a_part_moved_or_reshaped_is_not_written_through_a_stale_address():
 
     for _ in range(2):
         step()
-    state, chunk = cache.page_table(rid).states[0], 0
-    args = ([state], [chunk], cache._step_memos[0], 2, 16, torch.device(DEVICE))
+    state = cache.page_table(rid).states[0]
+    return state, step, ([state], [0], cache._step_memos[0], 2, 16, torch.device(DEVICE))
+
+
+def test_a_part_moved_or_reshaped_is_not_written_through_a_stale_address():
+    """`step_parts` keeps its address table while the parts stay where they were: a part whose storage was swapped
+    in place gets a new table (its values land in the new storage), and a part that is no longer a contiguous
+    float32 [H, D, D] sends the step back through the buffered adds."""
+    from kvbackend.codecs.base import step_parts
+
+    state, step, args = _one_request(2)
+    chunk = 0
     table = step_parts(*args)
     assert table is not None and step_parts(*args) is table  # kept
     if DEVICE == "cuda":  # another stream makes its own table (the first one's copy is queued on the first stream)
@@ -281,14 +288,7 @@ def test_a_part_restrided_or_retyped_where_it_sits_is_not_written_in_place():
     seen as another dtype) sends the step back through the buffered adds, which follow its strides or refuse it."""
     from kvbackend.codecs.base import step_parts
 
-    (cache,) = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False])
-    rid, _ = cache.add_request()
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(2):
-        k, v, q = (torch.randn(1, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
-        cache.append_step([rid], 0, k, v, queries=q)
-    state = cache.page_table(rid).states[0]
-    args = ([state], [0], cache._step_memos[0], 2, 16, torch.device(DEVICE))
+    state, _, args = _one_request(4)
     total = state.query_parts[0][0]
     assert step_parts(*args) is not None
     total.as_strided_((2, 16, 16), (1, 32, 2))  # same address, same shape, heads interleaved
@@ -302,17 +302,8 @@ def test_a_part_restrided_or_retyped_where_it_sits_is_not_written_in_place():
 def test_in_place_statistics_tell_autograd_their_parts_changed():
     """A step that adds into the parts marks them changed in place (as the multi-tensor add does): a graph that
     saved one raises on backward instead of using the new values."""
-    (cache,) = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False])
-    rid, _ = cache.add_request()
-    gen = torch.Generator().manual_seed(5)
-
-    def step():
-        k, v, q = (torch.randn(1, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
-        cache.append_step([rid], 0, k, v, queries=q)
-
-    for _ in range(2):
-        step()
-    total = cache.page_table(rid).states[0].query_parts[0][0]
+    state, step, _ = _one_request(5)
+    total = state.query_parts[0][0]
     weight = torch.ones_like(total, requires_grad=True)
     saved = (weight * total).sum()
     version = total._version
