@@ -152,12 +152,8 @@ class LeverFrame:
         (`kvbackend.kernels.query_moments`: the same queries rounded to their dtype after the turn, sums in another
         order), for a layer the Triton backend serves, unless ``KVBACKEND_STEP_KERNEL`` is ``0`` (to compare);
         else in torch."""
-        if kernel and not switched_off("KVBACKEND_STEP_KERNEL"):
-            from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
-            if kernels.supports(q):
-                tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
-                scaling = self.rotary.scaling if self.levers.rope else 1.0
-                return kernels.step_query_moments(q, kv_heads, tables, scaling, out)
+        if kernel and self._step_kernel(q, positions, memo, kv_heads, out=out):
+            return out
         return query_moments(self.step_queries_to_stored(q, positions, memo), kv_heads, out=out)
 
     def add_step_query_moments(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None, kv_heads: int,
@@ -165,14 +161,19 @@ class LeverFrame:
         """`step_query_moments` through the Triton kernel, added in place to each request's parts at the addresses
         ``parts`` (int64 ``[2, B]``, `kvbackend.codecs.base.step_parts`) instead of written to buffers; False (and
         nothing added) where the kernel does not take these queries or ``KVBACKEND_STEP_KERNEL`` is ``0``."""
+        return self._step_kernel(q, positions, memo, kv_heads, parts=parts)
+
+    def _step_kernel(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None, kv_heads: int,
+                     **into) -> bool:
+        """The step statistics kernel on ``q`` (its RoPE tables from ``memo``) into ``out`` or ``parts``; False
+        where it is switched off or does not take these queries."""
         if switched_off("KVBACKEND_STEP_KERNEL"):
             return False
-        from kvbackend.kernels import query_moments as kernels
+        from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
         if not kernels.supports(q):
             return False
         tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
-        scaling = self.rotary.scaling if self.levers.rope else 1.0
-        kernels.step_query_moments(q, kv_heads, tables, scaling, parts=parts)
+        kernels.step_query_moments(q, kv_heads, tables, self.rotary.scaling if self.levers.rope else 1.0, **into)
         return True
 
     def _step_tables(self, positions: torch.Tensor, device: torch.device,
