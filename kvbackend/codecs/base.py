@@ -203,7 +203,7 @@ def step_parts(states: Sequence[CodecState], chunks: Sequence[int], memo: dict |
         return None
     addresses = ([t.data_ptr() for t in totals], [0 if s is None else s.data_ptr() for s in summed],
                  stream_key(device))  # (the table's copy is queued on the stream that made it: another would not wait)
-    if last.pointers is None or last.addresses != addresses or last.pointers.device != device:
+    if last.pointers is None or last.addresses != addresses:  # (the stream key names the device)
         def fits(part):
             return (part.device == device
                     and part.storage_offset() + part.numel() <= part.untyped_storage().nbytes() // 4)

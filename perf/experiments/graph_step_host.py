@@ -45,32 +45,34 @@ def main() -> None:
         ids = [first] + requests_like(cache, first, args.batch - 1, args.context, 1000, heads)
         runner = LlamaRunner(model, cache, cuda_graphs=True)
         tokens = torch.zeros(len(ids), dtype=torch.long)
-        for _ in range(2):
-            runner.decode(ids, tokens)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
+
+        def timed(n: int) -> list[float]:
+            """``n`` graph steps after one untimed, each to the device's end, in ms."""
             runner.decode(ids, tokens)
             torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if args.switch:  # A/B in one process: rounds of 5 steps with the switch off, then on (the default)
-            ab = {"off": [], "on": []}
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                runner.decode(ids, tokens)
+                torch.cuda.synchronize()
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        runner.decode(ids, tokens)  # (the capture)
+        times = timed(5)
+        if args.switch:  # A/B in one process: rounds of 5 steps with the switch off, then as it was set
+            ab, before = {"off": [], "on": []}, os.environ.get(args.switch)
             for _ in range(args.rounds):
                 for side in ("off", "on"):
                     if side == "off":
                         os.environ[args.switch] = "0"
-                    else:
+                    elif before is None:
                         os.environ.pop(args.switch, None)
-                    runner.decode(ids, tokens)
-                    torch.cuda.synchronize()
-                    for _ in range(5):
-                        t0 = time.perf_counter()
-                        runner.decode(ids, tokens)
-                        torch.cuda.synchronize()
-                        ab[side].append((time.perf_counter() - t0) * 1e3)
+                    else:
+                        os.environ[args.switch] = before
+                    ab[side] += timed(5)
             medians = {side: sorted(t)[len(t) // 2] for side, t in ab.items()}
-            line = (f"{codec}: B={len(ids)} {args.switch}=0: median {medians['off']:.2f} ms, default: "
+            line = (f"{codec}: B={len(ids)} {args.switch}=0: median {medians['off']:.2f} ms, as set: "
                     f"{medians['on']:.2f} ms ({args.rounds} interleaved rounds of 5 graph steps; "
                     f"off {[round(t, 1) for t in ab['off']]}, on {[round(t, 1) for t in ab['on']]})")
             print(line, flush=True)
