@@ -968,15 +968,37 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           x[NB - 1].y = hi.y * rc[jl + 8] - lo.y * rs[jl + 8];
 #pragma unroll
           for (int b = 0; b < NB; ++b) {
+            const int at = (b * 4 + ks) * 2 + e;
+            qk[b][ks][e] = pack_half2(x[b].x * f, x[b].y * f);
+            const float fk = KBITS == 2 ? f : 1.f;  // 2-bit codes arrive times 4^(p % 4), 3- and 4-bit ones as they are
+            if (K_KIND == 0) {
+              // fp8 pairs: channels jl and jl + 8 sit at byte jl % 4 of words jl / 4 and jl / 4 + 2; one permute and
+              // one fp8x2 conversion per pair. fp8 -> fp16 is exact, and so are the products below (1 / fk is a power
+              // of two that keeps fp8's smallest subnormal inside fp16's range; KSYM_ZERO x an fp8 value needs at most
+              // 7 significant bits): the same halves as converting each byte to float first.
+              const uint32_t sel = (jl & 3) | ((4 + (jl & 3)) << 4);
+              const __half2_raw sraw = __nv_cvt_fp8x2_to_halfraw2(
+                  static_cast<__nv_fp8x2_storage_t>(__byte_perm(kw[b][0][jl >> 2], kw[b][0][(jl >> 2) + 2], sel)),
+                  __NV_E4M3);
+              const __half2 sp = *reinterpret_cast<const __half2*>(&sraw);
+              szr[0][at] = as_u32(__hmul2(sp, __float2half2_rn(1.f / fk)));
+              if (K_SYM) {
+                szr[1][at] = as_u32(__hmul2(sp, __float2half2_rn(-KSYM_ZERO)));
+              } else {
+                const __half2_raw zraw = __nv_cvt_fp8x2_to_halfraw2(
+                    static_cast<__nv_fp8x2_storage_t>(
+                        __byte_perm(kw[b][K_SYM ? 0 : 1][jl >> 2], kw[b][K_SYM ? 0 : 1][(jl >> 2) + 2], sel)),
+                    __NV_E4M3);
+                szr[1][at] = *reinterpret_cast<const uint32_t*>(&zraw);
+              }
+              continue;
+            }
             // channels 16 (4 b + tig) + jl and + 8 of the words above
             const float s0 = element<K_KIND>(kw[b][0][(jl * KES) >> 2], (jl * KES) & 3);
             const float s1 = element<K_KIND>(kw[b][0][((jl + 8) * KES) >> 2], ((jl + 8) * KES) & 3);
             const float z0 = K_SYM ? -KSYM_ZERO * s0 : element<K_KIND>(kw[b][K_SYM ? 0 : 1][(jl * KES) >> 2], (jl * KES) & 3);
             const float z1 = K_SYM ? -KSYM_ZERO * s1
                                    : element<K_KIND>(kw[b][K_SYM ? 0 : 1][((jl + 8) * KES) >> 2], ((jl + 8) * KES) & 3);
-            const int at = (b * 4 + ks) * 2 + e;
-            qk[b][ks][e] = pack_half2(x[b].x * f, x[b].y * f);
-            const float fk = KBITS == 2 ? f : 1.f;  // 2-bit codes arrive times 4^(p % 4), 3- and 4-bit ones as they are
             szr[0][at] = pack_half2(s0 / fk, s1 / fk);
             szr[1][at] = pack_half2(z0, z1);
           }
