@@ -886,26 +886,30 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   };
 
   // ---------------------------------------------------------------- packed pages
-  int my_first = first + warp;
+  // Each warp takes a contiguous run of the split's packed pages (not every NWARPS-th page): a run meets one or two
+  // codebook slots (chunks are whole runs of pages), so a warp builds its centroid table once or twice instead of
+  // once per chunk of the split; the longest run is as long as the longest strided share.
   int packed_end = min(last, packed);
-  int n_mine = my_first < packed_end ? (packed_end - my_first + NWARPS - 1) / NWARPS : 0;
+  const int per_warp = packed_end > first ? (packed_end - first + NWARPS - 1) / NWARPS : 0;
+  int my_first = first + warp * per_warp;
+  int n_mine = max(0, min(per_warp, packed_end - my_first));
 #pragma unroll
   for (int i = 0; i < NSTAGE - 1; ++i) {
     if (i < n_mine)
-      issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i * NWARPS], my_first + i * NWARPS, h, lane);
+      issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i], my_first + i, h, lane);
     cp_async_commit();
   }
   // The page ids and chunk slots come from global memory one page ahead of their use: a load in the page's own
   // iteration put a global round trip in front of its copies (and of the centroid table's slot test).
-  int next_id = NSTAGE - 1 < n_mine ? a.page_ids[start + my_first + (NSTAGE - 1) * NWARPS] : 0;
+  int next_id = NSTAGE - 1 < n_mine ? a.page_ids[start + my_first + NSTAGE - 1] : 0;
   int next_slot = (K_CENT || PSAC_R) && n_mine > 0 ? a.slots[start + my_first] : 0;
   for (int i = 0; i < n_mine; ++i) {
     int ahead = i + NSTAGE - 1;
     const int page_id = next_id;
-    if (ahead + 1 < n_mine) next_id = a.page_ids[start + my_first + (ahead + 1) * NWARPS];
+    if (ahead + 1 < n_mine) next_id = a.page_ids[start + my_first + ahead + 1];
     const int slot_now = next_slot;
-    if ((K_CENT || PSAC_R) && i + 1 < n_mine) next_slot = a.slots[start + my_first + (i + 1) * NWARPS];
-    if (ahead < n_mine) issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, page_id, my_first + ahead * NWARPS, h, lane);
+    if ((K_CENT || PSAC_R) && i + 1 < n_mine) next_slot = a.slots[start + my_first + i + 1];
+    if (ahead < n_mine) issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, page_id, my_first + ahead, h, lane);
     cp_async_commit();
     cp_async_wait<NSTAGE - 1>();
     __syncwarp();
@@ -914,7 +918,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     const uint8_t* vc = stage + P * KROWB;
     const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + P * (KROWB + ROWB));
     const uint8_t* extra = stage + P * (KROWB + ROWB) + 4 * P * 4;
-    const int jpage = my_first + i * NWARPS;  // the page's index in the request
+    const int jpage = my_first + i;  // the page's index in the request
     int ptok[PSAC_REGMAP ? PSAC_ROWS : 1];  // PSAC_REGMAP: each folded row's token (-1: none)
     int wtok[WHOLE_N > 0 ? WHOLE_N : 1];    // WHOLE_N: each whole row's token (-1: none), the same in every lane
 
