@@ -1,10 +1,9 @@
-# Session 51, call 1 (carry .whl, out/s50base, out/mma_decode_base.cu; made here first by
-# `bash perf/results/s50/make_base.sh` and `git show 126dd00~1:kernels/mma_decode.cu > out/mma_decode_base.cu`).
+# Session 51, call 1 (carry .whl, out/mma_decode_base.cu; made here first by
+# `git show 126dd00~1:kernels/mma_decode.cu > out/mma_decode_base.cu`).
 # 1. The tensor-core decode's tests on CUDA (fp8-pair set-up of pre-RoPE pages, contiguous page runs per warp), then
 #    this tree's kernel against main's before both (recipe, and the recipe's layout without levers) at B=8 (graphs).
 # 2. The split-K sweep of the recipe and rtn-2 at B=46.
 # 3. The serving bench's throughput section (graphs; each cache at B=1 and at its memory limit).
-# 4. Session 50's host A/B at B=1 (last: the rest of the time).
 source perf/results/s49/setup.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_mma_recipe.py tests/test_mma_decode.py \
   tests/test_mma_k4.py tests/test_mma_whole.py 2>&1 | tail -4 | tee $OUT/tests.txt
@@ -14,8 +13,3 @@ timeout 100 python3 perf/experiments/decode_splits.py --out $OUT/decode_splits.j
   --splits 1,2,3,5,8,16 2>&1 | grep "splits"
 timeout 200 python3 perf/bench_serving.py --batches 1 --steps 8 --workload 0 --ttft 0 --anchor 0 \
   --out $OUT/bench_serving.json --plot $OUT/bench_serving.png 2>&1 | grep -v Warning | tail -22
-RECIPE=$(python3 -c "import sys; sys.path.insert(0, 'perf'); import bench_serving; print(bench_serving.RECOMMENDED_PAGE_SPEC)")
-PYTHONPATH=out/s50base:/tmp/site timeout 80 python3 perf/experiments/graph_step_host.py --caches "$RECIPE" \
-  --batch 1 --out $OUT/base_B1.txt 2>&1 | grep -v Warning | grep "graph step"
-timeout 100 python3 perf/experiments/graph_step_host.py --caches "$RECIPE" --batch 1 --switch KVBACKEND_STEP_PARTS \
-  --out $OUT/head_B1.txt 2>&1 | grep -v Warning | grep "graph step\|KVBACKEND"
