@@ -163,15 +163,21 @@ class LeverFrame:
         nothing added) where the kernel does not take these queries or ``KVBACKEND_STEP_KERNEL`` is ``0``."""
         return self._step_kernel(q, positions, memo, kv_heads, parts=parts)
 
+    def step_kernel_takes(self, q: torch.Tensor) -> bool:
+        """Whether the step statistics kernel takes the queries ``q`` (``[B, Hq, D]``): not where
+        ``KVBACKEND_STEP_KERNEL`` is ``0`` or the kernel does not read their shape or device."""
+        if switched_off("KVBACKEND_STEP_KERNEL"):
+            return False
+        from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
+        return kernels.supports(q)
+
     def _step_kernel(self, q: torch.Tensor, positions: torch.Tensor, memo: dict | None, kv_heads: int,
                      **into) -> bool:
         """The step statistics kernel on ``q`` (its RoPE tables from ``memo``) into ``out`` or ``parts``; False
         where it is switched off or does not take these queries."""
-        if switched_off("KVBACKEND_STEP_KERNEL"):
+        if not self.step_kernel_takes(q):
             return False
-        from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
-        if not kernels.supports(q):
-            return False
+        from kvbackend.kernels import query_moments as kernels
         tables = self._step_tables(positions, q.device, memo) if self.levers.rope else None
         kernels.step_query_moments(q, kv_heads, tables, self.rotary.scaling if self.levers.rope else 1.0, **into)
         return True

@@ -256,9 +256,11 @@ class KVCache:
             heads, count, memo = self.geometry.num_kv_heads, queries.shape[1] // self.geometry.num_kv_heads, \
                 self._step_memos[layer]
             kernel = self.backends[layer].name == "triton"
-            # the parts of the last step's chunks, where they all took it in place: the kernel adds into them
+            # the parts of the last step's chunks, where they all took it in place: the kernel adds into them (its
+            # checks cost about 150 us a layer at B=46, so only where the kernel will take these queries)
             parts = step_parts(states, chunks, memo, heads, self.geometry.head_dim, queries.device) \
-                if kernel and not switched_off("KVBACKEND_STEP_PARTS") else None
+                if kernel and not switched_off("KVBACKEND_STEP_PARTS") and self.frames[layer].step_kernel_takes(
+                    queries) else None
             if parts is not None and self.frames[layer].add_step_query_moments(queries, step.positions, step.rope,
                                                                                heads, parts):
                 book_step_moments(states, chunks, count)

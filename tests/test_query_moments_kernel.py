@@ -237,6 +237,39 @@ def test_decode_steps_add_their_statistics_in_place(codec, monkeypatch):
     fused.check()
 
 
+@pytest.mark.parametrize("why", ["switched off", "head too wide"])
+def test_the_parts_are_not_checked_where_the_kernel_will_not_take_the_step(why, monkeypatch):
+    """`step_parts` (its layout checks cost about 150 us a layer at B=46) is asked only where the step statistics
+    kernel takes the queries: not with ``KVBACKEND_STEP_KERNEL=0``, nor for heads wider than the kernel reads; those
+    steps book their statistics through the buffers, the same as a cache that never adds in place."""
+    import kvbackend.manager as manager
+
+    asked = []
+    real = manager.step_parts
+    monkeypatch.setattr(manager, "step_parts", lambda *a: asked.append(1) or real(*a))
+    if why == "switched off":
+        monkeypatch.setenv("KVBACKEND_STEP_KERNEL", "0")
+    else:
+        monkeypatch.setattr(kernel, "MAX_HEAD_DIM", 8)  # the caches' 16-channel heads are then too wide
+    fused, buffered = _query_caches("quantwm:group=16,rank=2,centroids=2,vbits=2,prerope=true", [False, True])
+    gen = torch.Generator().manual_seed(3)
+    ids = [[cache.add_request()[0] for _ in range(2)] for cache in (fused, buffered)]
+    for _ in range(6):
+        k, v, q = (torch.randn(2, 2, h, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (2, 2, 4))
+        for cache, rids in zip((fused, buffered), ids):
+            if cache is buffered:
+                monkeypatch.setenv("KVBACKEND_STEP_PARTS", "0")
+            for layer in range(2):
+                cache.append_step(rids, layer, k[layer], v[layer], queries=q[layer])
+            monkeypatch.delenv("KVBACKEND_STEP_PARTS", raising=False)
+    assert not asked
+    for a, b in zip(*ids):
+        sa, sb = fused.page_table(a).states[1], buffered.page_table(b).states[1]
+        assert sa.query_parts.keys() == sb.query_parts.keys() and sa.query_parts
+        for chunk, (total, count) in sa.query_parts.items():
+            assert count == sb.query_parts[chunk][1] == 6 * 2 and torch.equal(total, sb.query_parts[chunk][0])
+
+
 def _one_request(seed):
     """A query-aware cache with one request after two decode steps of layer 0 (the second adds in place), the step
     function, and the step memo's arguments for `step_parts` on chunk 0 of that layer."""
