@@ -1,12 +1,10 @@
 # Session 51, call 1 (carry .whl, out/mma_decode_base.cu; made here first by
 # `git show 126dd00~1:kernels/mma_decode.cu > out/mma_decode_base.cu`).
-# 1. The tensor-core decode's tests on CUDA (fp8-pair set-up of pre-RoPE pages, contiguous page runs per warp), then
-#    this tree's kernel against main's before both (recipe, and the recipe's layout without levers) at B=8 (graphs).
+# 1. This tree's tensor-core decode (fp8-pair set-up of pre-RoPE pages, contiguous page runs per warp; its tests run
+#    in the gpu-test) against main's before both (recipe, and the recipe's layout without levers) at B=8 (graphs).
 # 2. The split-K sweep of the recipe and rtn-2 at B=46.
 # 3. The serving bench's throughput section (graphs; each cache at B=1 and at its memory limit).
 source perf/results/s49/setup.sh
-timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_mma_recipe.py tests/test_mma_decode.py \
-  tests/test_mma_k4.py tests/test_mma_whole.py 2>&1 | tail -4 | tee $OUT/tests.txt
 AB_VARIANTS="recipe|recipe, no levers, no PSAC" timeout 120 python3 perf/results/s46/ab_codebooks.py \
   $OUT/ab_base.json out/mma_decode_base.cu 8 2>&1 | grep "B=8"
 timeout 100 python3 perf/experiments/decode_splits.py --out $OUT/decode_splits.json --batches 46 \
