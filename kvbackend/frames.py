@@ -165,7 +165,7 @@ class LeverFrame:
 
     def step_kernel_takes(self, q: torch.Tensor) -> bool:
         """Whether the step statistics kernel takes the queries ``q`` (``[B, Hq, D]``): not where
-        ``KVBACKEND_STEP_KERNEL`` is ``0`` or the kernel does not read their shape or device."""
+        ``KVBACKEND_STEP_KERNEL`` is ``0`` or the kernel does not read their shape or dtype."""
         if switched_off("KVBACKEND_STEP_KERNEL"):
             return False
         from kvbackend.kernels import query_moments as kernels  # (Triton is imported by Triton layers only)
