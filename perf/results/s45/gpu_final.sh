@@ -6,4 +6,6 @@ timeout ${LIMIT:-560} make gpu-test COMMIT=$1 GPU_LOG=$OUT/gpu-test.log
 status=$?
 # the failures as they happened (tests/conftest.py), so the call's output names them even when the limit cut the run
 [ -s "$OUT/gpu-test-failures.txt" ] && { echo "== failures"; cut -c1-300 "$OUT/gpu-test-failures.txt" | tail -60; }
+# the tests that finished (tests/conftest.py's done log): a cut run is completed by GPU_TEST_SKIP_DONE=<this file>
+[ -s "$OUT/gpu-test-done.txt" ] && echo "== finished tests: $(wc -l < "$OUT/gpu-test-done.txt") ($(grep -c '^failed' "$OUT/gpu-test-done.txt") failed)"
 exit $status
