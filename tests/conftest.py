@@ -23,9 +23,10 @@ def pytest_runtest_logreport(report):
     if getattr(report, "node", None) is not None:
         return
     done = os.environ.get("KVBACKEND_DONE_LOG")
-    if done and (report.when == "call" or (report.when == "setup" and not report.passed)):
+    if done and (report.when == "call" or not report.passed and (report.when == "setup" or report.failed)):
         # With ``KVBACKEND_DONE_LOG`` set, each test that ran to an outcome is added to that file ("outcome nodeid
-        # seconds"): a run cut by a time limit is completed later by a run with ``KVBACKEND_SKIP_DONE`` naming it.
+        # seconds"; a teardown's failure after a passed call adds a second, failed line): a run cut by a time limit
+        # is completed later by a run with ``KVBACKEND_SKIP_DONE`` naming it.
         with open(done, "a") as f:
             f.write(f"{report.outcome} {report.nodeid} {report.duration:.2f}\n")
     path = os.environ.get("KVBACKEND_FAILURE_LOG")
@@ -37,14 +38,17 @@ def pytest_runtest_logreport(report):
 
 
 def _done_tests(path: str) -> set[str]:
-    """The node ids a `KVBACKEND_DONE_LOG` file names as run to an outcome other than a failure."""
+    """The node ids a `KVBACKEND_DONE_LOG` file names as passed or skipped, in the file's order: a later failed line
+    (a teardown's failure, or a later run) takes a test out again."""
     done = set()
     with open(path) as f:
         for line in f:
             outcome, _, rest = line.rstrip("\n").partition(" ")
             nodeid = rest.rsplit(" ", 1)[0]
-            if outcome in ("passed", "skipped") and nodeid:
+            if outcome in ("passed", "skipped"):
                 done.add(nodeid)
+            else:
+                done.discard(nodeid)
     return done
 
 

@@ -20,6 +20,14 @@ def test_skips():
 def test_fails():
     assert 1 == 2
 
+@pytest.fixture
+def breaks_after():
+    yield
+    raise RuntimeError("teardown")
+
+def test_fails_in_teardown(breaks_after):
+    assert True
+
 @pytest.mark.parametrize("x", ["a b", "c"])
 def test_param(x):
     assert x
@@ -40,16 +48,21 @@ def test_a_cut_run_is_completed_from_its_done_log(tmp_path):
     (folder / "test_cases.py").write_text(CASES)
     done, failures = tmp_path / "done.txt", tmp_path / "failures.txt"
     out = _pytest(folder, KVBACKEND_DONE_LOG=str(done), KVBACKEND_FAILURE_LOG=str(failures))
-    assert "1 failed, 3 passed, 1 skipped" in out, out
+    assert "1 failed, 4 passed, 1 skipped, 1 error" in out, out
     lines = sorted(line.rsplit(" ", 1)[0] for line in done.read_text().splitlines())
     assert lines == sorted(["passed test_cases.py::test_passes", "skipped test_cases.py::test_skips",
                             "failed test_cases.py::test_fails", "passed test_cases.py::test_param[a b]",
-                            "passed test_cases.py::test_param[c]"]), lines
+                            "passed test_cases.py::test_param[c]", "passed test_cases.py::test_fails_in_teardown",
+                            "failed test_cases.py::test_fails_in_teardown"]), lines
     assert "FAILED test_cases.py::test_fails (call)" in failures.read_text()
+    assert "FAILED test_cases.py::test_fails_in_teardown (teardown)" in failures.read_text()
+    # completing that run from its own log: only the two tests that failed run again
+    out = _pytest(folder, KVBACKEND_SKIP_DONE=str(done))
+    assert "1 failed, 1 passed, 4 deselected, 1 error" in out, out
     # a run cut after two tests: the completing run leaves out what passed or was skipped, and runs the failed test
     # again with everything that never ran
     cut = tmp_path / "cut.txt"
     cut.write_text("passed test_cases.py::test_param[a b] 0.01\nskipped test_cases.py::test_skips 0.00\n"
                    "failed test_cases.py::test_fails 0.02\n")
     out = _pytest(folder, KVBACKEND_SKIP_DONE=str(cut))
-    assert "1 failed, 2 passed, 2 deselected" in out, out
+    assert "1 failed, 3 passed, 2 deselected, 1 error" in out, out
