@@ -421,6 +421,24 @@ def hadamard_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None
 
 _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # every e4m3fn byte
 
+if numba is not None:
+
+    @_jit
+    def _fp8_values(codes, table, out):  # flat e4m3fn bytes -> float32, through the table of every byte
+        for i in range(codes.shape[0]):
+            out[i] = table[codes[i]]
+
+
+def fp8_to_float(x: torch.Tensor) -> torch.Tensor:
+    """float32 values of float8_e4m3fn ``x`` (any shape), the values of ``x.float()`` bit for bit (NaN bytes
+    included: the table is that conversion of every byte): one compiled pass through the table on the CPU, where
+    torch's own conversion costs about 4 ns a value (0.4 here); ``x.float()`` wherever the loops do not serve."""
+    if _usable() and x.device.type == "cpu" and x.dtype == torch.float8_e4m3fn and x.numel() >= MIN_VALUES:
+        out = np.empty(x.numel(), np.float32)
+        if _run(_fp8_values, x.contiguous().view(torch.uint8).reshape(-1).numpy(), _FP8_TABLE, out) is not _FAILED:
+            return torch.from_numpy(out).view(x.shape)
+    return x.float()
+
 
 def plus_fp8_rows(x: torch.Tensor, raw: torch.Tensor, ids: torch.Tensor, page_of: torch.Tensor,
                   scale: torch.Tensor) -> torch.Tensor | None:

@@ -245,3 +245,15 @@ def test_centroid_codecs_reconstruct_the_same_with_the_fused_loops(monkeypatch, 
     off, on = _both(monkeypatch, lambda: codec.decode_pages(layout, chunk.pages, chunk.codebook))
     for a, b in zip(off, on):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_fp8_to_float_gives_torch_conversion_of_every_byte(monkeypatch):
+    every = torch.arange(256, dtype=torch.uint8).repeat(200).view(torch.float8_e4m3fn).reshape(40, 10, 128)
+    off, on = _both(monkeypatch, lambda: fastquant.fp8_to_float(every))
+    assert on.shape == every.shape and on.dtype == torch.float32
+    assert torch.equal(_bits_of(on), _bits_of(every.float()))  # NaN bytes and signed zeros included
+    assert torch.equal(_bits_of(off), _bits_of(on))
+    strided = every.transpose(0, 2)  # not contiguous
+    assert torch.equal(_bits_of(fastquant.fp8_to_float(strided)), _bits_of(strided.float()))
+    other = torch.randn(64, 1024, dtype=torch.bfloat16)  # other dtypes are converted by torch
+    assert torch.equal(fastquant.fp8_to_float(other), other.float())

@@ -596,3 +596,29 @@ def test_whole_keys_skip_stand_ins_and_units_encode_to_separate_encodes():
     for u in range(3):
         one = codec.encode(k2[u], v2[u], layout)
         assert torch.equal(pages[u], one.pages) and torch.equal(books[u], one.codebook), u
+
+
+def test_trailing_copies_count_the_run_of_equal_rows_at_a_page_end():
+    from kvbackend.codecs.quantwm import trailing_copies
+    g = torch.Generator().manual_seed(3)
+    last = torch.randn(7, 16, 2, 8, generator=g)
+    runs = [0, 1, 3, 15, 0, 2, 15]  # rows after the run's first: unit 3 and 6 wholly one row
+    for u, n in enumerate(runs):
+        last[u, 16 - n - 1 :] = last[u, -1]
+    last[4, -2] = last[4, -1]
+    last[4, -2, 1, 3] += 1e-6  # one value apart: no copy
+    last[5, 3] = last[5, -1]  # an equal row before the run does not extend it
+    want = torch.tensor([0, 1, 3, 15, 0, 2, 15])
+    got = trailing_copies(last)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    same = (last == last[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # the device path's formula
+    assert torch.equal(got, same.sum(1) - 1)
+
+
+def test_chosen_rows_are_the_gathered_centroids():
+    from kvbackend.codecs.qvg import chosen_rows
+    g = torch.Generator().manual_seed(4)
+    cents = torch.randn(5, 7, 3, generator=g)
+    assign = torch.randint(0, 7, (5, 11), generator=g)
+    want = torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, 3))
+    assert torch.equal(chosen_rows(cents, assign), want)

@@ -122,6 +122,21 @@ def top_positions(score: torch.Tensor, n: int, segment: int) -> torch.Tensor:
     return torch.gather(best, -1, pick // segment) * segment + pick % segment
 
 
+def trailing_copies(last: torch.Tensor) -> torch.Tensor:
+    """How many rows of each unit's last page ``last [U, P, H, D]`` repeat the row before them at its end (the
+    trailing run of rows equal to the last one, less its first), int64 [U]. On a device, one comparison of every
+    row (no read back to the host); on the CPU only the units whose last two rows are equal compare the rest."""
+    def run(x):
+        same = (x == x[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # [U, P]: the trailing run, from the end
+        return same.sum(1) - 1
+    if last.device.type != "cpu" or last.shape[1] < 2:
+        return run(last)
+    maybe = (last[:, -2] == last[:, -1]).flatten(1).all(1).nonzero().flatten()
+    out = torch.zeros(last.shape[0], dtype=torch.int64)
+    if maybe.numel():
+        out[maybe] = run(last[maybe])
+    return out
+
 def qsac_score(x: torch.Tensor, cents: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
     """QSAC's objective of given assignments, per point [H, T] (for tests and diagnostics)."""
     h, t, d = x.shape
@@ -317,9 +332,7 @@ class QuantWMCodec(QVGCodec):
             weights = torch.ones(units, h, d, device=k.device)
         else:
             weights = channel_weights(moments)
-        last = k.reshape(units, n, h, d)[:, -p:]
-        same = (last == last[:, -1:]).flatten(2).all(2).flip(1).cumprod(1)  # [U, P]: the trailing run, from the end
-        return weights, same.sum(1) - 1  # rows after the run's first (no read back to the host)
+        return weights, trailing_copies(k.reshape(units, n, h, d)[:, -p:])
 
     def _encode_outliers(self, k, layout: PageLayout, pages, codebook, moments: torch.Tensor | None,
                          units: int = 1, heavy: torch.Tensor | None = None) -> None:

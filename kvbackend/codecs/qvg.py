@@ -64,6 +64,16 @@ class QVGSpec(SplitWidths, Checked):
     cdtype: str = one_of("bf16", CENTROID_DTYPES)
 
 
+def chosen_rows(cents: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
+    """Each point's centroid, ``cents[r, assign[r, n]]`` for ``cents [R, C, D]`` and ``assign [R, N]`` (ids of a
+    stage's assignment: every one below C) -> ``[R, N, D]``: the values of ``torch.gather`` over the expanded index,
+    through one row selection of the flattened centroids (on one CPU core 0.5 ms against gather's 3.3 for a storage
+    batch's 128 rows of 64 points)."""
+    r, c, d = cents.shape
+    flat = assign + torch.arange(r, device=assign.device).unsqueeze(1) * c
+    return cents.reshape(r * c, d).index_select(0, flat.reshape(-1)).view(r, -1, d)
+
+
 class QVGCodec(Codec):
     name: ClassVar[str] = "qvg"
 
@@ -210,7 +220,7 @@ class QVGCodec(Codec):
                 centroids = result.centroids if scale is None else result.centroids / scale
                 cents = self._store_centroids(centroids)  # as decoding will see them
                 assign = self._assign(prefix, residual, cents, result.assign, moment)
-                residual = residual - torch.gather(cents, 1, assign.unsqueeze(-1).expand(-1, -1, residual.shape[2]))
+                residual = residual - chosen_rows(cents, assign)
                 stored.append(cents)
                 assigns.append(assign.reshape(units, h, n).transpose(1, 2).reshape(units * n, h))
             every = torch.stack(stored)  # [S, U*H, C, D]
@@ -228,7 +238,7 @@ class QVGCodec(Codec):
         """Centroids [H, C, D] rounded as they are stored, in float32."""
         if self.spec.cdtype == "fp8":
             scale = self._centroid_scale(cents)
-            return (cents / scale[:, None, None]).to(torch.float8_e4m3fn).float() * scale[:, None, None]
+            return fastquant.fp8_to_float((cents / scale[:, None, None]).to(torch.float8_e4m3fn)) * scale[:, None, None]
         return cents.to(torch.bfloat16).float()
 
     @staticmethod
@@ -258,7 +268,8 @@ class QVGCodec(Codec):
 
     def _read_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
         """The stored centroids [S, H, C, D] as float32 ([n, S, H, C, D] for a slot per page)."""
-        cents = layout.codebook.view(codebook, f"{prefix}_centroids").float()
+        cents = fastquant.fp8_to_float(layout.codebook.view(codebook, f"{prefix}_centroids")) if self.spec.cdtype == "fp8" \
+            else layout.codebook.view(codebook, f"{prefix}_centroids").float()
         if self.spec.cdtype == "fp8":
             cents = cents * layout.codebook.view(codebook, f"{prefix}_centroid_scales").float()[..., None, None]
         return cents
@@ -268,7 +279,7 @@ class QVGCodec(Codec):
         stored bytes are gathered first, so only the rows used are converted (the values `_read_centroids` gives)."""
         raw = layout.codebook.view(codebooks, f"{prefix}_centroids")  # [n, S, H, C, D]
         if self.spec.cdtype == "fp8":
-            rows = raw.view(torch.uint8)[page, stage, heads, ids].view(torch.float8_e4m3fn).float()
+            rows = fastquant.fp8_to_float(raw.view(torch.uint8)[page, stage, heads, ids].view(torch.float8_e4m3fn))
             scale = layout.codebook.view(codebooks, f"{prefix}_centroid_scales")[page, stage, heads].float()
             return rows * scale[..., None]
         return raw.view(torch.int16)[page, stage, heads, ids].view(torch.bfloat16).float()
