@@ -354,12 +354,15 @@ class QuantWMCodec(QVGCodec):
         p, units = layout.page_size, weights.shape[0]
         h, d = weights.shape[1], weights.shape[2]
         pages_per_unit = error.shape[0] // units
-        score = error.reshape(-1, h, p, d) ** 2 * weights.repeat_interleave(pages_per_unit, 0)[:, :, None, :]
+        score = error.reshape(-1, h, p, d) ** 2
+        if score.is_cuda or not bool((weights == 1).all()):  # (a product by ones changes no bit: a CPU pass saved)
+            score = score * weights.repeat_interleave(pages_per_unit, 0)[:, :, None, :]
         if heavy is not None:  # scaled by 2^40 (exact: the order among them stays), above any other error's score
             score = torch.where(to_pages(heavy, p).transpose(1, 2)[..., None], score * HEAVY_RANK, score)
-        after_first = torch.arange(p, device=error.device) >= p - copies[:, None]  # [U, P], each chunk's last page
-        last_pages = score.view(units, pages_per_unit, h, p, d)[:, -1]  # [U, H, P, D], a view of score
-        last_pages.masked_fill_(after_first[:, None, :, None], -1.0)
+        if score.is_cuda or bool(copies.any()):  # (on the CPU, only where a page ends in copies: a pass saved)
+            after_first = torch.arange(p, device=error.device) >= p - copies[:, None]  # [U, P], each chunk's last page
+            last_pages = score.view(units, pages_per_unit, h, p, d)[:, -1]  # [U, H, P, D], a view of score
+            last_pages.masked_fill_(after_first[:, None, :, None], -1.0)
         score = score.reshape(-1, h, p * d)
         if score.is_cuda:  # one token's channels per segment (the full-width top-k was 0.76 of 5.8 ms of a chunk's encode)
             index = top_positions(score, self.spec.outliers, d)  # [N, H, n]
