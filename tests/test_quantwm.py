@@ -606,7 +606,7 @@ def test_trailing_copies_count_the_run_of_equal_rows_at_a_page_end():
     for u, n in enumerate(runs):
         last[u, 16 - n - 1 :] = last[u, -1]
     last[4, -2] = last[4, -1]
-    last[4, -2, 1, 3] += 1e-6  # one value apart: no copy
+    last[4, -2, 1, 3] += 1.0  # one value apart: no copy
     last[5, 3] = last[5, -1]  # an equal row before the run does not extend it
     want = torch.tensor([0, 1, 3, 15, 0, 2, 15])
     got = trailing_copies(last)

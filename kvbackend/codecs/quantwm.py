@@ -137,6 +137,7 @@ def trailing_copies(last: torch.Tensor) -> torch.Tensor:
         out[maybe] = run(last[maybe])
     return out
 
+
 def qsac_score(x: torch.Tensor, cents: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
     """QSAC's objective of given assignments, per point [H, T] (for tests and diagnostics)."""
     h, t, d = x.shape

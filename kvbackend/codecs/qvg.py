@@ -268,8 +268,7 @@ class QVGCodec(Codec):
 
     def _read_centroids(self, layout: PageLayout, codebook, prefix: str) -> torch.Tensor:
         """The stored centroids [S, H, C, D] as float32 ([n, S, H, C, D] for a slot per page)."""
-        cents = fastquant.fp8_to_float(layout.codebook.view(codebook, f"{prefix}_centroids")) if self.spec.cdtype == "fp8" \
-            else layout.codebook.view(codebook, f"{prefix}_centroids").float()
+        cents = fastquant.fp8_to_float(layout.codebook.view(codebook, f"{prefix}_centroids"))  # (bf16: x.float())
         if self.spec.cdtype == "fp8":
             cents = cents * layout.codebook.view(codebook, f"{prefix}_centroid_scales").float()[..., None, None]
         return cents
