@@ -358,9 +358,11 @@ def paged_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, 
     elif num_stages is None:
         num_stages = 1 if planar or (levers is not None and not fold) else 2
     if mma and target_programs is None:
+        # a codebook layout's splits start at chunk boundaries (each chunk reads a codebook slot of its own)
+        books = k_scheme.centroids > 0 or v_scheme.centroids > 0 or (levers is not None and levers.psac_rank > 0)
         per_split, splits = plan.wave_splits(h, mma_decode.wave_programs(
             k_scheme, v_scheme, p, d, q.dtype, dense.dtype, num_stages, num_warps, levers, q.device,
-            (mma_options or {}).get("min_blocks")))
+            (mma_options or {}).get("min_blocks")), align=max(plan.chunk_pages, 1) if books else 1)
     o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)

@@ -40,6 +40,7 @@ class BatchPlan:
     # table or its version changed, and on a layer that holds another number of tokens)
     tables: tuple = ()
     total_tokens: int | None = None  # host copy of cu_seqlens[-1] (None: read from the device when asked)
+    chunk_pages: int = 0  # packed pages per codebook slot (a cache's `chunk_pages`; 0: not known)
 
     @property
     def num_tokens(self) -> int:
@@ -63,18 +64,28 @@ class BatchPlan:
         per_split = max(1, -(-self.max_pages // wanted))
         return per_split, max(1, -(-self.max_pages // per_split))
 
-    def wave_splits(self, num_kv_heads: int, wave: int, fixed_pages: int = WAVE_FIXED_PAGES) -> tuple[int, int]:
+    def wave_splits(self, num_kv_heads: int, wave: int, fixed_pages: int = WAVE_FIXED_PAGES,
+                    align: int = 1) -> tuple[int, int]:
         """(pages per split, number of splits) for a kernel that runs ``wave`` programs at once (SMs x resident
         blocks): the split count whose grid wastes the least of its last wave.
 
         Time is modelled as whole waves times one program's work (its pages plus ``fixed_pages`` of set-up and
         merge). Dividing ``wave`` by the (request, KV head) pairs, as `splits` does, fills one wave when the pairs
         are fewer than a wave, but past it gives one split and a grid of 1.39 waves at 368 pairs (B=46, 8 KV heads,
-        264 programs a wave) that runs as two: five splits fill seven waves to 99.6% (perf/NOTES.md, session 46)."""
+        264 programs a wave) that runs as two: five splits fill seven waves to 99.6% (perf/NOTES.md, session 46).
+
+        ``align`` > 1 (a codebook layout's pages per slot): only grids whose pages per split divide ``align`` or are
+        a multiple of it, so no split starts inside a chunk. At B=46 (512 pages, 32-page chunks) the recipe's layout
+        ran 1294 us with 2 splits and 1314 with 8 against 1459-1468 with 3 or 5, which straddle chunks (H200,
+        perf/NOTES.md, session 51)."""
         if fixed_pages < 0:
             raise ValueError(f"fixed_pages is a cost in pages, at least 0, got {fixed_pages!r}")
-        return _wave_splits(max(len(self.request_ids) * int(num_kv_heads), 1), int(self.max_pages),
-                            max(int(wave), 1), int(fixed_pages))
+        if align < 1:
+            raise ValueError(f"align is a count of pages, at least 1, got {align!r}")
+        pairs, wave = max(len(self.request_ids) * int(num_kv_heads), 1), max(int(wave), 1)
+        if align > 1 and self.max_pages > 0:
+            return _aligned_wave_splits(pairs, int(self.max_pages), wave, int(fixed_pages), int(align))
+        return _wave_splits(pairs, int(self.max_pages), wave, int(fixed_pages))
 
 
 MAX_SPLITS = 65535  # a CUDA grid's z dimension (the tensor-core decode's grid is (B, H, splits))
@@ -103,6 +114,23 @@ def _wave_splits(pairs: int, max_pages: int, wave: int, fixed_pages: int) -> tup
         # the next grid: the fewest pages per split that gives more splits (strictly fewer pages than this one)
         per_split = min(per_split - 1, -(-max_pages // (splits + 1)))
     return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=4096)
+def _aligned_wave_splits(pairs: int, max_pages: int, wave: int, fixed_pages: int, align: int) -> tuple[int, int]:
+    """`_wave_splits` over the grids whose pages per split divide ``align`` or are a multiple of it (at most
+    max_pages / align + log2(align) + 1 of them), the fewest splits among equals."""
+    sizes = {d for d in range(1, align + 1) if align % d == 0}
+    sizes |= set(range(align, -(-max_pages // align) * align + 1, align))
+    best = None
+    for per_split in sorted(sizes, reverse=True):
+        splits = -(-max_pages // per_split)
+        if splits > MAX_SPLITS:
+            continue
+        cost = -(-pairs * splits // wave) * (per_split + fixed_pages)
+        if best is None or cost < best[0]:
+            best = (cost, per_split, splits)
+    return (best[1], best[2]) if best is not None else _wave_splits(pairs, max_pages, wave, fixed_pages)
 
 
 def packed_arrays(table, slot_of_page) -> tuple[np.ndarray, np.ndarray]:
@@ -156,7 +184,7 @@ def plan_batch(cache, request_ids: list[int], layer: int = 0) -> BatchPlan:
     views = ints_on_device(fields, cache.dense.data.device)
     planned = tuple((table, table.version, table.lengths[layer]) for table in tables)
     return BatchPlan(list(request_ids), *views, int(counts.max(initial=0)), p, int(counts.min()) if b else 0,
-                     planned, int(cu[-1]))
+                     planned, int(cu[-1]), cache.config.chunk_pages)
 
 
 def ints_on_device(fields: list, device: torch.device) -> list[torch.Tensor]:

@@ -128,7 +128,7 @@ def make_plan(batch: int, packed_per_req: int, dense_tokens: int, page_size: int
     t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
     return BatchPlan(list(range(batch)), t(page_ids), t(kinds), t(slots), t(valid), t(rows),
                      t(positions), t(starts), t(counts), t(packed), t(cu), max(counts), page_size, min(counts),
-                     total_tokens=cu[-1])
+                     total_tokens=cu[-1], chunk_pages=chunk_pages)
 
 
 # The cache's default chunk (`CacheConfig.chunk_pages`): the benchmarks give every 32 pages of a request a codebook

@@ -182,3 +182,52 @@ def test_plans_follow_their_tables_across_packed_chunks_and_forks():
         cache.append_step(ids, 0, torch.randn(len(ids), 2, 16, generator=gen),
                           torch.randn(len(ids), 2, 16, generator=gen))
     assert made and all(len(cache.page_table(rid).packed) >= 4 for rid in ids)  # several chunks packed meanwhile
+
+
+def _exhaustive_aligned(pairs: int, max_pages: int, wave: int, fixed: int, align: int) -> tuple[int, int]:
+    """Every pages-per-split from 1 to max_pages that divides ``align`` or is a multiple of it (plus the multiple
+    of ``align`` just past max_pages), the least modelled cost, the fewest splits among equals."""
+    best = None
+    for per_split in range(-(-max_pages // align) * align, 0, -1):
+        if align % per_split and per_split % align:
+            continue
+        splits = -(-max_pages // per_split)
+        cost = -(-pairs * splits // wave) * (per_split + fixed)
+        if best is None or cost < best[0] or (cost == best[0] and splits < best[2]):
+            best = (cost, per_split, splits)
+    return best[1], best[2]
+
+
+def test_aligned_wave_splits_start_every_split_at_a_chunk_boundary():
+    """With ``align`` (a codebook layout's pages per slot) every split starts at a multiple of ``align`` pages or
+    lies inside one chunk, every page lies in one split, and the grid is the least-cost aligned one. The serving
+    shape B=46 (512 pages of 32-page chunks, 264 programs a wave) gets 2 splits, the sweep's fastest, not 5 (103
+    pages: splits start mid-chunk); the kernel benchmark's shapes keep their grids."""
+    assert _plan(46, 512).wave_splits(8, 264, align=32) == (256, 2)
+    for batch, pages in [(8, 512), (1, 512), (32, 128), (8, 2048), (24, 512)]:
+        plan = _plan(batch, pages)
+        assert plan.wave_splits(8, 264, align=32) == plan.wave_splits(8, 264), (batch, pages)
+    rng = random.Random(1)
+    shapes = [(rng.randrange(1, 65), rng.randrange(1, 2100), rng.choice((7, 132, 264, 396)), rng.randrange(17),
+               rng.choice((2, 3, 8, 32, 48))) for _ in range(300)]
+    for b, n, w, f, align in shapes:
+        per_split, splits = _plan(b, n).wave_splits(8, w, f, align=align)
+        assert per_split * splits >= n > per_split * (splits - 1), (b, n, w, f, align, per_split, splits)
+        assert align % per_split == 0 or per_split % align == 0, (b, n, w, f, align, per_split)
+        assert (per_split, splits) == _exhaustive_aligned(b * 8, n, w, f, align), (b, n, w, f, align)
+    assert _plan(3, 0).wave_splits(8, 264, align=32) == (1, 1)
+    assert _plan(3, 5).wave_splits(8, 264, align=1) == _plan(3, 5).wave_splits(8, 264)
+    with pytest.raises(ValueError, match="align"):
+        _plan(3, 5).wave_splits(8, 264, align=0)
+
+
+def test_a_caches_plan_knows_its_chunk():
+    """`KVCache.plan` records the cache's pages per codebook slot, which the tensor-core decode aligns its splits to."""
+    from kvbackend import CacheConfig, Geometry, KVCache
+
+    cache = KVCache(Geometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32),
+                    CacheConfig(codec="rtn:bits=2,group=16", page_size=16, chunk_pages=3, dense_pages=8,
+                                packed_pages=8))
+    rid, _ = cache.add_request()
+    cache.append(rid, 0, torch.randn(50, 2, 16), torch.randn(50, 2, 16))
+    assert cache.plan([rid], 0).chunk_pages == 3
