@@ -27,7 +27,9 @@
 //     built on tensor cores when the chunk's codebook slot changes (every page with page-relative keys), and
 //     one lookup by the token's assignment byte;
 //   - OUT_N: sparse key outliers per page and head (a score term q[d] * value, on tensor cores: a one-hot A of
-//     the outliers' values by token, the query at their channels as B);
+//     the outliers' values by token, the query at their channels as B). OUT_FOLD (pre-RoPE keys with key centroids,
+//     at most 32 outliers): each token with outliers reads its own row of the centroid-value table instead, a copy of
+//     the row it reads otherwise plus its outliers' values, so a key pays nothing for them and no score term follows;
 //   - SINK: a request's first SINK tokens masked (the merge kernel attends to the exact sinks);
 //   - VROT: Hadamard-rotated values: each warp keeps its packed pages' output apart from the dense pages',
 //     and rotates it back once (a fast Walsh-Hadamard transform in shared memory) before the merge;
@@ -133,6 +135,9 @@
 #ifndef WHOLE_N
 #define WHOLE_N 0
 #endif
+#ifndef OUT_FOLD
+#define OUT_FOLD 0
+#endif
 #ifndef KBITS
 #define KBITS 2  // key code width: 2, or 3 or 4 with pre-RoPE keys (ROPE_TOKEN; 8 codes in 3 bytes or 2 in a byte, the
                  // first in the top bits)
@@ -173,7 +178,8 @@ constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
 constexpr int WROW0 = 32 + (PSAC_FOLD ? PSAC_ROWS : 0);  // centroid values, then the page's folded PSAC rows,
-constexpr int CV_ROWS = WROW0 + WHOLE_N;                 // then its whole rows
+constexpr int OROW0 = WROW0 + WHOLE_N;                   // then its whole rows,
+constexpr int CV_ROWS = OROW0 + (OUT_FOLD ? OUT_N : 0);  // then one row per outlier lane (OUT_FOLD)
 // The row a centroid id past K_CENT (a corrupted page) reads: zero, so it adds nothing, as in the gather kernels.
 // Rows K_CENT..31 are zero where K_CENT < 32; with 32 centroids one more zero row follows the folded rows.
 constexpr int CV_ZERO = K_CENT < 32 ? 31 : CV_ROWS;
@@ -210,6 +216,8 @@ static_assert(KBITS == 2 || ((KBITS == 3 || KBITS == 4) && ROPE_TOKEN),
               "3- and 4-bit keys: pre-RoPE keys only (dequantized per key value)");
 static_assert(!K_CENT || (K_CHAN && K_CENT <= 32), "up to 32 centroids, with per-channel key scales");
 static_assert(OUT_N <= 64 && SINK <= P, "at most 64 outliers per page; sinks within the first page");
+static_assert(!OUT_FOLD || (ROPE_TOKEN && K_CENT && OUT_N >= 1 && OUT_N <= 32),
+              "outliers folded into the centroid-value table: pre-RoPE keys with key centroids, 1 to 32 per page");
 static_assert(!WHOLE_N || (ROPE_TOKEN && K_CENT && WHOLE_N <= 8 && P <= 256),
               "whole key rows: with pre-RoPE keys and key centroids, at most 8 per page and head");
 static_assert(!PSAC_FOLD || (PSAC_R && PSAC_SPARSE && K_CENT && ROPE_TOKEN && PSAC_ROWS <= 32),
@@ -1139,6 +1147,45 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           row_of[t] = static_cast<uint32_t>(r);
         }
         __syncwarp();
+        if (OUT_FOLD) {  // key outliers, pre-RoPE key terms like the rest of a key: each token with outliers reads a
+                         // copy of its row (above) plus its outliers' values, row OROW0 + l for the highest lane l
+                         // holding one of them, so the key loop pays nothing for them (no score term after it)
+          const uint32_t* out = reinterpret_cast<const uint32_t*>(extra + KCH_BYTES);
+          const int oc = lane < OUT_N ? lane : 0;
+          const int pos = (out[oc] >> (((oc * a.H + h) & 1) * 16)) & 0xFFFF;  // t * D + d
+          const int t = pos / D, d = pos % D;
+          const bool ok = lane < OUT_N && t < P;  // (a position past the page: a corrupted index, skipped)
+          const unsigned same_tok = __match_any_sync(0xffffffffu, ok ? t : -1 - lane);
+          const unsigned same_pos = __match_any_sync(0xffffffffu, ok ? pos : -1 - lane);
+          const int leader = 31 - __clz(same_tok);
+          const unsigned leaders = __ballot_sync(0xffffffffu, ok && leader == lane);
+          const int src = ok ? static_cast<int>(row_of[t]) : 0;
+          constexpr int QR = D / 8;  // 16-byte quads per row; a row's quad q lies at q ^ (row & 1) (`swzc`)
+#pragma unroll
+          for (int k = 0; k < (OUT_N * QR + 31) / 32; ++k) {  // the leaders' rows copied by the whole warp
+            const int idx = lane + 32 * k, x = idx / QR, q = idx % QR;
+            const int from = __shfl_sync(0xffffffffu, src, x < OUT_N ? x : 0);
+            if (x < OUT_N && ((leaders >> x) & 1u)) {
+              const int to = OROW0 + x;
+              reinterpret_cast<uint4*>(cvt + to * (D / 2))[q ^ (to & 1)] =
+                  reinterpret_cast<const uint4*>(cvt + from * (D / 2))[q ^ (from & 1)];
+            }
+          }
+          __syncwarp();
+          if (ok && lane == 31 - __clz(same_pos)) {  // one write per position: its outliers summed in lane order
+            float sum = 0.f;
+            for (unsigned m = same_pos; m; m &= m - 1) {
+              const int b = __ffs(m) - 1;
+              const uint16_t vb = static_cast<uint16_t>(out[OUT_N + b] >> (((b * a.H + h) & 1) * 16));
+              sum += __half2float(*reinterpret_cast<const __half*>(&vb));
+            }
+            const int to = OROW0 + leader;  // channel d is half (d % 16 >= 8) of pair 8 (d / 16) + d % 8
+            __half* cell = reinterpret_cast<__half*>(cvt + to * (D / 2) + swzc(8 * (d / 16) + d % 8, to)) + ((d >> 3) & 1);
+            *cell = __float2half_rn(__half2float(*cell) + sum);
+          }
+          if (ok && lane == leader) row_of[t] = static_cast<uint32_t>(OROW0 + lane);
+          __syncwarp();
+        }
       }
     }
     if (K_CHAN && !ROPE_TOKEN) {
@@ -1366,7 +1413,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         }
       }
     }
-    if (OUT_N) {  // key outliers: S[t][n] += q_page[n][d] * value, as tensor-core products (swap-AB, like the keys)
+    if (OUT_N && !OUT_FOLD) {  // key outliers: S[t][n] += q_page[n][d] * value, as tensor-core products (swap-AB, like the keys)
       // Per 16 outliers, A[token][j] = value_j where outlier j sits at the tile's token (else 0; exact in fp16) and
       // B[j][n] = query row n at outlier j's channel, in the page's frame and log2 units, split in two fp16 parts
       // (hi + lo: about fp32's precision); the accumulator has the score tile's layout, so the terms add in place.

@@ -83,6 +83,10 @@ PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 # (session 39, perf/NOTES.md); KVBACKEND_CUDA_WHOLE=0 turns them off (the plain Triton decode kernel and the Triton
 # gather read whole rows then).
 WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "1") != "0"
+# Key outliers with pre-RoPE keys and key centroids (at most 32 per page and head): folded into rows of the
+# centroid-value table (`OUT_FOLD` in the source), as whole rows are, instead of a score term after the key loop;
+# KVBACKEND_MMA_OUT_FOLD=0 keeps the score term (an A/B switch for probes)
+OUT_FOLD = os.environ.get("KVBACKEND_MMA_OUT_FOLD", "1") != "0"
 # 4-bit pre-RoPE keys (`KBITS=4`: two codes a byte, read 16 of a lane's channels from 8 bytes): on since an H100 ran
 # tests/test_mma_k4.py (session 39: such a layer 254.7 us against 272.1 us for a 3-bit one, B=8, L=32K);
 # KVBACKEND_CUDA_K4=0 turns them off (the plain Triton decode kernel reads 4-bit keys then).
@@ -219,6 +223,7 @@ class Config:
     psac_fold: bool = False  # sparse PSAC rows folded into the centroid-value table (`PSAC_FOLD` in the source)
     k_bits: int = 2  # key code width (3 or 4 with rope_token only)
     whole: int = 0  # whole key rows per page and head (with rope_token and centroids)
+    out_fold: bool = False  # outliers folded into the centroid-value table (`OUT_FOLD` in the source)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -230,7 +235,7 @@ class Config:
                 f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
                 f"-DPSAC_R={self.psac_rank}", f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}",
                 f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DWHOLE_N={self.whole}",
-                f"-DSMEM_EXPECTED={self.smem_bytes}"]
+                f"-DOUT_FOLD={int(self.out_fold)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
     def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
@@ -243,7 +248,8 @@ class Config:
         stage = p * (d * self.k_bits // 8 + d // 4) + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.rope_token:  # centroid values as fp16 pairs
-            rows = 32 + (self.psac_rows if self.psac_fold else 0) + self.whole + (self.centroids >= 32)  # a zero row
+            rows = (32 + (self.psac_rows if self.psac_fold else 0) + self.whole + (self.outliers if self.out_fold else 0)
+                    + (self.centroids >= 32))  # a zero row
             table = rows * d * 2 if self.centroids else 0
         else:  # q . centroid [32][N] and the centroids' fragments
             table = 32 * n * 4 + 2 * (d // 64) * 4 * 4 * 32 * 4 if self.centroids else 0
@@ -413,7 +419,8 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
                   min_blocks, chan, k.centroids if k.stages else 0, 2 if k.stages and k.centroid_scales == NONE else 0, lv.sink,
                   lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
                   lv.psac_token != NONE, PSAC_FOLD and bool(k.stages) and bool(lv.prerope) and lv.psac_rank > 0
-                  and lv.psac_token != NONE and lv.psac_rows <= 32, k.bits, lv.whole)
+                  and lv.psac_token != NONE and lv.psac_rows <= 32, k.bits, lv.whole,
+                  OUT_FOLD and bool(k.stages) and bool(lv.prerope) and 0 < lv.outliers <= 32)
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,6 +29,8 @@ VARIANTS = {  # the bench's lever rows (Llama-8B geometry, bf16 queries and dens
                                                                  psac_sparse=True),
     "+ ... PSAC rows folded into the centroid table": dict(LEVERS, rope_token=True, psac_rank=4, psac_rows=4,
                                                          psac_sparse=True, psac_fold=True),
+    "+ ... and the outliers folded into it too": dict(LEVERS, rope_token=True, psac_rank=4, psac_rows=4,
+                                                    psac_sparse=True, psac_fold=True, out_fold=True),
 }
 
 

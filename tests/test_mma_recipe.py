@@ -390,11 +390,11 @@ def test_large_key_scales_and_small_queries():
 
 
 @pytest.mark.parametrize("codec,stages", [
-    # pre-RoPE keys with PSAC rows: 2 stages still leave room for two blocks per SM at 2 bits (each lane's key scales
-    # live in registers; 768 bytes to spare of the H200's 228 KiB per SM, so 1 KiB more per block flips this case),
-    # not with 3-bit keys' longer rows, where 1 stage does
+    # pre-RoPE keys with PSAC rows: with their 16 outliers folded into the centroid-value table (16 rows of 256 bytes
+    # per warp) 2 stages leave room for one block per SM and 1 stage for two (without the outliers' rows 2 stages
+    # fit two blocks with 768 bytes to spare); 3-bit keys' longer rows need 1 stage too
     ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
-     "cdtype=fp8,outliers=16", 2),
+     "cdtype=fp8,outliers=16", 1),
     ("quantwm:kchannel=64,rank=4,keep=0.0625,centroids=32,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true,"
      "cdtype=fp8,outliers=0,kbits=3", 1),
     (f"{BASE},kchannel=64,centroids=32,cdtype=fp8,sink=4,vrot=hadamard,pagerope=true,outliers=16", 2),
@@ -417,10 +417,10 @@ def test_one_stage_where_only_one_fits_a_block():
     cache, ids, _ = recipe_cache(codec, 128, 64, 2, [200], 2, 4)
     (_, _, _, schemes, _), levers = _inputs(cache, ids)
     per_block = 227 * 1024
-    two, one = (mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, s, 10, 0, levers).smem_bytes
+    two, one = (mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, s, 9, 0, levers).smem_bytes
                 for s in (2, 1))
-    assert two > per_block >= one  # ten warps
-    assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 10, levers, 228 * 1024,
+    assert two > per_block >= one  # nine warps
+    assert mma_decode._default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 9, levers, 228 * 1024,
                                       per_block) == 1
 
 
@@ -443,11 +443,11 @@ def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
     args = (*schemes, 64, 128, 4, cuda, torch.bfloat16, torch.bfloat16, levers)
     assert mma_decode.preferred(*args)
     stages = mma_decode.default_stages(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, 4, levers, cuda)
-    assert stages == 2
+    assert stages == 1  # (the folded outliers' rows leave one block per SM at two stages)
     mma_decode._failed.add((0, mma_decode.config_for(*schemes, 64, 128, torch.bfloat16, torch.bfloat16, stages, 4,
                                                      mma_decode.default_min_blocks(4), levers)))
     assert not mma_decode.preferred(*args)
-    assert mma_decode.preferred(*args, stages=1)  # another variant is still asked about as itself
+    assert mma_decode.preferred(*args, stages=2)  # another variant is still asked about as itself
 
 
 @gpu
@@ -474,6 +474,112 @@ def test_folded_psac_rows_decode_as_the_per_key_path(case, monkeypatch):
     monkeypatch.undo()
     _clear_variant_caches()
     assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 2e-3
+
+
+
+def _config(case, stages=1):
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, _ = case
+    cache, ids, _ = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths[:1], heads, ratio)
+    (_, _, _, schemes, _), levers = _inputs(cache, ids)
+    return mma_decode.config_for(*schemes, page_size, head_dim, torch.bfloat16, torch.bfloat16, stages, 4, 0, levers)
+
+
+def test_outliers_fold_into_the_centroid_table_with_pre_rope_keys(monkeypatch):
+    """Up to 32 outliers per page and head, with pre-RoPE keys and key centroids, become rows of the centroid-value
+    table (`OUT_FOLD`): one row per outlier lane, so each warp's table grows by outliers x head_dim x 2 bytes. More
+    outliers, page-relative keys or keys without centroids keep the score term; the module switch turns it off."""
+    recipe = _config(PREROPE_CASES[3])
+    assert recipe.out_fold and recipe.outliers == 16 and recipe.psac_fold
+    assert recipe.smem_bytes == dataclasses.replace(recipe, out_fold=False).smem_bytes + 4 * 16 * 128 * 2
+    assert _config(PREROPE_CASES[2]).out_fold  # 5 outliers, bf16 centroids
+    assert _config(PREROPE_CASES[7]).out_fold  # 3-bit keys
+    assert not _config(PREROPE_CASES[1]).out_fold  # no centroids, no outliers
+    assert not _config(PREROPE_CASES[6]).out_fold  # no outliers
+    assert not _config(CASES[0]).out_fold  # page-relative keys: the score term
+    many = (f"{BASE},kchannel=32,centroids=4,prerope=true,outliers=40", 128, 32, 1, [100], 2, 2, 8)
+    assert _config(many).outliers == 40 and not _config(many).out_fold
+    monkeypatch.setattr(mma_decode, "OUT_FOLD", False)
+    _clear_variant_caches()
+    try:
+        assert not _config(PREROPE_CASES[3]).out_fold
+    finally:
+        monkeypatch.undo()
+        _clear_variant_caches()
+
+
+@gpu
+@pytest.mark.parametrize("case", [0, 2, 3, 7])
+def test_folded_outliers_decode_as_the_score_term(case, monkeypatch):
+    """Outliers folded into the centroid-value table give the score term's output (the outlier rounded into the fp16
+    key operand instead of a split fp32 product: within 2e-3), and both match the reference."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = PREROPE_CASES[case]
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=13)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    want, want_lse = _reference(cache, ids, q)
+    outs = {}
+    for fold in (True, False):
+        monkeypatch.setattr(mma_decode, "OUT_FOLD", fold)
+        _clear_variant_caches()
+        assert mma_decode.config_for(*args[3], page_size, head_dim, q.dtype, args[2].dtype, 2, 4, None,
+                                     levers).out_fold is fold
+        outs[fold], lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                                       mma_options=OPT_IN)
+        assert float((outs[fold].float() - want).norm() / want.norm()) < 1e-2, fold
+        assert torch.allclose(lse, want_lse, atol=2e-2), fold
+    monkeypatch.undo()
+    _clear_variant_caches()
+    assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 2e-3
+
+
+@gpu
+def test_folded_outliers_sum_duplicates_and_skip_positions_past_the_page():
+    """Crafted outlier fields (a damaged page): several outliers of one token (two in one channel pair), one position
+    named three times, positions past the page. The folded rows add every outlier of a token, sum a repeated position
+    once per naming (in a fixed order: the same bits on every run) and skip positions past the page, as the Triton
+    kernel's one-hot product does; the crafted outliers are read (the output moves)."""
+    from kvbackend.batch import PACKED
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = PREROPE_CASES[3]
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=17)
+    args, levers = _inputs(cache, ids)
+    assert mma_decode.config_for(*args[3], page_size, head_dim, torch.bfloat16, args[2].dtype, 2, 4, None,
+                                 levers).out_fold
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    intact, _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                             mma_options=OPT_IN)
+    pages, plan = args[0], args[4]
+    index, value = (cache.layouts[0].page.fields[name] for name in ("k_out_index", "k_out_value"))
+    n, H = index.shape
+    used = sorted({int(p) for p, kind in zip(plan.page_ids.tolist(), plan.kinds.tolist()) if kind == PACKED})
+    assert used and n == 16
+    D, P = head_dim, page_size
+    positions = [9 * D + 0, 9 * D + 8, 9 * D + 64, 9 * D + 127,  # one token, channels 0 and 8 share a pair
+                 21 * D + 3, 21 * D + 3, 21 * D + 3,  # one position three times
+                 P * D + 5, (P + 3) * D]  # past the page
+    crafted = pages.clone()
+    for p in used:  # head 0 of every packed page
+        idx = crafted[p, index.offset:index.offset + n * H * 2].view(torch.int16).view(n, H)
+        val = crafted[p, value.offset:value.offset + n * H * 2].view(torch.float16).view(n, H)
+        for i, pos in enumerate(positions):
+            idx[i, 0] = pos
+            val[i, 0] = 0.75 if i % 2 else -1.25
+    bad = (crafted, *args[1:])
+    out, lse = paged_decode(q, *bad, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                            mma_options=OPT_IN)
+    for _ in range(3):
+        again = paged_decode(q, *bad, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                             mma_options=OPT_IN)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    want, want_lse = paged_decode(q, *bad, target_programs=programs, levers=levers, rotary=rotary, mma=False,
+                                  fold=False, planar=False)
+    assert torch.isfinite(out.float()).all()
+    assert float((out.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2)
+    assert float((out.float() - intact.float()).norm() / intact.float().norm()) > 1e-3
 
 
 @gpu
