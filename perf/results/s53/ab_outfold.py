@@ -1,5 +1,5 @@
 """Session 53: A/B of the tensor-core decode with key outliers folded into the centroid-value table (`OUT_FOLD`)
-against the score term after the key loop, on the recipe's lever layouts (B=8, L=32K, CUDA graphs), each at its
+against the score term after the key loop, on the recipe's lever layouts with outliers (B=8, L=32K, CUDA graphs), each at its
 default stage count and at the other one, beside SDPA BF16 and the recipe's layout without levers; rounds alternate.
 
     python3 perf/results/s53/ab_outfold.py OUT.json [B ...]
@@ -20,7 +20,7 @@ from kvbackend.kernels import mma_decode  # noqa: E402
 from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.rope import Rotary  # noqa: E402
 
-VARIANTS = ("recipe", "recipe, 3-bit keys", "recipe, no levers, no PSAC")
+VARIANTS = ("recipe", "recipe without PSAC", "recipe, no levers, no PSAC")
 
 
 def switch(fold: bool) -> None:

@@ -1,7 +1,7 @@
 # Session 53's measuring call (carry .whl): the outliers folded into the centroid-value table (OUT_FOLD) and the
 # chunk-aligned split grids (fa720f9), neither run on a GPU before.
 # 1. CUDA tests of the fold (its decode against the score term and the reference, crafted outlier fields, stages).
-# 2. A/B of the fold at B=8, L=32K (graphs): recipe, its 3-bit-key variant, the layout without levers.
+# 2. A/B of the fold at B=8, L=32K (graphs): recipe, recipe without PSAC, the layout without levers.
 # 3. Session 51's next.sh: split sweeps (recipe B=46/24/9, rtn-2 B=46) and the serving bench's throughput rows.
 # 4. The CUDA tests of the rest of the changed code, as far as TEST_LIMIT allows.
 source perf/results/s49/setup.sh
