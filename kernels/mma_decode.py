@@ -83,10 +83,11 @@ PSAC_FOLD = os.environ.get("KVBACKEND_MMA_PSAC_FOLD", "1") != "0"
 # (session 39, perf/NOTES.md); KVBACKEND_CUDA_WHOLE=0 turns them off (the plain Triton decode kernel and the Triton
 # gather read whole rows then).
 WHOLE = os.environ.get("KVBACKEND_CUDA_WHOLE", "1") != "0"
-# Key outliers with pre-RoPE keys and key centroids (at most 32 per page and head): folded into rows of the
-# centroid-value table (`OUT_FOLD` in the source), as whole rows are, instead of a score term after the key loop;
-# KVBACKEND_MMA_OUT_FOLD=0 keeps the score term (an A/B switch for probes)
-OUT_FOLD = os.environ.get("KVBACKEND_MMA_OUT_FOLD", "1") != "0"
+# Key outliers with pre-RoPE keys and key centroids (at most 32 per page and head) folded into rows of the
+# centroid-value table (`OUT_FOLD` in the source), as whole rows are, instead of a score term after the key loop: off
+# by default, since an H100 timed it 2-4% slower than the score term at B=8, L=32K (perf/NOTES.md, session 53);
+# KVBACKEND_MMA_OUT_FOLD=1 turns it on (an A/B switch for probes)
+OUT_FOLD = os.environ.get("KVBACKEND_MMA_OUT_FOLD", "0") == "1"
 # 4-bit pre-RoPE keys (`KBITS=4`: two codes a byte, read 16 of a lane's channels from 8 bytes): on since an H100 ran
 # tests/test_mma_k4.py (session 39: such a layer 254.7 us against 272.1 us for a 3-bit one, B=8, L=32K);
 # KVBACKEND_CUDA_K4=0 turns them off (the plain Triton decode kernel reads 4-bit keys then).
