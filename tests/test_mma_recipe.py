@@ -425,7 +425,6 @@ def test_one_stage_where_only_one_fits_a_block():
                                       per_block) == 1
 
 
-
 def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
     """`preferred` asks about the variant the default path launches (its stage count from `default_stages`): once
     that variant has failed to build, the Triton kernels serve, instead of rebuilding it on every call."""
@@ -451,31 +450,38 @@ def test_a_failed_default_variant_sends_later_calls_to_triton(monkeypatch):
     assert mma_decode.preferred(*args, stages=1)  # another variant is still asked about as itself
 
 
+def _fold_against_unfolded(case, switch, field, seed, monkeypatch, check_lse=False):
+    """The tensor-core decode of ``PREROPE_CASES[case]`` with the module switch ``switch`` on and off (the config's
+    ``field`` follows it), each against the reference; returns the relative difference of the two outputs."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = PREROPE_CASES[case]
+    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=seed)
+    args, levers = _inputs(cache, ids)
+    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
+    want, want_lse = _reference(cache, ids, q)
+    outs = {}
+    for fold in (True, False):
+        monkeypatch.setattr(mma_decode, switch, fold)
+        _clear_variant_caches()
+        assert getattr(mma_decode.config_for(*args[3], page_size, head_dim, q.dtype, args[2].dtype, 2, 4, None,
+                                             levers), field) is fold
+        outs[fold], lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
+                                       mma_options=OPT_IN)
+        assert float((outs[fold].float() - want).norm() / want.norm()) < 1e-2, fold
+        if check_lse:
+            assert torch.allclose(lse, want_lse, atol=2e-2), fold
+    monkeypatch.undo()
+    _clear_variant_caches()
+    return float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm())
+
+
 @gpu
 @pytest.mark.parametrize("case", [3, 4, 9])
 def test_folded_psac_rows_decode_as_the_per_key_path(case, monkeypatch):
     """Sparse PSAC rows folded into the centroid table give the per-key path's output (fp16 sums in another order:
     within 2e-3), and both match the reference; the fold is the variant the default launch compiles."""
-    from kvbackend.kernels.paged_decode import paged_decode
-
-    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = PREROPE_CASES[case]
-    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=11)
-    args, levers = _inputs(cache, ids)
-    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
-    want, _ = _reference(cache, ids, q)
-    outs = {}
-    for fold in (True, False):
-        monkeypatch.setattr(mma_decode, "PSAC_FOLD", fold)
-        _clear_variant_caches()
-        assert mma_decode.config_for(*args[3], page_size, head_dim, q.dtype, args[2].dtype, 2, 4, None,
-                                     levers).psac_fold is fold
-        outs[fold], _ = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
-                                     mma_options=OPT_IN)
-        assert float((outs[fold].float() - want).norm() / want.norm()) < 1e-2, fold
-    monkeypatch.undo()
-    _clear_variant_caches()
-    assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 2e-3
-
+    assert _fold_against_unfolded(case, "PSAC_FOLD", "psac_fold", 11, monkeypatch) < 2e-3
 
 
 def _config(case, stages=1):
@@ -512,26 +518,7 @@ def test_outliers_fold_into_the_centroid_table_with_pre_rope_keys(monkeypatch):
 def test_folded_outliers_decode_as_the_score_term(case, monkeypatch):
     """Outliers folded into the centroid-value table give the score term's output (the outlier rounded into the fp16
     key operand instead of a split fp32 product: within 2e-3), and both match the reference."""
-    from kvbackend.kernels.paged_decode import paged_decode
-
-    codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, programs = PREROPE_CASES[case]
-    cache, ids, rotary = recipe_cache(codec, head_dim, page_size, chunk_pages, lengths, heads, ratio, seed=13)
-    args, levers = _inputs(cache, ids)
-    q = torch.randn(len(ids), heads * ratio, head_dim, device=DEVICE).bfloat16()
-    want, want_lse = _reference(cache, ids, q)
-    outs = {}
-    for fold in (True, False):
-        monkeypatch.setattr(mma_decode, "OUT_FOLD", fold)
-        _clear_variant_caches()
-        assert mma_decode.config_for(*args[3], page_size, head_dim, q.dtype, args[2].dtype, 2, 4, None,
-                                     levers).out_fold is fold
-        outs[fold], lse = paged_decode(q, *args, target_programs=programs, levers=levers, rotary=rotary, mma=True,
-                                       mma_options=OPT_IN)
-        assert float((outs[fold].float() - want).norm() / want.norm()) < 1e-2, fold
-        assert torch.allclose(lse, want_lse, atol=2e-2), fold
-    monkeypatch.undo()
-    _clear_variant_caches()
-    assert float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()) < 2e-3
+    assert _fold_against_unfolded(case, "OUT_FOLD", "out_fold", 13, monkeypatch, check_lse=True) < 2e-3
 
 
 @gpu
