@@ -75,7 +75,10 @@ class BatchPlan:
         264 programs a wave) that runs as two: five splits fill seven waves to 99.6% (perf/NOTES.md, session 46).
 
         ``align`` > 1 (a codebook layout's pages per slot): only grids whose pages per split divide ``align`` or are
-        a multiple of it, so no split starts inside a chunk. At B=46 (512 pages, 32-page chunks) the recipe's layout
+        a multiple of it, so a split that starts inside a chunk stays inside it, and none straddles a chunk boundary
+        of a request whose chunks start at multiples of ``align``. A request that adopted a cached prefix ending
+        mid-chunk (prefixes are shared page by page) has its own chunks elsewhere: its splits may straddle them,
+        which costs speed, never values (every grid covers each page once, in order). At B=46 (512 pages, 32-page chunks) the recipe's layout
         ran 1294 us with 2 splits and 1314 with 8 against 1459-1468 with 3 or 5, which straddle chunks (H200,
         perf/NOTES.md, session 51)."""
         if fixed_pages < 0:
