@@ -22,8 +22,7 @@ ROWS, POINTS, DIM, CENTROIDS = 128, 64, 128, 32
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # no nnan/ninf: the seeding tests infinite distances
 
 
-@numba.njit(nogil=True)
-def _row_major(x, r, c, out):
+def _row_major_loop(x, r, c, out):
     for i in range(x.shape[1]):
         acc = np.float32(0.0)
         for k in range(x.shape[2]):
@@ -32,14 +31,8 @@ def _row_major(x, r, c, out):
         out[i] = acc
 
 
-@numba.njit(nogil=True, fastmath=FASTMATH)
-def _row_major_fastmath(x, r, c, out):
-    for i in range(x.shape[1]):
-        acc = np.float32(0.0)
-        for k in range(x.shape[2]):
-            t = x[r, i, k] - c[k]
-            acc += t * t
-        out[i] = acc
+_row_major = numba.njit(nogil=True)(_row_major_loop)
+_row_major_fastmath = numba.njit(nogil=True, fastmath=FASTMATH)(_row_major_loop)  # the same loop, sums reassociated
 
 
 @numba.njit(nogil=True)
