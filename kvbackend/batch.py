@@ -78,9 +78,9 @@ class BatchPlan:
         a multiple of it, so a split that starts inside a chunk stays inside it, and none straddles a chunk boundary
         of a request whose chunks start at multiples of ``align``. A request that adopted a cached prefix ending
         mid-chunk (prefixes are shared page by page) has its own chunks elsewhere: its splits may straddle them,
-        which costs speed, never values (every grid covers each page once, in order). At B=46 (512 pages, 32-page chunks) the recipe's layout
-        ran 1294 us with 2 splits and 1314 with 8 against 1459-1468 with 3 or 5, which straddle chunks (H200,
-        perf/NOTES.md, session 51)."""
+        which costs speed, never values (every grid covers each page once, in order). At B=46 (512 pages, 32-page
+        chunks) the recipe's layout ran 1294 us with 2 splits and 1314 with 8 against 1459-1468 with 3 or 5, which
+        straddle chunks (H200, perf/NOTES.md, session 51)."""
         if fixed_pages < 0:
             raise ValueError(f"fixed_pages is a cost in pages, at least 0, got {fixed_pages!r}")
         if align < 1:
