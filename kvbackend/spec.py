@@ -175,12 +175,14 @@ class SpecKind(enum.Enum):
     AUTO = "auto"  # a per-layer plan search, chosen on a prompt (kvbackend.tools.auto.parse_auto)
     ALIGNPRED = "alignpred"  # the error-bounded persistent format (kvbackend.alignpred.parse_alignpred)
     DEPTH = "depth"  # a base codec with options by relative layer depth (kvbackend.depth.parse_depth)
+    KLT = "klt"  # keys on frozen query-weighted axes, a sequence-level format (kvbackend.klt.parse_klt)
 
 
 def spec_kind(text: str) -> SpecKind:
     """The family of the spec grammar ``text`` belongs to, from its name alone (options unparsed)."""
     name = text.partition(":")[0].strip().lower() if isinstance(text, str) else ""
-    return {"auto": SpecKind.AUTO, "alignpred": SpecKind.ALIGNPRED, "depth": SpecKind.DEPTH}.get(name, SpecKind.CODEC)
+    return {"auto": SpecKind.AUTO, "alignpred": SpecKind.ALIGNPRED, "depth": SpecKind.DEPTH,
+            "klt": SpecKind.KLT}.get(name, SpecKind.CODEC)
 
 
 def split_spec(text: str) -> tuple[str, dict[str, str]]:

@@ -69,7 +69,7 @@ def _parse_with_levers(text: str) -> tuple[Any, Levers]:
         raise SpecError(f"{text!r} is {article} {name}: spec, not a page codec: `kvbackend eval` runs it (auto: plans "
                         "are chosen on a prompt; alignpred: formats are file-tier formats, tiers.persist; depth: "
                         "specs give each layer its own codec: a KVCache, KVBackendCache and `kvbackend eval` "
-                        "expand them per layer)")
+                        "expand them per layer; klt: is a sequence-level format, `kvbackend eval --calibration`)")
     if entry is None:
         raise SpecError(f"unknown codec {name!r}; valid codecs: {', '.join(names())}")
     options, levers = split_levers(options, name)

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "simulation; both: paged, with the simulation beside it as a cross-check")
     _model_options(ev)
     ev.add_argument("--calibration", default=None,
-                    help="text whose KV fits frozen predictors for alignpred:...,fit=frozen (use another text)")
+                    help="text whose KV fits the frozen parts of alignpred:...,fit=frozen (predictors) and klt: (key "
+                         "axes); use another text than --text")
     ev.add_argument("--plan-text", default=None,
                     help="plan auto:... specs on this text's first --prefix tokens instead of --text's own prefix "
                          "(a plan made once for the model and served on other text)")

@@ -22,6 +22,7 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
+from kvbackend.klt import is_klt, parse_klt
 from kvbackend.tools.seeds import expand, summarize
 from kvbackend.errors import SpecError
 from kvbackend.tools.models import cache_argument
@@ -203,6 +204,42 @@ def _alignpred_result(spec: str, calibration,  exact: Capture, s: EvalSettings, 
                        ppl=ppl, ppl_ref=ppl_ref)
 
 
+def _klt_result(spec: str, bases, exact: Capture, s: EvalSettings, model, cont_ids, targets, ref_logits,
+                rotary) -> CodecResult:
+    """``klt:`` keys on frozen axes (`kvbackend.klt`), measured on all layers of the prefix at once."""
+    from kvbackend.klt import reconstruct as klt_reconstruct
+
+    if bases is None:
+        raise ValueError(f"{spec}: klt needs frozen key bases fitted on another text (--calibration TEXT)")
+    parsed = parse_klt(spec)
+    k_all = torch.stack([k.transpose(0, 1) for k in exact.k])  # [L, T, H, D]
+    v_all = torch.stack([v.transpose(0, 1) for v in exact.v])
+    pre = klt_reconstruct(parsed, bases, k_all[:, : s.prefix], v_all[:, : s.prefix], rotary)
+    full_k, full_v = pre.k, pre.v
+    if s.tokens > s.prefix:  # the tokens after the prefix as a sequence of their own, as `_alignpred_result`
+        rest = klt_reconstruct(parsed, bases, k_all[:, s.prefix : s.tokens], v_all[:, s.prefix : s.tokens], rotary)
+        full_k, full_v = torch.cat([pre.k, rest.k], 1), torch.cat([pre.v, rest.v], 1)
+    kx, vx = k_all[:, : s.prefix].float(), v_all[:, : s.prefix].float()
+    out_err = out_norm = 0.0
+    shifts = 0
+    for layer in range(len(exact.k)):
+        e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
+                                         exact.v[layer][:, : s.tokens],
+                                         full_k[layer, : s.tokens].transpose(0, 1).to(kx.dtype),
+                                         full_v[layer, : s.tokens].transpose(0, 1).to(vx.dtype), s.queries)
+        out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
+    dtype = exact.k[0].dtype
+    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(dtype) for k in pre.k],
+                                       [v.transpose(0, 1).to(dtype) for v in pre.v], cont_ids)
+    kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
+    nrmse = lambda x, y: math.sqrt(float((x - y).square().sum()) / float(x.square().sum()))  # noqa: E731
+    return CodecResult(spec=spec, canonical=parsed.spec_string, bpv=8.0 * pre.stored_bytes / (kx.numel() + vx.numel()),
+                       stored_bytes=pre.stored_bytes, k_nrmse=nrmse(kx, pre.k), v_nrmse=nrmse(vx, pre.v),
+                       attn_out_err=math.sqrt(out_err / out_norm),
+                       top1_shift=shifts / (len(exact.k) * exact.q[0].shape[0] * s.queries), kl=kl, top1_agree=agree,
+                       ppl=ppl, ppl_ref=ppl_ref, path="sequence")
+
+
 def _prefix_kl(model, exact: Capture, ids: torch.Tensor, s: EvalSettings, calib: int, geometry: Geometry, rotary):
     """``kl_of(per-layer specs)`` for `auto:kl=K`: the prefix's first part cached through the plan, its
     last ``calib`` tokens teacher-forced, KL against the exact cache. Uses only the prefix."""
@@ -227,6 +264,15 @@ def _prefix_kl(model, exact: Capture, ids: torch.Tensor, s: EvalSettings, calib:
         return float((log_ref.exp() * (log_ref - log_test)).sum(-1).mean())
 
     return kl_of
+
+
+def key_bases_from_text(model, input_ids: torch.Tensor, tokens: int = 2048):
+    """Frozen `kvbackend.klt.KeyBases` fitted on the queries and keys of another text's first ``tokens`` tokens."""
+    from kvbackend.klt import KeyBases
+
+    cap = capture_exact(model, input_ids[:, :tokens])
+    return KeyBases.fit([q.float().cpu() for q in cap.q], [k.float().cpu() for k in cap.k],
+                        rotary_from_config(model.config))
 
 
 def calibration_from_text(model, input_ids: torch.Tensor, tokens: int = 1024):
@@ -264,7 +310,7 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
                 rope_unfit: str | None = None) -> bool:
     """Parse every spec (bounds included); given the model's ``geometry``, also check that each codec,
     and every candidate of an ``auto:`` plan, can serve it at the eval's page size. Cheap: run it before
-    loading a model. Returns whether an ``alignpred:...,fit=frozen`` spec needs a calibration text.
+    loading a model. Returns whether a spec needs a calibration text (``alignpred:...,fit=frozen``, ``klt:``).
     ``rope_unfit``: why the model's RoPE is not one full-width rotation (`rope_not_undoable`), which refuses
     ``prerope=`` and ``pagerope=`` (keys would be compressed in a wrong frame).
 
@@ -275,6 +321,13 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
     for spec in specs:
         if is_alignpred(spec):
             frozen |= parse_alignpred(spec).fit == "frozen"
+            continue
+        if is_klt(spec):
+            parse_klt(spec)
+            if rope_unfit:
+                raise SpecError(f"{spec}: klt codes keys before RoPE, one full-width rotation, and this model's "
+                                f"RoPE is not one: {rope_unfit}")
+            frozen = True
             continue
         auto = parse_auto(spec)
         if auto is not None and auto.kl > 0 and settings.prefix - auto.calib < settings.page_size:
@@ -330,10 +383,11 @@ def prepare_output(path: str, option: str) -> None:
 
 
 def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSettings, progress=None,
-             calibration=None, plan_ids: torch.Tensor | None = None) -> list[CodecResult]:
+             calibration=None, plan_ids: torch.Tensor | None = None, key_bases=None) -> list[CodecResult]:
     """Measure every codec in ``specs`` on ``input_ids [1, >= max(tokens, prefix + cont)]``.
 
-    ``calibration`` serves ``alignpred:…,fit=frozen`` specs; fit it on other data than ``input_ids``.
+    ``calibration`` serves ``alignpred:…,fit=frozen`` specs, ``key_bases`` (`key_bases_from_text`) ``klt:`` specs;
+    fit both on other data than ``input_ids``.
     ``plan_ids [1, >= prefix]``: ``auto:`` specs are planned on these tokens' first ``prefix`` (another text: a
     plan made once for the model) instead of on ``input_ids``' own prefix.
     """
@@ -364,6 +418,11 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     for spec in specs:
         if is_alignpred(spec):
             results.append(_alignpred_result(spec, calibration, exact, s, model, cont_ids, targets, ref_logits))
+            if progress:
+                progress.advance(task, num_layers)
+            continue
+        if is_klt(spec):
+            results.append(_klt_result(spec, key_bases, exact, s, model, cont_ids, targets, ref_logits, rotary))
             if progress:
                 progress.advance(task, num_layers)
             continue
@@ -528,7 +587,7 @@ def run_eval_cli(args) -> int:
     specs = [run for _, run in runs]
     frozen = check_specs(specs, settings)
     if frozen and not args.calibration:
-        raise SystemExit("alignpred fit=frozen needs --calibration TEXT (another text than --text)")
+        raise SystemExit("alignpred fit=frozen and klt: need --calibration TEXT (another text than --text)")
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
         if path:
             prepare_output(path, option)
@@ -556,13 +615,16 @@ def run_eval_cli(args) -> int:
                          f"and --tokens {settings.tokens}, --prefix {settings.prefix} and --continue {settings.cont} "
                          f"need {need}")
     ids = ids[:, skip:]
-    calibration = None
+    calibration = key_bases = None
     if frozen:
         calib_ids = tokenizer(calibration_text, return_tensors="pt").input_ids.to(args.device)
-        calibration = calibration_from_text(model, calib_ids)
+        if any(is_alignpred(spec) for spec in specs):
+            calibration = calibration_from_text(model, calib_ids)
+        if any(is_klt(spec) for spec in specs):
+            key_bases = key_bases_from_text(model, calib_ids)
     plan_ids = tokenizer(plan_text, return_tensors="pt").input_ids if plan_text is not None else None
     with Progress(console=console, transient=True) as progress:
-        results = evaluate(model, ids, specs, settings, progress, calibration, plan_ids)
+        results = evaluate(model, ids, specs, settings, progress, calibration, plan_ids, key_bases)
     table = Table(title=f"{args.text}{f' from token {skip}' if skip else ''}: {settings.tokens} tokens, prefix "
                         f"{settings.prefix} + {settings.cont}, "
                         f"ppl_ref {results[0].ppl_ref:.2f}")
