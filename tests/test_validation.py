@@ -343,7 +343,7 @@ def test_eval_chunk_reaches_the_settings(no_model, monkeypatch):
         def __call__(self, text, return_tensors):
             return type("Ids", (), {"input_ids": torch.zeros(1, 400, dtype=torch.long)})()
 
-    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None):
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None, key_bases=None):
         seen.append(settings)
         raise _Loaded()
 
@@ -371,7 +371,7 @@ def test_eval_plan_text_needs_an_auto_spec_and_reaches_evaluate(no_model, monkey
             n = 700 if text == "another text" else 400
             return type("Ids", (), {"input_ids": torch.zeros(1, n, dtype=torch.long)})()
 
-    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None):
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None, key_bases=None):
         seen.append((ids.shape[1], None if plan_ids is None else plan_ids.shape[1]))
         raise _Loaded()
 
@@ -398,7 +398,7 @@ def test_eval_skip_drops_the_first_tokens_and_refuses_too_few(no_model, monkeypa
         def __call__(self, text, return_tensors):
             return type("Ids", (), {"input_ids": torch.arange(400).unsqueeze(0)})()
 
-    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None):
+    def evaluate(model, ids, specs, settings, progress=None, calibration=None, plan_ids=None, key_bases=None):
         seen.append(ids[0].tolist())
         raise _Loaded()
 
@@ -415,3 +415,15 @@ def test_eval_skip_drops_the_first_tokens_and_refuses_too_few(no_model, monkeypa
     assert len(seen) == 2
     with pytest.raises(SystemExit):
         main(_eval("--codec", "fp8", "--skip", "-1"))
+
+
+def test_frozen_formats_need_a_calibration_text_before_the_model_loads(no_model, capsys):
+    """``klt:`` (key bases) and ``alignpred:...,fit=frozen`` (predictors) are fitted on another text: without
+    ``--calibration`` the run stops before loading anything; a bad ``klt:`` option stops it too."""
+    from kvbackend.tools.cli import main
+
+    for spec in ("klt:kbits=3.5", "alignpred:error=1x,align=layers,fit=frozen"):
+        with pytest.raises(SystemExit, match="need --calibration TEXT"):
+            main(_eval("--codec", spec))
+    assert main(_eval("--codec", "klt:vbits=5", "--calibration", TEXT)) == 2
+    assert "klt vbits=5: choose one of" in capsys.readouterr().err and not no_model

@@ -624,7 +624,7 @@ def run_eval_cli(args) -> int:
             key_bases = key_bases_from_text(model, calib_ids)
     plan_ids = tokenizer(plan_text, return_tensors="pt").input_ids if plan_text is not None else None
     with Progress(console=console, transient=True) as progress:
-        results = evaluate(model, ids, specs, settings, progress, calibration, plan_ids, key_bases)
+        results = evaluate(model, ids, specs, settings, progress, calibration, plan_ids, key_bases=key_bases)
     table = Table(title=f"{args.text}{f' from token {skip}' if skip else ''}: {settings.tokens} tokens, prefix "
                         f"{settings.prefix} + {settings.cont}, "
                         f"ppl_ref {results[0].ppl_ref:.2f}")
