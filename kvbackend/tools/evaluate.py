@@ -212,25 +212,26 @@ def _klt_result(spec: str, bases, exact: Capture, s: EvalSettings, model, cont_i
     if bases is None:
         raise ValueError(f"{spec}: klt needs frozen key bases fitted on another text (--calibration TEXT)")
     parsed = parse_klt(spec)
-    k_all = torch.stack([k.transpose(0, 1) for k in exact.k])  # [L, T, H, D]
-    v_all = torch.stack([v.transpose(0, 1) for v in exact.v])
+    device = exact.k[0].device  # the format is coded on the CPU (`kvbackend.klt`), read back on the model's device
+    k_all = torch.stack([k.transpose(0, 1) for k in exact.k]).cpu()  # [L, T, H, D]
+    v_all = torch.stack([v.transpose(0, 1) for v in exact.v]).cpu()
     pre = klt_reconstruct(parsed, bases, k_all[:, : s.prefix], v_all[:, : s.prefix], rotary)
     full_k, full_v = pre.k, pre.v
     if s.tokens > s.prefix:  # the tokens after the prefix as a sequence of their own, as `_alignpred_result`
         rest = klt_reconstruct(parsed, bases, k_all[:, s.prefix : s.tokens], v_all[:, s.prefix : s.tokens], rotary)
         full_k, full_v = torch.cat([pre.k, rest.k], 1), torch.cat([pre.v, rest.v], 1)
     kx, vx = k_all[:, : s.prefix].float(), v_all[:, : s.prefix].float()
+    dtype = exact.k[0].dtype
     out_err = out_norm = 0.0
     shifts = 0
     for layer in range(len(exact.k)):
         e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
                                          exact.v[layer][:, : s.tokens],
-                                         full_k[layer, : s.tokens].transpose(0, 1).to(kx.dtype),
-                                         full_v[layer, : s.tokens].transpose(0, 1).to(vx.dtype), s.queries)
+                                         full_k[layer, : s.tokens].transpose(0, 1).to(device, dtype),
+                                         full_v[layer, : s.tokens].transpose(0, 1).to(device, dtype), s.queries)
         out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
-    dtype = exact.k[0].dtype
-    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(dtype) for k in pre.k],
-                                       [v.transpose(0, 1).to(dtype) for v in pre.v], cont_ids)
+    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(device, dtype) for k in pre.k],
+                                       [v.transpose(0, 1).to(device, dtype) for v in pre.v], cont_ids)
     kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
     nrmse = lambda x, y: math.sqrt(float((x - y).square().sum()) / float(x.square().sum()))  # noqa: E731
     return CodecResult(spec=spec, canonical=parsed.spec_string, bpv=8.0 * pre.stored_bytes / (kx.numel() + vx.numel()),
