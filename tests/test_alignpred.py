@@ -254,3 +254,23 @@ def test_edge_groups_encode_to_streams_that_decode(quant, case):
         spec, k = "error=1x", np.zeros((2, 64, 2, 8), np.float32)
         k[0, 3, 1, 2] = 1.0
     _check(AlignPredCodec(f"alignpred:{spec},quant={quant}"), k, k * 2)
+
+
+def test_eval_measures_alignpred_as_a_whole_sequence():
+    """`kvbackend eval` codes alignpred: over every layer of the prefix at once (not through the paged cache), and
+    reports bytes, errors and KL of that coding."""
+    pytest.importorskip("transformers")
+    import math
+    from pathlib import Path
+
+    from kvbackend.tools.evaluate import EvalSettings, evaluate
+    from kvbackend.tools.models import load_model
+
+    model, tokenizer = load_model()
+    ids = tokenizer((Path(__file__).parent / "data" / "sample.txt").read_text(), return_tensors="pt").input_ids
+    settings = EvalSettings(tokens=320, prefix=256, cont=64, queries=64, chunk_tokens=128)
+    tight, loose = evaluate(model, ids, ["alignpred:error=1x", "alignpred:error=8x"], settings)
+    for r in (tight, loose):
+        assert r.path == "sequence" and r.stored_bytes > 0
+        assert math.isclose(r.bpv, 8 * r.stored_bytes / (2 * 30 * 256 * 3 * 64))
+    assert tight.bpv > loose.bpv and tight.k_nrmse < loose.k_nrmse and tight.kl < 0.01

@@ -169,6 +169,41 @@ def _next_token_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Te
     return kl, agree, math.exp(nll(log_test)), math.exp(nll(log_ref))
 
 
+def _whole_sequence_result(spec: str, canonical: str, code, exact: Capture, s: EvalSettings, model, cont_ids, targets,
+                           ref_logits) -> CodecResult:
+    """A format coded over every layer of a sequence at once (``alignpred:``, ``klt:``), outside the paged cache.
+
+    ``code(k, v)``, on float ``[L, T, H, D]`` CPU tensors of a sequence from its first token, returns the decoded
+    ``(k, v)`` and the bytes stored. The prefix is coded as one sequence and the tokens after it (up to
+    ``s.tokens``, for the attention-fidelity pass) as another."""
+    device, dtype = exact.k[0].device, exact.k[0].dtype
+    k_all = torch.stack([k.transpose(0, 1) for k in exact.k]).cpu()  # [L, T, H, D]
+    v_all = torch.stack([v.transpose(0, 1) for v in exact.v]).cpu()
+    pre_k, pre_v, stored = code(k_all[:, : s.prefix], v_all[:, : s.prefix])
+    if s.tokens > s.prefix:
+        rest_k, rest_v, _ = code(k_all[:, s.prefix : s.tokens], v_all[:, s.prefix : s.tokens])
+        full_k, full_v = torch.cat([pre_k, rest_k], 1), torch.cat([pre_v, rest_v], 1)
+    else:
+        full_k, full_v = pre_k[:, : s.tokens], pre_v[:, : s.tokens]
+    kx, vx = k_all[:, : s.prefix].float(), v_all[:, : s.prefix].float()
+    out_err = out_norm = 0.0
+    shifts = 0
+    for layer in range(len(exact.k)):
+        e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
+                                         exact.v[layer][:, : s.tokens], full_k[layer].transpose(0, 1).to(device, dtype),
+                                         full_v[layer].transpose(0, 1).to(device, dtype), s.queries)
+        out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
+    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(device, dtype) for k in pre_k],
+                                       [v.transpose(0, 1).to(device, dtype) for v in pre_v], cont_ids)
+    kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
+    nrmse = lambda x, y: math.sqrt(float((x - y).square().sum()) / float(x.square().sum()))  # noqa: E731
+    return CodecResult(spec=spec, canonical=canonical, bpv=8.0 * stored / (kx.numel() + vx.numel()),
+                       stored_bytes=stored, k_nrmse=nrmse(kx, pre_k), v_nrmse=nrmse(vx, pre_v),
+                       attn_out_err=math.sqrt(out_err / out_norm),
+                       top1_shift=shifts / (len(exact.k) * exact.q[0].shape[0] * s.queries), kl=kl, top1_agree=agree,
+                       ppl=ppl, ppl_ref=ppl_ref, path="sequence")
+
+
 def _alignpred_result(spec: str, calibration,  exact: Capture, s: EvalSettings, model, cont_ids,
                       targets, ref_logits) -> CodecResult:
     """AlignPred codes page groups across every layer, so it is measured on all layers at once."""
@@ -176,32 +211,12 @@ def _alignpred_result(spec: str, calibration,  exact: Capture, s: EvalSettings, 
     from kvbackend.alignpred.sequence import reconstruct as alignpred_reconstruct
 
     codec = AlignPredCodec(spec, calibration)
-    k_all = torch.stack([k.transpose(0, 1) for k in exact.k])  # [L, T, H, D]
-    v_all = torch.stack([v.transpose(0, 1) for v in exact.v])
-    pre = alignpred_reconstruct(codec, k_all[:, : s.prefix], v_all[:, : s.prefix], s.page_size)
-    if s.tokens > s.prefix:
-        rest = alignpred_reconstruct(codec, k_all[:, s.prefix : s.tokens], v_all[:, s.prefix : s.tokens], s.page_size)
-        full_k, full_v = torch.cat([pre.k, rest.k], 1), torch.cat([pre.v, rest.v], 1)
-    else:
-        full_k, full_v = pre.k[:, : s.tokens], pre.v[:, : s.tokens]
-    kx, vx = k_all[:, : s.prefix].float(), v_all[:, : s.prefix].float()
-    out_err = out_norm = 0.0
-    shifts = 0
-    for layer in range(len(exact.k)):
-        e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
-                                         exact.v[layer][:, : s.tokens], full_k[layer].transpose(0, 1).to(kx.dtype),
-                                         full_v[layer].transpose(0, 1).to(vx.dtype), s.queries)
-        out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
-    dtype = exact.k[0].dtype
-    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(dtype) for k in pre.k],
-                                       [v.transpose(0, 1).to(dtype) for v in pre.v], cont_ids)
-    kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
-    nrmse = lambda x, y: math.sqrt(float((x - y).square().sum()) / float(x.square().sum()))  # noqa: E731
-    return CodecResult(spec=spec, canonical=codec.spec_string, bpv=8.0 * pre.stored_bytes / (kx.numel() + vx.numel()),
-                       stored_bytes=pre.stored_bytes, k_nrmse=nrmse(kx, pre.k), v_nrmse=nrmse(vx, pre.v),
-                       attn_out_err=math.sqrt(out_err / out_norm),
-                       top1_shift=shifts / (len(exact.k) * exact.q[0].shape[0] * s.queries), kl=kl, top1_agree=agree,
-                       ppl=ppl, ppl_ref=ppl_ref)
+
+    def code(k, v):
+        out = alignpred_reconstruct(codec, k, v, s.page_size)
+        return out.k, out.v, out.stored_bytes
+
+    return _whole_sequence_result(spec, codec.spec_string, code, exact, s, model, cont_ids, targets, ref_logits)
 
 
 def _klt_result(spec: str, bases, exact: Capture, s: EvalSettings, model, cont_ids, targets, ref_logits,
@@ -212,33 +227,12 @@ def _klt_result(spec: str, bases, exact: Capture, s: EvalSettings, model, cont_i
     if bases is None:
         raise ValueError(f"{spec}: klt needs frozen key bases fitted on another text (--calibration TEXT)")
     parsed = parse_klt(spec)
-    device = exact.k[0].device  # the format is coded on the CPU (`kvbackend.klt`), read back on the model's device
-    k_all = torch.stack([k.transpose(0, 1) for k in exact.k]).cpu()  # [L, T, H, D]
-    v_all = torch.stack([v.transpose(0, 1) for v in exact.v]).cpu()
-    pre = klt_reconstruct(parsed, bases, k_all[:, : s.prefix], v_all[:, : s.prefix], rotary)
-    full_k, full_v = pre.k, pre.v
-    if s.tokens > s.prefix:  # the tokens after the prefix as a sequence of their own, as `_alignpred_result`
-        rest = klt_reconstruct(parsed, bases, k_all[:, s.prefix : s.tokens], v_all[:, s.prefix : s.tokens], rotary)
-        full_k, full_v = torch.cat([pre.k, rest.k], 1), torch.cat([pre.v, rest.v], 1)
-    kx, vx = k_all[:, : s.prefix].float(), v_all[:, : s.prefix].float()
-    dtype = exact.k[0].dtype
-    out_err = out_norm = 0.0
-    shifts = 0
-    for layer in range(len(exact.k)):
-        e, n, shift = attention_fidelity(exact.q[layer][:, : s.tokens], exact.k[layer][:, : s.tokens],
-                                         exact.v[layer][:, : s.tokens],
-                                         full_k[layer, : s.tokens].transpose(0, 1).to(device, dtype),
-                                         full_v[layer, : s.tokens].transpose(0, 1).to(device, dtype), s.queries)
-        out_err, out_norm, shifts = out_err + e, out_norm + n, shifts + shift
-    test_logits = _continuation_logits(model, [k.transpose(0, 1).to(device, dtype) for k in pre.k],
-                                       [v.transpose(0, 1).to(device, dtype) for v in pre.v], cont_ids)
-    kl, agree, ppl, ppl_ref = _next_token_metrics(ref_logits, test_logits, targets)
-    nrmse = lambda x, y: math.sqrt(float((x - y).square().sum()) / float(x.square().sum()))  # noqa: E731
-    return CodecResult(spec=spec, canonical=parsed.spec_string, bpv=8.0 * pre.stored_bytes / (kx.numel() + vx.numel()),
-                       stored_bytes=pre.stored_bytes, k_nrmse=nrmse(kx, pre.k), v_nrmse=nrmse(vx, pre.v),
-                       attn_out_err=math.sqrt(out_err / out_norm),
-                       top1_shift=shifts / (len(exact.k) * exact.q[0].shape[0] * s.queries), kl=kl, top1_agree=agree,
-                       ppl=ppl, ppl_ref=ppl_ref, path="sequence")
+
+    def code(k, v):
+        out = klt_reconstruct(parsed, bases, k, v, rotary)
+        return out.k, out.v, out.stored_bytes
+
+    return _whole_sequence_result(spec, parsed.spec_string, code, exact, s, model, cont_ids, targets, ref_logits)
 
 
 def _prefix_kl(model, exact: Capture, ids: torch.Tensor, s: EvalSettings, calib: int, geometry: Geometry, rotary):
