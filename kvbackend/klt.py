@@ -27,6 +27,7 @@ from kvbackend import bitpack
 from kvbackend.errors import InvalidKV, SpecError
 from kvbackend.levers import rotate_values
 from kvbackend.quant import dequantize, quantize, round_to
+from kvbackend.rope import pair_mean
 from kvbackend.spec import Checked, SpecKind, _convert, ranged, spec_kind, split_spec
 
 GROUP = 64  # tokens sharing one scale per key axis
@@ -72,12 +73,6 @@ def parse_klt(text: str) -> KltSpec:
     return KltSpec(**{k: _convert(v, _TYPES[k], k, "klt") for k, v in options.items()})
 
 
-def _pair_average(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    m = (x[..., :half] + x[..., half:]) / 2
-    return torch.cat([m, m], -1)
-
-
 @dataclass(frozen=True)
 class KeyBases:
     """Per layer: query weights ``w``, mean ``mu``, axes ``basis`` (columns) and variances ``lam`` per KV head.
@@ -101,7 +96,7 @@ class KeyBases:
             k = rotary.derotate(k_post.float(), torch.arange(t))
             q = rotary.derotate(q_post.float(), torch.arange(q_post.shape[1]))
             group = q.shape[0] // h
-            w = _pair_average(q.reshape(h, group * q.shape[1], d).square().mean(1)).clamp_min(1e-8)  # [H, D]
+            w = pair_mean(q.reshape(h, group * q.shape[1], d).square().mean(1)).clamp_min(1e-8)  # [H, D]
             y = k * w.sqrt()[:, None]
             mu = y.mean(1)
             centred = y - mu[:, None]

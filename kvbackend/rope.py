@@ -12,6 +12,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def pair_mean(w: torch.Tensor) -> torch.Tensor:
+    """Per-channel weights ``[..., D]`` with both channels of each RoPE pair (d, d + D/2) set to the pair's mean: a
+    query meets a key stored before RoPE turned by their relative angle, which mixes the pair."""
+    half = w.shape[-1] // 2
+    mean = (w[..., :half] + w[..., half:]) / 2
+    return torch.cat([mean, mean], dim=-1)
+
+
 @dataclass(frozen=True)
 class Rotary:
     """RoPE in the half-split convention (channel i pairs with i + D/2), as Llama models use it."""

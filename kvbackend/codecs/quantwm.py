@@ -47,6 +47,7 @@ from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
 from kvbackend.psac import principal_directions
 from kvbackend.quant import round_to
+from kvbackend.rope import pair_mean
 from kvbackend.spec import ranged
 from kvbackend.codecs.base import CodecState, FieldSpecs, from_pages, to_pages
 from kvbackend.codecs.qvg import QVGCodec, QVGSpec
@@ -224,9 +225,8 @@ class QuantWMCodec(QVGCodec):
         if not self._weighted(prefix, moment):
             return None
         w = channel_weights(moment)
-        if self.levers.rope:  # keys in a RoPE-free frame: a query meets them turned by the relative angle, which
-            half = w.shape[-1] // 2  # mixes each pair (d, d + D/2): both channels weigh the pair's mean
-            w = ((w[..., :half] + w[..., half:]) / 2).repeat(1, 2)
+        if self.levers.rope:  # keys in a RoPE-free frame: both channels of a RoPE pair weigh the pair's mean
+            w = pair_mean(w)
         return w.clamp_min(1e-4) ** (self.spec.kmetric / 2)
 
     def _assign(self, prefix: str, residual, cents, nearest, moment: torch.Tensor | None):
