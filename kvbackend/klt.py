@@ -40,18 +40,22 @@ class KltSpec(Checked):
     vbits: int = ranged(3, 2, 8)  # value bits (2, 3, 4 or 8), fp8 scale and zero per token and head
     sink: int = ranged(4, 0, 1 << 20)  # first tokens kept exact (fp16)
     clip: bool = True  # the values' clipped steps (`kvbackend.quant.quantize`)
+    vstep: float = ranged(1.0, 0.5, 2.0)  # with clip: the values' step as a multiple of the Gaussian MSE-optimal one
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.vbits not in bitpack.SUPPORTED_BITS:
             raise SpecError(f"klt vbits={self.vbits}: choose one of {bitpack.SUPPORTED_BITS}")
+        if self.vstep != 1.0 and not self.clip:
+            raise SpecError(f"klt vstep={self.vstep:g} widens the clipped value step: it needs clip=true")
 
     @property
     def spec_string(self) -> str:
-        return f"klt:kbits={self.kbits:g},vbits={self.vbits},sink={self.sink},clip={str(self.clip).lower()}"
+        step = f",vstep={self.vstep:g}" if self.vstep != 1.0 else ""
+        return f"klt:kbits={self.kbits:g},vbits={self.vbits},sink={self.sink},clip={str(self.clip).lower()}{step}"
 
 
-_TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool}
+_TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool, "vstep": float}
 
 
 def is_klt(text: str) -> bool:
@@ -59,7 +63,7 @@ def is_klt(text: str) -> bool:
 
 
 def parse_klt(text: str) -> KltSpec:
-    """Parse ``klt:kbits=3.5[,vbits=3][,sink=4][,clip=true]``.
+    """Parse ``klt:kbits=3.5[,vbits=3][,sink=4][,clip=true][,vstep=1]``.
 
     Raises:
         SpecError: another spec family, an unknown option or a value out of range.
@@ -213,7 +217,7 @@ def encode_layer(spec: KltSpec, bases: KeyBases, layer: int, width: torch.Tensor
     rotated = rotate_values(v.float())
     if float(rotated.abs().max()) > torch.finfo(torch.float8_e4m3fn).max:  # zeros would saturate: clipped values
         raise InvalidKV("klt: a rotated value exceeds fp8-e4m3's range (448), which its zero points are stored in")
-    quant = quantize(rotated, spec.vbits, False, torch.float8_e4m3fn, clip=spec.clip)
+    quant = quantize(rotated, spec.vbits, False, torch.float8_e4m3fn, clip=spec.clip, widen=spec.vstep)
     n = min(spec.sink, t)
     return KltLayer(codes, torch.cat(scales, 1), bitpack.pack(quant.codes, spec.vbits), quant.scale, quant.zero,
                     k_post[:n].half(), v[:n].half())

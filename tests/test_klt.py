@@ -96,6 +96,16 @@ def test_more_key_bits_lower_the_error_and_the_logit_error_most():
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.01, errors
 
 
+def test_a_wider_value_step_changes_the_values_not_the_keys_or_bytes():
+    rotary, queries, keys, values = _synthetic(seed=3)
+    bases = KeyBases.fit(queries, keys, rotary)
+    k_all, v_all = _kv(keys, values)
+    plain = reconstruct(parse_klt("klt:kbits=3,vbits=2"), bases, k_all, v_all, rotary)
+    wide = reconstruct(parse_klt("klt:kbits=3,vbits=2,vstep=1.3"), bases, k_all, v_all, rotary)
+    assert torch.equal(plain.k, wide.k) and plain.stored_bytes == wide.stored_bytes
+    assert not torch.equal(plain.v, wide.v)
+
+
 def test_bases_fitted_on_one_sequence_serve_another():
     rotary, queries, keys, _ = _synthetic(seed=2)
     _, _, other_keys, other_values = _synthetic(seed=2, tokens=97)  # the same model (mix), other draws
@@ -137,6 +147,8 @@ def test_bad_input_is_refused():
     ("klt:bits=3", "unknown option"),
     ("klt:kbits=x", "not a valid float"),
     ("rtn:bits=2", "not a klt"),
+    ("klt:vstep=1.2,clip=false", "needs clip=true"),
+    ("klt:vstep=3", "out of range"),
 ])
 def test_bad_specs(text, message):
     with pytest.raises(SpecError, match=message):
@@ -145,6 +157,7 @@ def test_bad_specs(text, message):
 
 def test_the_spec_names_itself_and_is_no_page_codec():
     assert parse_klt("klt:kbits=3.5").spec_string == "klt:kbits=3.5,vbits=3,sink=4,clip=true"
+    assert parse_klt("klt:vstep=1.15").spec_string == "klt:kbits=3.5,vbits=3,sink=4,clip=true,vstep=1.15"
     assert KltSpec() == parse_klt("klt:")
     with pytest.raises(SpecError, match="sequence-level format"):
         codecs.get("klt:kbits=3")
