@@ -106,6 +106,22 @@ def test_a_wider_value_step_changes_the_values_not_the_keys_or_bytes():
     assert not torch.equal(plain.v, wide.v)
 
 
+def test_channel_axes_code_the_weighted_channels_without_rotation():
+    rotary, queries, keys, values = _synthetic(seed=4)
+    bases = KeyBases.fit(queries, keys, rotary)
+    channels = bases.along("channels")
+    assert torch.equal(channels.basis[0, 1], torch.eye(16)) and torch.equal(channels.lam, bases.var)
+    assert bases.along("principal") is bases
+    k_all, v_all = _kv(keys, values)
+    errors = {}
+    for axes in ("principal", "channels"):
+        for kbits in (3.0, 8.5):
+            seq = reconstruct(parse_klt(f"klt:kbits={kbits},sink=0,axes={axes}"), bases, k_all, v_all, rotary)
+            errors[axes, kbits] = float((seq.k - k_all).norm() / k_all.norm())
+    assert errors["channels", 8.5] < 0.01 and errors["channels", 3.0] > errors["channels", 8.5]
+    assert errors["channels", 3.0] != errors["principal", 3.0]
+
+
 def test_bases_fitted_on_one_sequence_serve_another():
     rotary, queries, keys, _ = _synthetic(seed=2)
     _, _, other_keys, other_values = _synthetic(seed=2, tokens=97)  # the same model (mix), other draws
@@ -113,7 +129,7 @@ def test_bases_fitted_on_one_sequence_serve_another():
     k_all, v_all = _kv(other_keys, other_values)
     seq = reconstruct(parse_klt("klt:kbits=4"), bases, k_all, v_all, rotary)
     assert float((seq.k - k_all).norm() / k_all.norm()) < 0.1
-    assert bases.nbytes == sum(t.nbytes for t in (bases.w, bases.mu, bases.basis, bases.lam))
+    assert bases.nbytes == sum(t.nbytes for t in (bases.w, bases.mu, bases.basis, bases.lam, bases.var))
 
 
 def test_bad_input_is_refused():
@@ -149,6 +165,7 @@ def test_bad_input_is_refused():
     ("rtn:bits=2", "not a klt"),
     ("klt:vstep=1.2,clip=false", "needs clip=true"),
     ("klt:vstep=3", "out of range"),
+    ("klt:axes=pca", "not supported"),
 ])
 def test_bad_specs(text, message):
     with pytest.raises(SpecError, match=message):
