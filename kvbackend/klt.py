@@ -212,6 +212,9 @@ def encode_layer(spec: KltSpec, bases: KeyBases, layer: int, width: torch.Tensor
         raise InvalidKV("klt: no tokens to encode")
     if not (torch.isfinite(k_post).all() and torch.isfinite(v).all()):
         raise InvalidKV("klt: keys or values hold NaN or Inf")
+    n = min(spec.sink, t)
+    if n and max(float(k_post[:n].abs().max()), float(v[:n].abs().max())) > torch.finfo(torch.float16).max:
+        raise InvalidKV(f"klt: a sink token's key or value exceeds fp16's range (the first {n} tokens are kept in it)")
     k = rotary.derotate(k_post.float().transpose(0, 1), torch.arange(t))  # [H, T, D]
     codes, scales = [], []
     for head in range(h):
@@ -236,7 +239,6 @@ def encode_layer(spec: KltSpec, bases: KeyBases, layer: int, width: torch.Tensor
     if float(rotated.abs().max()) > torch.finfo(torch.float8_e4m3fn).max:  # zeros would saturate: clipped values
         raise InvalidKV("klt: a rotated value exceeds fp8-e4m3's range (448), which its zero points are stored in")
     quant = quantize(rotated, spec.vbits, False, torch.float8_e4m3fn, clip=spec.clip, widen=spec.vstep)
-    n = min(spec.sink, t)
     return KltLayer(codes, torch.cat(scales, 1), bitpack.pack(quant.codes, spec.vbits), quant.scale, quant.zero,
                     k_post[:n].half(), v[:n].half())
 

@@ -153,6 +153,10 @@ def test_bad_input_is_refused():
         reconstruct(spec, bases, huge, v_all, rotary)
     with pytest.raises(InvalidKV, match="448"):
         reconstruct(spec, bases, k_all, v_all * 1000, rotary)
+    sink_key = k_all.clone()
+    sink_key[0, 1, 0, 0] = 1e5  # a sink token is kept in fp16: refused, never stored as inf
+    with pytest.raises(InvalidKV, match="sink token"):
+        reconstruct(parse_klt("klt:kbits=3,sink=2"), bases, sink_key, v_all, rotary)
     with pytest.raises(InvalidKV, match="no tokens"):
         reconstruct(spec, bases, k_all[:, :0], v_all[:, :0], rotary)
 
