@@ -176,6 +176,14 @@ def test_bad_specs(text, message):
         parse_klt(text)
 
 
+def test_a_model_whose_rope_cannot_be_undone_is_refused():
+    from kvbackend.tools.evaluate import EvalSettings, check_specs
+
+    settings = EvalSettings(tokens=320, prefix=256, cont=64, queries=64, chunk_tokens=128)
+    with pytest.raises(SpecError, match="klt codes keys before RoPE.*partial rotary"):
+        check_specs(["klt:kbits=3"], settings, rope_unfit="partial rotary")
+
+
 def test_the_spec_names_itself_and_is_no_page_codec():
     assert parse_klt("klt:kbits=3.5").spec_string == "klt:kbits=3.5,vbits=3,sink=4,clip=true"
     assert parse_klt("klt:vstep=1.15").spec_string == "klt:kbits=3.5,vbits=3,sink=4,clip=true,vstep=1.15"

@@ -411,13 +411,10 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     results = []
     task = progress.add_task("codecs x layers", total=len(specs) * num_layers) if progress else None
     for spec in specs:
-        if is_alignpred(spec):
-            results.append(_alignpred_result(spec, calibration, exact, s, model, cont_ids, targets, ref_logits))
-            if progress:
-                progress.advance(task, num_layers)
-            continue
-        if is_klt(spec):
-            results.append(_klt_result(spec, key_bases, exact, s, model, cont_ids, targets, ref_logits, rotary))
+        if is_alignpred(spec) or is_klt(spec):  # whole-sequence formats: every layer at once
+            results.append(_alignpred_result(spec, calibration, exact, s, model, cont_ids, targets, ref_logits)
+                           if is_alignpred(spec) else
+                           _klt_result(spec, key_bases, exact, s, model, cont_ids, targets, ref_logits, rotary))
             if progress:
                 progress.advance(task, num_layers)
             continue
@@ -613,7 +610,7 @@ def run_eval_cli(args) -> int:
     calibration = key_bases = None
     if frozen:
         calib_ids = tokenizer(calibration_text, return_tensors="pt").input_ids.to(args.device)
-        if any(is_alignpred(spec) for spec in specs):
+        if any(is_alignpred(spec) and parse_alignpred(spec).fit == "frozen" for spec in specs):
             calibration = calibration_from_text(model, calib_ids)
         if any(is_klt(spec) for spec in specs):
             key_bases = key_bases_from_text(model, calib_ids)

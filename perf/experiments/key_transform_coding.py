@@ -16,6 +16,9 @@ KL is the continuation's next-token KL against the exact run (`kvbackend eval`'s
 with the values exact, so only the keys differ; the spec's own keys are measured the same way beside them.
 
     .venv/bin/python -P perf/experiments/key_transform_coding.py TEXT CALIB_TEXT SPEC OUT.json
+
+Kept as run (session 55): `kvbackend/klt.py` is the library form of its ``klt`` mode (the ``klt:`` spec), with the
+axes' scales rounded up to fp16 instead of to nearest.
 """
 import json
 import math
