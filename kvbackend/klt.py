@@ -14,8 +14,9 @@ reader needs no D x D product per key; on SmolLM2's technical text its keys cost
 Values are Hadamard-rotated and rounded per token and head at ``vbits`` with fp8 scale and zero (the clipped steps
 of `kvbackend.quant` by default). The first ``sink`` tokens are kept exact in fp16 as well.
 
-This is a sequence-level format measured by `kvbackend eval` (``--calibration TEXT``); the paged cache and the
-kernels do not read it.
+This is a sequence-level format measured by `kvbackend eval` (``--calibration TEXT``). With ``paged=true``
+(``axes=channels`` only) `page_specs` turns it into one ``chw:`` page codec per layer, which the paged cache serves
+through its torch reference (no kernel reads it yet), and `kvbackend eval` measures it there.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class KltSpec(Checked):
     clip: bool = True  # the values' clipped steps (`kvbackend.quant.quantize`)
     vstep: float = ranged(1.0, 0.5, 2.0)  # with clip: the values' step as a multiple of the Gaussian MSE-optimal one
     axes: str = one_of("principal", AXES)  # keys on the principal axes, or on the weighted channels
+    # served by the paged cache: `page_specs` writes one ``chw:`` page codec per layer (axes=channels only)
+    paged: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,16 +55,20 @@ class KltSpec(Checked):
             raise SpecError(f"klt vbits={self.vbits}: choose one of {bitpack.SUPPORTED_BITS}")
         if self.vstep != 1.0 and not self.clip:
             raise SpecError(f"klt vstep={self.vstep:g} widens the clipped value step: it needs clip=true")
+        if self.paged and self.axes != "channels":
+            raise SpecError("klt paged=true: the paged cache serves axes=channels only (the principal axes need a "
+                            "D x D product per key that no page codec has yet)")
 
     @property
     def spec_string(self) -> str:
         step = f",vstep={self.vstep:g}" if self.vstep != 1.0 else ""
         axes = f",axes={self.axes}" if self.axes != "principal" else ""
+        paged = ",paged=true" if self.paged else ""
         return (f"klt:kbits={self.kbits:g},vbits={self.vbits},sink={self.sink},clip={str(self.clip).lower()}"
-                f"{step}{axes}")
+                f"{step}{axes}{paged}")
 
 
-_TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool, "vstep": float, "axes": str}
+_TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool, "vstep": float, "axes": str, "paged": bool}
 
 
 def is_klt(text: str) -> bool:
@@ -141,10 +148,10 @@ class KeyBases:
                             f"{(layers, heads, dim)}")
 
 
-def widths(lam: torch.Tensor, kbits: float, tokens: int) -> torch.Tensor:
+def widths(lam: torch.Tensor, kbits: float, tokens: int, group: int = GROUP) -> torch.Tensor:
     """Integer widths ``[L, H, D]`` in 0..8 by reverse water-filling of ``lam``: the largest widths whose codes and
-    fp16 scales (one per coded axis and group of `GROUP` tokens) fit ``kbits`` bits per key value of ``tokens``."""
-    groups = math.ceil(tokens / GROUP)
+    fp16 scales (one per coded axis and group of ``group`` tokens) fit ``kbits`` bits per key value of ``tokens``."""
+    groups = math.ceil(tokens / group)
     flat = lam.double().flatten()
 
     def at(level: float) -> tuple[float, torch.Tensor]:
@@ -184,6 +191,24 @@ def unpack_widths(packed: torch.Tensor, width: torch.Tensor, tokens: int) -> tor
     full = torch.zeros(tokens, width.numel(), MAX_WIDTH, dtype=torch.long)
     full[:, valid] = bits.reshape(tokens, per_token)
     return (full << shifts).sum(-1)
+
+
+def page_specs(spec: KltSpec, bases: KeyBases, page_size: int) -> list[str]:
+    """One ``chw:`` page codec spec per layer (`kvbackend.codecs.chw`) serving ``spec`` in the paged cache: the key
+    widths of ``axes=channels`` by reverse water-filling over every layer and head, with one fp16 scale per coded
+    channel and page of ``page_size`` tokens counted in ``kbits`` (the chunk's channel means are not: 16 bits per
+    channel and chunk), keys before RoPE, values Hadamard-rotated, ``sink`` first tokens exact.
+
+    Raises:
+        SpecError: a spec on the principal axes (no page codec reads them).
+    """
+    if spec.axes != "channels":
+        raise SpecError(f"{spec.spec_string}: the paged cache serves axes=channels only")
+    width = widths(bases.along("channels").lam, spec.kbits, page_size, group=page_size)
+    step = f",vstep={spec.vstep:g}" if spec.vstep != 1.0 else ""
+    sink = f",sink={spec.sink}" if spec.sink else ""
+    return [f"chw:kw={''.join(str(int(b)) for b in layer.flatten())},vbits={spec.vbits},"
+            f"vclip={str(spec.clip).lower()}{step}{sink},prerope=true,vrot=hadamard" for layer in width]
 
 
 @dataclass

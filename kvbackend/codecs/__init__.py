@@ -9,6 +9,7 @@ from kvbackend.errors import SpecError
 from kvbackend.levers import Levers, split_levers
 from kvbackend.spec import SpecKind, build_spec, spec_kind, split_spec
 from kvbackend.codecs.base import Codec, CodecState, EncodedChunk, check_kv
+from kvbackend.codecs.chw import ChwCodec, ChwSpec
 from kvbackend.codecs.floats import FloatCodec, FloatSpec
 from kvbackend.codecs.heads import HeadsCodec, HeadsSpec
 from kvbackend.codecs.kivi import KIVICodec, KIVISpec
@@ -36,6 +37,8 @@ _REGISTRY: dict[str, _Entry] = {
     "qvg-pro": _Entry(QVGSpec, QVGCodec, {"stages": 4, "group": 16}, "4 residual stages, groups of 16"),
     "quantwm": _Entry(QuantWMSpec, QuantWMCodec, {"stages": 1, "group": 64},
                       "qvg + query-aware centroid choice (QSAC) + INT8 key correction along query directions (PSAC)"),
+    "chw": _Entry(ChwSpec, ChwCodec, {}, "a key width per channel (klt's page form), values per token "
+                  "(torch reference only)"),
     # the registry's own factory builds each head's codec (no import of this module from heads.py)
     "heads": _Entry(HeadsSpec, lambda spec: HeadsCodec(spec, get), {},
                     "a base codec with widths, stages or outliers per KV head (torch reference only)"),

@@ -23,6 +23,7 @@ import torch
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
 from kvbackend.klt import is_klt, parse_klt
+from kvbackend.klt import page_specs as klt_page_specs
 from kvbackend.tools.seeds import expand, summarize
 from kvbackend.errors import SpecError
 from kvbackend.tools.models import cache_argument
@@ -357,10 +358,14 @@ def check_specs(specs: Sequence[str], settings: EvalSettings, geometry: Geometry
 
 
 def _widths_label(spec: str) -> str:
-    """``k3v2`` for a layer's spec; ``k3-2-2v2-2-3`` (per KV head) for a heads: spec."""
+    """``k3v2`` for a layer's spec; ``k3-2-2v2-2-3`` (per KV head) for a heads: spec; ``k2.41v2`` (the mean key
+    width) for a chw: spec."""
     parsed = codecs.parse(spec)
     if parsed.name == "heads":
         return f"k{parsed.kbits or '-'}v{parsed.vbits or '-'}"
+    if parsed.name == "chw":  # a width per key channel: their mean
+        widths = [int(c) for c in parsed.kw] or [parsed.kbits]
+        return f"k{sum(widths) / len(widths):.2f}v{parsed.vbits}"
     return f"k{parsed.key_bits}v{parsed.value_bits}"
 
 
@@ -411,16 +416,21 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
     results = []
     task = progress.add_task("codecs x layers", total=len(specs) * num_layers) if progress else None
     for spec in specs:
-        if is_alignpred(spec) or is_klt(spec):  # whole-sequence formats: every layer at once
+        paged_klt = is_klt(spec) and parse_klt(spec).paged
+        if (is_alignpred(spec) or is_klt(spec)) and not paged_klt:  # whole-sequence formats: every layer at once
             results.append(_alignpred_result(spec, calibration, exact, s, model, cont_ids, targets, ref_logits)
                            if is_alignpred(spec) else
                            _klt_result(spec, key_bases, exact, s, model, cont_ids, targets, ref_logits, rotary))
             if progress:
                 progress.advance(task, num_layers)
             continue
-        auto = parse_auto(spec)
+        auto = None if paged_klt else parse_auto(spec)
         plan = calib_kl = None
-        if auto is not None:
+        if paged_klt:  # one chw: page codec per layer, widths from the frozen bases
+            if key_bases is None:
+                raise ValueError(f"{spec}: klt needs frozen key bases fitted on another text (--calibration TEXT)")
+            plan = klt_page_specs(parse_klt(spec), key_bases, s.page_size)
+        elif auto is not None:
             source, source_ids = exact, ids
             if plan_ids is not None:
                 if plan_exact is None:
@@ -441,7 +451,8 @@ def evaluate(model, input_ids: torch.Tensor, specs: list[str], settings: EvalSet
                                       ref_logits, progress, task if path == main_path else None)
         main = measured[main_path]
         sim = measured["sim"] if s.path == "both" else None
-        results.append(CodecResult(spec=spec, canonical=codecs.get(layer_specs[0]).spec_string, **main, plan=plan,
+        canonical = parse_klt(spec).spec_string if paged_klt else codecs.get(layer_specs[0]).spec_string
+        results.append(CodecResult(spec=spec, canonical=canonical, **main, plan=plan,
                                    calib_kl=calib_kl, path=s.path,
                                    sim={k: sim[k] for k in ("bpv", "k_nrmse", "v_nrmse", "kl", "top1_agree")}
                                    if sim else None))

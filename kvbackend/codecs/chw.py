@@ -1,0 +1,155 @@
+"""Keys per channel at a width of their own: ``chw:kw=3320...,vbits=2``, the page form of ``klt:...,axes=channels``.
+
+Each key channel of each KV head has a fixed code width 0-8 (``kw``: one digit per channel, heads in order; ``""``
+gives every channel ``kbits``), chosen once per model by `kvbackend.klt.page_specs` from the channels' calibration
+variances weighted by the query energy that reads them (reverse water-filling over every layer and head). Per page,
+a coded channel is rounded uniformly inside its absmax around the chunk's mean of that channel (fp16, one per page
+and coded channel); a channel of width 0 reads as that mean (fp16 in the chunk's codebook slot). The codes of a page
+are one bit string: token after token, each token's coded channels in order at their widths, most significant bit
+first. Values are rounded per token and head at ``vbits`` with fp8 scale and zero (clipped steps by default).
+
+Used with ``prerope=true,vrot=hadamard,sink=N`` (what the planner writes): keys before RoPE, where a channel's
+statistics do not turn with the position, and values Hadamard-rotated. No kernel reads these fields
+(`kvbackend.scheme.kernel_schemes` refuses them by name), so the torch reference serves such layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbackend.errors import InvalidKV, SpecError
+from kvbackend.geometry import Geometry
+from kvbackend.layout import PageLayout
+from kvbackend.quant import round_to
+from kvbackend.spec import Checked, one_of, ranged
+from kvbackend.codecs.base import Codec, CodecState, FieldSpecs, from_pages, to_pages
+from kvbackend.codecs.groups import decode_token_groups, encode_token_groups, token_group_fields
+from kvbackend.codecs.widths import WIDTHS
+
+MAX_WIDTH = 8
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass(frozen=True)
+class ChwSpec(Checked):
+    name: str
+    kw: str = ""  # one key width 0-8 per channel of every KV head (H * D digits); "": every channel at kbits
+    kbits: int = ranged(2, 0, MAX_WIDTH)  # the width of every key channel where kw is ""
+    vbits: int = one_of(2, WIDTHS)  # value code width, per token and head with fp8 scale and zero
+    vclip: bool = True  # the values' clipped steps (`kvbackend.quant.quantize`)
+    vstep: float = ranged(1.0, 0.5, 2.0)  # with vclip: the step as a multiple of the Gaussian MSE-optimal one
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.kw, str) or not all(c in "012345678" for c in self.kw):
+            raise SpecError(f"chw: kw must be digits 0-8 (one key width per channel), got {self.kw!r}")
+        if self.vstep != 1.0 and not self.vclip:
+            raise SpecError(f"chw: vstep={self.vstep:g} widens the clipped value step: it needs vclip=true")
+
+    def key_widths(self, heads: int, dim: int) -> torch.Tensor:
+        """uint8 ``[heads * dim]`` widths, heads in order.
+
+        Raises:
+            SpecError: ``kw`` not one digit per channel of this geometry.
+        """
+        if not self.kw:
+            return torch.full((heads * dim,), self.kbits, dtype=torch.uint8)
+        if len(self.kw) != heads * dim:
+            raise SpecError(f"chw: kw has {len(self.kw)} widths; this geometry has {heads} KV heads x {dim} channels "
+                            f"= {heads * dim} (a plan made for another model?)")
+        return torch.tensor([int(c) for c in self.kw], dtype=torch.uint8)
+
+
+def pack_pages(codes: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """Codes ``[n, P, A]`` (channel a below ``2**width[a]``) as one bit string per page, most significant bit first:
+    uint8 ``[n, ceil(P * sum(width) / 8)]``."""
+    n, p, _ = codes.shape
+    shifts = torch.arange(MAX_WIDTH - 1, -1, -1, device=codes.device)  # bit k of a code of width b is bit b - 1 - k
+    valid = shifts[None, :] < width.to(codes.device)[:, None].long()  # [A, 8]: each code's low ``width`` bits
+    bits = ((codes.to(torch.int32)[..., None] >> shifts.to(torch.int32)) & 1).to(torch.uint8)  # [n, P, A, 8]
+    flat = bits[:, :, valid].reshape(n, -1)
+    pad = (-flat.shape[1]) % 8
+    flat = torch.cat([flat, flat.new_zeros(n, pad)], 1).reshape(n, -1, 8)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=codes.device)
+    return (flat.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_pages(packed: torch.Tensor, width: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Inverse of `pack_pages`: int32 codes ``[n, page_size, A]``."""
+    n = packed.shape[0]
+    device = packed.device
+    shifts = torch.arange(MAX_WIDTH - 1, -1, -1, device=device, dtype=torch.int32)
+    valid = shifts[None, :] < width.to(device)[:, None].to(torch.int32)
+    per_token = int(valid.sum())
+    bits = ((packed.to(torch.int32)[..., None] >> shifts) & 1).reshape(n, -1)[:, : page_size * per_token]
+    full = torch.zeros(n, page_size, width.numel(), MAX_WIDTH, dtype=torch.int32, device=device)
+    full[:, :, valid] = bits.reshape(n, page_size, per_token)
+    return (full << shifts).sum(-1, dtype=torch.int32)
+
+
+class ChwCodec(Codec):
+    name: ClassVar[str] = "chw"
+
+    @property
+    def kernel_encodes(self) -> bool:
+        return False
+
+    def _widths(self, geometry: Geometry) -> torch.Tensor:
+        return self.spec.key_widths(geometry.num_kv_heads, geometry.head_dim)
+
+    def validate(self, geometry: Geometry, page_size: int) -> None:
+        self._widths(geometry)
+
+    def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
+        s, h, d = self.spec, geometry.num_kv_heads, geometry.head_dim
+        width = self._widths(geometry)
+        coded, per_token = int((width > 0).sum()), int(width.sum())
+        page: FieldSpecs = []
+        if coded:
+            page += [("k_wcodes", torch.uint8, (math.ceil(page_size * per_token / 8),)),
+                     ("k_wscales", torch.float16, (coded,))]
+        page += token_group_fields("v", page_size, h, d, s.vbits, d, False, torch.float8_e4m3fn)
+        return page, [("k_mean", torch.float16, (h, d))]
+
+    def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        s, geometry, p = self.spec, layout.geometry, layout.page_size
+        t, h, d = k.shape
+        width = self._widths(geometry).to(k.device)
+        mean = k.reshape(t, h * d).mean(0)
+        if float(mean.abs().max()) > _FP16_MAX:
+            raise InvalidKV("chw: a key channel's mean exceeds fp16's range, which the chunk stores it in")
+        mean16 = mean.half()
+        layout.codebook.view(codebook, "k_mean").copy_(mean16.reshape(h, d))
+        coded = width > 0
+        if bool(coded.any()):
+            y = (k.reshape(t, h * d) - mean16.float())[:, coded].reshape(-1, p, int(coded.sum()))  # [n, P, A]
+            peak = y.abs().amax(1)
+            if float(peak.max()) > _FP16_MAX:  # `round_to` would saturate the scale: clipped keys
+                raise InvalidKV("chw: a key's distance from its channel's mean exceeds fp16's range (its scale's)")
+            amax = round_to(peak.clamp_min(1e-30), torch.float16, "up")  # [n, A]
+            levels = 2.0 ** width[coded].float()
+            step = 2 * amax[:, None] / levels
+            q = torch.floor((y + amax[:, None]) / step).clamp(torch.zeros_like(levels), levels - 1)
+            layout.page.view(pages, "k_wcodes").copy_(pack_pages(q.to(torch.int32), width[coded]))
+            layout.page.view(pages, "k_wscales").copy_(amax.half())
+        encode_token_groups(v, layout, pages, "v", s.vbits, d, symmetric=False, clip=s.vclip, widen=s.vstep)
+
+    def _decode(self, layout: PageLayout, pages, codebook):
+        geometry, p = layout.geometry, layout.page_size
+        h, d = geometry.num_kv_heads, geometry.head_dim
+        width = self._widths(geometry).to(pages.device)
+        n = pages.shape[0]
+        mean = layout.codebook.view(codebook, "k_mean").reshape(h * d).float()
+        keys = mean.expand(n * p, h * d).clone()
+        coded = width > 0
+        if bool(coded.any()):
+            q = unpack_pages(layout.page.view(pages, "k_wcodes"), width[coded], p).float()  # [n, P, A]
+            amax = layout.page.view(pages, "k_wscales").float()[:, None]  # [n, 1, A]
+            levels = 2.0 ** width[coded].float()
+            keys[:, coded] += from_pages(-amax + (q + 0.5) * (2 * amax / levels))
+        values = decode_token_groups(layout, pages, "v", self.spec.vbits, d)
+        return keys.reshape(n * p, h, d), values

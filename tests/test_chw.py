@@ -1,0 +1,201 @@
+"""chw: page codecs (a key width per channel, klt's page form): codes pack to their bits and back, every coded
+channel reads within half a step of its page's range, a width-0 channel reads as its chunk mean, the stored bytes
+are the fields', bad specs and keys past fp16 are refused, the kernels refuse the layout by name, the paged cache
+serves it through the torch reference, and `kvbackend.klt.page_specs` plans it from frozen bases."""
+
+import math
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache, SpecError, codecs
+from kvbackend.backends import kernels_can_serve
+from kvbackend.codecs.chw import pack_pages, unpack_pages
+from kvbackend.errors import InvalidKV, UnsupportedLayout
+from kvbackend.klt import KeyBases, page_specs, parse_klt
+from kvbackend.rope import Rotary
+from kvbackend.scheme import kernel_schemes
+from kvbackend.tools.reconstruct import reconstruct_sequence
+
+GEOM = Geometry(2, 3, 16, torch.float32)
+KW = "".join(str(i % 9) for i in range(48))  # every width 0-8 on some channel of each head
+
+
+def kv(tokens=80, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offset = torch.linspace(-6, 6, 48).view(1, 3, 16)  # channel means the codes must not spend levels on
+    k = torch.randn(tokens, 3, 16, generator=gen) * torch.linspace(0.1, 4, 48).view(1, 3, 16) + offset
+    return k, torch.randn(tokens, 3, 16, generator=gen)
+
+
+def test_codes_of_mixed_widths_pack_to_their_bits_and_back():
+    gen = torch.Generator().manual_seed(1)
+    for channels in (1, 7, 33):
+        width = torch.randint(1, 9, (channels,), generator=gen, dtype=torch.uint8)
+        codes = (torch.rand(3, 5, channels, generator=gen) * (2.0 ** width.float())).floor().to(torch.int32)
+        packed = pack_pages(codes, width)
+        assert packed.shape == (3, math.ceil(5 * int(width.sum()) / 8))
+        assert torch.equal(unpack_pages(packed, width, 5), codes)
+    one = pack_pages(torch.tensor([[[1, 2]]], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.uint8))
+    assert one.tolist() == [[0b1010_0000]]  # 1 (one bit) then 010 (three bits), most significant first
+
+
+def test_each_channel_reads_within_half_a_step_and_width_zero_reads_its_mean():
+    codec = codecs.get(f"chw:kw={KW},vbits=4")
+    layout = codec.layout(GEOM, 16)
+    k, v = kv()
+    chunk = codec.encode(k, v, layout)
+    kd, vd = codec.decode(chunk)
+    width = torch.tensor([int(c) for c in KW])
+    flat, out = k.reshape(5, 16, 48), kd.reshape(5, 16, 48)
+    mean = k.reshape(80, 48).mean(0).half().float()
+    for b in range(9):
+        cols = width == b
+        if b == 0:
+            assert torch.equal(out[:, :, cols], mean[cols].expand(5, 16, -1))
+            continue
+        peak = (flat[:, :, cols] - mean[cols]).abs().amax(1, keepdim=True)  # per page and channel
+        half_step = peak * (1 + 2.0 ** -9) / 2 ** b  # the fp16 scale is the peak rounded up (a 2**-10 step)
+        assert torch.all((out[:, :, cols] - flat[:, :, cols]).abs() <= half_step + 1e-6)
+    assert (vd - v).pow(2).mean() < 0.02 * v.pow(2).mean()  # 4-bit values
+    widths = torch.tensor([int(c) for c in KW])
+    per_page = math.ceil(16 * int(widths.sum()) / 8) + 2 * int((widths > 0).sum()) + 16 * 3 * 8 // 8 * 1 + 16 * 3 * 2
+    assert layout.page_bytes >= per_page and layout.codebook_bytes >= 2 * 48
+    assert chunk.nbytes == 5 * layout.page_bytes + layout.codebook_bytes
+    more = codecs.get(f"chw:kw={KW.replace('2', '5')},vbits=4")
+    k5 = more.decode(more.encode(k, v, more.layout(GEOM, 16)))[0]
+    cols = width == 2
+    assert (k5 - k).reshape(80, 48)[:, cols].abs().mean() < (kd - k).reshape(80, 48)[:, cols].abs().mean() / 4
+
+
+def test_a_uniform_width_and_a_layer_of_zero_widths():
+    k, v = kv()
+    uniform = codecs.get("chw:kbits=3")
+    assert uniform.spec.key_widths(3, 16).tolist() == [3] * 48
+    kd = uniform.decode(uniform.encode(k, v, uniform.layout(GEOM, 16)))[0]
+    assert (kd - k).pow(2).mean() < 0.05 * k.pow(2).mean()
+    zero = codecs.get("chw:kbits=0")
+    layout = zero.layout(GEOM, 16)
+    assert "k_wcodes" not in layout.page.fields  # nothing to store per page for the keys
+    kz = zero.decode(zero.encode(k, v, layout))[0]
+    assert torch.equal(kz, k.mean(0).half().float().expand_as(k))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("chw:kw=0129", "digits 0-8"),
+    ("chw:kw=12a", "digits 0-8"),
+    ("chw:kbits=9", "out of range"),
+    ("chw:vbits=5", "not supported"),
+    ("chw:vstep=1.2,vclip=false", "needs vclip=true"),
+])
+def test_bad_specs_are_refused(spec, message):
+    with pytest.raises(SpecError, match=message):
+        codecs.get(spec)
+
+
+def test_widths_for_another_geometry_are_refused():
+    with pytest.raises(SpecError, match="47 widths.*3 KV heads x 16 channels = 48"):
+        codecs.get(f"chw:kw={KW[:-1]}").layout(GEOM, 16)
+
+
+def test_keys_past_fp16_are_refused_not_clipped():
+    codec = codecs.get("chw:kbits=2")
+    layout = codec.layout(GEOM, 16)
+    k, v = kv(32)
+    far = k.clone()
+    far[3, 1, 2] = 1.5e5  # its distance from the channel's mean needs a scale past fp16
+    with pytest.raises(InvalidKV, match="exceeds fp16"):
+        codec.encode(far, v, layout)
+    high = k.clone()
+    high[:, 0, 0] = 7e4  # the channel's mean itself is past fp16
+    with pytest.raises(InvalidKV, match="mean exceeds fp16"):
+        codec.encode(high, v, layout)
+    nan = k.clone()
+    nan[0, 0, 0] = float("nan")
+    with pytest.raises(InvalidKV, match="NaN"):
+        codec.encode(nan, v, layout)
+
+
+def test_the_kernels_refuse_the_layout_by_name():
+    codec = codecs.get(f"chw:kw={KW},sink=4,prerope=true,vrot=hadamard")
+    layout = codec.layout(GEOM, 16)
+    with pytest.raises(UnsupportedLayout, match="k_wcodes"):
+        kernel_schemes(codec, layout, levers_read=True)
+    assert not kernels_can_serve(codec, layout)
+
+
+def test_the_paged_cache_serves_a_chw_plan_as_its_sequence_reference():
+    rotary = Rotary.default(16, 10000.0)
+    plan = (f"chw:kw={KW},vbits=2,vstep=1.15,sink=4,prerope=true,vrot=hadamard",
+            f"chw:kw={KW[::-1]},vbits=3,sink=4,prerope=true,vrot=hadamard")
+    cache = KVCache(GEOM, CacheConfig(layer_codecs=plan, page_size=16, chunk_pages=2, dense_pages=16,
+                                      packed_pages=16), rotary=rotary)
+    rid, _ = cache.add_request(list(range(80)))
+    data = [kv(80, seed=layer) for layer in range(2)]
+    for layer, (k, v) in enumerate(data):
+        cache.append(rid, layer, k, v)
+    for layer, (k, v) in enumerate(data):
+        rec = reconstruct_sequence(codecs.get(plan[layer]), k, v, GEOM, 16, 32, rotary)
+        ck, cv = cache.read(rid, layer)
+        # two packed chunks of 32 tokens, then 16 tokens of the dense active chunk, kept as appended
+        assert torch.allclose(ck[:64], rec.k[:64], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(cv[:64], rec.v[:64], atol=1e-4, rtol=1e-4)
+        assert torch.equal(ck[64:], k[64:]) and torch.equal(cv[64:], v[64:])
+        assert torch.equal(ck[:4], k[:4].half().float())  # the exact sinks
+        assert not torch.allclose(ck[4:64], k[4:64], atol=1e-3)  # the packed chunks are coded, not kept
+    cache.check()
+
+
+def _bases(layers=2, heads=3, dim=16, tokens=120):
+    gen = torch.Generator().manual_seed(3)
+    rotary = Rotary.default(dim, 10000.0)
+    pos = torch.arange(tokens)
+    spread = torch.logspace(1, -2, dim)
+    keys = [rotary.rotate(torch.randn(heads, tokens, dim, generator=gen) * spread, pos) for _ in range(layers)]
+    queries = [rotary.rotate(torch.randn(2 * heads, tokens, dim, generator=gen), pos) for _ in range(layers)]
+    return KeyBases.fit(queries, keys, rotary)
+
+
+def test_page_specs_spend_the_key_budget_on_the_widest_channels():
+    bases = _bases()
+    spec = parse_klt("klt:kbits=3,vbits=2,vstep=1.15,axes=channels,paged=true")
+    plan = page_specs(spec, bases, 16)
+    assert len(plan) == 2
+    parsed = [codecs.parse(p) for p in plan]
+    widths = torch.tensor([[int(c) for c in p.kw] for p in parsed]).float()  # [L, H * D]
+    spent = (widths.sum() * 16 + (widths > 0).sum() * 16) / (widths.numel() * 16)
+    assert 2.4 < spent <= 3.0  # codes and one fp16 scale per coded channel and page
+    order = bases.var.flatten().argsort()
+    assert torch.all(widths.flatten()[order].diff() >= 0)  # a wider channel never gets fewer bits
+    for p in plan:
+        codec = codecs.get(p)
+        assert codec.spec.vbits == 2 and codec.spec.vstep == 1.15 and codec.spec.vclip
+        assert codec.levers.prerope and codec.levers.vrot == "hadamard" and codec.levers.sink == 4
+    with pytest.raises(SpecError, match="axes=channels only"):
+        parse_klt("klt:kbits=3,paged=true")
+    assert parse_klt("klt:kbits=3,axes=channels,paged=true").spec_string.endswith(",axes=channels,paged=true")
+
+
+def test_eval_serves_paged_klt_through_the_cache():
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from kvbackend.tools.evaluate import EvalSettings, evaluate, key_bases_from_text
+    from kvbackend.tools.models import load_model
+
+    model, tokenizer = load_model()
+    text = (Path(__file__).parent / "data" / "sample.txt").read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    calib = tokenizer(open("/usr/share/common-licenses/GPL-3").read(), return_tensors="pt").input_ids
+    settings = EvalSettings(tokens=320, prefix=256, cont=64, queries=64, chunk_tokens=256)  # one chunk
+    bases = key_bases_from_text(model, calib, tokens=512)
+    spec = "klt:kbits=3,vbits=2,axes=channels,paged=true"
+    with pytest.raises(ValueError, match="--calibration"):
+        evaluate(model, ids, [spec], settings)
+    paged, sequence = evaluate(model, ids, [spec, "klt:kbits=3,vbits=2,axes=channels"], settings, key_bases=bases)
+    assert paged.path == "paged" and sequence.path == "sequence"
+    assert len(paged.plan) == 30 and all(p.startswith("chw:kw=") for p in paged.plan)
+    assert paged.canonical == parse_klt(spec).spec_string
+    assert math.isclose(paged.bpv, 8 * paged.stored_bytes / (2 * 30 * 256 * 3 * 64))
+    # the same format: the chunk's key means (16 bits a channel) and its sink slots are what the pages add
+    assert 0 < paged.bpv - sequence.bpv < 0.1 and paged.kl < 1.5 * sequence.kl + 0.005
