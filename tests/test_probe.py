@@ -78,3 +78,31 @@ def test_an_auto_plan_is_planned_on_the_filler_and_served_per_layer(model_and_to
     assert planned.cache == spec and planned.packed_tokens >= 192 and len(planned.answers) == 2
     with pytest.raises(SpecError, match="auto:bpv"):
         plan_layers(model, tokenizer, FILLER, "auto:kl=0.01,base=kivi:group=32", tokens=256)
+
+
+def test_a_paged_klt_spec_is_served_per_layer_with_widths_from_another_text(model_and_tokenizer):
+    """``klt:...,paged=true`` becomes one chw: codec per layer (widths from bases fitted on another text) and is
+    answered through the cache; the CLI refuses a sequence-level klt spec and one without --calibration before
+    loading the model."""
+    import argparse
+
+    from kvbackend import codecs
+    from kvbackend.errors import SpecError
+    from kvbackend.klt import page_specs, parse_klt
+    from kvbackend.tools.evaluate import key_bases_from_text
+    from kvbackend.tools.probe import PAGE_SIZE, run_probe_cli
+
+    model, tokenizer = model_and_tokenizer
+    spec = "klt:kbits=3,vbits=2,axes=channels,paged=true"
+    calib = tokenizer(open("/usr/share/common-licenses/GPL-3").read(), return_tensors="pt").input_ids
+    plan = page_specs(parse_klt(spec), key_bases_from_text(model, calib, tokens=512), PAGE_SIZE)
+    assert len(plan) == model.config.num_hidden_layers and all(codecs.get(s).spec.name == "chw" for s in plan)
+    rows = probe_rows(tokenizer, FILLER, prefix_tokens=200, questions=2, seed=0)
+    exact, planned = run_probe(model, tokenizer, rows, [spec], chunk_pages=1, plans={spec: plan})
+    assert planned.cache == spec and planned.packed_tokens >= 192 and len(planned.answers) == 2
+    args = argparse.Namespace(codec=["klt:kbits=3"], calibration="x", text="x", model_dir=None)
+    with pytest.raises(SpecError, match="axes=channels,paged=true"):
+        run_probe_cli(args)
+    args.codec, args.calibration = [spec], None
+    with pytest.raises(SpecError, match="--calibration"):
+        run_probe_cli(args)

@@ -1,4 +1,4 @@
-"""The ``kvbackend`` command: ``demo``, ``eval``, ``probe``, ``bpv``."""
+"""The ``kvbackend`` command: ``demo``, ``eval``, ``probe``, ``plan``, ``bpv``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,12 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     from kvbackend.tools.probe import run_probe_cli
 
     return run_probe_cli(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvbackend.tools.plan import run_plan_cli
+
+    return run_plan_cli(args)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -139,8 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--chunk-pages", type=_int_at_least(1), default=32, help="64-token pages per chunk")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--json", help="write the answers and scores as JSON here")
+    pr.add_argument("--calibration", default=None,
+                    help="klt:...,paged=true specs: plan their key widths on this text (another text than --text)")
     _model_options(pr)
     pr.set_defaults(func=_cmd_probe)
+
+    pl = sub.add_parser("plan", help="per-layer page codecs of a klt:...,paged=true or auto:bpv=B spec, as JSON")
+    pl.add_argument("--codec", action="append", required=True, help="spec to plan (repeatable)")
+    pl.add_argument("--calibration", required=True, help="UTF-8 text the plan is made on (not the served text)")
+    pl.add_argument("--prefix", type=_int_at_least(2), default=2048, help="tokens of the calibration text read")
+    pl.add_argument("--out", required=True, help="the JSON file written (its folder is created)")
+    _model_options(pl)
+    pl.set_defaults(func=_cmd_plan)
     return parser
 
 

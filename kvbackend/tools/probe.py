@@ -105,7 +105,8 @@ def _answer(text: str) -> str:
 def run_probe(model, tokenizer, rows: list[ProbeRow], codecs: list[str], chunk_pages: int = 32,
               progress=None, plans: dict[str, list[str]] | None = None) -> list[ProbeResult]:
     """The exact cache's answers first, then each codec's (through `KVBackendCache`, attached). ``plans``: the
-    per-layer specs of ``auto:`` entries of ``codecs`` (`plan_layers`)."""
+    per-layer specs of ``auto:`` entries of ``codecs`` (`plan_layers`) and of ``klt:...,paged=true`` ones
+    (`kvbackend.klt.page_specs`)."""
     from transformers import DynamicCache
 
     from kvbackend.integration.transformers import KVBackendCache
@@ -162,9 +163,16 @@ def run_probe_cli(args) -> int:
 
     from kvbackend.tools.evaluate import model_geometry, prepare_output
 
+    from kvbackend.klt import is_klt, page_specs, parse_klt
+
     geometry = None
     for spec in args.codec:  # a bad spec, or one the model's pages cannot take, fails before the model loads
-        if parse_auto(spec) is None:
+        if is_klt(spec):
+            if not parse_klt(spec).paged:
+                raise SpecError(f"{spec}: the probe serves klt: through the paged cache; add axes=channels,paged=true")
+            if not args.calibration:
+                raise SpecError(f"{spec}: klt plans its key widths on another text: pass --calibration TEXT")
+        elif parse_auto(spec) is None:
             geometry = geometry or model_geometry(args.model_dir)
             check_layouts(spec, geometry, PAGE_SIZE)
         elif parse_auto(spec).kl > 0:
@@ -178,6 +186,16 @@ def run_probe_cli(args) -> int:
         model, tokenizer = load_model(model_dir=args.model_dir, device=args.device)
     rows = probe_rows(tokenizer, filler, args.prefix, args.questions, args.seed, args.distractors)
     plans = {}
+    klt_specs = [spec for spec in args.codec if is_klt(spec)]
+    if klt_specs:
+        from kvbackend.tools.evaluate import key_bases_from_text
+
+        with open(args.calibration, encoding="utf-8") as f:
+            calib_ids = tokenizer(f.read(), return_tensors="pt").input_ids
+        with console.status(f"fitting key bases on {args.calibration}"):
+            bases = key_bases_from_text(model, calib_ids.to(model.device))
+        for spec in klt_specs:
+            plans[spec] = page_specs(parse_klt(spec), bases, PAGE_SIZE)
     for spec in args.codec:
         if parse_auto(spec) is not None:
             with console.status(f"planning {spec} on the first {args.prefix} tokens of the filler"):
