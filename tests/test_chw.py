@@ -199,3 +199,18 @@ def test_eval_serves_paged_klt_through_the_cache():
     assert math.isclose(paged.bpv, 8 * paged.stored_bytes / (2 * 30 * 256 * 3 * 64))
     # the same format: the chunk's key means (16 bits a channel) and its sink slots are what the pages add
     assert 0 < paged.bpv - sequence.bpv < 0.1 and paged.kl < 1.5 * sequence.kl + 0.005
+
+
+def test_a_cuda_device_gives_the_cpu_bytes_and_values():
+    """The codec's torch ops on a GPU (the paged cache serves chw: layers through them there): the bytes the CPU
+    writes, and the same decoded keys and values."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    codec = codecs.get(f"chw:kw={KW},vbits=3,vclip=true,vstep=1.15")
+    layout = codec.layout(GEOM, 16)
+    k, v = kv(96, seed=5)
+    host = codec.encode(k, v, layout)
+    device = codec.encode(k.cuda(), v.cuda(), layout)
+    assert torch.equal(device.pages.cpu(), host.pages) and torch.equal(device.codebook.cpu(), host.codebook)
+    for a, b in zip(codec.decode(device), codec.decode(host)):
+        assert a.is_cuda and torch.allclose(a.cpu(), b, atol=1e-5, rtol=1e-5)

@@ -119,7 +119,7 @@ class ChwCodec(Codec):
         s, geometry, p = self.spec, layout.geometry, layout.page_size
         t, h, d = k.shape
         width = self._widths(geometry).to(k.device)
-        mean = k.reshape(t, h * d).mean(0)
+        mean = k.reshape(t, h * d).double().mean(0)  # (float64: every device rounds it to the same fp16)
         if float(mean.abs().max()) > _FP16_MAX:
             raise InvalidKV("chw: a key channel's mean exceeds fp16's range, which the chunk stores it in")
         mean16 = mean.half()
