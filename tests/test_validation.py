@@ -317,8 +317,8 @@ def test_a_spec_object_that_is_not_a_codec_spec_is_a_spec_error():
 
 def test_the_triton_backend_on_the_cpu_is_refused_outside_the_interpreter(monkeypatch):
     """Every chunk encode failed and was only logged: the cache never compressed anything."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pytest.importorskip("triton")
+    pytest.importorskip("triton")  # imported with the interpreter on (triton reads it on import: importing it first
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # without it broke every later interpreted kernel call)
     with pytest.raises(SpecError, match="CUDA device"):
         KVCache(Geometry(1, 2, 64, torch.bfloat16), CacheConfig(codec="kivi:bits=2,group=16", page_size=16,
                                                                 chunk_pages=2, backend="triton"))
