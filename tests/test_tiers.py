@@ -259,6 +259,8 @@ def test_many_threads_random_operations(tmp_path):
 
 
 MIXED = ("qvg", "kivi:bits=2,group=16")  # a per-layer plan: pages and codebooks of two sizes
+# a chw: plan (a key width per channel, chunk means in the codebook slot), with exact sinks and rotated values
+CHW = ("chw:kw=" + "3201" * 32 + ",vbits=2,sink=4,vrot=hadamard", "chw:kbits=3,vbits=3")
 
 
 def filled(codec="qvg", packed_pages=16, device="cpu"):
@@ -285,7 +287,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("codec", ["qvg", "kivi:bits=2,group=16", MIXED])
+@pytest.mark.parametrize("codec", ["qvg", "kivi:bits=2,group=16", MIXED, CHW])
 def test_round_trip_device_host_file_host_device(tmp_path, codec, device):
     cache = filled(codec, device=device)
     tiered = TieredCache(cache, HostTier(10**6, cache.blob_bytes), FileTier(str(tmp_path), 10**8, cache.fingerprint),
