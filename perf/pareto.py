@@ -45,12 +45,13 @@ def collect(folder: str) -> dict[tuple[str, int], dict[str, dict]]:
         with open(path) as f:
             data = json.load(f)
         text, prefix = data.get("text"), data.get("settings", {}).get("prefix")
-        if text not in TEXTS or prefix is None:
+        if text not in TEXTS or prefix is None or data.get("skip"):  # (a --skip run scores another continuation)
             continue
         for row in data["codecs"]:
             if row.get("path") not in ("paged", "both"):
                 continue
-            out.setdefault((text, prefix), {})[row["spec"]] = {**row, "file": os.path.basename(path)}
+            out.setdefault((text, prefix), {})[row["spec"]] = {**row, "file": os.path.basename(path),
+                                                               "calibration": data.get("calibration")}
     return {key: merge_seeds(specs) for key, specs in out.items()}
 
 
@@ -89,7 +90,8 @@ def table(points: dict[tuple[str, int], dict[str, dict]]) -> str:
     lines = ["# Quality per byte through the paged cache (SmolLM2-135M, 512 teacher-forced tokens)", "",
              "Written by `perf/pareto.py` from `perf/results/eval*.json`; `*` marks the Pareto frontier (bpv",
              "against KL). Command of a row: `kvbackend eval --text TEXT --prefix PREFIX --codec SPEC`; a row",
-             "\"(mean of N seeds)\": the same with `--seeds N` (its KL range in brackets).", ""]
+             "\"(mean of N seeds)\": the same with `--seeds N` (its KL range in brackets); a row \"with",
+             "`--calibration FILE`\": the same with that option (the text its plan was fitted on).", ""]
     for (text, prefix), specs in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rows = sorted(specs.values(), key=lambda r: r["bpv"])
         best = frontier(rows)
@@ -97,7 +99,8 @@ def table(points: dict[tuple[str, int], dict[str, dict]]) -> str:
                   "| | spec | bpv | KL | top-1 | attn-out err | k NRMSE | file |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             kl = f"{r['kl']:.4f}" + (f" ({r['kl_min']:.4f}-{r['kl_max']:.4f})" if "kl_min" in r else "")
-            lines.append(f"| {'*' if r['spec'] in best else ''} | `{r['spec']}` | {r['bpv']:.3f} | {kl} | "
+            calib = f" with `--calibration {r['calibration']}`" if r.get("calibration") else ""
+            lines.append(f"| {'*' if r['spec'] in best else ''} | `{r['spec']}`{calib} | {r['bpv']:.3f} | {kl} | "
                          f"{100 * r['top1_agree']:.1f}% | {r['attn_out_err']:.3f} | {r['k_nrmse']:.3f} | {r['file']} |")
         lines.append("")
     return "\n".join(lines)
