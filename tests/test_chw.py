@@ -214,3 +214,20 @@ def test_a_cuda_device_gives_the_cpu_bytes_and_values():
     assert torch.equal(device.pages.cpu(), host.pages) and torch.equal(device.codebook.cpu(), host.codebook)
     for a, b in zip(codec.decode(device), codec.decode(host)):
         assert a.is_cuda and torch.allclose(a.cpu(), b, atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_longer_than_a_slice_give_the_bytes_of_one_pass(monkeypatch):
+    """Codes are (un)packed a slice of pages at a time (bounded temporaries): the bytes and values of a chunk do
+    not depend on the slice."""
+    import kvbackend.codecs.chw as chw
+
+    codec = codecs.get(f"chw:kw={KW},vbits=2")
+    layout = codec.layout(GEOM, 16)
+    k, v = kv(80, seed=9)
+    whole = codec.encode(k, v, layout)
+    whole_kv = codec.decode(whole)
+    monkeypatch.setattr(chw, "SLICE_CODES", 16 * 40)  # one page of 40 coded channels a slice
+    sliced = codec.encode(k, v, layout)
+    assert torch.equal(sliced.pages, whole.pages) and torch.equal(sliced.codebook, whole.codebook)
+    for a, b in zip(codec.decode(whole), whole_kv):
+        assert torch.equal(a, b)

@@ -32,6 +32,9 @@ from kvbackend.codecs.widths import WIDTHS
 
 MAX_WIDTH = 8
 _FP16_MAX = torch.finfo(torch.float16).max
+# codes (un)packed per slice of pages: the bit temporaries take 8 int32 per code, so a slice of this many codes
+# keeps them near 256 MiB whatever the chunk or request length
+SLICE_CODES = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,10 @@ class ChwCodec(Codec):
             levels = 2.0 ** width[coded].float()
             step = 2 * amax[:, None] / levels
             q = torch.floor((y + amax[:, None]) / step).clamp(torch.zeros_like(levels), levels - 1)
-            layout.page.view(pages, "k_wcodes").copy_(pack_pages(q.to(torch.int32), width[coded]))
+            step = max(1, SLICE_CODES // (p * int(coded.sum())))
+            codes_view = layout.page.view(pages, "k_wcodes")
+            for at in range(0, q.shape[0], step):
+                codes_view[at : at + step] = pack_pages(q[at : at + step].to(torch.int32), width[coded])
             layout.page.view(pages, "k_wscales").copy_(amax.half())
         encode_token_groups(v, layout, pages, "v", s.vbits, d, symmetric=False, clip=s.vclip, widen=s.vstep)
 
@@ -147,9 +153,13 @@ class ChwCodec(Codec):
         keys = mean.expand(n * p, h * d).clone()
         coded = width > 0
         if bool(coded.any()):
-            q = unpack_pages(layout.page.view(pages, "k_wcodes"), width[coded], p).float()  # [n, P, A]
+            packed = layout.page.view(pages, "k_wcodes")
             amax = layout.page.view(pages, "k_wscales").float()[:, None]  # [n, 1, A]
             levels = 2.0 ** width[coded].float()
-            keys[:, coded] += from_pages(-amax + (q + 0.5) * (2 * amax / levels))
+            step = max(1, SLICE_CODES // (p * int(coded.sum())))
+            for at in range(0, n, step):
+                q = unpack_pages(packed[at : at + step], width[coded], p).float()  # [slice, P, A]
+                part = amax[at : at + step]
+                keys[at * p : (at + step) * p, coded] += from_pages(-part + (q + 0.5) * (2 * part / levels))
         values = decode_token_groups(layout, pages, "v", self.spec.vbits, d)
         return keys.reshape(n * p, h, d), values
