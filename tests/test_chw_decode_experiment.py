@@ -20,8 +20,9 @@ def experiment():
     return module
 
 
+@pytest.mark.parametrize("tile", [False, True])
 @pytest.mark.parametrize("batch, hq, heads, dim, pages, splits", [(1, 6, 2, 16, 3, 2), (2, 4, 4, 32, 2, 1)])
-def test_the_kernel_reads_what_the_reference_reads(experiment, batch, hq, heads, dim, pages, splits):
+def test_the_kernel_reads_what_the_reference_reads(experiment, batch, hq, heads, dim, pages, splits, tile):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(dim)
     width = torch.randint(0, 9, (heads, dim), generator=gen).int()  # every width 0-8
@@ -32,7 +33,7 @@ def test_the_kernel_reads_what_the_reference_reads(experiment, batch, hq, heads,
     q = torch.randn(batch, hq, dim, generator=gen).bfloat16()
     want = experiment.reference(q, table, pages)
     on = {k: v.to(device) if torch.is_tensor(v) else v for k, v in table.items() if k != "codes"}
-    got = experiment.decode(q.to(device), on, pages, splits).cpu()
+    got = experiment.decode(q.to(device), on, pages, splits, tile=tile).cpu()
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
     assert not torch.allclose(got, torch.zeros_like(got))
 

@@ -89,7 +89,7 @@ def reference(q: torch.Tensor, t: dict, pages_per_request: int) -> torch.Tensor:
 def _decode(q, kcodes, boff, width, kscale, kmean, vcodes, vscale, vzero, o_part, m_part, l_part,
             pages_per_request, pages_per_split, num_splits, scale_log2,
             H: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
-            P: tl.constexpr):
+            P: tl.constexpr, KBP: tl.constexpr, TILE: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -114,15 +114,26 @@ def _decode(q, kcodes, boff, width, kscale, kmean, vcodes, vscale, vzero, o_part
     for j in range(first, last):
         page = (r * pages_per_request + j).to(tl.int64)
         base = kcodes + (page * H + h) * KB
-        b0 = tl.load(base + byte).to(tl.int32)
-        b1 = tl.load(base + byte + 1).to(tl.int32)
+        if TILE:  # the page-head block loaded once, contiguous; each code's two bytes gathered from registers
+            kb = tl.arange(0, KBP)
+            block = tl.load(base + kb, mask=kb < KB, other=0).to(tl.int32)
+            flat = tl.reshape(byte, (P * D,))
+            b0 = tl.reshape(tl.gather(block, flat, 0), (P, D))
+            b1 = tl.reshape(tl.gather(block, flat + 1, 0), (P, D))
+        else:  # each code's two bytes gathered from memory
+            b0 = tl.load(base + byte).to(tl.int32)
+            b1 = tl.load(base + byte + 1).to(tl.int32)
         code = (((b0 << 8) | b1) >> shift) & mask_w
         amax = tl.load(kscale + (page * H + h) * D + d).to(tl.float32)
         y = -amax[None, :] + (code.to(tl.float32) + 0.5) * (2.0 * amax / levels)[None, :]
         k = mean[None, :] + tl.where(w[None, :] > 0, y, 0.0)
         vrow = (page * H + h) * P + t
-        vb = tl.load(vcodes + vrow[:, None] * (D // 4) + (d // 4)[None, :]).to(tl.int32)
-        vc = (vb >> ((d % 4) * 2)[None, :]) & 3
+        if TILE:  # [P, D/4] contiguous bytes, four codes each, interleaved back into channel order
+            vb = tl.load(vcodes + vrow[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]).to(tl.int32)
+            vc = tl.reshape(tl.join(tl.join(vb & 3, (vb >> 4) & 3), tl.join((vb >> 2) & 3, (vb >> 6) & 3)), (P, D))
+        else:
+            vb = tl.load(vcodes + vrow[:, None] * (D // 4) + (d // 4)[None, :]).to(tl.int32)
+            vc = (vb >> ((d % 4) * 2)[None, :]) & 3
         v = vc.to(tl.float32) * tl.load(vscale + vrow).to(tl.float32)[:, None] \
             + tl.load(vzero + vrow).to(tl.float32)[:, None]
         scores = tl.dot(q_tile, tl.trans(k.to(tl.float16))) * scale_log2
@@ -153,7 +164,7 @@ def _merge(o_part, m_part, l_part, out, num_splits, D: tl.constexpr, SPLITS: tl.
     tl.store(out + row * D + d, tl.sum(o * weight[:, None], 0) / tl.sum(weight * l_s, 0))
 
 
-def decode(q: torch.Tensor, t: dict, pages_per_request: int, splits: int) -> torch.Tensor:
+def decode(q: torch.Tensor, t: dict, pages_per_request: int, splits: int, tile: bool = True) -> torch.Tensor:
     b, hq, d = q.shape
     h = t["width"].shape[0]
     group = hq // h
@@ -165,7 +176,8 @@ def decode(q: torch.Tensor, t: dict, pages_per_request: int, splits: int) -> tor
     _decode[(b, h, splits)](q, t["kcodes"], t["boff"], t["width"], t["kscale"], t["kmean"], t["vcodes"], t["vscale"],
                             t["vzero"], o_part, m_part, l_part, pages_per_request, per_split, splits,
                             1.4426950408889634 / math.sqrt(d), H=h, GROUP=group, ROWS=max(16, group), D=d,
-                            KB=t["kcodes"].shape[-1], P=P)
+                            KB=t["kcodes"].shape[-1], P=P, KBP=triton.next_power_of_2(t["kcodes"].shape[-1]),
+                            TILE=tile)
     out = torch.empty(b, hq, d, device=q.device, dtype=torch.float32)
     _merge[(b * hq,)](o_part, m_part, l_part, out, splits, D=d, SPLITS=max(16, triton.next_power_of_2(splits)))
     return out
@@ -205,13 +217,20 @@ def main(out: str) -> None:
         t = make(b * npr, h, d, width)
         ref = reference(q.to(device), t, npr).cpu()
         dev = {k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items() if k != "codes"}
-        got = decode(q.to(device), dev, npr, splits=max(1, npr // 16))
         result[f"{name}_mean_width"] = float(width.float().mean())
         result[f"{name}_key_bytes_per_value"] = dev["kcodes"].shape[-1] / (P * d)
-        result[f"{name}_max_abs_vs_reference"] = float((got.cpu() - ref).abs().max())
+        for tile in (False, True):  # codes gathered from memory, or from a register tile of the page's block
+            label = f"{name}_{'tile' if tile else 'gather'}"
+            try:
+                got = decode(q.to(device), dev, npr, splits=max(1, npr // 16), tile=tile)
+            except Exception as exc:  # (a Triton without tl.gather): recorded, the other variant still runs
+                result[f"{label}_error"] = repr(exc)[:300]
+                continue
+            result[f"{label}_max_abs_vs_reference"] = float((got.cpu() - ref).abs().max())
+            if cuda:
+                result[f"{label}_us"] = timed(lambda: decode(q.to(device), dev, npr, splits=max(1, npr // 16),
+                                                             tile=tile))
         del ref
-        if cuda:
-            result[f"{name}_us"] = timed(lambda: decode(q.to(device), dev, npr, splits=max(1, npr // 16)))
     if cuda:
         k = torch.randn(b, hq, length, d, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
