@@ -12,6 +12,6 @@ for name in "$@"; do
     --codec "klt:kbits=2.85,vbits=2,vstep=1.15,axes=channels,paged=true" \
     --codec "klt:kbits=3.75,vstep=1.15,axes=channels,paged=true" \
     --codec "klt:kbits=4.5,vbits=4,axes=channels,paged=true" \
-    --calibration ${TEXT[${CALIB[$name]}]} --json perf/results/eval56_${name}_klt.json \
-    > perf/results/s56/eval56_${name}_klt.log 2>&1
+    --calibration ${TEXT[${CALIB[$name]}]} --json perf/results/eval60_${name}_klt.json \
+    > perf/results/s56/eval60_${name}_klt.log 2>&1
 done

@@ -1,0 +1,76 @@
+"""What do kernel-friendly constraints on a `chw:` plan cost in KL? Widths restricted to a set a kernel unpacks as
+uniform runs ({0,1,2,3,4,8}, {0,2,3,4,8}) and both channels of each RoPE pair at one width, measured through the paged
+cache as `kvbackend eval` measures `klt:...,axes=channels,paged=true`, beside the unconstrained plan.
+
+    .venv/bin/python -P perf/experiments/chw_width_sets.py TEXT CALIB_TEXT SPEC... > OUT.json
+"""
+
+import dataclasses
+import json
+import math
+import sys
+
+import torch
+
+import kvbackend.klt as klt
+from kvbackend.tools.evaluate import EvalSettings, evaluate, key_bases_from_text
+from kvbackend.tools.models import load_model
+
+FREE = klt.widths
+
+
+def restricted(allowed: tuple[int, ...]):
+    """`kvbackend.klt.widths` with each width rounded to the nearest of ``allowed`` (the rate 0.5 log2(lam / level))."""
+    table = torch.tensor(allowed, dtype=torch.float64)
+
+    def widths(lam, kbits, tokens, group=klt.GROUP):
+        groups = math.ceil(tokens / group)
+        flat = lam.double().flatten()
+
+        def at(level):
+            rate = (0.5 * torch.log2(flat / level)).clamp(0, klt.MAX_WIDTH)
+            b = table[(rate[:, None] - table[None, :]).abs().argmin(1)]
+            bits = float(b.sum()) * tokens + float((b > 0).sum()) * groups * 16
+            return bits / (flat.numel() * tokens), b
+
+        lo, hi = float(flat.min()) * 1e-6, float(flat.max()) * 4.0 ** klt.MAX_WIDTH
+        for _ in range(100):
+            mid = math.sqrt(lo * hi)
+            if at(mid)[0] > kbits:
+                lo = mid
+            else:
+                hi = mid
+        return at(hi)[1].to(torch.uint8).reshape(lam.shape)
+
+    return widths
+
+
+def paired(bases):
+    half = bases.var.shape[-1] // 2
+    gm = (bases.var[..., :half] * bases.var[..., half:]).sqrt()
+    return dataclasses.replace(bases, var=torch.cat([gm, gm], -1))
+
+
+def main(text: str, calib: str, specs: list[str]) -> None:
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model()
+    ids = tokenizer(open(text).read(), return_tensors="pt").input_ids
+    bases = key_bases_from_text(model, tokenizer(open(calib).read(), return_tensors="pt").input_ids)
+    settings = EvalSettings(tokens=2048, prefix=1536, cont=512, queries=128, chunk_tokens=2048)
+    out = {"text": text, "calib": calib, "rows": []}
+    for name, allowed, pairs in (("0-8", None, False), ("0,1,2,3,4,8 pairs", (0, 1, 2, 3, 4, 8), True),
+                                 ("0,2,3,4,8 pairs", (0, 2, 3, 4, 8), True), ("0,2,4,8 pairs", (0, 2, 4, 8), True)):
+        klt.widths = FREE if allowed is None else restricted(allowed)
+        try:
+            rows = evaluate(model, ids, specs, settings, key_bases=paired(bases) if pairs else bases)
+        finally:
+            klt.widths = FREE
+        for r in rows:
+            kw = [int(c) for p in r.plan for c in p.split("kw=")[1].split(",")[0]]
+            out["rows"].append({"widths": name, "spec": r.spec, "bpv": r.bpv, "kl": r.kl, "top1": r.top1_agree,
+                                "used": sorted(set(kw))})
+    json.dump(out, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
