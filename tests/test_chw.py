@@ -231,3 +231,26 @@ def test_chunks_longer_than_a_slice_give_the_bytes_of_one_pass(monkeypatch):
     assert torch.equal(sliced.pages, whole.pages) and torch.equal(sliced.codebook, whole.codebook)
     for a, b in zip(codec.decode(whole), whole_kv):
         assert torch.equal(a, b)
+
+
+def _pack_reference(codes, width):
+    """The bit string of `pack_pages` built bit by bit: token after token, channel after channel, most significant bit
+    of each code first, zero-padded to a byte."""
+    pages = []
+    for page in codes:
+        bits = [(int(c) >> (int(w) - 1 - k)) & 1 for row in page for c, w in zip(row, width) for k in range(int(w))]
+        bits += [0] * (-len(bits) % 8)
+        pages.append([int("".join(map(str, bits[i : i + 8])), 2) for i in range(0, len(bits), 8)])
+    return torch.tensor(pages, dtype=torch.uint8)
+
+
+def test_packing_matches_a_bit_by_bit_reference():
+    gen = torch.Generator().manual_seed(4)
+    width = torch.tensor([0, 8, 3, 1, 7, 5, 0, 2, 6, 4], dtype=torch.uint8)
+    coded = width[width > 0]
+    codes = (torch.rand(2, 5, coded.numel(), generator=gen) * (2.0 ** coded.float())).floor().to(torch.int32)
+    packed = pack_pages(codes, coded)
+    assert torch.equal(packed, _pack_reference(codes, coded))
+    assert torch.equal(unpack_pages(packed, coded, 5), codes)
+    with pytest.raises(ValueError, match="code bytes per page"):
+        unpack_pages(packed[:, :-1], coded, 5)

@@ -32,7 +32,7 @@ from kvbackend.codecs.widths import WIDTHS
 
 MAX_WIDTH = 8
 _FP16_MAX = torch.finfo(torch.float16).max
-# codes (un)packed per slice of pages: the bit temporaries take 8 int32 per code, so a slice of this many codes
+# codes (un)packed per slice of pages: the temporaries take a few int64 per code, so a slice of this many codes
 # keeps them near 256 MiB whatever the chunk or request length
 SLICE_CODES = 1 << 23
 
@@ -67,31 +67,43 @@ class ChwSpec(Checked):
         return torch.tensor([int(c) for c in self.kw], dtype=torch.uint8)
 
 
+def _positions(width: torch.Tensor, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For codes ``[page_size, A]`` at ``width`` [A]: the first bit of each (int64 [P, A]), the widths as int64 [A],
+    and the page's byte count."""
+    w = width.to(device=device, dtype=torch.int64)
+    per_token = int(w.sum())
+    offset = torch.cumsum(w, 0) - w  # each code's first bit within its token
+    first = torch.arange(page_size, device=device)[:, None] * per_token + offset[None, :]
+    return first, w, math.ceil(page_size * per_token / 8)
+
+
 def pack_pages(codes: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
     """Codes ``[n, P, A]`` (channel a below ``2**width[a]``) as one bit string per page, most significant bit first:
-    uint8 ``[n, ceil(P * sum(width) / 8)]``."""
+    uint8 ``[n, ceil(P * sum(width) / 8)]``. A code of at most 8 bits spans two bytes at most: its bits are placed
+    as one 16-bit window starting at its first byte, whose two halves are added into the bytes (no two codes share a
+    bit, so adding is or-ing)."""
     n, p, _ = codes.shape
-    shifts = torch.arange(MAX_WIDTH - 1, -1, -1, device=codes.device)  # bit k of a code of width b is bit b - 1 - k
-    valid = shifts[None, :] < width.to(codes.device)[:, None].long()  # [A, 8]: each code's low ``width`` bits
-    bits = ((codes.to(torch.int32)[..., None] >> shifts.to(torch.int32)) & 1).to(torch.uint8)  # [n, P, A, 8]
-    flat = bits[:, :, valid].reshape(n, -1)
-    pad = (-flat.shape[1]) % 8
-    flat = torch.cat([flat, flat.new_zeros(n, pad)], 1).reshape(n, -1, 8)
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=codes.device)
-    return (flat.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    first, w, nbytes = _positions(width, p, codes.device)
+    window = (codes.to(torch.int64) << (16 - (first & 7) - w)[None]).reshape(n, -1)  # [n, P * A]
+    byte = (first >> 3).reshape(-1).expand(n, -1)
+    out = torch.zeros(n, nbytes + 1, dtype=torch.int64, device=codes.device)  # one spare byte for the last window
+    out.scatter_add_(1, byte, window >> 8)
+    out.scatter_add_(1, byte + 1, window & 0xFF)
+    return out[:, :nbytes].to(torch.uint8)
 
 
 def unpack_pages(packed: torch.Tensor, width: torch.Tensor, page_size: int) -> torch.Tensor:
     """Inverse of `pack_pages`: int32 codes ``[n, page_size, A]``."""
     n = packed.shape[0]
-    device = packed.device
-    shifts = torch.arange(MAX_WIDTH - 1, -1, -1, device=device, dtype=torch.int32)
-    valid = shifts[None, :] < width.to(device)[:, None].to(torch.int32)
-    per_token = int(valid.sum())
-    bits = ((packed.to(torch.int32)[..., None] >> shifts) & 1).reshape(n, -1)[:, : page_size * per_token]
-    full = torch.zeros(n, page_size, width.numel(), MAX_WIDTH, dtype=torch.int32, device=device)
-    full[:, :, valid] = bits.reshape(n, page_size, per_token)
-    return (full << shifts).sum(-1, dtype=torch.int32)
+    first, w, nbytes = _positions(width, page_size, packed.device)
+    if packed.shape[1] != nbytes:
+        raise ValueError(f"chw: {packed.shape[1]} code bytes per page, the widths need {nbytes}")
+    wide = torch.cat([packed, packed.new_zeros(n, 1)], 1).to(torch.int32)
+    byte = (first >> 3).reshape(1, -1).expand(n, -1)
+    window = (wide.gather(1, byte) << 8) | wide.gather(1, byte + 1)  # [n, P * A]
+    shift = (16 - (first & 7) - w[None]).reshape(1, -1).to(torch.int32)
+    mask = ((1 << w) - 1).to(torch.int32).repeat(page_size)[None]
+    return ((window >> shift) & mask).reshape(n, page_size, -1)
 
 
 class ChwCodec(Codec):
