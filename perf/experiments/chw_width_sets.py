@@ -2,7 +2,7 @@
 uniform runs ({0,1,2,3,4,8}, {0,2,3,4,8}) and both channels of each RoPE pair at one width, measured through the paged
 cache as `kvbackend eval` measures `klt:...,axes=channels,paged=true`, beside the unconstrained plan.
 
-    .venv/bin/python -P perf/experiments/chw_width_sets.py TEXT CALIB_TEXT SPEC... > OUT.json
+    .venv/bin/python -P perf/experiments/chw_width_sets.py TEXT CALIB_TEXT SPEC... [--lagrangian] > OUT.json
 """
 
 import dataclasses
@@ -45,6 +45,34 @@ def restricted(allowed: tuple[int, ...]):
     return widths
 
 
+def lagrangian(allowed: tuple[int, ...]):
+    """`kvbackend.klt.widths` over a set by a Lagrangian choice: each channel takes the width b of ``allowed`` that
+    minimises lam * 4**-b + mult * (b + 16 / group * [b > 0]) (its high-rate distortion plus the bits of its codes
+    and scale), ``mult`` bisected to the budget: the lower convex hull a greedy marginal-return allocation walks."""
+    table = torch.tensor(allowed, dtype=torch.float64)
+
+    def widths(lam, kbits, tokens, group=klt.GROUP):
+        groups = math.ceil(tokens / group)
+        flat = lam.double().flatten()
+        cost = table + (table > 0).double() * 16 * groups / tokens  # bits per value of each width
+
+        def at(mult):
+            b = table[(flat[:, None] * 4.0 ** -table[None, :] + mult * cost[None, :]).argmin(1)]
+            bits = float(b.sum()) * tokens + float((b > 0).sum()) * groups * 16
+            return bits / (flat.numel() * tokens), b
+
+        lo, hi = float(flat.min()) * 1e-12, float(flat.max()) * 10.0
+        for _ in range(200):  # a larger multiplier spends fewer bits
+            mid = math.sqrt(lo * hi)
+            if at(mid)[0] > kbits:
+                lo = mid
+            else:
+                hi = mid
+        return at(hi)[1].to(torch.uint8).reshape(lam.shape)
+
+    return widths
+
+
 def paired(bases):
     half = bases.var.shape[-1] // 2
     gm = (bases.var[..., :half] * bases.var[..., half:]).sqrt()
@@ -58,9 +86,14 @@ def main(text: str, calib: str, specs: list[str]) -> None:
     bases = key_bases_from_text(model, tokenizer(open(calib).read(), return_tensors="pt").input_ids)
     settings = EvalSettings(tokens=2048, prefix=1536, cont=512, queries=128, chunk_tokens=2048)
     out = {"text": text, "calib": calib, "rows": []}
-    for name, allowed, pairs in (("0-8", None, False), ("0,1,2,3,4,8 pairs", (0, 1, 2, 3, 4, 8), True),
-                                 ("0,2,3,4,8 pairs", (0, 2, 3, 4, 8), True), ("0,2,4,8 pairs", (0, 2, 4, 8), True)):
-        klt.widths = FREE if allowed is None else restricted(allowed)
+    variants = [("0-8", None, False, None), ("0,1,2,3,4,8 pairs", (0, 1, 2, 3, 4, 8), True, restricted),
+                ("0,2,3,4,8 pairs", (0, 2, 3, 4, 8), True, restricted), ("0,2,4,8 pairs", (0, 2, 4, 8), True, restricted)]
+    if "--lagrangian" in sys.argv:  # the same sets (and 0-8) by the Lagrangian choice
+        variants = [(f"lagrangian {name}", allowed, pairs, lagrangian) for name, allowed, pairs in (
+            ("0-8", tuple(range(9)), False), ("0-8 pairs", tuple(range(9)), True),
+            ("0,1,2,4,8 pairs", (0, 1, 2, 4, 8), True), ("0,2,4,8 pairs", (0, 2, 4, 8), True))]
+    for name, allowed, pairs, rule in variants:
+        klt.widths = FREE if allowed is None else rule(allowed)
         try:
             rows = evaluate(model, ids, specs, settings, key_bases=paired(bases) if pairs else bases)
         finally:
@@ -73,4 +106,5 @@ def main(text: str, calib: str, specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    args = [a for a in sys.argv[1:] if a != "--lagrangian"]
+    main(args[0], args[1], args[2:])
