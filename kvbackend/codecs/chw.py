@@ -109,12 +109,19 @@ def unpack_pages(packed: torch.Tensor, width: torch.Tensor, page_size: int) -> t
 class ChwCodec(Codec):
     name: ClassVar[str] = "chw"
 
+    def __init__(self, spec: ChwSpec) -> None:
+        super().__init__(spec)
+        self._parsed_widths: dict[tuple[int, int], torch.Tensor] = {}  # (heads, dim) -> widths, parsed once
+
     @property
     def kernel_encodes(self) -> bool:
         return False
 
     def _widths(self, geometry: Geometry) -> torch.Tensor:
-        return self.spec.key_widths(geometry.num_kv_heads, geometry.head_dim)
+        key = (geometry.num_kv_heads, geometry.head_dim)
+        if key not in self._parsed_widths:
+            self._parsed_widths[key] = self.spec.key_widths(*key)
+        return self._parsed_widths[key]
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         self._widths(geometry)
@@ -149,10 +156,10 @@ class ChwCodec(Codec):
             levels = 2.0 ** width[coded].float()
             step = 2 * amax[:, None] / levels
             q = torch.floor((y + amax[:, None]) / step).clamp(torch.zeros_like(levels), levels - 1)
-            step = max(1, SLICE_CODES // (p * int(coded.sum())))
+            per_slice = max(1, SLICE_CODES // (p * int(coded.sum())))
             codes_view = layout.page.view(pages, "k_wcodes")
-            for at in range(0, q.shape[0], step):
-                codes_view[at : at + step] = pack_pages(q[at : at + step].to(torch.int32), width[coded])
+            for at in range(0, q.shape[0], per_slice):
+                codes_view[at : at + per_slice] = pack_pages(q[at : at + per_slice].to(torch.int32), width[coded])
             layout.page.view(pages, "k_wscales").copy_(amax.half())
         encode_token_groups(v, layout, pages, "v", s.vbits, d, symmetric=False, clip=s.vclip, widen=s.vstep)
 
@@ -168,10 +175,10 @@ class ChwCodec(Codec):
             packed = layout.page.view(pages, "k_wcodes")
             amax = layout.page.view(pages, "k_wscales").float()[:, None]  # [n, 1, A]
             levels = 2.0 ** width[coded].float()
-            step = max(1, SLICE_CODES // (p * int(coded.sum())))
-            for at in range(0, n, step):
-                q = unpack_pages(packed[at : at + step], width[coded], p).float()  # [slice, P, A]
-                part = amax[at : at + step]
-                keys[at * p : (at + step) * p, coded] += from_pages(-part + (q + 0.5) * (2 * part / levels))
+            per_slice = max(1, SLICE_CODES // (p * int(coded.sum())))
+            for at in range(0, n, per_slice):
+                q = unpack_pages(packed[at : at + per_slice], width[coded], p).float()  # [slice, P, A]
+                part = amax[at : at + per_slice]
+                keys[at * p : (at + per_slice) * p, coded] += from_pages(-part + (q + 0.5) * (2 * part / levels))
         values = decode_token_groups(layout, pages, "v", self.spec.vbits, d)
         return keys.reshape(n * p, h, d), values
