@@ -22,8 +22,7 @@ import torch
 
 from kvbackend import codecs
 from kvbackend.alignpred.spec import is_alignpred, parse_alignpred
-from kvbackend.klt import is_klt, parse_klt
-from kvbackend.klt import page_specs as klt_page_specs
+from kvbackend.klt import is_klt, page_specs as klt_page_specs, parse_klt
 from kvbackend.tools.seeds import expand, summarize
 from kvbackend.errors import SpecError
 from kvbackend.tools.models import cache_argument

@@ -19,28 +19,36 @@ from kvbackend.tools.models import load_model
 FREE = klt.widths
 
 
+def _fitted(lam, kbits, tokens, group, choose, lo, hi, steps):
+    """Widths ``choose(flat, x)`` of the bisected ``x`` in [lo, hi] whose codes and scales (one fp16 per coded channel
+    and group) meet ``kbits`` bits per value; a larger ``x`` spends fewer bits."""
+    groups = math.ceil(tokens / group)
+    flat = lam.double().flatten()
+
+    def spent(x):
+        b = choose(flat, x)
+        return (float(b.sum()) * tokens + float((b > 0).sum()) * groups * 16) / (flat.numel() * tokens), b
+
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        if spent(mid)[0] > kbits:
+            lo = mid
+        else:
+            hi = mid
+    return spent(hi)[1].to(torch.uint8).reshape(lam.shape)
+
+
 def restricted(allowed: tuple[int, ...]):
     """`kvbackend.klt.widths` with each width rounded to the nearest of ``allowed`` (the rate 0.5 log2(lam / level))."""
     table = torch.tensor(allowed, dtype=torch.float64)
 
+    def nearest(flat, level):
+        rate = (0.5 * torch.log2(flat / level)).clamp(0, klt.MAX_WIDTH)
+        return table[(rate[:, None] - table[None, :]).abs().argmin(1)]
+
     def widths(lam, kbits, tokens, group=klt.GROUP):
-        groups = math.ceil(tokens / group)
-        flat = lam.double().flatten()
-
-        def at(level):
-            rate = (0.5 * torch.log2(flat / level)).clamp(0, klt.MAX_WIDTH)
-            b = table[(rate[:, None] - table[None, :]).abs().argmin(1)]
-            bits = float(b.sum()) * tokens + float((b > 0).sum()) * groups * 16
-            return bits / (flat.numel() * tokens), b
-
-        lo, hi = float(flat.min()) * 1e-6, float(flat.max()) * 4.0 ** klt.MAX_WIDTH
-        for _ in range(100):
-            mid = math.sqrt(lo * hi)
-            if at(mid)[0] > kbits:
-                lo = mid
-            else:
-                hi = mid
-        return at(hi)[1].to(torch.uint8).reshape(lam.shape)
+        return _fitted(lam, kbits, tokens, group, nearest, float(lam.min()) * 1e-6,
+                       float(lam.max()) * 4.0 ** klt.MAX_WIDTH, 100)
 
     return widths
 
@@ -52,23 +60,12 @@ def lagrangian(allowed: tuple[int, ...]):
     table = torch.tensor(allowed, dtype=torch.float64)
 
     def widths(lam, kbits, tokens, group=klt.GROUP):
-        groups = math.ceil(tokens / group)
-        flat = lam.double().flatten()
-        cost = table + (table > 0).double() * 16 * groups / tokens  # bits per value of each width
+        cost = table + (table > 0).double() * 16 * math.ceil(tokens / group) / tokens  # bits per value of each width
 
-        def at(mult):
-            b = table[(flat[:, None] * 4.0 ** -table[None, :] + mult * cost[None, :]).argmin(1)]
-            bits = float(b.sum()) * tokens + float((b > 0).sum()) * groups * 16
-            return bits / (flat.numel() * tokens), b
+        def cheapest(flat, mult):
+            return table[(flat[:, None] * 4.0 ** -table[None, :] + mult * cost[None, :]).argmin(1)]
 
-        lo, hi = float(flat.min()) * 1e-12, float(flat.max()) * 10.0
-        for _ in range(200):  # a larger multiplier spends fewer bits
-            mid = math.sqrt(lo * hi)
-            if at(mid)[0] > kbits:
-                lo = mid
-            else:
-                hi = mid
-        return at(hi)[1].to(torch.uint8).reshape(lam.shape)
+        return _fitted(lam, kbits, tokens, group, cheapest, float(lam.min()) * 1e-12, float(lam.max()) * 10.0, 200)
 
     return widths
 
