@@ -254,3 +254,64 @@ def test_packing_matches_a_bit_by_bit_reference():
     assert torch.equal(unpack_pages(packed, coded, 5), codes)
     with pytest.raises(ValueError, match="code bytes per page"):
         unpack_pages(packed[:, :-1], coded, 5)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit (-0 and +0 told apart)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return torch.equal(a.contiguous().view(ints[a.dtype]), b.contiguous().view(ints[b.dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw, page_size, tokens", [(KW, 16, 80), (KW, 3, 10), (KW, 1, 4), ("", 5, 23),
+                                                   ("3" * 47 + "0", 7, 30), ("1" * 48, 16, 33)])
+def test_the_compiled_loops_give_the_torch_bytes_and_values(monkeypatch, dtype, kw, page_size, tokens):
+    """`kvbackend.fastchw` (numba) against the torch path: the same pages, codebook and decoded bits, for every
+    width, pages of 1 token, odd pages, padded chunks, bf16 input read as is and float32."""
+    pytest.importorskip("numba")
+    from kvbackend import fastquant
+
+    codec = codecs.get(f"chw:kw={kw},vbits=2,vstep=1.15" if kw else "chw:kbits=4,vbits=2")
+    layout = codec.layout(Geometry(2, 3, 16, dtype), page_size)
+    k, v = kv(tokens, seed=page_size)
+    k[:, 0, 0] = -1e-9 * torch.rand(tokens)  # a channel mean that rounds to -0 in fp16 (width 0 in KW: read as is)
+    k, v = k.to(dtype), v.to(dtype)
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "0")
+    assert not fastquant._usable()
+    slow = codec.encode(k, v, layout)
+    slow_kv = codec.decode(slow)
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", "1")
+    if not fastquant._usable():
+        pytest.skip("numba's compiled loops do not serve here")
+    fast = codec.encode(k, v, layout)
+    assert torch.equal(fast.pages, slow.pages) and torch.equal(fast.codebook, slow.codebook)
+    for a, b in zip(codec.decode(fast), slow_kv):
+        assert _same_bits(a, b)
+    assert not fastquant._broken
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_units_in_one_pass_give_the_bytes_of_one_chunk_at_a_time(monkeypatch, fused):
+    """`encode_units` (one pass over many chunks, each its own mean) and `decode_units` (a codebook slot per page):
+    the bytes and values of `encode` and `decode_pages` chunk by chunk, page by page."""
+    monkeypatch.setenv("KVBACKEND_FASTQUANT", fused)
+    codec = codecs.get(f"chw:kw={KW},vbits=3")
+    assert codec.batch_encodes and codec.per_page_codebooks
+    layout = codec.layout(GEOM, 8)
+    units = [kv(20, seed=s) for s in range(5)]  # 20 tokens: three pages of 8, the last padded
+    for u, (k, _) in enumerate(units):
+        k += 3 * u  # means far apart: a shared mean would show
+    k = torch.stack([u[0] for u in units])
+    v = torch.stack([u[1] for u in units])
+    pages, books = codec.encode_units(k, v, layout)
+    for u in range(5):
+        one = codec.encode(k[u], v[u], layout)
+        assert torch.equal(pages[u], one.pages) and torch.equal(books[u], one.codebook)
+    flat = pages.reshape(15, -1)
+    slots = books.repeat_interleave(3, 0)
+    kd, vd = codec.decode_units(layout, flat, slots)
+    for i in range(15):
+        ki, vi = codec.decode_pages(layout, flat[i : i + 1], slots[i])
+        assert _same_bits(kd[8 * i : 8 * i + 8], ki) and _same_bits(vd[8 * i : 8 * i + 8], vi)

@@ -21,12 +21,13 @@ from typing import ClassVar
 
 import torch
 
+from kvbackend import fastchw
 from kvbackend.errors import InvalidKV, SpecError
 from kvbackend.geometry import Geometry
 from kvbackend.layout import PageLayout
 from kvbackend.quant import round_to
 from kvbackend.spec import Checked, one_of, ranged
-from kvbackend.codecs.base import Codec, CodecState, FieldSpecs, from_pages, to_pages
+from kvbackend.codecs.base import Codec, CodecState, FieldSpecs
 from kvbackend.codecs.groups import decode_token_groups, encode_token_groups, token_group_fields
 from kvbackend.codecs.widths import WIDTHS
 
@@ -113,6 +114,8 @@ class ChwCodec(Codec):
         super().__init__(spec)
         self._parsed_widths: dict[tuple[int, int], torch.Tensor] = {}  # (heads, dim) -> widths, parsed once
 
+    any_float_input: ClassVar[bool] = True  # the compiled key loops and `encode_token_groups` read bf16
+
     @property
     def kernel_encodes(self) -> bool:
         return False
@@ -138,47 +141,86 @@ class ChwCodec(Codec):
         return page, [("k_mean", torch.float16, (h, d))]
 
     def _encode(self, k, v, layout: PageLayout, pages, codebook, state: CodecState) -> None:
+        self._encode_chunks(k, v, layout, pages, codebook[None])
+
+    batch_encodes = True  # `_encode_units`: many one-chunk encodes in one pass (no state is read or kept)
+
+    def _encode_units(self, k, v, layout: PageLayout, pages, codebooks, states=None) -> bool:
+        self._encode_chunks(k, v, layout, pages, codebooks)
+        return True
+
+    def _encode_chunks(self, k, v, layout: PageLayout, pages, codebooks) -> None:
+        """K/V ``[U*n*P, H, D]`` (float32 or bf16) of ``U`` chunks of ``n`` pages into ``pages [U*n, bytes]`` and
+        ``codebooks [U, bytes]``."""
         s, geometry, p = self.spec, layout.geometry, layout.page_size
+        units = codebooks.shape[0]
         t, h, d = k.shape
+        n = t // p
         width = self._widths(geometry).to(k.device)
-        mean = k.reshape(t, h * d).double().mean(0)  # (float64: every device rounds it to the same fp16)
+        x = k.reshape(n, p, h * d)
+        # each chunk's channel means in float64, so that every device and summation order rounds them to the
+        # same fp16 (the compiled loop sums token after token, torch in its own order)
+        sums = fastchw.channel_sums(x, n // units)
+        mean = sums / (t // units) if sums is not None else k.reshape(units, t // units, h * d).double().mean(1)
         if float(mean.abs().max()) > _FP16_MAX:
             raise InvalidKV("chw: a key channel's mean exceeds fp16's range, which the chunk stores it in")
         mean16 = mean.half()
-        layout.codebook.view(codebook, "k_mean").copy_(mean16.reshape(h, d))
+        layout.codebook.view(codebooks, "k_mean").copy_(mean16.reshape(units, h, d))
         coded = width > 0
-        if bool(coded.any()):
-            y = (k.reshape(t, h * d) - mean16.float())[:, coded].reshape(-1, p, int(coded.sum()))  # [n, P, A]
-            peak = y.abs().amax(1)
+        count = int(coded.sum())
+        if count:
+            column = torch.nonzero(coded).flatten()
+            mean32 = mean16.float()
+            peak = fastchw.peaks(x, mean32, n // units, column)
+            y = None
+            if peak is None:
+                y = (x.float().reshape(units, -1, h * d) - mean32[:, None])[..., column].reshape(n, p, count)
+                peak = y.abs().amax(1)
             if float(peak.max()) > _FP16_MAX:  # `round_to` would saturate the scale: clipped keys
                 raise InvalidKV("chw: a key's distance from its channel's mean exceeds fp16's range (its scale's)")
             amax = round_to(peak.clamp_min(1e-30), torch.float16, "up")  # [n, A]
-            levels = 2.0 ** width[coded].float()
-            step = 2 * amax[:, None] / levels
-            q = torch.floor((y + amax[:, None]) / step).clamp(torch.zeros_like(levels), levels - 1)
-            per_slice = max(1, SLICE_CODES // (p * int(coded.sum())))
             codes_view = layout.page.view(pages, "k_wcodes")
-            for at in range(0, q.shape[0], per_slice):
-                codes_view[at : at + per_slice] = pack_pages(q[at : at + per_slice].to(torch.int32), width[coded])
+            fused = None if y is not None else fastchw.packed(x, mean32, n // units, column, amax, width[coded],
+                                                              codes_view.shape[-1])
+            if fused is not None:
+                codes_view.copy_(fused)
+            else:
+                if y is None:
+                    y = (x.float().reshape(units, -1, h * d) - mean32[:, None])[..., column].reshape(n, p, count)
+                levels = 2.0 ** width[coded].float()
+                step = 2 * amax[:, None] / levels
+                q = torch.floor((y + amax[:, None]) / step).clamp(torch.zeros_like(levels), levels - 1)
+                per_slice = max(1, SLICE_CODES // (p * count))
+                for at in range(0, n, per_slice):
+                    codes_view[at : at + per_slice] = pack_pages(q[at : at + per_slice].to(torch.int32),
+                                                                 width[coded])
             layout.page.view(pages, "k_wscales").copy_(amax.half())
         encode_token_groups(v, layout, pages, "v", s.vbits, d, symmetric=False, clip=s.vclip, widen=s.vstep)
+
+    per_page_codebooks = True  # `_decode` takes a slot per page too (`Codec.decode_units`)
 
     def _decode(self, layout: PageLayout, pages, codebook):
         geometry, p = layout.geometry, layout.page_size
         h, d = geometry.num_kv_heads, geometry.head_dim
         width = self._widths(geometry).to(pages.device)
         n = pages.shape[0]
-        mean = layout.codebook.view(codebook, "k_mean").reshape(h * d).float()
-        keys = mean.expand(n * p, h * d).clone()
+        mean = layout.codebook.view(codebook, "k_mean").reshape(-1, h * d).float().expand(n, h * d)  # per page
         coded = width > 0
-        if bool(coded.any()):
+        if not bool(coded.any()):
+            keys = mean[:, None].expand(n, p, h * d).reshape(n * p, h * d).clone()
+        else:
             packed = layout.page.view(pages, "k_wcodes")
-            amax = layout.page.view(pages, "k_wscales").float()[:, None]  # [n, 1, A]
-            levels = 2.0 ** width[coded].float()
-            per_slice = max(1, SLICE_CODES // (p * int(coded.sum())))
-            for at in range(0, n, per_slice):
-                q = unpack_pages(packed[at : at + per_slice], width[coded], p).float()  # [slice, P, A]
-                part = amax[at : at + per_slice]
-                keys[at * p : (at + per_slice) * p, coded] += from_pages(-part + (q + 0.5) * (2 * part / levels))
+            amax = layout.page.view(pages, "k_wscales").float()  # [n, A]
+            column = torch.nonzero(coded).flatten()
+            keys = fastchw.unpacked(packed, amax, width[coded], column, mean, p)
+            if keys is None:
+                keys = mean[:, None].expand(n, p, h * d).clone()
+                levels = 2.0 ** width[coded].float()
+                per_slice = max(1, SLICE_CODES // (p * int(coded.sum())))
+                for at in range(0, n, per_slice):
+                    q = unpack_pages(packed[at : at + per_slice], width[coded], p).float()  # [slice, P, A]
+                    part = amax[at : at + per_slice, None]
+                    keys[at : at + per_slice, :, coded] += -part + (q + 0.5) * (2 * part / levels)
+            keys = keys.reshape(n * p, h * d)
         values = decode_token_groups(layout, pages, "v", self.spec.vbits, d)
         return keys.reshape(n * p, h, d), values
