@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kvbackend.attention import decode_attention
+from kvbackend.attention import decode_attention, gathered_decode_attention
 from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.errors import SpecError, UnsupportedLayout
@@ -48,6 +48,47 @@ class TorchBackend:
         reads = [cache.read(rid, layer) for rid in plan.request_ids]
         out, lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads], scale)
         return out.to(q.dtype), lse
+
+
+class ChwBackend(TorchBackend):
+    """``chw:`` layers (keys at a width per channel) on a GPU: the codec's encode on the device, the gather kernel
+    of `kvbackend.kernels.chw_gather` (levers applied), and decode attention over what it gathers (no fused decode
+    kernel reads these pages yet)."""
+
+    name = "triton"
+
+    def __init__(self, codec, layout: PageLayout) -> None:
+        from kvbackend.kernels.chw_gather import layer_schemes
+
+        self.scheme, self.levers = layer_schemes(codec, layout)
+
+    def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvbackend.kernels.chw_gather import chw_gather
+
+        return chw_gather(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                          self.scheme, plan, out_dtype=cache.geometry.dtype, levers=self.levers,
+                          rotary=cache.frames[layer].rotary)
+
+    def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
+        k, v = self.gather(cache, plan, layer)
+        out, lse = gathered_decode_attention(q, k, v, plan.cu_seqlens, scale)
+        return out.to(q.dtype), lse
+
+
+def chw_kernels_can_serve(codec, layout: PageLayout) -> bool:
+    """Whether `ChwBackend` reads this layer (a ``chw:`` codec on power-of-two pages and heads, its levers
+    included)."""
+    from kvbackend.codecs.chw import ChwCodec
+
+    if not isinstance(codec, ChwCodec):
+        return False
+    from kvbackend.kernels.chw_gather import layer_schemes
+
+    try:
+        layer_schemes(codec, layout)
+    except UnsupportedLayout:
+        return False
+    return True
 
 
 class TritonBackend:
@@ -166,8 +207,10 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout, unit_enco
     if name not in BACKENDS:
         raise SpecError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
     has_triton = importlib.util.find_spec("triton") is not None
+    chw = has_triton and chw_kernels_can_serve(codec, layout)
     if name == "auto":
-        name = "triton" if device.type == "cuda" and has_triton and kernels_can_serve(codec, layout) else "torch"
+        name = "triton" if device.type == "cuda" and has_triton and (chw or kernels_can_serve(codec, layout)) \
+            else "torch"
     if name == "torch":
         return TorchBackend()
     if not has_triton:
@@ -175,6 +218,8 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout, unit_enco
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":  # (the interpreter runs on the CPU)
         raise SpecError(f"backend 'triton' runs on a CUDA device, not {device.type!r}: use backend='auto' or 'torch' "
                         "(or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
+    if chw:
+        return ChwBackend(codec, layout)
     if not kernels_can_serve(codec, layout):
         raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
                         f"{layout.page_size} and head_dim {layout.geometry.head_dim}: use backend='auto' or 'torch'")

@@ -1,0 +1,221 @@
+"""Gather-dequant of ``chw:`` pages (keys at a width per channel): packed and dense pages of a batch -> contiguous K/V
+per request, for any attention.
+
+The ``chw:`` key layout (`kvbackend.codecs.chw`) is one bit string per page, token after token, every coded channel
+of every head at its own width, most significant bit first, with an fp16 absmax per page and coded channel and the
+chunk's fp16 channel means in its codebook slot. A per-layer table (`ChwTable`, int32 ``[3, H*D]``: each channel's
+width, its first bit within a token's string and its index among the coded channels) turns that into per-value
+addressing: each code is read from the two bytes its bits start in. Values are per-token groups
+(`kvbackend.kernels.dequant.dequant_tile`). Packed pages leave in the original frame as `gather_dequant` leaves
+them: pre-RoPE keys rotated, rotated values rotated back, sink tokens written over (`kernels/levers.py`).
+
+One program per (work page, KV head), as `gather_dequant`; the torch reference is the codec's own decode
+(`Codec.decode_pages` and the cache's frames), which `tests/test_chw_gather.py` holds the kernel to.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbackend.batch import BatchPlan
+from kvbackend.errors import UnsupportedLayout
+from kvbackend.layout import PageLayout
+from kvbackend.rope import Rotary
+from kvbackend.scheme import TOKEN_GROUPS, LeverScheme, TensorScheme, kind_of, lever_scheme
+
+from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
+from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, load_hadamard, page_rotation,
+                                      rope_tables, rotate_halves, sink_tile)
+
+
+@dataclass(frozen=True)
+class ChwScheme:
+    """What the kernel needs of one ``chw:`` layer: byte offsets and sizes, and the widths (one digit a channel)."""
+
+    widths: str  # H*D digits 0-8, heads in order
+    codes: int  # offset of the key bit string (``k_wcodes``), -1 where no channel is coded
+    scales: int  # offset of the fp16 absmaxes (``k_wscales``), -1 where no channel is coded
+    mean: int  # offset of the fp16 channel means [H, D] in the codebook slot (``k_mean``)
+    per_token: int  # bits of one token's string
+    values: TensorScheme  # the values: per-token groups
+
+
+def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
+    """The kernel's view of a ``chw:`` layer (levers apart: `kvbackend.scheme.lever_scheme`).
+
+    Raises:
+        UnsupportedLayout: another codec, a page or head size that is not a power of two, or a field the kernel
+            does not read.
+    """
+    from kvbackend.codecs.chw import ChwCodec
+
+    if not isinstance(codec, ChwCodec):
+        raise UnsupportedLayout(f"{codec.spec_string!r} is not a chw: layout")
+    p, h, d = layout.page_size, layout.geometry.num_kv_heads, layout.geometry.head_dim
+    if p & (p - 1) or d & (d - 1) or p < 16 or d < 16:
+        raise UnsupportedLayout(f"the chw gather needs power-of-two pages and heads of at least 16, got {p} and {d}")
+    page, book = layout.page.fields, layout.codebook.fields
+    known = {"k_wcodes", "k_wscales", "v_codes", "v_scales", "v_zeros"}
+    unread = sorted(set(page) - known) + sorted(set(book) - {"k_mean", "sink_k", "sink_v"})
+    if unread:
+        raise UnsupportedLayout(f"the chw gather does not read the fields {', '.join(unread)}")
+    widths = "".join(str(int(w)) for w in codec._widths(layout.geometry).tolist())
+    if "k_wcodes" in page:
+        codes = page["k_wcodes"]
+        # the last code's second byte is read past the bit string: it must lie inside the page
+        if codes.offset + codes.nbytes >= layout.page_bytes:
+            raise UnsupportedLayout("the chw key codes must not end the page (a code's two bytes are read)")
+    scales = page["v_scales"]
+    values = TensorScheme(mode=TOKEN_GROUPS, bits=codec.spec.vbits, group=d // scales.shape[-1], symmetric=False,
+                          kind=kind_of(scales.dtype), codes=page["v_codes"].offset, scales=scales.offset,
+                          zeros=page["v_zeros"].offset)
+    return ChwScheme(widths, page["k_wcodes"].offset if "k_wcodes" in page else -1,
+                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset,
+                     sum(int(c) for c in widths), values)
+
+
+@functools.lru_cache(maxsize=64)
+def chw_table(widths: str, device: str) -> torch.Tensor:
+    """int32 ``[3, H*D]``: each channel's width, first bit within a token's string, index among the coded
+    channels (0 where uncoded)."""
+    w = torch.tensor([int(c) for c in widths], dtype=torch.int32)
+    first = torch.cumsum(w, 0) - w
+    coded = (w > 0).to(torch.int32)
+    index = (torch.cumsum(coded, 0) - coded) * coded
+    return torch.stack([w, first.to(torch.int32), index.to(torch.int32)]).to(device).contiguous()
+
+
+@triton.jit
+def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
+             H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
+             MEAN: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """Keys [P, D] float32 of head ``h`` of packed page ``page`` (int64): ``mean + ((code + 0.5) * step - amax)``
+    with ``step = 2 * amax / 2^w`` per coded channel, the mean for a channel of width 0."""
+    t = tl.arange(0, P)
+    ch = h * D + tl.arange(0, D)
+    mean = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + MEAN // 2 + ch).to(tl.float16, bitcast=True).to(tl.float32)
+    if PER_TOKEN == 0:  # no channel coded
+        k = tl.zeros((P, D), tl.float32) + mean[None, :]
+    else:
+        w = tl.load(table + ch)
+        first = tl.load(table + H * D + ch)
+        index = tl.load(table + 2 * H * D + ch)
+        bit = t[:, None] * PER_TOKEN + first[None, :]
+        at = page * PAGE_BYTES + CODES + (bit >> 3)
+        window = (tl.load(u8 + at).to(tl.int32) << 8) | tl.load(u8 + at + 1).to(tl.int32)
+        code = (window >> (16 - (bit & 7) - w[None, :])) & ((1 << w) - 1)[None, :]
+        amax = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALES // 2 + index, mask=w > 0, other=0)
+        amax = amax.to(tl.float16, bitcast=True).to(tl.float32)
+        step = 2.0 * amax / (1 << w).to(tl.float32)
+        level = (code.to(tl.float32) + 0.5) * step[None, :] - amax[None, :]
+        k = tl.where((w > 0)[None, :], mean[None, :] + level, mean[None, :])
+    return k
+
+
+@triton.jit
+def _chw_gather_kernel(u8, i16, i32, book_i16, dense, table, page_ids, slots, kinds, valid, rows, positions,
+                       local_cos, local_sin, base_cos, base_sin, hadamard_ptr, k_out, v_out,
+                       PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
+                       D: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_MEAN: tl.constexpr,
+                       PER_TOKEN: tl.constexpr,
+                       V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
+                       V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
+                       V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
+                       V_BOOK: tl.constexpr, V_CSCALE: tl.constexpr,
+                       SINK: tl.constexpr, SINK_K: tl.constexpr, SINK_V: tl.constexpr, SINK_KIND: tl.constexpr,
+                       ROPE: tl.constexpr, PAGE_ROPE: tl.constexpr, VROT: tl.constexpr):
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(page_ids + w).to(tl.int64)
+    slot = tl.load(slots + w).to(tl.int64)
+    kind = tl.load(kinds + w)
+    n = tl.load(valid + w)
+    row = tl.load(rows + w).to(tl.int64)
+    t = tl.arange(0, P)
+    d = tl.arange(0, D)
+    if kind == 0:
+        k = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES, K_SCALES,
+                     K_MEAN, PER_TOKEN)
+        v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
+                         V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
+                         V_BOOK, 0, CSCALE=V_CSCALE)
+        if ROPE:  # R(p0 + t) = R(p0) R(t)
+            cos_t, sin_t = rope_tables(local_cos, local_sin, P, D)
+            cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)
+            lo, hi = halves(k, P, D)
+            lo, hi = rotate_halves(lo, hi, cos_t, sin_t)
+            lo, hi = rotate_halves(lo, hi, cos_0[None, :], sin_0[None, :])
+            k = join_halves(lo, hi, P, D)
+        if PAGE_ROPE:  # stored as R(t) k: R(p0) remains
+            cos_0, sin_0 = page_rotation(base_cos, base_sin, tl.load(positions + w) // P, D)
+            lo, hi = halves(k, P, D)
+            k = join_halves(*rotate_halves(lo, hi, cos_0[None, :], sin_0[None, :]), P, D)
+        if VROT:
+            v = hadamard_apply(v, load_hadamard(hadamard_ptr, D), D)
+        if SINK:
+            if tl.load(positions + w) == 0:  # the sequence's first page: its first tokens are exact
+                first = (t < SINK)[:, None]
+                k = tl.where(first, sink_tile(book_i16, slot, h, SINK_K, BOOK_BYTES, H, D, SINK, P, SINK_KIND), k)
+                v = tl.where(first, sink_tile(book_i16, slot, h, SINK_V, BOOK_BYTES, H, D, SINK, P, SINK_KIND), v)
+    else:
+        k = load_dense(dense, page, h, 0, H, P, D).to(tl.float32)
+        v = load_dense(dense, page, h, 1, H, P, D).to(tl.float32)
+    out = ((row + t[:, None]) * H + h) * D + d[None, :]
+    mask = t[:, None] < n
+    tl.store(k_out + out, k.to(k_out.dtype.element_ty), mask=mask)
+    tl.store(v_out + out, v.to(v_out.dtype.element_ty), mask=mask)
+
+
+def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, scheme: ChwScheme, plan: BatchPlan,
+               out_dtype: torch.dtype = torch.bfloat16, levers: LeverScheme | None = None,
+               rotary: Rotary | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of the planned requests, ``[total_tokens, H, D]`` each for K and V (`gather_dequant`'s contract
+    for ``chw:`` layers).
+
+    Args:
+        pages: one layer's packed pages ``[num_pages, page_bytes]`` (uint8, contiguous).
+        codebooks: one layer's codebook slots ``[num_slots, codebook_bytes]`` (uint8).
+        dense: one layer's dense pages ``[num_pages, 2, P, H, D]``.
+        scheme: `chw_scheme` of the layer; levers: its `lever_scheme` (None for none); rotary: the model's RoPE, for
+            pre-RoPE and page-relative keys.
+    """
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
+        raise ValueError(f"packed pages must be a contiguous uint8 [pages, page_bytes] tensor, got {pages.dtype} "
+                         f"{tuple(pages.shape)}")
+    if dense.dim() != 5 or dense.shape[1] != 2 or not dense.is_contiguous():
+        raise ValueError(f"dense pages must be a contiguous [pages, 2, P, H, D] tensor, got {tuple(dense.shape)}")
+    _, _, p, h, d = dense.shape
+    if plan.page_size != p:
+        raise ValueError(f"plan page_size {plan.page_size} != dense pages' {p}")
+    if len(scheme.widths) != h * d:
+        raise ValueError(f"the scheme has {len(scheme.widths)} widths for {h} heads x {d} channels")
+    lv = levers if levers is not None else LeverScheme()
+    if lv.psac_rank or lv.outliers or lv.whole:
+        raise UnsupportedLayout("chw: layers carry no PSAC rows, key outliers or whole key rows")
+    total = plan.num_tokens
+    k_out = torch.empty(total, h, d, dtype=out_dtype, device=pages.device)
+    v_out = torch.empty(total, h, d, dtype=out_dtype, device=pages.device)
+    work = plan.page_ids.numel()
+    if work == 0:
+        return k_out, v_out
+    u8, i16, i32 = pool_views(pages)
+    _, book_i16, _ = pool_views(codebooks)
+    ropes = lever_args(lv, rotary, p, d, plan.max_pages, k_out)
+    _chw_gather_kernel[(work, h)](
+        u8, i16, i32, book_i16, dense, chw_table(scheme.widths, str(pages.device)), plan.page_ids, plan.slots,
+        plan.kinds, plan.valid, plan.rows, plan.positions, *ropes, k_out, v_out,
+        PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
+        K_CODES=max(scheme.codes, 0), K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, PER_TOKEN=scheme.per_token,
+        **scheme_constants("V", scheme.values), SINK=lv.sink, SINK_K=max(lv.sink_k, 0), SINK_V=max(lv.sink_v, 0),
+        SINK_KIND=lv.sink_kind, ROPE=lv.prerope, PAGE_ROPE=lv.pagerope, VROT=lv.vrot, num_warps=num_warps)
+    return k_out, v_out
+
+
+def layer_schemes(codec, layout: PageLayout) -> tuple[ChwScheme, LeverScheme]:
+    """(`chw_scheme`, `lever_scheme`) of a layer, raising `UnsupportedLayout` where the kernel cannot read it."""
+    return chw_scheme(codec, layout), lever_scheme(codec, layout)

@@ -1,0 +1,128 @@
+"""The ``chw:`` gather kernel (`kvbackend.kernels.chw_gather`) and the backend that serves ``chw:`` layers on a GPU,
+against the torch reference (the codec's decode and the cache's frames) on the same pages: every width 0-8, the
+levers a klt plan writes (sinks, pre-RoPE keys, rotated values), odd lengths with a dense active chunk, GQA."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache, codecs
+from kvbackend.attention import decode_attention, gathered_decode_attention
+from kvbackend.backends import ChwBackend, TorchBackend, choose
+from kvbackend.errors import UnsupportedLayout
+from kvbackend.frames import lever_layout
+from kvbackend.rope import Rotary
+from kernel_cases import DEVICE, lever_request
+
+triton = pytest.importorskip("triton")
+
+ROTARY = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), scaling=1.25)
+KW = "".join(str(i % 9) for i in range(128))  # every width 0-8 on channels of both heads
+CASES = [  # (codec, page size, lengths, GQA ratio)
+    (f"chw:kw={KW},vbits=2,vstep=1.15,sink=4,prerope=true,vrot=hadamard", 16, [45, 70, 3], 4),  # a klt plan's layer
+    (f"chw:kw={KW[::-1]},vbits=3,sink=4,prerope=true,vrot=hadamard", 16, [97], 1),  # 3-bit values, byte triples
+    (f"chw:kw={KW},vbits=4", 32, [75, 40], 2),  # no lever
+    ("chw:kbits=3,vbits=2,pagerope=true", 16, [70], 2),  # every channel coded, page-relative keys
+    ("chw:kbits=0,vbits=2,sink=2", 16, [50, 33], 2),  # no channel coded: the keys are the chunk means
+    (f"chw:kw={'8' * 128},vbits=8,vrot=hadamard", 16, [64, 64], 2),  # the widest codes, whole pages only
+]
+
+
+def chw_cache(codec, page_size, lengths, ratio, backend, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    heads, d = 2, 64
+    cache = KVCache(Geometry(2, heads, d, torch.bfloat16),
+                    CacheConfig(codec=codec, page_size=page_size, chunk_pages=2, dense_pages=64, packed_pages=64,
+                                device=DEVICE, backend=backend), rotary=ROTARY)
+    ids = []
+    for n in lengths:
+        rid, _ = cache.add_request()
+        for layer in range(2):
+            k, v, _ = lever_request(gen, n, heads, d, ratio, ROTARY)
+            cache.append(rid, layer, k, v)
+        ids.append(rid)
+    return cache, ids
+
+
+@pytest.mark.parametrize("codec,page_size,lengths,ratio", CASES)
+def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, lengths, ratio):
+    from kvbackend.kernels.chw_gather import chw_gather
+
+    cache, ids = chw_cache(codec, page_size, lengths, ratio, "triton")
+    backend = cache.backends[1]
+    assert isinstance(backend, ChwBackend) and backend.name == "triton"
+    layer = 1
+    reads = [cache.read(rid, layer) for rid in ids]  # the torch reference: decode_pages + the frame
+    plan = cache.plan(ids, layer)
+    assert bool((plan.kinds == 0).any()), "no packed page: nothing of the kernel's own path would be tested"
+    k, v = chw_gather(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                      backend.scheme, plan, out_dtype=torch.float32, levers=backend.levers, rotary=ROTARY)
+    rk, rv = torch.cat([r[0] for r in reads]).float(), torch.cat([r[1] for r in reads]).float()
+    # the reference is rounded to bf16 once; the kernel's float32 keys differ from it by that rounding (and by the
+    # RoPE's float32 arithmetic) at most
+    assert float((k - rk).abs().max()) <= 1e-2 * float(rk.abs().max())
+    assert float((v - rv).abs().max()) <= 1e-2 * float(rv.abs().max())
+    if backend.levers.sink:  # the exact sinks, bit for bit
+        for rid, row in zip(ids, plan.cu_seqlens[:-1].tolist()):
+            if cache.page_table(rid).packed:
+                sink = backend.levers.sink
+                assert torch.equal(k[row : row + sink].bfloat16(), reads[ids.index(rid)][0][:sink])
+    bk, bv = cache.gather(plan, layer)  # the backend's own call, in the cache's dtype: one bf16 rounding away
+    assert bk.dtype == torch.bfloat16 and bv.dtype == torch.bfloat16
+    assert torch.allclose(bk.float(), k, rtol=2 ** -7, atol=1e-6) and torch.allclose(bv.float(), v, rtol=2 ** -7, atol=1e-6)
+    q = torch.randn(len(ids), 2 * ratio, 64, device=DEVICE).bfloat16()
+    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+    out, lse = cache.decode(plan, layer, q)
+    assert float((out.float() - want).norm() / want.norm()) < 1e-2
+    # keys near 8 are a bf16 step (1/16) apart where the two frames' float32 arithmetic rounds them apart
+    assert torch.allclose(lse, want_lse, atol=5e-2)
+    cut = plan.cu_seqlens.tolist()  # over the gathered rows themselves: the attention alone, batched or not
+    own, own_lse = decode_attention(q, [bk[a:b] for a, b in zip(cut, cut[1:])], [bv[a:b] for a, b in zip(cut, cut[1:])])
+    assert torch.allclose(out.float(), own.to(q.dtype).float(), atol=1e-2) and torch.allclose(lse, own_lse, atol=1e-4)
+
+
+def test_each_lever_path_of_the_gather_does_work():
+    """Without the lever scheme the same pages gather to something else (the sink, RoPE and rotation paths)."""
+    from kvbackend.kernels.chw_gather import chw_gather
+
+    cache, ids = chw_cache(CASES[0][0], 16, [70], 2, "triton")
+    backend, plan = cache.backends[0], cache.plan(ids, 0)
+    args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], backend.scheme, plan)
+    full = chw_gather(*args, out_dtype=torch.float32, levers=backend.levers, rotary=ROTARY)
+    for off, changed in ((dict(sink=0), (0, 1)), (dict(prerope=False), (0,)), (dict(vrot=False), (1,))):
+        part = chw_gather(*args, out_dtype=torch.float32, levers=dataclasses.replace(backend.levers, **off),
+                          rotary=ROTARY)
+        for i in (0, 1):  # K, V: what the lever touches changes, the other stays to the bit
+            assert torch.allclose(part[i], full[i], atol=1e-3) != (i in changed), (off, i)
+            assert (i in changed) or torch.equal(part[i], full[i]), (off, i)
+
+
+def test_the_backend_is_chosen_for_chw_layers_only():
+    geometry = Geometry(2, 2, 64, torch.bfloat16)
+    chw = codecs.get(f"chw:kw={KW},vbits=2,sink=4,prerope=true,vrot=hadamard")
+    layout = lever_layout(chw.layout(geometry, 16), chw.levers)  # (the sink fields, as a cache lays them out)
+    assert isinstance(choose("triton", torch.device(DEVICE), chw, layout), ChwBackend)
+    assert isinstance(choose("torch", torch.device(DEVICE), chw, layout), TorchBackend)
+    assert isinstance(choose("auto", torch.device("cpu"), chw, layout), TorchBackend)  # the CPU keeps the reference
+    odd = lever_layout(chw.layout(geometry, 24), chw.levers)  # pages of 24 tokens: no kernel reads them
+    assert isinstance(choose("auto", torch.device("cpu"), chw, odd), TorchBackend)
+    from kvbackend.kernels.chw_gather import chw_scheme
+
+    with pytest.raises(UnsupportedLayout, match="power-of-two"):
+        chw_scheme(chw, odd)
+    rtn = codecs.get("rtn:bits=2,group=32")
+    with pytest.raises(UnsupportedLayout, match="not a chw"):
+        chw_scheme(rtn, rtn.layout(geometry, 16))
+
+
+def test_gathered_attention_batches_equal_lengths_and_reads_ragged_ones():
+    gen = torch.Generator().manual_seed(3)
+    for lengths in ([40, 40, 40], [40, 7, 1]):
+        q = torch.randn(len(lengths), 8, 16, generator=gen)
+        ks = [torch.randn(n, 2, 16, generator=gen).bfloat16() for n in lengths]
+        vs = [torch.randn(n, 2, 16, generator=gen).bfloat16() for n in lengths]
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        out, lse = gathered_decode_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.3)
+        want, want_lse = decode_attention(q, ks, vs, 0.3)
+        assert torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
