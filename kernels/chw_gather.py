@@ -93,14 +93,16 @@ def chw_table(widths: str, device: str) -> torch.Tensor:
 @triton.jit
 def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
              H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
-             MEAN: tl.constexpr, PER_TOKEN: tl.constexpr):
+             MEAN: tl.constexpr, PER_TOKEN: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0):
     """Keys [P, D] float32 of head ``h`` of packed page ``page`` (int64): ``mean + ((code + 0.5) * step - amax)``
-    with ``step = 2 * amax / 2^w`` per coded channel, the mean for a channel of width 0."""
+    with ``step = 2 * amax / 2^w`` per coded channel, the mean for a channel of width 0. ``C0``/``W``: only
+    channels ``C0 .. C0 + W - 1`` ([P, W]; W 0 = all D: RoPE's halves)."""
+    WD: tl.constexpr = D if W == 0 else W
     t = tl.arange(0, P)
-    ch = h * D + tl.arange(0, D)
+    ch = h * D + C0 + tl.arange(0, WD)
     mean = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + MEAN // 2 + ch).to(tl.float16, bitcast=True).to(tl.float32)
     if PER_TOKEN == 0:  # no channel coded
-        k = tl.zeros((P, D), tl.float32) + mean[None, :]
+        k = tl.zeros((P, WD), tl.float32) + mean[None, :]
     else:
         w = tl.load(table + ch)
         first = tl.load(table + H * D + ch)

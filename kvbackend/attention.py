@@ -29,24 +29,3 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
         return q.new_empty(0, hq, d, dtype=torch.float32), q.new_empty(0, hq, dtype=torch.float32)
     return torch.stack(outs), torch.stack(lses)
 
-
-def gathered_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_attention` over gathered rows: ``k, v [total, H, D]``, request b's rows ``cu_seqlens[b] ..
-    cu_seqlens[b+1]`` (as `gather_dequant` writes them). Requests of one length take one batched product (float32,
-    as `decode_attention`); others are read one by one."""
-    b, hq, d = q.shape
-    bounds = cu_seqlens.tolist()
-    lengths = [bounds[i + 1] - bounds[i] for i in range(b)]
-    if b == 0 or len(set(lengths)) != 1 or lengths[0] == 0:
-        return decode_attention(q, [k[bounds[i] : bounds[i + 1]] for i in range(b)],
-                                [v[bounds[i] : bounds[i + 1]] for i in range(b)], scale)
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    length, h = lengths[0], k.shape[1]
-    group = hq // h
-    keys = k.view(b, length, h, d).permute(0, 2, 3, 1).float()  # [B, H, D, T]
-    scores = torch.matmul(q.float().view(b, h, group, d), keys) * scale  # [B, H, G, T]
-    lse = torch.logsumexp(scores, -1)
-    probs = torch.exp(scores - lse[..., None])
-    out = torch.matmul(probs, v.view(b, length, h, d).permute(0, 2, 1, 3).float())  # [B, H, G, D]
-    return out.reshape(b, hq, d), lse.reshape(b, hq)

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kvbackend.attention import decode_attention, gathered_decode_attention
+from kvbackend.attention import decode_attention
 from kvbackend.batch import BatchPlan
 from kvbackend.codecs.base import CodecState
 from kvbackend.errors import SpecError, UnsupportedLayout
@@ -51,9 +51,8 @@ class TorchBackend:
 
 
 class ChwBackend(TorchBackend):
-    """``chw:`` layers (keys at a width per channel) on a GPU: the codec's encode on the device, the gather kernel
-    of `kvbackend.kernels.chw_gather` (levers applied), and decode attention over what it gathers (no fused decode
-    kernel reads these pages yet)."""
+    """``chw:`` layers (keys at a width per channel) on a GPU: the codec's encode on the device, and the kernels of
+    `kvbackend.kernels.chw_gather` and `chw_decode` (levers applied)."""
 
     name = "triton"
 
@@ -70,9 +69,11 @@ class ChwBackend(TorchBackend):
                           rotary=cache.frames[layer].rotary)
 
     def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
-        k, v = self.gather(cache, plan, layer)
-        out, lse = gathered_decode_attention(q, k, v, plan.cu_seqlens, scale)
-        return out.to(q.dtype), lse
+        from kvbackend.kernels.chw_decode import chw_decode
+
+        return chw_decode(q.contiguous(), cache.packed.pages[layer], cache.packed.codebooks[layer],
+                          cache.dense.data[layer], self.scheme, plan, scale, levers=self.levers,
+                          rotary=cache.frames[layer].rotary)
 
 
 def chw_kernels_can_serve(codec, layout: PageLayout) -> bool:

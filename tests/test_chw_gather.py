@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache, codecs
-from kvbackend.attention import decode_attention, gathered_decode_attention
+from kvbackend.attention import decode_attention
 from kvbackend.backends import ChwBackend, TorchBackend, choose
 from kvbackend.errors import UnsupportedLayout
 from kvbackend.frames import lever_layout
@@ -77,9 +77,9 @@ def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, l
     assert float((out.float() - want).norm() / want.norm()) < 1e-2
     # keys near 8 are a bf16 step (1/16) apart where the two frames' float32 arithmetic rounds them apart
     assert torch.allclose(lse, want_lse, atol=5e-2)
-    cut = plan.cu_seqlens.tolist()  # over the gathered rows themselves: the attention alone, batched or not
+    cut = plan.cu_seqlens.tolist()  # the fused kernel over the gathered rows' attention: its fp16 operands apart
     own, own_lse = decode_attention(q, [bk[a:b] for a, b in zip(cut, cut[1:])], [bv[a:b] for a, b in zip(cut, cut[1:])])
-    assert torch.allclose(out.float(), own.to(q.dtype).float(), atol=1e-2) and torch.allclose(lse, own_lse, atol=1e-4)
+    assert float((out.float() - own).norm() / own.norm()) < 5e-3 and torch.allclose(lse, own_lse, atol=2e-2)
 
 
 def test_each_lever_path_of_the_gather_does_work():
@@ -115,14 +115,3 @@ def test_the_backend_is_chosen_for_chw_layers_only():
     with pytest.raises(UnsupportedLayout, match="not a chw"):
         chw_scheme(rtn, rtn.layout(geometry, 16))
 
-
-def test_gathered_attention_batches_equal_lengths_and_reads_ragged_ones():
-    gen = torch.Generator().manual_seed(3)
-    for lengths in ([40, 40, 40], [40, 7, 1]):
-        q = torch.randn(len(lengths), 8, 16, generator=gen)
-        ks = [torch.randn(n, 2, 16, generator=gen).bfloat16() for n in lengths]
-        vs = [torch.randn(n, 2, 16, generator=gen).bfloat16() for n in lengths]
-        cu = torch.tensor([0] + lengths).cumsum(0)
-        out, lse = gathered_decode_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.3)
-        want, want_lse = decode_attention(q, ks, vs, 0.3)
-        assert torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
