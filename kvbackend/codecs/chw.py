@@ -9,8 +9,10 @@ are one bit string: token after token, each token's coded channels in order at t
 first. Values are rounded per token and head at ``vbits`` with fp8 scale and zero (clipped steps by default).
 
 Used with ``prerope=true,vrot=hadamard,sink=N`` (what the planner writes): keys before RoPE, where a channel's
-statistics do not turn with the position, and values Hadamard-rotated. No kernel reads these fields
-(`kvbackend.scheme.kernel_schemes` refuses them by name), so the torch reference serves such layers.
+statistics do not turn with the position, and values Hadamard-rotated. The generic kernels do not read these fields
+(`kvbackend.scheme.kernel_schemes` refuses them by name); on a CUDA device `kvbackend.backends.ChwBackend` serves such
+layers with kernels of their own (`kernels/chw_gather.py`, `kernels/chw_decode.py`), elsewhere the torch reference
+does, its bit strings packed and unpacked by `kvbackend.fastchw`'s compiled loops where numba is installed.
 """
 
 from __future__ import annotations
