@@ -39,7 +39,7 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
                        local_cos, local_sin, base_cos, base_sin, hadamard_ptr,
                        PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                        D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                       K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_MEAN: tl.constexpr, PER_TOKEN: tl.constexpr,
+                       K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_MEAN: tl.constexpr, CODED: tl.constexpr,
                        V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                        V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                        V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
@@ -71,9 +71,9 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
                          V_BOOK, 0, tl.float16, CSCALE=V_CSCALE)
         if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k), keys read as RoPE's two halves
             k_lo = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES,
-                            K_SCALES, K_MEAN, PER_TOKEN, 0, D // 2).to(tl.float16)
+                            K_SCALES, K_MEAN, CODED, 0, D // 2).to(tl.float16)
             k_hi = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES,
-                            K_SCALES, K_MEAN, PER_TOKEN, D // 2, D // 2).to(tl.float16)
+                            K_SCALES, K_MEAN, CODED, D // 2, D // 2).to(tl.float16)
             cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
             qb_lo = (q_lo * cos_0[None, :] + q_hi * sin_0[None, :]).to(tl.float16)
             qb_hi = (q_hi * cos_0[None, :] - q_lo * sin_0[None, :]).to(tl.float16)
@@ -81,7 +81,7 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
             scores = (tl.dot(qb_lo, tl.trans(k_lo)) + tl.dot(qb_hi, tl.trans(k_hi))) * scale_log2
         else:
             k = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES, K_SCALES,
-                         K_MEAN, PER_TOKEN).to(tl.float16)
+                         K_MEAN, CODED).to(tl.float16)
             if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored
                 q_page = query_to_page(q_x, q_partner, base_cos, base_sin, j, D).to(tl.float16)
                 scores = tl.dot(q_page, tl.trans(k)) * scale_log2
@@ -150,11 +150,11 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
     ropes = lever_args(lv, rotary, p, d, plan.max_pages, q)
     flags = lv or LeverScheme()
     _chw_decode_kernel[(b, h, splits)](
-        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, chw_table(scheme.widths, str(pages.device)),
+        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, chw_table(scheme.widths, h, p, str(pages.device)),
         plan.page_ids, plan.slots, plan.valid, plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E,
         per_split, splits, *ropes, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), K_CODES=max(scheme.codes, 0),
-        K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, PER_TOKEN=scheme.per_token,
+        K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, CODED=scheme.codes >= 0,
         **scheme_constants("V", scheme.values), SINK=flags.sink, ROPE=flags.prerope, PAGE_ROPE=flags.pagerope,
         VROT=flags.vrot, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)

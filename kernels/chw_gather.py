@@ -1,11 +1,12 @@
 """Gather-dequant of ``chw:`` pages (keys at a width per channel): packed and dense pages of a batch -> contiguous K/V
 per request, for any attention.
 
-The ``chw:`` key layout (`kvbackend.codecs.chw`) is one bit string per page, token after token, every coded channel
-of every head at its own width, most significant bit first, with an fp16 absmax per page and coded channel and the
-chunk's fp16 channel means in its codebook slot. A per-layer table (`ChwTable`, int32 ``[3, H*D]``: each channel's
-width, its first bit within a token's string and its index among the coded channels) turns that into per-value
-addressing: each code is read from the two bytes its bits start in. Values are per-token groups
+The ``chw:`` key layout (`kvbackend.codecs.chw`) is one bit string per page and KV head (`BitLayout`: token after
+token, every coded channel of the head at its own width, most significant bit first, each head's string padded to
+32-bit words), with an fp16 absmax per page and coded channel and the chunk's fp16 channel means in its codebook slot.
+A per-layer table (`chw_table`, int32 ``[4, H*D]``: each channel's width, the bit of its first code, the bits between
+its codes, its index among the coded channels) turns that into per-value addressing: each code is read from the two
+bytes its bits start in. Values are per-token groups
 (`kvbackend.kernels.dequant.dequant_tile`). Packed pages leave in the original frame as `gather_dequant` leaves
 them: pre-RoPE keys rotated, rotated values rotated back, sink tokens written over (`kernels/levers.py`).
 
@@ -38,10 +39,9 @@ class ChwScheme:
     """What the kernel needs of one ``chw:`` layer: byte offsets and sizes, and the widths (one digit a channel)."""
 
     widths: str  # H*D digits 0-8, heads in order
-    codes: int  # offset of the key bit string (``k_wcodes``), -1 where no channel is coded
+    codes: int  # offset of the key bit strings (``k_hcodes``), -1 where no channel is coded
     scales: int  # offset of the fp16 absmaxes (``k_wscales``), -1 where no channel is coded
     mean: int  # offset of the fp16 channel means [H, D] in the codebook slot (``k_mean``)
-    per_token: int  # bits of one token's string
     values: TensorScheme  # the values: per-token groups
 
 
@@ -60,13 +60,13 @@ def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
     if p & (p - 1) or d & (d - 1) or p < 16 or d < 16:
         raise UnsupportedLayout(f"the chw gather needs power-of-two pages and heads of at least 16, got {p} and {d}")
     page, book = layout.page.fields, layout.codebook.fields
-    known = {"k_wcodes", "k_wscales", "v_codes", "v_scales", "v_zeros"}
+    known = {"k_hcodes", "k_wscales", "v_codes", "v_scales", "v_zeros"}
     unread = sorted(set(page) - known) + sorted(set(book) - {"k_mean", "sink_k", "sink_v"})
     if unread:
         raise UnsupportedLayout(f"the chw gather does not read the fields {', '.join(unread)}")
     widths = "".join(str(int(w)) for w in codec._widths(layout.geometry).tolist())
-    if "k_wcodes" in page:
-        codes = page["k_wcodes"]
+    if "k_hcodes" in page:
+        codes = page["k_hcodes"]
         # the last code's second byte is read past the bit string: it must lie inside the page
         if codes.offset + codes.nbytes >= layout.page_bytes:
             raise UnsupportedLayout("the chw key codes must not end the page (a code's two bytes are read)")
@@ -74,26 +74,31 @@ def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
     values = TensorScheme(mode=TOKEN_GROUPS, bits=codec.spec.vbits, group=d // scales.shape[-1], symmetric=False,
                           kind=kind_of(scales.dtype), codes=page["v_codes"].offset, scales=scales.offset,
                           zeros=page["v_zeros"].offset)
-    return ChwScheme(widths, page["k_wcodes"].offset if "k_wcodes" in page else -1,
-                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset,
-                     sum(int(c) for c in widths), values)
+    return ChwScheme(widths, page["k_hcodes"].offset if "k_hcodes" in page else -1,
+                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset, values)
 
 
 @functools.lru_cache(maxsize=64)
-def chw_table(widths: str, device: str) -> torch.Tensor:
-    """int32 ``[3, H*D]``: each channel's width, first bit within a token's string, index among the coded
-    channels (0 where uncoded)."""
+def chw_table(widths: str, heads: int, page_size: int, device: str) -> torch.Tensor:
+    """int32 ``[4, H*D]``: each channel's width, the bit of its first code in the page's key bytes, the bits between
+    its codes, its index among the coded channels (all 0 where uncoded)."""
+    from kvbackend.codecs.chw import bit_layout
+
     w = torch.tensor([int(c) for c in widths], dtype=torch.int32)
-    first = torch.cumsum(w, 0) - w
-    coded = (w > 0).to(torch.int32)
-    index = (torch.cumsum(coded, 0) - coded) * coded
-    return torch.stack([w, first.to(torch.int32), index.to(torch.int32)]).to(device).contiguous()
+    bits = bit_layout(w.to(torch.uint8), heads, page_size)
+    coded = w > 0
+    table = torch.zeros(4, w.numel(), dtype=torch.int64)
+    table[0] = w
+    table[1, coded] = bits.start
+    table[2, coded] = bits.stride
+    table[3, coded] = torch.arange(int(coded.sum()))
+    return table.to(torch.int32).to(device).contiguous()
 
 
 @triton.jit
 def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
              H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
-             MEAN: tl.constexpr, PER_TOKEN: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0):
+             MEAN: tl.constexpr, CODED: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0):
     """Keys [P, D] float32 of head ``h`` of packed page ``page`` (int64): ``mean + ((code + 0.5) * step - amax)``
     with ``step = 2 * amax / 2^w`` per coded channel, the mean for a channel of width 0. ``C0``/``W``: only
     channels ``C0 .. C0 + W - 1`` ([P, W]; W 0 = all D: RoPE's halves)."""
@@ -101,13 +106,14 @@ def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, 
     t = tl.arange(0, P)
     ch = h * D + C0 + tl.arange(0, WD)
     mean = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + MEAN // 2 + ch).to(tl.float16, bitcast=True).to(tl.float32)
-    if PER_TOKEN == 0:  # no channel coded
+    if not CODED:  # no channel coded
         k = tl.zeros((P, WD), tl.float32) + mean[None, :]
     else:
         w = tl.load(table + ch)
-        first = tl.load(table + H * D + ch)
-        index = tl.load(table + 2 * H * D + ch)
-        bit = t[:, None] * PER_TOKEN + first[None, :]
+        start = tl.load(table + H * D + ch)
+        stride = tl.load(table + 2 * H * D + ch)
+        index = tl.load(table + 3 * H * D + ch)
+        bit = start[None, :] + t[:, None] * stride[None, :]
         at = page * PAGE_BYTES + CODES + (bit >> 3)
         window = (tl.load(u8 + at).to(tl.int32) << 8) | tl.load(u8 + at + 1).to(tl.int32)
         code = (window >> (16 - (bit & 7) - w[None, :])) & ((1 << w) - 1)[None, :]
@@ -124,7 +130,7 @@ def _chw_gather_kernel(u8, i16, i32, book_i16, dense, table, page_ids, slots, ki
                        local_cos, local_sin, base_cos, base_sin, hadamard_ptr, k_out, v_out,
                        PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                        D: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_MEAN: tl.constexpr,
-                       PER_TOKEN: tl.constexpr,
+                       CODED: tl.constexpr,
                        V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                        V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                        V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
@@ -142,7 +148,7 @@ def _chw_gather_kernel(u8, i16, i32, book_i16, dense, table, page_ids, slots, ki
     d = tl.arange(0, D)
     if kind == 0:
         k = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES, K_SCALES,
-                     K_MEAN, PER_TOKEN)
+                     K_MEAN, CODED)
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                          V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
                          V_BOOK, 0, CSCALE=V_CSCALE)
@@ -209,10 +215,10 @@ def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor
     _, book_i16, _ = pool_views(codebooks)
     ropes = lever_args(lv, rotary, p, d, plan.max_pages, k_out)
     _chw_gather_kernel[(work, h)](
-        u8, i16, i32, book_i16, dense, chw_table(scheme.widths, str(pages.device)), plan.page_ids, plan.slots,
+        u8, i16, i32, book_i16, dense, chw_table(scheme.widths, h, p, str(pages.device)), plan.page_ids, plan.slots,
         plan.kinds, plan.valid, plan.rows, plan.positions, *ropes, k_out, v_out,
         PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
-        K_CODES=max(scheme.codes, 0), K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, PER_TOKEN=scheme.per_token,
+        K_CODES=max(scheme.codes, 0), K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, CODED=scheme.codes >= 0,
         **scheme_constants("V", scheme.values), SINK=lv.sink, SINK_K=max(lv.sink_k, 0), SINK_V=max(lv.sink_v, 0),
         SINK_KIND=lv.sink_kind, ROPE=lv.prerope, PAGE_ROPE=lv.pagerope, VROT=lv.vrot, num_warps=num_warps)
     return k_out, v_out

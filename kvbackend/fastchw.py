@@ -1,22 +1,27 @@
-"""Fused CPU loops for the ``chw:`` page codec's keys: a width per channel, one bit string per page.
+"""Fused CPU loops for the ``chw:`` page codec's keys: a width per channel, one bit string per KV head and page.
 
 The torch path (`kvbackend.codecs.chw.pack_pages` / `unpack_pages`) places every code as a 16-bit window through
-int64 scatters and gathers: a dozen passes over memory per code. Here one compiled loop walks each page's bit string
-once with a 64-bit accumulator: `packed` rounds and packs (the same float32 operations as the torch path: the
-distance from the mean plus the absmax, over the step, floored and clamped), and `unpacked` unpacks and
+int64 scatters and gathers: a dozen passes over memory per code. Here compiled loops walk each page once (where the
+codes sit: `kvbackend.codecs.chw.BitLayout`): `packed` rounds and packs (the same float32 operations as the torch
+path: the distance from the mean plus the absmax, over the step, floored and clamped), and `unpacked` unpacks and
 dequantizes straight into the keys (the mean plus the code's level: the torch path's three roundings, in its
 order), so both paths give the same bytes and values: `tests/test_chw.py` holds them together.
 
 Served where `kvbackend.fastquant`'s loops serve (numba imports, its JIT is on, ``KVBACKEND_FASTQUANT`` is not off)
-for CPU float32 tensors; every function returns None otherwise, or after a compiled loop failed once.
+for CPU float32 and bf16 tensors; every function returns None otherwise, or after a compiled loop failed once.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvbackend.fastquant import _FAILED, _jit, _run, _usable, numba
+
+if TYPE_CHECKING:
+    from kvbackend.codecs.chw import BitLayout
 
 if numba is not None:
 
@@ -65,14 +70,15 @@ if numba is not None:
                 out[i, a] = peak[column[a]]
 
     @_jit
-    def _pack(x, mean, per_unit, column, amax, width, out):
-        # -> out uint8 [n, bytes]: codes floor((x - mean + amax) / step) in [0, 2^w - 1], step = 2 * amax / 2^w
-        # (the torch path's float32 operations in its order), token after token, most significant bit first, the
-        # page's last byte padded with zero bits
+    def _pack(x, mean, per_unit, column, amax, width, head_first, block, out):
+        # -> out uint8 [n, bytes] (zeros on entry): codes floor((x - mean + amax) / step) in [0, 2^w - 1], step =
+        # 2 * amax / 2^w (the torch path's float32 operations in its order), one block a head from byte block[h]:
+        # token after token, the head's coded channels (head_first[h] .. head_first[h + 1] - 1) most significant bit
+        # first, the block's tail left zero
         n, p, c_n = x.shape
         a_n = column.shape[0]
         wide = np.empty(c_n, np.uint32)
-        q = np.empty(c_n, np.uint8)
+        q = np.empty((p, c_n), np.uint8)
         amp = np.ones(c_n, np.float32)  # per channel of the page (uncoded channels: any finite step, codes unused)
         step = np.ones(c_n, np.float32)
         top = np.zeros(c_n, np.float32)
@@ -84,78 +90,80 @@ if numba is not None:
                 amp[c] = amax[i, a]
                 step[c] = np.float32(2.0) * amax[i, a] / levels
                 top[c] = levels - np.float32(1.0)
-            acc = np.uint64(0)
-            held = np.int64(0)
-            at = 0
-            for t in range(p):
+            for t in range(p):  # every channel's code first (a straight loop the compiler vectorizes)
                 r = _row(x, i, t, wide)
-                for c in range(c_n):  # every channel's code first (a straight loop the compiler vectorizes)
+                qt = q[t]
+                for c in range(c_n):
                     v = np.floor(((r[c] - m[c]) + amp[c]) / step[c])
-                    q[c] = np.uint8(min(max(v, np.float32(0.0)), top[c]))
-                for a in range(a_n):  # then the coded ones' bits
-                    w = np.int64(width[a])
-                    acc = (acc << np.uint64(w)) | np.uint64(q[column[a]])
-                    held += w
-                    if held >= 32:
-                        held -= 32
-                        word = acc >> np.uint64(held)
-                        out[i, at] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
-                        out[i, at + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
-                        out[i, at + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
-                        out[i, at + 3] = np.uint8(word & np.uint64(0xFF))
-                        at += 4
-            while held >= 8:
-                held -= 8
-                out[i, at] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
-                at += 1
-            if held > 0:
-                out[i, at] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
+                    qt[c] = np.uint8(min(max(v, np.float32(0.0)), top[c]))
+            for h in range(head_first.shape[0] - 1):  # then each head's block of the coded ones' bits
+                acc = np.uint64(0)
+                held = np.int64(0)
+                at = block[h]
+                for t in range(p):
+                    qt = q[t]
+                    for a in range(head_first[h], head_first[h + 1]):
+                        w = np.int64(width[a])
+                        acc = (acc << np.uint64(w)) | np.uint64(qt[column[a]])
+                        held += w
+                        if held >= 32:
+                            held -= 32
+                            word = acc >> np.uint64(held)
+                            out[i, at] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
+                            out[i, at + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
+                            out[i, at + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
+                            out[i, at + 3] = np.uint8(word & np.uint64(0xFF))
+                            at += 4
+                while held >= 8:
+                    held -= 8
+                    out[i, at] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
+                    at += 1
+                if held > 0:
+                    out[i, at] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
 
     @_jit
-    def _codes_of_token(row, base, first, shift, mask, column, q):
-        # the codes of one token (its bits from ``base`` of the page's bytes ``row``) into q[column[a]], each from
-        # the two bytes its bits start in (the page's last token: `_codes_of_last_token`). Unsigned indices: numba
-        # wraps negative signed ones around, and that check keeps LLVM from scheduling the loop well (2x here)
-        for aa in range(first.shape[0]):
+    def _codes_of_token(row, t, start, stride, shift, mask, column, q):
+        # the codes of token t (code a's bits from start[a] + t * stride[a] of the page's bytes ``row``) into
+        # q[column[a]], each from the two bytes its bits start in (the page's last token: `_codes_of_last_token`).
+        # Unsigned indices: numba wraps negative signed ones around, and that check keeps LLVM from scheduling the
+        # loop well (2x here)
+        for aa in range(start.shape[0]):
             a = np.uint64(aa)
-            b = base + first[a]
+            b = start[a] + t * stride[a]
             byte = b >> np.uint64(3)
             window = (np.uint32(row[byte]) << np.uint32(8)) | np.uint32(row[byte + np.uint64(1)])
             q[column[a]] = np.float32((window >> (shift[a] - np.uint32(b & np.uint64(7)))) & mask[a])
 
     @_jit
-    def _codes_of_last_token(row, base, first, shift, mask, column, q):
-        # `_codes_of_token` for the page's last token: the page's last byte has no successor (a code inside one
+    def _codes_of_last_token(row, t, start, stride, shift, mask, column, q):
+        # `_codes_of_token` for the page's last token: the field's last byte has no successor (a code inside one
         # byte ignores the second, so that byte is read twice)
         end = np.uint64(row.shape[0] - 1)
-        for aa in range(first.shape[0]):
+        for aa in range(start.shape[0]):
             a = np.uint64(aa)
-            b = base + first[a]
+            b = start[a] + t * stride[a]
             byte = b >> np.uint64(3)
             window = (np.uint32(row[byte]) << np.uint32(8)) | np.uint32(row[min(byte + np.uint64(1), end)])
             q[column[a]] = np.float32((window >> (shift[a] - np.uint32(b & np.uint64(7)))) & mask[a])
 
     @_jit
-    def _unpack(packed, amax, width, column, mean, out):
-        # packed uint8 [n, bytes] -> out float32 [n, P, C]: coded channel a (at ``column[a]`` of C) reads
-        # mean + (-amax + (code + 0.5) * (2 * amax / 2^w)), rounded as the torch path rounds, every other channel
-        # the mean itself. mean float32 [n, C] (each page's chunk mean); column uint64 [A]
+    def _unpack(packed, amax, width, start, stride, column, mean, out):
+        # packed uint8 [n, bytes] -> out float32 [n, P, C]: coded channel a (at ``column[a]`` of C, its codes from
+        # bit start[a] + t * stride[a]) reads mean + (-amax + (code + 0.5) * (2 * amax / 2^w)), rounded as the torch
+        # path rounds, every other channel the mean itself. mean float32 [n, C] (each page's chunk mean); column,
+        # start, stride uint64 [A]
         n, p, c_n = out.shape
         a_n = width.shape[0]
         q = np.zeros(c_n, np.float32)
         amp = np.zeros(c_n, np.float32)
         step = np.zeros(c_n, np.float32)
         coded = np.zeros(c_n, np.bool_)
-        first = np.zeros(a_n, np.uint64)  # each code's first bit within its token
         shift = np.zeros(a_n, np.uint32)  # 16 - width: the window's shift for a code starting at its byte's top bit
         mask = np.zeros(a_n, np.uint32)
-        per_token = 0
         for a in range(a_n):
             coded[column[a]] = True
-            first[a] = per_token
             shift[a] = np.uint32(16 - np.int32(width[a]))
             mask[a] = (np.uint32(1) << np.uint32(width[a])) - np.uint32(1)
-            per_token += np.int64(width[a])
         for i in range(n):
             m = mean[i]
             for a in range(a_n):
@@ -164,9 +172,9 @@ if numba is not None:
                 step[c] = np.float32(2.0) * amax[i, a] / np.float32(np.int32(1) << np.int32(width[a]))
             for t in range(p):
                 if t < p - 1:
-                    _codes_of_token(packed[i], np.uint64(t * per_token), first, shift, mask, column, q)
+                    _codes_of_token(packed[i], np.uint64(t), start, stride, shift, mask, column, q)
                 else:
-                    _codes_of_last_token(packed[i], np.uint64(t * per_token), first, shift, mask, column, q)
+                    _codes_of_last_token(packed[i], np.uint64(t), start, stride, shift, mask, column, q)
                 row = out[i, t]
                 for c in range(c_n):  # then every channel (a straight loop the compiler vectorizes)
                     level = (q[c] + np.float32(0.5)) * step[c]
@@ -207,31 +215,38 @@ def peaks(x: torch.Tensor, mean: torch.Tensor, per_unit: int, column: torch.Tens
     return None if done is _FAILED else out
 
 
+def _u64(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.int64).contiguous().numpy().astype(np.uint64)
+
+
 def packed(x: torch.Tensor, mean: torch.Tensor, per_unit: int, column: torch.Tensor, amax: torch.Tensor,
-           width: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-    """uint8 ``[n, nbytes]``: the codes of coded channels ``column`` of ``x [n, P, C]`` (float32 or bf16) around
-    their chunk's ``mean [U, C]``, under float32 absmaxes ``amax [n, A]`` at widths ``width [A]`` (1-8); or None
+           bits: BitLayout) -> torch.Tensor | None:
+    """uint8 ``[n, bits.nbytes]``: the codes of coded channels ``column`` of ``x [n, P, C]`` (float32 or bf16)
+    around their chunk's ``mean [U, C]``, under float32 absmaxes ``amax [n, A]``, placed as ``bits`` says; or None
     where the loop does not serve."""
     if not _serves(x, mean, amax) or not _readable(x):
         return None
-    out = torch.zeros(x.shape[0], nbytes, dtype=torch.uint8)
+    heads = len(bits.block) - 1
+    head_first = torch.searchsorted(bits.head.contiguous(), torch.arange(heads + 1)).to(torch.int64)
+    out = torch.zeros(x.shape[0], bits.nbytes, dtype=torch.uint8)
     done = _run(_pack, _array(x), mean.float().contiguous().numpy(), per_unit,
                 column.to(torch.int64).contiguous().numpy(), amax.float().contiguous().numpy(),
-                width.to(torch.uint8).contiguous().numpy(), out.numpy())
+                bits.width.to(torch.uint8).contiguous().numpy(), head_first.numpy(),
+                torch.tensor(bits.block, dtype=torch.int64).numpy(), out.numpy())
     return None if done is _FAILED else out
 
 
-def unpacked(codes: torch.Tensor, amax: torch.Tensor, width: torch.Tensor, column: torch.Tensor, mean: torch.Tensor,
+def unpacked(codes: torch.Tensor, amax: torch.Tensor, bits: BitLayout, column: torch.Tensor, mean: torch.Tensor,
              page_size: int) -> torch.Tensor | None:
-    """float32 keys ``[n, P, C]`` of packed ``codes [n, bytes]``: coded channel ``a`` (column ``column[a]``) at
-    width ``width[a]`` under ``amax [n, A]`` around ``mean [n, C]``, every other column the mean; or None where the
-    loop does not serve."""
+    """float32 keys ``[n, P, C]`` of packed ``codes [n, bits.nbytes]``: coded channel ``a`` (column ``column[a]``)
+    placed as ``bits`` says, under ``amax [n, A]`` around ``mean [n, C]``, every other column the mean; or None where
+    the loop does not serve."""
     if not _serves(codes, amax, mean):
         return None
     n, c = mean.shape
     mean = mean.float().contiguous()
     out = torch.empty(n, page_size, c, dtype=torch.float32)
     done = _run(_unpack, codes.contiguous().numpy(), amax.float().contiguous().numpy(),
-                width.to(torch.uint8).contiguous().numpy(), column.to(torch.uint64).contiguous().numpy(),
+                bits.width.to(torch.uint8).contiguous().numpy(), _u64(bits.start), _u64(bits.stride), _u64(column),
                 mean.numpy(), out.numpy())
     return None if done is _FAILED else out

@@ -10,7 +10,7 @@ import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache, SpecError, codecs
 from kvbackend.backends import kernels_can_serve
-from kvbackend.codecs.chw import pack_pages, unpack_pages
+from kvbackend.codecs.chw import bit_layout, pack_pages, unpack_pages
 from kvbackend.errors import InvalidKV, UnsupportedLayout
 from kvbackend.klt import KeyBases, page_specs, parse_klt
 from kvbackend.rope import Rotary
@@ -30,14 +30,18 @@ def kv(tokens=80, seed=0):
 
 def test_codes_of_mixed_widths_pack_to_their_bits_and_back():
     gen = torch.Generator().manual_seed(1)
-    for channels in (1, 7, 33):
-        width = torch.randint(1, 9, (channels,), generator=gen, dtype=torch.uint8)
-        codes = (torch.rand(3, 5, channels, generator=gen) * (2.0 ** width.float())).floor().to(torch.int32)
-        packed = pack_pages(codes, width)
-        assert packed.shape == (3, math.ceil(5 * int(width.sum()) / 8))
-        assert torch.equal(unpack_pages(packed, width, 5), codes)
-    one = pack_pages(torch.tensor([[[1, 2]]], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.uint8))
-    assert one.tolist() == [[0b1010_0000]]  # 1 (one bit) then 010 (three bits), most significant first
+    for heads, channels in ((1, 1), (1, 7), (3, 11)):
+        width = torch.randint(0, 9, (heads * channels,), generator=gen, dtype=torch.uint8)
+        width[0] = 5  # at least one coded channel
+        bits = bit_layout(width, heads, 5)
+        coded = width[width > 0]
+        codes = (torch.rand(3, 5, coded.numel(), generator=gen) * (2.0 ** coded.float())).floor().to(torch.int32)
+        packed = pack_pages(codes, bits)
+        per_head = width.reshape(heads, channels).long().sum(1)
+        assert packed.shape == (3, int((4 * ((5 * per_head + 31) // 32)).sum()))  # whole 32-bit words a head
+        assert torch.equal(unpack_pages(packed, bits, 5), codes)
+    one = pack_pages(torch.tensor([[[1, 2]]], dtype=torch.int32), bit_layout(torch.tensor([1, 3], dtype=torch.uint8), 1, 1))
+    assert one.tolist() == [[0b1010_0000, 0, 0, 0]]  # 1 (one bit) then 010 (three bits), most significant first
 
 
 def test_each_channel_reads_within_half_a_step_and_width_zero_reads_its_mean():
@@ -76,7 +80,7 @@ def test_a_uniform_width_and_a_layer_of_zero_widths():
     assert (kd - k).pow(2).mean() < 0.05 * k.pow(2).mean()
     zero = codecs.get("chw:kbits=0")
     layout = zero.layout(GEOM, 16)
-    assert "k_wcodes" not in layout.page.fields  # nothing to store per page for the keys
+    assert "k_hcodes" not in layout.page.fields  # nothing to store per page for the keys
     kz = zero.decode(zero.encode(k, v, layout))[0]
     assert torch.equal(kz, k.mean(0).half().float().expand_as(k))
 
@@ -119,7 +123,7 @@ def test_keys_past_fp16_are_refused_not_clipped():
 def test_the_kernels_refuse_the_layout_by_name():
     codec = codecs.get(f"chw:kw={KW},sink=4,prerope=true,vrot=hadamard")
     layout = codec.layout(GEOM, 16)
-    with pytest.raises(UnsupportedLayout, match="k_wcodes"):
+    with pytest.raises(UnsupportedLayout, match="k_hcodes"):
         kernel_schemes(codec, layout, levers_read=True)
     assert not kernels_can_serve(codec, layout)
 
@@ -233,28 +237,35 @@ def test_chunks_longer_than_a_slice_give_the_bytes_of_one_pass(monkeypatch):
         assert torch.equal(a, b)
 
 
-def _pack_reference(codes, width):
-    """The bit string of `pack_pages` built bit by bit: token after token, channel after channel, most significant bit
-    of each code first, zero-padded to a byte."""
+def _pack_reference(codes, width, heads):
+    """The bytes of `pack_pages` built bit by bit: one string a KV head, token after token, the head's coded channels
+    in order, most significant bit of each code first, zero-padded to whole 32-bit words."""
+    dim = width.numel() // heads
+    column = torch.cumsum((width > 0).long(), 0) - 1  # each coded channel's index among the coded ones
     pages = []
     for page in codes:
-        bits = [(int(c) >> (int(w) - 1 - k)) & 1 for row in page for c, w in zip(row, width) for k in range(int(w))]
-        bits += [0] * (-len(bits) % 8)
-        pages.append([int("".join(map(str, bits[i : i + 8])), 2) for i in range(0, len(bits), 8)])
+        out = []
+        for h in range(heads):
+            bits = [(int(page[t, column[c]]) >> (int(width[c]) - 1 - k)) & 1
+                    for t in range(page.shape[0]) for c in range(h * dim, (h + 1) * dim) for k in range(int(width[c]))]
+            bits += [0] * (-len(bits) % 32)
+            out += [int("".join(map(str, bits[i : i + 8])), 2) for i in range(0, len(bits), 8)]
+        pages.append(out)
     return torch.tensor(pages, dtype=torch.uint8)
 
 
 def test_packing_matches_a_bit_by_bit_reference():
     gen = torch.Generator().manual_seed(4)
-    width = torch.tensor([0, 8, 3, 1, 7, 5, 0, 2, 6, 4], dtype=torch.uint8)
+    width = torch.tensor([0, 8, 3, 1, 7, 5, 0, 0, 0, 0, 0, 0, 0, 0, 2, 6, 4, 3, 8, 1, 1], dtype=torch.uint8)
+    heads = 3  # the second head codes no channel: an empty block
+    bits = bit_layout(width, heads, 5)
     coded = width[width > 0]
     codes = (torch.rand(2, 5, coded.numel(), generator=gen) * (2.0 ** coded.float())).floor().to(torch.int32)
-    packed = pack_pages(codes, coded)
-    assert torch.equal(packed, _pack_reference(codes, coded))
-    assert torch.equal(unpack_pages(packed, coded, 5), codes)
+    packed = pack_pages(codes, bits)
+    assert torch.equal(packed, _pack_reference(codes, width, heads))
+    assert torch.equal(unpack_pages(packed, bits, 5), codes)
     with pytest.raises(ValueError, match="code bytes per page"):
-        unpack_pages(packed[:, :-1], coded, 5)
-
+        unpack_pages(packed[:, :-1], bits, 5)
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal to the bit (-0 and +0 told apart)."""

@@ -5,8 +5,9 @@ gives every channel ``kbits``), chosen once per model by `kvbackend.klt.page_spe
 variances weighted by the query energy that reads them (reverse water-filling over every layer and head). Per page,
 a coded channel is rounded uniformly inside its absmax around the chunk's mean of that channel (fp16, one per page
 and coded channel); a channel of width 0 reads as that mean (fp16 in the chunk's codebook slot). The codes of a page
-are one bit string: token after token, each token's coded channels in order at their widths, most significant bit
-first. Values are rounded per token and head at ``vbits`` with fp8 scale and zero (clipped steps by default).
+are one bit string a KV head (`BitLayout`): token after token, each token's coded channels in order at their widths,
+most significant bit first, each head's string padded to whole 32-bit words. Values are rounded per token and head
+at ``vbits`` with fp8 scale and zero (clipped steps by default).
 
 Used with ``prerope=true,vrot=hadamard,sink=N`` (what the planner writes): keys before RoPE, where a channel's
 statistics do not turn with the position, and values Hadamard-rotated. The generic kernels do not read these fields
@@ -17,7 +18,6 @@ does, its bit strings packed and unpacked by `kvbackend.fastchw`'s compiled loop
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,37 +70,65 @@ class ChwSpec(Checked):
         return torch.tensor([int(c) for c in self.kw], dtype=torch.uint8)
 
 
-def _positions(width: torch.Tensor, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """For codes ``[page_size, A]`` at ``width`` [A]: the first bit of each (int64 [P, A]), the widths as int64 [A],
-    and the page's byte count."""
-    w = width.to(device=device, dtype=torch.int64)
-    per_token = int(w.sum())
-    offset = torch.cumsum(w, 0) - w  # each code's first bit within its token
-    first = torch.arange(page_size, device=device)[:, None] * per_token + offset[None, :]
-    return first, w, math.ceil(page_size * per_token / 8)
+@dataclass(frozen=True)
+class BitLayout:
+    """Where the codes of a page's coded key channels sit in its ``k_hcodes`` bytes: one block a KV head, at byte
+    ``block[h]``, holding the head's tokens one after another, each token's coded channels in order at their widths,
+    most significant bit first; each block padded with zero bits to whole 32-bit words (a kernel reading one head
+    reads one contiguous, aligned block). Code ``(t, a)`` starts at bit ``start[a] + t * stride[a]``."""
+
+    width: torch.Tensor  # int64 [A]: the coded channels' widths (1-8), heads in order
+    start: torch.Tensor  # int64 [A]: the bit of the channel's first code (its head block's first bit + its offset)
+    stride: torch.Tensor  # int64 [A]: bits between a channel's consecutive codes (its head's bits a token)
+    head: torch.Tensor  # int64 [A]: the channel's KV head
+    block: tuple[int, ...]  # each head's first byte, then the field's size (H + 1 entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self.block[-1]
 
 
-def pack_pages(codes: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    """Codes ``[n, P, A]`` (channel a below ``2**width[a]``) as one bit string per page, most significant bit first:
-    uint8 ``[n, ceil(P * sum(width) / 8)]``. A code of at most 8 bits spans two bytes at most: its bits are placed
-    as one 16-bit window starting at its first byte, whose two halves are added into the bytes (no two codes share a
-    bit, so adding is or-ing)."""
+def bit_layout(width: torch.Tensor, heads: int, page_size: int) -> BitLayout:
+    """The `BitLayout` of key widths ``width [heads * D]`` (uint8, 0 = uncoded) on pages of ``page_size`` tokens."""
+    w = width.to(torch.int64).reshape(heads, -1)
+    per_head = w.sum(1)  # bits a token
+    words = (page_size * per_head + 31) // 32
+    block = [0] + (4 * words).cumsum(0).tolist()
+    offset = torch.cumsum(w, 1) - w  # within the token
+    start = 8 * torch.tensor(block[:-1], dtype=torch.int64)[:, None] + offset
+    coded = w.reshape(-1) > 0
+    return BitLayout(w.reshape(-1)[coded], start.reshape(-1)[coded],
+                     per_head[:, None].expand(heads, w.shape[1]).reshape(-1)[coded],
+                     torch.arange(heads)[:, None].expand(heads, w.shape[1]).reshape(-1)[coded], tuple(block))
+
+
+def _first_bits(bits: BitLayout, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first bit of each code of a page (int64 [P, A]) and the widths (int64 [A]), on ``device``."""
+    t = torch.arange(page_size, device=device)[:, None]
+    return bits.start.to(device)[None, :] + t * bits.stride.to(device)[None, :], bits.width.to(device)
+
+
+def pack_pages(codes: torch.Tensor, bits: BitLayout) -> torch.Tensor:
+    """Codes ``[n, P, A]`` (channel a below ``2**bits.width[a]``) as each page's key bytes, uint8 ``[n,
+    bits.nbytes]``. A code of at most 8 bits spans two bytes at most: its bits are placed as one 16-bit window
+    starting at its first byte, whose two halves are added into the bytes (no two codes share a bit, so adding is
+    or-ing)."""
     n, p, _ = codes.shape
-    first, w, nbytes = _positions(width, p, codes.device)
+    first, w = _first_bits(bits, p, codes.device)
     window = (codes.to(torch.int64) << (16 - (first & 7) - w)[None]).reshape(n, -1)  # [n, P * A]
     byte = (first >> 3).reshape(-1).expand(n, -1)
-    out = torch.zeros(n, nbytes + 1, dtype=torch.int64, device=codes.device)  # one spare byte for the last window
+    out = torch.zeros(n, bits.nbytes + 1, dtype=torch.int64, device=codes.device)  # one spare byte for the last window
     out.scatter_add_(1, byte, window >> 8)
     out.scatter_add_(1, byte + 1, window & 0xFF)
-    return out[:, :nbytes].to(torch.uint8)
+    return out[:, : bits.nbytes].to(torch.uint8)
 
 
-def unpack_pages(packed: torch.Tensor, width: torch.Tensor, page_size: int) -> torch.Tensor:
+def unpack_pages(packed: torch.Tensor, bits: BitLayout, page_size: int) -> torch.Tensor:
     """Inverse of `pack_pages`: int32 codes ``[n, page_size, A]``."""
     n = packed.shape[0]
-    first, w, nbytes = _positions(width, page_size, packed.device)
-    if packed.shape[1] != nbytes:
-        raise ValueError(f"chw: {packed.shape[1]} code bytes per page, the widths need {nbytes}")
+    if packed.shape[1] != bits.nbytes:
+        raise ValueError(f"chw: {packed.shape[1]} code bytes per page, the widths need {bits.nbytes}")
+    first, w = _first_bits(bits, page_size, packed.device)
     wide = torch.cat([packed, packed.new_zeros(n, 1)], 1).to(torch.int32)
     byte = (first >> 3).reshape(1, -1).expand(n, -1)
     window = (wide.gather(1, byte) << 8) | wide.gather(1, byte + 1)  # [n, P * A]
@@ -115,6 +143,7 @@ class ChwCodec(Codec):
     def __init__(self, spec: ChwSpec) -> None:
         super().__init__(spec)
         self._parsed_widths: dict[tuple[int, int], torch.Tensor] = {}  # (heads, dim) -> widths, parsed once
+        self._bit_layouts: dict[tuple[int, int, int], BitLayout] = {}  # (heads, dim, page size) -> where codes sit
 
     any_float_input: ClassVar[bool] = True  # the compiled key loops and `encode_token_groups` read bf16
 
@@ -128,16 +157,23 @@ class ChwCodec(Codec):
             self._parsed_widths[key] = self.spec.key_widths(*key)
         return self._parsed_widths[key]
 
+    def bits(self, geometry: Geometry, page_size: int) -> BitLayout:
+        """Where each coded key channel's codes sit in a page's ``k_hcodes`` bytes."""
+        key = (geometry.num_kv_heads, geometry.head_dim, page_size)
+        if key not in self._bit_layouts:
+            self._bit_layouts[key] = bit_layout(self._widths(geometry), geometry.num_kv_heads, page_size)
+        return self._bit_layouts[key]
+
     def validate(self, geometry: Geometry, page_size: int) -> None:
         self._widths(geometry)
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s, h, d = self.spec, geometry.num_kv_heads, geometry.head_dim
         width = self._widths(geometry)
-        coded, per_token = int((width > 0).sum()), int(width.sum())
+        coded = int((width > 0).sum())
         page: FieldSpecs = []
         if coded:
-            page += [("k_wcodes", torch.uint8, (math.ceil(page_size * per_token / 8),)),
+            page += [("k_hcodes", torch.uint8, (self.bits(geometry, page_size).nbytes,)),
                      ("k_wscales", torch.float16, (coded,))]
         page += token_group_fields("v", page_size, h, d, s.vbits, d, False, torch.float8_e4m3fn)
         return page, [("k_mean", torch.float16, (h, d))]
@@ -181,9 +217,9 @@ class ChwCodec(Codec):
             if float(peak.max()) > _FP16_MAX:  # `round_to` would saturate the scale: clipped keys
                 raise InvalidKV("chw: a key's distance from its channel's mean exceeds fp16's range (its scale's)")
             amax = round_to(peak.clamp_min(1e-30), torch.float16, "up")  # [n, A]
-            codes_view = layout.page.view(pages, "k_wcodes")
-            fused = None if y is not None else fastchw.packed(x, mean32, n // units, column, amax, width[coded],
-                                                              codes_view.shape[-1])
+            codes_view = layout.page.view(pages, "k_hcodes")
+            bits = self.bits(geometry, p)
+            fused = None if y is not None else fastchw.packed(x, mean32, n // units, column, amax, bits)
             if fused is not None:
                 codes_view.copy_(fused)
             else:
@@ -194,8 +230,7 @@ class ChwCodec(Codec):
                 q = torch.floor((y + amax[:, None]) / step).clamp(torch.zeros_like(levels), levels - 1)
                 per_slice = max(1, SLICE_CODES // (p * count))
                 for at in range(0, n, per_slice):
-                    codes_view[at : at + per_slice] = pack_pages(q[at : at + per_slice].to(torch.int32),
-                                                                 width[coded])
+                    codes_view[at : at + per_slice] = pack_pages(q[at : at + per_slice].to(torch.int32), bits)
             layout.page.view(pages, "k_wscales").copy_(amax.half())
         encode_token_groups(v, layout, pages, "v", s.vbits, d, symmetric=False, clip=s.vclip, widen=s.vstep)
 
@@ -211,16 +246,17 @@ class ChwCodec(Codec):
         if not bool(coded.any()):
             keys = mean[:, None].expand(n, p, h * d).reshape(n * p, h * d).clone()
         else:
-            packed = layout.page.view(pages, "k_wcodes")
+            packed = layout.page.view(pages, "k_hcodes")
             amax = layout.page.view(pages, "k_wscales").float()  # [n, A]
             column = torch.nonzero(coded).flatten()
-            keys = fastchw.unpacked(packed, amax, width[coded], column, mean, p)
+            bits = self.bits(geometry, p)
+            keys = fastchw.unpacked(packed, amax, bits, column, mean, p)
             if keys is None:
                 keys = mean[:, None].expand(n, p, h * d).clone()
                 levels = 2.0 ** width[coded].float()
                 per_slice = max(1, SLICE_CODES // (p * int(coded.sum())))
                 for at in range(0, n, per_slice):
-                    q = unpack_pages(packed[at : at + per_slice], width[coded], p).float()  # [slice, P, A]
+                    q = unpack_pages(packed[at : at + per_slice], bits, p).float()  # [slice, P, A]
                     part = amax[at : at + per_slice, None]
                     keys[at : at + per_slice, :, coded] += -part + (q + 0.5) * (2 * part / levels)
             keys = keys.reshape(n * p, h * d)
