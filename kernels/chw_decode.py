@@ -23,7 +23,7 @@ from kvbackend.errors import UnsupportedLayout
 from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme
 
-from kvbackend.kernels.chw_gather import ChwScheme, chw_keys, chw_table
+from kvbackend.kernels.chw_gather import ChwScheme, chw_keys, chw_table, tile_bytes
 from kvbackend.kernels.decode_split import VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.levers import (hadamard_apply, lever_args, load_hadamard, page_rotation, query_and_partner,
@@ -40,6 +40,7 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
                        PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                        D: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                        K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_MEAN: tl.constexpr, CODED: tl.constexpr,
+                       TILE: tl.constexpr,
                        V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                        V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                        V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
@@ -71,9 +72,9 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
                          V_BOOK, 0, tl.float16, CSCALE=V_CSCALE)
         if ROPE:  # q . R(p0) R(t) k = (R(p0)^T q) . (R(t) k), keys read as RoPE's two halves
             k_lo = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES,
-                            K_SCALES, K_MEAN, CODED, 0, D // 2).to(tl.float16)
+                            K_SCALES, K_MEAN, CODED, 0, D // 2, TILE).to(tl.float16)
             k_hi = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES,
-                            K_SCALES, K_MEAN, CODED, D // 2, D // 2).to(tl.float16)
+                            K_SCALES, K_MEAN, CODED, D // 2, D // 2, TILE).to(tl.float16)
             cos_0, sin_0 = page_rotation(base_cos, base_sin, j, D)
             qb_lo = (q_lo * cos_0[None, :] + q_hi * sin_0[None, :]).to(tl.float16)
             qb_hi = (q_hi * cos_0[None, :] - q_lo * sin_0[None, :]).to(tl.float16)
@@ -81,7 +82,7 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
             scores = (tl.dot(qb_lo, tl.trans(k_lo)) + tl.dot(qb_hi, tl.trans(k_hi))) * scale_log2
         else:
             k = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES, K_SCALES,
-                         K_MEAN, CODED).to(tl.float16)
+                         K_MEAN, CODED, TILE=TILE).to(tl.float16)
             if PAGE_ROPE:  # q . R(p0) k_stored = (R(p0)^T q) . k_stored
                 q_page = query_to_page(q_x, q_partner, base_cos, base_sin, j, D).to(tl.float16)
                 scores = tl.dot(q_page, tl.trans(k)) * scale_log2
@@ -110,7 +111,7 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
 def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, scheme: ChwScheme,
                plan: BatchPlan, scale: float | None = None, levers: LeverScheme | None = None,
                rotary: Rotary | None = None, target_programs: int = 1024, num_warps: int = 4,
-               num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               num_stages: int = 1, tile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request over a ``chw:`` layer (`paged_decode`'s contract).
 
     Args:
@@ -118,6 +119,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
         pages, codebooks, dense: one layer's pools; scheme: `chw_gather.chw_scheme` of the layer; levers: its
             `lever_scheme` (None for none); rotary: the model's RoPE, for pre-RoPE and page-relative keys.
         target_programs: about how many programs the split-K grid should have.
+        tile: each program loads its head's key block once a page and gathers the codes from registers.
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -155,6 +157,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
         per_split, splits, *ropes, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), K_CODES=max(scheme.codes, 0),
         K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, CODED=scheme.codes >= 0,
+        TILE=tile_bytes(scheme.widths, h, p) if tile and scheme.codes >= 0 else 0,
         **scheme_constants("V", scheme.values), SINK=flags.sink, ROPE=flags.prerope, PAGE_ROPE=flags.pagerope,
         VROT=flags.vrot, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)

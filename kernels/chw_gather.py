@@ -80,28 +80,44 @@ def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
 
 @functools.lru_cache(maxsize=64)
 def chw_table(widths: str, heads: int, page_size: int, device: str) -> torch.Tensor:
-    """int32 ``[4, H*D]``: each channel's width, the bit of its first code in the page's key bytes, the bits between
-    its codes, its index among the coded channels (all 0 where uncoded)."""
+    """int32 ``[6, H*D]``: each channel's width, the bit of its first code in the page's key bytes, the bits between
+    its codes, its index among the coded channels, its head's block's first byte and size (an uncoded channel: width,
+    stride and index 0, its first bit its block's first)."""
     from kvbackend.codecs.chw import bit_layout
 
     w = torch.tensor([int(c) for c in widths], dtype=torch.int32)
     bits = bit_layout(w.to(torch.uint8), heads, page_size)
     coded = w > 0
-    table = torch.zeros(4, w.numel(), dtype=torch.int64)
+    block = torch.tensor(bits.block, dtype=torch.int64)
+    first = block[:-1].repeat_interleave(w.numel() // heads)
+    table = torch.zeros(6, w.numel(), dtype=torch.int64)
     table[0] = w
+    table[1] = 8 * first
     table[1, coded] = bits.start
     table[2, coded] = bits.stride
     table[3, coded] = torch.arange(int(coded.sum()))
+    table[4] = first
+    table[5] = (block[1:] - block[:-1]).repeat_interleave(w.numel() // heads)
     return table.to(torch.int32).to(device).contiguous()
+
+
+def tile_bytes(widths: str, heads: int, page_size: int) -> int:
+    """The register tile a program loads its head's key block into (`chw_keys`' TILE): a power of two above the
+    largest block (the last code's second byte is read from it too)."""
+    w = torch.tensor([int(c) for c in widths], dtype=torch.int64).reshape(heads, -1)
+    return triton.next_power_of_2(int((4 * ((page_size * w.sum(1) + 31) // 32)).max()) + 1)
 
 
 @triton.jit
 def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr,
              H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
-             MEAN: tl.constexpr, CODED: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0):
+             MEAN: tl.constexpr, CODED: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0,
+             TILE: tl.constexpr = 0):
     """Keys [P, D] float32 of head ``h`` of packed page ``page`` (int64): ``mean + ((code + 0.5) * step - amax)``
     with ``step = 2 * amax / 2^w`` per coded channel, the mean for a channel of width 0. ``C0``/``W``: only
-    channels ``C0 .. C0 + W - 1`` ([P, W]; W 0 = all D: RoPE's halves)."""
+    channels ``C0 .. C0 + W - 1`` ([P, W]; W 0 = all D: RoPE's halves). TILE 0: each code's two bytes loaded from
+    memory; else the head's block loaded once into a register tile of TILE bytes (`tile_bytes`) and each code's
+    two bytes gathered from it."""
     WD: tl.constexpr = D if W == 0 else W
     t = tl.arange(0, P)
     ch = h * D + C0 + tl.arange(0, WD)
@@ -114,8 +130,16 @@ def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, 
         stride = tl.load(table + 2 * H * D + ch)
         index = tl.load(table + 3 * H * D + ch)
         bit = start[None, :] + t[:, None] * stride[None, :]
-        at = page * PAGE_BYTES + CODES + (bit >> 3)
-        window = (tl.load(u8 + at).to(tl.int32) << 8) | tl.load(u8 + at + 1).to(tl.int32)
+        if TILE:
+            first = tl.load(table + 4 * H * D + h * D)  # the head's block: its first byte and size
+            size = tl.load(table + 5 * H * D + h * D)
+            kb = tl.arange(0, TILE)
+            block = tl.load(u8 + page * PAGE_BYTES + CODES + first + kb, mask=kb < size, other=0).to(tl.int32)
+            byte = tl.reshape((bit >> 3) - first, (P * WD,))
+            window = tl.reshape((tl.gather(block, byte, 0) << 8) | tl.gather(block, byte + 1, 0), (P, WD))
+        else:
+            at = page * PAGE_BYTES + CODES + (bit >> 3)
+            window = (tl.load(u8 + at).to(tl.int32) << 8) | tl.load(u8 + at + 1).to(tl.int32)
         code = (window >> (16 - (bit & 7) - w[None, :])) & ((1 << w) - 1)[None, :]
         amax = tl.load(i16 + page * (PAGE_BYTES // 2) + SCALES // 2 + index, mask=w > 0, other=0)
         amax = amax.to(tl.float16, bitcast=True).to(tl.float32)
@@ -130,7 +154,7 @@ def _chw_gather_kernel(u8, i16, i32, book_i16, dense, table, page_ids, slots, ki
                        local_cos, local_sin, base_cos, base_sin, hadamard_ptr, k_out, v_out,
                        PAGE_BYTES: tl.constexpr, BOOK_BYTES: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
                        D: tl.constexpr, K_CODES: tl.constexpr, K_SCALES: tl.constexpr, K_MEAN: tl.constexpr,
-                       CODED: tl.constexpr,
+                       CODED: tl.constexpr, TILE: tl.constexpr,
                        V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYMMETRIC: tl.constexpr,
                        V_KIND: tl.constexpr, V_ESIZE: tl.constexpr, V_CODES: tl.constexpr, V_SCALES: tl.constexpr,
                        V_ZEROS: tl.constexpr, V_ASSIGN: tl.constexpr, V_STAGES: tl.constexpr, V_C: tl.constexpr,
@@ -148,7 +172,7 @@ def _chw_gather_kernel(u8, i16, i32, book_i16, dense, table, page_ids, slots, ki
     d = tl.arange(0, D)
     if kind == 0:
         k = chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES, BOOK_BYTES, H, P, D, K_CODES, K_SCALES,
-                     K_MEAN, CODED)
+                     K_MEAN, CODED, TILE=TILE)
         v = dequant_tile(u8, i16, i32, page, book_i16, slot, h, PAGE_BYTES, BOOK_BYTES, H, P, D, V_MODE, V_BITS,
                          V_GROUP, V_SYMMETRIC, V_KIND, V_ESIZE, V_CODES, V_SCALES, V_ZEROS, V_ASSIGN, V_STAGES, V_C,
                          V_BOOK, 0, CSCALE=V_CSCALE)
@@ -181,7 +205,7 @@ def _chw_gather_kernel(u8, i16, i32, book_i16, dense, table, page_ids, slots, ki
 
 def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, scheme: ChwScheme, plan: BatchPlan,
                out_dtype: torch.dtype = torch.bfloat16, levers: LeverScheme | None = None,
-               rotary: Rotary | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+               rotary: Rotary | None = None, num_warps: int = 4, tile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token of the planned requests, ``[total_tokens, H, D]`` each for K and V (`gather_dequant`'s contract
     for ``chw:`` layers).
 
@@ -191,6 +215,7 @@ def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor
         dense: one layer's dense pages ``[num_pages, 2, P, H, D]``.
         scheme: `chw_scheme` of the layer; levers: its `lever_scheme` (None for none); rotary: the model's RoPE, for
             pre-RoPE and page-relative keys.
+        tile: each program loads its head's key block once and gathers the codes from registers (`chw_keys`).
     """
     if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
         raise ValueError(f"packed pages must be a contiguous uint8 [pages, page_bytes] tensor, got {pages.dtype} "
@@ -219,6 +244,7 @@ def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor
         plan.kinds, plan.valid, plan.rows, plan.positions, *ropes, k_out, v_out,
         PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
         K_CODES=max(scheme.codes, 0), K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, CODED=scheme.codes >= 0,
+        TILE=tile_bytes(scheme.widths, h, p) if tile and scheme.codes >= 0 else 0,
         **scheme_constants("V", scheme.values), SINK=lv.sink, SINK_K=max(lv.sink_k, 0), SINK_V=max(lv.sink_v, 0),
         SINK_KIND=lv.sink_kind, ROPE=lv.prerope, PAGE_ROPE=lv.pagerope, VROT=lv.vrot, num_warps=num_warps)
     return k_out, v_out

@@ -47,6 +47,7 @@ def chw_cache(codec, page_size, lengths, ratio, backend, seed=0):
 
 @pytest.mark.parametrize("codec,page_size,lengths,ratio", CASES)
 def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, lengths, ratio):
+    from kvbackend.kernels.chw_decode import chw_decode
     from kvbackend.kernels.chw_gather import chw_gather
 
     cache, ids = chw_cache(codec, page_size, lengths, ratio, "triton")
@@ -68,6 +69,10 @@ def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, l
             if cache.page_table(rid).packed:
                 sink = backend.levers.sink
                 assert torch.equal(k[row : row + sink].bfloat16(), reads[ids.index(rid)][0][:sink])
+    # codes gathered from a register tile of the head's block: the same bytes, the same arithmetic
+    tk, tv = chw_gather(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                        backend.scheme, plan, out_dtype=torch.float32, levers=backend.levers, rotary=ROTARY, tile=True)
+    assert torch.equal(tk, k) and torch.equal(tv, v)
     bk, bv = cache.gather(plan, layer)  # the backend's own call, in the cache's dtype: one bf16 rounding away
     assert bk.dtype == torch.bfloat16 and bv.dtype == torch.bfloat16
     assert torch.allclose(bk.float(), k, rtol=2 ** -7, atol=1e-6) and torch.allclose(bv.float(), v, rtol=2 ** -7, atol=1e-6)
@@ -75,6 +80,9 @@ def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, l
     want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
     out, lse = cache.decode(plan, layer, q)
     assert float((out.float() - want).norm() / want.norm()) < 1e-2
+    tiled = chw_decode(q, cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                       backend.scheme, plan, levers=backend.levers, rotary=ROTARY, tile=True)
+    assert torch.equal(tiled[0], out) and torch.equal(tiled[1], lse)
     # keys near 8 are a bf16 step (1/16) apart where the two frames' float32 arithmetic rounds them apart
     assert torch.allclose(lse, want_lse, atol=5e-2)
     cut = plan.cu_seqlens.tolist()  # the fused kernel over the gathered rows' attention: its fp16 operands apart
