@@ -23,7 +23,7 @@ from kvbackend.errors import UnsupportedLayout
 from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme
 
-from kvbackend.kernels.chw_gather import ChwScheme, chw_keys, chw_table, tile_bytes
+from kvbackend.kernels.chw_gather import ChwScheme, check_pools, chw_keys, chw_table, tile_bytes
 from kvbackend.kernels.decode_split import VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
 from kvbackend.kernels.levers import (hadamard_apply, lever_args, load_hadamard, page_rotation, query_and_partner,
@@ -136,8 +136,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
         raise ValueError("q must be contiguous and on the pools' device")
     if b and plan.min_pages == 0:
         raise ValueError("every request in a decode batch needs at least one token")
-    if len(scheme.widths) != h * d:
-        raise ValueError(f"the scheme has {len(scheme.widths)} widths for {h} heads x {d} channels")
+    check_pools(scheme, pages, codebooks, dense)
     lv = levers if levers is not None and levers.active else None
     if lv is not None and (lv.psac_rank or lv.outliers or lv.whole):
         raise UnsupportedLayout("chw: layers carry no PSAC rows, key outliers or whole key rows")

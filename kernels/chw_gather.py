@@ -43,6 +43,10 @@ class ChwScheme:
     scales: int  # offset of the fp16 absmaxes (``k_wscales``), -1 where no channel is coded
     mean: int  # offset of the fp16 channel means [H, D] in the codebook slot (``k_mean``)
     values: TensorScheme  # the values: per-token groups
+    heads: int  # the layout's KV heads, page size, page and codebook slot bytes (another layout's scheme is refused)
+    page_size: int
+    page_bytes: int
+    book_bytes: int
 
 
 def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
@@ -75,7 +79,19 @@ def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
                           kind=kind_of(scales.dtype), codes=page["v_codes"].offset, scales=scales.offset,
                           zeros=page["v_zeros"].offset)
     return ChwScheme(widths, page["k_hcodes"].offset if "k_hcodes" in page else -1,
-                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset, values)
+                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset, values, h, p, layout.page_bytes, layout.codebook_bytes)
+
+
+def check_pools(scheme: ChwScheme, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor) -> None:
+    """Raise ValueError where ``scheme`` is not the layout of these pools (another geometry's offsets would read
+    other fields, or past a page)."""
+    _, _, p, heads, dim = dense.shape
+    if len(scheme.widths) != heads * dim or scheme.heads != heads or scheme.page_size != p:
+        raise ValueError(f"the scheme is a layout of {scheme.heads} KV heads x {len(scheme.widths) // scheme.heads} "
+                         f"channels on pages of {scheme.page_size} tokens; the pools hold {heads} x {dim} on {p}")
+    if pages.shape[1] != scheme.page_bytes or (codebooks.numel() and codebooks.shape[-1] != scheme.book_bytes):
+        raise ValueError(f"the pools' pages of {pages.shape[1]} bytes and slots of {codebooks.shape[-1]} are not the "
+                         f"scheme's layout ({scheme.page_bytes} and {scheme.book_bytes})")
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,7 +139,7 @@ def chw_keys(u8, i16, book_i16, page, slot, h, table, PAGE_BYTES: tl.constexpr, 
     ch = h * D + C0 + tl.arange(0, WD)
     mean = tl.load(book_i16 + slot * (BOOK_BYTES // 2) + MEAN // 2 + ch).to(tl.float16, bitcast=True).to(tl.float32)
     if not CODED:  # no channel coded
-        k = tl.zeros((P, WD), tl.float32) + mean[None, :]
+        k = tl.broadcast_to(mean[None, :], (P, WD))  # (a -0 mean stays -0, as the reference reads it)
     else:
         w = tl.load(table + ch)
         start = tl.load(table + H * D + ch)
@@ -225,8 +241,7 @@ def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor
     _, _, p, h, d = dense.shape
     if plan.page_size != p:
         raise ValueError(f"plan page_size {plan.page_size} != dense pages' {p}")
-    if len(scheme.widths) != h * d:
-        raise ValueError(f"the scheme has {len(scheme.widths)} widths for {h} heads x {d} channels")
+    check_pools(scheme, pages, codebooks, dense)
     lv = levers if levers is not None else LeverScheme()
     if lv.psac_rank or lv.outliers or lv.whole:
         raise UnsupportedLayout("chw: layers carry no PSAC rows, key outliers or whole key rows")

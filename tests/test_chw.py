@@ -120,6 +120,21 @@ def test_keys_past_fp16_are_refused_not_clipped():
         codec.encode(nan, v, layout)
 
 
+def test_keys_whose_reconstruction_leaves_fp16_are_refused():
+    """Each stored key within fp16, but a channel's mean plus its spread past it: a coarse level (mean + 1.25 x the
+    spread here) would read back past 65504, where the kernels' fp16 operands overflow. Refused, the cache unchanged."""
+    codec = codecs.get("chw:kbits=2,vbits=2")
+    layout = codec.layout(Geometry(1, 1, 16, torch.float32), 16)
+    k = torch.randn(16, 1, 16)
+    k[:15, 0, 0] = 60000.0
+    k[15, 0, 0] = 0.0  # mean 56250, spread 56250
+    with pytest.raises(InvalidKV, match="reach past fp16"):
+        codec.encode(k, torch.randn(16, 1, 16), layout)
+    k[:15, 0, 0] = 30000.0  # mean 28125 + spread 28125 = 56250: read back within fp16
+    kd, _ = codec.decode(codec.encode(k, torch.randn(16, 1, 16), layout))
+    assert torch.isfinite(kd.half()).all()
+
+
 def test_the_kernels_refuse_the_layout_by_name():
     codec = codecs.get(f"chw:kw={KW},sink=4,prerope=true,vrot=hadamard")
     layout = codec.layout(GEOM, 16)

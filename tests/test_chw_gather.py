@@ -123,3 +123,45 @@ def test_the_backend_is_chosen_for_chw_layers_only():
     with pytest.raises(UnsupportedLayout, match="not a chw"):
         chw_scheme(rtn, rtn.layout(geometry, 16))
 
+
+
+def test_a_scheme_of_another_layout_is_refused():
+    """Offsets of another geometry would read other fields of a page, or past it: both kernels refuse the scheme."""
+    from kvbackend.kernels.chw_decode import chw_decode
+    from kvbackend.kernels.chw_gather import chw_gather
+
+    kw = "3" * 64 + "5" * 64
+    donor, _ = chw_cache(f"chw:kw={kw},vbits=4", 16, [40], 1, "triton")
+    cache = KVCache(Geometry(2, 1, 128, torch.bfloat16),
+                    CacheConfig(codec=f"chw:kw={kw},vbits=4", page_size=16, chunk_pages=2, dense_pages=8,
+                                packed_pages=8, device=DEVICE, backend="triton"))
+    rid, _ = cache.add_request()
+    for layer in range(2):
+        cache.append(rid, layer, torch.randn(40, 1, 128).bfloat16(), torch.randn(40, 1, 128).bfloat16())
+    plan = cache.plan([rid], 0)
+    pools = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0])
+    with pytest.raises(ValueError, match="layout of 2 KV heads"):
+        chw_gather(*pools, donor.backends[0].scheme, plan)
+    with pytest.raises(ValueError, match="layout of 2 KV heads"):
+        chw_decode(torch.randn(1, 2, 128).bfloat16(), *pools, donor.backends[0].scheme, plan)
+    k, _ = chw_gather(*pools, cache.backends[0].scheme, plan, out_dtype=torch.float32)  # its own: served
+    assert torch.allclose(k.bfloat16().float(), cache.read(rid, 0)[0].float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_a_negative_zero_mean_reads_back_as_the_reference_reads_it():
+    """No channel coded: the keys are the chunk means, a -0 mean included (bit for bit as the torch reference)."""
+    from kvbackend.kernels.chw_gather import chw_gather
+
+    for spec in ("chw:kbits=0,vbits=4", "chw:kw=" + "0" * 63 + "3" + "3" * 64 + ",vbits=4"):
+        cache = KVCache(Geometry(1, 2, 64, torch.float32),
+                        CacheConfig(codec=spec, page_size=16, chunk_pages=1, dense_pages=8, packed_pages=8,
+                                    device=DEVICE, backend="triton"))
+        rid, _ = cache.add_request()
+        k = torch.randn(17, 2, 64)
+        k[:, 0, 0] = -1e-9  # a mean that rounds to -0 in fp16
+        cache.append(rid, 0, k, torch.randn(17, 2, 64))
+        got, _ = chw_gather(cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
+                            cache.backends[0].scheme, cache.plan([rid], 0), out_dtype=torch.float32)
+        want = cache.read(rid, 0)[0]
+        assert torch.equal(got[:16, 0, 0].view(torch.int32), want[:16, 0, 0].view(torch.int32)), spec
+        assert int(want[0, 0, 0].view(torch.int32)) == int(torch.tensor(-0.0).view(torch.int32))

@@ -196,8 +196,9 @@ class ChwCodec(Codec):
         n = t // p
         width = self._widths(geometry).to(k.device)
         x = k.reshape(n, p, h * d)
-        # each chunk's channel means in float64, so that every device and summation order rounds them to the
-        # same fp16 (the compiled loop sums token after token, torch in its own order)
+        # each chunk's channel means in float64 (the compiled loop sums token after token, torch in its own order:
+        # the same fp16 but where a sum lands within float64's rounding of an fp16 tie, which needs channels
+        # spanning about 2^50 in magnitude; decoding reads the stored mean, so both encodings read back consistently)
         sums = fastchw.channel_sums(x, n // units)
         mean = sums / (t // units) if sums is not None else k.reshape(units, t // units, h * d).double().mean(1)
         if float(mean.abs().max()) > _FP16_MAX:
@@ -217,6 +218,11 @@ class ChwCodec(Codec):
             if float(peak.max()) > _FP16_MAX:  # `round_to` would saturate the scale: clipped keys
                 raise InvalidKV("chw: a key's distance from its channel's mean exceeds fp16's range (its scale's)")
             amax = round_to(peak.clamp_min(1e-30), torch.float16, "up")  # [n, A]
+            # a key reads back inside |mean| + amax: past fp16's range the kernels' fp16 operands would overflow
+            reach = mean32.abs()[:, column].repeat_interleave(n // units, 0) + amax
+            if float(reach.max()) > _FP16_MAX:
+                raise InvalidKV("chw: a key channel's mean and spread reach past fp16's range (|mean| + absmax > "
+                                "65504): its keys would not read back within it")
             codes_view = layout.page.view(pages, "k_hcodes")
             bits = self.bits(geometry, p)
             fused = None if y is not None else fastchw.packed(x, mean32, n // units, column, amax, bits)
