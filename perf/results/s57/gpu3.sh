@@ -4,5 +4,5 @@ export PYTHONPATH=/tmp/site
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name --format=csv,noheader
 git rev-parse HEAD 2>/dev/null
-timeout 150 python -P -m pytest -q -x -n 8 tests/test_chw_gather.py tests/test_chw.py tests/test_layer_plan.py 2>&1 | tail -5
+timeout 150 python -P -m pytest -q -x tests/test_chw_gather.py tests/test_chw.py tests/test_layer_plan.py 2>&1 | tail -5
 PYTHONPATH=/tmp/site:. timeout 200 python perf/bench_chw_gather.py $OUT/chw_gather.json 2>&1 | grep -v "^\s*$" | tail -12
