@@ -235,9 +235,11 @@ def test_every_layer_attends_the_calls_own_tokens_as_given(model):
 
 
 LEVERED = "quantwm:group=32,kchannel=16,rank=4,keep=0.25,centroids=4,clip=true,vcluster=false,sink=4,vrot=hadamard,prerope=true"
+# a klt plan's layer (keys at a width per channel, 2 KV heads x 32 channels): served by `ChwBackend`'s kernels
+CHW = "chw:kw=" + "".join(str(i % 7) for i in range(64)) + ",vbits=2,vstep=1.15,sink=4,vrot=hadamard,prerope=true"
 
 
-@pytest.mark.parametrize("codec", ["identity", LEVERED])
+@pytest.mark.parametrize("codec", ["identity", LEVERED, CHW])
 def test_attached_decode_steps_attend_on_the_pages(model, codec, monkeypatch):
     """With attach() and the Triton backend, one-token steps run the paged decode kernel on the pages
     (no dense read of the sequence) and give the logits of the reference path; a padded batch falls
