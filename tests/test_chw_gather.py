@@ -82,7 +82,11 @@ def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, l
     assert float((out.float() - want).norm() / want.norm()) < 1e-2
     tiled = chw_decode(q, cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
                        backend.scheme, plan, levers=backend.levers, rotary=ROTARY, tile=True)
-    assert torch.equal(tiled[0], out) and torch.equal(tiled[1], lse)
+    if DEVICE == "cpu":  # the interpreter: the same operations give the same bits
+        assert torch.equal(tiled[0], out) and torch.equal(tiled[1], lse)
+    else:  # compiled, the two programs may schedule the products apart (measured on an H100: not bit for bit)
+        assert float((tiled[0].float() - out.float()).norm() / out.float().norm()) < 1e-3
+        assert torch.allclose(tiled[1], lse, atol=1e-3)
     # keys near 8 are a bf16 step (1/16) apart where the two frames' float32 arithmetic rounds them apart
     assert torch.allclose(lse, want_lse, atol=5e-2)
     cut = plan.cu_seqlens.tolist()  # the fused kernel over the gathered rows' attention: its fp16 operands apart
