@@ -26,6 +26,7 @@ from kvbackend.scheme import LeverScheme
 from kvbackend.kernels.chw_gather import ChwScheme, check_pools, chw_keys, chw_table, tile_bytes
 from kvbackend.kernels.decode_split import VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
+from kvbackend.kernels.gather_dequant import _check
 from kvbackend.kernels.levers import (hadamard_apply, lever_args, load_hadamard, page_rotation, query_and_partner,
                                       query_to_page, rope_tables, rotate_halves)
 from kvbackend.kernels.paged_decode import MERGE_SPLITS, _attend, _merge_kernel, _sink_constants, _softmax_step
@@ -123,11 +124,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
-        raise ValueError(f"packed pages must be a contiguous uint8 [pages, page_bytes] tensor, got {pages.dtype} "
-                         f"{tuple(pages.shape)}")
-    if dense.dim() != 5 or dense.shape[1] != 2 or not dense.is_contiguous():
-        raise ValueError(f"dense pages must be a contiguous [pages, 2, P, H, D] tensor, got {tuple(dense.shape)}")
+    _check(pages, dense, plan)  # (`gather_dequant`'s checks of the pools and the plan)
     _, _, p, h, d = dense.shape
     b, hq, dq = q.shape
     if dq != d or hq % h or b != len(plan.request_ids):

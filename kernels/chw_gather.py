@@ -30,6 +30,7 @@ from kvbackend.rope import Rotary
 from kvbackend.scheme import TOKEN_GROUPS, LeverScheme, TensorScheme, kind_of, lever_scheme
 
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
+from kvbackend.kernels.gather_dequant import _check
 from kvbackend.kernels.levers import (halves, hadamard_apply, join_halves, lever_args, load_hadamard, page_rotation,
                                       rope_tables, rotate_halves, sink_tile)
 
@@ -233,11 +234,7 @@ def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor
             pre-RoPE and page-relative keys.
         tile: each program loads its head's key block once and gathers the codes from registers (`chw_keys`).
     """
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
-        raise ValueError(f"packed pages must be a contiguous uint8 [pages, page_bytes] tensor, got {pages.dtype} "
-                         f"{tuple(pages.shape)}")
-    if dense.dim() != 5 or dense.shape[1] != 2 or not dense.is_contiguous():
-        raise ValueError(f"dense pages must be a contiguous [pages, 2, P, H, D] tensor, got {tuple(dense.shape)}")
+    _check(pages, dense, plan)  # (`gather_dequant`'s checks of the pools and the plan)
     _, _, p, h, d = dense.shape
     if plan.page_size != p:
         raise ValueError(f"plan page_size {plan.page_size} != dense pages' {p}")
