@@ -76,12 +76,16 @@ class ChwBackend(TorchBackend):
                           rotary=cache.frames[layer].rotary)
 
 
+def _is_chw(codec) -> bool:
+    from kvbackend.codecs.chw import ChwCodec
+
+    return isinstance(codec, ChwCodec)
+
+
 def chw_kernels_can_serve(codec, layout: PageLayout) -> bool:
     """Whether `ChwBackend` reads this layer (a ``chw:`` codec on power-of-two pages and heads, its levers
     included)."""
-    from kvbackend.codecs.chw import ChwCodec
-
-    if not isinstance(codec, ChwCodec):
+    if not _is_chw(codec):
         return False
     from kvbackend.kernels.chw_gather import layer_schemes
 
@@ -200,7 +204,7 @@ def kernels_can_serve(codec, layout: PageLayout) -> bool:
 
 def choose(name: str, device: torch.device, codec, layout: PageLayout, unit_encoder=None):
     """The backend called ``name`` ("auto", "torch" or "triton") for pools on ``device``; ``unit_encoder`` goes to
-    a Triton backend (`TritonBackend`).
+    a Triton backend (`TritonBackend`; a ``chw:`` layer's is `ChwBackend`).
 
     Raises:
         SpecError: an unknown name, or "triton" where Triton is missing or cannot read the layout.
@@ -208,10 +212,9 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout, unit_enco
     if name not in BACKENDS:
         raise SpecError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
     has_triton = importlib.util.find_spec("triton") is not None
-    chw = has_triton and chw_kernels_can_serve(codec, layout)
+    readable = chw_kernels_can_serve if _is_chw(codec) else kernels_can_serve  # (imports Triton: not for "torch")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and has_triton and (chw or kernels_can_serve(codec, layout)) \
-            else "torch"
+        name = "triton" if device.type == "cuda" and has_triton and readable(codec, layout) else "torch"
     if name == "torch":
         return TorchBackend()
     if not has_triton:
@@ -219,9 +222,7 @@ def choose(name: str, device: torch.device, codec, layout: PageLayout, unit_enco
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":  # (the interpreter runs on the CPU)
         raise SpecError(f"backend 'triton' runs on a CUDA device, not {device.type!r}: use backend='auto' or 'torch' "
                         "(or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
-    if chw:
-        return ChwBackend(codec, layout)
-    if not kernels_can_serve(codec, layout):
+    if not readable(codec, layout):
         raise SpecError(f"the Triton kernels cannot read codec {codec.spec_string!r} with page_size "
                         f"{layout.page_size} and head_dim {layout.geometry.head_dim}: use backend='auto' or 'torch'")
-    return TritonBackend(codec, layout, unit_encoder)
+    return ChwBackend(codec, layout) if _is_chw(codec) else TritonBackend(codec, layout, unit_encoder)

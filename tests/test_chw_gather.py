@@ -10,7 +10,7 @@ import torch
 from kvbackend import CacheConfig, Geometry, KVCache, codecs
 from kvbackend.attention import decode_attention
 from kvbackend.backends import ChwBackend, TorchBackend, choose
-from kvbackend.errors import UnsupportedLayout
+from kvbackend.errors import SpecError, UnsupportedLayout
 from kvbackend.frames import lever_layout
 from kvbackend.rope import Rotary
 from kernel_cases import DEVICE, lever_request
@@ -119,6 +119,8 @@ def test_the_backend_is_chosen_for_chw_layers_only():
     assert isinstance(choose("auto", torch.device("cpu"), chw, layout), TorchBackend)  # the CPU keeps the reference
     odd = lever_layout(chw.layout(geometry, 24), chw.levers)  # pages of 24 tokens: no kernel reads them
     assert isinstance(choose("auto", torch.device("cpu"), chw, odd), TorchBackend)
+    with pytest.raises(SpecError, match="cannot read codec"):
+        choose("triton", torch.device(DEVICE), chw, odd)
     from kvbackend.kernels.chw_gather import chw_scheme
 
     with pytest.raises(UnsupportedLayout, match="power-of-two"):
