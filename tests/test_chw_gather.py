@@ -12,12 +12,11 @@ from kvbackend.attention import decode_attention
 from kvbackend.backends import ChwBackend, TorchBackend, choose
 from kvbackend.errors import SpecError, UnsupportedLayout
 from kvbackend.frames import lever_layout
-from kvbackend.rope import Rotary
-from kernel_cases import DEVICE, lever_request
+from kernel_cases import DEVICE
+from test_kernel_levers import ROTARY, lever_cache  # (queries fed too: chw: layers book none)
 
 triton = pytest.importorskip("triton")
 
-ROTARY = Rotary(1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), scaling=1.25)
 KW = "".join(str(i % 9) for i in range(128))  # every width 0-8 on channels of both heads
 CASES = [  # (codec, page size, lengths, GQA ratio)
     (f"chw:kw={KW},vbits=2,vstep=1.15,sink=4,prerope=true,vrot=hadamard", 16, [45, 70, 3], 4),  # a klt plan's layer
@@ -29,28 +28,12 @@ CASES = [  # (codec, page size, lengths, GQA ratio)
 ]
 
 
-def chw_cache(codec, page_size, lengths, ratio, backend, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    heads, d = 2, 64
-    cache = KVCache(Geometry(2, heads, d, torch.bfloat16),
-                    CacheConfig(codec=codec, page_size=page_size, chunk_pages=2, dense_pages=64, packed_pages=64,
-                                device=DEVICE, backend=backend), rotary=ROTARY)
-    ids = []
-    for n in lengths:
-        rid, _ = cache.add_request()
-        for layer in range(2):
-            k, v, _ = lever_request(gen, n, heads, d, ratio, ROTARY)
-            cache.append(rid, layer, k, v)
-        ids.append(rid)
-    return cache, ids
-
-
 @pytest.mark.parametrize("codec,page_size,lengths,ratio", CASES)
 def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, lengths, ratio):
     from kvbackend.kernels.chw_decode import chw_decode
     from kvbackend.kernels.chw_gather import chw_gather
 
-    cache, ids = chw_cache(codec, page_size, lengths, ratio, "triton")
+    cache, ids = lever_cache(codec, page_size, lengths, ratio, "triton")
     backend = cache.backends[1]
     assert isinstance(backend, ChwBackend) and backend.name == "triton"
     layer = 1
@@ -98,7 +81,7 @@ def test_each_lever_path_of_the_gather_does_work():
     """Without the lever scheme the same pages gather to something else (the sink, RoPE and rotation paths)."""
     from kvbackend.kernels.chw_gather import chw_gather
 
-    cache, ids = chw_cache(CASES[0][0], 16, [70], 2, "triton")
+    cache, ids = lever_cache(CASES[0][0], 16, [70], 2, "triton")
     backend, plan = cache.backends[0], cache.plan(ids, 0)
     args = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], backend.scheme, plan)
     full = chw_gather(*args, out_dtype=torch.float32, levers=backend.levers, rotary=ROTARY)
@@ -137,7 +120,7 @@ def test_a_scheme_of_another_layout_is_refused():
     from kvbackend.kernels.chw_gather import chw_gather
 
     kw = "3" * 64 + "5" * 64
-    donor, _ = chw_cache(f"chw:kw={kw},vbits=4", 16, [40], 1, "triton")
+    donor, _ = lever_cache(f"chw:kw={kw},vbits=4", 16, [40], 1, "triton")
     cache = KVCache(Geometry(2, 1, 128, torch.bfloat16),
                     CacheConfig(codec=f"chw:kw={kw},vbits=4", page_size=16, chunk_pages=2, dense_pages=8,
                                 packed_pages=8, device=DEVICE, backend="triton"))
