@@ -48,6 +48,9 @@ class KltSpec(Checked):
     axes: str = one_of("principal", AXES)  # keys on the principal axes, or on the weighted channels
     # served by the paged cache: `page_specs` writes one ``chw:`` page codec per layer (axes=channels only)
     paged: bool = False
+    # the paged keys' frame: before RoPE (``pre``: the kernels rotate each key) or as attention reads them
+    # (``post``: widths from the channels' variances after RoPE; a kernel can fold the scales into the query)
+    rope: str = one_of("pre", ("pre", "post"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,17 +61,21 @@ class KltSpec(Checked):
         if self.paged and self.axes != "channels":
             raise SpecError("klt paged=true: the paged cache serves axes=channels only (the principal axes need a "
                             "D x D product per key that no page codec has yet)")
+        if self.rope != "pre" and not self.paged:
+            raise SpecError(f"klt rope={self.rope}: only the paged codec (paged=true) stores keys after RoPE")
 
     @property
     def spec_string(self) -> str:
         step = f",vstep={self.vstep:g}" if self.vstep != 1.0 else ""
         axes = f",axes={self.axes}" if self.axes != "principal" else ""
         paged = ",paged=true" if self.paged else ""
+        rope = f",rope={self.rope}" if self.rope != "pre" else ""
         return (f"klt:kbits={self.kbits:g},vbits={self.vbits},sink={self.sink},clip={str(self.clip).lower()}"
-                f"{step}{axes}{paged}")
+                f"{step}{axes}{paged}{rope}")
 
 
-_TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool, "vstep": float, "axes": str, "paged": bool}
+_TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool, "vstep": float, "axes": str, "paged": bool,
+          "rope": str}
 
 
 def is_klt(text: str) -> bool:
@@ -93,21 +100,23 @@ def parse_klt(text: str) -> KltSpec:
 @dataclass(frozen=True)
 class KeyBases:
     """Per layer: query weights ``w``, mean ``mu``, axes ``basis`` (columns) and their variances ``lam`` per KV
-    head, and the variances ``var`` of the weighted channels themselves (`along` ``"channels"``).
+    head, and the variances ``var`` of the weighted channels themselves (`along` ``"channels"``), before RoPE and
+    (``var_post``) after it, over the calibration text's positions.
 
-    Shapes: w, mu, lam, var ``[L, H, D]``; basis ``[L, H, D, D]`` (float32)."""
+    Shapes: w, mu, lam, var, var_post ``[L, H, D]``; basis ``[L, H, D, D]`` (float32)."""
 
     w: torch.Tensor
     mu: torch.Tensor
     basis: torch.Tensor
     lam: torch.Tensor
     var: torch.Tensor
+    var_post: torch.Tensor
 
     @staticmethod
     def fit(queries: list[torch.Tensor], keys: list[torch.Tensor], rotary) -> "KeyBases":
         """From one text's exact tensors per layer: queries ``[Hq, T, D]`` and keys ``[H, T, D]`` after RoPE at
         positions 0..T-1 (`kvbackend.tools.evaluate.capture_exact`)."""
-        ws, mus, bases, lams, variances = [], [], [], [], []
+        ws, mus, bases, lams, variances, posts = [], [], [], [], [], []
         for q_post, k_post in zip(queries, keys):
             h, t, d = k_post.shape
             if q_post.shape[0] % h or t < 2:
@@ -126,8 +135,9 @@ class KeyBases:
             bases.append(basis.float())
             lams.append(lam.float().clamp_min(1e-12))
             variances.append(cov.diagonal(dim1=1, dim2=2).clamp_min(1e-12))
+            posts.append((k_post.float() * w.sqrt()[:, None]).var(1).clamp_min(1e-12))
         return KeyBases(torch.stack(ws), torch.stack(mus), torch.stack(bases), torch.stack(lams),
-                        torch.stack(variances))
+                        torch.stack(variances), torch.stack(posts))
 
     def along(self, axes: str) -> "KeyBases":
         """``"principal"``: these bases; ``"channels"``: the weighted channels as axes (no rotation: widths by the
@@ -135,12 +145,12 @@ class KeyBases:
         if axes == "principal":
             return self
         eye = torch.eye(self.w.shape[-1]).expand_as(self.basis).contiguous()
-        return KeyBases(self.w, self.mu, eye, self.var, self.var)
+        return KeyBases(self.w, self.mu, eye, self.var, self.var, self.var_post)
 
     @property
     def nbytes(self) -> int:
         """What the frozen bases weigh (once per model, not per request)."""
-        return sum(t.nbytes for t in (self.w, self.mu, self.basis, self.lam, self.var))
+        return sum(t.nbytes for t in (self.w, self.mu, self.basis, self.lam, self.var, self.var_post))
 
     def check(self, layers: int, heads: int, dim: int) -> None:
         if tuple(self.lam.shape) != (layers, heads, dim):
@@ -197,18 +207,21 @@ def page_specs(spec: KltSpec, bases: KeyBases, page_size: int) -> list[str]:
     """One ``chw:`` page codec spec per layer (`kvbackend.codecs.chw`) serving ``spec`` in the paged cache: the key
     widths of ``axes=channels`` by reverse water-filling over every layer and head, with one fp16 scale per coded
     channel and page of ``page_size`` tokens counted in ``kbits`` (the chunk's channel means are not: 16 bits per
-    channel and chunk), keys before RoPE, values Hadamard-rotated, ``sink`` first tokens exact.
+    channel and chunk), keys before RoPE (``rope=post``: after it, widths by the variances after RoPE), values
+    Hadamard-rotated, ``sink`` first tokens exact.
 
     Raises:
         SpecError: a spec on the principal axes (no page codec reads them).
     """
     if spec.axes != "channels":
         raise SpecError(f"{spec.spec_string}: the paged cache serves axes=channels only")
-    width = widths(bases.along("channels").lam, spec.kbits, page_size, group=page_size)
+    lam = bases.var_post if spec.rope == "post" else bases.along("channels").lam
+    width = widths(lam, spec.kbits, page_size, group=page_size)
     step = f",vstep={spec.vstep:g}" if spec.vstep != 1.0 else ""
     sink = f",sink={spec.sink}" if spec.sink else ""
+    rope = ",prerope=true" if spec.rope == "pre" else ""
     return [f"chw:kw={''.join(str(int(b)) for b in layer.flatten())},vbits={spec.vbits},"
-            f"vclip={str(spec.clip).lower()}{step}{sink},prerope=true,vrot=hadamard" for layer in width]
+            f"vclip={str(spec.clip).lower()}{step}{sink}{rope},vrot=hadamard" for layer in width]
 
 
 @dataclass

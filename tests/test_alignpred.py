@@ -256,6 +256,7 @@ def test_edge_groups_encode_to_streams_that_decode(quant, case):
     _check(AlignPredCodec(f"alignpred:{spec},quant={quant}"), k, k * 2)
 
 
+@pytest.mark.model
 def test_eval_measures_alignpred_as_a_whole_sequence():
     """`kvbackend eval` codes alignpred: over every layer of the prefix at once (not through the paged cache), and
     reports bytes, errors and KL of that coding."""

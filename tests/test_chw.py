@@ -195,6 +195,28 @@ def test_page_specs_spend_the_key_budget_on_the_widest_channels():
     assert parse_klt("klt:kbits=3,axes=channels,paged=true").spec_string.endswith(",axes=channels,paged=true")
 
 
+def test_page_specs_after_rope_plan_on_the_rotated_channels():
+    """``rope=post``: keys stored as attention reads them, widths by the channels' variances after RoPE."""
+    bases = _bases()
+    pre = page_specs(parse_klt("klt:kbits=3,vbits=2,axes=channels,paged=true"), bases, 16)
+    spec = parse_klt("klt:kbits=3,vbits=2,axes=channels,paged=true,rope=post")
+    assert parse_klt(spec.spec_string) == spec and spec.spec_string.endswith(",paged=true,rope=post")
+    post = page_specs(spec, bases, 16)
+    widths = torch.tensor([[int(c) for c in codecs.parse(p).kw] for p in post]).float()
+    order = bases.var_post.flatten().argsort()
+    assert torch.all(widths.flatten()[order].diff() >= 0)  # planned on the variances after RoPE
+    assert not torch.allclose(bases.var_post, bases.var)  # (which differ: RoPE turns each pair's two channels)
+    assert post != pre
+    for p in post:
+        levers = codecs.get(p).levers
+        assert not levers.prerope and levers.vrot == "hadamard" and levers.sink == 4
+    with pytest.raises(SpecError, match="only the paged codec"):
+        parse_klt("klt:kbits=3,axes=channels,rope=post")
+    with pytest.raises(SpecError):
+        parse_klt("klt:kbits=3,axes=channels,paged=true,rope=sideways")
+
+
+@pytest.mark.model
 def test_eval_serves_paged_klt_through_the_cache():
     pytest.importorskip("transformers")
     from pathlib import Path

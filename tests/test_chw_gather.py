@@ -126,13 +126,14 @@ def test_a_scheme_of_another_layout_is_refused():
                                 packed_pages=8, device=DEVICE, backend="triton"))
     rid, _ = cache.add_request()
     for layer in range(2):
-        cache.append(rid, layer, torch.randn(40, 1, 128).bfloat16(), torch.randn(40, 1, 128).bfloat16())
+        cache.append(rid, layer, torch.randn(40, 1, 128, device=DEVICE).bfloat16(),
+                     torch.randn(40, 1, 128, device=DEVICE).bfloat16())
     plan = cache.plan([rid], 0)
     pools = (cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0])
     with pytest.raises(ValueError, match="layout of 2 KV heads"):
         chw_gather(*pools, donor.backends[0].scheme, plan)
     with pytest.raises(ValueError, match="layout of 2 KV heads"):
-        chw_decode(torch.randn(1, 2, 128).bfloat16(), *pools, donor.backends[0].scheme, plan)
+        chw_decode(torch.randn(1, 2, 128, device=DEVICE).bfloat16(), *pools, donor.backends[0].scheme, plan)
     k, _ = chw_gather(*pools, cache.backends[0].scheme, plan, out_dtype=torch.float32)  # its own: served
     assert torch.allclose(k.bfloat16().float(), cache.read(rid, 0)[0].float(), rtol=2 ** -7, atol=1e-6)
 
@@ -146,9 +147,9 @@ def test_a_negative_zero_mean_reads_back_as_the_reference_reads_it():
                         CacheConfig(codec=spec, page_size=16, chunk_pages=1, dense_pages=8, packed_pages=8,
                                     device=DEVICE, backend="triton"))
         rid, _ = cache.add_request()
-        k = torch.randn(17, 2, 64)
+        k = torch.randn(17, 2, 64, device=DEVICE)
         k[:, 0, 0] = -1e-9  # a mean that rounds to -0 in fp16
-        cache.append(rid, 0, k, torch.randn(17, 2, 64))
+        cache.append(rid, 0, k, torch.randn(17, 2, 64, device=DEVICE))
         got, _ = chw_gather(cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0],
                             cache.backends[0].scheme, cache.plan([rid], 0), out_dtype=torch.float32)
         want = cache.read(rid, 0)[0]

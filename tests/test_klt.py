@@ -129,7 +129,7 @@ def test_bases_fitted_on_one_sequence_serve_another():
     k_all, v_all = _kv(other_keys, other_values)
     seq = reconstruct(parse_klt("klt:kbits=4"), bases, k_all, v_all, rotary)
     assert float((seq.k - k_all).norm() / k_all.norm()) < 0.1
-    assert bases.nbytes == sum(t.nbytes for t in (bases.w, bases.mu, bases.basis, bases.lam, bases.var))
+    assert bases.nbytes == sum(t.nbytes for t in (bases.w, bases.mu, bases.basis, bases.lam, bases.var, bases.var_post))
 
 
 def test_bad_input_is_refused():
@@ -192,6 +192,7 @@ def test_the_spec_names_itself_and_is_no_page_codec():
         codecs.get("klt:kbits=3")
 
 
+@pytest.mark.model
 def test_eval_measures_klt_with_bases_from_another_text():
     pytest.importorskip("transformers")
     from pathlib import Path
