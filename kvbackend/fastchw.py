@@ -70,11 +70,11 @@ if numba is not None:
                 out[i, a] = peak[column[a]]
 
     @_jit
-    def _pack(x, mean, per_unit, column, amax, width, head_first, block, out):
+    def _pack(x, mean, per_unit, column, amax, width, head_first, block, sequence, out):
         # -> out uint8 [n, bytes] (zeros on entry): codes floor((x - mean + amax) / step) in [0, 2^w - 1], step =
         # 2 * amax / 2^w (the torch path's float32 operations in its order), one block a head from byte block[h]:
-        # token after token, the head's coded channels (head_first[h] .. head_first[h + 1] - 1) most significant bit
-        # first, the block's tail left zero
+        # token after token, the head's coded channels (sequence[head_first[h] .. head_first[h + 1] - 1]) most
+        # significant bit first, the block's tail left zero
         n, p, c_n = x.shape
         a_n = column.shape[0]
         wide = np.empty(c_n, np.uint32)
@@ -102,7 +102,8 @@ if numba is not None:
                 at = block[h]
                 for t in range(p):
                     qt = q[t]
-                    for a in range(head_first[h], head_first[h + 1]):
+                    for k in range(head_first[h], head_first[h + 1]):
+                        a = sequence[k]
                         w = np.int64(width[a])
                         acc = (acc << np.uint64(w)) | np.uint64(qt[column[a]])
                         held += w
@@ -232,7 +233,8 @@ def packed(x: torch.Tensor, mean: torch.Tensor, per_unit: int, column: torch.Ten
     done = _run(_pack, _array(x), mean.float().contiguous().numpy(), per_unit,
                 column.to(torch.int64).contiguous().numpy(), amax.float().contiguous().numpy(),
                 bits.width.to(torch.uint8).contiguous().numpy(), head_first.numpy(),
-                torch.tensor(bits.block, dtype=torch.int64).numpy(), out.numpy())
+                torch.tensor(bits.block, dtype=torch.int64).numpy(), bits.sequence.to(torch.int64).contiguous().numpy(),
+                out.numpy())
     return None if done is _FAILED else out
 
 

@@ -312,16 +312,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints[a.dtype]), b.contiguous().view(ints[b.dtype]))
 
 
+@pytest.mark.parametrize("order", ["natural", "lane"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw, page_size, tokens", [(KW, 16, 80), (KW, 3, 10), (KW, 1, 4), ("", 5, 23),
                                                    ("3" * 47 + "0", 7, 30), ("1" * 48, 16, 33)])
-def test_the_compiled_loops_give_the_torch_bytes_and_values(monkeypatch, dtype, kw, page_size, tokens):
+def test_the_compiled_loops_give_the_torch_bytes_and_values(monkeypatch, dtype, kw, page_size, tokens, order):
     """`kvbackend.fastchw` (numba) against the torch path: the same pages, codebook and decoded bits, for every
-    width, pages of 1 token, odd pages, padded chunks, bf16 input read as is and float32."""
+    width, pages of 1 token, odd pages, padded chunks, bf16 input read as is and float32, both channel orders."""
     pytest.importorskip("numba")
     from kvbackend import fastquant
 
-    codec = codecs.get(f"chw:kw={kw},vbits=2,vstep=1.15" if kw else "chw:kbits=4,vbits=2")
+    codec = codecs.get((f"chw:kw={kw},vbits=2,vstep=1.15" if kw else "chw:kbits=4,vbits=2") + f",order={order}")
     layout = codec.layout(Geometry(2, 3, 16, dtype), page_size)
     k, v = kv(tokens, seed=page_size)
     k[:, 0, 0] = -1e-9 * torch.rand(tokens)  # a channel mean that rounds to -0 in fp16 (width 0 in KW: read as is)
@@ -363,3 +364,41 @@ def test_units_in_one_pass_give_the_bytes_of_one_chunk_at_a_time(monkeypatch, fu
     for i in range(15):
         ki, vi = codec.decode_pages(layout, flat[i : i + 1], slots[i])
         assert _same_bits(kd[8 * i : 8 * i + 8], ki) and _same_bits(vd[8 * i : 8 * i + 8], vi)
+
+
+def test_lane_order_stores_the_same_codes_where_a_tensor_core_thread_reads_them():
+    """``order=lane``: the keys and values decode bit for bit as in channel order (the same codes, other places);
+    each thread column's four channels of a 16-channel tile are consecutive in a token's bits (one 32-bit window);
+    head blocks start on 16-byte boundaries; the package's kernels refuse the field by name."""
+    from kvbackend.backends import chw_kernels_can_serve
+    from kvbackend.codecs.chw import lane_order
+
+    order = lane_order(32)
+    assert sorted(order.tolist()) == list(range(32)) and order[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
+    natural, lane = codecs.get(f"chw:kw={KW},vbits=2"), codecs.get(f"chw:kw={KW},vbits=2,order=lane")
+    assert lane.spec_string.endswith(",order=lane") and codecs.get(lane.spec_string).spec == lane.spec
+    k, v = kv(48, seed=5)
+    a, b = natural.layout(GEOM, 16), lane.layout(GEOM, 16)
+    assert "k_lcodes" in b.page.fields and "k_hcodes" not in b.page.fields and a.fingerprint != b.fingerprint
+    ea, eb = natural.encode(k, v, a), lane.encode(k, v, b)
+    assert not torch.equal(a.page.view(ea.pages, "k_hcodes"), b.page.view(eb.pages, "k_lcodes"))
+    for x, y in zip(natural.decode(ea), lane.decode(eb)):
+        assert _same_bits(x, y)
+    bits = lane.bits(GEOM, 16)
+    assert all(first % 16 == 0 for first in bits.block[:-1])
+    width = torch.tensor([int(c) for c in KW]).reshape(3, 16)
+    start = torch.full((3, 16), -1, dtype=torch.int64)
+    start.view(-1)[width.view(-1) > 0] = bits.start
+    for h in range(3):
+        for j in range(4):  # thread column j of the one tile: channels 2j, 2j + 1, 2j + 8, 2j + 9
+            group = [2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9]
+            at = [int(start[h, c]) for c in group if width[h, c] > 0]
+            ends = [int(start[h, c] + width[h, c]) for c in group if width[h, c] > 0]
+            assert all(e == s for e, s in zip(ends[:-1], at[1:]))  # consecutive bits
+    with pytest.raises(UnsupportedLayout, match="k_lcodes"):
+        kernel_schemes(lane, b, levers_read=True)
+    assert not kernels_can_serve(lane, b) and not chw_kernels_can_serve(lane, b)
+    with pytest.raises(SpecError, match="multiple of 16"):
+        codecs.get("chw:kbits=2,order=lane").layout(Geometry(1, 1, 8, torch.float32), 16)
+    with pytest.raises(SpecError):
+        codecs.get("chw:kbits=2,order=sideways")

@@ -9,6 +9,13 @@ are one bit string a KV head (`BitLayout`): token after token, each token's code
 most significant bit first, each head's string padded to whole 32-bit words. Values are rounded per token and head
 at ``vbits`` with fp8 scale and zero (clipped steps by default).
 
+``order=lane`` (field ``k_lcodes`` instead of ``k_hcodes``) orders each token's channels for a tensor-core reader:
+per 16-channel tile and thread column ``j`` of an m16n8k16 operand, channels ``2j, 2j + 1, 2j + 8, 2j + 9`` of the
+tile, so the four codes one thread feeds the MMA lie in one 32-bit window of the bit string (at most 4 x 8 bits),
+and each head's block starts on a 16-byte boundary (asynchronous 16-byte copies). The same codes and bytes per
+token; only their places differ. No kernel of the package reads this order yet (the torch reference serves it;
+`perf/experiments/chw_mma_scores.cu` is the reader it is for).
+
 Used with ``prerope=true,vrot=hadamard,sink=N`` (what the planner writes): keys before RoPE, where a channel's
 statistics do not turn with the position, and values Hadamard-rotated. The generic kernels do not read these fields
 (`kvbackend.scheme.kernel_schemes` refuses them by name); on a CUDA device `kvbackend.backends.ChwBackend` serves such
@@ -34,6 +41,8 @@ from kvbackend.codecs.groups import decode_token_groups, encode_token_groups, to
 from kvbackend.codecs.widths import WIDTHS
 
 MAX_WIDTH = 8
+ORDERS = ("natural", "lane")
+LANE_TILE = 16  # channels per tensor-core k tile (``order=lane``)
 _FP16_MAX = torch.finfo(torch.float16).max
 # codes (un)packed per slice of pages: the temporaries take a few int64 per code, so a slice of this many codes
 # keeps them near 256 MiB whatever the chunk or request length
@@ -48,6 +57,7 @@ class ChwSpec(Checked):
     vbits: int = one_of(2, WIDTHS)  # value code width, per token and head with fp8 scale and zero
     vclip: bool = True  # the values' clipped steps (`kvbackend.quant.quantize`)
     vstep: float = ranged(1.0, 0.5, 2.0)  # with vclip: the step as a multiple of the Gaussian MSE-optimal one
+    order: str = one_of("natural", ORDERS)  # each token's channels in the bit string: in order, or as MMA lanes read
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,34 +82,53 @@ class ChwSpec(Checked):
 
 @dataclass(frozen=True)
 class BitLayout:
-    """Where the codes of a page's coded key channels sit in its ``k_hcodes`` bytes: one block a KV head, at byte
-    ``block[h]``, holding the head's tokens one after another, each token's coded channels in order at their widths,
-    most significant bit first; each block padded with zero bits to whole 32-bit words (a kernel reading one head
-    reads one contiguous, aligned block). Code ``(t, a)`` starts at bit ``start[a] + t * stride[a]``."""
+    """Where the codes of a page's coded key channels sit in its key code bytes: one block a KV head, at byte
+    ``block[h]``, holding the head's tokens one after another, each token's coded channels at their widths in the
+    order ``sequence`` gives (channel order, or lane order: `lane_order`), most significant bit first; each block
+    padded with zero bits to whole 32-bit words (16 bytes in lane order), so a kernel reading one head reads one
+    contiguous, aligned block. Code ``(t, a)`` starts at bit ``start[a] + t * stride[a]``."""
 
     width: torch.Tensor  # int64 [A]: the coded channels' widths (1-8), heads in order
     start: torch.Tensor  # int64 [A]: the bit of the channel's first code (its head block's first bit + its offset)
     stride: torch.Tensor  # int64 [A]: bits between a channel's consecutive codes (its head's bits a token)
     head: torch.Tensor  # int64 [A]: the channel's KV head
     block: tuple[int, ...]  # each head's first byte, then the field's size (H + 1 entries)
+    sequence: torch.Tensor  # int64 [A]: the coded channels (indices into the above) in the order their bits follow
 
     @property
     def nbytes(self) -> int:
         return self.block[-1]
 
 
-def bit_layout(width: torch.Tensor, heads: int, page_size: int) -> BitLayout:
-    """The `BitLayout` of key widths ``width [heads * D]`` (uint8, 0 = uncoded) on pages of ``page_size`` tokens."""
+def lane_order(dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the channels of a head in lane order (``dim`` a multiple of 16): per 16-channel tile, per
+    thread column ``j`` (0-3) of an m16n8k16 operand, channels ``2j, 2j + 1, 2j + 8, 2j + 9`` of the tile."""
+    j = torch.arange(4)
+    group = torch.stack([2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9], 1).reshape(-1)  # one tile
+    return (LANE_TILE * torch.arange(dim // LANE_TILE)[:, None] + group[None, :]).reshape(-1)
+
+
+def bit_layout(width: torch.Tensor, heads: int, page_size: int, order: str = "natural") -> BitLayout:
+    """The `BitLayout` of key widths ``width [heads * D]`` (uint8, 0 = uncoded) on pages of ``page_size`` tokens,
+    each token's channels in ``order`` (`ORDERS`)."""
     w = width.to(torch.int64).reshape(heads, -1)
+    d = w.shape[1]
+    perm = lane_order(d) if order == "lane" else torch.arange(d)
     per_head = w.sum(1)  # bits a token
-    words = (page_size * per_head + 31) // 32
-    block = [0] + (4 * words).cumsum(0).tolist()
-    offset = torch.cumsum(w, 1) - w  # within the token
+    unit = 16 if order == "lane" else 4  # each block's bytes: whole 32-bit words, or 16-byte copies
+    sizes = (page_size * per_head + 8 * unit - 1) // (8 * unit) * unit
+    block = [0] + sizes.cumsum(0).tolist()
+    offset = torch.empty_like(w)  # within the token
+    offset[:, perm] = torch.cumsum(w[:, perm], 1) - w[:, perm]
     start = 8 * torch.tensor(block[:-1], dtype=torch.int64)[:, None] + offset
     coded = w.reshape(-1) > 0
+    index = torch.full((heads * d,), -1, dtype=torch.int64)
+    index[coded] = torch.arange(int(coded.sum()))
+    sequence = index.reshape(heads, d)[:, perm].reshape(-1)
     return BitLayout(w.reshape(-1)[coded], start.reshape(-1)[coded],
-                     per_head[:, None].expand(heads, w.shape[1]).reshape(-1)[coded],
-                     torch.arange(heads)[:, None].expand(heads, w.shape[1]).reshape(-1)[coded], tuple(block))
+                     per_head[:, None].expand(heads, d).reshape(-1)[coded],
+                     torch.arange(heads)[:, None].expand(heads, d).reshape(-1)[coded], tuple(block),
+                     sequence[sequence >= 0])
 
 
 def _first_bits(bits: BitLayout, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,15 +186,24 @@ class ChwCodec(Codec):
             self._parsed_widths[key] = self.spec.key_widths(*key)
         return self._parsed_widths[key]
 
+    @property
+    def codes_field(self) -> str:
+        """The page field of the key codes: ``k_hcodes`` in channel order, ``k_lcodes`` in lane order."""
+        return "k_lcodes" if self.spec.order == "lane" else "k_hcodes"
+
     def bits(self, geometry: Geometry, page_size: int) -> BitLayout:
-        """Where each coded key channel's codes sit in a page's ``k_hcodes`` bytes."""
+        """Where each coded key channel's codes sit in a page's key code bytes."""
         key = (geometry.num_kv_heads, geometry.head_dim, page_size)
         if key not in self._bit_layouts:
-            self._bit_layouts[key] = bit_layout(self._widths(geometry), geometry.num_kv_heads, page_size)
+            self._bit_layouts[key] = bit_layout(self._widths(geometry), geometry.num_kv_heads, page_size,
+                                                self.spec.order)
         return self._bit_layouts[key]
 
     def validate(self, geometry: Geometry, page_size: int) -> None:
         self._widths(geometry)
+        if self.spec.order == "lane" and geometry.head_dim % LANE_TILE:
+            raise SpecError(f"chw: order=lane needs a head_dim that is a multiple of {LANE_TILE}, got "
+                            f"{geometry.head_dim}")
 
     def fields(self, geometry: Geometry, page_size: int) -> tuple[FieldSpecs, FieldSpecs]:
         s, h, d = self.spec, geometry.num_kv_heads, geometry.head_dim
@@ -173,7 +211,7 @@ class ChwCodec(Codec):
         coded = int((width > 0).sum())
         page: FieldSpecs = []
         if coded:
-            page += [("k_hcodes", torch.uint8, (self.bits(geometry, page_size).nbytes,)),
+            page += [(self.codes_field, torch.uint8, (self.bits(geometry, page_size).nbytes,)),
                      ("k_wscales", torch.float16, (coded,))]
         page += token_group_fields("v", page_size, h, d, s.vbits, d, False, torch.float8_e4m3fn)
         return page, [("k_mean", torch.float16, (h, d))]
@@ -223,7 +261,7 @@ class ChwCodec(Codec):
             if float(reach.max()) > _FP16_MAX:
                 raise InvalidKV("chw: a key channel's mean and spread reach past fp16's range (|mean| + absmax > "
                                 "65504): its keys would not read back within it")
-            codes_view = layout.page.view(pages, "k_hcodes")
+            codes_view = layout.page.view(pages, self.codes_field)
             bits = self.bits(geometry, p)
             fused = None if y is not None else fastchw.packed(x, mean32, n // units, column, amax, bits)
             if fused is not None:
@@ -252,7 +290,7 @@ class ChwCodec(Codec):
         if not bool(coded.any()):
             keys = mean[:, None].expand(n, p, h * d).reshape(n * p, h * d).clone()
         else:
-            packed = layout.page.view(pages, "k_hcodes")
+            packed = layout.page.view(pages, self.codes_field)
             amax = layout.page.view(pages, "k_wscales").float()  # [n, A]
             column = torch.nonzero(coded).flatten()
             bits = self.bits(geometry, p)
