@@ -260,7 +260,7 @@ def test_many_threads_random_operations(tmp_path):
 
 MIXED = ("qvg", "kivi:bits=2,group=16")  # a per-layer plan: pages and codebooks of two sizes
 # a chw: plan (a key width per channel, chunk means in the codebook slot), with exact sinks and rotated values
-CHW = ("chw:kw=" + "3201" * 32 + ",vbits=2,sink=4,vrot=hadamard", "chw:kbits=3,vbits=3")
+CHW = ("chw:kw=" + "3201" * 32 + ",vbits=2,sink=4,vrot=hadamard", "chw:kbits=3,vbits=3,order=lane")  # the second in lane order
 
 
 def filled(codec="qvg", packed_pages=16, device="cpu"):
