@@ -83,7 +83,8 @@ def is_klt(text: str) -> bool:
 
 
 def parse_klt(text: str) -> KltSpec:
-    """Parse ``klt:kbits=3.5[,vbits=3][,sink=4][,clip=true][,vstep=1][,axes=principal|channels]``.
+    """Parse ``klt:kbits=3.5[,vbits=3][,sink=4][,clip=true][,vstep=1][,axes=principal|channels][,paged=false]
+    [,rope=pre|post]``.
 
     Raises:
         SpecError: another spec family, an unknown option or a value out of range.

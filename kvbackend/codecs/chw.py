@@ -12,7 +12,7 @@ at ``vbits`` with fp8 scale and zero (clipped steps by default).
 ``order=lane`` (field ``k_lcodes`` instead of ``k_hcodes``) orders each token's channels for a tensor-core reader:
 per 16-channel tile and thread column ``j`` of an m16n8k16 operand, channels ``2j, 2j + 1, 2j + 8, 2j + 9`` of the
 tile, so the four codes one thread feeds the MMA lie in one 32-bit window of the bit string (at most 4 x 8 bits),
-and each head's block starts on a 16-byte boundary (asynchronous 16-byte copies). The same codes and bytes per
+and each head's block starts on a 16-byte boundary (asynchronous 16-byte copies). The same codes and bits per
 token; only their places differ. No kernel of the package reads this order yet (the torch reference serves it;
 `perf/experiments/chw_mma_scores.cu` is the reader it is for).
 
