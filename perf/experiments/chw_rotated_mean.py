@@ -8,7 +8,9 @@ coded, as `kvbackend.klt.page_specs` plans them; values Hadamard-rotated; the fi
   chunk's slot in place of the post-RoPE mean), coded around ~0; a reader adds R(pos) mu back (for a kernel: one
   tensor-core product a page with a fixed in-page cos/sin operand, `perf/NOTES.md`).
 Each is measured as `kvbackend eval` measures whole-sequence formats (`_whole_sequence_result`: KL and top-1 of the
-continuation after the coded prefix); the bytes are the codec's (the same in every frame) plus the exact sinks.
+continuation after the coded prefix); the bytes are the codec's (the same in every frame) plus the exact sinks, and
+for ``rmean`` its fp16 pre-RoPE mean a chunk and channel (kept beside the codec's slot, which holds the coded
+residual's own mean: a format of its own would hold only one of them).
 
     .venv/bin/python -P perf/experiments/chw_rotated_mean.py TEXT CALIB_TEXT [PREFIX [SKIP]] > OUT.json
 """
@@ -80,6 +82,8 @@ def code_frame(frame: str, kw: list[str], k: torch.Tensor, v: torch.Tensor, rota
                 dk = dk.float() + base
             out_k[layer, c0:c0 + n], out_v[layer, c0:c0 + n] = dk[:n], rotate_values(dv.float())[:n]
             stored += (enc.pages.nbytes + enc.codebook.nbytes) * n // padded
+            if frame == "rmean":  # its pre-RoPE mean, fp16 [H, D] a chunk, beside the codec's slot
+                stored += 2 * heads * dim
         if first == 0:  # the exact sinks (fp16)
             out_k[layer, :SINK], out_v[layer, :SINK] = k[layer, :SINK].half().float(), v[layer, :SINK].half().float()
             stored += 2 * SINK * heads * dim * 2

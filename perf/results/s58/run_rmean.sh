@@ -9,5 +9,5 @@ run() {  # name prefix skip
   OMP_NUM_THREADS=1 taskset -c $core .venv/bin/python -P perf/experiments/chw_rotated_mean.py ${TEXT[$1]} \
     ${TEXT[${CALIB[$1]}]} $2 $3 > perf/results/s58/rmean_$1_$2s$3.json 2> perf/results/s58/rmean_$1_$2s$3.log
 }
-for name in legal code; do run $name 1536 0; done
+for name in tech legal code; do run $name 1536 0; done
 for name in tech legal code; do run $name 1536 4608; run $name 6144 0; done
