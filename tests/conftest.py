@@ -1,5 +1,6 @@
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "model" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def experiment(request):
+    """The module ``perf/experiments/<EXPERIMENT>.py`` that the test module names in ``EXPERIMENT``, loaded once."""
+    name = request.module.EXPERIMENT
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "perf" / "experiments"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")

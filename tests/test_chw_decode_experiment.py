@@ -1,23 +1,13 @@
 """The standalone decode kernel of `perf/experiments/chw_decode_kernel.py` (keys with a width per channel) against
 its torch reference on odd shapes, in Triton's interpreter on the CPU (on a GPU where one is present)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-_PATH = Path(__file__).parent.parent / "perf" / "experiments" / "chw_decode_kernel.py"
+EXPERIMENT = "chw_decode_kernel"  # the `experiment` fixture (conftest.py) loads it
 
-
-@pytest.fixture(scope="module")
-def experiment():
-    spec = importlib.util.spec_from_file_location("chw_decode_kernel", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("tile", [False, True])

@@ -2,21 +2,11 @@
 order): its page packing read back as the kernel reads it (a thread's 32-bit window per tile) on the CPU, and the
 kernel's scores against float32 over the decoded keys where a CUDA device and nvcc are present."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-_PATH = Path(__file__).parent.parent / "perf" / "experiments" / "chw_mma_scores.py"
+EXPERIMENT = "chw_mma_scores"  # the `experiment` fixture (conftest.py) loads it
 
-
-@pytest.fixture(scope="module")
-def experiment():
-    spec = importlib.util.spec_from_file_location("chw_mma_scores", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_lane_order_is_a_permutation_whose_groups_are_a_threads_channels(experiment):

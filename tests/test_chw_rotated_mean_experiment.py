@@ -3,24 +3,15 @@
 before RoPE, and far better than around the post-RoPE mean; sinks exact, values through the same codec in every
 frame, the same bytes (and the rotated frame's means)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvbackend.rope import Rotary
 
-_PATH = Path(__file__).parent.parent / "perf" / "experiments" / "chw_rotated_mean.py"
+pytest.importorskip("transformers")  # the experiment imports the evaluator
 
+EXPERIMENT = "chw_rotated_mean"  # the `experiment` fixture (conftest.py) loads it
 
-@pytest.fixture(scope="module")
-def experiment():
-    pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("chw_rotated_mean", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_rotated_mean_codes_keys_as_well_as_before_rope(experiment, monkeypatch):
