@@ -38,7 +38,7 @@ _REGISTRY: dict[str, _Entry] = {
     "quantwm": _Entry(QuantWMSpec, QuantWMCodec, {"stages": 1, "group": 64},
                       "qvg + query-aware centroid choice (QSAC) + INT8 key correction along query directions (PSAC)"),
     "chw": _Entry(ChwSpec, ChwCodec, {}, "a key width per channel (klt's page form), values per token "
-                  "(torch reference only)"),
+                  "(Triton kernels on CUDA in channel order; order=lane: torch reference only)"),
     # the registry's own factory builds each head's codec (no import of this module from heads.py)
     "heads": _Entry(HeadsSpec, lambda spec: HeadsCodec(spec, get), {},
                     "a base codec with widths, stages or outliers per KV head (torch reference only)"),
