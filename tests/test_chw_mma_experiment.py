@@ -9,12 +9,6 @@ EXPERIMENT = "chw_mma_scores"  # the `experiment` fixture (conftest.py) loads it
 
 
 
-def test_lane_order_is_a_permutation_whose_groups_are_a_threads_channels(experiment):
-    order = experiment.lane_order()
-    assert sorted(order.tolist()) == list(range(128))
-    assert order[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]  # tile 0: thread columns 0 and 1
-
-
 @pytest.mark.parametrize("kind", ["mixed", "uniform", "extremes", "random"])
 def test_pages_read_back_as_the_kernel_reads_them(experiment, kind):
     gen = torch.Generator().manual_seed(7)

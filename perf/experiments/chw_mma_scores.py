@@ -25,20 +25,11 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "perf"))
 
+from kvbackend.codecs.chw import lane_order  # noqa: E402
 from kvbackend.kernels.mma_decode import _Driver, cached_cubin  # noqa: E402
 
 SOURCE = pathlib.Path(__file__).with_suffix(".cu")
 D, P, KT = 128, 64, 8
-
-
-def lane_order() -> torch.Tensor:
-    """Channel order inside a token's row: per 16-channel tile, per thread column, channels 2tig, +1, +8, +9."""
-    order = []
-    for kt in range(KT):
-        for tig in range(4):
-            c0 = 16 * kt + 2 * tig
-            order += [c0, c0 + 1, c0 + 8, c0 + 9]
-    return torch.tensor(order)
 
 
 def mixed_widths(heads: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +45,7 @@ class Layout:
     def __init__(self, widths: torch.Tensor, device) -> None:
         self.widths = widths
         heads = widths.shape[0]
-        order = lane_order()
+        order = lane_order(D)
         self.offsets = torch.zeros(heads, D, dtype=torch.long)  # bit offset of each channel in its token's row
         self.row_bits, self.first, self.bytes = [], [], []
         at = 0

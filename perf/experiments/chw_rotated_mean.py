@@ -23,20 +23,18 @@ import sys
 import torch
 
 from kvbackend import Geometry, codecs
-from kvbackend.klt import widths as plan_widths
+from kvbackend.klt import KeyBases, widths as plan_widths
 from kvbackend.levers import rotate_values
-from kvbackend.tools.evaluate import (EvalSettings, _continuation_logits, _whole_sequence_result, capture_exact,
-                                      key_bases_from_text)
 from kvbackend.rope import rotary_from_config
+from kvbackend.tools.evaluate import EvalSettings, _continuation_logits, _whole_sequence_result, capture_exact
 from kvbackend.tools.models import load_model
 
 KBITS, PAGE, CHUNK, SINK, CALIB_TOKENS = 2.85, 64, 2048, 4, 2048
 FRAMES = ("pre", "post", "rmean")
 
 
-def coded_variances(model, calib_ids: torch.Tensor, rotary, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per frame, the calibration text's variances [L, H, D] of the query-weighted quantity each frame codes."""
-    cap = capture_exact(model, calib_ids[:, :CALIB_TOKENS])
+def coded_variances(cap, rotary, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per frame, the calibration capture's variances [L, H, D] of the query-weighted quantity each frame codes."""
     out = {f: [] for f in FRAMES}
     for layer, k_post in enumerate(cap.k):  # [H, T, D]
         k_post = k_post.float()
@@ -96,8 +94,9 @@ def main(text: str, calib: str, prefix: int = 1536, skip: int = 0) -> None:
     rotary = rotary_from_config(model.config)
     ids = tokenizer(open(text).read(), return_tensors="pt").input_ids[:, skip:]
     calib_ids = tokenizer(open(calib).read(), return_tensors="pt").input_ids
-    bases = key_bases_from_text(model, calib_ids, tokens=CALIB_TOKENS)
-    variances = coded_variances(model, calib_ids, rotary, bases.w)
+    cap = capture_exact(model, calib_ids[:, :CALIB_TOKENS])  # one pass: the query weights and the variances
+    bases = KeyBases.fit([q.float() for q in cap.q], [k.float() for k in cap.k], rotary)  # as key_bases_from_text
+    variances = coded_variances(cap, rotary, bases.w)
     s = EvalSettings(tokens=prefix + 512, prefix=prefix, cont=512, queries=128, chunk_tokens=CHUNK)
     need = s.prefix + s.cont
     ids = ids[:, :need]
