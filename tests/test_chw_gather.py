@@ -63,18 +63,38 @@ def test_gather_and_decode_read_chw_pages_like_the_reference(codec, page_size, l
     want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
     out, lse = cache.decode(plan, layer, q)
     assert float((out.float() - want).norm() / want.norm()) < 1e-2
-    tiled = chw_decode(q, cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
-                       backend.scheme, plan, levers=backend.levers, rotary=ROTARY, tile=True)
+    assert backend.tile == (backend.scheme.codes >= 0)  # blocks this small fit the tile: the backend runs it
+    direct = chw_decode(q, cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
+                        backend.scheme, plan, levers=backend.levers, rotary=ROTARY, tile=False)
     if DEVICE == "cpu":  # the interpreter: the same operations give the same bits
-        assert torch.equal(tiled[0], out) and torch.equal(tiled[1], lse)
+        assert torch.equal(direct[0], out) and torch.equal(direct[1], lse)
     else:  # compiled, the two programs may schedule the products apart (measured on an H100: not bit for bit)
-        assert float((tiled[0].float() - out.float()).norm() / out.float().norm()) < 1e-3
-        assert torch.allclose(tiled[1], lse, atol=1e-3)
+        assert float((direct[0].float() - out.float()).norm() / out.float().norm()) < 1e-3
+        assert torch.allclose(direct[1], lse, atol=1e-3)
     # keys near 8 are a bf16 step (1/16) apart where the two frames' float32 arithmetic rounds them apart
     assert torch.allclose(lse, want_lse, atol=5e-2)
     cut = plan.cu_seqlens.tolist()  # the fused kernel over the gathered rows' attention: its fp16 operands apart
     own, own_lse = decode_attention(q, [bk[a:b] for a, b in zip(cut, cut[1:])], [bv[a:b] for a, b in zip(cut, cut[1:])])
     assert float((out.float() - own).norm() / own.norm()) < 5e-3 and torch.allclose(lse, own_lse, atol=2e-2)
+
+
+def test_the_backend_reads_blocks_past_its_tile_directly(monkeypatch):
+    from kvbackend.kernels.chw_gather import tile_bytes
+
+    codec = f"chw:kw={KW},vbits=2,sink=4,prerope=true,vrot=hadamard"
+    cache, ids = lever_cache(codec, 16, [45, 70], 2, "triton")
+    small = cache.backends[1]
+    assert small.tile
+    need = tile_bytes(small.scheme.widths, cache.geometry.num_kv_heads, 16)
+    monkeypatch.setattr(ChwBackend, "MAX_TILE", need - 1)  # one byte short: direct reads
+    wide, _ = lever_cache(codec, 16, [45, 70], 2, "triton")
+    backend = wide.backends[1]
+    assert isinstance(backend, ChwBackend) and not backend.tile
+    layer = 1
+    plan_a, plan_b = cache.plan(ids, layer), wide.plan(ids, layer)
+    ka, va = cache.gather(plan_a, layer)
+    kb, vb = wide.gather(plan_b, layer)
+    assert torch.equal(ka, kb) and torch.equal(va, vb)  # the same bytes read two ways give the same keys
 
 
 def test_each_lever_path_of_the_gather_does_work():
