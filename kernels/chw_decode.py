@@ -8,6 +8,10 @@ plain kernel reads them: pre-RoPE keys rotated per page in RoPE's halves (the qu
 page-relative keys through a rotated query, rotated values summed in their frame and rotated back once per program.
 No BF16 K/V is written. The torch reference is the codec's decode and `kvbackend.attention.decode_attention`
 (`tests/test_chw_gather.py`).
+
+On a CUDA GPU with ``nvcc``, layers in lane order (``chw:...,order=lane``) with keys after RoPE go to the tensor-core
+kernel instead (`kvbackend.kernels.mma_decode`, its ``K_CHW`` path: the per-channel steps folded into the query, the
+codes read from one 32-bit window per thread and tile), which writes the same split partials for the same merge.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kvbackend.errors import UnsupportedLayout
 from kvbackend.rope import Rotary
 from kvbackend.scheme import LeverScheme
 
+from kvbackend.kernels import mma_decode
 from kvbackend.kernels.chw_gather import ChwScheme, check_pools, chw_keys, chw_table, tile_bytes
 from kvbackend.kernels.decode_split import VARYING, program_pages
 from kvbackend.kernels.dequant import dequant_tile, load_dense, pool_views, scheme_constants
@@ -112,7 +117,8 @@ def _chw_decode_kernel(q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense,
 def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor, scheme: ChwScheme,
                plan: BatchPlan, scale: float | None = None, levers: LeverScheme | None = None,
                rotary: Rotary | None = None, target_programs: int = 1024, num_warps: int = 4,
-               num_stages: int = 1, tile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               num_stages: int = 1, tile: bool = False, mma: bool | None = None,
+               mma_options: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per request over a ``chw:`` layer (`paged_decode`'s contract).
 
     Args:
@@ -121,6 +127,9 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
             `lever_scheme` (None for none); rotary: the model's RoPE, for pre-RoPE and page-relative keys.
         target_programs: about how many programs the split-K grid should have.
         tile: each program loads its head's key block once a page and gathers the codes from registers.
+        mma: the CUDA tensor-core kernel (`mma_decode.launch_chw`); None: where `mma_decode.chw_preferred` says so
+            (then ``target_programs`` gives way to one full wave of it), True insists (ValueError where it cannot).
+        mma_options: extra keywords of `mma_decode.launch_chw` (``stages``, ``warps``, ``min_blocks``, ``unroll``).
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -138,17 +147,55 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
     if lv is not None and (lv.psac_rank or lv.outliers or lv.whole):
         raise UnsupportedLayout("chw: layers carry no PSAC rows, key outliers or whole key rows")
     group = hq // h
-    per_split, splits = plan.splits(h, target_programs)
+    options = mma_options or {}
+    if mma is None:
+        mma = mma_decode.chw_preferred(scheme, lv, d, group, q.device, q.dtype, dense.dtype,
+                                       options.get("stages", 2), options.get("warps", 4))
+    elif mma:
+        usable, why = mma_decode.available(q.device)
+        if not usable:
+            raise ValueError(f"the tensor-core decode kernel cannot run here: {why}")
+        if not mma_decode.supports_chw(scheme, lv, d, group):
+            raise ValueError("the tensor-core decode kernel reads chw: layers in lane order (order=lane) with keys "
+                             "after RoPE, 2-bit values, head_dim 64 or 128 and up to 8 query heads per KV head; the "
+                             "Triton kernel reads this one (mma=False)")
+    if mma:
+        per_split, splits = plan.wave_splits(h, mma_decode.chw_wave_programs(
+            scheme, d, q.dtype, dense.dtype, lv, q.device, options.get("stages", 2), options.get("warps", 4),
+            options.get("unroll", False)))
+    else:
+        per_split, splits = plan.splits(h, target_programs)
     u8, i16, i32 = pool_views(pages)
     _, book_i16, _ = pool_views(codebooks)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     m_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
+    if mma:
+        mma_decode.launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale * _LOG2E, per_split,
+                              splits, scheme, lv, **options)
+    else:
+        _launch_triton(q, o_part, m_part, l_part, pages, codebooks, dense, scheme, plan, scale, lv, rotary, per_split,
+                       splits, num_warps, num_stages, tile)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, q, book_i16, plan.slots, plan.req_start,
+                             plan.req_packed, scale * _LOG2E, D=d, SPLITS=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
+                             H=h, GROUP=group, BOOK_BYTES=max(codebooks.shape[-1], 0), **_sink_constants(lv))
+    return out, lse
+
+
+def _launch_triton(q, o_part, m_part, l_part, pages, codebooks, dense, scheme, plan, scale, lv, rotary, per_split,
+                   splits, num_warps, num_stages, tile) -> None:
+    _, _, p, h, d = dense.shape
+    b, hq, _ = q.shape
+    group = hq // h
+    u8, i16, i32 = pool_views(pages)
+    _, book_i16, _ = pool_views(codebooks)
     ropes = lever_args(lv, rotary, p, d, plan.max_pages, q)
     flags = lv or LeverScheme()
     _chw_decode_kernel[(b, h, splits)](
-        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, chw_table(scheme.widths, h, p, str(pages.device)),
+        q, o_part, m_part, l_part, u8, i16, i32, book_i16, dense, chw_table(scheme.widths, h, p, str(pages.device), scheme.order),
         plan.page_ids, plan.slots, plan.valid, plan.req_start, plan.req_pages, plan.req_packed, scale * _LOG2E,
         per_split, splits, *ropes, PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), K_CODES=max(scheme.codes, 0),
@@ -156,9 +203,3 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
         TILE=tile_bytes(scheme.widths, h, p) if tile and scheme.codes >= 0 else 0,
         **scheme_constants("V", scheme.values), SINK=flags.sink, ROPE=flags.prerope, PAGE_ROPE=flags.pagerope,
         VROT=flags.vrot, num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, lse, splits, q, book_i16, plan.slots, plan.req_start,
-                             plan.req_packed, scale * _LOG2E, D=d, SPLITS=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
-                             H=h, GROUP=group, BOOK_BYTES=max(codebooks.shape[-1], 0), **_sink_constants(lv))
-    return out, lse

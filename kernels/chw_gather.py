@@ -48,6 +48,7 @@ class ChwScheme:
     page_size: int
     page_bytes: int
     book_bytes: int
+    order: str = "natural"  # each token's channels in the bit string (`kvbackend.codecs.chw.ORDERS`)
 
 
 def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
@@ -65,13 +66,14 @@ def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
     if p & (p - 1) or d & (d - 1) or p < 16 or d < 16:
         raise UnsupportedLayout(f"the chw gather needs power-of-two pages and heads of at least 16, got {p} and {d}")
     page, book = layout.page.fields, layout.codebook.fields
-    known = {"k_hcodes", "k_wscales", "v_codes", "v_scales", "v_zeros"}
+    known = {"k_hcodes", "k_lcodes", "k_wscales", "v_codes", "v_scales", "v_zeros"}
     unread = sorted(set(page) - known) + sorted(set(book) - {"k_mean", "sink_k", "sink_v"})
     if unread:
         raise UnsupportedLayout(f"the chw gather does not read the fields {', '.join(unread)}")
     widths = "".join(str(int(w)) for w in codec._widths(layout.geometry).tolist())
-    if "k_hcodes" in page:
-        codes = page["k_hcodes"]
+    field = "k_lcodes" if "k_lcodes" in page else "k_hcodes"
+    if field in page:
+        codes = page[field]
         # the last code's second byte is read past the bit string: it must lie inside the page
         if codes.offset + codes.nbytes >= layout.page_bytes:
             raise UnsupportedLayout("the chw key codes must not end the page (a code's two bytes are read)")
@@ -79,8 +81,9 @@ def chw_scheme(codec, layout: PageLayout) -> ChwScheme:
     values = TensorScheme(mode=TOKEN_GROUPS, bits=codec.spec.vbits, group=d // scales.shape[-1], symmetric=False,
                           kind=kind_of(scales.dtype), codes=page["v_codes"].offset, scales=scales.offset,
                           zeros=page["v_zeros"].offset)
-    return ChwScheme(widths, page["k_hcodes"].offset if "k_hcodes" in page else -1,
-                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset, values, h, p, layout.page_bytes, layout.codebook_bytes)
+    return ChwScheme(widths, page[field].offset if field in page else -1,
+                     page["k_wscales"].offset if "k_wscales" in page else -1, book["k_mean"].offset, values, h, p,
+                     layout.page_bytes, layout.codebook_bytes, codec.spec.order)
 
 
 def check_pools(scheme: ChwScheme, pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor) -> None:
@@ -96,14 +99,14 @@ def check_pools(scheme: ChwScheme, pages: torch.Tensor, codebooks: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=64)
-def chw_table(widths: str, heads: int, page_size: int, device: str) -> torch.Tensor:
+def chw_table(widths: str, heads: int, page_size: int, device: str, order: str = "natural") -> torch.Tensor:
     """int32 ``[6, H*D]``: each channel's width, the bit of its first code in the page's key bytes, the bits between
     its codes, its index among the coded channels, its head's block's first byte and size (an uncoded channel: width,
-    stride and index 0, its first bit its block's first)."""
+    stride and index 0, its first bit its block's first); ``order``: the codes' order within a token."""
     from kvbackend.codecs.chw import bit_layout
 
     w = torch.tensor([int(c) for c in widths], dtype=torch.int32)
-    bits = bit_layout(w.to(torch.uint8), heads, page_size)
+    bits = bit_layout(w.to(torch.uint8), heads, page_size, order)
     coded = w > 0
     block = torch.tensor(bits.block, dtype=torch.int64)
     first = block[:-1].repeat_interleave(w.numel() // heads)
@@ -252,7 +255,7 @@ def chw_gather(pages: torch.Tensor, codebooks: torch.Tensor, dense: torch.Tensor
     _, book_i16, _ = pool_views(codebooks)
     ropes = lever_args(lv, rotary, p, d, plan.max_pages, k_out)
     _chw_gather_kernel[(work, h)](
-        u8, i16, i32, book_i16, dense, chw_table(scheme.widths, h, p, str(pages.device)), plan.page_ids, plan.slots,
+        u8, i16, i32, book_i16, dense, chw_table(scheme.widths, h, p, str(pages.device), scheme.order), plan.page_ids, plan.slots,
         plan.kinds, plan.valid, plan.rows, plan.positions, *ropes, k_out, v_out,
         PAGE_BYTES=pages.shape[1], BOOK_BYTES=max(codebooks.shape[-1], 0), H=h, P=p, D=d,
         K_CODES=max(scheme.codes, 0), K_SCALES=max(scheme.scales, 0), K_MEAN=scheme.mean, CODED=scheme.codes >= 0,

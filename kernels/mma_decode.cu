@@ -45,6 +45,14 @@
 //     PSAC_FOLD (sparse rows with key centroids): each row's correction plus its token's centroid is an extra
 //     row (32 + row) of the centroid-value table, and the token reads that row instead of its centroid: the
 //     correction costs nothing per key value (no per-token row test, no second add).
+//   - K_CHW: keys at a width of their own per channel (`chw:...,order=lane`, keys after RoPE): per page and head one
+//     block of CHW_BLOCK bytes at most, each token a row of the head's coded channels in lane order (per 16-channel
+//     tile kt and thread column tig: channels 16 kt + 2 tig, +1, +8, +9, at widths 0-8, most significant bit first),
+//     so the four codes a thread feeds the MMA lie in one 32-bit window (two byte-swapped words, one funnel shift);
+//     a key is mean + (code + 0.5) step - amax, step = 2 amax / 2^w (the channel's mean where w = 0): the steps fold
+//     into the query fragment once per page (as K_CHAN's scales), the rest into one score term per page and query
+//     row (the means' part once per codebook slot). Per-head and per-tile constants come from `chw_heads` and
+//     `chw_tiles` (`mma_decode.chw_tables`);
 //   - WHOLE_N (with ROPE_TOKEN and K_CENT): whole key rows, WHOLE_N per page and head, each naming its token: the
 //     row's INT8 codes x its fp16 scale plus what the token reads otherwise (its centroid, or its folded PSAC row) is
 //     an extra row of the centroid-value table, after the folded PSAC rows, and the token reads that row instead.
@@ -138,6 +146,15 @@
 #ifndef OUT_FOLD
 #define OUT_FOLD 0
 #endif
+#ifndef K_CHW
+#define K_CHW 0  // keys at a width per channel in lane order (`chw:...,order=lane`)
+#endif
+#ifndef CHW_BLOCK
+#define CHW_BLOCK 0  // K_CHW: bytes of the largest head block of key codes (a multiple of 16)
+#endif
+#ifndef CHW_UNROLL
+#define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
+#endif
 #ifndef KBITS
 #define KBITS 2  // key code width: 2, or 3 or 4 with pre-RoPE keys (ROPE_TOKEN; 8 codes in 3 bytes or 2 in a byte, the
                  // first in the top bits)
@@ -165,7 +182,10 @@ constexpr int MT = P / 16;         // token tiles per page
 constexpr int N = 8;               // query rows per MMA (the GQA group, padded)
 constexpr int KES = K_KIND == 0 ? 1 : 2;  // bytes of a key scale element
 constexpr int VES = V_KIND == 0 ? 1 : 2;
-constexpr int KCH_BYTES = K_CHAN ? 2 * D * KES : 0;                  // per-channel key scales, then zeros
+constexpr int KCH_BYTES = K_CHAN ? 2 * D * KES : K_CHW ? 2 * D + 16 : 0;  // per-channel key scales, then zeros;
+                                                                       // K_CHW: the head's fp16 absmaxes (+ alignment)
+constexpr int KC_BYTES = K_CHW ? CHW_BLOCK + 16 : P * KROWB;  // the stage's key codes (K_CHW: the head's block and one
+                                                              // spare word for the last window)
 constexpr int OUT_BYTES = OUT_N ? (8 * OUT_N + 15) / 16 * 16 : 0;   // outlier index words, value words
 constexpr int ROPE_BYTES = (PAGE_ROPE || ROPE_TOKEN) ? 4 * D : 0;   // R(p0): cos [D/2], sin [D/2] floats
 constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16 * 16 : 0;  // PSAC codes, scale and
@@ -173,7 +193,7 @@ constexpr int PS_BYTES = PSAC_R ? (PSAC_ROWS * PSAC_R + 8 * PSAC_ROWS + 15) / 16
 constexpr int WH_BYTES = WHOLE_N ? (WHOLE_N * D + 8 * WHOLE_N + 15) / 16 * 16 : 0;  // whole rows: codes [rows][D],
                                                                                    // scale and token words per row
 // key codes, value codes, 4 words per token (k scale or centroid id, k zero, v scale, v zero), then the above
-constexpr int STAGE_BYTES = P * (KROWB + ROWB) + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES + WH_BYTES;
+constexpr int STAGE_BYTES = KC_BYTES + P * ROWB + 4 * P * 4 + KCH_BYTES + OUT_BYTES + ROPE_BYTES + PS_BYTES + WH_BYTES;
 constexpr int SP_BYTES = VG * P * N * 2;                             // P'^T per value scale group, fp16 [token][q]
 constexpr int CT_BYTES = (K_CENT && !ROPE_TOKEN) ? 32 * N * 4 + 2 * (D / 64) * 4 * 4 * 32 * 4 : 0;  // centroid
                                                     // table [32][N] f32, then its A fragments (2 NB 16 words x 32 lanes)
@@ -205,6 +225,9 @@ static_assert(SMEM_EXPECTED == SMEM_BYTES, "the launcher's shared-memory size di
 static_assert(D == 64 || D == 128, "head_dim 64 or 128");
 static_assert(P % 16 == 0 && P >= 16 && P <= 256, "page size a multiple of 16");
 static_assert(KG == 1 || KG == NB, "key scale groups: one per head or one per 64 channels");
+static_assert(!K_CHW || (KG == 1 && !K_CHAN && !K_CENT && !OUT_N && !PAGE_ROPE && !ROPE_TOKEN && !PSAC_R && !WHOLE_N
+                         && KBITS == 2 && CHW_BLOCK > 0 && CHW_BLOCK % 16 == 0),
+              "keys at a width per channel: keys after RoPE, no centroids, outliers, PSAC or whole rows");
 static_assert(VG == 1 || VG == NB, "value scale groups: one per head or one per 64 channels");
 static_assert(!K_CHAN || KG == 1, "per-channel key scales fold into the query: one accumulator");
 static_assert(!PAGE_ROPE || K_CHAN, "page-relative keys are read with per-channel key scales");
@@ -327,6 +350,14 @@ __device__ __forceinline__ uint32_t codes4_at(uint32_t w0, uint32_t w1, int j) {
 __device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
 __device__ __forceinline__ uint32_t as_u32(__half2 x) { return *reinterpret_cast<uint32_t*>(&x); }
 
+// K_CHW: two codes (lo at bit 0 under mask m_lo, hi at bit p_hi under mask m_hi16 once moved to bit 16) as the half2
+// (lo, hi), exact in fp16 (the codes or-ed into the mantissa of 1024, then 1024 taken off).
+__device__ __forceinline__ uint32_t chw_pair(uint32_t x, uint32_t m_lo, int p_hi, uint32_t m_hi16) {
+  const uint32_t v = (x & m_lo) | ((x << (16 - p_hi)) & m_hi16) | 0x64006400u;
+  __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&v), __float2half2_rn(1024.f));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 x = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&x);
@@ -422,15 +453,34 @@ struct Params {
   const float* local_sin;
   int psac_codes, psac_scale, psac_token, psac_basis;  // PSAC rows: page fields, and the basis in the slot
   int whole_codes, whole_scale, whole_token;           // whole key rows: page fields
+  const int* chw_heads;       // K_CHW: [H][8] block's first byte, its bytes, a token's bits, first absmax, absmaxes
+  const uint32_t* chw_tiles;  // K_CHW: [H][D / 16][4][2] per tile and thread column: bit offset in the row | widths
+                              // << 12 (4 bits each), and the four channels' absmax indices (8 bits each, 255 none)
+  int k_mean;                 // K_CHW: the chunk's channel means [H, D] fp16 in the codebook slot
 };
 
-__device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane) {
+// K_CHW: one head's constants (per CTA)
+struct ChwHead {
+  int first, bytes, bits, amax_lo, amax_hi;  // block [first, first + bytes) in the key field; absmax words' bytes
+  int amax_off;                              // the head's first absmax within the copied words (0 or 2 bytes)
+};
+
+__device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int page, int j, int h, int lane,
+                                           const ChwHead& ch = ChwHead{}) {
   const uint8_t* base = a.pages + static_cast<int64_t>(page) * a.page_bytes;
   uint8_t* kc = stage;
-  uint8_t* vc = stage + P * KROWB;
-  uint32_t* words = reinterpret_cast<uint32_t*>(stage + P * (KROWB + ROWB));  // [4][P]: k scale, k zero, v scale, v zero
-  uint8_t* extra = stage + P * (KROWB + ROWB) + 4 * P * 4;                    // per-channel key scales, outliers, R(p0)
-  if (KBITS == 2) {
+  uint8_t* vc = stage + KC_BYTES;
+  uint32_t* words = reinterpret_cast<uint32_t*>(stage + KC_BYTES + P * ROWB);  // [4][P]: k scale, k zero, v scale, v zero
+  uint8_t* extra = stage + KC_BYTES + P * ROWB + 4 * P * 4;                    // per-channel key scales, outliers, R(p0)
+  if (K_CHW) {  // the head's block of key codes, its absmaxes (whole words), then the value codes
+    for (int i = lane; i < ch.bytes / 16; i += 32) cp_async16(kc + 16 * i, base + a.k_codes + ch.first + 16 * i);
+    for (int i = lane; ch.amax_lo + 4 * i < ch.amax_hi; i += 32) cp_async4(extra + 4 * i, base + ch.amax_lo + 4 * i);
+#pragma unroll
+    for (int i = lane; i < P * NCH; i += 32) {
+      int t = i / NCH, c = i % NCH;
+      cp_async16(vc + chunk_offset(t, c), base + a.v_codes + static_cast<int64_t>(t * a.H + h) * ROWB + 16 * c);
+    }
+  } else if (KBITS == 2) {
 #pragma unroll
     for (int i = lane; i < P * NCH; i += 32) {
       int t = i / NCH, c = i % NCH;
@@ -453,7 +503,8 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
 #pragma unroll
   for (int t = lane; t < P; t += 32) {
     int ko = (t * a.H + h) * KG * KES, vo = (t * a.H + h) * VG * VES;
-    if (!K_CHAN) {
+    if (K_CHW) {
+    } else if (!K_CHAN) {
       cp_async4(words + t, base + a.k_scales + (ko & ~3));
       if (!K_SYM) cp_async4(words + P + t, base + a.k_zeros + (ko & ~3));
     } else if (K_CENT) {  // the word holding the token's centroid id (assignments [1, P, H] bytes)
@@ -806,6 +857,47 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     qhead = qmx > 0.f ? min(max(14 - qe, 0), 40) : 0;
   }
 
+  // K_CHW: this head's constants, the query row gid at this thread's four channels of each 16-channel tile (fp16
+  // pairs in the order the codes' windows give them: (c + 1, c) and (c + 9, c + 8), c = 16 kt + 2 tig), each tile's
+  // bit offset and widths, and the headroom of the per-page fragments (as K_CHAN's)
+  constexpr int KT = D / 16;
+  ChwHead chw{};
+  uint32_t qh[K_CHW ? KT : 1][2];
+  uint32_t cst[K_CHW ? KT : 1];
+  float qmean = 0.f;  // this thread's part of q . mean for the codebook slot mean_slot
+  int mean_slot = -1;
+  if (K_CHW) {
+    const int* hc = a.chw_heads + 8 * h;
+    chw.first = hc[0];
+    chw.bytes = hc[1];
+    chw.bits = hc[2];
+    chw.amax_lo = (a.k_scales + 2 * hc[3]) & ~3;
+    chw.amax_hi = a.k_scales + 2 * (hc[3] + hc[4]);
+    chw.amax_off = (a.k_scales + 2 * hc[3]) & 3;
+    float qmx = 0.f;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      const int c = 16 * kt + 2 * tig;
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      if (live_row) {
+        const int chan[4] = {c + 1, c, c + 9, c + 8};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          x[i] = __half2float(__float2half_rn(load_float<Q_KIND>(a.q, q_row * D + chan[i]) * a.scale_log2));
+      }
+      qh[kt][0] = pack_half2(x[0], x[1]);
+      qh[kt][1] = pack_half2(x[2], x[3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qmx = fmaxf(qmx, fabsf(x[i]));
+      cst[kt] = a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) qmx = fmaxf(qmx, __shfl_xor_sync(0xffffffffu, qmx, o));
+    int qe = 0;
+    frexpf(qmx, &qe);
+    qhead = qmx > 0.f ? min(max(14 - qe, 0), 40) : 0;
+  }
+
   float acc_o[4 * NB][4];  // O^T tiles: 16 channels x 8 query rows each
 #pragma unroll
   for (int J = 0; J < 4 * NB; ++J)
@@ -904,28 +996,28 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
   for (int i = 0; i < NSTAGE - 1; ++i) {
     if (i < n_mine)
-      issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i], my_first + i, h, lane);
+      issue_page(wbuf + i * STAGE_BYTES, a, a.page_ids[start + my_first + i], my_first + i, h, lane, chw);
     cp_async_commit();
   }
   // The page ids and chunk slots come from global memory one page ahead of their use: a load in the page's own
   // iteration put a global round trip in front of its copies (and of the centroid table's slot test).
   int next_id = NSTAGE - 1 < n_mine ? a.page_ids[start + my_first + NSTAGE - 1] : 0;
-  int next_slot = (K_CENT || PSAC_R) && n_mine > 0 ? a.slots[start + my_first] : 0;
+  int next_slot = (K_CENT || PSAC_R || K_CHW) && n_mine > 0 ? a.slots[start + my_first] : 0;
   for (int i = 0; i < n_mine; ++i) {
     int ahead = i + NSTAGE - 1;
     const int page_id = next_id;
     if (ahead + 1 < n_mine) next_id = a.page_ids[start + my_first + ahead + 1];
     const int slot_now = next_slot;
-    if ((K_CENT || PSAC_R) && i + 1 < n_mine) next_slot = a.slots[start + my_first + i + 1];
-    if (ahead < n_mine) issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, page_id, my_first + ahead, h, lane);
+    if ((K_CENT || PSAC_R || K_CHW) && i + 1 < n_mine) next_slot = a.slots[start + my_first + i + 1];
+    if (ahead < n_mine) issue_page(wbuf + (ahead % NSTAGE) * STAGE_BYTES, a, page_id, my_first + ahead, h, lane, chw);
     cp_async_commit();
     cp_async_wait<NSTAGE - 1>();
     __syncwarp();
     const uint8_t* stage = wbuf + (i % NSTAGE) * STAGE_BYTES;
     const uint8_t* kc = stage;
-    const uint8_t* vc = stage + P * KROWB;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + P * (KROWB + ROWB));
-    const uint8_t* extra = stage + P * (KROWB + ROWB) + 4 * P * 4;
+    const uint8_t* vc = stage + KC_BYTES;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + KC_BYTES + P * ROWB);
+    const uint8_t* extra = stage + KC_BYTES + P * ROWB + 4 * P * 4;
     const int jpage = my_first + i;  // the page's index in the request
     int ptok[PSAC_REGMAP ? PSAC_ROWS : 1];  // PSAC_REGMAP: each folded row's token (-1: none)
     int wtok[WHOLE_N > 0 ? WHOLE_N : 1];    // WHOLE_N: each whole row's token (-1: none), the same in every lane
@@ -1262,10 +1354,104 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       }
     }
 
+    uint32_t qc[K_CHW ? KT : 1][2];  // K_CHW: this page's query fragments, the steps folded in
+    if (K_CHW) {
+      if (slot_now != mean_slot) {  // q . mean, this thread's channels: once per codebook slot
+        const __half* mean = reinterpret_cast<const __half*>(a.book + static_cast<int64_t>(slot_now) * a.book_bytes
+                                                             + a.k_mean) + h * D;
+        qmean = 0.f;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          const int c = 16 * kt + 2 * tig;
+          const float2 m01 = __half22float2(*reinterpret_cast<const __half2*>(mean + c));
+          const float2 m89 = __half22float2(*reinterpret_cast<const __half2*>(mean + c + 8));
+          const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+          qmean += x0.x * m01.y + x0.y * m01.x + x1.x * m89.y + x1.y * m89.x;
+        }
+        mean_slot = slot_now;
+      }
+      const __half* amx = reinterpret_cast<const __half*>(extra + chw.amax_off);
+      // the step of channel i of tile kt (2 amax / 2^w; 0 where w = 0) and its absmax
+      auto step_of = [&](int kt, int i, float& am) {
+        const uint32_t c = cst[kt], idx = a.chw_tiles[((h * KT + kt) * 4 + tig) * 2 + 1];
+        const int w = (c >> (12 + 4 * i)) & 15;
+        am = w ? __half2float(amx[(idx >> (8 * i)) & 255]) : 0.f;
+        return w ? am * __int_as_float((128 - w) << 23) : 0.f;
+      };
+      float smax = 0.f, zpart = qmean;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float am;
+          smax = fmaxf(smax, step_of(kt, i, am));
+        }
+      smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
+      smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+      int kexp;
+      frexpf(smax, &kexp);  // folded steps stay below 2^qhead
+      kexp = min(max(kexp, -60), 60);
+      const float nrm = ldexpf(1.f, qhead - kexp);
+      kback = ldexpf(1.f, kexp - qhead);
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+        const float x[4] = {x0.y, x0.x, x1.y, x1.x};  // channels c, c + 1, c + 8, c + 9
+        float st[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float am;
+          st[i] = step_of(kt, i, am);
+          zpart += x[i] * (0.5f * st[i] - am);
+        }
+        qc[kt][0] = pack_half2(x[1] * (st[1] * nrm), x[0] * (st[0] * nrm));
+        qc[kt][1] = pack_half2(x[3] * (st[3] * nrm), x[2] * (st[2] * nrm));
+      }
+      zpart += __shfl_xor_sync(0xffffffffu, zpart, 1);
+      zpart += __shfl_xor_sync(0xffffffffu, zpart, 2);  // query row gid, all channels
+#pragma unroll
+      for (int c = 0; c < 2; ++c) zc[c] = __shfl_sync(0xffffffffu, zpart, 4 * (2 * tig + c));
+    }
+
     // Keys: accumulators per scale group.
     float S[MT][4];
+    if (K_CHW) {  // each thread's four codes of a tile from one 32-bit window of its token's row
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(kc);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) S[mt][0] = S[mt][1] = S[mt][2] = S[mt][3] = 0.f;  // the accumulators
+#if CHW_UNROLL
+#pragma unroll
+#else
+#pragma unroll 1
+#endif
+      for (int kt = 0; kt < KT; ++kt) {  // (not unrolled: the tiles' constants from L1, the fragments from local memory)
+        const uint32_t c = CHW_UNROLL ? cst[kt] : a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
+        const int off = c & 0xfff;
+        const int w0 = (c >> 12) & 15, w1 = (c >> 16) & 15, w2 = (c >> 20) & 15, w3 = (c >> 24) & 15;
+        const int s01 = 32 - w0 - w1, s23 = s01 - w2 - w3;  // the pairs' shifts down from the window's top
+        const uint32_t m1 = (1u << w1) - 1u, m0 = ((1u << w0) - 1u) << 16;
+        const uint32_t m3 = (1u << w3) - 1u, m2 = ((1u << w2) - 1u) << 16;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t r[2][2];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int bit = (16 * mt + gid + 8 * half) * chw.bits + off;
+            const uint32_t hi = __byte_perm(kw[bit >> 5], 0u, 0x0123), lo = __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
+            const uint32_t win = __funnelshift_l(lo, hi, bit & 31);  // the row's bits from `bit` on, first at the top
+            r[half][0] = chw_pair(__funnelshift_rc(win, 0u, s01), m1, w1, m0);
+            r[half][1] = chw_pair(__funnelshift_rc(win, 0u, s23), m3, w3, m2);
+          }
+          mma16816(S[mt], r[0][0], r[1][0], r[0][1], r[1][1], qc[kt][0], qc[kt][1]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) S[mt][x] = S[mt][x] * kback + zc[x & 1];
+    }
+#pragma unroll
+    for (int mt = 0; mt < (K_CHW ? 0 : MT); ++mt) {
       float acc[KG][4];
 #pragma unroll
       for (int g = 0; g < KG; ++g)

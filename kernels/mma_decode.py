@@ -225,6 +225,9 @@ class Config:
     k_bits: int = 2  # key code width (3 or 4 with rope_token only)
     whole: int = 0  # whole key rows per page and head (with rope_token and centroids)
     out_fold: bool = False  # outliers folded into the centroid-value table (`OUT_FOLD` in the source)
+    k_chw: bool = False  # keys at a width per channel in lane order (`K_CHW`: `chw:...,order=lane`)
+    chw_block: int = 0  # with k_chw: the largest head block of key codes, bytes (a multiple of 16)
+    chw_unroll: bool = False  # with k_chw: the key loop over channel tiles unrolled (`CHW_UNROLL`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -236,17 +239,20 @@ class Config:
                 f"-DPAGE_ROPE={int(self.page_rope)}", f"-DROPE_TOKEN={int(self.rope_token)}",
                 f"-DPSAC_R={self.psac_rank}", f"-DPSAC_ROWS={self.psac_rows}", f"-DPSAC_SPARSE={int(self.psac_sparse)}",
                 f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DWHOLE_N={self.whole}",
-                f"-DOUT_FOLD={int(self.out_fold)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
+                f"-DOUT_FOLD={int(self.out_fold)}", f"-DK_CHW={int(self.k_chw)}", f"-DCHW_BLOCK={self.chw_block}",
+                f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
     def smem_bytes(self) -> int:  # mirrors the byte counts at the top of mma_decode.cu
         d, p, n = self.head_dim, self.page, 8
         kes = 1 if self.k_kind == 0 else 2
-        extra = ((2 * d * kes if self.k_chan else 0) + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
+        extra = ((2 * d * kes if self.k_chan else 2 * d + 16 if self.k_chw else 0)
+                 + (-(-8 * self.outliers // 16) * 16 if self.outliers else 0)
                  + (4 * d if self.page_rope or self.rope_token else 0)
                  + (-(-(self.psac_rows * self.psac_rank + 8 * self.psac_rows) // 16) * 16 if self.psac_rank else 0)
                  + (-(-(self.whole * d + 8 * self.whole) // 16) * 16 if self.whole else 0))
-        stage = p * (d * self.k_bits // 8 + d // 4) + 4 * p * 4 + extra
+        keys = self.chw_block + 16 if self.k_chw else p * d * self.k_bits // 8
+        stage = keys + p * d // 4 + 4 * p * 4 + extra
         sp = self.vg * p * n * 2
         if self.rope_token:  # centroid values as fp16 pairs
             rows = (32 + (self.psac_rows if self.psac_fold else 0) + self.whole + (self.outliers if self.out_fold else 0)
@@ -277,7 +283,8 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
                 ("k_cscale", ctypes.c_int), ("out_index", ctypes.c_int), ("out_value", ctypes.c_int),
                 ("local_cos", ctypes.c_uint64), ("local_sin", ctypes.c_uint64), ("psac_codes", ctypes.c_int),
                 ("psac_scale", ctypes.c_int), ("psac_token", ctypes.c_int), ("psac_basis", ctypes.c_int),
-                ("whole_codes", ctypes.c_int), ("whole_scale", ctypes.c_int), ("whole_token", ctypes.c_int)]
+                ("whole_codes", ctypes.c_int), ("whole_scale", ctypes.c_int), ("whole_token", ctypes.c_int),
+                ("chw_heads", ctypes.c_uint64), ("chw_tiles", ctypes.c_uint64), ("k_mean", ctypes.c_int)]
 
 
 class _Driver:
@@ -528,11 +535,150 @@ def launch(q, o_part, m_part, l_part, pages, dense, plan, scale_log2: float, per
                      cos.data_ptr(), sin.data_ptr(), int(book.shape[-1]), max(k.assign, 0), max(k.codebook, 0),
                      max(k.centroid_scales, 0), max(lv.out_index, 0), max(lv.out_value, 0), local_cos.data_ptr(),
                      local_sin.data_ptr(), max(lv.psac_codes, 0), max(lv.psac_scale, 0), max(lv.psac_token, 0),
-                     max(lv.psac_basis, 0), max(lv.whole_codes, 0), max(lv.whole_scale, 0), max(lv.whole_token, 0))
+                     max(lv.psac_basis, 0), max(lv.whole_codes, 0), max(lv.whole_scale, 0), max(lv.whole_token, 0),
+                     0, 0, 0)
+    _launch(config, params, q.device, b, h, splits, warps)
+
+
+def _launch(config: Config, params: _Params, device: torch.device, b: int, h: int, splits: int, warps: int) -> None:
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    with torch.cuda.device(q.device):  # the driver loads and launches in the current context: make it q's device's
-        function = _function(config, q.device)
-        _driver.ensure_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with torch.cuda.device(device):  # the driver loads and launches in the current context: make it the device's
+        function = _function(config, device)
+        _driver.ensure_context(device.index if device.index is not None else torch.cuda.current_device())
         _driver.check(_driver.lib.cuLaunchKernel(function, b, h, splits, warps * 32, 1, 1, config.smem_bytes,
                                                  ctypes.c_void_p(stream), args, None), "cuLaunchKernel")
+
+
+# ---------------------------------------------------------------- chw: keys at a width per channel (`K_CHW`)
+
+@dataclass(frozen=True)
+class ChwTables:
+    """The kernel's constants of one ``chw:...,order=lane`` key layout (`chw_tables`)."""
+
+    heads: torch.Tensor  # int32 [H, 8]: block's first byte in the key field, its bytes, a token's bits, the head's
+    #                      first absmax index, its coded channels
+    tiles: torch.Tensor  # int32 [H, D / 16, 4, 2]: per tile and thread column, bit offset | widths << 12 (4 bits
+    #                      each, the column's channels c, c + 1, c + 8, c + 9), and their absmax indices in the head
+    #                      (8 bits each, 255 for a channel of width 0)
+    block: int  # the largest head block, bytes
+
+
+@functools.lru_cache(maxsize=64)
+def chw_tables(widths: str, heads: int, page_size: int, device: str) -> ChwTables:
+    """`ChwTables` of key widths ``widths`` (one digit a channel, heads in order) on pages of ``page_size``."""
+    from kvbackend.codecs.chw import bit_layout, lane_order
+
+    w = torch.tensor([int(c) for c in widths], dtype=torch.int64).reshape(heads, -1)
+    d = w.shape[1]
+    bits = bit_layout(w.reshape(-1).to(torch.uint8), heads, page_size, "lane")
+    block = torch.tensor(bits.block, dtype=torch.int64)
+    coded = w > 0
+    head = torch.zeros(heads, 8, dtype=torch.int64)
+    head[:, 0] = block[:-1]
+    head[:, 1] = block[1:] - block[:-1]
+    head[:, 2] = w.sum(1)
+    head[:, 4] = coded.sum(1)
+    head[1:, 3] = torch.cumsum(head[:, 4], 0)[:-1]
+    local = torch.cumsum(coded.to(torch.int64), 1) - 1  # a coded channel's absmax index within its head
+    local[~coded] = 255
+    order = lane_order(d)
+    offset = torch.cumsum(w[:, order], 1) - w[:, order]  # [H, D]: bit offset of lane position i in a token's row
+    tiles = torch.zeros(heads, d // 16, 4, 2, dtype=torch.int64)
+    for kt in range(d // 16):
+        for tig in range(4):
+            at = 16 * kt + 4 * tig  # the column's first lane position
+            chans = order[at : at + 4]
+            word = offset[:, at].clone()
+            index = torch.zeros(heads, dtype=torch.int64)
+            for i in range(4):
+                word |= w[:, chans[i]] << (12 + 4 * i)
+                index |= local[:, chans[i]] << (8 * i)
+            tiles[:, kt, tig, 0] = word
+            tiles[:, kt, tig, 1] = index
+    as_i32 = tiles.to(torch.int64).remainder(1 << 32)
+    as_i32 = torch.where(as_i32 >= 1 << 31, as_i32 - (1 << 32), as_i32)
+    return ChwTables(head.to(torch.int32).to(device).contiguous(), as_i32.to(torch.int32).to(device).contiguous(),
+                     int(head[:, 1].max()))
+
+
+def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) -> bool:
+    """Whether the kernel reads a ``chw:`` layer (`kvbackend.kernels.chw_gather.ChwScheme`): lane order, keys after
+    RoPE (no pre-RoPE or page-relative keys), 2-bit per-token values it reads, head_dim 64 or 128, pages of 16-256
+    tokens, up to `MAX_GROUP` query heads per KV head; sinks and rotated values are read."""
+    lv = levers if levers is not None and levers.active else None
+    v = scheme.values
+    values_ok = (v.mode == TOKEN_GROUPS and v.bits == 2 and not v.stages and v.kind in _KINDS
+                 and v.group in (64, head_dim))
+    levers_ok = lv is None or (not lv.prerope and not lv.pagerope and not lv.psac_rank and not lv.outliers
+                               and not lv.whole and lv.sink <= scheme.page_size
+                               and (not lv.sink or lv.sink_k != NONE))
+    return (scheme.order == "lane" and scheme.codes >= 0 and values_ok and levers_ok and head_dim in (64, 128)
+            and scheme.page_size % 16 == 0 and 16 <= scheme.page_size <= 256 and 1 <= group <= MAX_GROUP)
+
+
+def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
+               levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
+               unroll: bool = False) -> Config:
+    """The variant for a ``chw:`` layer `supports_chw` accepts."""
+    if min_blocks is None:
+        min_blocks = default_min_blocks(warps)
+    lv = levers if levers is not None and levers.active else LeverScheme()
+    v = scheme.values
+    tables = chw_tables(scheme.widths, scheme.heads, scheme.page_size, "cpu")
+    return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
+                  _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
+                  vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll)
+
+
+def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
+               splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
+               min_blocks: int | None = None, unroll: bool = False) -> None:
+    """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`)."""
+    _, _, p, h, d = dense.shape
+    b, hq, _ = q.shape
+    if not supports_chw(scheme, levers, d, hq // h):
+        raise ValueError(f"the tensor-core decode kernel does not read this chw: layer (order {scheme.order!r}, "
+                         f"levers {levers}, head_dim {d}, {hq // h} query heads per KV head)")
+    if b == 0:
+        return
+    if pages.data_ptr() % 16 or dense.data_ptr() % 16 or pages.shape[1] % 16 or codebooks.data_ptr() % 16 \
+            or codebooks.shape[-1] % 16:
+        raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
+    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll)
+    tables = chw_tables(scheme.widths, h, p, str(q.device))
+    v = scheme.values
+    zero_v = v.zeros if not v.symmetric else v.scales
+    params = _Params(q.data_ptr(), o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(), pages.data_ptr(),
+                     dense.data_ptr(), plan.page_ids.data_ptr(), plan.valid.data_ptr(), plan.req_start.data_ptr(),
+                     plan.req_pages.data_ptr(), plan.req_packed.data_ptr(), float(scale_log2), int(per_split),
+                     int(splits), int(h), int(hq // h), int(pages.shape[1]), int(scheme.codes), int(scheme.scales), 0,
+                     int(v.codes), int(v.scales), int(zero_v), codebooks.data_ptr(), plan.slots.data_ptr(),
+                     q.data_ptr(), q.data_ptr(), int(codebooks.shape[-1]), 0, 0, 0, 0, 0, q.data_ptr(),
+                     q.data_ptr(), 0, 0, 0, 0, 0, 0, 0, tables.heads.data_ptr(), tables.tiles.data_ptr(),
+                     int(scheme.mean))
+    _launch(config, params, q.device, b, h, splits, warps)
+
+
+def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
+                      levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
+                      unroll: bool = False) -> int:
+    """`wave_programs` of a ``chw:`` variant."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, None, unroll),
+                          index)
+
+
+def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,
+                  q_dtype: torch.dtype, dense_dtype: torch.dtype, stages: int = 2, warps: int = 4) -> bool:
+    """Whether `kvbackend.kernels.chw_decode.chw_decode` takes this kernel when not told: a layer `supports_chw`
+    accepts, on a usable GPU with room for its shared memory, a variant that has not failed to compile or load, and
+    not during a CUDA-graph capture before its first load."""
+    if not (PREFERRED and device.type == "cuda" and supports_chw(scheme, levers, head_dim, group)
+            and q_dtype in _DTYPE_KIND and dense_dtype in (torch.float16, torch.bfloat16) and available(device)[0]):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    config = chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps)
+    if (index, config) in _failed or config.smem_bytes > max_shared_memory(index):
+        return False
+    return (index, config) in _functions or not torch.cuda.is_current_stream_capturing()

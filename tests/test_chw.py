@@ -369,7 +369,7 @@ def test_units_in_one_pass_give_the_bytes_of_one_chunk_at_a_time(monkeypatch, fu
 def test_lane_order_stores_the_same_codes_where_a_tensor_core_thread_reads_them():
     """``order=lane``: the keys and values decode bit for bit as in channel order (the same codes, other places);
     each thread column's four channels of a 16-channel tile are consecutive in a token's bits (one 32-bit window);
-    head blocks start on 16-byte boundaries; the package's kernels refuse the field by name."""
+    head blocks start on 16-byte boundaries; the generic kernels refuse the field by name, the chw kernels read it."""
     from kvbackend.backends import chw_kernels_can_serve
     from kvbackend.codecs.chw import lane_order
 
@@ -397,7 +397,7 @@ def test_lane_order_stores_the_same_codes_where_a_tensor_core_thread_reads_them(
             assert all(e == s for e, s in zip(ends[:-1], at[1:]))  # consecutive bits
     with pytest.raises(UnsupportedLayout, match="k_lcodes"):
         kernel_schemes(lane, b, levers_read=True)
-    assert not kernels_can_serve(lane, b) and not chw_kernels_can_serve(lane, b)
+    assert not kernels_can_serve(lane, b) and chw_kernels_can_serve(lane, b)  # the chw kernels read either order
     with pytest.raises(SpecError, match="multiple of 16"):
         codecs.get("chw:kbits=2,order=lane").layout(Geometry(1, 1, 8, torch.float32), 16)
     with pytest.raises(SpecError):

@@ -25,6 +25,8 @@ CASES = [  # (codec, page size, lengths, GQA ratio)
     ("chw:kbits=3,vbits=2,pagerope=true", 16, [70], 2),  # every channel coded, page-relative keys
     ("chw:kbits=0,vbits=2,sink=2", 16, [50, 33], 2),  # no channel coded: the keys are the chunk means
     (f"chw:kw={'8' * 128},vbits=8,vrot=hadamard", 16, [64, 64], 2),  # the widest codes, whole pages only
+    (f"chw:kw={KW},vbits=2,sink=4,vrot=hadamard,order=lane", 16, [45, 70, 3], 4),  # lane order (keys after RoPE)
+    (f"chw:kw={KW[::-1]},vbits=2,order=lane", 32, [97, 20], 8),  # lane order, no lever, a GQA group of 8
 ]
 
 

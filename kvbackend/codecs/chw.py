@@ -13,8 +13,8 @@ at ``vbits`` with fp8 scale and zero (clipped steps by default).
 per 16-channel tile and thread column ``j`` of an m16n8k16 operand, channels ``2j, 2j + 1, 2j + 8, 2j + 9`` of the
 tile, so the four codes one thread feeds the MMA lie in one 32-bit window of the bit string (at most 4 x 8 bits),
 and each head's block starts on a 16-byte boundary (asynchronous 16-byte copies). The same codes and bits per
-token; only their places differ. No kernel of the package reads this order yet (the torch reference serves it;
-`perf/experiments/chw_mma_scores.cu` is the reader it is for).
+token; only their places differ. The chw Triton kernels read either order; the tensor-core decode
+(`kernels/mma_decode.cu`, ``K_CHW``) reads this one, for keys after RoPE (no ``prerope`` or ``pagerope``).
 
 Used with ``prerope=true,vrot=hadamard,sink=N`` (what the planner writes): keys before RoPE, where a channel's
 statistics do not turn with the position, and values Hadamard-rotated. The generic kernels do not read these fields

@@ -1,0 +1,123 @@
+"""The tensor-core decode over ``chw:...,order=lane`` pages (keys at a width per channel, after RoPE) beside BF16 SDPA,
+KIVI-2 through the same kernel family (`paged_decode`, its CUDA kernel) and the chw Triton kernel, at Llama-8B
+geometry (Hq 32, Hkv 8, D 128, 64-token pages), every side replayed from CUDA graphs, inputs rotated past L2.
+
+Checks first (each chw layout's decode through the kernel against float32 attention over the Triton gather's keys
+and values, the first two requests), then times. Writes one JSON.
+
+    PYTHONPATH=. python perf/bench_chw_mma.py OUT.json [B,L ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_chw_gather import mixed_widths  # noqa: E402
+from bench_kernels import (DEV, L2_BYTES, ceiling, encoded_pages, graph_time, rotation_plans,  # noqa: E402
+                           sdpa_time, RESULTS)
+from kvbackend import Geometry, codecs  # noqa: E402
+from kvbackend.attention import decode_attention  # noqa: E402
+from kvbackend.codecs.base import CodecState  # noqa: E402
+from kvbackend.frames import lever_layout  # noqa: E402
+from kvbackend.kernels.chw_decode import chw_decode  # noqa: E402
+from kvbackend.kernels.chw_gather import chw_gather, layer_schemes  # noqa: E402
+from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
+from kvbackend.scheme import kernel_schemes  # noqa: E402
+
+HQ, HEADS, DIM, PAGE = 32, 8, 128, 64
+
+
+def encoded(spec: str):
+    codec = codecs.get(spec)
+    layout = lever_layout(codec.layout(Geometry(1, HEADS, DIM, torch.bfloat16), PAGE), codec.levers)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    k = (torch.randn(4096, HEADS, DIM, device=DEV, generator=gen)
+         + torch.randn(1, HEADS, DIM, device=DEV, generator=gen)).bfloat16()
+    v = torch.randn(4096, HEADS, DIM, device=DEV, generator=gen).bfloat16()
+    return codec, layout, codec.encode(k, v, layout, CodecState())
+
+
+def batch_of(chunk, layout, batch: int, length: int):
+    """(pages, books, plans, dense, queries, rotations): ``rotations`` copies of the batch past L2, each request
+    ``length // PAGE - 1`` packed pages and one dense page."""
+    packed = length // PAGE - 1
+    per_rot = batch * packed * layout.page_bytes
+    rotations = max(1, min(4, math.ceil(4 * L2_BYTES / per_rot)))
+    total = rotations * batch * packed
+    pages = chunk.pages.repeat(-(-total // chunk.pages.shape[0]), 1)[:total].contiguous()
+    books, plans = rotation_plans(batch, packed, PAGE, rotations, chunk.codebook)
+    dense = torch.randn(rotations * batch, 2, PAGE, HEADS, DIM, device=DEV).bfloat16()
+    qs = [torch.randn(batch, HQ, DIM, device=DEV).bfloat16() for _ in range(rotations)]
+    return pages, books, plans, dense, qs, rotations
+
+
+def main(path: str, shapes: list[tuple[int, int]]) -> None:
+    ceiling()
+    copy = RESULTS["sections"]["ceiling"]["copy_GBps"]
+    result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": []}
+    kw = mixed_widths()
+    chw_specs = {"chw mixed 2.66-bit widths": f"chw:kw={kw},vbits=2,vstep=1.15,order=lane",
+                 "chw mixed, sinks + rotated values": f"chw:kw={kw},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard",
+                 "chw every width 2": "chw:kbits=2,vbits=2,order=lane"}
+    built = {name: encoded(spec) for name, spec in chw_specs.items()}
+    kivi = encoded_pages("kivi:bits=2,group=64", HEADS, DIM, PAGE)
+    for batch, length in shapes:
+        sdpa_us = 1e3 * sdpa_time(batch, HQ, HEADS, length, DIM, 2 if length * batch <= 262144 else 1, graphs=True)
+        print(f"B={batch} L={length}: SDPA BF16 {sdpa_us:.1f} us", flush=True)
+        for name, (codec, layout, chunk) in built.items():
+            scheme, levers = layer_schemes(codec, layout)
+            pages, books, plans, dense, qs, rot = batch_of(chunk, layout, batch, length)
+            row = {"layout": name, "B": batch, "L": length, "sdpa_bf16_us": sdpa_us,
+                   "bpv": (layout.page_bytes * 64 + layout.codebook_bytes) * 8 / (4096 * HEADS * DIM * 2)}
+            # check: the kernel against float32 attention over the Triton gather's rows (first two requests)
+            k, v = chw_gather(pages, books, dense, scheme, plans[0], levers=levers)
+            two = int(plans[0].cu_seqlens[2])
+            one = int(plans[0].cu_seqlens[1])
+            want, want_lse = decode_attention(qs[0][:2], [k[:one], k[one:two]], [v[:one], v[one:two]])
+            out, lse = chw_decode(qs[0], pages, books, dense, scheme, plans[0], levers=levers, mma=True)
+            row["mma_rel_err"] = float((out[:2].float() - want).norm() / want.norm())
+            row["mma_lse_err"] = float((lse[:2] - want_lse).abs().max())
+            for label, kwargs in (("mma", {"mma": True}), ("mma_unrolled", {"mma": True, "mma_options": {"unroll": True}}),
+                                  ("triton_tile", {"mma": False, "tile": True})):
+                try:
+                    us = 1e3 * graph_time([lambda j=j: chw_decode(qs[j], pages, books, dense, scheme, plans[j],
+                                                                  levers=levers, **kwargs) for j in range(rot)])
+                    row[f"{label}_us"] = us
+                    row[f"{label}_speedup_vs_sdpa"] = sdpa_us / us
+                    row[f"{label}_pct_of_copy"] = (batch * (length // PAGE - 1) * layout.page_bytes) / us / 1e3 / copy * 100
+                except Exception as exc:
+                    row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        codec, layout, chunk = kivi
+        schemes = kernel_schemes(codec, layout)
+        pages, books, plans, dense, qs, rot = batch_of(chunk, layout, batch, length)
+        best = None
+        for tp in (264, 528, 2112):
+            try:
+                us = 1e3 * graph_time([lambda j=j: paged_decode(qs[j], pages, books, dense, schemes, plans[j], mma=True,
+                                                                target_programs=tp) for j in range(rot)])
+            except Exception as exc:
+                print(f"kivi-2 {tp}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            best = us if best is None else min(best, us)
+        row = {"layout": "kivi:bits=2,group=64 (paged_decode, CUDA kernel, best of 3 split targets)", "B": batch,
+               "L": length, "sdpa_bf16_us": sdpa_us, "mma_us": best,
+               "mma_speedup_vs_sdpa": sdpa_us / best if best else None}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    result["errors"] = RESULTS["errors"]
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    shapes = [tuple(int(x) for x in s.split(",")) for s in sys.argv[2:]] or [(8, 32768)]
+    main(sys.argv[1], shapes)

@@ -1,0 +1,152 @@
+"""The tensor-core decode's path for keys at a width per channel (`kernels/mma_decode.cu`, ``K_CHW``; layers
+``chw:...,order=lane`` with keys after RoPE).
+
+On the CPU: the kernel's constants (`mma_decode.chw_tables`) and its way of reading codes (two byte-swapped words,
+one funnel shift, two shifts down per thread and tile) replayed in Python over encoded pages give every key the
+codec's decode gives. On a CUDA GPU: `chw_decode` through the kernel against float32 attention over the torch
+reference's keys and values and against the Triton kernel, on odd shapes (head_dim 64 and 128, pages of 16-64
+tokens, GQA groups 1-8, several chunks, dense tails, sinks, rotated values)."""
+
+import random
+
+import pytest
+import torch
+
+from kvbackend import CacheConfig, Geometry, KVCache, codecs
+from kvbackend.attention import decode_attention
+from kvbackend.kernels import mma_decode
+from kernel_cases import DEVICE
+
+
+def _widths(heads: int, dim: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(str(rng.choice([0, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8])) for _ in range(heads * dim))
+
+
+def _replayed_keys(codec, layout, pages: torch.Tensor, codebook: torch.Tensor, heads: int, dim: int, page: int):
+    """Keys [n * page, heads, dim] float32 read as the kernel reads them (one codebook slot for every page)."""
+    widths = "".join(str(int(w)) for w in codec._widths(layout.geometry).tolist())
+    tables = mma_decode.chw_tables(widths, heads, page, "cpu")
+    codes_at = layout.page.fields["k_lcodes"].offset
+    amax = layout.page.view(pages, "k_wscales").float()  # [n, A]
+    mean = layout.codebook.view(codebook[None], "k_mean").reshape(heads, dim).float()
+    n = pages.shape[0]
+    out = torch.empty(n, page, heads, dim)
+    for j in range(n):
+        raw = pages[j].tolist()
+        for h in range(heads):
+            first, size, bits, a0 = (int(x) for x in tables.heads[h, :4])
+            block = bytes(raw[codes_at + first : codes_at + first + size]) + bytes(8)
+            words = [int.from_bytes(block[4 * i : 4 * i + 4], "big") for i in range(len(block) // 4)]
+            for kt in range(dim // 16):
+                for tig in range(4):
+                    word = int(tables.tiles[h, kt, tig, 0]) & 0xFFFFFFFF
+                    index = int(tables.tiles[h, kt, tig, 1]) & 0xFFFFFFFF
+                    off = word & 0xFFF
+                    w = [(word >> (12 + 4 * i)) & 15 for i in range(4)]
+                    chans = [16 * kt + 2 * tig, 16 * kt + 2 * tig + 1, 16 * kt + 2 * tig + 8, 16 * kt + 2 * tig + 9]
+                    s01 = 32 - w[0] - w[1]
+                    s23 = s01 - w[2] - w[3]
+                    for t in range(page):
+                        bit = t * bits + off
+                        window = (((words[bit >> 5] << 32) | words[(bit >> 5) + 1]) << (bit & 31) >> 32) & 0xFFFFFFFF
+                        pair01 = window >> s01 if s01 < 32 else 0
+                        pair23 = window >> s23 if s23 < 32 else 0
+                        codes = [(pair01 >> w[1]) & ((1 << w[0]) - 1), pair01 & ((1 << w[1]) - 1),
+                                 (pair23 >> w[3]) & ((1 << w[2]) - 1), pair23 & ((1 << w[3]) - 1)]
+                        for i, c in enumerate(chans):
+                            key = float(mean[h, c])
+                            if w[i]:
+                                a = float(amax[j, a0 + ((index >> (8 * i)) & 255)])
+                                key += (codes[i] + 0.5) * (2 * a / 2 ** w[i]) - a
+                            out[j, t, h, c] = key
+    return out.reshape(n * page, heads, dim)
+
+
+@pytest.mark.parametrize("heads,dim,page", [(3, 64, 16), (2, 128, 32)])
+def test_the_kernel_tables_locate_every_code_as_the_codec_decodes_it(heads, dim, page):
+    widths = _widths(heads, dim, seed=dim + page)
+    codec = codecs.get(f"chw:kw={widths},vbits=2,order=lane")
+    layout = codec.layout(Geometry(1, heads, dim, torch.bfloat16), page)
+    gen = torch.Generator().manual_seed(3)
+    n = 2 * page
+    k = (torch.randn(n, heads, dim, generator=gen) * torch.rand(1, heads, dim, generator=gen) * 4
+         + torch.randn(1, heads, dim, generator=gen)).bfloat16()
+    v = torch.randn(n, heads, dim, generator=gen).bfloat16()
+    chunk = codec.encode(k, v, layout)
+    want, _ = codec.decode_pages(layout, chunk.pages, chunk.codebook)
+    got = _replayed_keys(codec, layout, chunk.pages, chunk.codebook, heads, dim, page)
+    assert want.dtype == torch.bfloat16  # the reference rounds once to the cache's dtype: the replay, rounded, is it
+    assert torch.equal(got.bfloat16(), want)
+    tables = mma_decode.chw_tables(widths, heads, page, "cpu")
+    assert tables.block == max(int(tables.heads[h, 1]) for h in range(heads)) and tables.block % 16 == 0
+    coded = torch.tensor([int(c) for c in widths]).reshape(heads, dim) > 0
+    assert tables.heads[:, 4].tolist() == coded.sum(1).tolist()  # each head's absmaxes, in heads' order
+
+
+def test_the_kernel_takes_only_the_layers_it_reads():
+    from kvbackend.kernels.chw_gather import layer_schemes
+
+    geometry = Geometry(1, 2, 128, torch.bfloat16)
+
+    def scheme(spec):
+        codec = codecs.get(spec)
+        from kvbackend.frames import lever_layout
+
+        return layer_schemes(codec, lever_layout(codec.layout(geometry, 64), codec.levers))
+
+    s, lv = scheme("chw:kbits=2,vbits=2,order=lane,sink=4,vrot=hadamard")
+    assert mma_decode.supports_chw(s, lv, 128, 4)
+    assert not mma_decode.supports_chw(s, lv, 128, 9)  # a GQA group past the MMA's N
+    for spec in ("chw:kbits=2,vbits=2", "chw:kbits=2,vbits=2,order=lane,prerope=true",  # natural order; pre-RoPE keys
+                 "chw:kbits=2,vbits=3,order=lane", "chw:kbits=0,vbits=2,order=lane"):  # 3-bit values; no key codes
+        assert not mma_decode.supports_chw(*scheme(spec), 128, 4), spec
+
+
+CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
+    ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [700, 131, 64], 4, {}),
+    ("chw:kw={w},vbits=2,order=lane", 3, 64, 16, [97, 40, 3], 5, {}),
+    ("chw:kw={w},vbits=2,order=lane,sink=2", 2, 128, 32, [300], 8, {"unroll": True}),
+    ("chw:kw={w},vbits=2,order=lane,vrot=hadamard", 1, 128, 16, [90, 257], 1, {"stages": 1, "warps": 2}),
+    ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {}),  # the widest codes: 32-bit windows
+]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("spec,heads,dim,page,lengths,group,options", CUDA_CASES)
+def test_the_tensor_core_path_decodes_like_the_reference(spec, heads, dim, page, lengths, group, options):
+    from kvbackend.kernels.chw_decode import chw_decode
+
+    if not mma_decode.available(torch.device("cuda"))[0]:
+        pytest.skip(mma_decode.available(torch.device("cuda"))[1])
+    spec = spec.format(w=_widths(heads, dim, seed=len(lengths)))
+    cache = KVCache(Geometry(1, heads, dim, torch.bfloat16),
+                    CacheConfig(codec=spec, page_size=page, chunk_pages=2, dense_pages=256, packed_pages=256,
+                                device="cuda", backend="triton"))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    ids = []
+    for n in lengths:
+        rid, _ = cache.add_request()
+        k = (torch.randn(n, heads, dim, device="cuda", generator=gen) * 2
+             + torch.randn(1, heads, dim, device="cuda", generator=gen) * 3).bfloat16()
+        v = torch.randn(n, heads, dim, device="cuda", generator=gen).bfloat16()
+        cache.append(rid, 0, k, v)
+        ids.append(rid)
+    backend = cache.backends[0]
+    plan = cache.plan(ids, 0)
+    assert bool((plan.kinds == 0).any())
+    q = torch.randn(len(ids), heads * group, dim, device="cuda", generator=gen).bfloat16()
+    reads = [cache.read(rid, 0) for rid in ids]
+    want, want_lse = decode_attention(q, [r[0] for r in reads], [r[1] for r in reads])
+    args = (q, cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], backend.scheme, plan)
+    out, lse = chw_decode(*args, levers=backend.levers, mma=True, mma_options=options)
+    err = float((out.float() - want).norm() / want.norm())
+    assert err < 1e-2, err
+    assert torch.allclose(lse, want_lse, atol=3e-2)
+    tri, tri_lse = chw_decode(*args, levers=backend.levers, mma=False, tile=True)
+    assert float((out.float() - tri.float()).norm() / tri.float().norm()) < 1e-2
+    assert torch.allclose(lse, tri_lse, atol=3e-2)
+    # the default picks the kernel here, and the backend's decode is that call
+    default, _ = cache.decode(plan, 0, q)
+    assert torch.equal(default, chw_decode(*args, levers=backend.levers)[0])
+    assert mma_decode.chw_preferred(backend.scheme, backend.levers, dim, group, q.device, q.dtype, torch.bfloat16)
