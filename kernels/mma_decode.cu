@@ -152,6 +152,9 @@
 #ifndef CHW_BLOCK
 #define CHW_BLOCK 0  // K_CHW: bytes of the largest head block of key codes (a multiple of 16)
 #endif
+#ifndef CHW_SFOLD
+#define CHW_SFOLD 1  // K_CHW: each lane folds the steps of one tile column's four channels into a shared row per page
+#endif                // (every lane read every one of its 32 channels' absmaxes otherwise: 8 lanes alike each)
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -207,7 +210,8 @@ constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? (CV_ROWS + (K_CENT < 32 ? 0 : 
                                                                                     // centroid values, fp16 pairs
 // PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
 constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2) + (P + 15) / 16 * 16 : 0;
-constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + PB_BYTES;
+constexpr int CF_BYTES = (K_CHW && CHW_SFOLD) ? 2 * D * 4 : 0;  // K_CHW: the page's folded steps and zero terms [2][D]
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + PB_BYTES + CF_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
 // Rotated values: each warp's packed output [N][D] f32 waits, while the other warps still stream pages, in the
@@ -781,6 +785,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   float ct_scale = 1.f;
   uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
   uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES;
+  float* cfold = reinterpret_cast<float*>(pbase + PB_BYTES);  // K_CHW && CHW_SFOLD: [2][D]
   const uint4* pbasis = reinterpret_cast<const uint4*>(pbase);  // the slot's basis: [D / 2][R] fp16 pairs
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
   signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2));
@@ -866,6 +871,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   uint32_t cst[K_CHW ? KT : 1];
   float qmean = 0.f;  // this thread's part of q . mean for the codebook slot mean_slot
   int mean_slot = -1;
+  uint32_t cw[2] = {0u, 0u};  // CHW_SFOLD: the constants of this lane's tile column (tile lane / 4, column lane % 4)
   if (K_CHW) {
     const int* hc = a.chw_heads + 8 * h;
     chw.first = hc[0];
@@ -874,6 +880,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     chw.amax_lo = (a.k_scales + 2 * hc[3]) & ~3;
     chw.amax_hi = a.k_scales + 2 * (hc[3] + hc[4]);
     chw.amax_off = (a.k_scales + 2 * hc[3]) & 3;
+    if (CHW_SFOLD && (lane >> 2) < KT) {
+      cw[0] = a.chw_tiles[((h * KT + (lane >> 2)) * 4 + (lane & 3)) * 2];
+      cw[1] = a.chw_tiles[((h * KT + (lane >> 2)) * 4 + (lane & 3)) * 2 + 1];
+    }
     float qmx = 0.f;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
@@ -1371,41 +1381,84 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         mean_slot = slot_now;
       }
       const __half* amx = reinterpret_cast<const __half*>(extra + chw.amax_off);
-      // the step of channel i of tile kt (2 amax / 2^w; 0 where w = 0) and its absmax
-      auto step_of = [&](int kt, int i, float& am) {
-        const uint32_t c = cst[kt], idx = a.chw_tiles[((h * KT + kt) * 4 + tig) * 2 + 1];
-        const int w = (c >> (12 + 4 * i)) & 15;
-        am = w ? __half2float(amx[(idx >> (8 * i)) & 255]) : 0.f;
-        return w ? am * __int_as_float((128 - w) << 23) : 0.f;
-      };
-      float smax = 0.f, zpart = qmean;
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
+      float zpart = qmean;
+      if (CHW_SFOLD) {
+        // each lane: the steps (2 amax / 2^w; 0 where w = 0) of its tile column's four channels; the warp's largest
+        // sets the normalization; the lane writes step x nrm and 0.5 step - amax to the shared row, every lane
+        // then reads its own 32 channels' pairs
+        float st4[4] = {0.f, 0.f, 0.f, 0.f}, am4[4] = {0.f, 0.f, 0.f, 0.f};
+        float smax = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float am;
-          smax = fmaxf(smax, step_of(kt, i, am));
+          const int w = (cw[0] >> (12 + 4 * i)) & 15;
+          am4[i] = w ? __half2float(amx[(cw[1] >> (8 * i)) & 255]) : 0.f;
+          st4[i] = w ? am4[i] * __int_as_float((128 - w) << 23) : 0.f;
+          smax = fmaxf(smax, st4[i]);
         }
-      smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
-      smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
-      int kexp;
-      frexpf(smax, &kexp);  // folded steps stay below 2^qhead
-      kexp = min(max(kexp, -60), 60);
-      const float nrm = ldexpf(1.f, qhead - kexp);
-      kback = ldexpf(1.f, kexp - qhead);
 #pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
-        const float x[4] = {x0.y, x0.x, x1.y, x1.x};  // channels c, c + 1, c + 8, c + 9
-        float st[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float am;
-          st[i] = step_of(kt, i, am);
-          zpart += x[i] * (0.5f * st[i] - am);
+        for (int o = 1; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+        int kexp;
+        frexpf(smax, &kexp);  // folded steps stay below 2^qhead
+        kexp = min(max(kexp, -60), 60);
+        const float nrm = ldexpf(1.f, qhead - kexp);
+        kback = ldexpf(1.f, kexp - qhead);
+        if ((lane >> 2) < KT) {
+          const int c0 = 16 * (lane >> 2) + 2 * (lane & 3);
+          *reinterpret_cast<float2*>(cfold + c0) = make_float2(st4[0] * nrm, st4[1] * nrm);
+          *reinterpret_cast<float2*>(cfold + c0 + 8) = make_float2(st4[2] * nrm, st4[3] * nrm);
+          *reinterpret_cast<float2*>(cfold + D + c0) = make_float2(0.5f * st4[0] - am4[0], 0.5f * st4[1] - am4[1]);
+          *reinterpret_cast<float2*>(cfold + D + c0 + 8) = make_float2(0.5f * st4[2] - am4[2], 0.5f * st4[3] - am4[3]);
         }
-        qc[kt][0] = pack_half2(x[1] * (st[1] * nrm), x[0] * (st[0] * nrm));
-        qc[kt][1] = pack_half2(x[3] * (st[3] * nrm), x[2] * (st[2] * nrm));
+        __syncwarp();
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          const int c = 16 * kt + 2 * tig;
+          const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+          const float2 s01 = *reinterpret_cast<const float2*>(cfold + c);
+          const float2 s89 = *reinterpret_cast<const float2*>(cfold + c + 8);
+          const float2 z01 = *reinterpret_cast<const float2*>(cfold + D + c);
+          const float2 z89 = *reinterpret_cast<const float2*>(cfold + D + c + 8);
+          qc[kt][0] = pack_half2(x0.x * s01.y, x0.y * s01.x);  // (c + 1, c)
+          qc[kt][1] = pack_half2(x1.x * s89.y, x1.y * s89.x);  // (c + 9, c + 8)
+          zpart += x0.y * z01.x + x0.x * z01.y + x1.y * z89.x + x1.x * z89.y;
+        }
+      } else {
+        // the step of channel i of tile kt (2 amax / 2^w; 0 where w = 0) and its absmax
+        auto step_of = [&](int kt, int i, float& am) {
+          const uint32_t c = cst[kt], idx = a.chw_tiles[((h * KT + kt) * 4 + tig) * 2 + 1];
+          const int w = (c >> (12 + 4 * i)) & 15;
+          am = w ? __half2float(amx[(idx >> (8 * i)) & 255]) : 0.f;
+          return w ? am * __int_as_float((128 - w) << 23) : 0.f;
+        };
+        float smax = 0.f;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float am;
+            smax = fmaxf(smax, step_of(kt, i, am));
+          }
+        smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
+        smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+        int kexp;
+        frexpf(smax, &kexp);  // folded steps stay below 2^qhead
+        kexp = min(max(kexp, -60), 60);
+        const float nrm = ldexpf(1.f, qhead - kexp);
+        kback = ldexpf(1.f, kexp - qhead);
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+          const float x[4] = {x0.y, x0.x, x1.y, x1.x};  // channels c, c + 1, c + 8, c + 9
+          float st[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float am;
+            st[i] = step_of(kt, i, am);
+            zpart += x[i] * (0.5f * st[i] - am);
+          }
+          qc[kt][0] = pack_half2(x[1] * (st[1] * nrm), x[0] * (st[0] * nrm));
+          qc[kt][1] = pack_half2(x[3] * (st[3] * nrm), x[2] * (st[2] * nrm));
+        }
       }
       zpart += __shfl_xor_sync(0xffffffffu, zpart, 1);
       zpart += __shfl_xor_sync(0xffffffffu, zpart, 2);  // query row gid, all channels
