@@ -474,8 +474,9 @@ __device__ __forceinline__ void issue_page(uint8_t* stage, const Params& a, int 
   const uint8_t* base = a.pages + static_cast<int64_t>(page) * a.page_bytes;
   uint8_t* kc = stage;
   uint8_t* vc = stage + KC_BYTES;
-  uint32_t* words = reinterpret_cast<uint32_t*>(stage + KC_BYTES + P * ROWB);  // [4][P]: k scale, k zero, v scale, v zero
-  uint8_t* extra = stage + KC_BYTES + P * ROWB + 4 * P * 4;                    // per-channel key scales, outliers, R(p0)
+  uint32_t* words = reinterpret_cast<uint32_t*>(stage + KC_BYTES + P * ROWB);  // [4][P]: k scale, k zero, v scale,
+                                                                               // v zero
+  uint8_t* extra = stage + KC_BYTES + P * ROWB + 4 * P * 4;  // per-channel key scales, outliers, R(p0)
   if (K_CHW) {  // the head's block of key codes, its absmaxes (whole words), then the value codes
     for (int i = lane; i < ch.bytes / 16; i += 32) cp_async16(kc + 16 * i, base + a.k_codes + ch.first + 16 * i);
     for (int i = lane; ch.amax_lo + 4 * i < ch.amax_hi; i += 32) cp_async4(extra + 4 * i, base + ch.amax_lo + 4 * i);
@@ -1477,7 +1478,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #else
 #pragma unroll 1
 #endif
-      for (int kt = 0; kt < KT; ++kt) {  // (not unrolled: the tiles' constants from L1, the fragments from local memory)
+      for (int kt = 0; kt < KT; ++kt) {  // (not unrolled: the tiles' constants from L1, the fragments from the stack)
         const uint32_t c = CHW_UNROLL ? cst[kt] : a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
         const int off = c & 0xfff;
         const int w0 = (c >> 12) & 15, w1 = (c >> 16) & 15, w2 = (c >> 20) & 15, w3 = (c >> 24) & 15;

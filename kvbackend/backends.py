@@ -64,10 +64,8 @@ class ChwBackend(TorchBackend):
         from kvbackend.kernels.chw_gather import layer_schemes, tile_bytes
 
         self.scheme, self.levers = layer_schemes(codec, layout)
-        g = layout.geometry
-        widths = self.scheme.widths
-        self.tile = (self.scheme.codes >= 0
-                     and tile_bytes(widths, g.num_kv_heads, layout.page_size) <= self.MAX_TILE)
+        self.tile = (self.scheme.codes >= 0  # (no key codes: nothing to tile)
+                     and tile_bytes(self.scheme.widths, layout.geometry.num_kv_heads, layout.page_size) <= self.MAX_TILE)
 
     def gather(self, cache, plan: BatchPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         from kvbackend.kernels.chw_gather import chw_gather
@@ -184,7 +182,7 @@ class TritonBackend:
 
         return gather_dequant(cache.packed.pages[layer], cache.packed.codebooks[layer], cache.dense.data[layer],
                               self.schemes, plan, out_dtype=cache.geometry.dtype, levers=self.levers,
-                              rotary=cache.frames[layer].rotary, tile=self.tile)
+                              rotary=cache.frames[layer].rotary)
 
     def decode(self, cache, plan: BatchPlan, layer: int, q: torch.Tensor, scale: float | None = None):
         from kvbackend.kernels.paged_decode import paged_decode
