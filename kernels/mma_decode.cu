@@ -155,6 +155,9 @@
 #ifndef CHW_SFOLD
 #define CHW_SFOLD 1  // K_CHW: each lane folds the steps of one tile column's four channels into a shared row per page
 #endif                // (every lane read every one of its 32 channels' absmaxes otherwise: 8 lanes alike each)
+#ifndef CHW_QSMEM
+#define CHW_QSMEM 0  // K_CHW: the query's fp16 pairs and the page's folded fragments in shared memory, not registers
+#endif
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -211,7 +214,8 @@ constexpr int CV_BYTES = (K_CENT && ROPE_TOKEN) ? (CV_ROWS + (K_CENT < 32 ? 0 : 
 // PSAC rows: the slot's basis [D][R] bf16, the page's corrections [rows][D / 2] fp16 pairs, token -> row map [P]
 constexpr int PB_BYTES = PSAC_R ? D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2) + (P + 15) / 16 * 16 : 0;
 constexpr int CF_BYTES = (K_CHW && CHW_SFOLD) ? 2 * D * 4 : 0;  // K_CHW: the page's folded steps and zero terms [2][D]
-constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + PB_BYTES + CF_BYTES;
+constexpr int QS_BYTES = (K_CHW && CHW_QSMEM) ? 2 * (D / 16) * 2 * 32 * 4 : 0;  // K_CHW: [query | page][tile][2][lane]
+constexpr int WARP_BYTES = NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES + PB_BYTES + CF_BYTES + QS_BYTES;
 constexpr int RING_BYTES = NWARPS * WARP_BYTES;
 constexpr int ROT_BYTES = ROPE_TOKEN ? 2 * P * D : 0;  // R(t): cos and sin [P][D / 4] fp16 pairs (c, c + 8)
 // Rotated values: each warp's packed output [N][D] f32 waits, while the other warps still stream pages, in the
@@ -787,6 +791,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   uint32_t* cvt = reinterpret_cast<uint32_t*>(wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES);  // pre-RoPE: centroids
   uint8_t* pbase = wbuf + NSTAGE * STAGE_BYTES + SP_BYTES + CT_BYTES + CV_BYTES;
   float* cfold = reinterpret_cast<float*>(pbase + PB_BYTES);  // K_CHW && CHW_SFOLD: [2][D]
+  uint32_t* qsm = reinterpret_cast<uint32_t*>(pbase + PB_BYTES + CF_BYTES);  // K_CHW && CHW_QSMEM
   const uint4* pbasis = reinterpret_cast<const uint4*>(pbase);  // the slot's basis: [D / 2][R] fp16 pairs
   uint32_t* pv = reinterpret_cast<uint32_t*>(pbase + D * PSAC_R * 2);                 // [rows][D / 2] pairs
   signed char* pmap = reinterpret_cast<signed char*>(pbase + D * PSAC_R * 2 + (PSAC_FOLD ? 0 : PSAC_ROWS * D * 2));
@@ -868,7 +873,9 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   // bit offset and widths, and the headroom of the per-page fragments (as K_CHAN's)
   constexpr int KT = D / 16;
   ChwHead chw{};
-  uint32_t qh[K_CHW ? KT : 1][2];
+  uint32_t qh[K_CHW && !CHW_QSMEM ? KT : 1][2] = {};
+  // the query's pair e of tile kt, and the page's folded fragment (registers, or this lane's column of shared memory)
+  auto qh_at = [&](int kt, int e) -> uint32_t { return CHW_QSMEM ? qsm[(kt * 2 + e) * 32 + lane] : qh[kt][e]; };
   uint32_t cst[K_CHW ? KT : 1];
   float qmean = 0.f;  // this thread's part of q . mean for the codebook slot mean_slot
   int mean_slot = -1;
@@ -896,8 +903,13 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         for (int i = 0; i < 4; ++i)
           x[i] = __half2float(__float2half_rn(load_float<Q_KIND>(a.q, q_row * D + chan[i]) * a.scale_log2));
       }
-      qh[kt][0] = pack_half2(x[0], x[1]);
-      qh[kt][1] = pack_half2(x[2], x[3]);
+      if (CHW_QSMEM) {
+        qsm[(kt * 2) * 32 + lane] = pack_half2(x[0], x[1]);
+        qsm[(kt * 2 + 1) * 32 + lane] = pack_half2(x[2], x[3]);
+      } else {
+        qh[kt][0] = pack_half2(x[0], x[1]);
+        qh[kt][1] = pack_half2(x[2], x[3]);
+      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) qmx = fmaxf(qmx, fabsf(x[i]));
       cst[kt] = a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
@@ -1365,7 +1377,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       }
     }
 
-    uint32_t qc[K_CHW ? KT : 1][2];  // K_CHW: this page's query fragments, the steps folded in
+    uint32_t qc[K_CHW && !CHW_QSMEM ? KT : 1][2];  // K_CHW: this page's query fragments, the steps folded in
+    auto qc_set = [&](int kt, int e, uint32_t x) {
+      if (CHW_QSMEM) qsm[((KT + kt) * 2 + e) * 32 + lane] = x; else qc[kt][e] = x;
+    };
+    auto qc_at = [&](int kt, int e) -> uint32_t { return CHW_QSMEM ? qsm[((KT + kt) * 2 + e) * 32 + lane] : qc[kt][e]; };
     if (K_CHW) {
       if (slot_now != mean_slot) {  // q . mean, this thread's channels: once per codebook slot
         const __half* mean = reinterpret_cast<const __half*>(a.book + static_cast<int64_t>(slot_now) * a.book_bytes
@@ -1376,7 +1392,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           const int c = 16 * kt + 2 * tig;
           const float2 m01 = __half22float2(*reinterpret_cast<const __half2*>(mean + c));
           const float2 m89 = __half22float2(*reinterpret_cast<const __half2*>(mean + c + 8));
-          const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+          const float2 x0 = __half22float2(as_half2(qh_at(kt, 0))), x1 = __half22float2(as_half2(qh_at(kt, 1)));
           qmean += x0.x * m01.y + x0.y * m01.x + x1.x * m89.y + x1.y * m89.x;
         }
         mean_slot = slot_now;
@@ -1414,13 +1430,13 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
           const int c = 16 * kt + 2 * tig;
-          const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+          const float2 x0 = __half22float2(as_half2(qh_at(kt, 0))), x1 = __half22float2(as_half2(qh_at(kt, 1)));
           const float2 s01 = *reinterpret_cast<const float2*>(cfold + c);
           const float2 s89 = *reinterpret_cast<const float2*>(cfold + c + 8);
           const float2 z01 = *reinterpret_cast<const float2*>(cfold + D + c);
           const float2 z89 = *reinterpret_cast<const float2*>(cfold + D + c + 8);
-          qc[kt][0] = pack_half2(x0.x * s01.y, x0.y * s01.x);  // (c + 1, c)
-          qc[kt][1] = pack_half2(x1.x * s89.y, x1.y * s89.x);  // (c + 9, c + 8)
+          qc_set(kt, 0, pack_half2(x0.x * s01.y, x0.y * s01.x));  // (c + 1, c)
+          qc_set(kt, 1, pack_half2(x1.x * s89.y, x1.y * s89.x));  // (c + 9, c + 8)
           zpart += x0.y * z01.x + x0.x * z01.y + x1.y * z89.x + x1.x * z89.y;
         }
       } else {
@@ -1448,7 +1464,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         kback = ldexpf(1.f, kexp - qhead);
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
-          const float2 x0 = __half22float2(as_half2(qh[kt][0])), x1 = __half22float2(as_half2(qh[kt][1]));
+          const float2 x0 = __half22float2(as_half2(qh_at(kt, 0))), x1 = __half22float2(as_half2(qh_at(kt, 1)));
           const float x[4] = {x0.y, x0.x, x1.y, x1.x};  // channels c, c + 1, c + 8, c + 9
           float st[4];
 #pragma unroll
@@ -1457,8 +1473,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             st[i] = step_of(kt, i, am);
             zpart += x[i] * (0.5f * st[i] - am);
           }
-          qc[kt][0] = pack_half2(x[1] * (st[1] * nrm), x[0] * (st[0] * nrm));
-          qc[kt][1] = pack_half2(x[3] * (st[3] * nrm), x[2] * (st[2] * nrm));
+          qc_set(kt, 0, pack_half2(x[1] * (st[1] * nrm), x[0] * (st[0] * nrm)));
+          qc_set(kt, 1, pack_half2(x[3] * (st[3] * nrm), x[2] * (st[2] * nrm)));
         }
       }
       zpart += __shfl_xor_sync(0xffffffffu, zpart, 1);
@@ -1485,6 +1501,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         const int s01 = 32 - w0 - w1, s23 = s01 - w2 - w3;  // the pairs' shifts down from the window's top
         const uint32_t m1 = (1u << w1) - 1u, m0 = ((1u << w0) - 1u) << 16;
         const uint32_t m3 = (1u << w3) - 1u, m2 = ((1u << w2) - 1u) << 16;
+        const uint32_t b0 = qc_at(kt, 0), b1 = qc_at(kt, 1);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           uint32_t r[2][2];
@@ -1496,7 +1513,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             r[half][0] = chw_pair(__funnelshift_rc(win, 0u, s01), m1, w1, m0);
             r[half][1] = chw_pair(__funnelshift_rc(win, 0u, s23), m3, w3, m2);
           }
-          mma16816(S[mt], r[0][0], r[1][0], r[0][1], r[1][1], qc[kt][0], qc[kt][1]);
+          mma16816(S[mt], r[0][0], r[1][0], r[0][1], r[1][1], b0, b1);
         }
       }
 #pragma unroll

@@ -229,6 +229,7 @@ class Config:
     chw_block: int = 0  # with k_chw: the largest head block of key codes, bytes (a multiple of 16)
     chw_unroll: bool = False  # with k_chw: the key loop over channel tiles unrolled (`CHW_UNROLL`)
     chw_fold: bool = True  # with k_chw: the page's steps folded once per channel in shared memory (`CHW_SFOLD`)
+    chw_qsmem: bool = False  # with k_chw: the query pairs and folded fragments in shared memory (`CHW_QSMEM`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -242,6 +243,7 @@ class Config:
                 f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DWHOLE_N={self.whole}",
                 f"-DOUT_FOLD={int(self.out_fold)}", f"-DK_CHW={int(self.k_chw)}", f"-DCHW_BLOCK={self.chw_block}",
                 f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DCHW_SFOLD={int(self.chw_fold)}",
+                f"-DCHW_QSMEM={int(self.chw_qsmem)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -265,6 +267,7 @@ class Config:
         if self.psac_rank:  # the slot's basis, the page's corrections, the token -> row map
             table += d * self.psac_rank * 2 + (0 if self.psac_fold else self.psac_rows * d * 2) + -(-p // 16) * 16
         table += 2 * d * 4 if self.k_chw and self.chw_fold else 0  # the page's folded steps and zero terms
+        table += 2 * (d // 16) * 2 * 32 * 4 if self.k_chw and self.chw_qsmem else 0  # query pairs, page fragments
         ring = self.warps * (self.stages * stage + sp + table)
         rot = 2 * p * d if self.rope_token else 0  # R(t) per CTA
         merge = self.warps * n * d * 4 + 2 * self.warps * n * 4
@@ -622,7 +625,7 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
-               unroll: bool = False, fold: bool = True) -> Config:
+               unroll: bool = False, fold: bool = True, qsmem: bool = False) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -631,14 +634,16 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
     tables = chw_tables(scheme.widths, scheme.heads, scheme.page_size, "cpu")
     return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
-                  vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold)
+                  vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
+                  chw_qsmem=qsmem)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
-               min_blocks: int | None = None, unroll: bool = False, fold: bool = True) -> None:
-    """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``
-    and ``fold``: `Config.chw_unroll` and `Config.chw_fold`."""
+               min_blocks: int | None = None, unroll: bool = False, fold: bool = True,
+               qsmem: bool = False) -> None:
+    """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
+    ``fold`` and ``qsmem``: `Config.chw_unroll`, `Config.chw_fold` and `Config.chw_qsmem`."""
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
     if not supports_chw(scheme, levers, d, hq // h):
@@ -649,7 +654,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
     if pages.data_ptr() % 16 or dense.data_ptr() % 16 or pages.shape[1] % 16 or codebooks.data_ptr() % 16 \
             or codebooks.shape[-1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
-    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold)
+    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem)
     tables = chw_tables(scheme.widths, h, p, str(q.device))
     v = scheme.values
     zero_v = v.zeros if not v.symmetric else v.scales
@@ -666,11 +671,11 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
-                      unroll: bool = False, fold: bool = True) -> int:
+                      unroll: bool = False, fold: bool = True, qsmem: bool = False) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, None, unroll,
-                                     fold), index)
+                                     fold, qsmem), index)
 
 
 def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,
