@@ -158,6 +158,9 @@
 #ifndef CHW_QSMEM
 #define CHW_QSMEM 0  // K_CHW: the query's fp16 pairs and the page's folded fragments in shared memory, not registers
 #endif
+#ifndef CHW_SWAP
+#define CHW_SWAP 0  // K_CHW: the block's words byte-swapped in place once per page (not in every window)
+#endif
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -1036,6 +1039,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
     cp_async_commit();
     cp_async_wait<NSTAGE - 1>();
     __syncwarp();
+    if (K_CHW && CHW_SWAP) {  // the codes' bytes in the order of the words' significance, once per page
+      uint32_t* words = reinterpret_cast<uint32_t*>(wbuf + (i % NSTAGE) * STAGE_BYTES);
+      for (int w = lane; w < chw.bytes / 4; w += 32) words[w] = __byte_perm(words[w], 0u, 0x0123);
+      __syncwarp();
+    }
     const uint8_t* stage = wbuf + (i % NSTAGE) * STAGE_BYTES;
     const uint8_t* kc = stage;
     const uint8_t* vc = stage + KC_BYTES;
@@ -1508,7 +1516,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int bit = (16 * mt + gid + 8 * half) * chw.bits + off;
-            const uint32_t hi = __byte_perm(kw[bit >> 5], 0u, 0x0123), lo = __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
+            const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
+            const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
             const uint32_t win = __funnelshift_l(lo, hi, bit & 31);  // the row's bits from `bit` on, first at the top
             r[half][0] = chw_pair(__funnelshift_rc(win, 0u, s01), m1, w1, m0);
             r[half][1] = chw_pair(__funnelshift_rc(win, 0u, s23), m3, w3, m2);

@@ -230,6 +230,7 @@ class Config:
     chw_unroll: bool = False  # with k_chw: the key loop over channel tiles unrolled (`CHW_UNROLL`)
     chw_fold: bool = True  # with k_chw: the page's steps folded once per channel in shared memory (`CHW_SFOLD`)
     chw_qsmem: bool = False  # with k_chw: the query pairs and folded fragments in shared memory (`CHW_QSMEM`)
+    chw_swap: bool = False  # with k_chw: the block's words byte-swapped once per page (`CHW_SWAP`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -243,7 +244,7 @@ class Config:
                 f"-DPSAC_FOLD={int(self.psac_fold)}", f"-DKBITS={self.k_bits}", f"-DWHOLE_N={self.whole}",
                 f"-DOUT_FOLD={int(self.out_fold)}", f"-DK_CHW={int(self.k_chw)}", f"-DCHW_BLOCK={self.chw_block}",
                 f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DCHW_SFOLD={int(self.chw_fold)}",
-                f"-DCHW_QSMEM={int(self.chw_qsmem)}",
+                f"-DCHW_QSMEM={int(self.chw_qsmem)}", f"-DCHW_SWAP={int(self.chw_swap)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -625,7 +626,7 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
-               unroll: bool = False, fold: bool = True, qsmem: bool = False) -> Config:
+               unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -635,15 +636,16 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
     return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
-                  chw_qsmem=qsmem)
+                  chw_qsmem=qsmem, chw_swap=swap)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
                min_blocks: int | None = None, unroll: bool = False, fold: bool = True,
-               qsmem: bool = False) -> None:
+               qsmem: bool = False, swap: bool = False) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
-    ``fold`` and ``qsmem``: `Config.chw_unroll`, `Config.chw_fold` and `Config.chw_qsmem`."""
+    ``fold``, ``qsmem`` and ``swap``: `Config.chw_unroll`, `Config.chw_fold`, `Config.chw_qsmem` and
+    `Config.chw_swap`."""
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
     if not supports_chw(scheme, levers, d, hq // h):
@@ -654,7 +656,8 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
     if pages.data_ptr() % 16 or dense.data_ptr() % 16 or pages.shape[1] % 16 or codebooks.data_ptr() % 16 \
             or codebooks.shape[-1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
-    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem)
+    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem,
+                        swap)
     tables = chw_tables(scheme.widths, h, p, str(q.device))
     v = scheme.values
     zero_v = v.zeros if not v.symmetric else v.scales
@@ -671,11 +674,11 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
-                      unroll: bool = False, fold: bool = True, qsmem: bool = False) -> int:
+                      unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, None, unroll,
-                                     fold, qsmem), index)
+                                     fold, qsmem, swap), index)
 
 
 def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,

@@ -91,6 +91,8 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
                              ("mma_qsmem", {"mma": True, "mma_options": {"qsmem": True}}),
                              ("mma_qsmem_unrolled", {"mma": True, "mma_options": {"qsmem": True, "unroll": True}}),
                              ("mma_unrolled", {"mma": True, "mma_options": {"unroll": True}}),
+                             ("mma_swap", {"mma": True, "mma_options": {"swap": True}}),
+                             ("mma_qsmem_swap", {"mma": True, "mma_options": {"qsmem": True, "swap": True}}),
                              ("triton_tile", {"mma": False, "tile": True})]
             for label, kwargs in variants:
                 try:
