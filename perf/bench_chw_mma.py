@@ -89,10 +89,7 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
             if batch == 8 and length == 32768 and name == next(iter(built)):  # the variants: one layout, one shape
                 variants += [("mma_lane_fold", {"mma": True, "mma_options": {"fold": False}}),
                              ("mma_qsmem", {"mma": True, "mma_options": {"qsmem": True}}),
-                             ("mma_qsmem_unrolled", {"mma": True, "mma_options": {"qsmem": True, "unroll": True}}),
-                             ("mma_unrolled", {"mma": True, "mma_options": {"unroll": True}}),
                              ("mma_swap", {"mma": True, "mma_options": {"swap": True}}),
-                             ("mma_qsmem_swap", {"mma": True, "mma_options": {"qsmem": True, "swap": True}}),
                              ("triton_tile", {"mma": False, "tile": True})]
             for label, kwargs in variants:
                 try:
