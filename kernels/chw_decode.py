@@ -163,7 +163,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
     if mma:
         per_split, splits = plan.wave_splits(h, mma_decode.chw_wave_programs(
             scheme, d, q.dtype, dense.dtype, lv, q.device, options.get("stages", 2), options.get("warps", 4),
-            options.get("unroll", False), options.get("fold", True), options.get("qsmem", False),
+            options.get("unroll", False), options.get("fold", False), options.get("qsmem", False),
             options.get("swap", False)))
     else:
         per_split, splits = plan.splits(h, target_programs)

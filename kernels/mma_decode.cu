@@ -153,14 +153,14 @@
 #define CHW_BLOCK 0  // K_CHW: bytes of the largest head block of key codes (a multiple of 16)
 #endif
 #ifndef CHW_SFOLD
-#define CHW_SFOLD 1  // K_CHW: each lane folds the steps of one tile column's four channels into a shared row per page
-#endif                // (every lane read every one of its 32 channels' absmaxes otherwise: 8 lanes alike each)
+#define CHW_SFOLD 0  // K_CHW: each lane folds the steps of one tile column's four channels into a shared row per page
+#endif                // (0: every lane folds its own 32 channels, 8 lanes alike each; 1 has not run on a GPU yet)
 #ifndef CHW_QSMEM
 #define CHW_QSMEM 0  // K_CHW: the query's fp16 pairs and the page's folded fragments in shared memory, not registers
-#endif
+#endif                // (not yet run on a GPU)
 #ifndef CHW_SWAP
-#define CHW_SWAP 0  // K_CHW: the block's words byte-swapped in place once per page (not in every window)
-#endif
+#define CHW_SWAP 0  // K_CHW: the block's words byte-swapped in place once per page (not in every window; not yet
+#endif               // run on a GPU)
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -876,7 +876,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
   // bit offset and widths, and the headroom of the per-page fragments (as K_CHAN's)
   constexpr int KT = D / 16;
   ChwHead chw{};
-  uint32_t qh[K_CHW && !CHW_QSMEM ? KT : 1][2] = {};
+  uint32_t qh[K_CHW && !CHW_QSMEM ? KT : 1][2];  // (set below where K_CHW reads it: nvcc's warning 549 is spurious)
   // the query's pair e of tile kt, and the page's folded fragment (registers, or this lane's column of shared memory)
   auto qh_at = [&](int kt, int e) -> uint32_t { return CHW_QSMEM ? qsm[(kt * 2 + e) * 32 + lane] : qh[kt][e]; };
   uint32_t cst[K_CHW ? KT : 1];

@@ -228,7 +228,8 @@ class Config:
     k_chw: bool = False  # keys at a width per channel in lane order (`K_CHW`: `chw:...,order=lane`)
     chw_block: int = 0  # with k_chw: the largest head block of key codes, bytes (a multiple of 16)
     chw_unroll: bool = False  # with k_chw: the key loop over channel tiles unrolled (`CHW_UNROLL`)
-    chw_fold: bool = True  # with k_chw: the page's steps folded once per channel in shared memory (`CHW_SFOLD`)
+    chw_fold: bool = False  # with k_chw: the page's steps folded once per channel in shared memory (`CHW_SFOLD`; not
+    #                         yet run on a GPU, so off by default)
     chw_qsmem: bool = False  # with k_chw: the query pairs and folded fragments in shared memory (`CHW_QSMEM`)
     chw_swap: bool = False  # with k_chw: the block's words byte-swapped once per page (`CHW_SWAP`)
 
@@ -626,7 +627,7 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
-               unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False) -> Config:
+               unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -641,7 +642,7 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
-               min_blocks: int | None = None, unroll: bool = False, fold: bool = True,
+               min_blocks: int | None = None, unroll: bool = False, fold: bool = False,
                qsmem: bool = False, swap: bool = False) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
     ``fold``, ``qsmem`` and ``swap``: `Config.chw_unroll`, `Config.chw_fold`, `Config.chw_qsmem` and
@@ -674,7 +675,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
-                      unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False) -> int:
+                      unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, None, unroll,

@@ -87,7 +87,7 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
             row["mma_lse_err"] = float((lse[:n] - want_lse).abs().max())
             variants = [("mma", {"mma": True})]
             if batch == 8 and length == 32768 and name == next(iter(built)):  # the variants: one layout, one shape
-                variants += [("mma_lane_fold", {"mma": True, "mma_options": {"fold": False}}),
+                variants += [("mma_shared_fold", {"mma": True, "mma_options": {"fold": True}}),
                              ("mma_qsmem", {"mma": True, "mma_options": {"qsmem": True}}),
                              ("mma_swap", {"mma": True, "mma_options": {"swap": True}}),
                              ("triton_tile", {"mma": False, "tile": True})]
