@@ -675,11 +675,12 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
-                      unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False) -> int:
+                      unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
+                      min_blocks: int | None = None) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, None, unroll,
-                                     fold, qsmem, swap), index)
+    return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, min_blocks,
+                                     unroll, fold, qsmem, swap), index)
 
 
 def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,

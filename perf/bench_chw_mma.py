@@ -90,6 +90,10 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
                 variants += [("mma_shared_fold", {"mma": True, "mma_options": {"fold": True}}),
                              ("mma_qsmem", {"mma": True, "mma_options": {"qsmem": True}}),
                              ("mma_swap", {"mma": True, "mma_options": {"swap": True}}),
+                             ("mma_3ctas", {"mma": True, "mma_options": {"min_blocks": 3}}),
+                             ("mma_qsmem_3ctas", {"mma": True, "mma_options": {"qsmem": True, "min_blocks": 3}}),
+                             ("mma_all_3ctas", {"mma": True, "mma_options": {"qsmem": True, "fold": True,
+                                                                             "swap": True, "min_blocks": 3}}),
                              ("triton_tile", {"mma": False, "tile": True})]
             for label, kwargs in variants:
                 try:
