@@ -161,6 +161,12 @@
 #ifndef CHW_SWAP
 #define CHW_SWAP 0  // K_CHW: the block's words byte-swapped in place once per page (not in every window; not yet
 #endif               // run on a GPU)
+#ifndef CHW_PREF
+#define CHW_PREF 0  // K_CHW: the next channel tile's constants and query fragments loaded while this tile is read (the
+#endif               // loop's loads off its dependence chain)
+#ifndef CHW_SUBN
+#define CHW_SUBN 0  // K_CHW: each pair of codes read as fp16 subnormals (code x 2^-24, exact; no magic-number or and no
+#endif               // subtraction), the 2^24 taken off with the scales' normalization after the product
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -1497,19 +1503,27 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
       const uint32_t* kw = reinterpret_cast<const uint32_t*>(kc);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) S[mt][0] = S[mt][1] = S[mt][2] = S[mt][3] = 0.f;  // the accumulators
+      const uint32_t* tile_c = a.chw_tiles + (h * KT * 4 + tig) * 2;  // this column's constants, 8 words a tile
+      uint32_t c_next = CHW_PREF ? tile_c[0] : 0u, b0_next = CHW_PREF ? qc_at(0, 0) : 0u;
+      uint32_t b1_next = CHW_PREF ? qc_at(0, 1) : 0u;
 #if CHW_UNROLL
 #pragma unroll
 #else
 #pragma unroll 1
 #endif
       for (int kt = 0; kt < KT; ++kt) {  // (not unrolled: the tiles' constants from L1, the fragments from the stack)
-        const uint32_t c = CHW_UNROLL ? cst[kt] : a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
+        const uint32_t c = CHW_UNROLL ? cst[kt] : CHW_PREF ? c_next : a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
+        const uint32_t b0 = CHW_PREF ? b0_next : qc_at(kt, 0), b1 = CHW_PREF ? b1_next : qc_at(kt, 1);
+        if (CHW_PREF && kt + 1 < KT) {
+          c_next = tile_c[(kt + 1) * 8];
+          b0_next = qc_at(kt + 1, 0);
+          b1_next = qc_at(kt + 1, 1);
+        }
         const int off = c & 0xfff;
         const int w0 = (c >> 12) & 15, w1 = (c >> 16) & 15, w2 = (c >> 20) & 15, w3 = (c >> 24) & 15;
         const int s01 = 32 - w0 - w1, s23 = s01 - w2 - w3;  // the pairs' shifts down from the window's top
         const uint32_t m1 = (1u << w1) - 1u, m0 = ((1u << w0) - 1u) << 16;
         const uint32_t m3 = (1u << w3) - 1u, m2 = ((1u << w2) - 1u) << 16;
-        const uint32_t b0 = qc_at(kt, 0), b1 = qc_at(kt, 1);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           uint32_t r[2][2];
@@ -1519,8 +1533,17 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
             const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
             const uint32_t win = __funnelshift_l(lo, hi, bit & 31);  // the row's bits from `bit` on, first at the top
-            r[half][0] = chw_pair(__funnelshift_rc(win, 0u, s01), m1, w1, m0);
-            r[half][1] = chw_pair(__funnelshift_rc(win, 0u, s23), m3, w3, m2);
+            if (CHW_SUBN) {  // widths <= 8: each pair alone in the low half (the second pair from the window moved
+              //               up past the first), its high code moved up lands on bits no mask keeps in the low half
+              //               (16 - w >= 8 >= w)
+              const uint32_t x01 = __funnelshift_rc(win, 0u, s01);
+              const uint32_t x23 = __funnelshift_rc(win << (32 - s01), 0u, s23 + 32 - s01);
+              r[half][0] = (x01 | (x01 << (16 - w1))) & (m1 | m0);
+              r[half][1] = (x23 | (x23 << (16 - w3))) & (m3 | m2);
+            } else {
+              r[half][0] = chw_pair(__funnelshift_rc(win, 0u, s01), m1, w1, m0);
+              r[half][1] = chw_pair(__funnelshift_rc(win, 0u, s23), m3, w3, m2);
+            }
           }
           mma16816(S[mt], r[0][0], r[1][0], r[0][1], r[1][1], b0, b1);
         }
@@ -1528,7 +1551,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) S[mt][x] = S[mt][x] * kback + zc[x & 1];
+        for (int x = 0; x < 4; ++x) S[mt][x] = S[mt][x] * (CHW_SUBN ? kback * 16777216.f : kback) + zc[x & 1];
     }
 #pragma unroll
     for (int mt = 0; mt < (K_CHW ? 0 : MT); ++mt) {

@@ -232,6 +232,8 @@ class Config:
     #                         yet run on a GPU, so off by default)
     chw_qsmem: bool = False  # with k_chw: the query pairs and folded fragments in shared memory (`CHW_QSMEM`)
     chw_swap: bool = False  # with k_chw: the block's words byte-swapped once per page (`CHW_SWAP`)
+    chw_pref: bool = False  # with k_chw: the next tile's constants loaded while this one is read (`CHW_PREF`)
+    chw_subn: bool = False  # with k_chw: code pairs read as fp16 subnormals (`CHW_SUBN`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -246,6 +248,7 @@ class Config:
                 f"-DOUT_FOLD={int(self.out_fold)}", f"-DK_CHW={int(self.k_chw)}", f"-DCHW_BLOCK={self.chw_block}",
                 f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DCHW_SFOLD={int(self.chw_fold)}",
                 f"-DCHW_QSMEM={int(self.chw_qsmem)}", f"-DCHW_SWAP={int(self.chw_swap)}",
+                f"-DCHW_PREF={int(self.chw_pref)}", f"-DCHW_SUBN={int(self.chw_subn)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -627,7 +630,8 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
-               unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False) -> Config:
+               unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
+               pref: bool = False, subn: bool = False) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -637,16 +641,16 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
     return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
-                  chw_qsmem=qsmem, chw_swap=swap)
+                  chw_qsmem=qsmem, chw_swap=swap, chw_pref=pref, chw_subn=subn)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
                min_blocks: int | None = None, unroll: bool = False, fold: bool = False,
-               qsmem: bool = False, swap: bool = False) -> None:
+               qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = False) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
-    ``fold``, ``qsmem`` and ``swap``: `Config.chw_unroll`, `Config.chw_fold`, `Config.chw_qsmem` and
-    `Config.chw_swap`."""
+    ``fold``, ``qsmem``, ``swap``, ``pref`` and ``subn``: `Config.chw_unroll`, `Config.chw_fold`,
+    `Config.chw_qsmem`, `Config.chw_swap`, `Config.chw_pref` and `Config.chw_subn`."""
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
     if not supports_chw(scheme, levers, d, hq // h):
@@ -658,7 +662,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
             or codebooks.shape[-1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
     config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem,
-                        swap)
+                        swap, pref, subn)
     tables = chw_tables(scheme.widths, h, p, str(q.device))
     v = scheme.values
     zero_v = v.zeros if not v.symmetric else v.scales
@@ -676,11 +680,11 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
                       unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
-                      min_blocks: int | None = None) -> int:
+                      min_blocks: int | None = None, pref: bool = False, subn: bool = False) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, min_blocks,
-                                     unroll, fold, qsmem, swap), index)
+                                     unroll, fold, qsmem, swap, pref, subn), index)
 
 
 def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,

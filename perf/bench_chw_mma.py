@@ -94,6 +94,12 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
                              ("mma_qsmem_3ctas", {"mma": True, "mma_options": {"qsmem": True, "min_blocks": 3}}),
                              ("mma_all_3ctas", {"mma": True, "mma_options": {"qsmem": True, "fold": True,
                                                                              "swap": True, "min_blocks": 3}}),
+                             ("mma_subn", {"mma": True, "mma_options": {"subn": True}}),
+                             ("mma_subn_fold", {"mma": True, "mma_options": {"subn": True, "fold": True}}),
+                             ("mma_subn_fold_pref", {"mma": True, "mma_options": {"subn": True, "fold": True,
+                                                                                  "pref": True}}),
+                             ("mma_subn_fold_qsmem_3ctas", {"mma": True, "mma_options": {
+                                 "subn": True, "fold": True, "qsmem": True, "min_blocks": 3}}),
                              ("triton_tile", {"mma": False, "tile": True})]
             for label, kwargs in variants:
                 try:

@@ -2,8 +2,8 @@
 ``chw:...,order=lane`` with keys after RoPE).
 
 On the CPU: the kernel's constants (`mma_decode.chw_tables`) and its way of reading codes (two byte-swapped words,
-one funnel shift, two shifts down per thread and tile) replayed in Python over encoded pages give every key the
-codec's decode gives. On a CUDA GPU: `chw_decode` through the kernel against float32 attention over the torch
+one funnel shift, two shifts down per thread and tile; the pairs also as `CHW_SUBN` forms them) replayed in Python
+over encoded pages give every key the codec's decode gives. On a CUDA GPU: `chw_decode` through the kernel against float32 attention over the torch
 reference's keys and values and against the Triton kernel, on odd shapes (head_dim 64 and 128, pages of 16-64
 tokens, GQA groups 1-8, several chunks, dense tails, sinks, rotated values)."""
 
@@ -54,6 +54,12 @@ def _replayed_keys(codec, layout, pages: torch.Tensor, codebook: torch.Tensor, h
                         pair23 = window >> s23 if s23 < 32 else 0
                         codes = [(pair01 >> w[1]) & ((1 << w[0]) - 1), pair01 & ((1 << w[1]) - 1),
                                  (pair23 >> w[3]) & ((1 << w[2]) - 1), pair23 & ((1 << w[3]) - 1)]
+                        up = (window << (w[0] + w[1])) & 0xFFFFFFFF  # `CHW_SUBN`: the second pair at the top
+                        alone = up >> (32 - w[2] - w[3]) if w[2] + w[3] else 0
+                        for x, (a, b) in ((pair01, (w[0], w[1])), (alone, (w[2], w[3]))):  # `CHW_SUBN`'s halves
+                            mask = ((1 << b) - 1) | (((1 << a) - 1) << 16)
+                            subn = (x | (x << (16 - b))) & 0xFFFFFFFF & mask
+                            assert (subn >> 16, subn & 0xFFFF) == ((x >> b) & ((1 << a) - 1), x & ((1 << b) - 1))
                         for i, c in enumerate(chans):
                             key = float(mean[h, c])
                             if w[i]:
@@ -116,6 +122,12 @@ CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
     ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4", 2, 128, 64, [600, 65], 4, {"qsmem": True, "min_blocks": 3}),
     ("chw:kw={w},vbits=2,order=lane,vrot=hadamard", 2, 128, 64, [333], 4,  # three CTAs an SM, every switch
      {"qsmem": True, "fold": True, "swap": True, "min_blocks": 3}),
+    ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [700, 131, 64], 4,
+     {"subn": True}),  # code pairs as fp16 subnormals
+    ("chw:kw={w},vbits=2,order=lane", 3, 64, 16, [97, 40, 3], 5, {"subn": True, "fold": True, "pref": True}),
+    ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {"subn": True, "pref": True}),  # widest codes
+    ("chw:kw={w},vbits=2,order=lane,sink=2", 2, 128, 32, [300, 33], 6,
+     {"subn": True, "fold": True, "pref": True, "qsmem": True, "min_blocks": 3}),
 ]
 
 
