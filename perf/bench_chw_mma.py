@@ -108,6 +108,7 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
                     row[f"{label}_us"] = us
                     row[f"{label}_speedup_vs_sdpa"] = sdpa_us / us
                     row[f"{label}_pct_of_copy"] = (batch * (length // PAGE - 1) * layout.page_bytes) / us / 1e3 / copy * 100
+                    print(f"  {name} {label}: {us:.1f} us ({sdpa_us / us:.2f}x SDPA)", flush=True)
                 except Exception as exc:
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:300]
             result["rows"].append(row)
