@@ -130,7 +130,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
         mma: the CUDA tensor-core kernel (`mma_decode.launch_chw`); None: where `mma_decode.chw_preferred` says so
             (then ``target_programs`` gives way to one full wave of it), True insists (ValueError where it cannot).
         mma_options: extra keywords of `mma_decode.launch_chw` (``stages``, ``warps``, ``min_blocks``, ``unroll``,
-            ``fold``, ``qsmem``, ``swap``, ``pref``, ``subn``).
+            ``fold``, ``qsmem``, ``swap``, ``pref``, ``subn``, ``vsubn``).
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -165,7 +165,7 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
             scheme, d, q.dtype, dense.dtype, lv, q.device, options.get("stages", 2), options.get("warps", 4),
             options.get("unroll", False), options.get("fold", False), options.get("qsmem", False),
             options.get("swap", False), options.get("min_blocks"), options.get("pref", False),
-            options.get("subn", False)))
+            options.get("subn", False), options.get("vsubn")))
     else:
         per_split, splits = plan.splits(h, target_programs)
     u8, i16, i32 = pool_views(pages)

@@ -167,6 +167,9 @@
 #ifndef CHW_SUBN
 #define CHW_SUBN 0  // K_CHW: each pair of codes read as fp16 subnormals (code x 2^-24, exact; no magic-number or and no
 #endif               // subtraction), the 2^24 taken off with the scales' normalization after the product
+#ifndef V_SUBN
+#define V_SUBN 0  // packed pages' value codes read as fp16 subnormals (code x 4^p x 2^-24, exact: one and, no magic-number
+#endif             // or and no subtraction), the 2^24 put back on the packed part of the output once after the pages
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -307,6 +310,10 @@ __device__ __forceinline__ uint32_t codes_x4p(uint32_t w) {
   x = __hsub2(x, __floats2half2_rn(1024.f, 1024.f));
   return *reinterpret_cast<uint32_t*>(&x);
 }
+
+// codes_x4p<p> as fp16 subnormals (code * 4^p * 2^-24, exact): the bits masked in place (V_SUBN).
+template <int p>
+__device__ __forceinline__ uint32_t codes_x4s(uint32_t w) { return w & (0x00030003u << (2 * p)); }
 
 // codes_x4p<q> for a q known once loops are unrolled.
 __device__ __forceinline__ uint32_t codes_at(uint32_t w, int q) {
@@ -1533,17 +1540,21 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
             const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
             const uint32_t win = __funnelshift_l(lo, hi, bit & 31);  // the row's bits from `bit` on, first at the top
-            if (CHW_SUBN) {  // widths <= 8: each pair alone in the low half (the second pair from the window moved
+#if CHW_SUBN
+            {  // widths <= 8: each pair alone in the low half (the second pair from the window moved
               //               up past the first), its high code moved up lands on bits no mask keeps in the low half
               //               (16 - w >= 8 >= w)
               const uint32_t x01 = __funnelshift_rc(win, 0u, s01);
               const uint32_t x23 = __funnelshift_rc(win << (32 - s01), 0u, s23 + 32 - s01);
               r[half][0] = (x01 | (x01 << (16 - w1))) & (m1 | m0);
               r[half][1] = (x23 | (x23 << (16 - w3))) & (m3 | m2);
-            } else {
+            }
+#else
+            {
               r[half][0] = chw_pair(__funnelshift_rc(win, 0u, s01), m1, w1, m0);
               r[half][1] = chw_pair(__funnelshift_rc(win, 0u, s23), m3, w3, m2);
             }
+#endif
           }
           mma16816(S[mt], r[0][0], r[1][0], r[0][1], r[1][1], b0, b1);
         }
@@ -1551,7 +1562,11 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) S[mt][x] = S[mt][x] * (CHW_SUBN ? kback * 16777216.f : kback) + zc[x & 1];
+#if CHW_SUBN
+        for (int x = 0; x < 4; ++x) S[mt][x] = S[mt][x] * (kback * 16777216.f) + zc[x & 1];
+#else
+        for (int x = 0; x < 4; ++x) S[mt][x] = S[mt][x] * kback + zc[x & 1];
+#endif
     }
 #pragma unroll
     for (int mt = 0; mt < (K_CHW ? 0 : MT); ++mt) {
@@ -1814,15 +1829,33 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         uint32_t x0 = __byte_perm(wa, wb, sel), x1 = __byte_perm(wc, wd, sel);
         uint32_t y0 = x0 >> 8, y1 = x1 >> 8;
         const uint32_t* bb = pb[VG == 1 ? 0 : b];
-        mma16816(acc_o[4 * b + 0], codes_x4p<0>(x0), codes_x4p<1>(x0), codes_x4p<0>(x1), codes_x4p<1>(x1), bb[0], bb[1]);
-        mma16816(acc_o[4 * b + 1], codes_x4p<2>(x0), codes_x4p<3>(x0), codes_x4p<2>(x1), codes_x4p<3>(x1), bb[0], bb[1]);
-        mma16816(acc_o[4 * b + 2], codes_x4p<0>(y0), codes_x4p<1>(y0), codes_x4p<0>(y1), codes_x4p<1>(y1), bb[0], bb[1]);
-        mma16816(acc_o[4 * b + 3], codes_x4p<2>(y0), codes_x4p<3>(y0), codes_x4p<2>(y1), codes_x4p<3>(y1), bb[0], bb[1]);
+#if V_SUBN
+        {
+          mma16816(acc_o[4 * b + 0], codes_x4s<0>(x0), codes_x4s<1>(x0), codes_x4s<0>(x1), codes_x4s<1>(x1), bb[0], bb[1]);
+          mma16816(acc_o[4 * b + 1], codes_x4s<2>(x0), codes_x4s<3>(x0), codes_x4s<2>(x1), codes_x4s<3>(x1), bb[0], bb[1]);
+          mma16816(acc_o[4 * b + 2], codes_x4s<0>(y0), codes_x4s<1>(y0), codes_x4s<0>(y1), codes_x4s<1>(y1), bb[0], bb[1]);
+          mma16816(acc_o[4 * b + 3], codes_x4s<2>(y0), codes_x4s<3>(y0), codes_x4s<2>(y1), codes_x4s<3>(y1), bb[0], bb[1]);
+        }
+#else
+        {
+          mma16816(acc_o[4 * b + 0], codes_x4p<0>(x0), codes_x4p<1>(x0), codes_x4p<0>(x1), codes_x4p<1>(x1), bb[0], bb[1]);
+          mma16816(acc_o[4 * b + 1], codes_x4p<2>(x0), codes_x4p<3>(x0), codes_x4p<2>(x1), codes_x4p<3>(x1), bb[0], bb[1]);
+          mma16816(acc_o[4 * b + 2], codes_x4p<0>(y0), codes_x4p<1>(y0), codes_x4p<0>(y1), codes_x4p<1>(y1), bb[0], bb[1]);
+          mma16816(acc_o[4 * b + 3], codes_x4p<2>(y0), codes_x4p<3>(y0), codes_x4p<2>(y1), codes_x4p<3>(y1), bb[0], bb[1]);
+        }
+#endif
       }
     }
     __syncwarp();
   }
   cp_async_wait<0>();
+#if V_SUBN && !VROT
+  // the packed part's codes were read as code x 2^-24 (subnormals); the dense pages add at scale
+#pragma unroll
+  for (int J = 0; J < 4 * NB; ++J)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[J][i] *= 16777216.f;
+#endif
 
   // Rotated values: this warp's packed output (the rotated frame) moves to its rows of the merge area
   // and turns back there (x H / sqrt(D), H Sylvester's +-1 matrix: a fast Walsh-Hadamard transform);
@@ -1849,7 +1882,7 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         const int e = x >> 1, c = x & 1;
         const int k = 2 * (J & 3) + e;
         pk[(2 * tig + c) * D + value_channel(J, gid, e)] =
-            ldexpf(acc_o[J][x], -e_run - 2 * (k & 3)) + zsum[VG == 1 ? 0 : (J >> 2)][c];
+            ldexpf(acc_o[J][x], -e_run - 2 * (k & 3) + 24 * V_SUBN) + zsum[VG == 1 ? 0 : (J >> 2)][c];
         acc_o[J][x] = 0.f;
       }
 #pragma unroll

@@ -92,6 +92,10 @@ OUT_FOLD = os.environ.get("KVBACKEND_MMA_OUT_FOLD", "0") == "1"
 # tests/test_mma_k4.py (session 39: such a layer 254.7 us against 272.1 us for a 3-bit one, B=8, L=32K);
 # KVBACKEND_CUDA_K4=0 turns them off (the plain Triton decode kernel reads 4-bit keys then).
 K4 = os.environ.get("KVBACKEND_CUDA_K4", "1") != "0"
+# Packed pages' 2-bit value codes read as fp16 subnormals (`V_SUBN` in the source: one and a code pair instead of an
+# or with 1024's bits and a subtraction); off until a GPU run checks and times it. KVBACKEND_MMA_V_SUBN=1 turns it on
+# (`config_for` caches: clear it after changing this at run time).
+V_SUBN = os.environ.get("KVBACKEND_MMA_V_SUBN", "0") == "1"
 
 
 @functools.lru_cache(maxsize=256)
@@ -234,6 +238,7 @@ class Config:
     chw_swap: bool = False  # with k_chw: the block's words byte-swapped once per page (`CHW_SWAP`)
     chw_pref: bool = False  # with k_chw: the next tile's constants loaded while this one is read (`CHW_PREF`)
     chw_subn: bool = False  # with k_chw: code pairs read as fp16 subnormals (`CHW_SUBN`)
+    v_subn: bool = False  # packed pages' value codes read as fp16 subnormals (`V_SUBN`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -249,6 +254,7 @@ class Config:
                 f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DCHW_SFOLD={int(self.chw_fold)}",
                 f"-DCHW_QSMEM={int(self.chw_qsmem)}", f"-DCHW_SWAP={int(self.chw_swap)}",
                 f"-DCHW_PREF={int(self.chw_pref)}", f"-DCHW_SUBN={int(self.chw_subn)}",
+                f"-DV_SUBN={int(self.v_subn)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -439,7 +445,7 @@ def config_for(k: TensorScheme, v: TensorScheme, page_size: int, head_dim: int, 
                   lv.outliers, bool(lv.vrot), bool(lv.pagerope), bool(lv.prerope), lv.psac_rank, lv.psac_rows,
                   lv.psac_token != NONE, PSAC_FOLD and bool(k.stages) and bool(lv.prerope) and lv.psac_rank > 0
                   and lv.psac_token != NONE and lv.psac_rows <= 32, k.bits, lv.whole,
-                  OUT_FOLD and bool(k.stages) and bool(lv.prerope) and 0 < lv.outliers <= 32)
+                  OUT_FOLD and bool(k.stages) and bool(lv.prerope) and 0 < lv.outliers <= 32, v_subn=V_SUBN)
 
 
 @functools.lru_cache(maxsize=256)
@@ -631,7 +637,7 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
                unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
-               pref: bool = False, subn: bool = False) -> Config:
+               pref: bool = False, subn: bool = False, vsubn: bool | None = None) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -641,16 +647,19 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
     return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
-                  chw_qsmem=qsmem, chw_swap=swap, chw_pref=pref, chw_subn=subn)
+                  chw_qsmem=qsmem, chw_swap=swap, chw_pref=pref, chw_subn=subn,
+                  v_subn=V_SUBN if vsubn is None else vsubn)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
                min_blocks: int | None = None, unroll: bool = False, fold: bool = False,
-               qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = False) -> None:
+               qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = False,
+               vsubn: bool | None = None) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
     ``fold``, ``qsmem``, ``swap``, ``pref`` and ``subn``: `Config.chw_unroll`, `Config.chw_fold`,
-    `Config.chw_qsmem`, `Config.chw_swap`, `Config.chw_pref` and `Config.chw_subn`."""
+    `Config.chw_qsmem`, `Config.chw_swap`, `Config.chw_pref` and `Config.chw_subn`; ``vsubn``: `Config.v_subn`
+    (None: `V_SUBN`)."""
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
     if not supports_chw(scheme, levers, d, hq // h):
@@ -662,7 +671,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
             or codebooks.shape[-1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
     config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem,
-                        swap, pref, subn)
+                        swap, pref, subn, vsubn)
     tables = chw_tables(scheme.widths, h, p, str(q.device))
     v = scheme.values
     zero_v = v.zeros if not v.symmetric else v.scales
@@ -680,11 +689,12 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
                       unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
-                      min_blocks: int | None = None, pref: bool = False, subn: bool = False) -> int:
+                      min_blocks: int | None = None, pref: bool = False, subn: bool = False,
+                      vsubn: bool | None = None) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, min_blocks,
-                                     unroll, fold, qsmem, swap, pref, subn), index)
+                                     unroll, fold, qsmem, swap, pref, subn, vsubn), index)
 
 
 def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,

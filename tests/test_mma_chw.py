@@ -128,6 +128,9 @@ CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
     ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {"subn": True, "pref": True}),  # widest codes
     ("chw:kw={w},vbits=2,order=lane,sink=2", 2, 128, 32, [300, 33], 6,
      {"subn": True, "fold": True, "pref": True, "qsmem": True, "min_blocks": 3}),
+    ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4", 2, 128, 64, [700, 131, 64], 4,  # value codes as subnormals
+     {"subn": True, "fold": True, "vsubn": True}),
+    ("chw:kw={w},vbits=2,order=lane,vrot=hadamard", 3, 64, 16, [97, 40, 3], 5, {"vsubn": True}),  # rotated values
 ]
 
 

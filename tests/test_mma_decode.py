@@ -91,6 +91,32 @@ def test_matches_reference(codec, head_dim, page_size, lengths, ratio, programs,
 
 
 @gpu
+@pytest.mark.parametrize("codec,head_dim,page_size,lengths,ratio,programs",
+                         CASES + [("kivi:bits=2,group=64", 128, 64, [600, 70], 4, 16)])
+def test_value_codes_read_as_subnormals(codec, head_dim, page_size, lengths, ratio, programs, monkeypatch):
+    """`V_SUBN`: the packed pages' value codes as fp16 subnormals (the 2^24 put back once after the pages) give
+    the reference's attention and, within the products' rounding, the default variant's output."""
+    from kvbackend.kernels.paged_decode import paged_decode
+
+    cache, ids = filled_cache(codec, head_dim, page_size, lengths, seed=len(lengths) + ratio, chunk_pages=1)
+    schemes = kernel_schemes(cache.codec, cache.layout)
+    plan = cache.plan(ids, 1)
+    q = torch.randn(len(ids), 2 * ratio, head_dim, device=DEVICE).bfloat16()
+    args = (cache.packed.pages[1], cache.packed.codebooks[1], cache.dense.data[1], schemes, plan)
+    plain, plain_lse = paged_decode(q, *args, target_programs=programs, mma=True)
+    monkeypatch.setattr(mma_decode, "V_SUBN", True)
+    mma_decode.config_for.cache_clear()
+    try:
+        assert mma_decode.config_for(*schemes[:2], page_size, head_dim, q.dtype, torch.bfloat16).v_subn
+        out, lse = paged_decode(q, *args, target_programs=programs, mma=True)
+    finally:
+        monkeypatch.setattr(mma_decode, "V_SUBN", False)
+        mma_decode.config_for.cache_clear()
+    assert_matches_reference(cache, ids, 1, q, out, lse)
+    assert torch.allclose(out.float(), plain.float(), atol=2e-2) and torch.allclose(lse, plain_lse, atol=1e-3)
+
+
+@gpu
 def test_many_dense_pages_and_the_default_path():
     """Long active chunks (several dense pages per request, spread over the warps), and `paged_decode`
     without kernel arguments takes the tensor-core kernel on a supported layout."""
