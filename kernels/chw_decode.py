@@ -163,9 +163,9 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
     if mma:
         per_split, splits = plan.wave_splits(h, mma_decode.chw_wave_programs(
             scheme, d, q.dtype, dense.dtype, lv, q.device, options.get("stages", 2), options.get("warps", 4),
-            options.get("unroll", False), options.get("fold", False), options.get("qsmem", False),
+            options.get("unroll", False), options.get("fold", True), options.get("qsmem", False),
             options.get("swap", False), options.get("min_blocks"), options.get("pref", False),
-            options.get("subn", False), options.get("vsubn")))
+            options.get("subn", True), options.get("vsubn")))
     else:
         per_split, splits = plan.splits(h, target_programs)
     u8, i16, i32 = pool_views(pages)

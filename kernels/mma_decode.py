@@ -636,8 +636,8 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
-               unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
-               pref: bool = False, subn: bool = False, vsubn: bool | None = None) -> Config:
+               unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False,
+               pref: bool = False, subn: bool = True, vsubn: bool | None = None) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -653,8 +653,8 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
-               min_blocks: int | None = None, unroll: bool = False, fold: bool = False,
-               qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = False,
+               min_blocks: int | None = None, unroll: bool = False, fold: bool = True,
+               qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = True,
                vsubn: bool | None = None) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
     ``fold``, ``qsmem``, ``swap``, ``pref`` and ``subn``: `Config.chw_unroll`, `Config.chw_fold`,
@@ -688,8 +688,8 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
 
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                       levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
-                      unroll: bool = False, fold: bool = False, qsmem: bool = False, swap: bool = False,
-                      min_blocks: int | None = None, pref: bool = False, subn: bool = False,
+                      unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False,
+                      min_blocks: int | None = None, pref: bool = False, subn: bool = True,
                       vsubn: bool | None = None) -> int:
     """`wave_programs` of a ``chw:`` variant."""
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -118,6 +118,7 @@ CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
     ("chw:kw={w},vbits=2,order=lane,sink=4", 2, 128, 64, [400, 70], 4, {"swap": True, "stages": 1}),
     ("chw:kw={w},vbits=2,order=lane,vrot=hadamard", 1, 128, 16, [90, 257], 1, {"stages": 1, "warps": 2}),
     ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {}),  # the widest codes: 32-bit windows
+    ("chw:kw={w},vbits=2,order=lane,sink=4", 2, 128, 64, [400, 70], 4, {"fold": False, "subn": False}),  # 1024 pairs
     ("chw:kw={w},vbits=2,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [500, 64], 3, {"fold": True}),  # shared fold
     ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4", 2, 128, 64, [600, 65], 4, {"qsmem": True, "min_blocks": 3}),
     ("chw:kw={w},vbits=2,order=lane,vrot=hadamard", 2, 128, 64, [333], 4,  # three CTAs an SM, every switch
