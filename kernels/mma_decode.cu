@@ -170,6 +170,9 @@
 #ifndef V_SUBN
 #define V_SUBN 0  // packed pages' value codes read as fp16 subnormals (code x 4^p x 2^-24, exact: one and, no magic-number
 #endif             // or and no subtraction), the 2^24 put back on the packed part of the output once after the pages
+#ifndef CHW_PROBE
+#define CHW_PROBE 0  // K_CHW timing probe, WRONG SCORES (never served: the launcher refuses it outside benches): the key
+#endif                // rows read are token 5 r mod P (1) or token 0 (2) instead of r, to time shared-memory bank conflicts
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -1536,7 +1539,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           uint32_t r[2][2];
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int bit = (16 * mt + gid + 8 * half) * chw.bits + off;
+            const int row = 16 * mt + gid + 8 * half;
+            const int bit = (CHW_PROBE == 1 ? (5 * row) % P : CHW_PROBE == 2 ? 0 : row) * chw.bits + off;
             const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
             const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
             const uint32_t win = __funnelshift_l(lo, hi, bit & 31);  // the row's bits from `bit` on, first at the top

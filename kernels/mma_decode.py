@@ -239,6 +239,7 @@ class Config:
     chw_pref: bool = False  # with k_chw: the next tile's constants loaded while this one is read (`CHW_PREF`)
     chw_subn: bool = False  # with k_chw: code pairs read as fp16 subnormals (`CHW_SUBN`)
     v_subn: bool = False  # packed pages' value codes read as fp16 subnormals (`V_SUBN`)
+    chw_probe: int = 0  # with k_chw: a timing probe that reads the wrong key rows (`CHW_PROBE`; benches only)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -254,7 +255,7 @@ class Config:
                 f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DCHW_SFOLD={int(self.chw_fold)}",
                 f"-DCHW_QSMEM={int(self.chw_qsmem)}", f"-DCHW_SWAP={int(self.chw_swap)}",
                 f"-DCHW_PREF={int(self.chw_pref)}", f"-DCHW_SUBN={int(self.chw_subn)}",
-                f"-DV_SUBN={int(self.v_subn)}",
+                f"-DV_SUBN={int(self.v_subn)}", f"-DCHW_PROBE={self.chw_probe}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -637,7 +638,7 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
                unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False,
-               pref: bool = False, subn: bool = True, vsubn: bool | None = None) -> Config:
+               pref: bool = False, subn: bool = True, vsubn: bool | None = None, probe: int = 0) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
@@ -648,18 +649,21 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
                   chw_qsmem=qsmem, chw_swap=swap, chw_pref=pref, chw_subn=subn,
-                  v_subn=V_SUBN if vsubn is None else vsubn)
+                  v_subn=V_SUBN if vsubn is None else vsubn, chw_probe=probe)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
                min_blocks: int | None = None, unroll: bool = False, fold: bool = True,
                qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = True,
-               vsubn: bool | None = None) -> None:
+               vsubn: bool | None = None, probe: int = 0) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
     ``fold``, ``qsmem``, ``swap``, ``pref`` and ``subn``: `Config.chw_unroll`, `Config.chw_fold`,
     `Config.chw_qsmem`, `Config.chw_swap`, `Config.chw_pref` and `Config.chw_subn`; ``vsubn``: `Config.v_subn`
-    (None: `V_SUBN`)."""
+    (None: `V_SUBN`); ``probe``: `Config.chw_probe`, wrong scores on purpose, taken only where the environment
+    sets ``KVBACKEND_MMA_TIMING_PROBES=1`` (a bench's timing of shared-memory bank conflicts)."""
+    if probe and os.environ.get("KVBACKEND_MMA_TIMING_PROBES") != "1":
+        raise ValueError("chw timing probes read the wrong key rows; set KVBACKEND_MMA_TIMING_PROBES=1 to time them")
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
     if not supports_chw(scheme, levers, d, hq // h):
@@ -671,7 +675,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
             or codebooks.shape[-1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
     config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem,
-                        swap, pref, subn, vsubn)
+                        swap, pref, subn, vsubn, probe)
     tables = chw_tables(scheme.widths, h, p, str(q.device))
     v = scheme.values
     zero_v = v.zeros if not v.symmetric else v.scales

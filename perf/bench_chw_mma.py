@@ -52,7 +52,14 @@ VARIANTS = [  # (label, chw_decode keywords): timed on the first layout at B=8, 
     ("mma_subn_fold_vsubn_qsmem_3ctas", {"mma": True, "mma_options": {"subn": True, "fold": True, "vsubn": True,
                                                                       "qsmem": True, "min_blocks": 3}}),
     ("triton_tile", {"mma": False, "tile": True}),
+    # timing probes, wrong scores on purpose (shared-memory bank conflicts of the key loop's loads): the key rows read
+    # are token 5 r mod 64 (1.47-way conflicts on the mixed layout instead of 2.42), or token 0 for every row (none)
+    ("probe_rows_5r", {"mma": True, "mma_options": {"probe": 1}}),
+    ("probe_row_0", {"mma": True, "mma_options": {"probe": 2}}),
 ]
+if os.environ.get("CHW_VARIANTS"):  # a comma list of the labels to time
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["CHW_VARIANTS"].split(",")]
+os.environ["KVBACKEND_MMA_TIMING_PROBES"] = "1"  # this process only: the probes above
 
 
 def encoded(spec: str):
@@ -116,6 +123,8 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
         precompile(built, kivi)
     except Exception as exc:  # the timed calls compile what is missing
         print(f"precompile: {type(exc).__name__}: {exc}"[:300], flush=True)
+    if path == "--precompile":
+        return
     for batch, length in shapes:
         sdpa_us = 1e3 * sdpa_time(batch, HQ, HEADS, length, DIM, 2 if length * batch <= 262144 else 1, graphs=True)
         print(f"B={batch} L={length}: SDPA BF16 {sdpa_us:.1f} us", flush=True)

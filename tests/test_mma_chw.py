@@ -109,6 +109,21 @@ def test_the_kernel_takes_only_the_layers_it_reads():
         assert not mma_decode.supports_chw(*scheme(spec), 128, 4), spec
 
 
+def test_timing_probes_are_refused_outside_benches(monkeypatch):
+    """`CHW_PROBE` reads the wrong key rows on purpose: the launcher takes it only where a bench asks by name."""
+    monkeypatch.delenv("KVBACKEND_MMA_TIMING_PROBES", raising=False)
+    with pytest.raises(ValueError, match="timing probes"):
+        mma_decode.launch_chw(*[None] * 11, scheme=None, probe=1)
+    from kvbackend.frames import lever_layout
+    from kvbackend.kernels.chw_gather import layer_schemes
+
+    codec = codecs.get("chw:kbits=2,vbits=2,order=lane")
+    s, _ = layer_schemes(codec, lever_layout(codec.layout(Geometry(1, 2, 128, torch.bfloat16), 64), codec.levers))
+    config = mma_decode.chw_config(s, 128, torch.bfloat16, torch.bfloat16, probe=2)
+    assert config.defines().count("-DCHW_PROBE=2") == 1 and mma_decode.chw_config(s, 128, torch.bfloat16,
+                                                                                  torch.bfloat16).chw_probe == 0
+
+
 CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
     ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [700, 131, 64], 4, {}),
     ("chw:kw={w},vbits=2,order=lane", 3, 64, 16, [97, 40, 3], 5, {}),
