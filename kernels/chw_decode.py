@@ -129,8 +129,8 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
         tile: each program loads its head's key block once a page and gathers the codes from registers.
         mma: the CUDA tensor-core kernel (`mma_decode.launch_chw`); None: where `mma_decode.chw_preferred` says so
             (then ``target_programs`` gives way to one full wave of it), True insists (ValueError where it cannot).
-        mma_options: extra keywords of `mma_decode.launch_chw` (``stages``, ``warps``, ``min_blocks``, ``unroll``,
-            ``fold``, ``qsmem``, ``swap``, ``pref``, ``subn``, ``vsubn``).
+        mma_options: extra keywords of `mma_decode.launch_chw` (`mma_decode.chw_config`'s: ``stages``, ``warps``,
+            ``min_blocks``, ``unroll``, ``fold``, ``qsmem``, ``swap``, ``pref``, ``subn``, ``vsubn``).
     Returns:
         (output [B, Hq, D] in q's dtype, log-sum-exp [B, Hq] float32, natural log).
     """
@@ -161,11 +161,8 @@ def chw_decode(q: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor, de
                              "after RoPE, 2-bit values, head_dim 64 or 128 and up to 8 query heads per KV head; the "
                              "Triton kernel reads this one (mma=False)")
     if mma:
-        per_split, splits = plan.wave_splits(h, mma_decode.chw_wave_programs(
-            scheme, d, q.dtype, dense.dtype, lv, q.device, options.get("stages", 2), options.get("warps", 4),
-            options.get("unroll", False), options.get("fold", True), options.get("qsmem", False),
-            options.get("swap", False), options.get("min_blocks"), options.get("pref", False),
-            options.get("subn", True), options.get("vsubn")))
+        per_split, splits = plan.wave_splits(h, mma_decode.chw_wave_programs(scheme, d, q.dtype, dense.dtype, lv,
+                                                                             q.device, **options))
     else:
         per_split, splits = plan.splits(h, target_programs)
     u8, i16, i32 = pool_views(pages)

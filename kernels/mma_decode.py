@@ -93,8 +93,9 @@ OUT_FOLD = os.environ.get("KVBACKEND_MMA_OUT_FOLD", "0") == "1"
 # KVBACKEND_CUDA_K4=0 turns them off (the plain Triton decode kernel reads 4-bit keys then).
 K4 = os.environ.get("KVBACKEND_CUDA_K4", "1") != "0"
 # Packed pages' 2-bit value codes read as fp16 subnormals (`V_SUBN` in the source: one and a code pair instead of an
-# or with 1024's bits and a subtraction); off until a GPU run checks and times it. KVBACKEND_MMA_V_SUBN=1 turns it on
-# (`config_for` caches: clear it after changing this at run time).
+# or with 1024's bits and a subtraction): exact on an H100 (its CUDA tests passed, session 60) but only 2% faster on
+# KIVI-2 and not at all on chw layers, so off by default. KVBACKEND_MMA_V_SUBN=1 turns it on (`config_for` caches:
+# clear it after changing this at run time).
 V_SUBN = os.environ.get("KVBACKEND_MMA_V_SUBN", "0") == "1"
 
 
@@ -232,12 +233,12 @@ class Config:
     k_chw: bool = False  # keys at a width per channel in lane order (`K_CHW`: `chw:...,order=lane`)
     chw_block: int = 0  # with k_chw: the largest head block of key codes, bytes (a multiple of 16)
     chw_unroll: bool = False  # with k_chw: the key loop over channel tiles unrolled (`CHW_UNROLL`)
-    chw_fold: bool = False  # with k_chw: the page's steps folded once per channel in shared memory (`CHW_SFOLD`; not
-    #                         yet run on a GPU, so off by default)
+    chw_fold: bool = False  # with k_chw: the page's steps folded once per channel in shared memory (`CHW_SFOLD`;
+    #                         `chw_config` turns it on by default)
     chw_qsmem: bool = False  # with k_chw: the query pairs and folded fragments in shared memory (`CHW_QSMEM`)
     chw_swap: bool = False  # with k_chw: the block's words byte-swapped once per page (`CHW_SWAP`)
     chw_pref: bool = False  # with k_chw: the next tile's constants loaded while this one is read (`CHW_PREF`)
-    chw_subn: bool = False  # with k_chw: code pairs read as fp16 subnormals (`CHW_SUBN`)
+    chw_subn: bool = False  # with k_chw: code pairs read as fp16 subnormals (`CHW_SUBN`; on by `chw_config`'s default)
     v_subn: bool = False  # packed pages' value codes read as fp16 subnormals (`V_SUBN`)
     chw_probe: int = 0  # with k_chw: a timing probe that reads the wrong key rows (`CHW_PROBE`; benches only)
 
@@ -653,16 +654,12 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
-               splits: int, scheme, levers: LeverScheme | None = None, stages: int = 2, warps: int = 4,
-               min_blocks: int | None = None, unroll: bool = False, fold: bool = True,
-               qsmem: bool = False, swap: bool = False, pref: bool = False, subn: bool = True,
-               vsubn: bool | None = None, probe: int = 0) -> None:
-    """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`); ``unroll``,
-    ``fold``, ``qsmem``, ``swap``, ``pref`` and ``subn``: `Config.chw_unroll`, `Config.chw_fold`,
-    `Config.chw_qsmem`, `Config.chw_swap`, `Config.chw_pref` and `Config.chw_subn`; ``vsubn``: `Config.v_subn`
-    (None: `V_SUBN`); ``probe``: `Config.chw_probe`, wrong scores on purpose, taken only where the environment
-    sets ``KVBACKEND_MMA_TIMING_PROBES=1`` (a bench's timing of shared-memory bank conflicts)."""
-    if probe and os.environ.get("KVBACKEND_MMA_TIMING_PROBES") != "1":
+               splits: int, scheme, levers: LeverScheme | None = None, **options) -> None:
+    """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`);
+    ``options``: `chw_config`'s keywords (``stages``, ``warps``, ``min_blocks``, ``unroll``, ``fold``, ``qsmem``,
+    ``swap``, ``pref``, ``subn``, ``vsubn``, ``probe``). ``probe`` reads the wrong key rows on purpose and is taken
+    only where the environment sets ``KVBACKEND_MMA_TIMING_PROBES=1`` (a bench's timing of bank conflicts)."""
+    if options.get("probe") and os.environ.get("KVBACKEND_MMA_TIMING_PROBES") != "1":
         raise ValueError("chw timing probes read the wrong key rows; set KVBACKEND_MMA_TIMING_PROBES=1 to time them")
     _, _, p, h, d = dense.shape
     b, hq, _ = q.shape
@@ -674,8 +671,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
     if pages.data_ptr() % 16 or dense.data_ptr() % 16 or pages.shape[1] % 16 or codebooks.data_ptr() % 16 \
             or codebooks.shape[-1] % 16:
         raise ValueError("the tensor-core decode kernel needs 16-byte aligned page, codebook and dense pools")
-    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, stages, warps, min_blocks, unroll, fold, qsmem,
-                        swap, pref, subn, vsubn, probe)
+    config = chw_config(scheme, d, q.dtype, dense.dtype, levers, **options)
     tables = chw_tables(scheme.widths, h, p, str(q.device))
     v = scheme.values
     zero_v = v.zeros if not v.symmetric else v.scales
@@ -687,18 +683,14 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
                      q.data_ptr(), q.data_ptr(), int(codebooks.shape[-1]), 0, 0, 0, 0, 0, q.data_ptr(),
                      q.data_ptr(), 0, 0, 0, 0, 0, 0, 0, tables.heads.data_ptr(), tables.tiles.data_ptr(),
                      int(scheme.mean))
-    _launch(config, params, q.device, b, h, splits, warps)
+    _launch(config, params, q.device, b, h, splits, config.warps)
 
 
 def chw_wave_programs(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
-                      levers: LeverScheme | None, device: torch.device, stages: int = 2, warps: int = 4,
-                      unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False,
-                      min_blocks: int | None = None, pref: bool = False, subn: bool = True,
-                      vsubn: bool | None = None) -> int:
-    """`wave_programs` of a ``chw:`` variant."""
+                      levers: LeverScheme | None, device: torch.device, **options) -> int:
+    """`wave_programs` of a ``chw:`` variant (``options``: `chw_config`'s keywords)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, stages, warps, min_blocks,
-                                     unroll, fold, qsmem, swap, pref, subn, vsubn), index)
+    return _wave_programs(chw_config(scheme, head_dim, q_dtype, dense_dtype, levers, **options), index)
 
 
 def chw_preferred(scheme, levers: LeverScheme | None, head_dim: int, group: int, device: torch.device,

@@ -124,6 +124,47 @@ def test_timing_probes_are_refused_outside_benches(monkeypatch):
                                                                                   torch.bfloat16).chw_probe == 0
 
 
+class _Launched(Exception):
+    pass
+
+
+@pytest.mark.parametrize("options", [{}, {"fold": False, "subn": False, "min_blocks": 3, "stages": 1}])
+def test_the_options_reach_the_launch_and_the_grid_alike(options, monkeypatch):
+    """`chw_decode`'s ``mma_options`` build one `Config` for the grid (`chw_wave_programs`) and the launch
+    (`launch_chw`), `chw_config`'s defaults where unnamed (the shared fold and subnormal pairs); an unknown option
+    is refused. Checked on the CPU with the driver calls replaced."""
+    from kvbackend.kernels.chw_decode import chw_decode
+
+    cache = KVCache(Geometry(1, 2, 64, torch.bfloat16),
+                    CacheConfig(codec="chw:kbits=2,vbits=2,order=lane", page_size=16, chunk_pages=2, dense_pages=16,
+                                packed_pages=16, device="cpu"))
+    rid, _ = cache.add_request()
+    cache.append(rid, 0, torch.randn(70, 2, 64).bfloat16(), torch.randn(70, 2, 64).bfloat16())
+    from kvbackend.kernels.chw_gather import layer_schemes
+
+    scheme, levers = layer_schemes(cache.codec, cache.layout)
+    plan = cache.plan([rid], 0)
+    seen = {}
+    monkeypatch.setattr(mma_decode, "available", lambda device=None: (True, ""))
+    monkeypatch.setattr(mma_decode, "_wave_programs", lambda config, index: seen.setdefault("grid", config) and 264)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def launched(config, params, device, b, h, splits, warps):
+        seen["launch"], seen["warps"] = config, warps
+        raise _Launched
+
+    monkeypatch.setattr(mma_decode, "_launch", launched)
+    q = torch.randn(1, 4, 64).bfloat16()
+    args = (q, cache.packed.pages[0], cache.packed.codebooks[0], cache.dense.data[0], scheme, plan)
+    with pytest.raises(_Launched):
+        chw_decode(*args, levers=levers, mma=True, mma_options=options)
+    want = mma_decode.chw_config(scheme, 64, q.dtype, torch.bfloat16, None, **options)
+    assert seen["launch"] == seen["grid"] == want and seen["warps"] == want.warps == 4
+    assert (want.chw_fold, want.chw_subn) == (options.get("fold", True), options.get("subn", True))
+    with pytest.raises(TypeError):
+        chw_decode(*args, levers=levers, mma=True, mma_options={"folded": True})
+
+
 CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
     ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [700, 131, 64], 4, {}),
     ("chw:kw={w},vbits=2,order=lane", 3, 64, 16, [97, 40, 3], 5, {}),

@@ -23,6 +23,10 @@ CONFIGS = [  # the K_CHW defaults the first call of session 59 ran, then the pac
     "-DHEAD_DIM=128 -DKG=1 -DVG=1 -DK_KIND=0 -DV_KIND=0 -DK_CHAN=1 -DPAGE_ROPE=1 -DOUT_N=8 -DK_CENT=4 -DSINK=4",
     "-DHEAD_DIM=128 -DKG=1 -DVG=1 -DK_KIND=0 -DV_KIND=0 -DK_CHAN=1 -DROPE_TOKEN=1 -DK_CENT=32 -DWHOLE_N=2 -DKBITS=4 "
     "-DOUT_N=16 -DOUT_FOLD=1",
+    # session 60's K_CHW defaults (the shared fold, subnormal pairs)
+    "-DHEAD_DIM=128 -DKG=1 -DVG=1 -DK_KIND=1 -DV_KIND=0 -DK_CHW=1 -DCHW_BLOCK=2816 -DCHW_SFOLD=1 -DCHW_SUBN=1",
+    "-DHEAD_DIM=128 -DKG=1 -DVG=1 -DK_KIND=1 -DV_KIND=0 -DK_CHW=1 -DCHW_BLOCK=2816 -DCHW_SFOLD=1 -DCHW_SUBN=1 -DSINK=4 "
+    "-DVROT=1",
 ]
 
 
@@ -37,10 +41,14 @@ def sections(path: str) -> dict[str, bytes]:
 
 def main(old: str, new: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        src = {"old": os.path.join(tmp, "old.cu"), "new": new}
+        # both sources compiled from paths of the same length: the path reaches the machine code of some variants
+        # (the rotated-values builds differ between `kernels/mma_decode.cu` and `old.cu` with the same text)
+        src = {"old": os.path.join(tmp, "old.cu"), "new": os.path.join(tmp, "new.cu")}
         with open(src["old"], "w") as f:
             f.write(subprocess.run(["git", "show", f"{old}:kernels/mma_decode.cu"], capture_output=True, text=True,
                                    check=True).stdout)
+        with open(new) as f, open(src["new"], "w") as g:
+            g.write(f.read())
         same = True
         for config in CONFIGS:
             text = {}
