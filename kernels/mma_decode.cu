@@ -165,14 +165,14 @@
 #define CHW_PREF 0  // K_CHW: the next channel tile's constants and query fragments loaded while this tile is read (the
 #endif               // loop's loads off its dependence chain)
 #ifndef CHW_SUBN
-#define CHW_SUBN 0  // K_CHW: code pairs read as fp16 subnormals (code x 2^-24, exact; no magic-number or, no subtraction),
+#define CHW_SUBN 0  // K_CHW: code pairs as fp16 subnormals (code x 2^-24, exact; no magic-number or, no subtraction),
 #endif               // the 2^24 taken off with the scales' normalization after the product (the launcher's default)
 #ifndef V_SUBN
-#define V_SUBN 0  // packed pages' value codes read as fp16 subnormals (code x 4^p x 2^-24, exact: one and, no magic-number
-#endif             // or and no subtraction), the 2^24 put back on the packed part of the output once after the pages
+#define V_SUBN 0  // packed pages' value codes as fp16 subnormals (code x 4^p x 2^-24, exact: one and, no magic-number or,
+#endif             // no subtraction), the 2^24 put back on the packed part of the output once after the pages
 #ifndef CHW_PROBE
-#define CHW_PROBE 0  // K_CHW timing probe, WRONG SCORES (never served: the launcher refuses it outside benches): the key
-#endif                // rows read are token 5 r mod P (1) or token 0 (2) instead of r, to time shared-memory bank conflicts
+#define CHW_PROBE 0  // K_CHW timing probe, WRONG SCORES (the launcher refuses it outside benches): the key rows read
+#endif                // are token 5 r mod P (1) or token 0 (2) instead of r, to time shared-memory bank conflicts
 #ifndef CHW_UNROLL
 #define CHW_UNROLL 0  // K_CHW: unroll the key loop over channel tiles (more registers: ptxas spills at 255)
 #endif
@@ -1834,19 +1834,15 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         uint32_t y0 = x0 >> 8, y1 = x1 >> 8;
         const uint32_t* bb = pb[VG == 1 ? 0 : b];
 #if V_SUBN
-        {
-          mma16816(acc_o[4 * b + 0], codes_x4s<0>(x0), codes_x4s<1>(x0), codes_x4s<0>(x1), codes_x4s<1>(x1), bb[0], bb[1]);
-          mma16816(acc_o[4 * b + 1], codes_x4s<2>(x0), codes_x4s<3>(x0), codes_x4s<2>(x1), codes_x4s<3>(x1), bb[0], bb[1]);
-          mma16816(acc_o[4 * b + 2], codes_x4s<0>(y0), codes_x4s<1>(y0), codes_x4s<0>(y1), codes_x4s<1>(y1), bb[0], bb[1]);
-          mma16816(acc_o[4 * b + 3], codes_x4s<2>(y0), codes_x4s<3>(y0), codes_x4s<2>(y1), codes_x4s<3>(y1), bb[0], bb[1]);
-        }
+        mma16816(acc_o[4 * b + 0], codes_x4s<0>(x0), codes_x4s<1>(x0), codes_x4s<0>(x1), codes_x4s<1>(x1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 1], codes_x4s<2>(x0), codes_x4s<3>(x0), codes_x4s<2>(x1), codes_x4s<3>(x1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 2], codes_x4s<0>(y0), codes_x4s<1>(y0), codes_x4s<0>(y1), codes_x4s<1>(y1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 3], codes_x4s<2>(y0), codes_x4s<3>(y0), codes_x4s<2>(y1), codes_x4s<3>(y1), bb[0], bb[1]);
 #else
-        {
-          mma16816(acc_o[4 * b + 0], codes_x4p<0>(x0), codes_x4p<1>(x0), codes_x4p<0>(x1), codes_x4p<1>(x1), bb[0], bb[1]);
-          mma16816(acc_o[4 * b + 1], codes_x4p<2>(x0), codes_x4p<3>(x0), codes_x4p<2>(x1), codes_x4p<3>(x1), bb[0], bb[1]);
-          mma16816(acc_o[4 * b + 2], codes_x4p<0>(y0), codes_x4p<1>(y0), codes_x4p<0>(y1), codes_x4p<1>(y1), bb[0], bb[1]);
-          mma16816(acc_o[4 * b + 3], codes_x4p<2>(y0), codes_x4p<3>(y0), codes_x4p<2>(y1), codes_x4p<3>(y1), bb[0], bb[1]);
-        }
+        mma16816(acc_o[4 * b + 0], codes_x4p<0>(x0), codes_x4p<1>(x0), codes_x4p<0>(x1), codes_x4p<1>(x1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 1], codes_x4p<2>(x0), codes_x4p<3>(x0), codes_x4p<2>(x1), codes_x4p<3>(x1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 2], codes_x4p<0>(y0), codes_x4p<1>(y0), codes_x4p<0>(y1), codes_x4p<1>(y1), bb[0], bb[1]);
+        mma16816(acc_o[4 * b + 3], codes_x4p<2>(y0), codes_x4p<3>(y0), codes_x4p<2>(y1), codes_x4p<3>(y1), bb[0], bb[1]);
 #endif
       }
     }

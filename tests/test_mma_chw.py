@@ -3,9 +3,9 @@
 
 On the CPU: the kernel's constants (`mma_decode.chw_tables`) and its way of reading codes (two byte-swapped words,
 one funnel shift, two shifts down per thread and tile; the pairs also as `CHW_SUBN` forms them) replayed in Python
-over encoded pages give every key the codec's decode gives. On a CUDA GPU: `chw_decode` through the kernel against float32 attention over the torch
-reference's keys and values and against the Triton kernel, on odd shapes (head_dim 64 and 128, pages of 16-64
-tokens, GQA groups 1-8, several chunks, dense tails, sinks, rotated values)."""
+over encoded pages give every key the codec's decode gives. On a CUDA GPU: `chw_decode` through the kernel against
+float32 attention over the torch reference's keys and values and against the Triton kernel, on odd shapes (head_dim
+64 and 128, pages of 16-64 tokens, GQA groups 1-8, several chunks, dense tails, sinks, rotated values)."""
 
 import random
 
