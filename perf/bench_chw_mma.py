@@ -36,14 +36,18 @@ from kvbackend.scheme import kernel_schemes  # noqa: E402
 
 HQ, HEADS, DIM, PAGE = 32, 8, 128, 64
 
-VARIANTS = [  # (label, chw_decode keywords): timed on the first layout at B=8, L=32K beside the default
-    ("mma_shared_fold", {"mma": True, "mma_options": {"fold": True}}),
-    ("mma_qsmem", {"mma": True, "mma_options": {"qsmem": True}}),
-    ("mma_swap", {"mma": True, "mma_options": {"swap": True}}),
-    ("mma_3ctas", {"mma": True, "mma_options": {"min_blocks": 3}}),
-    ("mma_qsmem_3ctas", {"mma": True, "mma_options": {"qsmem": True, "min_blocks": 3}}),
-    ("mma_all_3ctas", {"mma": True, "mma_options": {"qsmem": True, "fold": True, "swap": True, "min_blocks": 3}}),
-    ("mma_subn", {"mma": True, "mma_options": {"subn": True}}),
+S59 = {"fold": False, "subn": False}  # session 59's key loop: every variant below states its switches against it
+
+VARIANTS = [  # (label, chw_decode keywords): timed on the first layout at B=8, L=32K beside the default ("mma")
+    ("mma_s59", {"mma": True, "mma_options": S59}),
+    ("mma_shared_fold", {"mma": True, "mma_options": {**S59, "fold": True}}),
+    ("mma_qsmem", {"mma": True, "mma_options": {**S59, "qsmem": True}}),
+    ("mma_swap", {"mma": True, "mma_options": {**S59, "swap": True}}),
+    ("mma_3ctas", {"mma": True, "mma_options": {**S59, "min_blocks": 3}}),
+    ("mma_qsmem_3ctas", {"mma": True, "mma_options": {**S59, "qsmem": True, "min_blocks": 3}}),
+    ("mma_all_3ctas", {"mma": True, "mma_options": {**S59, "qsmem": True, "fold": True, "swap": True,
+                                                    "min_blocks": 3}}),
+    ("mma_subn", {"mma": True, "mma_options": {**S59, "subn": True}}),
     ("mma_subn_fold", {"mma": True, "mma_options": {"subn": True, "fold": True}}),
     ("mma_subn_fold_pref", {"mma": True, "mma_options": {"subn": True, "fold": True, "pref": True}}),
     ("mma_subn_fold_qsmem_3ctas", {"mma": True, "mma_options": {"subn": True, "fold": True, "qsmem": True,
