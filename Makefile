@@ -24,7 +24,7 @@ setup: $(STAMP)
 # -P: the repository root stays off sys.path, so its kernels/ folder (installed as kvbackend.kernels) never hides
 # another distribution's top-level `kernels` (transformers 5.25 imports Hugging Face's `kernels` package).
 test: $(STAMP) wheel-check
-	KVBACKEND_REQUIRE_MODEL=1 $(PY) -P -m pytest -q
+	KVBACKEND_REQUIRE_MODEL=1 $(PY) -P -m pytest -q --durations=40
 
 # Install the project as users do: build a wheel, `pip install --no-deps --target` it into a temporary
 # folder and import every module from outside the repository, each from the wheel (not the editable install).
