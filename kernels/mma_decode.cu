@@ -170,6 +170,9 @@
 #ifndef V_SUBN
 #define V_SUBN 0  // packed pages' value codes as fp16 subnormals (code x 4^p x 2^-24, exact: one and, no magic-number or,
 #endif             // no subtraction), the 2^24 put back on the packed part of the output once after the pages
+#ifndef CHW_TAB
+#define CHW_TAB 0  // K_CHW with CHW_SUBN: a tile's shifts and masks loaded from `chw_tab` (two 16-byte loads a tile)
+#endif              // instead of decoded from its packed widths in the key loop
 #ifndef CHW_PROBE
 #define CHW_PROBE 0  // K_CHW timing probe, WRONG SCORES (the launcher refuses it outside benches): the key rows read
 #endif                // are token 5 r mod P (1) or token 0 (2) instead of r, to time shared-memory bank conflicts
@@ -248,6 +251,7 @@ static_assert(SMEM_EXPECTED == SMEM_BYTES, "the launcher's shared-memory size di
 static_assert(D == 64 || D == 128, "head_dim 64 or 128");
 static_assert(P % 16 == 0 && P >= 16 && P <= 256, "page size a multiple of 16");
 static_assert(KG == 1 || KG == NB, "key scale groups: one per head or one per 64 channels");
+static_assert(!CHW_TAB || (K_CHW && CHW_SUBN && !CHW_PREF), "the tile tables hold the subnormal pairs' shifts");
 static_assert(!K_CHW || (KG == 1 && !K_CHAN && !K_CENT && !OUT_N && !PAGE_ROPE && !ROPE_TOKEN && !PSAC_R && !WHOLE_N
                          && KBITS == 2 && CHW_BLOCK > 0 && CHW_BLOCK % 16 == 0),
               "keys at a width per channel: keys after RoPE, no centroids, outliers, PSAC or whole rows");
@@ -484,6 +488,8 @@ struct Params {
   const uint32_t* chw_tiles;  // K_CHW: [H][D / 16][4][2] per tile and thread column: bit offset in the row | widths
                               // << 12 (4 bits each), and the four channels' absmax indices (8 bits each, 255 none)
   int k_mean;                 // K_CHW: the chunk's channel means [H, D] fp16 in the codebook slot
+  const uint4* chw_tab;       // K_CHW && CHW_TAB: [H][D / 16][4][2] per tile and thread column: bit offset, s01,
+                              // 32 - s01, 32 - w2 - w3 | 16 - w1, 16 - w3, the two pairs' masks
 };
 
 // K_CHW: one head's constants (per CTA)
@@ -1529,11 +1535,20 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
           b0_next = qc_at(kt + 1, 0);
           b1_next = qc_at(kt + 1, 1);
         }
+#if CHW_TAB
+        const uint4 t0 = a.chw_tab[((h * KT + kt) * 4 + tig) * 2], t1 = a.chw_tab[((h * KT + kt) * 4 + tig) * 2 + 1];
+        const int off = t0.x, s01 = t0.y, up01 = t0.z, s23u = t0.w, k1 = t1.x, k3 = t1.y;
+        const uint32_t m01 = t1.z, m23 = t1.w;
+        (void)c;
+#else
         const int off = c & 0xfff;
         const int w0 = (c >> 12) & 15, w1 = (c >> 16) & 15, w2 = (c >> 20) & 15, w3 = (c >> 24) & 15;
         const int s01 = 32 - w0 - w1, s23 = s01 - w2 - w3;  // the pairs' shifts down from the window's top
         const uint32_t m1 = (1u << w1) - 1u, m0 = ((1u << w0) - 1u) << 16;
         const uint32_t m3 = (1u << w3) - 1u, m2 = ((1u << w2) - 1u) << 16;
+        const int up01 = 32 - s01, s23u = s23 + 32 - s01, k1 = 16 - w1, k3 = 16 - w3;
+        const uint32_t m01 = m1 | m0, m23 = m3 | m2;
+#endif
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           uint32_t r[2][2];
@@ -1543,15 +1558,15 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             const int bit = (CHW_PROBE == 1 ? (5 * row) % P : CHW_PROBE == 2 ? 0 : row) * chw.bits + off;
             const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
             const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
-            const uint32_t win = __funnelshift_l(lo, hi, bit & 31);  // the row's bits from `bit` on, first at the top
+            const uint32_t win = __funnelshift_l(lo, hi, bit);  // the row's bits from `bit` on, first at the top (shift mod 32)
 #if CHW_SUBN
             {  // widths <= 8: each pair alone in the low half (the second pair from the window moved
               //               up past the first), its high code moved up lands on bits no mask keeps in the low half
               //               (16 - w >= 8 >= w)
               const uint32_t x01 = __funnelshift_rc(win, 0u, s01);
-              const uint32_t x23 = __funnelshift_rc(win << (32 - s01), 0u, s23 + 32 - s01);
-              r[half][0] = (x01 | (x01 << (16 - w1))) & (m1 | m0);
-              r[half][1] = (x23 | (x23 << (16 - w3))) & (m3 | m2);
+              const uint32_t x23 = __funnelshift_rc(win << up01, 0u, s23u);
+              r[half][0] = (x01 | (x01 << k1)) & m01;
+              r[half][1] = (x23 | (x23 << k3)) & m23;
             }
 #else
             {

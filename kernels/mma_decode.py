@@ -241,6 +241,7 @@ class Config:
     chw_subn: bool = False  # with k_chw: code pairs read as fp16 subnormals (`CHW_SUBN`; on by `chw_config`'s default)
     v_subn: bool = False  # packed pages' value codes read as fp16 subnormals (`V_SUBN`)
     chw_probe: int = 0  # with k_chw: a timing probe that reads the wrong key rows (`CHW_PROBE`; benches only)
+    chw_tab: bool = False  # with k_chw and chw_subn: a tile's shifts and masks from `ChwTables.tab` (`CHW_TAB`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -256,7 +257,7 @@ class Config:
                 f"-DCHW_UNROLL={int(self.chw_unroll)}", f"-DCHW_SFOLD={int(self.chw_fold)}",
                 f"-DCHW_QSMEM={int(self.chw_qsmem)}", f"-DCHW_SWAP={int(self.chw_swap)}",
                 f"-DCHW_PREF={int(self.chw_pref)}", f"-DCHW_SUBN={int(self.chw_subn)}",
-                f"-DV_SUBN={int(self.v_subn)}", f"-DCHW_PROBE={self.chw_probe}",
+                f"-DV_SUBN={int(self.v_subn)}", f"-DCHW_PROBE={self.chw_probe}", f"-DCHW_TAB={int(self.chw_tab)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -303,7 +304,8 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in mma_decode.cu
                 ("local_cos", ctypes.c_uint64), ("local_sin", ctypes.c_uint64), ("psac_codes", ctypes.c_int),
                 ("psac_scale", ctypes.c_int), ("psac_token", ctypes.c_int), ("psac_basis", ctypes.c_int),
                 ("whole_codes", ctypes.c_int), ("whole_scale", ctypes.c_int), ("whole_token", ctypes.c_int),
-                ("chw_heads", ctypes.c_uint64), ("chw_tiles", ctypes.c_uint64), ("k_mean", ctypes.c_int)]
+                ("chw_heads", ctypes.c_uint64), ("chw_tiles", ctypes.c_uint64), ("k_mean", ctypes.c_int),
+                ("chw_tab", ctypes.c_uint64)]
 
 
 class _Driver:
@@ -581,6 +583,10 @@ class ChwTables:
     #                      each, the column's channels c, c + 1, c + 8, c + 9), and their absmax indices in the head
     #                      (8 bits each, 255 for a channel of width 0)
     block: int  # the largest head block, bytes
+    tab: torch.Tensor  # int32 [H, D / 16, 4, 8]: per tile and thread column, what `CHW_TAB` reads instead of
+    #                    decoding `tiles`: bit offset, s01 = 32 - w0 - w1, 32 - s01, 32 - w2 - w3, 16 - w1, 16 - w3, and
+    #                    the masks of the pairs as fp16 subnormals ((1 << w1) - 1 | ((1 << w0) - 1) << 16, the same
+    #                    of w3 and w2)
 
 
 @functools.lru_cache(maxsize=64)
@@ -604,6 +610,7 @@ def chw_tables(widths: str, heads: int, page_size: int, device: str) -> ChwTable
     order = lane_order(d)
     offset = torch.cumsum(w[:, order], 1) - w[:, order]  # [H, D]: bit offset of lane position i in a token's row
     tiles = torch.zeros(heads, d // 16, 4, 2, dtype=torch.int64)
+    tab = torch.zeros(heads, d // 16, 4, 8, dtype=torch.int64)
     for kt in range(d // 16):
         for tig in range(4):
             at = 16 * kt + 4 * tig  # the column's first lane position
@@ -615,10 +622,16 @@ def chw_tables(widths: str, heads: int, page_size: int, device: str) -> ChwTable
                 index |= local[:, chans[i]] << (8 * i)
             tiles[:, kt, tig, 0] = word
             tiles[:, kt, tig, 1] = index
-    as_i32 = tiles.to(torch.int64).remainder(1 << 32)
-    as_i32 = torch.where(as_i32 >= 1 << 31, as_i32 - (1 << 32), as_i32)
-    return ChwTables(head.to(torch.int32).to(device).contiguous(), as_i32.to(torch.int32).to(device).contiguous(),
-                     int(head[:, 1].max()))
+            w0, w1, w2, w3 = (w[:, chans[i]] for i in range(4))
+            s01 = 32 - w0 - w1
+            tab[:, kt, tig] = torch.stack([offset[:, at], s01, 32 - s01, 32 - w2 - w3, 16 - w1, 16 - w3,
+                                           ((1 << w1) - 1) | (((1 << w0) - 1) << 16),
+                                           ((1 << w3) - 1) | (((1 << w2) - 1) << 16)], 1)
+    def as_i32(x: torch.Tensor) -> torch.Tensor:
+        x = x.remainder(1 << 32)
+        return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32).to(device).contiguous()
+
+    return ChwTables(head.to(torch.int32).to(device).contiguous(), as_i32(tiles), int(head[:, 1].max()), as_i32(tab))
 
 
 def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) -> bool:
@@ -639,8 +652,12 @@ def supports_chw(scheme, levers: LeverScheme | None, head_dim: int, group: int) 
 def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.dtype,
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
                unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False,
-               pref: bool = False, subn: bool = True, vsubn: bool | None = None, probe: int = 0) -> Config:
+               pref: bool = False, subn: bool = True, vsubn: bool | None = None, probe: int = 0,
+               tab: bool = False) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
+    if tab and (not subn or pref):
+        raise ValueError("chw: the tile table (tab=True) holds the subnormal pairs' shifts: it needs subn=True and "
+                         "pref=False")
     if min_blocks is None:
         min_blocks = default_min_blocks(warps)
     lv = levers if levers is not None and levers.active else LeverScheme()
@@ -650,14 +667,14 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
                   chw_qsmem=qsmem, chw_swap=swap, chw_pref=pref, chw_subn=subn,
-                  v_subn=V_SUBN if vsubn is None else vsubn, chw_probe=probe)
+                  v_subn=V_SUBN if vsubn is None else vsubn, chw_probe=probe, chw_tab=tab)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, **options) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`);
     ``options``: `chw_config`'s keywords (``stages``, ``warps``, ``min_blocks``, ``unroll``, ``fold``, ``qsmem``,
-    ``swap``, ``pref``, ``subn``, ``vsubn``, ``probe``). ``probe`` reads the wrong key rows on purpose and is taken
+    ``swap``, ``pref``, ``subn``, ``vsubn``, ``probe``, ``tab``). ``probe`` reads the wrong key rows on purpose and is taken
     only where the environment sets ``KVBACKEND_MMA_TIMING_PROBES=1`` (a bench's timing of bank conflicts)."""
     if options.get("probe") and os.environ.get("KVBACKEND_MMA_TIMING_PROBES") != "1":
         raise ValueError("chw timing probes read the wrong key rows; set KVBACKEND_MMA_TIMING_PROBES=1 to time them")
@@ -682,7 +699,7 @@ def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_l
                      int(v.codes), int(v.scales), int(zero_v), codebooks.data_ptr(), plan.slots.data_ptr(),
                      q.data_ptr(), q.data_ptr(), int(codebooks.shape[-1]), 0, 0, 0, 0, 0, q.data_ptr(),
                      q.data_ptr(), 0, 0, 0, 0, 0, 0, 0, tables.heads.data_ptr(), tables.tiles.data_ptr(),
-                     int(scheme.mean))
+                     int(scheme.mean), tables.tab.data_ptr())
     _launch(config, params, q.device, b, h, splits, config.warps)
 
 

@@ -55,6 +55,8 @@ VARIANTS = [  # (label, chw_decode keywords): timed on the first layout at B=8, 
     ("mma_subn_fold_vsubn", {"mma": True, "mma_options": {"subn": True, "fold": True, "vsubn": True}}),
     ("mma_subn_fold_vsubn_qsmem_3ctas", {"mma": True, "mma_options": {"subn": True, "fold": True, "vsubn": True,
                                                                       "qsmem": True, "min_blocks": 3}}),
+    ("mma_tab", {"mma": True, "mma_options": {"tab": True}}),  # the default with a tile's shifts from the table
+    ("mma_tab_vsubn", {"mma": True, "mma_options": {"tab": True, "vsubn": True}}),
     ("triton_tile", {"mma": False, "tile": True}),
     # timing probes, wrong scores on purpose (shared-memory bank conflicts of the key loop's loads): the key rows read
     # are token 5 r mod 64 (1.47-way conflicts on the mixed layout instead of 2.42), or token 0 for every row (none)

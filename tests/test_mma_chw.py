@@ -60,6 +60,15 @@ def _replayed_keys(codec, layout, pages: torch.Tensor, codebook: torch.Tensor, h
                             mask = ((1 << b) - 1) | (((1 << a) - 1) << 16)
                             subn = (x | (x << (16 - b))) & 0xFFFFFFFF & mask
                             assert (subn >> 16, subn & 0xFFFF) == ((x >> b) & ((1 << a) - 1), x & ((1 << b) - 1))
+                        # `CHW_TAB`: the same pairs from the tile table's shifts and masks (funnel shifts clamp at 32)
+                        tab = [int(x) & 0xFFFFFFFF for x in tables.tab[h, kt, tig]]
+                        off_t, s01_t, up_t, s23_t, k1, k3, m01, m23 = tab
+                        assert off_t == off
+                        x01 = window >> min(s01_t, 32)
+                        x23 = ((window << up_t) & 0xFFFFFFFF) >> min(s23_t, 32)
+                        r01 = (x01 | (x01 << k1)) & 0xFFFFFFFF & m01
+                        r23 = (x23 | (x23 << k3)) & 0xFFFFFFFF & m23
+                        assert (r01 >> 16, r01 & 0xFFFF, r23 >> 16, r23 & 0xFFFF) == tuple(codes)
                         for i, c in enumerate(chans):
                             key = float(mean[h, c])
                             if w[i]:
@@ -122,6 +131,18 @@ def test_timing_probes_are_refused_outside_benches(monkeypatch):
     config = mma_decode.chw_config(s, 128, torch.bfloat16, torch.bfloat16, probe=2)
     assert config.defines().count("-DCHW_PROBE=2") == 1 and mma_decode.chw_config(s, 128, torch.bfloat16,
                                                                                   torch.bfloat16).chw_probe == 0
+
+
+def test_the_tile_table_needs_the_subnormal_pairs():
+    from kvbackend.frames import lever_layout
+    from kvbackend.kernels.chw_gather import layer_schemes
+
+    codec = codecs.get("chw:kbits=2,vbits=2,order=lane")
+    s, _ = layer_schemes(codec, lever_layout(codec.layout(Geometry(1, 2, 128, torch.bfloat16), 64), codec.levers))
+    assert "-DCHW_TAB=1" in mma_decode.chw_config(s, 128, torch.bfloat16, torch.bfloat16, tab=True).defines()
+    for bad in ({"subn": False}, {"pref": True}):
+        with pytest.raises(ValueError, match="subn=True"):
+            mma_decode.chw_config(s, 128, torch.bfloat16, torch.bfloat16, tab=True, **bad)
 
 
 class _Launched(Exception):
@@ -188,6 +209,10 @@ CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
     ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4", 2, 128, 64, [700, 131, 64], 4,  # value codes as subnormals
      {"subn": True, "fold": True, "vsubn": True}),
     ("chw:kw={w},vbits=2,order=lane,vrot=hadamard", 3, 64, 16, [97, 40, 3], 5, {"vsubn": True}),  # rotated values
+    ("chw:kw={w},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [700, 131, 64], 4,
+     {"tab": True}),  # a tile's shifts and masks from the table
+    ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {"tab": True, "unroll": True}),  # widest codes
+    ("chw:kw={w},vbits=2,order=lane,sink=2", 3, 64, 16, [97, 40, 3], 5, {"tab": True, "qsmem": True, "stages": 1}),
 ]
 
 
