@@ -6,7 +6,7 @@ set -u
 out=${1:?output folder}
 cd "$(dirname "$0")"
 for kind in chw kivi; do
-  timeout 150 ncu --clock-control none --kernel-name regex:mma_decode --launch-skip 3 --launch-count 1 \
+  timeout 100 ncu --clock-control none --kernel-name regex:mma_decode --launch-skip 3 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight --section Occupancy \
       --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis_Tables \
       --import-source yes -o "$out/${kind}_source" -f python3 ncu_chw.py $kind > "$out/ncu_${kind}_run.txt" 2>&1
