@@ -1546,8 +1546,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         const int s01 = 32 - w0 - w1, s23 = s01 - w2 - w3;  // the pairs' shifts down from the window's top
         const uint32_t m1 = (1u << w1) - 1u, m0 = ((1u << w0) - 1u) << 16;
         const uint32_t m3 = (1u << w3) - 1u, m2 = ((1u << w2) - 1u) << 16;
+#if CHW_SUBN
         const int up01 = 32 - s01, s23u = s23 + 32 - s01, k1 = 16 - w1, k3 = 16 - w3;
         const uint32_t m01 = m1 | m0, m23 = m3 | m2;
+#endif
 #endif
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -1558,7 +1560,8 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
             const int bit = (CHW_PROBE == 1 ? (5 * row) % P : CHW_PROBE == 2 ? 0 : row) * chw.bits + off;
             const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
             const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
-            const uint32_t win = __funnelshift_l(lo, hi, bit);  // the row's bits from `bit` on, first at the top (shift mod 32)
+            // the row's bits from `bit` on, first at the top (`CHW_TAB`: the intrinsic's own shift mod 32, no `and`)
+            const uint32_t win = __funnelshift_l(lo, hi, CHW_TAB ? bit : bit & 31);
 #if CHW_SUBN
             {  // widths <= 8: each pair alone in the low half (the second pair from the window moved
               //               up past the first), its high code moved up lands on bits no mask keeps in the low half
