@@ -173,6 +173,9 @@
 #ifndef CHW_TAB
 #define CHW_TAB 0  // K_CHW with CHW_SUBN: a tile's shifts and masks loaded from `chw_tab` (two 16-byte loads a tile)
 #endif              // instead of decoded from its packed widths in the key loop
+#ifndef CHW_W32
+#define CHW_W32 0  // K_CHW: every head's token rows are whole 32-bit words (the launcher checks): a row's words from
+#endif              // its own base, one shift a tile for all rows (no per-row bit address)
 #ifndef CHW_PROBE
 #define CHW_PROBE 0  // K_CHW timing probe, WRONG SCORES (the launcher refuses it outside benches): the key rows read
 #endif                // are token 5 r mod P (1) or token 0 (2) instead of r, to time shared-memory bank conflicts
@@ -252,6 +255,7 @@ static_assert(D == 64 || D == 128, "head_dim 64 or 128");
 static_assert(P % 16 == 0 && P >= 16 && P <= 256, "page size a multiple of 16");
 static_assert(KG == 1 || KG == NB, "key scale groups: one per head or one per 64 channels");
 static_assert(!CHW_TAB || (K_CHW && CHW_SUBN && !CHW_PREF), "the tile tables hold the subnormal pairs' shifts");
+static_assert(!CHW_W32 || (K_CHW && !CHW_PROBE), "whole-word rows: the chw keys, no timing probe");
 static_assert(!K_CHW || (KG == 1 && !K_CHAN && !K_CENT && !OUT_N && !PAGE_ROPE && !ROPE_TOKEN && !PSAC_R && !WHOLE_N
                          && KBITS == 2 && CHW_BLOCK > 0 && CHW_BLOCK % 16 == 0),
               "keys at a width per channel: keys after RoPE, no centroids, outliers, PSAC or whole rows");
@@ -1557,9 +1561,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int row = 16 * mt + gid + 8 * half;
-            const int bit = (CHW_PROBE == 1 ? (5 * row) % P : CHW_PROBE == 2 ? 0 : row) * chw.bits + off;
-            const uint32_t hi = CHW_SWAP ? kw[bit >> 5] : __byte_perm(kw[bit >> 5], 0u, 0x0123);
-            const uint32_t lo = CHW_SWAP ? kw[(bit >> 5) + 1] : __byte_perm(kw[(bit >> 5) + 1], 0u, 0x0123);
+            const int bit = CHW_W32 ? off : (CHW_PROBE == 1 ? (5 * row) % P : CHW_PROBE == 2 ? 0 : row) * chw.bits + off;
+            const uint32_t* rw = CHW_W32 ? kw + row * (chw.bits >> 5) + (off >> 5) : kw + (bit >> 5);  // the window's words
+            const uint32_t hi = CHW_SWAP ? rw[0] : __byte_perm(rw[0], 0u, 0x0123);
+            const uint32_t lo = CHW_SWAP ? rw[1] : __byte_perm(rw[1], 0u, 0x0123);
             // the row's bits from `bit` on, first at the top (`CHW_TAB`: the intrinsic's own shift mod 32, no `and`)
             const uint32_t win = __funnelshift_l(lo, hi, CHW_TAB ? bit : bit & 31);
 #if CHW_SUBN

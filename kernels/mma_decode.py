@@ -242,6 +242,8 @@ class Config:
     v_subn: bool = False  # packed pages' value codes read as fp16 subnormals (`V_SUBN`)
     chw_probe: int = 0  # with k_chw: a timing probe that reads the wrong key rows (`CHW_PROBE`; benches only)
     chw_tab: bool = False  # with k_chw and chw_subn: a tile's shifts and masks from `ChwTables.tab` (`CHW_TAB`)
+    chw_w32: bool = False  # with k_chw: every head's token rows whole 32-bit words, each read from its own base
+    #                        (`CHW_W32`)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DPAGE={self.page}", f"-DKG={self.kg}", f"-DVG={self.vg}",
@@ -258,6 +260,7 @@ class Config:
                 f"-DCHW_QSMEM={int(self.chw_qsmem)}", f"-DCHW_SWAP={int(self.chw_swap)}",
                 f"-DCHW_PREF={int(self.chw_pref)}", f"-DCHW_SUBN={int(self.chw_subn)}",
                 f"-DV_SUBN={int(self.v_subn)}", f"-DCHW_PROBE={self.chw_probe}", f"-DCHW_TAB={int(self.chw_tab)}",
+                f"-DCHW_W32={int(self.chw_w32)}",
                 f"-DSMEM_EXPECTED={self.smem_bytes}"]
 
     @property
@@ -653,7 +656,7 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
                levers: LeverScheme | None = None, stages: int = 2, warps: int = 4, min_blocks: int | None = None,
                unroll: bool = False, fold: bool = True, qsmem: bool = False, swap: bool = False,
                pref: bool = False, subn: bool = True, vsubn: bool | None = None, probe: int = 0,
-               tab: bool = False) -> Config:
+               tab: bool = False, w32: bool = False) -> Config:
     """The variant for a ``chw:`` layer `supports_chw` accepts."""
     if tab and (not subn or pref):
         raise ValueError("chw: the tile table (tab=True) holds the subnormal pairs' shifts: it needs subn=True and "
@@ -663,19 +666,23 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
     lv = levers if levers is not None and levers.active else LeverScheme()
     v = scheme.values
     tables = chw_tables(scheme.widths, scheme.heads, scheme.page_size, "cpu")
+    if w32 and (probe or bool((tables.heads[:, 2] % 32).any())):
+        raise ValueError("chw: w32=True reads token rows of whole 32-bit words; this layout's rows take "
+                         f"{tables.heads[:, 2].tolist()} bits a head" + (" (and no timing probe)" if probe else ""))
     return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,
                   chw_qsmem=qsmem, chw_swap=swap, chw_pref=pref, chw_subn=subn,
-                  v_subn=V_SUBN if vsubn is None else vsubn, chw_probe=probe, chw_tab=tab)
+                  v_subn=V_SUBN if vsubn is None else vsubn, chw_probe=probe, chw_tab=tab, chw_w32=w32)
 
 
 def launch_chw(q, o_part, m_part, l_part, pages, codebooks, dense, plan, scale_log2: float, per_split: int,
                splits: int, scheme, levers: LeverScheme | None = None, **options) -> None:
     """Write the split partials of decode attention over a ``chw:...,order=lane`` layer (`supports_chw`);
     ``options``: `chw_config`'s keywords (``stages``, ``warps``, ``min_blocks``, ``unroll``, ``fold``, ``qsmem``,
-    ``swap``, ``pref``, ``subn``, ``vsubn``, ``probe``, ``tab``). ``probe`` reads the wrong key rows on purpose and is taken
-    only where the environment sets ``KVBACKEND_MMA_TIMING_PROBES=1`` (a bench's timing of bank conflicts)."""
+    ``swap``, ``pref``, ``subn``, ``vsubn``, ``probe``, ``tab``, ``w32``). ``probe`` reads the wrong key rows on
+    purpose and is taken only where the environment sets ``KVBACKEND_MMA_TIMING_PROBES=1`` (a bench's timing of
+    bank conflicts)."""
     if options.get("probe") and os.environ.get("KVBACKEND_MMA_TIMING_PROBES") != "1":
         raise ValueError("chw timing probes read the wrong key rows; set KVBACKEND_MMA_TIMING_PROBES=1 to time them")
     _, _, p, h, d = dense.shape

@@ -25,6 +25,7 @@ from bench_chw_gather import mixed_widths  # noqa: E402
 from bench_kernels import (DEV, L2_BYTES, ceiling, encoded_pages, graph_time, rotation_plans,  # noqa: E402
                            sdpa_time, RESULTS)
 from kvbackend import Geometry, codecs  # noqa: E402
+from kvbackend.codecs.chw import whole_word_widths  # noqa: E402
 from kvbackend.attention import decode_attention  # noqa: E402
 from kvbackend.codecs.base import CodecState  # noqa: E402
 from kvbackend.frames import lever_layout  # noqa: E402
@@ -35,6 +36,7 @@ from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.scheme import kernel_schemes  # noqa: E402
 
 HQ, HEADS, DIM, PAGE = 32, 8, 128, 64
+WORDS = "chw mixed, rows of whole words"  # the mixed widths moved to whole 32-bit rows (`whole_word_widths`)
 
 S59 = {"fold": False, "subn": False}  # session 59's key loop: every variant below states its switches against it
 
@@ -63,8 +65,13 @@ VARIANTS = [  # (label, chw_decode keywords): timed on the first layout at B=8, 
     ("probe_rows_5r", {"mma": True, "mma_options": {"probe": 1}}),
     ("probe_row_0", {"mma": True, "mma_options": {"probe": 2}}),
 ]
+WORD_VARIANTS = [  # timed on the whole-word layout (each head's row moved to whole 32-bit words) beside its default
+    ("mma_w32", {"mma": True, "mma_options": {"w32": True}}),
+    ("mma_w32_tab", {"mma": True, "mma_options": {"w32": True, "tab": True}}),
+]
 if os.environ.get("CHW_VARIANTS"):  # a comma list of the labels to time
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["CHW_VARIANTS"].split(",")]
+    WORD_VARIANTS = [v for v in WORD_VARIANTS if v[0] in os.environ["CHW_VARIANTS"].split(",")]
 os.environ["KVBACKEND_MMA_TIMING_PROBES"] = "1"  # this process only: the probes above
 
 
@@ -97,10 +104,11 @@ def precompile(built, kivi) -> None:
     cache then serves the timed calls)."""
     major, minor = torch.cuda.get_device_capability()
     configs = set()
-    for i, (codec, layout, _) in enumerate(built.values()):
+    for i, (name, (codec, layout, _)) in enumerate(built.items()):
         scheme, levers = layer_schemes(codec, layout)
         lv = levers if levers is not None and levers.active else None
-        for opts in [{}] + ([dict(o.get("mma_options", {})) for _, o in VARIANTS] if i == 0 else []):
+        extra = VARIANTS if i == 0 else WORD_VARIANTS if name == WORDS else []
+        for opts in [{}] + [dict(o.get("mma_options", {})) for _, o in extra if o.get("mma")]:
             configs.add(mma_decode.chw_config(scheme, DIM, torch.bfloat16, torch.bfloat16, lv, **opts))
     codec, layout, _ = kivi
     k, v = kernel_schemes(codec, layout)[:2]
@@ -122,7 +130,8 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
     kw = mixed_widths()
     chw_specs = {"chw mixed 2.66-bit widths": f"chw:kw={kw},vbits=2,vstep=1.15,order=lane",
                  "chw mixed, sinks + rotated values": f"chw:kw={kw},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard",
-                 "chw every width 2": "chw:kbits=2,vbits=2,order=lane"}
+                 "chw every width 2": "chw:kbits=2,vbits=2,order=lane",
+                 WORDS: f"chw:kw={whole_word_widths(kw, HEADS)},vbits=2,vstep=1.15,order=lane"}
     built = {name: encoded(spec) for name, spec in chw_specs.items()}
     kivi = encoded_pages("kivi:bits=2,group=64", HEADS, DIM, PAGE)
     try:
@@ -151,6 +160,8 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
             variants = [("mma", {"mma": True})]
             if batch == 8 and length == 32768 and name == next(iter(built)):  # the variants: one layout, one shape
                 variants += VARIANTS
+            if batch == 8 and length == 32768 and name == WORDS:
+                variants += WORD_VARIANTS
             for label, kwargs in variants:
                 try:
                     us = 1e3 * graph_time([lambda j=j: chw_decode(qs[j], pages, books, dense, scheme, plans[j],

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache, codecs
+from kvbackend.codecs.chw import whole_word_widths
 from kvbackend.attention import decode_attention
 from kvbackend.kernels import mma_decode
 from kernel_cases import DEVICE
@@ -21,6 +22,10 @@ from kernel_cases import DEVICE
 def _widths(heads: int, dim: int, seed: int) -> str:
     rng = random.Random(seed)
     return "".join(str(rng.choice([0, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8])) for _ in range(heads * dim))
+
+
+def _word_widths(heads: int, dim: int, seed: int) -> str:
+    return whole_word_widths(_widths(heads, dim, seed), heads)
 
 
 def _replayed_keys(codec, layout, pages: torch.Tensor, codebook: torch.Tensor, heads: int, dim: int, page: int):
@@ -145,6 +150,28 @@ def test_the_tile_table_needs_the_subnormal_pairs():
             mma_decode.chw_config(s, 128, torch.bfloat16, torch.bfloat16, tab=True, **bad)
 
 
+def test_whole_word_rows_are_taken_only_where_every_row_is_whole_words():
+    from kvbackend.frames import lever_layout
+    from kvbackend.kernels.chw_gather import layer_schemes
+
+    def scheme(spec, heads, dim):
+        codec = codecs.get(spec)
+        return layer_schemes(codec, lever_layout(codec.layout(Geometry(1, heads, dim, torch.bfloat16), 64),
+                                                 codec.levers))[0]
+
+    for heads, dim in ((2, 128), (3, 64)):
+        widths = _word_widths(heads, dim, seed=heads)
+        assert all(sum(map(int, widths[h * dim : (h + 1) * dim])) % 32 == 0 for h in range(heads))
+        s = scheme(f"chw:kw={widths},vbits=2,order=lane", heads, dim)
+        assert "-DCHW_W32=1" in mma_decode.chw_config(s, dim, torch.bfloat16, torch.bfloat16, w32=True).defines()
+    odd = "3" + "2" * 127 + "2" * 128  # the first head's row 257 bits, the second's 256
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        mma_decode.chw_config(scheme(f"chw:kw={odd},vbits=2,order=lane", 2, 128), 128, torch.bfloat16,
+                              torch.bfloat16, w32=True)
+    assert "-DCHW_W32=0" in mma_decode.chw_config(scheme(f"chw:kw={odd},vbits=2,order=lane", 2, 128), 128,
+                                                  torch.bfloat16, torch.bfloat16).defines()
+
+
 class _Launched(Exception):
     pass
 
@@ -213,6 +240,13 @@ CUDA_CASES = [  # (spec, heads, dim, page, lengths, GQA group, options)
      {"tab": True}),  # a tile's shifts and masks from the table
     ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {"tab": True, "unroll": True}),  # widest codes
     ("chw:kw={w},vbits=2,order=lane,sink=2", 3, 64, 16, [97, 40, 3], 5, {"tab": True, "qsmem": True, "stages": 1}),
+    # token rows of whole 32-bit words read from their own base (`CHW_W32`): mixed widths moved to whole words,
+    # every width 3, the widest codes
+    ("chw:kw={w32},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard", 2, 128, 64, [700, 131, 64], 4,
+     {"w32": True}),
+    ("chw:kw={w32},vbits=2,order=lane", 3, 64, 16, [97, 40, 3], 5, {"w32": True, "tab": True}),
+    ("chw:kbits=3,vbits=2,order=lane,sink=2", 2, 128, 32, [300, 33], 6, {"w32": True, "tab": True, "vsubn": True}),
+    ("chw:kbits=8,vbits=2,order=lane", 2, 64, 32, [140], 2, {"w32": True, "unroll": True}),
 ]
 
 
@@ -223,7 +257,7 @@ def test_the_tensor_core_path_decodes_like_the_reference(spec, heads, dim, page,
 
     if not mma_decode.available(torch.device("cuda"))[0]:
         pytest.skip(mma_decode.available(torch.device("cuda"))[1])
-    spec = spec.format(w=_widths(heads, dim, seed=len(lengths)))
+    spec = spec.format(w=_widths(heads, dim, seed=len(lengths)), w32=_word_widths(heads, dim, seed=len(lengths)))
     cache = KVCache(Geometry(1, heads, dim, torch.bfloat16),
                     CacheConfig(codec=spec, page_size=page, chunk_pages=2, dense_pages=256, packed_pages=256,
                                 device="cuda", backend="triton"))

@@ -2,7 +2,7 @@
 # decode's launcher and Params, the chw tile table) on this commit, then the chw bench's tile-table variants.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
-export CHW_VARIANTS=${CHW_VARIANTS:-mma_tab,mma_tab_vsubn}
+export CHW_VARIANTS=${CHW_VARIANTS:-mma_tab,mma_w32,mma_w32_tab}
 PYTHONPATH=/tmp/site:. python perf/bench_chw_mma.py --precompile > $OUT/precompile.log 2>&1 &
 echo "commit ${COMMIT:?} $(nvidia-smi --query-gpu=name --format=csv,noheader)" > $OUT/gpu-subset.log
 PYTHONPATH=/tmp/site timeout ${TEST_LIMIT:-220} python3 -P -m pytest -q -n 12 --dist loadfile -p no:cacheprovider \
