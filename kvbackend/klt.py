@@ -21,6 +21,7 @@ through its torch reference (no kernel reads it yet), and `kvbackend eval` measu
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -51,6 +52,9 @@ class KltSpec(Checked):
     # the paged keys' frame: before RoPE (``pre``: the kernels rotate each key) or as attention reads them
     # (``post``: widths from the channels' variances after RoPE; a kernel can fold the scales into the query)
     rope: str = one_of("pre", ("pre", "post"))
+    # paged: each head's row of key bits a whole number of 32-bit words (`word_widths`), which the tensor-core decode
+    # reads from each row's own base (`kernels/mma_decode.cu`'s ``CHW_W32``)
+    words: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,6 +65,8 @@ class KltSpec(Checked):
         if self.paged and self.axes != "channels":
             raise SpecError("klt paged=true: the paged cache serves axes=channels only (the principal axes need a "
                             "D x D product per key that no page codec has yet)")
+        if self.words and not self.paged:
+            raise SpecError("klt words=true: whole-word key rows are a page layout (paged=true)")
         if self.rope != "pre" and not self.paged:
             raise SpecError(f"klt rope={self.rope}: only the paged codec (paged=true) stores keys after RoPE")
 
@@ -70,12 +76,13 @@ class KltSpec(Checked):
         axes = f",axes={self.axes}" if self.axes != "principal" else ""
         paged = ",paged=true" if self.paged else ""
         rope = f",rope={self.rope}" if self.rope != "pre" else ""
+        words = ",words=true" if self.words else ""
         return (f"klt:kbits={self.kbits:g},vbits={self.vbits},sink={self.sink},clip={str(self.clip).lower()}"
-                f"{step}{axes}{paged}{rope}")
+                f"{step}{axes}{paged}{rope}{words}")
 
 
 _TYPES = {"kbits": float, "vbits": int, "sink": int, "clip": bool, "vstep": float, "axes": str, "paged": bool,
-          "rope": str}
+          "rope": str, "words": bool}
 
 
 def is_klt(text: str) -> bool:
@@ -180,6 +187,29 @@ def widths(lam: torch.Tensor, kbits: float, tokens: int, group: int = GROUP) -> 
     return at(hi)[1].to(torch.uint8).reshape(lam.shape)
 
 
+def word_widths(lam: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """``width`` ``[L, H, D]`` with each head's sum moved to the nearer multiple of 32 (up from a remainder of 16) by
+    single bits where they matter most: a bit added where it takes the most distortion off (``lam * 4^-w``, largest
+    first), one taken where it adds the least (smallest first); only channels already coded change (1-8), so the
+    coded channels and their scales stay as planned."""
+    out = width.clone().long()
+    lam = lam.double()
+    for idx in itertools.product(*(range(n) for n in out.shape[:-1])):
+        row, v = out[idx], lam[idx]
+        rem = int(row.sum()) % 32
+        up = rem >= 16
+        for _ in range(32 - rem if up else rem):
+            ok = (row >= 1) & (row < MAX_WIDTH) if up else row >= 2
+            if not bool(ok.any()):
+                raise SpecError(f"klt words=true: head {idx} cannot reach a whole number of 32-bit words")
+            worth = v * 4.0 ** -row.double()  # the distortion one bit takes off (up) or adds (down), up to a factor
+            if up:
+                row[int(torch.where(ok, worth, -math.inf).argmax())] += 1
+            else:
+                row[int(torch.where(ok, worth, math.inf).argmin())] -= 1
+    return out.to(width.dtype)
+
+
 def pack_widths(codes: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
     """Codes ``[T, A]`` (axis a below ``2**width[a]``) as one bit string, most significant bit first, in uint8."""
     shifts = torch.arange(MAX_WIDTH - 1, -1, -1)  # bit k of a code of width b is bit (b - 1 - k)
@@ -209,7 +239,7 @@ def page_specs(spec: KltSpec, bases: KeyBases, page_size: int) -> list[str]:
     widths of ``axes=channels`` by reverse water-filling over every layer and head, with one fp16 scale per coded
     channel and page of ``page_size`` tokens counted in ``kbits`` (the chunk's channel means are not: 16 bits per
     channel and chunk), keys before RoPE (``rope=post``: after it, widths by the variances after RoPE), values
-    Hadamard-rotated, ``sink`` first tokens exact.
+    Hadamard-rotated, ``sink`` first tokens exact; ``words=true``: each head's row whole 32-bit words (`word_widths`).
 
     Raises:
         SpecError: a spec on the principal axes (no page codec reads them).
@@ -218,6 +248,8 @@ def page_specs(spec: KltSpec, bases: KeyBases, page_size: int) -> list[str]:
         raise SpecError(f"{spec.spec_string}: the paged cache serves axes=channels only")
     lam = bases.var_post if spec.rope == "post" else bases.along("channels").lam
     width = widths(lam, spec.kbits, page_size, group=page_size)
+    if spec.words:
+        width = word_widths(lam, width)
     step = f",vstep={spec.vstep:g}" if spec.vstep != 1.0 else ""
     sink = f",sink={spec.sink}" if spec.sink else ""
     rope = ",prerope=true" if spec.rope == "pre" else ""

@@ -426,3 +426,40 @@ def test_whole_word_widths_move_each_row_to_the_nearer_multiple_of_32_bits():
         whole_word_widths("2" * 255, 2)
     with pytest.raises(SpecError, match="cannot reach"):
         whole_word_widths("888", 1)  # 24 bits, nearer 32: no width can grow past 8
+
+
+def test_word_plans_give_whole_word_rows_where_the_bits_matter_most():
+    """``words=true``: each head's row of key bits the nearer multiple of 32, bits added where the channel variance
+    left per bit is largest and taken where it is smallest, only coded channels changed; ``chw_config(w32=True)``
+    takes every layer of such a plan."""
+    from kvbackend.frames import lever_layout
+    from kvbackend.kernels import mma_decode
+    from kvbackend.kernels.chw_gather import layer_schemes
+    from kvbackend.klt import word_widths, widths
+
+    bases = _bases()
+    spec = parse_klt("klt:kbits=2.6,vbits=2,vstep=1.15,axes=channels,paged=true,rope=post,words=true")
+    assert parse_klt(spec.spec_string) == spec and spec.spec_string.endswith(",rope=post,words=true")
+    plain = [codecs.parse(p).kw for p in page_specs(parse_klt(spec.spec_string.replace(",words=true", "")), bases,
+                                                      16)]
+    plan = page_specs(spec, bases, 16)
+    heads, dim = bases.var_post.shape[1:]
+    for kw, before in zip((codecs.parse(p).kw for p in plan), plain):
+        for h in range(heads):
+            a = [int(c) for c in before[h * dim : (h + 1) * dim]]
+            b = [int(c) for c in kw[h * dim : (h + 1) * dim]]
+            assert sum(b) % 32 == 0 and sum(b) == 32 * ((sum(a) + 16) // 32)
+            assert all(abs(x - y) <= 1 and (x > 0) == (y > 0) for x, y in zip(a, b))
+        codec = codecs.get(plan[0])
+        s, levers = layer_schemes(codec, lever_layout(codec.layout(Geometry(1, heads, dim, torch.bfloat16), 16),
+                                                      codec.levers))
+        assert mma_decode.chw_config(s, dim, torch.bfloat16, torch.bfloat16, levers, w32=True).chw_w32
+    # the greedy step itself, one head: up from 19 bits, a bit a channel where lam * 4^-w is largest (the 13 channels
+    # at width 1, 0.25 each; not the uncoded one); down from 44, bits taken from the widest where they matter least
+    lam = torch.tensor([[[8.0, 4.0, 1.0, 1.0] + [1.0] * 12]])
+    got = word_widths(lam, torch.tensor([[[3, 3, 1, 0] + [1] * 12]], dtype=torch.uint8))
+    assert got.dtype == torch.uint8 and got.flatten().tolist() == [3, 3, 2, 0] + [2] * 12
+    down = word_widths(lam, torch.tensor([[[8, 8, 8, 8] + [1] * 12]], dtype=torch.uint8)).flatten().tolist()
+    assert sum(down) == 32 and down[4:] == [1] * 12 and down[0] == max(down) and sorted(down[2:4]) == [4, 5]
+    with pytest.raises(SpecError, match="paged=true"):
+        parse_klt("klt:kbits=3,axes=channels,words=true")
