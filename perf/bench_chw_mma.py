@@ -25,7 +25,7 @@ from bench_chw_gather import mixed_widths  # noqa: E402
 from bench_kernels import (DEV, L2_BYTES, ceiling, encoded_pages, graph_time, rotation_plans,  # noqa: E402
                            sdpa_time, RESULTS)
 from kvbackend import Geometry, codecs  # noqa: E402
-from kvbackend.codecs.chw import whole_word_widths  # noqa: E402
+from kvbackend.klt import word_widths  # noqa: E402
 from kvbackend.attention import decode_attention  # noqa: E402
 from kvbackend.codecs.base import CodecState  # noqa: E402
 from kvbackend.frames import lever_layout  # noqa: E402
@@ -36,7 +36,7 @@ from kvbackend.kernels.paged_decode import paged_decode  # noqa: E402
 from kvbackend.scheme import kernel_schemes  # noqa: E402
 
 HQ, HEADS, DIM, PAGE = 32, 8, 128, 64
-WORDS = "chw mixed, rows of whole words"  # the mixed widths moved to whole 32-bit rows (`whole_word_widths`)
+WORDS = "chw mixed, rows of whole words"  # the mixed widths moved to whole 32-bit rows (`word_widths`)
 
 S59 = {"fold": False, "subn": False}  # session 59's key loop: every variant below states its switches against it
 
@@ -73,6 +73,12 @@ if os.environ.get("CHW_VARIANTS"):  # a comma list of the labels to time
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["CHW_VARIANTS"].split(",")]
     WORD_VARIANTS = [v for v in WORD_VARIANTS if v[0] in os.environ["CHW_VARIANTS"].split(",")]
 os.environ["KVBACKEND_MMA_TIMING_PROBES"] = "1"  # this process only: the probes above
+
+
+def whole_words(kw: str) -> str:
+    """``kw`` with each head's row moved to whole 32-bit words (`kvbackend.klt.word_widths`, equal variances)."""
+    w = torch.tensor([int(c) for c in kw]).reshape(HEADS, -1)
+    return "".join(str(int(x)) for x in word_widths(torch.ones(w.shape), w).flatten())
 
 
 def encoded(spec: str):
@@ -131,7 +137,7 @@ def main(path: str, shapes: list[tuple[int, int]]) -> None:
     chw_specs = {"chw mixed 2.66-bit widths": f"chw:kw={kw},vbits=2,vstep=1.15,order=lane",
                  "chw mixed, sinks + rotated values": f"chw:kw={kw},vbits=2,vstep=1.15,order=lane,sink=4,vrot=hadamard",
                  "chw every width 2": "chw:kbits=2,vbits=2,order=lane",
-                 WORDS: f"chw:kw={whole_word_widths(kw, HEADS)},vbits=2,vstep=1.15,order=lane"}
+                 WORDS: f"chw:kw={whole_words(kw)},vbits=2,vstep=1.15,order=lane"}
     built = {name: encoded(spec) for name, spec in chw_specs.items()}
     kivi = encoded_pages("kivi:bits=2,group=64", HEADS, DIM, PAGE)
     try:

@@ -404,30 +404,6 @@ def test_lane_order_stores_the_same_codes_where_a_tensor_core_thread_reads_them(
         codecs.get("chw:kbits=2,order=sideways")
 
 
-def test_whole_word_widths_move_each_row_to_the_nearer_multiple_of_32_bits():
-    import random
-
-    from kvbackend.codecs.chw import whole_word_widths
-
-    rng = random.Random(5)
-    for heads, dim in ((1, 64), (3, 64), (8, 128)):
-        kw = "".join(str(rng.choice([0, 1, 2, 3, 3, 4, 6, 8])) for _ in range(heads * dim))
-        out = whole_word_widths(kw, heads)
-        assert len(out) == len(kw) and all(c in "012345678" for c in out)
-        for h in range(heads):
-            before = sum(map(int, kw[h * dim : (h + 1) * dim]))
-            after = sum(map(int, out[h * dim : (h + 1) * dim]))
-            assert after % 32 == 0 and abs(after - before) <= 16
-            assert after == 32 * ((before + 16) // 32)  # the nearer multiple, up from a remainder of 16
-            assert all(abs(int(a) - int(b)) <= 1 for a, b in zip(kw[h * dim : (h + 1) * dim],
-                                                                  out[h * dim : (h + 1) * dim]))
-    assert whole_word_widths("2" * 256, 2) == "2" * 256  # rows already whole words are kept
-    with pytest.raises(SpecError):
-        whole_word_widths("2" * 255, 2)
-    with pytest.raises(SpecError, match="cannot reach"):
-        whole_word_widths("888", 1)  # 24 bits, nearer 32: no width can grow past 8
-
-
 def test_word_plans_give_whole_word_rows_where_the_bits_matter_most():
     """``words=true``: each head's row of key bits the nearer multiple of 32, bits added where the channel variance
     left per bit is largest and taken where it is smallest, only coded channels changed; ``chw_config(w32=True)``

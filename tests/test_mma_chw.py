@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvbackend import CacheConfig, Geometry, KVCache, codecs
-from kvbackend.codecs.chw import whole_word_widths
+from kvbackend.klt import word_widths
 from kvbackend.attention import decode_attention
 from kvbackend.kernels import mma_decode
 from kernel_cases import DEVICE
@@ -25,7 +25,9 @@ def _widths(heads: int, dim: int, seed: int) -> str:
 
 
 def _word_widths(heads: int, dim: int, seed: int) -> str:
-    return whole_word_widths(_widths(heads, dim, seed), heads)
+    """`_widths` with each head's row moved to whole 32-bit words (`kvbackend.klt.word_widths`, equal variances)."""
+    w = torch.tensor([int(c) for c in _widths(heads, dim, seed)]).reshape(heads, dim)
+    return "".join(str(int(x)) for x in word_widths(torch.ones(heads, dim), w).flatten())
 
 
 def _replayed_keys(codec, layout, pages: torch.Tensor, codebook: torch.Tensor, heads: int, dim: int, page: int):

@@ -100,29 +100,6 @@ class BitLayout:
         return self.block[-1]
 
 
-def whole_word_widths(kw: str, heads: int) -> str:
-    """``kw`` (one width 0-8 a channel, heads in order) with each head's row of bits moved to the nearer multiple
-    of 32 (up from a remainder of 16), one bit a channel from the head's first channel on, widths kept in 0-8: the
-    rows the tensor-core decode reads from their own base (`kernels/mma_decode.cu`'s ``CHW_W32``). A plain rule
-    for benches and tests; which channels should give or take the bits is a planner's question."""
-    if len(kw) % heads or not all(c in "012345678" for c in kw):
-        raise SpecError(f"chw: {len(kw)} widths do not split into {heads} heads of digits 0-8")
-    dim = len(kw) // heads
-    out = []
-    for h in range(heads):
-        row = [int(c) for c in kw[h * dim : (h + 1) * dim]]
-        step = 1 if sum(row) % 32 >= 16 else -1
-        i = 0
-        while sum(row) % 32:
-            if 0 <= row[i % dim] + step <= MAX_WIDTH:
-                row[i % dim] += step
-            i += 1
-            if i > 2 * 32 * dim:  # every channel at 0 or 8 and the row still not whole words
-                raise SpecError(f"chw: head {h}'s widths cannot reach a whole number of 32-bit words")
-        out.extend(row)
-    return "".join(map(str, out))
-
-
 def lane_order(dim: int) -> torch.Tensor:
     """int64 ``[dim]``: the channels of a head in lane order (``dim`` a multiple of 16): per 16-channel tile, per
     thread column ``j`` (0-3) of an m16n8k16 operand, channels ``2j, 2j + 1, 2j + 8, 2j + 9`` of the tile."""
