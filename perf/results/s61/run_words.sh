@@ -8,6 +8,7 @@ declare -A CALIB=([tech]=code [code]=tech [legal]=code [pyenv]=legal)
 for name in "$@"; do
   OMP_NUM_THREADS=1 taskset -c $core .venv/bin/kvbackend eval --text ${TEXT[$name]} --prefix 1536 \
     --codec "klt:kbits=2.85,vbits=2,vstep=1.15,axes=channels,paged=true,rope=post,words=true" \
+    --codec "klt:kbits=2.8,vbits=2,vstep=1.15,axes=channels,paged=true,rope=post,words=true" \
     --codec "klt:kbits=2.85,vbits=2,vstep=1.15,axes=channels,paged=true,rope=post" \
     --calibration ${TEXT[${CALIB[$name]}]} --json perf/results/s61/words_${name}.json \
     > perf/results/s61/words_${name}.log 2>&1
