@@ -1532,7 +1532,10 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
 #pragma unroll 1
 #endif
       for (int kt = 0; kt < KT; ++kt) {  // (not unrolled: the tiles' constants from L1, the fragments from the stack)
-        const uint32_t c = CHW_UNROLL ? cst[kt] : CHW_PREF ? c_next : a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
+        const uint32_t c = CHW_TAB      ? 0u  // (the table below instead)
+                           : CHW_UNROLL ? cst[kt]
+                           : CHW_PREF   ? c_next
+                                        : a.chw_tiles[((h * KT + kt) * 4 + tig) * 2];
         const uint32_t b0 = CHW_PREF ? b0_next : qc_at(kt, 0), b1 = CHW_PREF ? b1_next : qc_at(kt, 1);
         if (CHW_PREF && kt + 1 < KT) {
           c_next = tile_c[(kt + 1) * 8];
@@ -1543,7 +1546,6 @@ extern "C" __global__ void KERNEL_BOUNDS mma_decode(const __grid_constant__ Para
         const uint4 t0 = a.chw_tab[((h * KT + kt) * 4 + tig) * 2], t1 = a.chw_tab[((h * KT + kt) * 4 + tig) * 2 + 1];
         const int off = t0.x, s01 = t0.y, up01 = t0.z, s23u = t0.w, k1 = t1.x, k3 = t1.y;
         const uint32_t m01 = t1.z, m23 = t1.w;
-        (void)c;
 #else
         const int off = c & 0xfff;
         const int w0 = (c >> 12) & 15, w1 = (c >> 16) & 15, w2 = (c >> 20) & 15, w3 = (c >> 24) & 15;

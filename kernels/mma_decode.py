@@ -666,9 +666,11 @@ def chw_config(scheme, head_dim: int, q_dtype: torch.dtype, dense_dtype: torch.d
     lv = levers if levers is not None and levers.active else LeverScheme()
     v = scheme.values
     tables = chw_tables(scheme.widths, scheme.heads, scheme.page_size, "cpu")
-    if w32 and (probe or bool((tables.heads[:, 2] % 32).any())):
+    if w32 and probe:
+        raise ValueError("chw: w32=True reads the right key rows; it takes no timing probe")
+    if w32 and bool((tables.heads[:, 2] % 32).any()):
         raise ValueError("chw: w32=True reads token rows of whole 32-bit words; this layout's rows take "
-                         f"{tables.heads[:, 2].tolist()} bits a head" + (" (and no timing probe)" if probe else ""))
+                         f"{tables.heads[:, 2].tolist()} bits a head")
     return Config(head_dim, scheme.page_size, 1, head_dim // v.group, 1, v.kind, False, bool(v.symmetric),
                   _DTYPE_KIND[q_dtype], _DTYPE_KIND[dense_dtype], stages, warps, min_blocks, sink=lv.sink,
                   vrot=bool(lv.vrot), k_chw=True, chw_block=tables.block, chw_unroll=unroll, chw_fold=fold,

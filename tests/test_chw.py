@@ -411,7 +411,7 @@ def test_word_plans_give_whole_word_rows_where_the_bits_matter_most():
     from kvbackend.frames import lever_layout
     from kvbackend.kernels import mma_decode
     from kvbackend.kernels.chw_gather import layer_schemes
-    from kvbackend.klt import word_widths, widths
+    from kvbackend.klt import word_widths
 
     bases = _bases()
     spec = parse_klt("klt:kbits=2.6,vbits=2,vstep=1.15,axes=channels,paged=true,rope=post,words=true")
@@ -426,7 +426,8 @@ def test_word_plans_give_whole_word_rows_where_the_bits_matter_most():
             b = [int(c) for c in kw[h * dim : (h + 1) * dim]]
             assert sum(b) % 32 == 0 and sum(b) == 32 * ((sum(a) + 16) // 32)
             assert all(abs(x - y) <= 1 and (x > 0) == (y > 0) for x, y in zip(a, b))
-        codec = codecs.get(plan[0])
+    for p in plan:  # every layer's rows are taken by the whole-word kernel variant
+        codec = codecs.get(p)
         s, levers = layer_schemes(codec, lever_layout(codec.layout(Geometry(1, heads, dim, torch.bfloat16), 16),
                                                       codec.levers))
         assert mma_decode.chw_config(s, dim, torch.bfloat16, torch.bfloat16, levers, w32=True).chw_w32

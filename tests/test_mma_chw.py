@@ -166,6 +166,8 @@ def test_whole_word_rows_are_taken_only_where_every_row_is_whole_words():
         assert all(sum(map(int, widths[h * dim : (h + 1) * dim])) % 32 == 0 for h in range(heads))
         s = scheme(f"chw:kw={widths},vbits=2,order=lane", heads, dim)
         assert "-DCHW_W32=1" in mma_decode.chw_config(s, dim, torch.bfloat16, torch.bfloat16, w32=True).defines()
+    with pytest.raises(ValueError, match="no timing probe"):
+        mma_decode.chw_config(s, dim, torch.bfloat16, torch.bfloat16, w32=True, probe=2)
     odd = "3" + "2" * 127 + "2" * 128  # the first head's row 257 bits, the second's 256
     with pytest.raises(ValueError, match="whole 32-bit words"):
         mma_decode.chw_config(scheme(f"chw:kw={odd},vbits=2,order=lane", 2, 128), 128, torch.bfloat16,
